@@ -1,0 +1,118 @@
+// Gated full attention kernels (MODEL.md section 4).
+// qk_prep: qg [T, heads*2*D] (per head [query D | gate D]), k [T, kv*D] -> q, gate [T, heads*D], k [T, kv*D].
+// kv cache: [kv_heads * max_ctx, D] fp32 per layer, head-major so one head's keys are contiguous.
+// attention: per query head h (kv head h / group), scores over cache rows 0..pos, fp32 softmax,
+// weighted sum of values, times sigmoid(gate). Floor per decode step: reads 2·kv·pos·D·4 bytes of cache.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cpu/backend.h"
+
+namespace lily::cpu {
+
+// Partial rotate-half RoPE on the first rd dims: pairs (i, i + rd/2), angle p · theta^(-2i/rd).
+static void rope(float* x, int64_t rd, int64_t pos, double theta) {
+  const int64_t half = rd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    // Frequencies in fp32 like the reference, angle in double so large positions keep their precision.
+    const float inv_freq = float(1.0 / std::pow(theta, double(2 * i) / double(rd)));
+    const double ang = double(pos) * double(inv_freq);
+    const float c = float(std::cos(ang)), s = float(std::sin(ang));
+    const float x0 = x[i], x1 = x[i + half];
+    x[i] = x0 * c - x1 * s;
+    x[i + half] = x1 * c + x0 * s;
+  }
+}
+
+static void rms_norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / float(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+}
+
+void CpuOps::attn_qk_prep_impl(const Tensor& qg, const Tensor& k, const Tensor& q_norm,
+                               const Tensor& k_norm, int64_t pos0, const AttentionShape& s,
+                               const Tensor& q_out, const Tensor& gate_out, const Tensor& k_out) {
+  const int64_t D = s.head_dim;
+  const float *pqg = f32(qg), *pk = f32(k), *wq = f32(q_norm), *wk = f32(k_norm);
+  float *pq = f32(q_out), *pg = f32(gate_out), *pko = f32(k_out);
+  pool().parallel_for(qg.rows, 4, [&](int64_t t0, int64_t t1, int) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t pos = pos0 + t;
+      for (int64_t h = 0; h < s.heads; ++h) {
+        const float* src = pqg + t * qg.stride + h * 2 * D;
+        float* q = pq + t * q_out.stride + h * D;
+        rms_norm_row(src, wq, q, D, s.eps);
+        rope(q, s.rotary_dim, pos, s.rope_theta);
+        std::copy(src + D, src + 2 * D, pg + t * gate_out.stride + h * D);
+      }
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+        float* ko = pko + t * k_out.stride + h * D;
+        rms_norm_row(pk + t * k.stride + h * D, wk, ko, D, s.eps);
+        rope(ko, s.rotary_dim, pos, s.rope_theta);
+      }
+    }
+  });
+}
+
+void CpuOps::kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& k_cache,
+                            const Tensor& v_cache, int64_t pos0, int64_t max_ctx,
+                            const AttentionShape& s) {
+  const int64_t D = s.head_dim;
+  const float *pk = f32(k), *pv = f32(v);
+  float *kc = f32(k_cache), *vc = f32(v_cache);
+  for (int64_t t = 0; t < k.rows; ++t)
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const int64_t row = h * max_ctx + pos0 + t;
+      std::copy(pk + t * k.stride + h * D, pk + t * k.stride + (h + 1) * D, kc + row * D);
+      std::copy(pv + t * v.stride + h * D, pv + t * v.stride + (h + 1) * D, vc + row * D);
+    }
+}
+
+void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache,
+                            const Tensor& v_cache, int64_t pos0, int64_t max_ctx,
+                            const AttentionShape& s, const Tensor& out) {
+  const int64_t D = s.head_dim, T = q.rows, group = s.heads / s.kv_heads;
+  const float scale = 1.f / std::sqrt(float(D));
+  const float *pq = f32(q), *pg = f32(gate), *kc = f32(k_cache), *vc = f32(v_cache);
+  float* po = f32(out);
+  // One work item per (query row, head); the result of each depends only on its absolute position,
+  // so chunked and unchunked prefill agree bitwise.
+  pool().parallel_for(T * s.heads, 1, [&](int64_t i0, int64_t i1, int) {
+    std::vector<float> scores(static_cast<size_t>(pos0 + T));
+    std::vector<float> acc(static_cast<size_t>(D));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / s.heads, h = i % s.heads, kvh = h / group, n = pos0 + t + 1;
+      const float* qv = pq + t * q.stride + h * D;
+      const float* kbase = kc + kvh * max_ctx * D;
+      const float* vbase = vc + kvh * max_ctx * D;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kr = kbase + j * D;
+        float d = 0.f;
+        for (int64_t e = 0; e < D; ++e) d += qv[e] * kr[e];
+        scores[size_t(j)] = d * scale;
+        mx = std::max(mx, scores[size_t(j)]);
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        scores[size_t(j)] = std::exp(scores[size_t(j)] - mx);
+        sum += scores[size_t(j)];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = scores[size_t(j)];
+        const float* vr = vbase + j * D;
+        for (int64_t e = 0; e < D; ++e) acc[size_t(e)] += p * vr[e];
+      }
+      const float inv = 1.f / sum;
+      const float* g = pg + t * gate.stride + h * D;
+      float* o = po + t * out.stride + h * D;
+      for (int64_t e = 0; e < D; ++e) o[e] = acc[size_t(e)] * inv / (1.f + std::exp(-g[e]));
+    }
+  });
+}
+
+}  // namespace lily::cpu

@@ -1,0 +1,105 @@
+// Gated DeltaNet kernels (MODEL.md section 5).
+// conv1d_silu: mixed [T, C] with conv_state [K-1, C] (pre-conv rows of the previous K-1 tokens, oldest
+//   first), weights [C, K] (tap K-1 = current token) -> out [T, C] = silu(conv); state keeps the last K-1 rows.
+// gated_delta: direct sequential scan, one value head per work item, its fp32 state [Dk, Dv] read and
+//   written twice per token while it sits in cache. Floor: T·Hv·Dk·Dv·8 FLOPs; the state moves through
+//   memory once per call (Hv·Dk·Dv·4 bytes each way), not once per token.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cpu/backend.h"
+
+namespace lily::cpu {
+
+static inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+static inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+static inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
+void CpuOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& conv_state,
+                              const Tensor& out) {
+  const int64_t T = mixed.rows, C = mixed.cols, K = conv_w.cols, S = K - 1;
+  const float *px = f32(mixed), *pw = f32(conv_w);
+  float *pst = f32(conv_state), *po = f32(out);
+  pool().parallel_for(C, 256, [&](int64_t c0, int64_t c1, int) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const float* w = pw + c * K;
+      for (int64_t t = 0; t < T; ++t) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < K; ++j) {
+          const int64_t src = t - S + j;  // token index; negative = from the carried state
+          const float x = src >= 0 ? px[src * mixed.stride + c] : pst[(S + src) * conv_state.stride + c];
+          acc += w[j] * x;
+        }
+        po[t * out.stride + c] = silu(acc);
+      }
+      // New state: the last S pre-conv rows of [state; mixed].
+      for (int64_t r = 0; r < S; ++r) {
+        const int64_t src = T - S + r;
+        const float x = src >= 0 ? px[src * mixed.stride + c] : pst[(S + src) * conv_state.stride + c];
+        pst[r * conv_state.stride + c] = x;  // r ascending reads only rows >= r: safe in place
+      }
+    }
+  });
+}
+
+void CpuOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
+                              const Tensor& dt_bias, const Tensor& state, const DeltaShape& s,
+                              const Tensor& out) {
+  const int64_t T = qkv.rows, Dk = s.k_dim, Dv = s.v_dim, key_dim = s.k_heads * Dk;
+  const int64_t ratio = s.v_heads / s.k_heads;
+  const float *px = f32(qkv), *pb = f32(b), *pa = f32(a), *pA = f32(A_log), *pdt = f32(dt_bias);
+  float *pS = f32(state), *po = f32(out);
+  const float q_scale = 1.f / std::sqrt(float(Dk));
+  pool().parallel_for(s.v_heads, 1, [&](int64_t h0, int64_t h1, int) {
+    std::vector<float> qn(static_cast<size_t>(Dk)), kn(static_cast<size_t>(Dk)), m(static_cast<size_t>(Dv)), delta(static_cast<size_t>(Dv)), o(static_cast<size_t>(Dv));
+    for (int64_t j = h0; j < h1; ++j) {
+      const int64_t kh = j / ratio;  // value heads 2g, 2g+1 share key head g (ratio 2)
+      float* S = pS + j * Dk * state.stride;
+      const float neg_A = -std::exp(pA[j]);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* row = px + t * qkv.stride;
+        const float* q = row + kh * Dk;
+        const float* k = row + key_dim + kh * Dk;
+        const float* v = row + 2 * key_dim + j * Dv;
+        float sq = 0.f, sk = 0.f;
+        for (int64_t i = 0; i < Dk; ++i) {
+          sq += q[i] * q[i];
+          sk += k[i] * k[i];
+        }
+        const float rq = q_scale / std::sqrt(sq + 1e-6f), rk = 1.f / std::sqrt(sk + 1e-6f);
+        for (int64_t i = 0; i < Dk; ++i) {
+          qn[size_t(i)] = q[i] * rq;
+          kn[size_t(i)] = k[i] * rk;
+        }
+        const float beta = sigmoid(pb[t * b.stride + j]);
+        const float alpha = std::exp(neg_A * softplus(pa[t * a.stride + j] + pdt[j]));
+        // 1-2: decay, then read with the decayed state
+        std::fill(m.begin(), m.end(), 0.f);
+        for (int64_t i = 0; i < Dk; ++i) {
+          float* Si = S + i * state.stride;
+          const float ki = kn[size_t(i)];
+          for (int64_t e = 0; e < Dv; ++e) {
+            Si[e] *= alpha;
+            m[size_t(e)] += ki * Si[e];
+          }
+        }
+        // 3: delta
+        for (int64_t e = 0; e < Dv; ++e) delta[size_t(e)] = beta * (v[e] - m[size_t(e)]);
+        // 4-5: rank-1 write, then the output reads the updated state
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t i = 0; i < Dk; ++i) {
+          float* Si = S + i * state.stride;
+          const float ki = kn[size_t(i)], qi = qn[size_t(i)];
+          for (int64_t e = 0; e < Dv; ++e) {
+            Si[e] += ki * delta[size_t(e)];
+            o[size_t(e)] += qi * Si[e];
+          }
+        }
+        std::copy(o.begin(), o.end(), po + t * out.stride + j * Dv);
+      }
+    }
+  });
+}
+
+}  // namespace lily::cpu

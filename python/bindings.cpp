@@ -1,0 +1,472 @@
+// lily._core: the nanobind module. Converts Python descriptors of memory-mapped checkpoint tensors into
+// the C++ model, releases the GIL around every forward, and streams tokens back through callbacks.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "cpu/backend.h"
+#include "model/qwen36.h"
+#include "runtime/session.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace lily;
+
+namespace {
+
+using AnyArray = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+
+DType parse_dtype(const std::string& s, const std::string& where) {
+  if (s == "f32") return DType::F32;
+  if (s == "f16") return DType::F16;
+  if (s == "bf16") return DType::BF16;
+  throw std::invalid_argument("tensor '" + where + "': unsupported dtype '" + s + "'");
+}
+
+const void* array_ptr(const nb::dict& d, const char* key, size_t min_bytes, const std::string& where) {
+  if (!d.contains(key)) throw std::invalid_argument("tensor '" + where + "': descriptor lacks '" + key + "'");
+  AnyArray a = nb::cast<AnyArray>(d[key]);
+  size_t bytes = a.nbytes();
+  if (bytes < min_bytes)
+    throw std::invalid_argument("tensor '" + where + "': '" + key + "' holds " + std::to_string(bytes) +
+                                " bytes, expected " + std::to_string(min_bytes));
+  return a.data();
+}
+
+Weight parse_weight(const nb::handle& h, const std::string& where, int64_t rows, int64_t cols) {
+  nb::dict d = nb::cast<nb::dict>(h);
+  Weight w;
+  auto shape = nb::cast<std::vector<int64_t>>(d["shape"]);
+  if (shape.size() != 2 || shape[0] != rows || shape[1] != cols)
+    throw std::invalid_argument("tensor '" + where + "': shape does not match the config (expected [" +
+                                std::to_string(rows) + ", " + std::to_string(cols) + "])");
+  w.rows = rows;
+  w.cols = cols;
+  std::string kind = nb::cast<std::string>(d["kind"]);
+  if (kind == "dense") {
+    w.kind = Weight::Kind::Dense;
+    w.dtype = parse_dtype(nb::cast<std::string>(d["dtype"]), where);
+    w.data = array_ptr(d, "data", w.bytes(), where);
+  } else if (kind == "affine") {
+    w.kind = Weight::Kind::Affine;
+    w.bits = nb::cast<int>(d["bits"]);
+    w.group = nb::cast<int>(d["group"]);
+    if (w.bits != 4 && w.bits != 8)
+      throw std::invalid_argument("tensor '" + where + "': " + std::to_string(w.bits) + "-bit weights are not supported");
+    if (w.group <= 0 || cols % w.group) throw std::invalid_argument("tensor '" + where + "': bad group size");
+    w.scale_dtype = parse_dtype(nb::cast<std::string>(d["scale_dtype"]), where);
+    size_t sb = size_t(rows) * (cols / w.group) * dtype_size(w.scale_dtype);
+    w.data = array_ptr(d, "data", w.row_bytes() * rows, where);
+    w.scales = array_ptr(d, "scales", sb, where);
+    w.biases = array_ptr(d, "biases", sb, where);
+  } else {
+    throw std::invalid_argument("tensor '" + where + "': unknown kind '" + kind + "'");
+  }
+  return w;
+}
+
+// The engine: backend, model and the lock that serialises forwards across its sessions.
+struct PyEngine {
+  std::unique_ptr<Ops> ops;
+  std::unique_ptr<Qwen36> model;
+  std::mutex lock;
+  nb::object keepalive;  // the Python objects owning the mapped weight memory
+  std::map<std::string, size_t> weight_bytes;
+
+  PyEngine(const nb::dict& cfg, const nb::dict& tensors, const std::string& backend, int threads) {
+    ModelConfig c;
+    c.hidden = nb::cast<int64_t>(cfg["hidden"]);
+    c.layers = nb::cast<int64_t>(cfg["layers"]);
+    c.vocab = nb::cast<int64_t>(cfg["vocab"]);
+    c.eps = nb::cast<float>(cfg["eps"]);
+    c.heads = nb::cast<int64_t>(cfg["heads"]);
+    c.kv_heads = nb::cast<int64_t>(cfg["kv_heads"]);
+    c.head_dim = nb::cast<int64_t>(cfg["head_dim"]);
+    c.rotary_dim = nb::cast<int64_t>(cfg["rotary_dim"]);
+    c.rope_theta = nb::cast<double>(cfg["rope_theta"]);
+    c.lin_k_heads = nb::cast<int64_t>(cfg["lin_k_heads"]);
+    c.lin_v_heads = nb::cast<int64_t>(cfg["lin_v_heads"]);
+    c.lin_k_dim = nb::cast<int64_t>(cfg["lin_k_dim"]);
+    c.lin_v_dim = nb::cast<int64_t>(cfg["lin_v_dim"]);
+    c.conv_kernel = nb::cast<int64_t>(cfg["conv_kernel"]);
+    c.experts = nb::cast<int64_t>(cfg["experts"]);
+    c.topk = nb::cast<int64_t>(cfg["topk"]);
+    c.moe_inter = nb::cast<int64_t>(cfg["moe_inter"]);
+    c.shared_inter = nb::cast<int64_t>(cfg["shared_inter"]);
+    c.full_attention = nb::cast<std::vector<bool>>(cfg["full_attention"]);
+    c.validate();
+
+    if (backend != "cpu")
+      throw std::invalid_argument("backend '" + backend + "' is not built into this extension (available: cpu)");
+    ops = std::make_unique<cpu::CpuOps>(threads);
+    model = std::make_unique<Qwen36>(c, *ops);
+    keepalive = tensors;
+    load(c, tensors);
+  }
+
+  ~PyEngine() {
+    model.reset();
+    ops.reset();
+  }
+
+  Tensor vec(const nb::dict& t, const std::string& name, int64_t rows, int64_t cols) {
+    if (!t.contains(name.c_str())) throw std::invalid_argument("missing tensor '" + name + "'");
+    auto a = nb::cast<nb::ndarray<const float, nb::c_contig, nb::device::cpu>>(t[name.c_str()]);
+    if (int64_t(a.size()) != rows * cols)
+      throw std::invalid_argument("tensor '" + name + "' has " + std::to_string(a.size()) + " values, expected " +
+                                  std::to_string(rows * cols));
+    Tensor out = ops->alloc(name, DType::F32, rows, cols);
+    ops->upload(out, a.data());
+    return out;
+  }
+
+  Weight mat(const nb::dict& t, const std::string& name, int64_t rows, int64_t cols, const char* component) {
+    if (!t.contains(name.c_str())) throw std::invalid_argument("missing tensor '" + name + "'");
+    Weight w = parse_weight(t[name.c_str()], name, rows, cols);
+    weight_bytes[component] += w.bytes();
+    return w;
+  }
+
+  void load(const ModelConfig& c, const nb::dict& t) {
+    ModelWeights& W = model->weights();
+    const std::string embed = "embed";
+    W.embed = mat(t, embed, c.vocab, c.hidden, "embed_tokens");
+    W.lm_head = mat(t, "lm_head", c.vocab, c.hidden, "lm_head");
+    W.tied = W.lm_head.data == W.embed.data;
+    if (W.tied) weight_bytes["lm_head"] -= W.lm_head.bytes();
+    W.final_norm = vec(t, "final_norm", 1, c.hidden);
+    W.layers.resize(size_t(c.layers));
+    for (int64_t i = 0; i < c.layers; ++i) {
+      LayerWeights& L = W.layers[size_t(i)];
+      const std::string p = "layers." + std::to_string(i) + ".";
+      L.full = c.full_attention[size_t(i)];
+      L.input_norm = vec(t, p + "input_norm", 1, c.hidden);
+      L.post_norm = vec(t, p + "post_norm", 1, c.hidden);
+      if (L.full) {
+        const int64_t QD = c.heads * c.head_dim, KD = c.kv_heads * c.head_dim;
+        L.q = mat(t, p + "attn.q", 2 * QD, c.hidden, "attention");
+        L.k = mat(t, p + "attn.k", KD, c.hidden, "attention");
+        L.v = mat(t, p + "attn.v", KD, c.hidden, "attention");
+        L.o = mat(t, p + "attn.o", c.hidden, QD, "attention");
+        L.q_norm = vec(t, p + "attn.q_norm", 1, c.head_dim);
+        L.k_norm = vec(t, p + "attn.k_norm", 1, c.head_dim);
+      } else {
+        const int64_t VD = c.value_dim();
+        L.qkv = mat(t, p + "delta.qkv", c.conv_dim(), c.hidden, "deltanet");
+        L.z = mat(t, p + "delta.z", VD, c.hidden, "deltanet");
+        L.b = mat(t, p + "delta.b", c.lin_v_heads, c.hidden, "deltanet");
+        L.a = mat(t, p + "delta.a", c.lin_v_heads, c.hidden, "deltanet");
+        L.out = mat(t, p + "delta.out", c.hidden, VD, "deltanet");
+        L.conv = vec(t, p + "delta.conv", c.conv_dim(), c.conv_kernel);
+        L.A_log = vec(t, p + "delta.A_log", 1, c.lin_v_heads);
+        L.dt_bias = vec(t, p + "delta.dt_bias", 1, c.lin_v_heads);
+        L.delta_norm = vec(t, p + "delta.norm", 1, c.lin_v_dim);
+      }
+      L.router = mat(t, p + "moe.router", c.experts, c.hidden, "router");
+      L.shared_gate = mat(t, p + "moe.shared_gate", 1, c.hidden, "router");
+      L.shared_gate_proj = mat(t, p + "moe.shared.gate", c.shared_inter, c.hidden, "shared_expert");
+      L.shared_up = mat(t, p + "moe.shared.up", c.shared_inter, c.hidden, "shared_expert");
+      L.shared_down = mat(t, p + "moe.shared.down", c.hidden, c.shared_inter, "shared_expert");
+      for (int64_t e = 0; e < c.experts; ++e) {
+        const std::string q = p + "moe.experts." + std::to_string(e) + ".";
+        L.experts.gate.push_back(mat(t, q + "gate", c.moe_inter, c.hidden, "experts"));
+        L.experts.up.push_back(mat(t, q + "up", c.moe_inter, c.hidden, "experts"));
+        L.experts.down.push_back(mat(t, q + "down", c.hidden, c.moe_inter, "experts"));
+      }
+    }
+  }
+
+  nb::dict report() {
+    nb::dict r;
+    r["backend"] = ops->name();
+    r["device"] = ops->device();
+    r["threads"] = ops->threads();
+    nb::dict wb;
+    for (auto& [k, v] : weight_bytes) wb[k.c_str()] = v;
+    r["weight_bytes"] = wb;
+    r["backend_buffer_bytes"] = ops->allocated_bytes();
+    nb::dict variants;
+    const ModelWeights& W = model->weights();
+    const LayerWeights* lin = nullptr;
+    const LayerWeights* full = nullptr;
+    for (auto& L : W.layers) {
+      if (L.full && !full) full = &L;
+      if (!L.full && !lin) lin = &L;
+    }
+    auto put = [&](const char* name, const Weight& w) {
+      nb::dict d;
+      d["format"] = w.describe();
+      d["decode"] = ops->matmul_variant(w, Phase::Decode);
+      d["prefill"] = ops->matmul_variant(w, Phase::Prefill);
+      variants[name] = d;
+    };
+    put("embed_tokens", W.embed);
+    put("lm_head", W.lm_head);
+    if (lin) put("deltanet.in_proj_qkv", lin->qkv);
+    if (full) put("attention.q_proj", full->q);
+    put("experts.gate_proj", W.layers[0].experts.gate[0]);
+    put("experts.down_proj", W.layers[0].experts.down[0]);
+    put("router", W.layers[0].router);
+    r["kernels"] = variants;
+    r["optimizations"] = ops->optimizations();
+    r["tied_embeddings"] = W.tied;
+    return r;
+  }
+};
+
+struct PySession {
+  std::shared_ptr<Session> s;
+  int64_t vocab;
+};
+
+nb::ndarray<nb::numpy, float, nb::ndim<2>> new_logits(int64_t rows, int64_t vocab, float** data) {
+  float* buf = new float[size_t(rows * vocab)];
+  *data = buf;
+  nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+  return nb::ndarray<nb::numpy, float, nb::ndim<2>>(buf, {size_t(rows), size_t(vocab)}, owner);
+}
+
+template <class T>
+nb::ndarray<nb::numpy, T, nb::ndim<1>> to_numpy(const std::vector<T>& v) {
+  T* buf = new T[v.size() ? v.size() : 1];
+  std::copy(v.begin(), v.end(), buf);
+  nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  return nb::ndarray<nb::numpy, T, nb::ndim<1>>(buf, {v.size()}, owner);
+}
+
+nb::dict stats_dict(const StepStats& s) {
+  nb::dict d;
+  d["ops"] = s.ops;
+  d["stages"] = s.stages;
+  nb::dict c;
+  for (auto& [k, v] : s.op_counts) c[k.c_str()] = v;
+  d["op_counts"] = c;
+  return d;
+}
+
+// Runs a Python callback from a thread without the GIL; a Python exception stops the loop and is
+// re-raised once the C++ call has returned.
+struct CallbackGuard {
+  bool failed = false;
+  template <class F>
+  bool call(F&& f) {
+    nb::gil_scoped_acquire gil;
+    try {
+      return f();
+    } catch (nb::python_error& e) {
+      e.restore();
+      failed = true;
+      return false;
+    }
+  }
+  void rethrow() {
+    if (failed) throw nb::python_error();
+  }
+};
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "Lily's compiled core: model graph, backends, session state and the decode loop.";
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const ContextOverflow& e) {
+      nb::object cls = nb::module_::import_("lily.errors").attr("ContextOverflowError");
+      PyErr_SetString(cls.ptr(), e.what());
+    } catch (const SessionBusy& e) {
+      nb::object cls = nb::module_::import_("lily.errors").attr("SessionBusyError");
+      PyErr_SetString(cls.ptr(), e.what());
+    } catch (const std::out_of_range& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  nb::class_<PyEngine>(m, "Engine")
+      .def(nb::init<const nb::dict&, const nb::dict&, const std::string&, int>(), "config"_a, "tensors"_a,
+           "backend"_a = "cpu", "threads"_a = 0)
+      .def("report", &PyEngine::report);
+
+  nb::class_<Snapshot>(m, "Snapshot")
+      .def_prop_ro("position", [](const Snapshot& s) { return s.position + (s.pending >= 0); })
+      .def_prop_ro("nbytes", &Snapshot::bytes)
+      .def("to_arrays",
+           [](const Snapshot& s) {
+             nb::dict d;
+             d["tokens"] = to_numpy(s.tokens);
+             d["pending"] = to_numpy(std::vector<int32_t>{s.pending});
+             d["logits"] = to_numpy(s.logits);
+             for (size_t i = 0; i < s.kv.size(); ++i) d[("kv." + std::to_string(i)).c_str()] = to_numpy(s.kv[i]);
+             for (size_t i = 0; i < s.conv.size(); ++i) {
+               d[("conv." + std::to_string(i)).c_str()] = to_numpy(s.conv[i]);
+               d[("recurrent." + std::to_string(i)).c_str()] = to_numpy(s.recurrent[i]);
+             }
+             return d;
+           })
+      .def_static("from_arrays", [](const nb::dict& d) {
+        auto f32 = [&](const std::string& k) {
+          if (!d.contains(k.c_str())) throw std::invalid_argument("session state lacks '" + k + "'");
+          auto a = nb::cast<nb::ndarray<const float, nb::c_contig, nb::device::cpu>>(d[k.c_str()]);
+          return std::vector<float>(a.data(), a.data() + a.size());
+        };
+        auto i32 = [&](const std::string& k) {
+          if (!d.contains(k.c_str())) throw std::invalid_argument("session state lacks '" + k + "'");
+          auto a = nb::cast<nb::ndarray<const int32_t, nb::c_contig, nb::device::cpu>>(d[k.c_str()]);
+          return std::vector<int32_t>(a.data(), a.data() + a.size());
+        };
+        Snapshot s;
+        s.tokens = i32("tokens");
+        s.position = int64_t(s.tokens.size());
+        auto pending = i32("pending");
+        s.pending = pending.empty() ? -1 : pending[0];
+        s.logits = f32("logits");
+        for (size_t i = 0; d.contains(("kv." + std::to_string(i)).c_str()); ++i)
+          s.kv.push_back(f32("kv." + std::to_string(i)));
+        for (size_t i = 0; d.contains(("conv." + std::to_string(i)).c_str()); ++i) {
+          s.conv.push_back(f32("conv." + std::to_string(i)));
+          s.recurrent.push_back(f32("recurrent." + std::to_string(i)));
+        }
+        return s;
+      });
+
+  nb::class_<PySession>(m, "Session")
+      .def("__init__",
+           [](PySession* self, PyEngine& e, int64_t max_context, int64_t chunk) {
+             new (self) PySession{std::make_shared<Session>(*e.model, e.lock, max_context, chunk),
+                                  e.model->config().vocab};
+           },
+           "engine"_a, "max_context"_a, "chunk"_a, nb::keep_alive<1, 2>())
+      .def_prop_ro("position", [](PySession& s) { return s.s->position(); })
+      .def_prop_ro("max_context", [](PySession& s) { return s.s->max_context(); })
+      .def_prop_ro("chunk", [](PySession& s) { return s.s->chunk(); })
+      .def_prop_ro("state_bytes", [](PySession& s) { return s.s->state_bytes(); })
+      .def("tokens", [](PySession& s) { return s.s->tokens(); })
+      .def("prefill",
+           [](PySession& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ids,
+              bool all_logits, nb::object progress) {
+             const int64_t n = int64_t(ids.shape(0));
+             float* out;
+             auto arr = new_logits(all_logits ? n : 1, s.vocab, &out);
+             CallbackGuard cb;
+             std::function<bool(int64_t, int64_t)> fn;
+             if (!progress.is_none())
+               fn = [&](int64_t done, int64_t total) {
+                 return cb.call([&] {
+                   nb::object r = progress(done, total);
+                   return r.is_none() || nb::cast<bool>(r);
+                 });
+               };
+             {
+               nb::gil_scoped_release nogil;
+               s.s->prefill(ids.data(), n, all_logits, out, fn);
+             }
+             cb.rethrow();
+             return arr;
+           },
+           "ids"_a, "all_logits"_a = false, "progress"_a = nb::none())
+      .def("step",
+           [](PySession& s, int32_t token) {
+             float* out;
+             auto arr = new_logits(1, s.vocab, &out);
+             {
+               nb::gil_scoped_release nogil;
+               s.s->step(token, out);
+             }
+             return arr;
+           })
+      .def("logits",
+           [](PySession& s) {
+             float* out;
+             auto arr = new_logits(1, s.vocab, &out);
+             {
+               nb::gil_scoped_release nogil;
+               s.s->logits(out);
+             }
+             return arr;
+           })
+      .def("generate",
+           [](PySession& s, int64_t max_tokens, const nb::dict& p, const std::vector<int32_t>& stop_ids,
+              nb::object on_token) {
+             SamplingParams sp;
+             sp.temperature = nb::cast<float>(p["temperature"]);
+             sp.top_k = nb::cast<int64_t>(p["top_k"]);
+             sp.top_p = nb::cast<float>(p["top_p"]);
+             sp.min_p = nb::cast<float>(p["min_p"]);
+             sp.repetition_penalty = nb::cast<float>(p["repetition_penalty"]);
+             sp.presence_penalty = nb::cast<float>(p["presence_penalty"]);
+             sp.frequency_penalty = nb::cast<float>(p["frequency_penalty"]);
+             if (!p["seed"].is_none()) {
+               sp.has_seed = true;
+               sp.seed = nb::cast<uint64_t>(p["seed"]);
+             }
+             CallbackGuard cb;
+             std::function<bool(int32_t)> fn = [&](int32_t tok) {
+               return cb.call([&] {
+                 nb::object r = on_token(tok);
+                 return r.is_none() || nb::cast<bool>(r);
+               });
+             };
+             std::string reason;
+             {
+               nb::gil_scoped_release nogil;
+               reason = s.s->generate(max_tokens, sp, stop_ids, fn);
+             }
+             cb.rethrow();
+             return reason;
+           },
+           "max_tokens"_a, "params"_a, "stop_ids"_a, "on_token"_a)
+      .def("snapshot",
+           [](PySession& s) {
+             nb::gil_scoped_release nogil;
+             return s.s->snapshot();
+           })
+      .def("restore",
+           [](PySession& s, const Snapshot& snap) {
+             nb::gil_scoped_release nogil;
+             s.s->restore(snap);
+           })
+      .def("reset", [](PySession& s) { s.s->reset(); })
+      .def("decode_stats", [](PySession& s) { return stats_dict(s.s->last_decode_stats()); })
+      .def("prefill_stats", [](PySession& s) { return stats_dict(s.s->last_prefill_stats()); });
+
+  // Kernel-level entry points for tests: the CPU oracle's products on raw descriptors.
+  m.def("cpu_matmul", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
+                         const nb::dict& weight, const std::string& path, int threads) {
+    auto shape = nb::cast<std::vector<int64_t>>(weight["shape"]);
+    Weight w = parse_weight(weight, "weight", shape.at(0), shape.at(1));
+    const int64_t T = int64_t(x.shape(0));
+    if (int64_t(x.shape(1)) != w.cols) throw std::invalid_argument("x has the wrong number of columns");
+    float* out;
+    auto arr = new_logits(T, w.rows, &out);
+    cpu::MatmulPath mp = path == "gemv" ? cpu::MatmulPath::Gemv : cpu::MatmulPath::Gemm;
+    if (path != "gemv" && path != "gemm") throw std::invalid_argument("path must be 'gemv' or 'gemm'");
+    {
+      nb::gil_scoped_release nogil;
+      cpu::ThreadPool pool(threads);
+      cpu::matmul(x.data(), T, w.cols, w, out, w.rows, mp, pool);
+    }
+    return arr;
+  }, "x"_a, "weight"_a, "path"_a, "threads"_a = 1);
+  m.def("cpu_dequant_row", [](const nb::dict& weight, int64_t row) {
+    auto shape = nb::cast<std::vector<int64_t>>(weight["shape"]);
+    Weight w = parse_weight(weight, "weight", shape.at(0), shape.at(1));
+    if (row < 0 || row >= w.rows) throw std::invalid_argument("row out of range");
+    std::vector<float> out(size_t(w.cols));
+    cpu::dequant_row(w, row, out.data());
+    return to_numpy(out);
+  }, "weight"_a, "row"_a);
+  m.def("cpu_matmul_variant", [](const nb::dict& weight, const std::string& path) {
+    auto shape = nb::cast<std::vector<int64_t>>(weight["shape"]);
+    Weight w = parse_weight(weight, "weight", shape.at(0), shape.at(1));
+    return std::string(cpu::matmul_variant(w, path == "gemv" ? cpu::MatmulPath::Gemv : cpu::MatmulPath::Gemm));
+  });
+}

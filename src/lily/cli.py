@@ -1,0 +1,177 @@
+"""Command line: python -m lily {generate,chat,info,convert}."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .errors import LilyError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="checkpoint folder, Hugging Face repo id, or 'lily-tiny' (default: the packaged lily-tiny)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default 512)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _sampling(args):
+    from .sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def _engine(args):
+    from .engine import Engine
+
+    return Engine.from_pretrained(args.model, threads=args.threads, prefill_chunk=args.prefill_chunk)
+
+
+def _prefill_with_bar(session, ids) -> None:
+    if len(ids) <= session.prefill_chunk:
+        session.prefill(ids)
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=len(ids), unit="tok", desc="prefill", file=sys.stderr, leave=False) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.update(done - bar.n)
+
+        session.prefill(ids, progress=progress)
+
+
+def cmd_generate(args) -> int:
+    engine = _engine(args)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    ids = engine.tokenize(prompt)
+    if not ids:
+        raise LilyError("the prompt is empty")
+    session = engine.session(max_context=len(ids) + args.max_tokens)
+    t0 = time.perf_counter()
+    _prefill_with_bar(session, ids)
+    t1 = time.perf_counter()
+    n = 0
+    sys.stdout.write(prompt if args.echo else "")
+    decoder = engine.tokenizer.stream_decoder(skip_special_tokens=True)
+    for tok in session.generate(args.max_tokens, _sampling(args)):
+        n += 1
+        sys.stdout.write(decoder.push(tok))
+        sys.stdout.flush()
+    sys.stdout.write(decoder.flush() + "\n")
+    t2 = time.perf_counter()
+    if args.stats:
+        print(f"[prefill {len(ids)} tok in {t1 - t0:.3f}s = {len(ids) / max(t1 - t0, 1e-9):.1f} tok/s; "
+              f"decode {n} tok in {t2 - t1:.3f}s = {n / max(t2 - t1, 1e-9):.1f} tok/s; "
+              f"stop: {session.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    engine = _engine(args)
+    session = engine.session(max_context=args.max_context)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Lily chat: empty line or Ctrl-D to quit, /reset to start over.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            session.reset()
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = engine.apply_chat_template(messages)
+        done = session.tokens
+        if ids[: len(done)] == done and len(ids) > len(done):
+            new = ids[len(done):]  # the conversation so far is already in the session: feed only the turn
+        else:
+            session.reset()
+            new = ids
+        if len(new) + session.position + args.max_tokens > session.max_context:
+            print("[context full: starting over with this message]", file=sys.stderr)
+            messages = messages[-1:]
+            session.reset()
+            new = engine.apply_chat_template(messages)
+        _prefill_with_bar(session, new)
+        reply = []
+        for piece in session.generate_text(args.max_tokens, _sampling(args)):
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def cmd_info(args) -> int:
+    engine = _engine(args)
+    print(engine.report())
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from .convert import convert
+
+    convert(args.src, args.dst, group_size=args.group_size, bits=args.bits, progress=True)
+    print(f"wrote {args.dst}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lily", description="Lily: local Qwen3.6 inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete a prompt, streaming the text")
+    g.add_argument("prompt", nargs="?", default=None, help="prompt text (default: read stdin)")
+    _add_model_args(g)
+    _add_sampling_args(g, 128)
+    g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
+    g.add_argument("--stats", action="store_true", help="print prefill/decode speed to stderr")
+    g.set_defaults(fn=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with the checkpoint's chat template")
+    _add_model_args(c)
+    _add_sampling_args(c, 512)
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--max-context", type=int, default=8192)
+    c.set_defaults(fn=cmd_chat)
+
+    i = sub.add_parser("info", help="print the engine report (backend, memory, kernels, optimizations)")
+    _add_model_args(i)
+    i.set_defaults(fn=cmd_info)
+
+    v = sub.add_parser("convert", help="Hugging Face bf16 checkpoint -> MLX 4-bit (8-bit router) format")
+    v.add_argument("src")
+    v.add_argument("dst")
+    v.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    v.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    v.set_defaults(fn=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (LilyError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,239 @@
+"""The Engine: a loaded model on a backend, its tokenizer and chat template, and factory of Sessions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import threading
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from . import _core
+from .chat import render_chat
+from .checkpoint import Checkpoint, load_checkpoint
+from .errors import CheckpointError, LilyError
+from .hub import resolve_model_path
+from .sampling import SamplingParams
+from .session import Session, Snapshot, read_session_file
+from .tokenizer import Tokenizer
+
+DEFAULT_MODEL = "lily-tiny"
+BACKENDS = ("cpu",)
+
+
+def _packaged_model_path(name: str) -> pathlib.Path | None:
+    path = pathlib.Path(__file__).parent / "models" / name
+    return path if (path / "config.json").is_file() else None
+
+
+class Report(dict):
+    """engine.report(): a dict that prints as an aligned text table."""
+
+    def __str__(self) -> str:
+        lines: list[str] = []
+
+        def emit(key: str, value, indent: int = 0) -> None:
+            pad = "  " * indent
+            if isinstance(value, dict):
+                lines.append(f"{pad}{key}:")
+                for k, v in value.items():
+                    emit(str(k), v, indent + 1)
+            elif isinstance(value, list):
+                lines.append(f"{pad}{key}:")
+                for v in value:
+                    lines.append(f"{pad}  - {v}")
+            else:
+                lines.append(f"{pad}{key}: {value}")
+
+        for k, v in self.items():
+            emit(k, v)
+        return "\n".join(lines)
+
+
+class Engine:
+    """A Qwen3.6 (qwen3_5_moe) model loaded for inference.
+
+    Create it with :meth:`from_pretrained`; open conversations with :meth:`session`.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, *, backend: str = "cpu", threads: int | None = None,
+                 prefill_chunk: int = 512, tokenizer: Tokenizer | None = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+        self.checkpoint = checkpoint
+        self.config = checkpoint.config
+        self.backend = backend
+        self.prefill_chunk = prefill_chunk
+        self.tokenizer = tokenizer
+        try:
+            self._core = _core.Engine(self.config.to_core(), checkpoint.tensors, backend, threads or 0)
+        except ValueError as exc:
+            raise CheckpointError(f"{checkpoint.path}: {exc}") from exc
+        self._fingerprint: str | None = None
+        self._probe_stats: dict | None = None
+        self._lock = threading.Lock()
+
+    # ---- construction ----
+    @classmethod
+    def from_pretrained(cls, model: str | os.PathLike | None = None, *, backend: str = "cpu",
+                        threads: int | None = None, prefill_chunk: int = 512,
+                        revision: str | None = None) -> "Engine":
+        """Load a checkpoint: a local folder, a Hugging Face repo id (cached or downloaded; honours
+        HF_HUB_OFFLINE), or the packaged demonstration model ``"lily-tiny"`` (the default)."""
+        name = DEFAULT_MODEL if model is None else model
+        path = _packaged_model_path(str(name)) if isinstance(name, str) else None
+        if path is None:
+            if str(name) == DEFAULT_MODEL:
+                raise CheckpointError(f"the packaged model '{DEFAULT_MODEL}' is not installed with this build")
+            path = resolve_model_path(name, revision=revision)
+        checkpoint = load_checkpoint(path)
+        tokenizer = Tokenizer.from_dir(path) if (pathlib.Path(path) / "tokenizer.json").is_file() else None
+        return cls(checkpoint, backend=backend, threads=threads, prefill_chunk=prefill_chunk, tokenizer=tokenizer)
+
+    # ---- tokens ----
+    def _need_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise LilyError(f"checkpoint '{self.checkpoint.path}' has no tokenizer.json; pass token ids instead")
+        return self.tokenizer
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._need_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._need_tokenizer().decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(self.tokenizer.stop_token_ids) if self.tokenizer is not None else []
+
+    def _validate_ids(self, ids) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError(f"token ids must be a non-empty 1-D sequence of ints, got shape {arr.shape}")
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+        bad = np.flatnonzero((arr < 0) | (arr >= self.config.vocab_size))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"token id {int(arr[i])} at position {i} is outside the vocabulary "
+                             f"[0, {self.config.vocab_size})")
+        return np.ascontiguousarray(arr, dtype=np.int32)
+
+    # ---- sessions ----
+    def session(self, max_context: int = 4096, *, prefill_chunk: int | None = None) -> Session:
+        """A new conversation with room for ``max_context`` tokens (KV cache allocated up front)."""
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
+            raise ValueError(f"max_context must be a positive int, got {max_context!r}")
+        chunk = self.prefill_chunk if prefill_chunk is None else prefill_chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive int, got {chunk!r}")
+        return Session(self, _core.Session(self._core, max_context, chunk))
+
+    def load_session(self, path: str | os.PathLike, max_context: int | None = None) -> Session:
+        """Recreate a session saved with :meth:`Session.save`."""
+        arrays, meta = read_session_file(path, self.fingerprint)
+        try:
+            snap = _core.Snapshot.from_arrays(arrays)
+        except (ValueError, TypeError) as exc:
+            raise CheckpointError(f"session file '{path}' is malformed: {exc}") from exc
+        s = self.session(max_context=max_context or int(meta.get("max_context", 4096)))
+        try:
+            s.restore(Snapshot(snap, self.fingerprint))
+        except ValueError as exc:
+            raise CheckpointError(f"session file '{path}' does not fit this model: {exc}") from exc
+        return s
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the model's config and weights (sessions can only move between equal models)."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(json.dumps(self.config.to_core(), sort_keys=True).encode())
+            for name in sorted(self.checkpoint.tensors):
+                t = self.checkpoint.tensors[name]
+                if isinstance(t, dict):
+                    h.update(f"{name}:{t['kind']}:{t['shape']}:{t.get('bits')}".encode())
+                    h.update(np.asarray(t["data"]).reshape(-1).view(np.uint8)[:64].tobytes())
+                else:
+                    h.update(name.encode())
+                    h.update(np.asarray(t, dtype=np.float32).tobytes())
+            self._fingerprint = h.hexdigest()[:32]
+        return self._fingerprint
+
+    # ---- one-call generation ----
+    def generate(self, prompt: str | Iterable[int], max_tokens: int = 256,
+                 sampling: SamplingParams | None = None, *, stream: bool = False,
+                 stop_token_ids: Iterable[int] | None = None) -> str | Iterator[str]:
+        """Complete a prompt (text or token ids). Returns the text, or an iterator of pieces when
+        ``stream=True``."""
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        s = self.session(max_context=max(1, len(ids) + max_tokens))
+        s.prefill(ids)
+        pieces = s.generate_text(max_tokens, sampling, stop_token_ids)
+        return pieces if stream else "".join(pieces)
+
+    def chat(self, messages: list[dict], max_tokens: int = 512, sampling: SamplingParams | None = None, *,
+             stream: bool = False, **template_kwargs) -> str | Iterator[str]:
+        """Answer a conversation rendered with the checkpoint's chat template."""
+        return self.generate(self.apply_chat_template(messages, **template_kwargs), max_tokens, sampling,
+                             stream=stream)
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            **template_kwargs) -> list[int]:
+        tok = self._need_tokenizer()
+        text = render_chat(tok.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=tok.bos_token, eos_token=tok.eos_token, **template_kwargs)
+        return tok.encode(text)
+
+    # ---- introspection ----
+    def report(self) -> Report:
+        """Backend, memory per component, chunk size, kernels and every optimization (active or not)."""
+        core = self._core.report()
+        if self._probe_stats is None:
+            # Ops and stages are measured on a real decode step and prefill chunk of a scratch session.
+            probe = self.session(max_context=2, prefill_chunk=2)
+            probe.prefill([0, 0])
+            prefill = probe.stats()["prefill_chunk"]
+            probe.step(0)
+            self._probe_stats = {"decode_step": probe.stats()["decode_step"], "prefill_chunk_2_tokens": prefill}
+            del probe
+        cfg = self.config
+        kv_per_token = sum(cfg.layer_types[i] == "full_attention" for i in range(cfg.num_hidden_layers)) \
+            * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+        n_lin = sum(t == "linear_attention" for t in cfg.layer_types)
+        rec = n_lin * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+                       + (cfg.linear_conv_kernel_dim - 1) * (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                                                           + cfg.linear_num_value_heads * cfg.linear_value_head_dim)) * 4
+        tok = self.tokenizer
+        return Report({
+            "model": str(self.checkpoint.path),
+            "format": self.checkpoint.format,
+            "quantization": self.checkpoint.quantization or "none",
+            "backend": core["backend"],
+            "device": core["device"],
+            "threads": core["threads"],
+            "prefill_chunk": self.prefill_chunk,
+            "memory": {
+                "weights_mapped_bytes": dict(core["weight_bytes"]),
+                "weights_total_bytes": sum(core["weight_bytes"].values()),
+                "kv_cache_bytes_per_token": kv_per_token,
+                "recurrent_state_bytes_per_session": rec,
+                "backend_buffers_bytes": core["backend_buffer_bytes"],
+            },
+            "kernels": dict(core["kernels"]),
+            "ops_per_step": self._probe_stats,
+            "optimizations": list(core["optimizations"]),
+            "tied_embeddings": core["tied_embeddings"],
+            "skipped_tensors": dict(self.checkpoint.skipped),
+            "tokenizer": "none" if tok is None else f"{tok.vocab_size} tokens, stop ids {tok.stop_token_ids}",
+            "chat_template": "none" if tok is None else (
+                "ChatML fallback (checkpoint has none)" if tok.chat_template is None else "from checkpoint"),
+        })

@@ -1,0 +1,236 @@
+"""A Session holds one conversation's state (KV cache, DeltaNet recurrent and conv state) on the engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+
+import numpy as np
+
+from .errors import CheckpointError, LilyError
+from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+_SESSION_FORMAT = "lily-session/1"
+
+
+class Snapshot:
+    """A host copy of a session's state; restore it into any session of the same model."""
+
+    def __init__(self, core_snapshot, fingerprint: str):
+        self._core = core_snapshot
+        self.fingerprint = fingerprint
+
+    @property
+    def position(self) -> int:
+        return self._core.position
+
+    @property
+    def nbytes(self) -> int:
+        return self._core.nbytes
+
+    def __repr__(self) -> str:
+        return f"Snapshot(position={self.position}, nbytes={self.nbytes})"
+
+
+class Session:
+    """Prefill, step and generate on one context. Created by :meth:`Engine.session`."""
+
+    def __init__(self, engine: "Engine", core_session):
+        self._engine = engine
+        self._core = core_session
+        self.finish_reason: str | None = None
+
+    # ---- state ----
+    @property
+    def engine(self) -> "Engine":
+        return self._engine
+
+    @property
+    def position(self) -> int:
+        """Tokens in the context (a sampled token not yet fed through the model counts)."""
+        return self._core.position
+
+    @property
+    def max_context(self) -> int:
+        return self._core.max_context
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self._core.chunk
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._core.tokens()
+
+    @property
+    def logits(self) -> np.ndarray:
+        """Logits (float32 [vocab]) predicting the token after the context."""
+        return self._core.logits()[0]
+
+    def stats(self) -> dict:
+        """Ops and barrier-separated stages of the last decode step and the last prefill chunk."""
+        return {"decode_step": self._core.decode_stats(), "prefill_chunk": self._core.prefill_stats()}
+
+    # ---- running the model ----
+    def prefill(
+        self,
+        ids: Iterable[int] | np.ndarray,
+        *,
+        all_logits: bool = False,
+        progress: Callable[[int, int], bool | None] | None = None,
+    ) -> np.ndarray:
+        """Feed tokens through the model in chunks of ``prefill_chunk``.
+
+        Returns the logits of the last token (float32 [vocab]) or, with ``all_logits=True``, of every
+        token ([len(ids), vocab]). ``progress(done, total)`` runs after each chunk; returning False
+        stops between chunks (what was computed stays in the context).
+        """
+        arr = self._engine._validate_ids(ids)
+        out = self._core.prefill(arr, bool(all_logits), progress)
+        return out if all_logits else out[0]
+
+    def step(self, token: int) -> np.ndarray:
+        """Feed one token; returns the logits that follow it (float32 [vocab])."""
+        arr = self._engine._validate_ids([token])
+        return self._core.step(int(arr[0]))[0]
+
+    def generate(
+        self,
+        max_tokens: int = 256,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+    ) -> Iterator[int]:
+        """Sample up to ``max_tokens`` tokens, yielding each id as soon as it is chosen.
+
+        The loop runs in C++ without the GIL; every yielded token joins the context (so the next
+        prefill/generate continues after it). Stops after a stop token (the tokenizer's by default;
+        pass ``[]`` for none), at ``max_tokens``, at ``max_context``, or when the iterator is closed.
+        The reason is left in ``session.finish_reason``.
+        """
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        params = (sampling if sampling is not None else SamplingParams()).to_core()
+        stops = self._engine.stop_token_ids if stop_token_ids is None else [int(t) for t in stop_token_ids]
+        self.finish_reason = None
+        return self._run_generation(max_tokens, params, stops)
+
+    def _run_generation(self, max_tokens: int, params: dict, stops: list[int]) -> Iterator[int]:
+        # Tokens are handed over one at a time: the C++ loop waits until the consumer asks for the next
+        # one, so the context always equals exactly what the caller has seen.
+        handoff: queue.SimpleQueue = queue.SimpleQueue()
+        resume = threading.Semaphore(0)
+        cancelled = threading.Event()
+        outcome: dict = {}
+
+        def on_token(tok: int) -> bool:
+            handoff.put(tok)
+            resume.acquire()
+            return not cancelled.is_set()
+
+        def run() -> None:
+            try:
+                outcome["reason"] = self._core.generate(max_tokens, params, stops, on_token)
+            except BaseException as exc:  # re-raised in the consumer's thread
+                outcome["error"] = exc
+            handoff.put(None)
+
+        worker = threading.Thread(target=run, name="lily-generate", daemon=True)
+        worker.start()
+        try:
+            while True:
+                tok = handoff.get()
+                if tok is None:
+                    break
+                consumed = False
+                try:
+                    yield tok
+                    consumed = True
+                finally:
+                    if not consumed:  # closed or thrown into: the C++ loop stops after this token
+                        cancelled.set()
+                    resume.release()
+        finally:
+            cancelled.set()
+            resume.release()
+            worker.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        self.finish_reason = outcome.get("reason", "cancelled")
+
+    def generate_text(
+        self,
+        max_tokens: int = 256,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+        *,
+        skip_special_tokens: bool = True,
+    ) -> Iterator[str]:
+        """Like :meth:`generate`, yielding text pieces that never split a multi-byte character."""
+        decoder = self._engine.tokenizer.stream_decoder(skip_special_tokens=skip_special_tokens)
+        for tok in self.generate(max_tokens, sampling, stop_token_ids):
+            piece = decoder.push(tok)
+            if piece:
+                yield piece
+        tail = decoder.flush()
+        if tail:
+            yield tail
+
+    # ---- state handles ----
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self._core.snapshot(), self._engine.fingerprint)
+
+    def restore(self, snapshot: Snapshot) -> None:
+        if not isinstance(snapshot, Snapshot):
+            raise TypeError("restore() takes a Snapshot from Session.snapshot() or Engine.load_session()")
+        if snapshot.fingerprint != self._engine.fingerprint:
+            raise LilyError("snapshot was taken on a different model; it cannot be restored here")
+        self._core.restore(snapshot._core)
+
+    def fork(self, max_context: int | None = None) -> "Session":
+        """A new, independent session continuing from this one's state."""
+        child = self._engine.session(max_context=max_context or self.max_context, prefill_chunk=self.prefill_chunk)
+        child.restore(self.snapshot())
+        return child
+
+    def reset(self) -> None:
+        """Empty the context (position 0)."""
+        self._core.reset()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the session state to a safetensors file (load it with Engine.load_session)."""
+        from safetensors.numpy import save_file
+
+        snap = self._core.snapshot()
+        arrays = {k: np.ascontiguousarray(v) for k, v in snap.to_arrays().items()}
+        meta = {
+            "format": _SESSION_FORMAT,
+            "fingerprint": self._engine.fingerprint,
+            "max_context": str(self.max_context),
+            "position": str(snap.position),
+        }
+        tmp = f"{os.fspath(path)}.tmp"
+        save_file(arrays, tmp, metadata=meta)
+        os.replace(tmp, path)  # never leaves a half-written file under the real name
+
+
+def read_session_file(path: str | os.PathLike, fingerprint: str) -> tuple[dict, dict]:
+    """Arrays and metadata of a saved session, checked against the engine's model fingerprint."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="numpy") as f:
+            meta = dict(f.metadata() or {})
+            arrays = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read session file '{path}': {exc}") from exc
+    if meta.get("format") != _SESSION_FORMAT:
+        raise CheckpointError(f"'{path}' is not a Lily session file (format {json.dumps(meta.get('format'))})")
+    if meta.get("fingerprint") != fingerprint:
+        raise LilyError(f"session file '{path}' was saved on a different model; it cannot be loaded here")
+    return arrays, meta
