@@ -294,7 +294,16 @@ NB_MODULE(_core, m) {
   nb::class_<PyEngine>(m, "Engine")
       .def(nb::init<const nb::dict&, const nb::dict&, const std::string&, int>(), "config"_a, "tensors"_a,
            "backend"_a = "cpu", "threads"_a = 0)
-      .def("report", &PyEngine::report);
+      .def("report", &PyEngine::report)
+      .def("set_profiling",
+           [](PyEngine& e, bool on) {
+             std::lock_guard<std::mutex> lk(e.lock);
+             e.ops->set_profiling(on);
+           })
+      .def("profile", [](PyEngine& e) {
+        std::lock_guard<std::mutex> lk(e.lock);
+        return e.ops->profile();
+      });
 
   nb::class_<Snapshot>(m, "Snapshot")
       .def_prop_ro("position", [](const Snapshot& s) { return s.position + (s.pending >= 0); })

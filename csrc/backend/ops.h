@@ -6,7 +6,9 @@
 // Weights are read-only and never create hazards; activations and session state live in backend
 // buffers addressed by Tensor views.
 #pragma once
+#include <chrono>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -72,92 +74,100 @@ class Ops {
   const StepStats& stats() const { return tracker_.stats(); }
   Phase phase() const { return phase_; }
 
+  // Host-side wall time per op name while profiling is on (meaningful for the CPU backend, which runs
+  // each op synchronously; a recording backend would report its own timestamps).
+  void set_profiling(bool on) {
+    profiling_ = on;
+    profile_.clear();
+  }
+  const std::map<std::string, double>& profile() const { return profile_; }
+
   // ---- ops (domain names; shapes as [rows, cols]) ----
   // out[t] = table[ids[t]]  (ids: I32 [T, 1])
   void embed(const Tensor& ids, const Weight& table, const Tensor& out) {
-    track("embed", {ids.buf}, {out.buf});
-    embed_impl(ids, table, out);
+    record("embed", {ids.buf}, {out.buf},
+           [&] { embed_impl(ids, table, out); });
   }
   // Plain-weight RMSNorm over segments of w.cols elements: out = x * rsqrt(mean(x^2) + eps) * w.
   // (Checkpoint loaders already turn 1+w norms into their effective multiplier.)
   void rms_norm(const Tensor& x, const Tensor& w, const Tensor& out, float eps) {
-    track("rms_norm", {x.buf, w.buf}, {out.buf});
-    rms_norm_impl(x, w, out, eps);
+    record("rms_norm", {x.buf, w.buf}, {out.buf},
+           [&] { rms_norm_impl(x, w, out, eps); });
   }
   // out[T, N] = x[T, K] · Wᵀ; kernel family picked from the phase (GEMV for decode, GEMM for prefill).
   void matmul(const Tensor& x, const Weight& w, const Tensor& out) {
-    track("matmul", {x.buf}, {out.buf});
-    matmul_impl(x, w, out);
+    record("matmul", {x.buf}, {out.buf},
+           [&] { matmul_impl(x, w, out); });
   }
   // out = a + b (out may alias a)
   void add(const Tensor& a, const Tensor& b, const Tensor& out) {
-    track("add", {a.buf, b.buf}, {out.buf});
-    add_impl(a, b, out);
+    record("add", {a.buf, b.buf}, {out.buf},
+           [&] { add_impl(a, b, out); });
   }
   // Query/key preparation for gated attention (fused chain): split the per-head [query | gate] rows of
   // qg, RMSNorm q and k per head, rotate the first rotary_dim dims at positions pos0 + t.
   void attn_qk_prep(const Tensor& qg, const Tensor& k, const Tensor& q_norm, const Tensor& k_norm,
                     int64_t pos0, const AttentionShape& s, const Tensor& q_out, const Tensor& gate_out,
                     const Tensor& k_out) {
-    track("attn_qk_prep", {qg.buf, k.buf, q_norm.buf, k_norm.buf}, {q_out.buf, gate_out.buf, k_out.buf});
-    attn_qk_prep_impl(qg, k, q_norm, k_norm, pos0, s, q_out, gate_out, k_out);
+    record("attn_qk_prep", {qg.buf, k.buf, q_norm.buf, k_norm.buf}, {q_out.buf, gate_out.buf, k_out.buf},
+           [&] { attn_qk_prep_impl(qg, k, q_norm, k_norm, pos0, s, q_out, gate_out, k_out); });
   }
   // Write T rows of k and v at positions pos0.. into the caches ([kv_heads * max_ctx, head_dim]).
   void kv_append(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
                  int64_t pos0, int64_t max_ctx, const AttentionShape& s) {
-    track("kv_append", {k.buf, v.buf}, {k_cache.buf, v_cache.buf});
-    kv_append_impl(k, v, k_cache, v_cache, pos0, max_ctx, s);
+    record("kv_append", {k.buf, v.buf}, {k_cache.buf, v_cache.buf},
+           [&] { kv_append_impl(k, v, k_cache, v_cache, pos0, max_ctx, s); });
   }
   // Causal GQA attention of T queries at positions pos0.. over cache positions [0, pos0 + t],
   // then the output gate: out = attention · sigmoid(gate).
   void attention(const Tensor& q, const Tensor& gate, const Tensor& k_cache,
                               const Tensor& v_cache, int64_t pos0, int64_t max_ctx,
                               const AttentionShape& s, const Tensor& out) {
-    track(phase_ == Phase::Decode ? "attn_decode" : "attn_prefill",
-          {q.buf, gate.buf, k_cache.buf, v_cache.buf}, {out.buf});
-    attention_impl(q, gate, k_cache, v_cache, pos0, max_ctx, s, out);
+    record(phase_ == Phase::Decode ? "attn_decode" : "attn_prefill",
+          {q.buf, gate.buf, k_cache.buf, v_cache.buf}, {out.buf},
+           [&] { attention_impl(q, gate, k_cache, v_cache, pos0, max_ctx, s, out); });
   }
   // Causal depthwise conv over [q|k|v] channels with the pre-conv rows of the last K-1 tokens kept in
   // conv_state ([K-1, C]), then silu. Updates conv_state.
   void conv1d_silu(const Tensor& mixed, const Tensor& conv_w, const Tensor& conv_state,
                    const Tensor& out) {
-    track("conv1d_silu", {mixed.buf, conv_w.buf, conv_state.buf}, {out.buf, conv_state.buf});
-    conv1d_silu_impl(mixed, conv_w, conv_state, out);
+    record("conv1d_silu", {mixed.buf, conv_w.buf, conv_state.buf}, {out.buf, conv_state.buf},
+           [&] { conv1d_silu_impl(mixed, conv_w, conv_state, out); });
   }
   // Gated delta rule over T tokens (L2-normed q/k, beta = sigmoid(b), g = -exp(A_log)·softplus(a+dt_bias)),
   // fp32 state [v_heads * k_dim, v_dim] carried across calls; out [T, v_heads * v_dim].
   void gated_delta(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
                    const Tensor& dt_bias, const Tensor& state, const DeltaShape& s, const Tensor& out) {
-    track("gated_delta", {qkv.buf, b.buf, a.buf, A_log.buf, dt_bias.buf, state.buf},
-          {state.buf, out.buf});
-    gated_delta_impl(qkv, b, a, A_log, dt_bias, state, s, out);
+    record("gated_delta", {qkv.buf, b.buf, a.buf, A_log.buf, dt_bias.buf, state.buf},
+          {state.buf, out.buf},
+           [&] { gated_delta_impl(qkv, b, a, A_log, dt_bias, state, s, out); });
   }
   // Per value head: out = (w · rmsnorm(o)) · silu(z)   (fused recurrent-output normalisation).
   void gated_rms_norm(const Tensor& o, const Tensor& z, const Tensor& w, float eps, const Tensor& out) {
-    track("gated_rms_norm", {o.buf, z.buf, w.buf}, {out.buf});
-    gated_rms_norm_impl(o, z, w, eps, out);
+    record("gated_rms_norm", {o.buf, z.buf, w.buf}, {out.buf},
+           [&] { gated_rms_norm_impl(o, z, w, eps, out); });
   }
   // Router: softmax over all experts (fp32), top-k, renormalise. ids I32 [T, k], weights F32 [T, k].
   void moe_route(const Tensor& logits, int64_t k, const Tensor& ids, const Tensor& weights) {
-    track("moe_route", {logits.buf}, {ids.buf, weights.buf});
-    moe_route_impl(logits, k, ids, weights);
+    record("moe_route", {logits.buf}, {ids.buf, weights.buf},
+           [&] { moe_route_impl(logits, k, ids, weights); });
   }
   // Routed experts (grouped by expert): out[t] = Σ_k w[t,k] · down(silu(gate(x)) ⊙ up(x)).
   void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertSet& e,
                    const Tensor& out) {
-    track("moe_experts", {x.buf, ids.buf, weights.buf}, {out.buf});
-    moe_experts_impl(x, ids, weights, e, out);
+    record("moe_experts", {x.buf, ids.buf, weights.buf}, {out.buf},
+           [&] { moe_experts_impl(x, ids, weights, e, out); });
   }
   // out = silu(gate) ⊙ up
   void swiglu(const Tensor& gate, const Tensor& up, const Tensor& out) {
-    track("swiglu", {gate.buf, up.buf}, {out.buf});
-    swiglu_impl(gate, up, out);
+    record("swiglu", {gate.buf, up.buf}, {out.buf},
+           [&] { swiglu_impl(gate, up, out); });
   }
   // h += routed + sigmoid(shared_gate_logit) · shared   (MoE output with the shared expert, residual)
   void moe_combine(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
                    const Tensor& h) {
-    track("moe_combine", {routed.buf, shared.buf, shared_gate_logit.buf, h.buf}, {h.buf});
-    moe_combine_impl(routed, shared, shared_gate_logit, h);
+    record("moe_combine", {routed.buf, shared.buf, shared_gate_logit.buf, h.buf}, {h.buf},
+           [&] { moe_combine_impl(routed, shared, shared_gate_logit, h); });
   }
 
   // Kernel variant used for a weight in the current phase (engine.report()).
@@ -198,10 +208,17 @@ class Ops {
   virtual void on_stage_boundary() {}
 
  private:
-  void track(const char* op, std::vector<int32_t> reads, std::vector<int32_t> writes) {
+  template <class F>
+  void record(const char* op, std::vector<int32_t> reads, std::vector<int32_t> writes, F&& run) {
     if (tracker_.record(op, reads, writes)) on_stage_boundary();
+    if (!profiling_) return run();
+    const auto t0 = std::chrono::steady_clock::now();
+    run();
+    profile_[op] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   HazardTracker tracker_;
+  bool profiling_ = false;
+  std::map<std::string, double> profile_;
   Phase phase_ = Phase::Prefill;
 };
 

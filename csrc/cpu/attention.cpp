@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cpu/backend.h"
+#include "cpu/reduce.h"
 
 namespace lily::cpu {
 
@@ -26,9 +27,7 @@ static void rope(float* x, int64_t rd, int64_t pos, double theta) {
 }
 
 static void rms_norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-  const float r = 1.f / std::sqrt(ss / float(n) + eps);
+  const float r = 1.f / std::sqrt(sum_squares(x, n) / float(n) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
 }
 
@@ -90,10 +89,7 @@ void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k
       const float* vbase = vc + kvh * max_ctx * D;
       float mx = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
-        const float* kr = kbase + j * D;
-        float d = 0.f;
-        for (int64_t e = 0; e < D; ++e) d += qv[e] * kr[e];
-        scores[size_t(j)] = d * scale;
+        scores[size_t(j)] = dot(qv, kbase + j * D, D) * scale;
         mx = std::max(mx, scores[size_t(j)]);
       }
       float sum = 0.f;

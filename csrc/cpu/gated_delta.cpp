@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cpu/backend.h"
+#include "cpu/reduce.h"
 
 namespace lily::cpu {
 
@@ -62,11 +63,7 @@ void CpuOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& 
         const float* q = row + kh * Dk;
         const float* k = row + key_dim + kh * Dk;
         const float* v = row + 2 * key_dim + j * Dv;
-        float sq = 0.f, sk = 0.f;
-        for (int64_t i = 0; i < Dk; ++i) {
-          sq += q[i] * q[i];
-          sk += k[i] * k[i];
-        }
+        const float sq = sum_squares(q, Dk), sk = sum_squares(k, Dk);
         const float rq = q_scale / std::sqrt(sq + 1e-6f), rk = 1.f / std::sqrt(sk + 1e-6f);
         for (int64_t i = 0; i < Dk; ++i) {
           qn[size_t(i)] = q[i] * rq;

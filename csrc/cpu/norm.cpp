@@ -4,13 +4,12 @@
 #include <cmath>
 
 #include "cpu/backend.h"
+#include "cpu/reduce.h"
 
 namespace lily::cpu {
 
 static inline float inv_rms(const float* x, int64_t n, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-  return 1.f / std::sqrt(ss / float(n) + eps);
+  return 1.f / std::sqrt(sum_squares(x, n) / float(n) + eps);
 }
 
 void CpuOps::rms_norm_impl(const Tensor& x, const Tensor& w, const Tensor& out, float eps) {

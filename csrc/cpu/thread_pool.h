@@ -30,9 +30,11 @@ class ThreadPool {
   std::condition_variable cv_start_, cv_done_;
   const std::function<void(int64_t, int64_t, int)>* job_ = nullptr;
   int64_t job_n_ = 0, job_chunk_ = 0;
-  uint64_t generation_ = 0;
-  int pending_ = 0;
-  bool stop_ = false;
+  // Workers spin briefly on these before sleeping: a decode step issues hundreds of short loops, and a
+  // condition-variable wake-up per loop would cost more than many of them take.
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<bool> stop_{false};
   std::mutex run_mu_;  // one parallel_for at a time (sessions on different threads share the pool)
 };
 

@@ -199,7 +199,7 @@ class Engine:
         core = self._core.report()
         if self._probe_stats is None:
             # Ops and stages are measured on a real decode step and prefill chunk of a scratch session.
-            probe = self.session(max_context=2, prefill_chunk=2)
+            probe = self.session(max_context=3, prefill_chunk=2)
             probe.prefill([0, 0])
             prefill = probe.stats()["prefill_chunk"]
             probe.step(0)
