@@ -1,0 +1,137 @@
+"""CPU backend throughput on a medium synthetic 4-bit checkpoint (the config of issue #2).
+
+hidden 1024, 16 layers (every 4th full attention), 16 q / 2 kv heads x 128, DeltaNet 8 key / 16 value
+heads x 64, 64 experts top-8, expert and shared size 256, vocab 32768, MLX affine 4-bit (8-bit router).
+
+Prints prefill and decode tokens/s (medians over --repeats) at 128, 512 and 2048 tokens, with the fraction
+of the machine's measured memory bandwidth (decode) and of its fp32 FMA peak (prefill) they reach.
+
+    python benchmarks/bench_cpu.py [--threads N] [--repeats 3] [--decode-tokens 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+MEDIUM = {
+    "model_type": "qwen3_5_moe_text",
+    "hidden_size": 1024,
+    "num_hidden_layers": 16,
+    "full_attention_interval": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "linear_num_key_heads": 8,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 256,
+    "vocab_size": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+}
+
+
+def active_params(c: dict) -> tuple[int, int]:
+    """(weights read per decoded token, of which lm_head)."""
+    H = c["hidden_size"]
+    kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    vd = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    delta = H * (2 * kd + vd) + H * vd + 2 * H * c["linear_num_value_heads"] + vd * H
+    qd = c["num_attention_heads"] * c["head_dim"]
+    kvd = c["num_key_value_heads"] * c["head_dim"]
+    attn = H * 2 * qd + 2 * H * kvd + qd * H
+    moe = (c["num_experts_per_tok"] * 3 * H * c["moe_intermediate_size"] + 3 * H * c["shared_expert_intermediate_size"])
+    router = c["num_experts"] * H + H
+    L = c["num_hidden_layers"]
+    n_full = L // c["full_attention_interval"]
+    lm = c["vocab_size"] * H
+    return n_full * attn + (L - n_full) * delta + L * (moe + router) + lm, lm
+
+
+def measure_bandwidth() -> float:
+    """Bytes/s of a large copy (read + write), the decode roofline of this machine."""
+    a = np.ones(64 * 1024 * 1024 // 4, dtype=np.float32)
+    b = np.empty_like(a)
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - t)
+    return 2 * a.nbytes / statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--lengths", default="128,512,2048")
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "lily-bench-medium-q4"))
+    ap.add_argument("--peak-gflops", type=float, default=None,
+                    help="fp32 FMA peak of the machine in GFLOP/s (default: cores x 2 FMA x 16 lanes x 2 x 3 GHz)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import lily
+    from lily.synthetic import write_synthetic_checkpoint
+
+    cache = pathlib.Path(args.cache)
+    if not (cache / "config.json").is_file():
+        t = time.perf_counter()
+        write_synthetic_checkpoint(cache, MEDIUM, fmt="mlx", bits=4, seed=0, progress=True)
+        print(f"wrote synthetic checkpoint to {cache} in {time.perf_counter() - t:.1f}s")
+
+    engine = lily.Engine.from_pretrained(str(cache), threads=args.threads, prefill_chunk=args.chunk)
+    threads = engine.report()["threads"]
+    n_active, n_lm = active_params(MEDIUM)
+    bytes_per_token = n_active * (0.5 + 4 / 64)  # 4-bit codes + bf16 scale and bias per 64
+    flops_per_token = 2 * n_active
+    bw = measure_bandwidth()
+    peak = (args.peak_gflops or threads * 2 * 16 * 2 * 3.0) * 1e9
+    vocab = MEDIUM["vocab_size"]
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    results = {"threads": threads, "active_params": n_active, "bytes_per_token": bytes_per_token,
+               "bandwidth_Bps": bw, "peak_flops": peak, "prefill": {}, "decode": {}}
+    print(f"threads {threads}; active params/token {n_active / 1e6:.1f} M "
+          f"({bytes_per_token / 1e6:.1f} MB of 4-bit weights); copy bandwidth {bw / 1e9:.1f} GB/s; "
+          f"fp32 peak assumed {peak / 1e9:.0f} GFLOP/s")
+    print(f"{'tokens':>7} | {'prefill tok/s':>13} {'of peak':>8} | {'decode tok/s':>12} {'of bw':>6}")
+    for n in lengths:
+        session = engine.session(max_context=n + args.decode_tokens + 1)
+        pre, dec = [], []
+        for _ in range(args.repeats):
+            ids = rng.integers(0, vocab, size=n)
+            session.reset()
+            t = time.perf_counter()
+            session.prefill(ids)
+            pre.append(n / (time.perf_counter() - t))
+            t = time.perf_counter()
+            k = sum(1 for _ in session.generate(args.decode_tokens, stop_token_ids=[]))
+            dec.append(k / (time.perf_counter() - t))
+        p, d = statistics.median(pre), statistics.median(dec)
+        results["prefill"][n] = p
+        results["decode"][n] = d
+        print(f"{n:>7} | {p:>13.1f} {p * flops_per_token / peak:>7.1%} | {d:>12.1f} {d * bytes_per_token / bw:>5.1%}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
