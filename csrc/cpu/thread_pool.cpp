@@ -3,20 +3,15 @@
 #include <algorithm>
 #include <chrono>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-static inline void cpu_relax() { _mm_pause(); }
-#elif defined(__aarch64__)
-static inline void cpu_relax() { asm volatile("yield"); }
-#else
-static inline void cpu_relax() {}
-#endif
-
 namespace lily::cpu {
 
 namespace {
-constexpr auto kSpin = std::chrono::microseconds(200);
-}
+constexpr uint64_t kPublishing = 0xffffffffu;  // ticket index while a new job's fields are being written
+// Workers poll for new work this long before sleeping: a decode step issues hundreds of short loops and
+// a futex wake-up per loop would cost more than many of them take. Polling yields the core, so on a
+// loaded machine the other threads still run.
+constexpr auto kPoll = std::chrono::microseconds(100);
+}  // namespace
 
 ThreadPool::ThreadPool(int threads) {
   threads = std::max(1, threads);
@@ -28,32 +23,57 @@ ThreadPool::~ThreadPool() {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
   }
-  cv_start_.notify_all();
+  cv_.notify_all();
   for (auto& t : workers_) t.join();
+}
+
+bool ThreadPool::claim(uint64_t gen, int64_t& range) {
+  uint64_t v = ticket_.load(std::memory_order_acquire);
+  for (;;) {
+    if ((v >> 32) != gen) return false;
+    const int64_t next = int64_t(v & 0xffffffffu);
+    if (next >= job_ranges_.load(std::memory_order_acquire)) return false;
+    if (ticket_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+      range = next;
+      return true;
+    }
+  }
+}
+
+void ThreadPool::run_range(int64_t range, int thread_index) {
+  const int64_t n = job_n_.load(std::memory_order_acquire), chunk = job_chunk_.load(std::memory_order_acquire);
+  const int64_t b = range * chunk, e = std::min(n, b + chunk);
+  if (b < e) (*job_.load(std::memory_order_acquire))(b, e, thread_index);
+  done_.fetch_add(1, std::memory_order_acq_rel);
 }
 
 void ThreadPool::worker_loop(int index) {
   uint64_t seen = 0;
   for (;;) {
     auto t0 = std::chrono::steady_clock::now();
-    int spins = 0;
-    while (generation_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_acquire)) {
-      cpu_relax();
-      if (++spins % 64 == 0 && std::chrono::steady_clock::now() - t0 > kSpin) {
-        std::unique_lock<std::mutex> lk(mu_);
-        cv_start_.wait(lk, [&] { return stop_.load() || generation_.load() != seen; });
-        break;
+    uint64_t gen;
+    for (int spins = 0;; ++spins) {
+      if (stop_.load(std::memory_order_acquire)) return;
+      const uint64_t v = ticket_.load(std::memory_order_acquire);
+      gen = v >> 32;
+      if (gen != seen && (v & 0xffffffffu) != kPublishing) break;
+      if (spins % 16 == 15) {
+        std::this_thread::yield();
+        if (std::chrono::steady_clock::now() - t0 > kPoll) {
+          std::unique_lock<std::mutex> lk(mu_);
+          sleepers_.fetch_add(1);
+          cv_.wait(lk, [&] {
+            const uint64_t v = ticket_.load();
+            return stop_.load() || ((v >> 32) != seen && (v & 0xffffffffu) != kPublishing);
+          });
+          sleepers_.fetch_sub(1);
+          t0 = std::chrono::steady_clock::now();
+        }
       }
     }
-    if (stop_.load(std::memory_order_acquire)) return;
-    seen = generation_.load(std::memory_order_acquire);
-    const int64_t n = job_n_, chunk = job_chunk_;
-    const int64_t b = int64_t(index) * chunk, e = std::min(n, b + chunk);
-    if (b < e) (*job_)(b, e, index);
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      std::lock_guard<std::mutex> lk(mu_);
-      cv_done_.notify_one();
-    }
+    seen = gen;
+    int64_t range;
+    while (claim(gen, range)) run_range(range, index);
   }
 }
 
@@ -69,27 +89,26 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain,
   }
   std::lock_guard<std::mutex> run(run_mu_);
   const int64_t chunk = ((units + use - 1) / use) * grain;
-  job_ = &fn;
-  job_n_ = n;
-  job_chunk_ = chunk;
-  pending_.store(int(workers_.size()), std::memory_order_release);
+  const uint64_t gen = (ticket_.load(std::memory_order_acquire) >> 32) + 1;
+  // Close the previous job to late claimers before its fields are overwritten.
+  ticket_.store(gen << 32 | kPublishing, std::memory_order_release);
+  job_.store(&fn, std::memory_order_release);
+  job_n_.store(n, std::memory_order_release);
+  job_chunk_.store(chunk, std::memory_order_release);
+  job_ranges_.store((n + chunk - 1) / chunk, std::memory_order_release);
+  done_.store(0, std::memory_order_release);
   {
-    std::lock_guard<std::mutex> lk(mu_);
-    generation_.fetch_add(1, std::memory_order_acq_rel);
+    std::lock_guard<std::mutex> lk(mu_);  // pairs with the sleepers' predicate check
+    ticket_.store(gen << 32, std::memory_order_release);
   }
-  cv_start_.notify_all();
-  fn(0, std::min(n, chunk), 0);
-  auto t0 = std::chrono::steady_clock::now();
-  int spins = 0;
-  while (pending_.load(std::memory_order_acquire) != 0) {
-    cpu_relax();
-    if (++spins % 64 == 0 && std::chrono::steady_clock::now() - t0 > kSpin) {
-      std::unique_lock<std::mutex> lk(mu_);
-      cv_done_.wait(lk, [&] { return pending_.load() == 0; });
-      break;
-    }
-  }
-  job_ = nullptr;
+  if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
+
+  int64_t range;
+  while (claim(gen, range)) run_range(range, 0);
+  // Only ranges a worker has already started remain; wait for those.
+  const int64_t total = job_ranges_.load(std::memory_order_acquire);
+  for (int spins = 0; done_.load(std::memory_order_acquire) < total; ++spins)
+    if (spins % 16 == 15) std::this_thread::yield();
 }
 
 }  // namespace lily::cpu
