@@ -1,4 +1,4 @@
-"""Command line: python -m lily {generate,chat,info,convert}."""
+"""Command line: python -m lily {generate,chat,info,eval,convert}."""
 
 from __future__ import annotations
 
@@ -134,6 +134,27 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    import pathlib
+
+    from .evaluate import evaluate, format_table, save_json
+
+    engine = _engine(args)
+    text_path = args.text
+    if text_path is None:
+        bundled = pathlib.Path(engine.checkpoint.path) / "heldout.txt"
+        if not bundled.is_file():
+            raise LilyError("--text is required: this checkpoint ships no held-out text")
+        text_path = bundled
+    text = pathlib.Path(text_path).read_text(encoding="utf-8")
+    result = evaluate(engine, text, positions=args.positions, references=args.reference)
+    print(format_table(result))
+    if args.json:
+        save_json(result, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lily", description="Lily: local Qwen3.6 inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="print the engine report (backend, memory, kernels, optimizations)")
     _add_model_args(i)
     i.set_defaults(fn=cmd_info)
+
+    e = sub.add_parser("eval", help="teacher-forced comparison with transformers / mlx-lm on the same weights")
+    _add_model_args(e)
+    e.add_argument("--text", default=None, help="held-out text file (default: the one shipped with the model)")
+    e.add_argument("--positions", type=int, default=192)
+    e.add_argument("--reference", nargs="+", default=["transformers"], choices=("transformers", "mlx"))
+    e.add_argument("--json", default=None, help="also write the results as JSON")
+    e.set_defaults(fn=cmd_eval)
 
     v = sub.add_parser("convert", help="Hugging Face bf16 checkpoint -> MLX 4-bit (8-bit router) format")
     v.add_argument("src")
