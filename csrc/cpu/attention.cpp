@@ -77,37 +77,53 @@ void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k
   const float scale = 1.f / std::sqrt(float(D));
   const float *pq = f32(q), *pg = f32(gate), *kc = f32(k_cache), *vc = f32(v_cache);
   float* po = f32(out);
-  // One work item per (query row, head); the result of each depends only on its absolute position,
-  // so chunked and unchunked prefill agree bitwise.
-  pool().parallel_for(T * s.heads, 1, [&](int64_t i0, int64_t i1, int) {
-    std::vector<float> scores(static_cast<size_t>(pos0 + T));
-    std::vector<float> acc(static_cast<size_t>(D));
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / s.heads, h = i % s.heads, kvh = h / group, n = pos0 + t + 1;
-      const float* qv = pq + t * q.stride + h * D;
-      const float* kbase = kc + kvh * max_ctx * D;
-      const float* vbase = vc + kvh * max_ctx * D;
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        scores[size_t(j)] = dot(qv, kbase + j * D, D) * scale;
-        mx = std::max(mx, scores[size_t(j)]);
+  // GQA packing: one work item is (query row, kv head); each cached K and V row is loaded once and used
+  // by all `group` query heads that share it. Items are dealt round-robin so the long causal rows at
+  // the end of a chunk spread over every thread. Each head's result depends only on its absolute
+  // position, so chunked and unchunked prefill agree bitwise.
+  const int64_t items = T * s.kv_heads, P = pool().size();
+  pool().parallel_for(std::min(P, items), 1, [&](int64_t r0, int64_t r1, int) {
+    std::vector<float> scores(static_cast<size_t>(group * (pos0 + T)));
+    std::vector<float> acc(static_cast<size_t>(group * D));
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = r; i < items; i += P) {
+        const int64_t t = i / s.kv_heads, kvh = i % s.kv_heads, n = pos0 + t + 1;
+        const float* kbase = kc + kvh * max_ctx * D;
+        const float* vbase = vc + kvh * max_ctx * D;
+        const float* q0 = pq + t * q.stride + kvh * group * D;
+        for (int64_t j = 0; j < n; ++j) {
+          const float* kr = kbase + j * D;
+          for (int64_t g = 0; g < group; ++g) scores[size_t(g * n + j)] = dot(q0 + g * D, kr, D) * scale;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* sc = scores.data() + g * n;
+          float mx = -INFINITY;
+          for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sc[j]);
+          float sum = 0.f;
+          for (int64_t j = 0; j < n; ++j) {
+            sc[j] = std::exp(sc[j] - mx);
+            sum += sc[j];
+          }
+          const float inv = 1.f / sum;
+          for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* vr = vbase + j * D;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[size_t(g * n + j)];
+            float* a = acc.data() + g * D;
+            for (int64_t e = 0; e < D; ++e) a[e] += p * vr[e];
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = kvh * group + g;
+          const float* gt = pg + t * gate.stride + h * D;
+          float* o = po + t * out.stride + h * D;
+          const float* a = acc.data() + g * D;
+          for (int64_t e = 0; e < D; ++e) o[e] = a[e] / (1.f + std::exp(-gt[e]));
+        }
       }
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        scores[size_t(j)] = std::exp(scores[size_t(j)] - mx);
-        sum += scores[size_t(j)];
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = scores[size_t(j)];
-        const float* vr = vbase + j * D;
-        for (int64_t e = 0; e < D; ++e) acc[size_t(e)] += p * vr[e];
-      }
-      const float inv = 1.f / sum;
-      const float* g = pg + t * gate.stride + h * D;
-      float* o = po + t * out.stride + h * D;
-      for (int64_t e = 0; e < D; ++e) o[e] = acc[size_t(e)] * inv / (1.f + std::exp(-g[e]));
-    }
   });
 }
 

@@ -22,23 +22,34 @@ void CpuOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const T
   const int64_t T = mixed.rows, C = mixed.cols, K = conv_w.cols, S = K - 1;
   const float *px = f32(mixed), *pw = f32(conv_w);
   float *pst = f32(conv_state), *po = f32(out);
-  pool().parallel_for(C, 256, [&](int64_t c0, int64_t c1, int) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const float* w = pw + c * K;
+  // Blocks of channels, rows walked in order inside a block: every load is a contiguous run of the
+  // row-major [T, C] input (walking one channel down all rows would touch a new cache line per tap).
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (C + kBlock - 1) / kBlock;
+  pool().parallel_for(blocks, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, T * K)), [&](int64_t b0, int64_t b1, int) {
+    float w[16][kBlock];  // taps transposed to [K][block] (K <= 16)
+    float acc[kBlock];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t c0 = blk * kBlock, n = std::min(kBlock, C - c0);
+      for (int64_t j = 0; j < K; ++j)
+        for (int64_t c = 0; c < n; ++c) w[j][c] = pw[(c0 + c) * K + j];
       for (int64_t t = 0; t < T; ++t) {
-        float acc = 0.f;
+        for (int64_t c = 0; c < n; ++c) acc[c] = 0.f;
         for (int64_t j = 0; j < K; ++j) {
           const int64_t src = t - S + j;  // token index; negative = from the carried state
-          const float x = src >= 0 ? px[src * mixed.stride + c] : pst[(S + src) * conv_state.stride + c];
-          acc += w[j] * x;
+          const float* x = src >= 0 ? px + src * mixed.stride + c0 : pst + (S + src) * conv_state.stride + c0;
+          for (int64_t c = 0; c < n; ++c) acc[c] += w[j][c] * x[c];
         }
-        po[t * out.stride + c] = silu(acc);
+        float* o = po + t * out.stride + c0;
+        for (int64_t c = 0; c < n; ++c) o[c] = silu(acc[c]);
       }
-      // New state: the last S pre-conv rows of [state; mixed].
+      // New state: the last S pre-conv rows of [state; mixed]. Row r reads row r + T of the old state
+      // (or an input row), always at or after r, so ascending r is safe in place.
       for (int64_t r = 0; r < S; ++r) {
         const int64_t src = T - S + r;
-        const float x = src >= 0 ? px[src * mixed.stride + c] : pst[(S + src) * conv_state.stride + c];
-        pst[r * conv_state.stride + c] = x;  // r ascending reads only rows >= r: safe in place
+        const float* x = src >= 0 ? px + src * mixed.stride + c0 : pst + (S + src) * conv_state.stride + c0;
+        float* dst = pst + r * conv_state.stride + c0;
+        for (int64_t c = 0; c < n; ++c) dst[c] = x[c];
       }
     }
   });

@@ -11,8 +11,10 @@ inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
     for (int l = 0; l < 16; ++l) part[l] += a[i + l] * b[i + l];
-  float s = 0.f;
-  for (int l = 0; l < 16; ++l) s += part[l];
+  // Pairwise tree over the lanes (a fixed order the compiler can keep in vector registers).
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) part[l] += part[l + w];
+  float s = part[0];
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }

@@ -57,7 +57,7 @@ void ModelConfig::validate() const {
   need(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0, "partial_rotary_factor");
   need(lin_k_heads > 0 && lin_v_heads > 0 && lin_v_heads % lin_k_heads == 0, "linear_num_value_heads");
   need(lin_k_dim > 0 && lin_v_dim > 0, "linear_key_head_dim");
-  need(conv_kernel >= 1, "linear_conv_kernel_dim");
+  need(conv_kernel >= 1 && conv_kernel <= 16, "linear_conv_kernel_dim");
   need(experts > 0 && topk > 0 && topk <= experts, "num_experts_per_tok");
   need(moe_inter > 0 && shared_inter > 0, "moe_intermediate_size");
   need(eps > 0, "rms_norm_eps");
