@@ -208,7 +208,12 @@ struct PyEngine {
       d["prefill"] = ops->matmul_variant(w, Phase::Prefill);
       variants[name] = d;
     };
-    put("embed_tokens", W.embed);
+    {
+      nb::dict d;  // the embedding is a row gather (dequantize one row per token), not a product
+      d["format"] = W.embed.describe();
+      d["decode"] = d["prefill"] = std::string("row_gather_") + W.embed.describe();
+      variants["embed_tokens"] = d;
+    }
     put("lm_head", W.lm_head);
     if (lin) put("deltanet.in_proj_qkv", lin->qkv);
     if (full) put("attention.q_proj", full->q);
