@@ -1,0 +1,163 @@
+"""Engine/Session API behaviour that users rely on: report, streaming, threading, CLI (on lily-tiny)."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import lily
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return lily.Engine.from_pretrained(prefill_chunk=16)
+
+
+PROMPT = "import os\nimport sys\n\n\ndef main():\n"
+
+
+def test_report_lists_backend_memory_kernels_and_optimizations(eng):
+    r = eng.report()
+    assert r["backend"] == "cpu" and r["threads"] >= 1
+    assert r["prefill_chunk"] == 16
+    mem = r["memory"]["weights_mapped_bytes"]
+    assert set(mem) >= {"embed_tokens", "lm_head", "attention", "deltanet", "experts", "shared_expert", "router"}
+    assert r["memory"]["weights_total_bytes"] == sum(mem.values())
+    assert r["memory"]["kv_cache_bytes_per_token"] > 0
+    assert r["kernels"]["experts.gate_proj"]["format"] == "q4g64"
+    assert r["kernels"]["router"]["format"] == "q8g64"
+    assert "q4" in r["kernels"]["experts.gate_proj"]["decode"]
+    step = r["ops_per_step"]["decode_step"]
+    assert 0 < step["stages"] <= step["ops"]
+    assert step["op_counts"]["moe_experts"] == eng.config.num_hidden_layers
+    assert any(o.startswith("active:") for o in r["optimizations"])
+    assert any(o.startswith("inactive:") for o in r["optimizations"])
+    assert "backend: cpu" in str(r)
+
+
+def test_progress_callback_per_chunk_and_cancel(eng):
+    ids = eng.tokenize(PROMPT * 6)
+    assert len(ids) > 40
+    calls = []
+    s = eng.session(max_context=256)
+    s.prefill(ids, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(min(16 * (i + 1), len(ids)), len(ids)) for i in range((len(ids) + 15) // 16)]
+    s2 = eng.session(max_context=256)
+    s2.prefill(ids, progress=lambda done, total: done < 32)  # stop after the second chunk
+    assert s2.position == 32 and s2.tokens == ids[:32]
+    ref = eng.session(max_context=256)
+    np.testing.assert_array_equal(s2.logits, ref.prefill(ids[:32]))
+
+
+def test_progress_exception_propagates_and_session_stays_usable(eng):
+    ids = eng.tokenize(PROMPT * 6)
+    s = eng.session(max_context=256)
+
+    def boom(done, total):
+        raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        s.prefill(ids, progress=boom)
+    assert s.position == 16  # the first chunk was computed before the callback raised
+    s.prefill(ids[16:])
+    np.testing.assert_array_equal(s.logits, eng.session(max_context=256).prefill(ids))
+
+
+def test_generate_text_streams_pieces_equal_to_detokenized_ids(eng):
+    s = eng.session(max_context=256)
+    s.prefill(eng.tokenize(PROMPT))
+    snap = s.snapshot()
+    pieces = list(s.generate_text(30, skip_special_tokens=False))
+    s.restore(snap)
+    ids = list(s.generate(30))
+    assert "".join(pieces) == eng.detokenize(ids)
+    assert len(pieces) > 1
+
+
+def test_closing_the_iterator_keeps_exactly_the_seen_tokens(eng):
+    s = eng.session(max_context=256)
+    s.prefill(eng.tokenize(PROMPT))
+    start = s.position
+    seen = []
+    gen = s.generate(50, stop_token_ids=[])
+    for tok in gen:
+        seen.append(tok)
+        if len(seen) == 5:
+            break
+    gen.close()
+    assert s.position == start + 5 and s.tokens[-5:] == seen
+
+
+def test_gil_released_during_generation(eng):
+    s = eng.session(max_context=2048)
+    s.prefill(eng.tokenize(PROMPT))
+    ticks = 0
+    done = threading.Event()
+
+    def consume():
+        for _ in s.generate(300, stop_token_ids=[]):
+            pass
+        done.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    while not done.is_set():
+        ticks += 1  # pure Python work on the main thread while C++ decodes
+        time.sleep(0)
+    t.join()
+    assert ticks > 100
+
+
+def test_session_used_from_two_threads_raises_busy(eng):
+    s = eng.session(max_context=256)
+    s.prefill(eng.tokenize(PROMPT))
+    with pytest.raises(lily.SessionBusyError):
+        for _ in s.generate(5, stop_token_ids=[]):
+            s.step(1)  # the generation loop holds the session in its own thread
+    assert s.finish_reason is None or s.finish_reason == "cancelled"
+    s.step(1)  # usable again afterwards
+
+
+def test_engine_generate_and_chat(eng):
+    text = eng.generate(PROMPT, max_tokens=16)
+    assert isinstance(text, str) and text
+    assert "".join(eng.generate(PROMPT, max_tokens=16, stream=True)) == text
+    reply = eng.chat([{"role": "user", "content": "What does `len` do?"}], max_tokens=24)
+    assert isinstance(reply, str)
+    with pytest.raises(ValueError, match="role"):
+        eng.chat([{"content": "no role"}])
+
+
+def test_bad_arguments_name_the_field(eng):
+    with pytest.raises(ValueError, match="max_context"):
+        eng.session(max_context=0)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        eng.session(prefill_chunk=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.session().generate(-1)
+    with pytest.raises(ValueError, match="threads"):
+        lily.Engine.from_pretrained(threads=0)
+    with pytest.raises(lily.CheckpointError, match="no-such-folder"):
+        lily.Engine.from_pretrained(os.path.join("no-such-folder", "x"))
+
+
+def _cli(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "lily", *args], input=stdin, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+def test_cli_info_chat_and_errors(tmp_path):
+    info = _cli("info")
+    assert info.returncode == 0, info.stderr
+    assert "backend: cpu" in info.stdout and "optimizations" in info.stdout
+    chat = _cli("chat", "--max-tokens", "8", stdin="What is a dict?\nAnd a list?\n\n")
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.count("> ") >= 2
+    bad = _cli("generate", "x", "--model", str(tmp_path / "missing"))
+    assert bad.returncode == 2 and "error:" in bad.stderr
+    bad_temp = _cli("generate", "x", "--temperature", "-1")
+    assert bad_temp.returncode == 2 and "temperature" in bad_temp.stderr
