@@ -470,6 +470,10 @@ NB_MODULE(_core, m) {
     }
     return arr;
   }, "x"_a, "weight"_a, "path"_a, "threads"_a = 1);
+  m.def("cpu_fma_peak", [](int threads, double seconds) {
+    nb::gil_scoped_release nogil;
+    return cpu::measure_fma_peak(threads, seconds);
+  }, "threads"_a, "seconds"_a = 0.3);
   m.def("cpu_dequant_row", [](const nb::dict& weight, int64_t row) {
     auto shape = nb::cast<std::vector<int64_t>>(weight["shape"]);
     Weight w = parse_weight(weight, "weight", shape.at(0), shape.at(1));

@@ -72,4 +72,7 @@ class CpuOps final : public Ops {
   ThreadPool pool_;
 };
 
+// Measured peak fp32 FMA throughput (FLOP/s) of `threads` threads, for rooflines.
+double measure_fma_peak(int threads, double seconds);
+
 }  // namespace lily::cpu
