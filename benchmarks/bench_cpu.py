@@ -21,31 +21,7 @@ import tempfile
 import time
 
 import numpy as np
-
-MEDIUM = {
-    "model_type": "qwen3_5_moe_text",
-    "hidden_size": 1024,
-    "num_hidden_layers": 16,
-    "full_attention_interval": 4,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 2,
-    "head_dim": 128,
-    "linear_num_key_heads": 8,
-    "linear_num_value_heads": 16,
-    "linear_key_head_dim": 64,
-    "linear_value_head_dim": 64,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 64,
-    "num_experts_per_tok": 8,
-    "moe_intermediate_size": 256,
-    "shared_expert_intermediate_size": 256,
-    "vocab_size": 32768,
-    "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-    "max_position_embeddings": 32768,
-    "tie_word_embeddings": False,
-}
-
+from roofline import measure_bandwidth
 
 def active_params(c: dict) -> tuple[int, int]:
     """(weights read per decoded token, of which lm_head)."""
@@ -64,18 +40,6 @@ def active_params(c: dict) -> tuple[int, int]:
     return n_full * attn + (L - n_full) * delta + L * (moe + router) + lm, lm
 
 
-def measure_bandwidth() -> float:
-    """Bytes/s of a large copy (read + write), the decode roofline of this machine."""
-    a = np.ones(64 * 1024 * 1024 // 4, dtype=np.float32)
-    b = np.empty_like(a)
-    times = []
-    for _ in range(7):
-        t = time.perf_counter()
-        np.copyto(b, a)
-        times.append(time.perf_counter() - t)
-    return 2 * a.nbytes / statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=None)
@@ -90,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import lily
-    from lily.synthetic import write_synthetic_checkpoint
+    from lily.synthetic import MEDIUM_CONFIG as MEDIUM, write_synthetic_checkpoint
 
     cache = pathlib.Path(args.cache)
     if not (cache / "config.json").is_file():

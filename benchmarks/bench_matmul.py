@@ -26,6 +26,7 @@ import statistics
 import time
 
 import numpy as np
+from roofline import measure_bandwidth
 
 import lily._core as core
 
@@ -49,18 +50,6 @@ def make_q4(rng: np.random.Generator, n: int, k: int, group: int = 64) -> dict:
 
 def weight_bytes(w: dict) -> int:
     return w["data"].nbytes + w["scales"].nbytes + w["biases"].nbytes
-
-
-def measure_bandwidth() -> float:
-    """Bytes/s of a 256 MiB copy (read + write): the streaming roofline of this machine."""
-    a = np.ones(256 * 1024 * 1024 // 4, dtype=np.float32)
-    b = np.empty_like(a)
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        np.copyto(b, a)
-        times.append(time.perf_counter() - t)
-    return 2 * a.nbytes / statistics.median(times)
 
 
 def measure_numpy_sgemm() -> float:
