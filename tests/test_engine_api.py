@@ -39,6 +39,17 @@ def test_report_lists_backend_memory_kernels_and_optimizations(eng):
     assert "backend: cpu" in str(r)
 
 
+def test_profile_times_every_op_of_a_step(eng):
+    s = eng.session(max_context=64)
+    s.prefill(eng.tokenize(PROMPT))
+    eng.set_profiling(True)
+    s.step(1)
+    prof = eng.profile()
+    eng.set_profiling(False)
+    assert set(prof) == set(s.stats()["decode_step"]["op_counts"])
+    assert all(v > 0 for v in prof.values())
+
+
 def test_progress_callback_per_chunk_and_cancel(eng):
     ids = eng.tokenize(PROMPT * 6)
     assert len(ids) > 40

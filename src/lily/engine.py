@@ -194,6 +194,15 @@ class Engine:
         return tok.encode(text)
 
     # ---- introspection ----
+    def set_profiling(self, enabled: bool) -> None:
+        """Time every op by name from now on (and clear earlier timings); see :meth:`profile`."""
+        self._core.set_profiling(bool(enabled))
+
+    def profile(self) -> dict[str, float]:
+        """Seconds spent per op name since profiling was switched on (host wall time: exact for the CPU
+        backend, which runs each op synchronously)."""
+        return dict(self._core.profile())
+
     def report(self) -> Report:
         """Backend, memory per component, chunk size, kernels and every optimization (active or not)."""
         core = self._core.report()
