@@ -371,14 +371,15 @@ NB_MODULE(_core, m) {
              float* out;
              auto arr = new_logits(all_logits ? n : 1, s.vocab, &out);
              CallbackGuard cb;
-             std::function<bool(int64_t, int64_t)> fn;
-             if (!progress.is_none())
-               fn = [&](int64_t done, int64_t total) {
-                 return cb.call([&] {
-                   nb::object r = progress(done, total);
-                   return r.is_none() || nb::cast<bool>(r);
-                 });
-               };
+             // Between chunks: run the progress callback, and let Ctrl-C stop a long prefill.
+             std::function<bool(int64_t, int64_t)> fn = [&](int64_t done, int64_t total) {
+               return cb.call([&] {
+                 if (PyErr_CheckSignals() != 0) throw nb::python_error();
+                 if (progress.is_none()) return true;
+                 nb::object r = progress(done, total);
+                 return r.is_none() || nb::cast<bool>(r);
+               });
+             };
              {
                nb::gil_scoped_release nogil;
                s.s->prefill(ids.data(), n, all_logits, out, fn);
