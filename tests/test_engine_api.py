@@ -172,3 +172,21 @@ def test_cli_info_chat_and_errors(tmp_path):
     assert bad.returncode == 2 and "error:" in bad.stderr
     bad_temp = _cli("generate", "x", "--temperature", "-1")
     assert bad_temp.returncode == 2 and "temperature" in bad_temp.stderr
+
+
+def test_cli_convert_writes_a_loadable_mlx_checkpoint(tmp_path):
+    from lily.synthetic import TINY_CONFIG, write_synthetic_checkpoint
+
+    src, dst = tmp_path / "hf", tmp_path / "mlx"
+    write_synthetic_checkpoint(src, TINY_CONFIG, fmt="hf", dtype="bf16", seed=3)
+    out = _cli("convert", str(src), str(dst))
+    assert out.returncode == 0, out.stderr
+    from lily.convert import convert
+
+    convert(src, tmp_path / "direct", progress=False)
+    assert (dst / "model.safetensors").read_bytes() == (tmp_path / "direct" / "model.safetensors").read_bytes()
+    q4 = lily.Engine.from_pretrained(str(dst))
+    assert q4.checkpoint.format == "mlx" and q4.checkpoint.quantization["router"] == "q8g64"
+    assert np.isfinite(q4.session(max_context=32).prefill(np.arange(1, 20))).all()
+    bad = _cli("convert", str(tmp_path / "nothing-here"), str(tmp_path / "out"))
+    assert bad.returncode == 2 and "nothing-here" in bad.stderr
