@@ -115,12 +115,15 @@ std::vector<std::string> CpuOps::optimizations() const {
       "active: GEMV kernels for decode, tiled GEMM kernels for prefill",
       "active: routed experts grouped by expert (each expert's weights read once per chunk)",
       "active: fused attention q/k preparation (split, RMSNorm, partial RoPE in one pass)",
+      "active: GQA packing in attention (each cached K/V row read once for its group of query heads)",
       "active: fused causal conv + silu; fused gated RMSNorm + silu(z)",
       "active: chunked prefill with bounded scratch",
       "active: " + std::to_string(pool_.size()) + " worker threads",
       "inactive: concurrent dispatch (CPU runs ops in order; stages are counted for GPU backends)",
       "inactive: device-resident token handoff (CPU samples on the host: nothing to hand off)",
       "inactive: bf16 KV cache (the CPU oracle keeps the KV cache and activations in fp32)",
+      "inactive: MTP speculative decoding (not implemented yet: mtp.* weights are skipped at load)",
+      "inactive: split (fixed-block) attention for long contexts (CPU parallelises over query rows and heads)",
   };
   return v;
 }
