@@ -118,7 +118,7 @@ std::vector<std::string> CpuOps::optimizations() const {
       "active: GQA packing in attention (each cached K/V row read once for its group of query heads)",
       "active: fused causal conv + silu; fused gated RMSNorm + silu(z)",
       "active: chunked prefill with bounded scratch",
-      "active: " + std::to_string(pool_.size()) + " worker threads",
+      "active: " + std::to_string(pool_.size()) + " threads (a persistent pool; loops split over rows, heads or channels)",
       "inactive: concurrent dispatch (CPU runs ops in order; stages are counted for GPU backends)",
       "inactive: device-resident token handoff (CPU samples on the host: nothing to hand off)",
       "inactive: bf16 KV cache (the CPU oracle keeps the KV cache and activations in fp32)",
