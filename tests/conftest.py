@@ -140,7 +140,7 @@ def tiny_factory(tmp_path_factory):
 
     cache: dict = {}
     refs: dict = {}  # shared by the layouts of one (spec, dtype): same weights, same references
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
     def get(spec_name: str, layout: str = "per_expert", dtype: str = "float32", tokenizer: bool = False) -> TinyCkpt:
         key = (spec_name, layout, dtype, tokenizer)

@@ -153,9 +153,10 @@ def test_chunked_prefill_is_bitwise_invariant(tiny_factory, engines):
         assert np.array_equal(s1.step(tok), s2.step(tok))
 
 
-def test_bf16_checkpoint(tiny_factory, engines):
-    """A bf16 checkpoint (released layout) against transformers in fp32 on the bf16-rounded weights."""
-    ck = tiny_factory("single_fa", "fused_mm", "bfloat16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_checkpoint(tiny_factory, engines, dtype):
+    """A bf16 (released layout) or fp16 checkpoint against transformers in fp32 on the rounded weights."""
+    ck = tiny_factory("single_fa", "fused_mm", dtype)
     eng = engines(ck)
     ids = tiny.random_tokens(ck.vocab, PREFILL, seed=15)
     s = eng.session(max_context=128)
@@ -165,8 +166,8 @@ def test_bf16_checkpoint(tiny_factory, engines):
         tok = int(np.argmax(rows[-1]))
         fed.append(tok)
         rows.append(s.step(tok))
-    print(f"{ck.name}: bf16 checkpoint {ck.check(np.stack(rows), ids + fed, 'bf16')}")
-    # The bf16 weights really differ from the fp32 ones (otherwise this test proves nothing).
+    print(f"{ck.name}: {dtype} checkpoint {ck.check(np.stack(rows), ids + fed, dtype)}")
+    # The rounded weights really differ from the fp32 ones (otherwise this test proves nothing).
     f32 = tiny_factory("single_fa", "fused_mm")
     assert tiny.rel_err(f32.ref(ids), ck.ref(ids)).max() > 10 * REL_TOL
 
