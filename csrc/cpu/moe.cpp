@@ -121,21 +121,43 @@ void CpuOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& 
     return;
   }
 
-  // Prefill: experts one after another (ascending id), each product spread over the threads.
-  ExpertScratch sc;
-  std::vector<float> xg;
+  // Prefill: whole experts are dealt to threads (largest load first, each to the least-loaded thread)
+  // and run single-threaded, so no product pays a fork/join; outputs land in grouped order and are then
+  // summed per token in ascending expert id.
+  const int P = pool().size();
+  std::vector<int32_t> by_load(active);
+  std::stable_sort(by_load.begin(), by_load.end(), [&](int32_t a, int32_t b) {
+    return count[size_t(a) + 1] - count[size_t(a)] > count[size_t(b) + 1] - count[size_t(b)];
+  });
+  std::vector<std::vector<int32_t>> bins(static_cast<size_t>(P));
+  std::vector<int64_t> bin_rows(static_cast<size_t>(P), 0);
+  for (int32_t e : by_load) {
+    const size_t bin = size_t(std::min_element(bin_rows.begin(), bin_rows.end()) - bin_rows.begin());
+    bins[bin].push_back(e);
+    bin_rows[bin] += count[size_t(e) + 1] - count[size_t(e)];
+  }
+  std::vector<float> y_all(static_cast<size_t>(T * k * H));
+  pool().parallel_for(P, 1, [&](int64_t r0, int64_t r1, int) {
+    ExpertScratch sc;
+    std::vector<float> xg;
+    for (int64_t r = r0; r < r1; ++r)
+      for (int32_t e : bins[size_t(r)]) {
+        const int64_t b = count[size_t(e)], n = count[size_t(e) + 1] - b;
+        xg.resize(size_t(n * H));
+        for (int64_t i = 0; i < n; ++i)
+          std::copy(px + token[size_t(b + i)] * x.stride, px + token[size_t(b + i)] * x.stride + H,
+                    xg.data() + i * H);
+        sc.run(xg.data(), n, H, ex.gate[size_t(e)], ex.up[size_t(e)], ex.down[size_t(e)], MatmulPath::Gemm,
+               nullptr);
+        std::copy(sc.y.begin(), sc.y.begin() + n * H, y_all.begin() + b * H);
+      }
+  });
   for (int32_t e : active) {
     const int64_t b = count[size_t(e)], n = count[size_t(e) + 1] - b;
-    xg.resize(size_t(n * H));
-    for (int64_t r = 0; r < n; ++r)
-      std::copy(px + token[size_t(b + r)] * x.stride, px + token[size_t(b + r)] * x.stride + H,
-                xg.data() + r * H);
-    sc.run(xg.data(), n, H, ex.gate[size_t(e)], ex.up[size_t(e)], ex.down[size_t(e)], MatmulPath::Gemm,
-           &pool());
     for (int64_t r = 0; r < n; ++r) {
       float* o = po + token[size_t(b + r)] * out.stride;
       const float w = gate_w[size_t(b + r)];
-      const float* y = sc.y.data() + r * H;
+      const float* y = y_all.data() + (b + r) * H;
       for (int64_t c = 0; c < H; ++c) o[c] += w * y[c];
     }
   }
