@@ -1,13 +1,15 @@
-"""CPU backend throughput on a medium synthetic 4-bit checkpoint (the config of issue #2).
+"""CPU backend throughput on a synthetic 4-bit checkpoint: medium (the config of issue #2) or full size.
 
-hidden 1024, 16 layers (every 4th full attention), 16 q / 2 kv heads x 128, DeltaNet 8 key / 16 value
-heads x 64, 64 experts top-8, expert and shared size 256, vocab 32768, MLX affine 4-bit (8-bit router).
+medium: hidden 1024, 16 layers (every 4th full attention), 16 q / 2 kv heads x 128, DeltaNet 8 key / 16 value
+heads x 64, 64 experts top-8, expert and shared size 256, vocab 32768. full: Qwen3.6-35B-A3B's text config.
+Both MLX affine 4-bit (8-bit router), generated on first use and cached.
 
 Prints prefill and decode tokens/s (medians over --repeats) at 128, 512 and 2048 tokens, with the fraction
 of the machine's measured memory bandwidth (decode: 4-bit weight bytes per token) and of its measured fp32
 FMA peak (prefill: 2 FLOPs per active weight per token; peak: register-resident FMA chains) they reach.
 
-    python benchmarks/bench_cpu.py [--threads N] [--repeats 3] [--decode-tokens 32] [--json out.json]
+    python benchmarks/bench_cpu.py [--size medium|full] [--threads N] [--repeats 3] [--decode-tokens 32]
+                                   [--lengths 128,512,2048] [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,6 +24,16 @@ import time
 
 import numpy as np
 from roofline import measure_bandwidth
+
+# The real Qwen3.6-35B-A3B text config (MODEL.md section 1.2): 19.5 GB in MLX 4-bit.
+FULL = {
+    "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "full_attention_interval": 4,
+}
+
 
 def active_params(c: dict) -> tuple[int, int]:
     """(weights read per decoded token, of which lm_head)."""
@@ -47,16 +59,19 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--lengths", default="128,512,2048")
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "lily-bench-medium-q4"))
+    ap.add_argument("--size", choices=("medium", "full"), default="medium",
+                    help="medium: the issue's benchmark config; full: the real model's shape (19.5 GB on disk)")
+    ap.add_argument("--cache", default=None, help="where the synthetic checkpoint is kept (default: temp dir)")
     ap.add_argument("--peak-gflops", type=float, default=None,
                     help="fp32 peak in GFLOP/s (default: measured register-resident FMA rate on the same threads)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     import lily
-    from lily.synthetic import MEDIUM_CONFIG as MEDIUM, write_synthetic_checkpoint
+    from lily.synthetic import MEDIUM_CONFIG, write_synthetic_checkpoint
 
-    cache = pathlib.Path(args.cache)
+    MEDIUM = MEDIUM_CONFIG if args.size == "medium" else FULL
+    cache = pathlib.Path(args.cache or os.path.join(tempfile.gettempdir(), f"lily-bench-{args.size}-q4"))
     if not (cache / "config.json").is_file():
         t = time.perf_counter()
         write_synthetic_checkpoint(cache, MEDIUM, fmt="mlx", bits=4, seed=0, progress=True)
@@ -70,6 +85,7 @@ def main() -> None:
     bw = measure_bandwidth()
     peak = args.peak_gflops * 1e9 if args.peak_gflops else lily._core.cpu_fma_peak(threads)
     vocab = MEDIUM["vocab_size"]
+    print(f"{args.size} config, checkpoint {cache}")
     rng = np.random.default_rng(0)
     lengths = [int(x) for x in args.lengths.split(",")]
     results = {"threads": threads, "active_params": n_active, "bytes_per_token": bytes_per_token,
