@@ -293,6 +293,11 @@ NB_MODULE(_core, m) {
       PyErr_SetString(cls.ptr(), e.what());
     } catch (const std::out_of_range& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const std::logic_error& e) {  // a call the session's state does not allow (e.g. no context yet)
+      nb::object cls = nb::module_::import_("lily.errors").attr("LilyError");
+      PyErr_SetString(cls.ptr(), e.what());
     }
   });
 

@@ -150,6 +150,13 @@ def test_bad_arguments_name_the_field(eng):
         eng.session(prefill_chunk=0)
     with pytest.raises(ValueError, match="max_tokens"):
         eng.session().generate(-1)
+    empty = eng.session()
+    with pytest.raises(lily.LilyError, match="prefill"):
+        empty.generate(4)
+    with pytest.raises(lily.LilyError, match="empty"):
+        empty.logits
+    empty.prefill([1, 2, 3])  # still usable
+    assert empty.position == 3
     with pytest.raises(ValueError, match="threads"):
         lily.Engine.from_pretrained(threads=0)
     with pytest.raises(lily.CheckpointError, match="no-such-folder"):

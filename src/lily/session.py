@@ -115,6 +115,8 @@ class Session:
         """
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        if self.position == 0:
+            raise LilyError("generate() needs a context: prefill a prompt first")
         params = (sampling if sampling is not None else SamplingParams()).to_core()
         stops = self._engine.stop_token_ids if stop_token_ids is None else [int(t) for t in stop_token_ids]
         self.finish_reason = None
