@@ -174,7 +174,7 @@ class Session:
         skip_special_tokens: bool = True,
     ) -> Iterator[str]:
         """Like :meth:`generate`, yielding text pieces that never split a multi-byte character."""
-        decoder = self._engine.tokenizer.stream_decoder(skip_special_tokens=skip_special_tokens)
+        decoder = self._engine._need_tokenizer().stream_decoder(skip_special_tokens=skip_special_tokens)
         for tok in self.generate(max_tokens, sampling, stop_token_ids):
             piece = decoder.push(tok)
             if piece:
