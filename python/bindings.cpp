@@ -359,14 +359,18 @@ NB_MODULE(_core, m) {
 
   nb::class_<PySession>(m, "Session")
       .def("__init__",
-           [](PySession* self, PyEngine& e, int64_t max_context, int64_t chunk) {
-             new (self) PySession{std::make_shared<Session>(*e.model, e.lock, max_context, chunk),
+           [](PySession* self, PyEngine& e, int64_t max_context, int64_t chunk, const std::string& kv_dtype) {
+             if (kv_dtype != "f32" && kv_dtype != "bf16")
+               throw std::invalid_argument("kv_cache_dtype must be 'f32' or 'bf16', got '" + kv_dtype + "'");
+             new (self) PySession{std::make_shared<Session>(*e.model, e.lock, max_context, chunk,
+                                                            kv_dtype == "bf16" ? DType::BF16 : DType::F32),
                                   e.model->config().vocab};
            },
-           "engine"_a, "max_context"_a, "chunk"_a, nb::keep_alive<1, 2>())
+           "engine"_a, "max_context"_a, "chunk"_a, "kv_dtype"_a = "f32", nb::keep_alive<1, 2>())
       .def_prop_ro("position", [](PySession& s) { return s.s->position(); })
       .def_prop_ro("max_context", [](PySession& s) { return s.s->max_context(); })
       .def_prop_ro("chunk", [](PySession& s) { return s.s->chunk(); })
+      .def_prop_ro("kv_dtype", [](PySession& s) { return std::string(dtype_name(s.s->kv_dtype())); })
       .def_prop_ro("state_bytes", [](PySession& s) { return s.s->state_bytes(); })
       .def("tokens", [](PySession& s) { return s.s->tokens(); })
       .def("prefill",

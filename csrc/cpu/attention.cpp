@@ -1,6 +1,7 @@
 // Gated full attention kernels (MODEL.md section 4).
 // qk_prep: qg [T, heads*2*D] (per head [query D | gate D]), k [T, kv*D] -> q, gate [T, heads*D], k [T, kv*D].
-// kv cache: [kv_heads * max_ctx, D] fp32 per layer, head-major so one head's keys are contiguous.
+// kv cache: [kv_heads * max_ctx, D] per layer, fp32 or bf16 (rows widened to fp32 as they are read),
+// head-major so one head's keys are contiguous.
 // attention: per query head h (kv head h / group), scores over cache rows 0..pos, fp32 softmax,
 // weighted sum of values, times sigmoid(gate). Floor per decode step: reads 2·kv·pos·D·4 bytes of cache.
 #include <algorithm>
@@ -61,12 +62,22 @@ void CpuOps::kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& k_ca
                             const AttentionShape& s) {
   const int64_t D = s.head_dim;
   const float *pk = f32(k), *pv = f32(v);
-  float *kc = f32(k_cache), *vc = f32(v_cache);
+  const bool half = k_cache.dtype == DType::BF16;
   for (int64_t t = 0; t < k.rows; ++t)
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       const int64_t row = h * max_ctx + pos0 + t;
-      std::copy(pk + t * k.stride + h * D, pk + t * k.stride + (h + 1) * D, kc + row * D);
-      std::copy(pv + t * v.stride + h * D, pv + t * v.stride + (h + 1) * D, vc + row * D);
+      const float* ks = pk + t * k.stride + h * D;
+      const float* vs = pv + t * v.stride + h * D;
+      if (half) {
+        uint16_t *kd = u16(k_cache) + row * D, *vd = u16(v_cache) + row * D;
+        for (int64_t e = 0; e < D; ++e) {
+          kd[e] = f32_to_bf16(ks[e]);
+          vd[e] = f32_to_bf16(vs[e]);
+        }
+      } else {
+        std::copy(ks, ks + D, f32(k_cache) + row * D);
+        std::copy(vs, vs + D, f32(v_cache) + row * D);
+      }
     }
 }
 
@@ -75,8 +86,17 @@ void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k
                             const AttentionShape& s, const Tensor& out) {
   const int64_t D = s.head_dim, T = q.rows, group = s.heads / s.kv_heads;
   const float scale = 1.f / std::sqrt(float(D));
-  const float *pq = f32(q), *pg = f32(gate), *kc = f32(k_cache), *vc = f32(v_cache);
+  const float *pq = f32(q), *pg = f32(gate);
   float* po = f32(out);
+  const bool half = k_cache.dtype == DType::BF16;
+  // One cached row as fp32: the row itself (fp32 cache) or widened into `tmp` (bf16 cache).
+  auto row = [&](const Tensor& cache, int64_t kvh, int64_t j, float* tmp) -> const float* {
+    const int64_t r = (kvh * max_ctx + j) * D;
+    if (!half) return f32(cache) + r;
+    const uint16_t* src = u16(cache) + r;
+    for (int64_t e = 0; e < D; ++e) tmp[e] = bf16_to_f32(src[e]);
+    return tmp;
+  };
   // GQA packing: one work item is (query row, kv head); each cached K and V row is loaded once and used
   // by all `group` query heads that share it. Items are dealt round-robin so the long causal rows at
   // the end of a chunk spread over every thread. Each head's result depends only on its absolute
@@ -84,15 +104,13 @@ void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k
   const int64_t items = T * s.kv_heads, P = pool().size();
   pool().parallel_for(std::min(P, items), 1, [&](int64_t r0, int64_t r1, int) {
     std::vector<float> scores(static_cast<size_t>(group * (pos0 + T)));
-    std::vector<float> acc(static_cast<size_t>(group * D));
+    std::vector<float> acc(static_cast<size_t>(group * D)), tmp(static_cast<size_t>(D));
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t i = r; i < items; i += P) {
         const int64_t t = i / s.kv_heads, kvh = i % s.kv_heads, n = pos0 + t + 1;
-        const float* kbase = kc + kvh * max_ctx * D;
-        const float* vbase = vc + kvh * max_ctx * D;
         const float* q0 = pq + t * q.stride + kvh * group * D;
         for (int64_t j = 0; j < n; ++j) {
-          const float* kr = kbase + j * D;
+          const float* kr = row(k_cache, kvh, j, tmp.data());
           for (int64_t g = 0; g < group; ++g) scores[size_t(g * n + j)] = dot(q0 + g * D, kr, D) * scale;
         }
         for (int64_t g = 0; g < group; ++g) {
@@ -109,7 +127,7 @@ void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k
         }
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t j = 0; j < n; ++j) {
-          const float* vr = vbase + j * D;
+          const float* vr = row(v_cache, kvh, j, tmp.data());
           for (int64_t g = 0; g < group; ++g) {
             const float p = scores[size_t(g * n + j)];
             float* a = acc.data() + g * D;

@@ -71,6 +71,9 @@ float* CpuOps::f32(const Tensor& t) const {
 int32_t* CpuOps::i32(const Tensor& t) const {
   return static_cast<int32_t*>(buffers_[size_t(t.buf)].data) + t.offset;
 }
+uint16_t* CpuOps::u16(const Tensor& t) const {
+  return static_cast<uint16_t*>(buffers_[size_t(t.buf)].data) + t.offset;
+}
 
 void CpuOps::upload(const Tensor& dst, const void* src) {
   const size_t es = dtype_size(dst.dtype), row = size_t(dst.cols) * es;
@@ -121,7 +124,8 @@ std::vector<std::string> CpuOps::optimizations() const {
       "active: " + std::to_string(pool_.size()) + " threads (a persistent pool; loops split over rows, heads or channels)",
       "inactive: concurrent dispatch (CPU runs ops in order; stages are counted for GPU backends)",
       "inactive: device-resident token handoff (CPU samples on the host: nothing to hand off)",
-      "inactive: bf16 KV cache (the CPU oracle keeps the KV cache and activations in fp32)",
+      "opt-in: bf16 KV cache (Engine(kv_cache_dtype='bf16'): half the bytes per token; the default keeps the "
+      "oracle's fp32)",
       "inactive: MTP speculative decoding (not implemented yet: mtp.* weights are skipped at load)",
       "inactive: split (fixed-block) attention for long contexts (CPU parallelises over query rows and heads)",
   };

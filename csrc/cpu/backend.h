@@ -60,6 +60,7 @@ class CpuOps final : public Ops {
  private:
   float* f32(const Tensor& t) const;
   int32_t* i32(const Tensor& t) const;
+  uint16_t* u16(const Tensor& t) const;
   MatmulPath path() const { return phase() == Phase::Decode ? MatmulPath::Gemv : MatmulPath::Gemm; }
 
   struct Buffer {

@@ -17,9 +17,10 @@ DeltaShape Qwen36::delta_shape() const {
   return {cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel, cfg_.eps};
 }
 
-SessionState Qwen36::new_state(int64_t max_ctx) {
+SessionState Qwen36::new_state(int64_t max_ctx, DType kv_dtype) {
   SessionState st;
   st.max_ctx = max_ctx;
+  st.kv_dtype = kv_dtype;
   size_t n = size_t(cfg_.layers);
   st.k_cache.resize(n);
   st.v_cache.resize(n);
@@ -27,8 +28,8 @@ SessionState Qwen36::new_state(int64_t max_ctx) {
   st.recurrent.resize(n);
   for (size_t i = 0; i < n; ++i) {
     if (cfg_.full_attention[i]) {
-      st.k_cache[i] = ops_.alloc("kv_cache", DType::F32, cfg_.kv_heads * max_ctx, cfg_.head_dim);
-      st.v_cache[i] = ops_.alloc("kv_cache", DType::F32, cfg_.kv_heads * max_ctx, cfg_.head_dim);
+      st.k_cache[i] = ops_.alloc("kv_cache", kv_dtype, cfg_.kv_heads * max_ctx, cfg_.head_dim);
+      st.v_cache[i] = ops_.alloc("kv_cache", kv_dtype, cfg_.kv_heads * max_ctx, cfg_.head_dim);
     } else {
       st.conv[i] = ops_.alloc("conv_state", DType::F32, cfg_.conv_kernel - 1, cfg_.conv_dim());
       st.recurrent[i] =
@@ -44,8 +45,8 @@ void Qwen36::free_state(SessionState& st) {
       if (t.valid()) ops_.release(t);
 }
 
-size_t Qwen36::state_bytes(int64_t max_ctx) const {
-  size_t full = size_t(cfg_.n_full()) * 2 * cfg_.kv_heads * max_ctx * cfg_.head_dim * 4;
+size_t Qwen36::state_bytes(int64_t max_ctx, DType kv_dtype) const {
+  size_t full = size_t(cfg_.n_full()) * 2 * cfg_.kv_heads * max_ctx * cfg_.head_dim * dtype_size(kv_dtype);
   size_t lin = size_t(cfg_.n_linear()) *
                ((cfg_.conv_kernel - 1) * cfg_.conv_dim() + cfg_.lin_v_heads * cfg_.lin_k_dim * cfg_.lin_v_dim) * 4;
   return full + lin;

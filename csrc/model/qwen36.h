@@ -36,6 +36,7 @@ struct ModelWeights {
 // Per-session state that carries context across prefill chunks and decode steps.
 struct SessionState {
   int64_t max_ctx = 0;
+  DType kv_dtype = DType::F32;  // F32 (the oracle's default) or BF16 (half the bytes per token)
   std::vector<Tensor> k_cache, v_cache;  // per layer (full attention only): [kv_heads * max_ctx, head_dim]
   std::vector<Tensor> conv, recurrent;    // per layer (DeltaNet only): [K-1, conv_dim], [Hv * Dk, Dv]
 };
@@ -60,11 +61,11 @@ class Qwen36 {
   const ModelWeights& weights() const { return w_; }
   Ops& ops() { return ops_; }
 
-  SessionState new_state(int64_t max_ctx);
+  SessionState new_state(int64_t max_ctx, DType kv_dtype);
   void free_state(SessionState& st);
   Scratch new_scratch(int64_t rows, int64_t logit_rows);
   void free_scratch(Scratch& sc);
-  size_t state_bytes(int64_t max_ctx) const;
+  size_t state_bytes(int64_t max_ctx, DType kv_dtype) const;
 
   // Runs T tokens at positions pos0.. through the decoder (Phase::Decode requires T == 1) and writes the
   // logits of the last `n_logits` rows (1 or T) into logits_out [n_logits, vocab].

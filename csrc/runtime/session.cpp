@@ -22,12 +22,14 @@ size_t Snapshot::bytes() const {
   return b;
 }
 
-Session::Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int64_t chunk)
+Session::Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int64_t chunk, DType kv_dtype)
     : model_(model), model_lock_(model_lock), chunk_(chunk) {
+  if (kv_dtype != DType::F32 && kv_dtype != DType::BF16)
+    throw std::invalid_argument("kv_cache_dtype must be f32 or bf16");
   if (max_context <= 0) throw std::invalid_argument("max_context must be > 0");
   if (chunk <= 0) throw std::invalid_argument("prefill_chunk must be > 0");
   std::lock_guard<std::mutex> lk(model_lock_);
-  st_ = model_.new_state(max_context);
+  st_ = model_.new_state(max_context, kv_dtype);
 }
 
 Session::~Session() {
@@ -43,7 +45,23 @@ std::vector<int32_t> Session::tokens() const {
   return t;
 }
 
-size_t Session::state_bytes() const { return model_.state_bytes(st_.max_ctx); }
+size_t Session::state_bytes() const { return model_.state_bytes(st_.max_ctx, st_.kv_dtype); }
+
+void Session::read_kv_rows(const Tensor& cache, int64_t head, int64_t n, float* dst) {
+  const Tensor rows = cache.rows_view(head * st_.max_ctx, n);
+  if (cache.dtype == DType::F32) return model_.ops().download(rows, dst);
+  std::vector<uint16_t> raw(static_cast<size_t>(n * cache.cols));
+  model_.ops().download(rows, raw.data());
+  for (size_t i = 0; i < raw.size(); ++i) dst[i] = bf16_to_f32(raw[i]);
+}
+
+void Session::write_kv_rows(const Tensor& cache, int64_t head, int64_t n, const float* src) {
+  const Tensor rows = cache.rows_view(head * st_.max_ctx, n);
+  if (cache.dtype == DType::F32) return model_.ops().upload(rows, src);
+  std::vector<uint16_t> raw(static_cast<size_t>(n * cache.cols));
+  for (size_t i = 0; i < raw.size(); ++i) raw[i] = f32_to_bf16(src[i]);
+  model_.ops().upload(rows, raw.data());
+}
 
 void Session::check_ids(const int32_t* ids, int64_t n) const {
   const int64_t vocab = model_.config().vocab;
@@ -171,7 +189,7 @@ Snapshot Session::snapshot() {
       float* p = kv.data();
       for (const Tensor* cache : {&st_.k_cache[li], &st_.v_cache[li]})
         for (int64_t h = 0; h < c.kv_heads; ++h) {
-          if (s.position) ops.download(cache->rows_view(h * st_.max_ctx, s.position), p);
+          if (s.position) read_kv_rows(*cache, h, s.position, p);
           p += s.position * c.head_dim;
         }
       s.kv.push_back(std::move(kv));
@@ -219,7 +237,7 @@ void Session::restore(const Snapshot& s) {
       const float* p = s.kv[fi++].data();
       for (const Tensor* cache : {&st_.k_cache[li], &st_.v_cache[li]})
         for (int64_t h = 0; h < c.kv_heads; ++h) {
-          if (s.position) ops.upload(cache->rows_view(h * st_.max_ctx, s.position), p);
+          if (s.position) write_kv_rows(*cache, h, s.position, p);
           p += s.position * c.head_dim;
         }
     } else {

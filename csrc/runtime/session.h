@@ -36,13 +36,15 @@ struct Snapshot {
 class Session {
  public:
   // `lock` is shared by every session of one model: one forward runs at a time per engine.
-  Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int64_t chunk);
+  Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int64_t chunk,
+          DType kv_dtype = DType::F32);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
   int64_t max_context() const { return st_.max_ctx; }
   int64_t chunk() const { return chunk_; }
+  DType kv_dtype() const { return st_.kv_dtype; }
   // Tokens in the context, including a sampled token not yet fed through the model.
   int64_t position() const { return int64_t(tokens_.size()) + (pending_ >= 0); }
   std::vector<int32_t> tokens() const;
@@ -76,6 +78,9 @@ class Session {
   void ensure_scratch(Scratch& sc, int64_t rows, int64_t logit_rows);
   void feed_pending();
   void decode_locked(int32_t token);  // model lock held
+  // KV rows [0, n) of one head as fp32, and back (converting when the cache is bf16).
+  void read_kv_rows(const Tensor& cache, int64_t head, int64_t n, float* dst);
+  void write_kv_rows(const Tensor& cache, int64_t head, int64_t n, const float* src);
 
   Qwen36& model_;
   std::mutex& model_lock_;

@@ -14,6 +14,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint folder, Hugging Face repo id, or 'lily-tiny' (default: the packaged lily-tiny)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default 512)")
+    p.add_argument("--kv-cache-dtype", choices=("f32", "bf16"), default="f32",
+                   help="KV cache precision (bf16 halves its memory; default f32)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -36,7 +38,8 @@ def _sampling(args):
 def _engine(args):
     from .engine import Engine
 
-    return Engine.from_pretrained(args.model, threads=args.threads, prefill_chunk=args.prefill_chunk)
+    return Engine.from_pretrained(args.model, threads=args.threads, prefill_chunk=args.prefill_chunk,
+                                  kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _prefill_with_bar(session, ids) -> None:

@@ -60,13 +60,16 @@ class Engine:
     """
 
     def __init__(self, checkpoint: Checkpoint, *, backend: str = "cpu", threads: int | None = None,
-                 prefill_chunk: int = 512, tokenizer: Tokenizer | None = None):
+                 prefill_chunk: int = 512, kv_cache_dtype: str = "f32", tokenizer: Tokenizer | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive int or None, got {threads!r}")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+        if kv_cache_dtype not in ("f32", "bf16"):
+            raise ValueError(f"kv_cache_dtype must be 'f32' or 'bf16', got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
         self.checkpoint = checkpoint
         self.config = checkpoint.config
         self.backend = backend
@@ -83,10 +86,13 @@ class Engine:
     # ---- construction ----
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, backend: str = "cpu",
-                        threads: int | None = None, prefill_chunk: int = 512,
+                        threads: int | None = None, prefill_chunk: int = 512, kv_cache_dtype: str = "f32",
                         revision: str | None = None) -> "Engine":
         """Load a checkpoint: a local folder, a Hugging Face repo id (cached or downloaded; honours
-        HF_HUB_OFFLINE), or the packaged demonstration model ``"lily-tiny"`` (the default)."""
+        HF_HUB_OFFLINE), or the packaged demonstration model ``"lily-tiny"`` (the default).
+
+        ``kv_cache_dtype="bf16"`` halves the KV cache (long contexts) at bf16 precision for K and V;
+        the default ``"f32"`` keeps the CPU backend an exact fp32 oracle."""
         name = DEFAULT_MODEL if model is None else model
         path = _packaged_model_path(str(name)) if isinstance(name, str) else None
         if path is None:
@@ -95,7 +101,8 @@ class Engine:
             path = resolve_model_path(name, revision=revision)
         checkpoint = load_checkpoint(path)
         tokenizer = Tokenizer.from_dir(path) if (pathlib.Path(path) / "tokenizer.json").is_file() else None
-        return cls(checkpoint, backend=backend, threads=threads, prefill_chunk=prefill_chunk, tokenizer=tokenizer)
+        return cls(checkpoint, backend=backend, threads=threads, prefill_chunk=prefill_chunk,
+                   kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer)
 
     # ---- tokens ----
     def _need_tokenizer(self) -> Tokenizer:
@@ -134,7 +141,7 @@ class Engine:
         chunk = self.prefill_chunk if prefill_chunk is None else prefill_chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive int, got {chunk!r}")
-        return Session(self, _core.Session(self._core, max_context, chunk))
+        return Session(self, _core.Session(self._core, max_context, chunk, self.kv_cache_dtype))
 
     def load_session(self, path: str | os.PathLike, max_context: int | None = None) -> Session:
         """Recreate a session saved with :meth:`Session.save`."""
@@ -216,7 +223,7 @@ class Engine:
             del probe
         cfg = self.config
         kv_per_token = sum(cfg.layer_types[i] == "full_attention" for i in range(cfg.num_hidden_layers)) \
-            * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+            * 2 * cfg.num_key_value_heads * cfg.head_dim * (2 if self.kv_cache_dtype == "bf16" else 4)
         n_lin = sum(t == "linear_attention" for t in cfg.layer_types)
         rec = n_lin * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
                        + (cfg.linear_conv_kernel_dim - 1) * (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
@@ -230,6 +237,7 @@ class Engine:
             "device": core["device"],
             "threads": core["threads"],
             "prefill_chunk": self.prefill_chunk,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "memory": {
                 "weights_mapped_bytes": dict(core["weight_bytes"]),
                 "weights_total_bytes": sum(core["weight_bytes"].values()),

@@ -65,6 +65,15 @@ class Session:
         return self._core.chunk
 
     @property
+    def kv_cache_dtype(self) -> str:
+        return self._core.kv_dtype
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of this session's KV cache (all of max_context) and recurrent state."""
+        return self._core.state_bytes
+
+    @property
     def tokens(self) -> list[int]:
         return self._core.tokens()
 
