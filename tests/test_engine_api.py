@@ -197,3 +197,23 @@ def test_cli_convert_writes_a_loadable_mlx_checkpoint(tmp_path):
     assert np.isfinite(q4.session(max_context=32).prefill(np.arange(1, 20))).all()
     bad = _cli("convert", str(tmp_path / "nothing-here"), str(tmp_path / "out"))
     assert bad.returncode == 2 and "nothing-here" in bad.stderr
+
+
+def test_session_load_in_place(eng, tmp_path):
+    a = eng.session(max_context=128)
+    a.prefill(eng.tokenize(PROMPT))
+    a.save(tmp_path / "a.lily")
+    expect = a.step(5)
+    b = eng.session(max_context=128)
+    b.prefill([1, 2, 3])
+    b.load(tmp_path / "a.lily")
+    assert b.tokens == a.tokens[:-1]
+    np.testing.assert_array_equal(b.step(5), expect)
+    small = eng.session(max_context=4)
+    small.prefill([7])
+    with pytest.raises(lily.ContextOverflowError):
+        small.load(tmp_path / "a.lily")
+    assert small.tokens == [7]  # unchanged
+    (tmp_path / "junk.lily").write_bytes(b"not a session")
+    with pytest.raises(lily.CheckpointError, match="junk.lily"):
+        small.load(tmp_path / "junk.lily")

@@ -17,7 +17,7 @@ from .checkpoint import Checkpoint, load_checkpoint
 from .errors import CheckpointError, LilyError
 from .hub import resolve_model_path
 from .sampling import SamplingParams
-from .session import Session, Snapshot, read_session_file
+from .session import Session, read_session_file
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "lily-tiny"
@@ -145,16 +145,9 @@ class Engine:
 
     def load_session(self, path: str | os.PathLike, max_context: int | None = None) -> Session:
         """Recreate a session saved with :meth:`Session.save`."""
-        arrays, meta = read_session_file(path, self.fingerprint)
-        try:
-            snap = _core.Snapshot.from_arrays(arrays)
-        except (ValueError, TypeError) as exc:
-            raise CheckpointError(f"session file '{path}' is malformed: {exc}") from exc
+        snap, meta = read_session_file(path, self.fingerprint)
         s = self.session(max_context=max_context or int(meta.get("max_context", 4096)))
-        try:
-            s.restore(Snapshot(snap, self.fingerprint))
-        except ValueError as exc:
-            raise CheckpointError(f"session file '{path}' does not fit this model: {exc}") from exc
+        s._restore_from_file(snap, path)
         return s
 
     @property

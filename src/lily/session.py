@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import numpy as np
 
-from .errors import CheckpointError, LilyError
+from .errors import CheckpointError, ContextOverflowError, LilyError
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -209,6 +209,20 @@ class Session:
         child.restore(self.snapshot())
         return child
 
+    def load(self, path: str | os.PathLike) -> None:
+        """Replace this session's state with one saved by :meth:`save` (same model; it must fit
+        max_context). On any error the session is left as it was."""
+        snap, _ = read_session_file(path, self._engine.fingerprint)
+        self._restore_from_file(snap, path)
+
+    def _restore_from_file(self, snap: Snapshot, path) -> None:
+        try:
+            self.restore(snap)
+        except ContextOverflowError:
+            raise
+        except ValueError as exc:
+            raise CheckpointError(f"session file '{path}' does not fit this model: {exc}") from exc
+
     def reset(self) -> None:
         """Empty the context (position 0)."""
         self._core.reset()
@@ -230,9 +244,11 @@ class Session:
         os.replace(tmp, path)  # never leaves a half-written file under the real name
 
 
-def read_session_file(path: str | os.PathLike, fingerprint: str) -> tuple[dict, dict]:
-    """Arrays and metadata of a saved session, checked against the engine's model fingerprint."""
+def read_session_file(path: str | os.PathLike, fingerprint: str) -> tuple[Snapshot, dict]:
+    """The snapshot and metadata of a saved session, checked against the engine's model fingerprint."""
     from safetensors import SafetensorError, safe_open
+
+    from . import _core
 
     try:
         with safe_open(os.fspath(path), framework="numpy") as f:
@@ -244,4 +260,8 @@ def read_session_file(path: str | os.PathLike, fingerprint: str) -> tuple[dict, 
         raise CheckpointError(f"'{path}' is not a Lily session file (format {json.dumps(meta.get('format'))})")
     if meta.get("fingerprint") != fingerprint:
         raise LilyError(f"session file '{path}' was saved on a different model; it cannot be loaded here")
-    return arrays, meta
+    try:
+        snap = _core.Snapshot.from_arrays(arrays)
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(f"session file '{path}' is malformed: {exc}") from exc
+    return Snapshot(snap, fingerprint), meta
