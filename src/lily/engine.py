@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import pathlib
-import threading
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -81,7 +80,6 @@ class Engine:
             raise CheckpointError(f"{checkpoint.path}: {exc}") from exc
         self._fingerprint: str | None = None
         self._probe_stats: dict | None = None
-        self._lock = threading.Lock()
 
     # ---- construction ----
     @classmethod
