@@ -20,15 +20,18 @@ __all__ = ["Tokenizer", "StreamDecoder"]
 _REPLACEMENT = "\ufffd"
 
 
-def _read_json(path: Path) -> Any:
-    # Optional config files: absent -> None; present but unreadable -> CheckpointError naming the file.
+def _read_json_object(path: Path) -> dict:
+    # Optional config files: absent -> {}; unreadable or not a JSON object -> CheckpointError naming the file.
     if not path.is_file():
-        return None
+        return {}
     try:
         with open(path, "r", encoding="utf-8") as f:
-            return json.load(f)
+            value = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot parse JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return value
 
 
 def _token_content(value: Any, path: Path, field: str) -> str | None:
@@ -115,18 +118,10 @@ class Tokenizer:
             raise CheckpointError(f"{tok_path}: cannot load tokenizer ({e})") from e
 
         cfg_path = root / "tokenizer_config.json"
-        cfg = _read_json(cfg_path)
-        if cfg is None:
-            cfg = {}
-        elif not isinstance(cfg, dict):
-            raise CheckpointError(f"{cfg_path}: expected a JSON object")
+        cfg = _read_json_object(cfg_path)
 
         gen_path = root / "generation_config.json"
-        gen = _read_json(gen_path)
-        if gen is None:
-            gen = {}
-        elif not isinstance(gen, dict):
-            raise CheckpointError(f"{gen_path}: expected a JSON object")
+        gen = _read_json_object(gen_path)
 
         # Chat template: chat_template.jinja (newer HF layout) wins over the tokenizer_config field.
         templates: dict[str, str] = {}
