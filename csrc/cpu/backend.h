@@ -76,4 +76,8 @@ class CpuOps final : public Ops {
 // Measured peak fp32 FMA throughput (FLOP/s) of `threads` threads, for rooflines.
 double measure_fma_peak(int threads, double seconds);
 
+// One RMSNorm segment: out[i] = x[i] · w[i] / sqrt(mean(x²) + eps), fp32 statistics in the fixed order of
+// reduce.h. The kernel of CpuOps::rms_norm, exposed as the oracle for GPU norm kernels.
+void rms_norm_segment(const float* x, const float* w, int64_t n, float eps, float* out);
+
 }  // namespace lily::cpu

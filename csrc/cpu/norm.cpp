@@ -12,6 +12,11 @@ static inline float inv_rms(const float* x, int64_t n, float eps) {
   return 1.f / std::sqrt(sum_squares(x, n) / float(n) + eps);
 }
 
+void rms_norm_segment(const float* x, const float* w, int64_t n, float eps, float* out) {
+  const float r = inv_rms(x, n, eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+}
+
 void CpuOps::rms_norm_impl(const Tensor& x, const Tensor& w, const Tensor& out, float eps) {
   const float *px = f32(x), *pw = f32(w);
   float* po = f32(out);
@@ -19,10 +24,7 @@ void CpuOps::rms_norm_impl(const Tensor& x, const Tensor& w, const Tensor& out, 
   pool().parallel_for(x.rows, 16, [&](int64_t t0, int64_t t1, int) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t s = 0; s < nseg; ++s) {
-        const float* xs = px + t * x.stride + s * seg;
-        float* os = po + t * out.stride + s * seg;
-        const float r = inv_rms(xs, seg, eps);
-        for (int64_t i = 0; i < seg; ++i) os[i] = xs[i] * r * pw[i];
+        rms_norm_segment(px + t * x.stride + s * seg, pw, seg, eps, po + t * out.stride + s * seg);
       }
   });
 }
