@@ -13,8 +13,13 @@
 #include <string>
 
 #include "cpu/backend.h"
+#include "cpu/reduce.h"
 #include "model/qwen36.h"
 #include "runtime/session.h"
+
+#ifdef LILY_WITH_METAL
+void bind_metal(nanobind::module_& m);  // python/bindings_metal.cpp
+#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -480,6 +485,32 @@ NB_MODULE(_core, m) {
     }
     return arr;
   }, "x"_a, "weight"_a, "path"_a, "threads"_a = 1);
+  using F32Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+  m.def("cpu_rms_norm", [](F32Matrix x, nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> w,
+                           float eps) {
+    const int64_t rows = int64_t(x.shape(0)), cols = int64_t(x.shape(1)), seg = int64_t(w.shape(0));
+    if (seg == 0 || cols % seg != 0) throw std::invalid_argument("x's columns must be a multiple of w's length");
+    if (!(eps > 0.f)) throw std::invalid_argument("eps must be positive");
+    float* out;
+    auto arr = new_logits(rows, cols, &out);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t s = 0; s < cols / seg; ++s)
+        cpu::rms_norm_segment(x.data() + r * cols + s * seg, w.data(), seg, eps, out + r * cols + s * seg);
+    return arr;
+  }, "x"_a, "w"_a, "eps"_a);
+  m.def("cpu_row_dot", [](F32Matrix a, F32Matrix b) {
+    if (a.shape(0) != b.shape(0) || a.shape(1) != b.shape(1)) throw std::invalid_argument("a and b differ in shape");
+    const int64_t rows = int64_t(a.shape(0)), cols = int64_t(a.shape(1));
+    std::vector<float> out(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) out[size_t(r)] = cpu::dot(a.data() + r * cols, b.data() + r * cols, cols);
+    return to_numpy(out);
+  }, "a"_a, "b"_a);
+#ifdef LILY_WITH_METAL
+  m.attr("has_metal") = true;
+  bind_metal(m);
+#else
+  m.attr("has_metal") = false;
+#endif
   m.def("cpu_fma_peak", [](int threads, double seconds) {
     nb::gil_scoped_release nogil;
     return cpu::measure_fma_peak(threads, seconds);
