@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import lily
+import lily._core as core
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,9 @@ def test_report_lists_backend_memory_kernels_and_optimizations(eng):
     assert any(o.startswith("active:") for o in r["optimizations"])
     assert any(o.startswith("inactive:") for o in r["optimizations"])
     assert "backend: cpu" in str(r)
+    gpu = r["gpu_backends"]
+    assert set(gpu) == {"metal", "cuda"}
+    assert gpu["metal"].startswith("built" if core.has_metal else "not built")
 
 
 def test_profile_times_every_op_of_a_step(eng):

@@ -28,6 +28,17 @@ def _packaged_model_path(name: str) -> pathlib.Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+
+def _gpu_backends() -> dict[str, str]:
+    """What this build of the extension holds for each GPU platform, and why inference still runs on the CPU."""
+    if getattr(_core, "has_metal", False):
+        metal = ("built: device, pipelines and the qmv4 / rms_norm / row_dot kernels (tests/metal); the Metal "
+                 "Ops backend for the model graph is a later issue, so inference runs on the CPU")
+    else:
+        metal = ("not built: Metal exists only on macOS (on Linux the kernels and host code are verified by the "
+                 "emulation harness in tools/metalsim)")
+    return {"metal": metal, "cuda": "not built: the CUDA backend is a later issue"}
+
 class Report(dict):
     """engine.report(): a dict that prints as an aligned text table."""
 
@@ -242,6 +253,7 @@ class Engine:
             "tied_embeddings": core["tied_embeddings"],
             "skipped_tensors": dict(self.checkpoint.skipped),
             "tokenizer": "none" if tok is None else f"{tok.vocab_size} tokens, stop ids {tok.stop_token_ids}",
+            "gpu_backends": _gpu_backends(),
             "chat_template": "none" if tok is None else (
                 "ChatML fallback (checkpoint has none)" if tok.chat_template is None else "from checkpoint"),
         })
