@@ -1,0 +1,63 @@
+"""Fixtures for the Metal emulator tests: <repo>/tools on sys.path, one persistent Emulator per build mode
+for the whole session, and a skip (with the reason) of the harness tests where the harness cannot run (not Linux x86-64, or no clang++ >= 17)."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+if str(REPO / "tools") not in sys.path:
+    sys.path.insert(0, str(REPO / "tools"))
+
+from metalsim import build  # noqa: E402
+from metalsim import emulator as emulator_module  # noqa: E402
+
+# The harness targets Linux x86-64 (its fiber switch and objc_msgSend trampoline are x86-64 assembly); on a Mac
+# the real Metal tests (test_metal_device.py) run instead.
+if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
+    SKIP_REASON = f"the Metal emulation harness runs on Linux x86-64 (this is {sys.platform} {platform.machine()})"
+elif build.find_clang() is None:
+    SKIP_REASON = "the Metal emulator needs clang++ >= 17 (apt-get install clang-19 libclang-rt-19-dev, or set LILY_CLANGXX)"
+else:
+    SKIP_REASON = ""
+# Test files that need the harness's toolchain; the lint and the real-GPU tests do not.
+NEEDS_HARNESS = {"test_emulator.py", "test_kernels.py", "test_host_compile.py", "test_fake_runtime.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not SKIP_REASON:
+        return
+    skip = pytest.mark.skip(reason=SKIP_REASON)
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        if path.parent == HERE and path.name in NEEDS_HARNESS:
+            item.add_marker(skip)
+
+
+def _emulator(mode: str):
+    if SKIP_REASON:
+        pytest.skip(SKIP_REASON)
+    emu = emulator_module.Emulator(mode=mode, workers=2)
+    yield emu
+    emu.close()
+
+
+@pytest.fixture(scope="session")
+def emulator_typed():
+    yield from _emulator("typed")
+
+
+@pytest.fixture(scope="session")
+def emulator_asan():
+    yield from _emulator("asan")
+
+
+@pytest.fixture(scope="session", params=build.MODES)
+def emulator(request):
+    """Each test using it runs once per build mode."""
+    return request.getfixturevalue(f"emulator_{request.param}")
