@@ -3,7 +3,6 @@ for the whole session, and a skip (with the reason) of the harness tests where t
 
 from __future__ import annotations
 
-import platform
 import sys
 from pathlib import Path
 
@@ -17,14 +16,7 @@ if str(REPO / "tools") not in sys.path:
 from metalsim import build  # noqa: E402
 from metalsim import emulator as emulator_module  # noqa: E402
 
-# The harness targets Linux x86-64 (its fiber switch and objc_msgSend trampoline are x86-64 assembly); on a Mac
-# the real Metal tests (test_metal_device.py) run instead.
-if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
-    SKIP_REASON = f"the Metal emulation harness runs on Linux x86-64 (this is {sys.platform} {platform.machine()})"
-elif build.find_clang() is None:
-    SKIP_REASON = "the Metal emulator needs clang++ >= 17 (apt-get install clang-19 libclang-rt-19-dev, or set LILY_CLANGXX)"
-else:
-    SKIP_REASON = ""
+SKIP_REASON = build.unavailable_reason() or ""
 # Test files that need the harness's toolchain; the lint and the real-GPU tests do not.
 NEEDS_HARNESS = {"test_emulator.py", "test_kernels.py", "test_host_compile.py", "test_fake_runtime.py"}
 

@@ -36,6 +36,7 @@ __all__ = [
     "runner_path",
     "runtime_library",
     "asan_runtime",
+    "unavailable_reason",
 ]
 
 MODES = ("typed", "asan")
@@ -56,6 +57,20 @@ def include_dir() -> Path:
 def cache_root() -> Path:
     env = os.environ.get("LILY_METALSIM_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lily" / "metalsim"
+
+
+def unavailable_reason() -> str | None:
+    """Why the harness cannot run on this machine, or None when it can. It targets Linux x86-64 (the fiber
+    switch and the objc_msgSend trampoline are x86-64 assembly) and needs clang++ >= 17."""
+    import platform
+    import sys
+
+    if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
+        return f"the Metal emulation harness runs on Linux x86-64 (this is {sys.platform} {platform.machine()})"
+    if find_clang() is None:
+        return ("the Metal emulation harness needs clang++ >= 17 (apt-get install clang-19 libclang-rt-19-dev, "
+                "or set LILY_CLANGXX)")
+    return None
 
 
 def _clang_major(path: str) -> int:

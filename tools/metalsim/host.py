@@ -34,7 +34,8 @@ try:  # the emulator's build module: clang, per-mode flags, libmslsim, cache roo
 except ImportError:  # L1 needs only clang; L3 reports the missing module when it is used
     build = None
 
-__all__ = ["HOST_FLAGS", "REPO", "find_clang", "compile_check", "host_sources", "build_fakemetal", "build_program"]
+__all__ = ["HOST_FLAGS", "REPO", "find_clang", "compile_check", "host_sources", "build_fakemetal", "build_program",
+           "build_python_module", "msl_source_cpp"]
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -212,6 +213,54 @@ def build_program(sources: Iterable[str | os.PathLike], mode: str, out_name: str
     return _atomic_output(out, lambda tmp: _check(
         [clang, *map(str, objs), "-o", str(tmp), *_link_flags(mode), str(fake), str(runtime),
          f"-Wl,-rpath,{fake.parent}", f"-Wl,-rpath,{runtime.parent}", "-ldl", "-lpthread"], f"linking {out_name}"))
+
+
+def msl_source_cpp() -> Path:
+    """The C++ file defining lily::metal::msl_source() from metal/*.metal, as CMake generates it on macOS."""
+    parts = ["// Generated from metal/*.metal by metalsim.host (CMake does the same on macOS).\n",
+             '#include "metal/kernels.h"\n', "namespace lily::metal {\nconst char* msl_source() {\n  return\n"]
+    for f in sorted((REPO / "metal").glob("*.metal")):
+        parts.append(f'R"lilymsl(// ---- {f.name}\n{f.read_text()})lilymsl"\n')
+    parts.append(";\n}\n}  // namespace lily::metal\n")
+    text = "".join(parts)
+    out = _cache_dir("msl") / f"metal_sources-{_digest(text)}.cpp"
+    if not out.exists():
+        _atomic_output(out, lambda tmp: tmp.write_text(text))
+    return out
+
+
+def build_python_module(mode: str = "typed") -> Path:
+    """The Metal entry points of lily._core (python/bindings_metal.cpp, as built into the macOS extension) as a
+    Python module `lily_metal_emu`, built against the fake Metal runtime: the macOS bindings, the host code and
+    the kernels run end to end on Linux. Returns the folder holding the module (put it on sys.path)."""
+    import sysconfig
+
+    import nanobind
+
+    nb_dir = Path(nanobind.__file__).resolve().parent
+    nb_flags = ["-isystem", str(nb_dir / "include"), "-isystem", str(nb_dir / "ext" / "robin_map" / "include"),
+                "-isystem", sysconfig.get_paths()["include"]]
+    fake = build_fakemetal(mode)
+    runtime = Path(_build().runtime_library(mode))
+    # nanobind's own sources, compiled once (no -Werror: not our code).
+    nb_objs = _compile_objects([nb_dir / "src" / "nb_combined.cpp"],
+                               [*_mode_flags(mode), "-O1", "-fvisibility=hidden", *nb_flags],
+                               _digest(str(find_clang()), nanobind.__version__, mode))
+    module_init = HERE / "lily_metal_emu.cpp"
+    srcs = [module_init, REPO / "python" / "bindings_metal.cpp", msl_source_cpp(), *host_sources()]
+    flags = [*_mode_flags(mode), "-O1", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden",
+             "-DLILY_WITH_METAL=1", *_include_flags(), *nb_flags]
+    key = _digest(str(find_clang()), *flags, _headers_digest(CSRC / "metal", STUBS), nanobind.__version__)
+    objs = _compile_objects(srcs, flags, key)
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    link_key = _digest(*map(str, objs), *map(str, nb_objs), str(fake), str(runtime), *_link_flags(mode), suffix)
+    out = _cache_dir(f"pymodule-{mode}-{link_key}") / f"lily_metal_emu{suffix}"
+    clang = str(find_clang())
+    _atomic_output(out, lambda tmp: _check(
+        [clang, "-shared", *map(str, objs), *map(str, nb_objs), "-o", str(tmp), *_link_flags(mode), str(fake),
+         str(runtime), f"-Wl,-rpath,{fake.parent}", f"-Wl,-rpath,{runtime.parent}", "-ldl", "-lpthread"],
+        "linking lily_metal_emu"))
+    return out.parent
 
 
 def main(argv: Sequence[str] | None = None) -> int:
