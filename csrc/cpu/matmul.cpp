@@ -76,11 +76,11 @@ inline uint32_t code_at(const uint32_t* row, int bits, int64_t j) {
   return (row[j / per] >> ((j % per) * bits)) & ((1u << bits) - 1u);
 }
 
-const uint32_t* affine_row(const Weight& W, int64_t n) {
+const uint32_t* affine_row(const WeightView& W, int64_t n) {
   return static_cast<const uint32_t*>(W.data) + n * (W.cols * W.bits / 32);
 }
 
-void validate(const Weight& W) {
+void validate(const WeightView& W) {
   if (W.rows <= 0 || W.cols <= 0) throw std::invalid_argument("matmul: weight has an empty shape");
   if (!W.data) throw std::invalid_argument("matmul: weight has no data");
   if (W.quantized()) {
@@ -141,7 +141,7 @@ inline void transpose8x8(const float* src, int64_t ld, float* dst, int64_t ldd) 
 // Portable scalar kernels (the reference order; also the fallback for shapes the SIMD paths do not take)
 
 // Row n, columns [k0, k0+len) as fp32 (affine: fma(q, s, b), exactly what the SIMD Gemm packers compute).
-void decode_row_scalar(const Weight& W, int64_t n, int64_t k0, int64_t len, float* out) {
+void decode_row_scalar(const WeightView& W, int64_t n, int64_t k0, int64_t len, float* out) {
   if (W.quantized()) {
     const uint32_t* row = affine_row(W, n);
     const int64_t ng = W.cols / W.group;
@@ -155,7 +155,7 @@ void decode_row_scalar(const Weight& W, int64_t n, int64_t k0, int64_t len, floa
   }
 }
 
-void gemv_scalar(const float* x, int64_t T, int64_t ldx, const Weight& W, float* y, int64_t ldy,
+void gemv_scalar(const float* x, int64_t T, int64_t ldx, const WeightView& W, float* y, int64_t ldy,
                  int64_t n0, int64_t n1) {
   const int64_t K = W.cols;
   for (int64_t n = n0; n < n1; ++n) {
@@ -184,7 +184,7 @@ void gemv_scalar(const float* x, int64_t T, int64_t ldx, const Weight& W, float*
   }
 }
 
-void gemm_scalar(const float* x, int64_t t0, int64_t t1, int64_t ldx, const Weight& W, float* y,
+void gemm_scalar(const float* x, int64_t t0, int64_t t1, int64_t ldx, const WeightView& W, float* y,
                  int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t K = W.cols;
   float* w = tl_work.get(size_t(K));
@@ -408,12 +408,12 @@ struct GemvPrep {
 };
 
 // Whether Gemv q4 takes the whole-word kernel: its lanes map to groups by (8·lane) / G, exact for these G.
-bool gemv_q4dw(const Weight& W) {
+bool gemv_q4dw(const WeightView& W) {
   return V::Q4_DWORD && W.quantized() && W.bits == 4 &&
          (W.group == 32 || W.group == 64 || W.group % 128 == 0);
 }
 
-GemvPrep gemv_prepare(const float* x, int64_t T, int64_t ldx, const Weight& W) {
+GemvPrep gemv_prepare(const float* x, int64_t T, int64_t ldx, const WeightView& W) {
   const int64_t K = W.cols;
   GemvPrep p{};
   const bool q4dw = gemv_q4dw(W);
@@ -472,7 +472,7 @@ GemvPrep gemv_prepare(const float* x, int64_t T, int64_t ldx, const Weight& W) {
 constexpr int PF_BLOCKS = 4;
 
 template <int BITS, int R, int TT>
-void gemv_affine_block(const Weight& W, const GemvPrep& P, int64_t n, int64_t t0, float* y, int64_t ldy,
+void gemv_affine_block(const WeightView& W, const GemvPrep& P, int64_t n, int64_t t0, float* y, int64_t ldy,
                        float* sc, float* bi) {
   const int64_t K = W.cols, G = W.group, ng = K / G, ngp = P.ngp;
   const int64_t words = K * BITS / 32;
@@ -545,7 +545,7 @@ inline __m512 load_scalars16(const void* base, DType t, int64_t off, int64_t cou
 // lane-wise, permuted out of a register holding 16 of the row's scales (loaded straight from W, no
 // staging buffer). A partial last block is a masked load (zero codes, zero x).
 template <int R, int TT>
-void gemv_q4dw_block(const Weight& W, const GemvPrep& P, int64_t n, int64_t t0, float* y, int64_t ldy) {
+void gemv_q4dw_block(const WeightView& W, const GemvPrep& P, int64_t n, int64_t t0, float* y, int64_t ldy) {
   const int64_t K = W.cols, G = W.group, ng = K / G, ngp = P.ngp;
   const int64_t words = K / 8;
   const uint32_t* rows[R];
@@ -645,7 +645,7 @@ inline typename V::R load_dense(const void* base, int64_t i) {
 }
 
 template <DType DT, int R, int TT>
-void gemv_dense_block(const Weight& W, const GemvPrep& P, int64_t n, int64_t t0, float* y, int64_t ldy) {
+void gemv_dense_block(const WeightView& W, const GemvPrep& P, int64_t n, int64_t t0, float* y, int64_t ldy) {
   const int64_t K = W.cols, full = K / VW;
   const size_t es = dtype_size(DT);
   const char* rows[R];
@@ -692,7 +692,7 @@ void gemv_dense_block(const Weight& W, const GemvPrep& P, int64_t n, int64_t t0,
 
 // Rows [n0, n1) for all T: R rows per block (fewer x rows → more W rows in flight), TT ≤ 4 x rows at once.
 template <int R, int TT>
-void gemv_block_dispatch(const Weight& W, const GemvPrep& P, int64_t n, int64_t t0, float* y, int64_t ldy,
+void gemv_block_dispatch(const WeightView& W, const GemvPrep& P, int64_t n, int64_t t0, float* y, int64_t ldy,
                          float* sc, float* bi) {
   if (W.quantized()) {
     if (W.bits == 4) {
@@ -713,7 +713,7 @@ void gemv_block_dispatch(const Weight& W, const GemvPrep& P, int64_t n, int64_t 
 }
 
 template <int R>
-void gemv_rows(const Weight& W, const GemvPrep& P, int64_t T, int64_t n, float* y, int64_t ldy, float* sc,
+void gemv_rows(const WeightView& W, const GemvPrep& P, int64_t T, int64_t n, float* y, int64_t ldy, float* sc,
                float* bi) {
   if (W.quantized() && !gemv_q4dw(W)) {
     // Scales and biases as fp32, row r at r·ngp (a multiple of VW, so the kernel's vector reads line up
@@ -746,7 +746,7 @@ void gemv_rows(const Weight& W, const GemvPrep& P, int64_t T, int64_t n, float* 
   }
 }
 
-void gemv_simd_range(const Weight& W, const GemvPrep& P, int64_t T, float* y, int64_t ldy, int64_t n0,
+void gemv_simd_range(const WeightView& W, const GemvPrep& P, int64_t T, float* y, int64_t ldy, int64_t n0,
                      int64_t n1) {
   constexpr int RMAX = 4;
   float* sc = tl_work.get(size_t(2 * RMAX * P.ngp + 1));
@@ -759,7 +759,7 @@ void gemv_simd_range(const Weight& W, const GemvPrep& P, int64_t T, float* y, in
   for (; n < n1; ++n) gemv_rows<1>(W, P, T, n, y, ldy, sc, bi);
 }
 
-bool gemv_simd_ok(const Weight& W) {
+bool gemv_simd_ok(const WeightView& W) {
   return !W.quantized() || ((W.bits == 4 || W.bits == 8) && W.group % 32 == 0);
 }
 
@@ -772,16 +772,16 @@ constexpr int64_t KC = 256;        // K block (multiple of 32 and of every suppo
 constexpr int64_t KS = 64;         // rows are decoded KS columns at a time into a small row-major tile
 constexpr int64_t PANELS = 4;      // panels packed per K block: x tile reused from L1 across them
 
-// Weight kinds the Gemm packer is specialised for (one dispatch per panel, not per segment).
+// WeightView kinds the Gemm packer is specialised for (one dispatch per panel, not per segment).
 enum Kind { KQ4, KQ8, KF32, KF16, KBF16 };
-int kind_of(const Weight& W) {
+int kind_of(const WeightView& W) {
   if (W.quantized()) return W.bits == 4 ? KQ4 : KQ8;
   return W.dtype == DType::F32 ? KF32 : W.dtype == DType::F16 ? KF16 : KBF16;
 }
 
 // Decodes row n, columns [k0, k0+len) (len ≤ KS) as fp32 into out[0..KS), zero beyond len.
 template <int KIND>
-inline void decode_seg_k(const Weight& W, int64_t n, int64_t k0, int64_t len, float* out) {
+inline void decode_seg_k(const WeightView& W, int64_t n, int64_t k0, int64_t len, float* out) {
   if constexpr (KIND == KQ4 || KIND == KQ8) {
     // K and k0 are multiples of 32, so len is too; every 32-code chunk sits inside one group.
     const int64_t G = W.group, ng = W.cols / G;
@@ -814,7 +814,7 @@ inline void decode_seg_k(const Weight& W, int64_t n, int64_t k0, int64_t len, fl
   for (int64_t i = len; i < KS; ++i) out[i] = 0.f;
 }
 
-void decode_seg(const Weight& W, int64_t n, int64_t k0, int64_t len, float* out) {
+void decode_seg(const WeightView& W, int64_t n, int64_t k0, int64_t len, float* out) {
   switch (kind_of(W)) {
     case KQ4: return decode_seg_k<KQ4>(W, n, k0, len, out);
     case KQ8: return decode_seg_k<KQ8>(W, n, k0, len, out);
@@ -826,7 +826,7 @@ void decode_seg(const Weight& W, int64_t n, int64_t k0, int64_t len, float* out)
 
 // Panel of rows [nb, nb+NR) ∩ [0, N), columns [k0, k0+kc) → wp[k][NR]; rows past N are zero.
 template <int KIND>
-void pack_panel(const Weight& W, int64_t nb, int64_t k0, int64_t kc, float* wp, float* tile) {
+void pack_panel(const WeightView& W, int64_t nb, int64_t k0, int64_t kc, float* wp, float* tile) {
   for (int64_t ks = 0; ks < kc; ks += KS) {
     const int64_t len = std::min(KS, kc - ks);
     for (int i = 0; i < NR; ++i) {
@@ -888,12 +888,12 @@ constexpr auto make_micro_table(std::integer_sequence<int, Ms...>) {
   return std::array<MicroFn, sizeof...(Ms)>{&micro_kernel<Ms + 1>...};
 }
 
-void gemm_simd_range(const float* x, int64_t t0, int64_t t1, int64_t ldx, const Weight& W, float* y,
+void gemm_simd_range(const float* x, int64_t t0, int64_t t1, int64_t ldx, const WeightView& W, float* y,
                      int64_t ldy, int64_t n0, int64_t n1) {
   static constexpr auto micro = make_micro_table(std::make_integer_sequence<int, MR>{});
   const int64_t K = W.cols;
   const int64_t panel_floats = (KC + KS) * NR;
-  using PackFn = void (*)(const Weight&, int64_t, int64_t, int64_t, float*, float*);
+  using PackFn = void (*)(const WeightView&, int64_t, int64_t, int64_t, float*, float*);
   static constexpr PackFn packers[] = {&pack_panel<KQ4>, &pack_panel<KQ8>, &pack_panel<KF32>, &pack_panel<KF16>,
                                        &pack_panel<KBF16>};
   const PackFn pack = packers[kind_of(W)];
@@ -916,7 +916,7 @@ void gemm_simd_range(const float* x, int64_t t0, int64_t t1, int64_t ldx, const 
   }
 }
 
-bool gemm_simd_ok(const Weight& W) {
+bool gemm_simd_ok(const WeightView& W) {
   return !W.quantized() || ((W.bits == 4 || W.bits == 8) && W.group % 32 == 0);
 }
 #endif  // SIMD
@@ -924,7 +924,7 @@ bool gemm_simd_ok(const Weight& W) {
 // ---------------------------------------------------------------------------------------------------------
 // Dispatch shared by matmul / matmul_serial: kernels take a range of W rows (and of x rows for Gemm).
 
-bool uses_simd(const Weight& W, MatmulPath path) {
+bool uses_simd(const WeightView& W, MatmulPath path) {
 #if defined(LILY_MM_AVX512) || defined(LILY_MM_AVX2)
   return path == MatmulPath::Gemv ? gemv_simd_ok(W) : gemm_simd_ok(W);
 #else
@@ -934,7 +934,7 @@ bool uses_simd(const Weight& W, MatmulPath path) {
 #endif
 }
 
-void run(const float* x, int64_t T, int64_t ldx, const Weight& W, float* y, int64_t ldy, MatmulPath path,
+void run(const float* x, int64_t T, int64_t ldx, const WeightView& W, float* y, int64_t ldy, MatmulPath path,
          ThreadPool* pool) {
   validate(W);
   if (T <= 0) return;
@@ -982,17 +982,17 @@ void run(const float* x, int64_t T, int64_t ldx, const Weight& W, float* y, int6
 
 }  // namespace
 
-void matmul(const float* x, int64_t T, int64_t ldx, const Weight& W, float* y, int64_t ldy,
+void matmul(const float* x, int64_t T, int64_t ldx, const WeightView& W, float* y, int64_t ldy,
             MatmulPath path, ThreadPool& pool) {
   run(x, T, ldx, W, y, ldy, path, &pool);
 }
 
-void matmul_serial(const float* x, int64_t T, int64_t ldx, const Weight& W, float* y, int64_t ldy,
+void matmul_serial(const float* x, int64_t T, int64_t ldx, const WeightView& W, float* y, int64_t ldy,
                    MatmulPath path) {
   run(x, T, ldx, W, y, ldy, path, nullptr);
 }
 
-void dequant_row(const Weight& W, int64_t r, float* out) {
+void dequant_row(const WeightView& W, int64_t r, float* out) {
   validate(W);
   if (r < 0 || r >= W.rows) throw std::out_of_range("dequant_row: row " + std::to_string(r) + " out of range");
 #if defined(LILY_MM_AVX512) || defined(LILY_MM_AVX2)
@@ -1010,7 +1010,7 @@ void dequant_row(const Weight& W, int64_t r, float* out) {
   decode_row_scalar(W, r, 0, W.cols, out);
 }
 
-const char* matmul_variant(const Weight& W, MatmulPath path) {
+const char* matmul_variant(const WeightView& W, MatmulPath path) {
   // Static strings for each (path, weight kind, ISA) the dispatcher in run() can take.
   const bool simd = uses_simd(W, path);
   const bool gemv = path == MatmulPath::Gemv;

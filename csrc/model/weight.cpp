@@ -19,7 +19,7 @@ const char* dtype_name(DType t) {
   return "?";
 }
 
-std::string Weight::describe() const {
+std::string WeightView::describe() const {
   if (quantized()) return "q" + std::to_string(bits) + "g" + std::to_string(group);
   return dtype_name(dtype);
 }

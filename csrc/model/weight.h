@@ -13,7 +13,8 @@ enum class DType : uint8_t { F32, F16, BF16, I32 };
 inline size_t dtype_size(DType t) { return t == DType::F16 || t == DType::BF16 ? 2 : 4; }
 const char* dtype_name(DType t);
 
-struct Weight {
+// A weight as the CPU kernels see it: host pointers into the mapped checkpoint.
+struct WeightView {
   enum class Kind : uint8_t { Dense, Affine };
   Kind kind = Kind::Dense;
   DType dtype = DType::F32;        // Dense: element type
@@ -52,6 +53,8 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
   return uint16_t(u >> 16);
 }
 float f16_to_f32(uint16_t h);
+
+using Weight = WeightView;  // replaced by the mapping-relative Weight (issue: device-resident step)
 
 // Element `i` of a scale/bias array of the given dtype.
 inline float load_scalar(const void* p, DType t, int64_t i) {
