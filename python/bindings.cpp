@@ -1,20 +1,29 @@
 // lily._core: the nanobind module. Converts Python descriptors of memory-mapped checkpoint tensors into
-// the C++ model, releases the GIL around every forward, and streams tokens back through callbacks.
+// the C++ model (the schema lives in csrc/model/loader.cpp), chooses the backend, and binds sessions.
+// GIL and locks: every call that may wait for the engine lock or run a forward releases the GIL first;
+// Python callbacks (tokens, progress) take it back only for their own duration, with no lock held.
+#include <Python.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <memory>
 #include <mutex>
+#include <random>
 #include <stdexcept>
 #include <string>
 
 #include "cpu/backend.h"
 #include "cpu/reduce.h"
+#include "model/loader.h"
 #include "model/qwen36.h"
+#include "runtime/mt19937.h"
 #include "runtime/session.h"
 
 #ifdef LILY_WITH_METAL
@@ -28,6 +37,8 @@ using namespace lily;
 namespace {
 
 using AnyArray = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+
+// ---- descriptors -> weights ----
 
 DType parse_dtype(const std::string& s, const std::string& where) {
   if (s == "f32") return DType::F32;
@@ -46,147 +57,156 @@ const void* array_ptr(const nb::dict& d, const char* key, size_t min_bytes, cons
   return a.data();
 }
 
-Weight parse_weight(const nb::handle& h, const std::string& where, int64_t rows, int64_t cols) {
+HostMatrix parse_matrix(const nb::handle& h, const std::string& where, int64_t rows, int64_t cols) {
   nb::dict d = nb::cast<nb::dict>(h);
-  Weight w;
+  HostMatrix m;
+  WeightFormat& f = m.fmt;
   auto shape = nb::cast<std::vector<int64_t>>(d["shape"]);
   if (shape.size() != 2 || shape[0] != rows || shape[1] != cols)
     throw std::invalid_argument("tensor '" + where + "': shape does not match the config (expected [" +
                                 std::to_string(rows) + ", " + std::to_string(cols) + "])");
-  w.rows = rows;
-  w.cols = cols;
+  f.rows = rows;
+  f.cols = cols;
   std::string kind = nb::cast<std::string>(d["kind"]);
   if (kind == "dense") {
-    w.kind = Weight::Kind::Dense;
-    w.dtype = parse_dtype(nb::cast<std::string>(d["dtype"]), where);
-    w.data = array_ptr(d, "data", w.bytes(), where);
+    f.kind = WeightFormat::Kind::Dense;
+    f.dtype = parse_dtype(nb::cast<std::string>(d["dtype"]), where);
+    m.data = array_ptr(d, "data", f.row_bytes() * size_t(rows), where);
   } else if (kind == "affine") {
-    w.kind = Weight::Kind::Affine;
-    w.bits = nb::cast<int>(d["bits"]);
-    w.group = nb::cast<int>(d["group"]);
-    if (w.bits != 4 && w.bits != 8)
-      throw std::invalid_argument("tensor '" + where + "': " + std::to_string(w.bits) + "-bit weights are not supported");
-    if (w.group <= 0 || cols % w.group) throw std::invalid_argument("tensor '" + where + "': bad group size");
-    w.scale_dtype = parse_dtype(nb::cast<std::string>(d["scale_dtype"]), where);
-    size_t sb = size_t(rows) * (cols / w.group) * dtype_size(w.scale_dtype);
-    w.data = array_ptr(d, "data", w.row_bytes() * rows, where);
-    w.scales = array_ptr(d, "scales", sb, where);
-    w.biases = array_ptr(d, "biases", sb, where);
+    f.kind = WeightFormat::Kind::Affine;
+    f.bits = nb::cast<int>(d["bits"]);
+    f.group = nb::cast<int>(d["group"]);
+    if (f.bits != 4 && f.bits != 8)
+      throw std::invalid_argument("tensor '" + where + "': " + std::to_string(f.bits) + "-bit weights are not supported");
+    if (f.group <= 0 || cols % f.group) throw std::invalid_argument("tensor '" + where + "': bad group size");
+    f.scale_dtype = parse_dtype(nb::cast<std::string>(d["scale_dtype"]), where);
+    m.data = array_ptr(d, "data", f.row_bytes() * size_t(rows), where);
+    m.scales = array_ptr(d, "scales", f.scale_bytes(), where);
+    m.biases = array_ptr(d, "biases", f.scale_bytes(), where);
   } else {
     throw std::invalid_argument("tensor '" + where + "': unknown kind '" + kind + "'");
   }
-  return w;
+  return m;
 }
 
-// The engine: backend, model and the lock that serialises forwards across its sessions.
+WeightView view_of(const HostMatrix& m) {
+  WeightView v;
+  static_cast<WeightFormat&>(v) = m.fmt;
+  v.data = m.data;
+  v.scales = m.scales;
+  v.biases = m.biases;
+  return v;
+}
+
+WeightView parse_view(const nb::dict& weight) {
+  auto shape = nb::cast<std::vector<int64_t>>(weight["shape"]);
+  if (shape.size() != 2) throw std::invalid_argument("weight shape must have two dims");
+  return view_of(parse_matrix(weight, "weight", shape[0], shape[1]));
+}
+
+class DictSource final : public WeightSource {
+ public:
+  explicit DictSource(const nb::dict& t) : t_(t) {}
+  HostMatrix matrix(const std::string& name, int64_t rows, int64_t cols) override {
+    if (!t_.contains(name.c_str())) throw std::invalid_argument("missing tensor '" + name + "'");
+    return parse_matrix(t_[name.c_str()], name, rows, cols);
+  }
+  const float* vector(const std::string& name, int64_t count) override {
+    if (!t_.contains(name.c_str())) throw std::invalid_argument("missing tensor '" + name + "'");
+    auto a = nb::cast<nb::ndarray<const float, nb::c_contig, nb::device::cpu>>(t_[name.c_str()]);
+    if (int64_t(a.size()) != count)
+      throw std::invalid_argument("tensor '" + name + "' has " + std::to_string(a.size()) + " values, expected " +
+                                  std::to_string(count));
+    return a.data();
+  }
+
+ private:
+  const nb::dict& t_;
+};
+
+ModelConfig parse_config(const nb::dict& cfg) {
+  ModelConfig c;
+  auto get = [&](const char* key) {
+    if (!cfg.contains(key)) throw std::invalid_argument(std::string("model config lacks '") + key + "'");
+    return cfg[key];
+  };
+#define LILY_PARSE_FIELD(member, type, key, field) c.member = nb::cast<type>(get(key));
+  LILY_CONFIG_FIELDS(LILY_PARSE_FIELD)
+#undef LILY_PARSE_FIELD
+  c.full_attention = nb::cast<std::vector<bool>>(get("full_attention"));
+  c.validate();
+  return c;
+}
+
+// ---- backends ----
+
+// What this build holds, in the order "auto" prefers them.
+nb::dict backends_dict() {
+  nb::dict d;
+  auto put = [&](const char* name, bool built, bool usable, const std::string& why) {
+    nb::dict b;
+    b["built"] = built;
+    b["usable"] = usable;
+    b["status"] = why;
+    d[name] = b;
+  };
+  put("cuda", false, false,
+      "not built: this extension has no CUDA backend (it arrives with the CUDA backend issue; "
+      "Lily runs on the CPU meanwhile)");
+#ifdef LILY_WITH_METAL
+  put("metal", false, false,
+      "not built as an inference backend yet: this build holds the Metal device layer and its first kernels "
+      "(tests/metal); the Metal Ops backend for the model graph arrives with the Metal backend issue");
+#else
+  put("metal", false, false, "not built: Metal exists only on macOS builds");
+#endif
+  put("cpu", true, true, "built and usable");
+  return d;
+}
+
+std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& options) {
+  nb::dict all = backends_dict();
+  if (!all.contains(name.c_str())) {
+    std::string names;
+    for (auto [k, v] : all) names += (names.empty() ? "" : ", ") + nb::cast<std::string>(k);
+    throw std::invalid_argument("unknown backend '" + name + "' (known: " + names + ")");
+  }
+  nb::dict b = nb::cast<nb::dict>(all[name.c_str()]);
+  if (!nb::cast<bool>(b["usable"]))
+    throw std::invalid_argument("backend '" + name + "' is " + nb::cast<std::string>(b["status"]));
+  cpu::CpuOptions o;
+  auto opt = [&](const char* k) { return options.contains(k) ? options[k] : nb::none(); };
+  if (!opt("threads").is_none()) o.threads = nb::cast<int>(opt("threads"));
+  if (!opt("deferred").is_none()) o.deferred = nb::cast<bool>(opt("deferred"));
+  if (!opt("shuffle_seed").is_none()) o.shuffle_seed = nb::cast<uint64_t>(opt("shuffle_seed"));
+  if (!opt("strict_alloc").is_none()) o.strict_alloc = nb::cast<bool>(opt("strict_alloc"));
+  return std::make_unique<cpu::CpuOps>(o);
+}
+
+// ---- the engine ----
+
 struct PyEngine {
   std::unique_ptr<Ops> ops;
   std::unique_ptr<Qwen36> model;
-  std::mutex lock;
+  std::mutex lock;       // one backend call at a time (sessions, snapshots, report probes)
   nb::object keepalive;  // the Python objects owning the mapped weight memory
-  std::map<std::string, size_t> weight_bytes;
+  LoadInfo info;
 
-  PyEngine(const nb::dict& cfg, const nb::dict& tensors, const std::string& backend, int threads) {
-    ModelConfig c;
-    c.hidden = nb::cast<int64_t>(cfg["hidden"]);
-    c.layers = nb::cast<int64_t>(cfg["layers"]);
-    c.vocab = nb::cast<int64_t>(cfg["vocab"]);
-    c.eps = nb::cast<float>(cfg["eps"]);
-    c.heads = nb::cast<int64_t>(cfg["heads"]);
-    c.kv_heads = nb::cast<int64_t>(cfg["kv_heads"]);
-    c.head_dim = nb::cast<int64_t>(cfg["head_dim"]);
-    c.rotary_dim = nb::cast<int64_t>(cfg["rotary_dim"]);
-    c.rope_theta = nb::cast<double>(cfg["rope_theta"]);
-    c.lin_k_heads = nb::cast<int64_t>(cfg["lin_k_heads"]);
-    c.lin_v_heads = nb::cast<int64_t>(cfg["lin_v_heads"]);
-    c.lin_k_dim = nb::cast<int64_t>(cfg["lin_k_dim"]);
-    c.lin_v_dim = nb::cast<int64_t>(cfg["lin_v_dim"]);
-    c.conv_kernel = nb::cast<int64_t>(cfg["conv_kernel"]);
-    c.experts = nb::cast<int64_t>(cfg["experts"]);
-    c.topk = nb::cast<int64_t>(cfg["topk"]);
-    c.moe_inter = nb::cast<int64_t>(cfg["moe_inter"]);
-    c.shared_inter = nb::cast<int64_t>(cfg["shared_inter"]);
-    c.full_attention = nb::cast<std::vector<bool>>(cfg["full_attention"]);
-    c.validate();
-
-    if (backend != "cpu")
-      throw std::invalid_argument("backend '" + backend + "' is not built into this extension (available: cpu)");
-    ops = std::make_unique<cpu::CpuOps>(threads);
+  PyEngine(const nb::dict& cfg, const nb::dict& tensors, const std::vector<std::pair<AnyArray, std::string>>& files,
+           const std::string& backend, const nb::dict& options) {
+    ModelConfig c = parse_config(cfg);
+    ops = make_backend(backend, options);
     model = std::make_unique<Qwen36>(c, *ops);
-    keepalive = tensors;
-    load(c, tensors);
+    keepalive = nb::make_tuple(tensors, nb::cast(files));
+    std::vector<MappedRegion> regions;
+    for (auto& [a, label] : files) regions.push_back({a.data(), a.nbytes(), label});
+    DictSource src(tensors);
+    info = load_weights(*model, src, regions);
   }
 
   ~PyEngine() {
     model.reset();
     ops.reset();
-  }
-
-  Tensor vec(const nb::dict& t, const std::string& name, int64_t rows, int64_t cols) {
-    if (!t.contains(name.c_str())) throw std::invalid_argument("missing tensor '" + name + "'");
-    auto a = nb::cast<nb::ndarray<const float, nb::c_contig, nb::device::cpu>>(t[name.c_str()]);
-    if (int64_t(a.size()) != rows * cols)
-      throw std::invalid_argument("tensor '" + name + "' has " + std::to_string(a.size()) + " values, expected " +
-                                  std::to_string(rows * cols));
-    Tensor out = ops->alloc(name, DType::F32, rows, cols);
-    ops->upload(out, a.data());
-    return out;
-  }
-
-  Weight mat(const nb::dict& t, const std::string& name, int64_t rows, int64_t cols, const char* component) {
-    if (!t.contains(name.c_str())) throw std::invalid_argument("missing tensor '" + name + "'");
-    Weight w = parse_weight(t[name.c_str()], name, rows, cols);
-    weight_bytes[component] += w.bytes();
-    return w;
-  }
-
-  void load(const ModelConfig& c, const nb::dict& t) {
-    ModelWeights& W = model->weights();
-    const std::string embed = "embed";
-    W.embed = mat(t, embed, c.vocab, c.hidden, "embed_tokens");
-    W.lm_head = mat(t, "lm_head", c.vocab, c.hidden, "lm_head");
-    W.tied = W.lm_head.data == W.embed.data;
-    if (W.tied) weight_bytes["lm_head"] -= W.lm_head.bytes();
-    W.final_norm = vec(t, "final_norm", 1, c.hidden);
-    W.layers.resize(size_t(c.layers));
-    for (int64_t i = 0; i < c.layers; ++i) {
-      LayerWeights& L = W.layers[size_t(i)];
-      const std::string p = "layers." + std::to_string(i) + ".";
-      L.full = c.full_attention[size_t(i)];
-      L.input_norm = vec(t, p + "input_norm", 1, c.hidden);
-      L.post_norm = vec(t, p + "post_norm", 1, c.hidden);
-      if (L.full) {
-        const int64_t QD = c.heads * c.head_dim, KD = c.kv_heads * c.head_dim;
-        L.q = mat(t, p + "attn.q", 2 * QD, c.hidden, "attention");
-        L.k = mat(t, p + "attn.k", KD, c.hidden, "attention");
-        L.v = mat(t, p + "attn.v", KD, c.hidden, "attention");
-        L.o = mat(t, p + "attn.o", c.hidden, QD, "attention");
-        L.q_norm = vec(t, p + "attn.q_norm", 1, c.head_dim);
-        L.k_norm = vec(t, p + "attn.k_norm", 1, c.head_dim);
-      } else {
-        const int64_t VD = c.value_dim();
-        L.qkv = mat(t, p + "delta.qkv", c.conv_dim(), c.hidden, "deltanet");
-        L.z = mat(t, p + "delta.z", VD, c.hidden, "deltanet");
-        L.b = mat(t, p + "delta.b", c.lin_v_heads, c.hidden, "deltanet");
-        L.a = mat(t, p + "delta.a", c.lin_v_heads, c.hidden, "deltanet");
-        L.out = mat(t, p + "delta.out", c.hidden, VD, "deltanet");
-        L.conv = vec(t, p + "delta.conv", c.conv_dim(), c.conv_kernel);
-        L.A_log = vec(t, p + "delta.A_log", 1, c.lin_v_heads);
-        L.dt_bias = vec(t, p + "delta.dt_bias", 1, c.lin_v_heads);
-        L.delta_norm = vec(t, p + "delta.norm", 1, c.lin_v_dim);
-      }
-      L.router = mat(t, p + "moe.router", c.experts, c.hidden, "router");
-      L.shared_gate = mat(t, p + "moe.shared_gate", 1, c.hidden, "router");
-      L.shared_gate_proj = mat(t, p + "moe.shared.gate", c.shared_inter, c.hidden, "shared_expert");
-      L.shared_up = mat(t, p + "moe.shared.up", c.shared_inter, c.hidden, "shared_expert");
-      L.shared_down = mat(t, p + "moe.shared.down", c.hidden, c.shared_inter, "shared_expert");
-      for (int64_t e = 0; e < c.experts; ++e) {
-        const std::string q = p + "moe.experts." + std::to_string(e) + ".";
-        L.experts.gate.push_back(mat(t, q + "gate", c.moe_inter, c.hidden, "experts"));
-        L.experts.up.push_back(mat(t, q + "up", c.moe_inter, c.hidden, "experts"));
-        L.experts.down.push_back(mat(t, q + "down", c.hidden, c.moe_inter, "experts"));
-      }
-    }
   }
 
   nb::dict report() {
@@ -195,9 +215,12 @@ struct PyEngine {
     r["device"] = ops->device();
     r["threads"] = ops->threads();
     nb::dict wb;
-    for (auto& [k, v] : weight_bytes) wb[k.c_str()] = v;
+    for (auto& [k, v] : info.weight_bytes) wb[k.c_str()] = v;
     r["weight_bytes"] = wb;
     r["backend_buffer_bytes"] = ops->allocated_bytes();
+    r["mappings"] = info.mappings;
+    r["repacked_expert_projections"] = info.repacked_projections;
+    r["repacked_expert_bytes"] = info.repacked_bytes;
     nb::dict variants;
     const ModelWeights& W = model->weights();
     const LayerWeights* lin = nullptr;
@@ -222,8 +245,8 @@ struct PyEngine {
     put("lm_head", W.lm_head);
     if (lin) put("deltanet.in_proj_qkv", lin->qkv);
     if (full) put("attention.q_proj", full->q);
-    put("experts.gate_proj", W.layers[0].experts.gate[0]);
-    put("experts.down_proj", W.layers[0].experts.down[0]);
+    put("experts.gate_proj", W.layers[0].experts_gate);
+    put("experts.down_proj", W.layers[0].experts_down);
     put("router", W.layers[0].router);
     r["kernels"] = variants;
     r["optimizations"] = ops->optimizations();
@@ -232,13 +255,37 @@ struct PyEngine {
   }
 };
 
+// Releases the GIL around `f` unless the interpreter is shutting down (then no other Python thread
+// runs, and a thread state must not be dropped).
+template <class F>
+auto without_gil(F&& f) -> decltype(f()) {
+#if PY_VERSION_HEX >= 0x030D0000
+  const bool finalizing = Py_IsFinalizing();
+#else
+  const bool finalizing = _Py_IsFinalizing();
+#endif
+  if (!Py_IsInitialized() || finalizing) return f();
+  nb::gil_scoped_release nogil;
+  return f();
+}
+
+struct PySnapshot {
+  std::unique_ptr<DeviceSnapshot> s;
+  ~PySnapshot() {
+    without_gil([&] { s.reset(); });
+  }
+};
+
 struct PySession {
-  std::shared_ptr<Session> s;
+  std::unique_ptr<Session> s;
   int64_t vocab;
+  ~PySession() {
+    without_gil([&] { s.reset(); });
+  }
 };
 
 nb::ndarray<nb::numpy, float, nb::ndim<2>> new_logits(int64_t rows, int64_t vocab, float** data) {
-  float* buf = new float[size_t(rows * vocab)];
+  float* buf = new float[size_t(std::max<int64_t>(rows, 1) * vocab)];
   *data = buf;
   nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<float*>(p); });
   return nb::ndarray<nb::numpy, float, nb::ndim<2>>(buf, {size_t(rows), size_t(vocab)}, owner);
@@ -257,9 +304,48 @@ nb::dict stats_dict(const StepStats& s) {
   d["ops"] = s.ops;
   d["stages"] = s.stages;
   nb::dict c;
-  for (auto& [k, v] : s.op_counts) c[k.c_str()] = v;
+  for (size_t k = 0; k < kOpKinds; ++k)
+    if (s.op_counts[k]) c[op_name(OpKind(k))] = s.op_counts[k];
   d["op_counts"] = c;
   return d;
+}
+
+nb::dict host_snapshot_arrays(const HostSnapshot& s) {
+  nb::dict d;
+  d["tokens"] = to_numpy(s.tokens);
+  d["pending"] = to_numpy(std::vector<int32_t>{s.pending});
+  d["logits"] = to_numpy(s.logits);
+  for (size_t i = 0; i < s.kv.size(); ++i) d[("kv." + std::to_string(i)).c_str()] = to_numpy(s.kv[i]);
+  for (size_t i = 0; i < s.conv.size(); ++i) {
+    d[("conv." + std::to_string(i)).c_str()] = to_numpy(s.conv[i]);
+    d[("recurrent." + std::to_string(i)).c_str()] = to_numpy(s.recurrent[i]);
+  }
+  return d;
+}
+
+HostSnapshot host_snapshot_from_arrays(const nb::dict& d) {
+  auto f32 = [&](const std::string& k) {
+    if (!d.contains(k.c_str())) throw std::invalid_argument("session state lacks '" + k + "'");
+    auto a = nb::cast<nb::ndarray<const float, nb::c_contig, nb::device::cpu>>(d[k.c_str()]);
+    return std::vector<float>(a.data(), a.data() + a.size());
+  };
+  auto i32 = [&](const std::string& k) {
+    if (!d.contains(k.c_str())) throw std::invalid_argument("session state lacks '" + k + "'");
+    auto a = nb::cast<nb::ndarray<const int32_t, nb::c_contig, nb::device::cpu>>(d[k.c_str()]);
+    return std::vector<int32_t>(a.data(), a.data() + a.size());
+  };
+  HostSnapshot s;
+  s.tokens = i32("tokens");
+  s.position = int64_t(s.tokens.size());
+  auto pending = i32("pending");
+  s.pending = pending.empty() ? -1 : pending[0];
+  s.logits = f32("logits");
+  for (size_t i = 0; d.contains(("kv." + std::to_string(i)).c_str()); ++i) s.kv.push_back(f32("kv." + std::to_string(i)));
+  for (size_t i = 0; d.contains(("conv." + std::to_string(i)).c_str()); ++i) {
+    s.conv.push_back(f32("conv." + std::to_string(i)));
+    s.recurrent.push_back(f32("recurrent." + std::to_string(i)));
+  }
+  return s;
 }
 
 // Runs a Python callback from a thread without the GIL; a Python exception stops the loop and is
@@ -281,6 +367,23 @@ struct CallbackGuard {
     if (failed) throw nb::python_error();
   }
 };
+
+SamplingParams parse_sampling(const nb::dict& p) {
+  SamplingParams sp;
+  sp.temperature = nb::cast<float>(p["temperature"]);
+  sp.top_k = nb::cast<int64_t>(p["top_k"]);
+  sp.top_p = nb::cast<float>(p["top_p"]);
+  sp.min_p = nb::cast<float>(p["min_p"]);
+  sp.repetition_penalty = nb::cast<float>(p["repetition_penalty"]);
+  sp.presence_penalty = nb::cast<float>(p["presence_penalty"]);
+  sp.frequency_penalty = nb::cast<float>(p["frequency_penalty"]);
+  if (!p["seed"].is_none()) {
+    sp.has_seed = true;
+    sp.seed = nb::cast<uint64_t>(p["seed"]);
+  }
+  sp.validate();
+  return sp;
+}
 
 }  // namespace
 
@@ -306,60 +409,42 @@ NB_MODULE(_core, m) {
     }
   });
 
+  m.def("backends", &backends_dict, "Every backend this build knows: built, usable, and why not.");
+
   nb::class_<PyEngine>(m, "Engine")
-      .def(nb::init<const nb::dict&, const nb::dict&, const std::string&, int>(), "config"_a, "tensors"_a,
-           "backend"_a = "cpu", "threads"_a = 0)
+      .def(nb::init<const nb::dict&, const nb::dict&, const std::vector<std::pair<AnyArray, std::string>>&,
+                    const std::string&, const nb::dict&>(),
+           "config"_a, "tensors"_a, "files"_a, "backend"_a = "cpu", "options"_a = nb::dict())
       .def("report", &PyEngine::report)
       .def("set_profiling",
            [](PyEngine& e, bool on) {
-             std::lock_guard<std::mutex> lk(e.lock);
-             e.ops->set_profiling(on);
+             without_gil([&] {
+               std::lock_guard<std::mutex> lk(e.lock);
+               e.ops->set_profiling(on);
+             });
            })
       .def("profile", [](PyEngine& e) {
-        std::lock_guard<std::mutex> lk(e.lock);
-        return e.ops->profile();
+        std::map<std::string, double> out;
+        without_gil([&] {
+          std::lock_guard<std::mutex> lk(e.lock);
+          for (size_t k = 0; k < kOpKinds; ++k)
+            if (e.ops->profile()[k] > 0) out[op_name(OpKind(k))] = e.ops->profile()[k];
+        });
+        return out;
       });
 
-  nb::class_<Snapshot>(m, "Snapshot")
-      .def_prop_ro("position", [](const Snapshot& s) { return s.position + (s.pending >= 0); })
-      .def_prop_ro("nbytes", &Snapshot::bytes)
-      .def("to_arrays",
-           [](const Snapshot& s) {
-             nb::dict d;
-             d["tokens"] = to_numpy(s.tokens);
-             d["pending"] = to_numpy(std::vector<int32_t>{s.pending});
-             d["logits"] = to_numpy(s.logits);
-             for (size_t i = 0; i < s.kv.size(); ++i) d[("kv." + std::to_string(i)).c_str()] = to_numpy(s.kv[i]);
-             for (size_t i = 0; i < s.conv.size(); ++i) {
-               d[("conv." + std::to_string(i)).c_str()] = to_numpy(s.conv[i]);
-               d[("recurrent." + std::to_string(i)).c_str()] = to_numpy(s.recurrent[i]);
-             }
-             return d;
-           })
-      .def_static("from_arrays", [](const nb::dict& d) {
-        auto f32 = [&](const std::string& k) {
-          if (!d.contains(k.c_str())) throw std::invalid_argument("session state lacks '" + k + "'");
-          auto a = nb::cast<nb::ndarray<const float, nb::c_contig, nb::device::cpu>>(d[k.c_str()]);
-          return std::vector<float>(a.data(), a.data() + a.size());
-        };
-        auto i32 = [&](const std::string& k) {
-          if (!d.contains(k.c_str())) throw std::invalid_argument("session state lacks '" + k + "'");
-          auto a = nb::cast<nb::ndarray<const int32_t, nb::c_contig, nb::device::cpu>>(d[k.c_str()]);
-          return std::vector<int32_t>(a.data(), a.data() + a.size());
-        };
-        Snapshot s;
-        s.tokens = i32("tokens");
-        s.position = int64_t(s.tokens.size());
-        auto pending = i32("pending");
-        s.pending = pending.empty() ? -1 : pending[0];
-        s.logits = f32("logits");
-        for (size_t i = 0; d.contains(("kv." + std::to_string(i)).c_str()); ++i)
-          s.kv.push_back(f32("kv." + std::to_string(i)));
-        for (size_t i = 0; d.contains(("conv." + std::to_string(i)).c_str()); ++i) {
-          s.conv.push_back(f32("conv." + std::to_string(i)));
-          s.recurrent.push_back(f32("recurrent." + std::to_string(i)));
-        }
-        return s;
+  nb::class_<HostSnapshot>(m, "HostSnapshot")
+      .def_prop_ro("position", [](const HostSnapshot& s) { return s.position + (s.pending >= 0); })
+      .def_prop_ro("nbytes", &HostSnapshot::bytes)
+      .def("to_arrays", &host_snapshot_arrays)
+      .def_static("from_arrays", &host_snapshot_from_arrays);
+
+  nb::class_<PySnapshot>(m, "Snapshot")
+      .def_prop_ro("position", [](const PySnapshot& s) { return s.s->position(); })
+      .def_prop_ro("nbytes", [](const PySnapshot& s) { return s.s->bytes(); })
+      .def("to_arrays", [](const PySnapshot& s) {
+        HostSnapshot h = without_gil([&] { return s.s->to_host(); });
+        return host_snapshot_arrays(h);
       });
 
   nb::class_<PySession>(m, "Session")
@@ -367,17 +452,19 @@ NB_MODULE(_core, m) {
            [](PySession* self, PyEngine& e, int64_t max_context, int64_t chunk, const std::string& kv_dtype) {
              if (kv_dtype != "f32" && kv_dtype != "bf16")
                throw std::invalid_argument("kv_cache_dtype must be 'f32' or 'bf16', got '" + kv_dtype + "'");
-             new (self) PySession{std::make_shared<Session>(*e.model, e.lock, max_context, chunk,
-                                                            kv_dtype == "bf16" ? DType::BF16 : DType::F32),
-                                  e.model->config().vocab};
+             auto s = without_gil([&] {
+               return std::make_unique<Session>(*e.model, e.lock, max_context, chunk,
+                                                kv_dtype == "bf16" ? DType::BF16 : DType::F32);
+             });
+             new (self) PySession{std::move(s), e.model->config().vocab};
            },
            "engine"_a, "max_context"_a, "chunk"_a, "kv_dtype"_a = "f32", nb::keep_alive<1, 2>())
-      .def_prop_ro("position", [](PySession& s) { return s.s->position(); })
+      .def_prop_ro("position", [](PySession& s) { return without_gil([&] { return s.s->position(); }); })
       .def_prop_ro("max_context", [](PySession& s) { return s.s->max_context(); })
       .def_prop_ro("chunk", [](PySession& s) { return s.s->chunk(); })
       .def_prop_ro("kv_dtype", [](PySession& s) { return std::string(dtype_name(s.s->kv_dtype())); })
       .def_prop_ro("state_bytes", [](PySession& s) { return s.s->state_bytes(); })
-      .def("tokens", [](PySession& s) { return s.s->tokens(); })
+      .def("tokens", [](PySession& s) { return without_gil([&] { return s.s->tokens(); }); })
       .def("prefill",
            [](PySession& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ids,
               bool all_logits, nb::object progress) {
@@ -394,12 +481,13 @@ NB_MODULE(_core, m) {
                  return r.is_none() || nb::cast<bool>(r);
                });
              };
+             int64_t done;
              {
                nb::gil_scoped_release nogil;
-               s.s->prefill(ids.data(), n, all_logits, out, fn);
+               done = s.s->prefill(ids.data(), n, all_logits, out, fn);
              }
              cb.rethrow();
-             return arr;
+             return nb::make_tuple(arr, done);
            },
            "ids"_a, "all_logits"_a = false, "progress"_a = nb::none())
       .def("step",
@@ -425,18 +513,7 @@ NB_MODULE(_core, m) {
       .def("generate",
            [](PySession& s, int64_t max_tokens, const nb::dict& p, const std::vector<int32_t>& stop_ids,
               nb::object on_token) {
-             SamplingParams sp;
-             sp.temperature = nb::cast<float>(p["temperature"]);
-             sp.top_k = nb::cast<int64_t>(p["top_k"]);
-             sp.top_p = nb::cast<float>(p["top_p"]);
-             sp.min_p = nb::cast<float>(p["min_p"]);
-             sp.repetition_penalty = nb::cast<float>(p["repetition_penalty"]);
-             sp.presence_penalty = nb::cast<float>(p["presence_penalty"]);
-             sp.frequency_penalty = nb::cast<float>(p["frequency_penalty"]);
-             if (!p["seed"].is_none()) {
-               sp.has_seed = true;
-               sp.seed = nb::cast<uint64_t>(p["seed"]);
-             }
+             SamplingParams sp = parse_sampling(p);
              CallbackGuard cb;
              std::function<bool(int32_t)> fn = [&](int32_t tok) {
                return cb.call([&] {
@@ -455,29 +532,36 @@ NB_MODULE(_core, m) {
            "max_tokens"_a, "params"_a, "stop_ids"_a, "on_token"_a)
       .def("snapshot",
            [](PySession& s) {
-             nb::gil_scoped_release nogil;
-             return s.s->snapshot();
-           })
+             auto snap = without_gil([&] { return s.s->snapshot(); });
+             return new PySnapshot{std::move(snap)};
+           },
+           nb::rv_policy::take_ownership, nb::keep_alive<0, 1>())
       .def("restore",
-           [](PySession& s, const Snapshot& snap) {
-             nb::gil_scoped_release nogil;
-             s.s->restore(snap);
-           })
-      .def("reset", [](PySession& s) { s.s->reset(); })
+           [](PySession& s, const PySnapshot& snap) { without_gil([&] { s.s->restore(*snap.s); }); })
+      .def("restore", [](PySession& s, const HostSnapshot& snap) { without_gil([&] { s.s->restore(snap); }); })
+      .def("reset", [](PySession& s) { without_gil([&] { s.s->reset(); }); })
       .def("decode_stats", [](PySession& s) { return stats_dict(s.s->last_decode_stats()); })
-      .def("prefill_stats", [](PySession& s) { return stats_dict(s.s->last_prefill_stats()); });
+      .def("prefill_stats", [](PySession& s) { return stats_dict(s.s->last_prefill_stats()); })
+      .def("generate_transfers", [](PySession& s) {
+        const Session::LoopTransfers t = s.s->last_generate_transfers();
+        nb::dict d;
+        d["steps"] = t.steps;
+        d["uploads"] = t.uploads;
+        d["downloads"] = t.downloads;
+        d["download_bytes"] = t.download_bytes;
+        return d;
+      });
 
   // Kernel-level entry points for tests: the CPU oracle's products on raw descriptors.
   m.def("cpu_matmul", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
                          const nb::dict& weight, const std::string& path, int threads) {
-    auto shape = nb::cast<std::vector<int64_t>>(weight["shape"]);
-    Weight w = parse_weight(weight, "weight", shape.at(0), shape.at(1));
+    WeightView w = parse_view(weight);
     const int64_t T = int64_t(x.shape(0));
     if (int64_t(x.shape(1)) != w.cols) throw std::invalid_argument("x has the wrong number of columns");
     float* out;
     auto arr = new_logits(T, w.rows, &out);
-    cpu::MatmulPath mp = path == "gemv" ? cpu::MatmulPath::Gemv : cpu::MatmulPath::Gemm;
     if (path != "gemv" && path != "gemm") throw std::invalid_argument("path must be 'gemv' or 'gemm'");
+    cpu::MatmulPath mp = path == "gemv" ? cpu::MatmulPath::Gemv : cpu::MatmulPath::Gemm;
     {
       nb::gil_scoped_release nogil;
       cpu::ThreadPool pool(threads);
@@ -505,6 +589,18 @@ NB_MODULE(_core, m) {
     for (int64_t r = 0; r < rows; ++r) out[size_t(r)] = cpu::dot(a.data() + r * cols, b.data() + r * cols, cols);
     return to_numpy(out);
   }, "a"_a, "b"_a);
+  // The sampler's Mersenne Twister against the standard library's, draw by draw (and the canonical
+  // doubles against std::generate_canonical): the condition for seeded sampling to be reproducible.
+  m.def("cpu_mt19937_matches_std", [](uint64_t seed, int64_t n) {
+    std::vector<int32_t> w = sampler_rng_words(seed), w2 = w;
+    std::mt19937_64 ref(seed), ref2(seed);
+    for (int64_t i = 0; i < n; ++i) {
+      if (mt::next(reinterpret_cast<uint32_t*>(w.data())) != ref()) return false;
+      if (mt::canonical(reinterpret_cast<uint32_t*>(w2.data())) != std::generate_canonical<double, 53>(ref2))
+        return false;
+    }
+    return true;
+  }, "seed"_a, "n"_a);
 #ifdef LILY_WITH_METAL
   m.attr("has_metal") = true;
   bind_metal(m);
@@ -516,16 +612,14 @@ NB_MODULE(_core, m) {
     return cpu::measure_fma_peak(threads, seconds);
   }, "threads"_a, "seconds"_a = 0.3);
   m.def("cpu_dequant_row", [](const nb::dict& weight, int64_t row) {
-    auto shape = nb::cast<std::vector<int64_t>>(weight["shape"]);
-    Weight w = parse_weight(weight, "weight", shape.at(0), shape.at(1));
+    WeightView w = parse_view(weight);
     if (row < 0 || row >= w.rows) throw std::invalid_argument("row out of range");
     std::vector<float> out(size_t(w.cols));
     cpu::dequant_row(w, row, out.data());
     return to_numpy(out);
   }, "weight"_a, "row"_a);
   m.def("cpu_matmul_variant", [](const nb::dict& weight, const std::string& path) {
-    auto shape = nb::cast<std::vector<int64_t>>(weight["shape"]);
-    Weight w = parse_weight(weight, "weight", shape.at(0), shape.at(1));
+    WeightView w = parse_view(weight);
     return std::string(cpu::matmul_variant(w, path == "gemv" ? cpu::MatmulPath::Gemv : cpu::MatmulPath::Gemm));
   });
 }

@@ -11,6 +11,7 @@ import pytest
 
 import lily
 import lily._core as core
+from lily.errors import LilyError
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,27 @@ def test_report_lists_backend_memory_kernels_and_optimizations(eng):
     assert any(o.startswith("active:") for o in r["optimizations"])
     assert any(o.startswith("inactive:") for o in r["optimizations"])
     assert "backend: cpu" in str(r)
-    gpu = r["gpu_backends"]
-    assert set(gpu) == {"metal", "cuda"}
-    assert gpu["metal"].startswith("built" if core.has_metal else "not built")
+    assert set(r["backends"]) == {"cpu", "metal", "cuda"}
+    assert r["backends"]["cpu"] == "built and usable"
+    assert r["backends"]["cuda"].startswith("not built")
+    assert r["experts_layout"].startswith("stacked") or r["experts_layout"].startswith("repacked")
+
+
+def test_backend_choice_auto_and_unbuilt_backends_raise_clearly(ckpt_small):
+    from lily.engine import backends
+
+    known = backends()
+    assert list(known) == ["cuda", "metal", "cpu"]  # the order "auto" prefers
+    assert known["cpu"]["usable"]
+    auto = lily.Engine.from_pretrained(str(ckpt_small.path), backend="auto")
+    assert auto.backend == "cpu"  # nothing else is usable in this build
+    for name in ("cuda", "metal"):
+        if known[name]["usable"]:
+            continue
+        with pytest.raises(LilyError, match=f"backend '{name}' is not built"):
+            lily.Engine.from_pretrained(str(ckpt_small.path), backend=name)
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        lily.Engine.from_pretrained(str(ckpt_small.path), backend="tpu")
 
 
 def test_profile_times_every_op_of_a_step(eng):

@@ -1,33 +1,53 @@
 #include "backend/hazard.h"
 
-#include <algorithm>
+#include <stdexcept>
+#include <string>
 
 namespace lily {
 
+const char* op_name(OpKind k) {
+  static const char* names[kOpKinds] = {
+      "embed",        "rms_norm",     "matmul",      "add",         "attn_qk_prep", "kv_append",
+      "attn_decode",  "attn_prefill", "conv1d_silu", "gated_delta", "gated_rms_norm", "moe_route",
+      "moe_experts",  "swiglu",       "moe_combine", "copy",        "fill",         "advance_position",
+      "sample"};
+  return size_t(k) < kOpKinds ? names[size_t(k)] : "?";
+}
+
 void HazardTracker::begin() {
-  stage_reads_.clear();
-  stage_writes_.clear();
+  ++stage_;  // nothing recorded before begin() can conflict with the new step's first stage
   stats_ = StepStats{};
 }
 
-bool HazardTracker::contains(const std::vector<int32_t>& set, int32_t b) {
-  return std::find(set.begin(), set.end(), b) != set.end();
+void HazardTracker::ensure(int32_t n) {
+  if (n > int32_t(read_in_.size())) {
+    read_in_.resize(size_t(n), 0);
+    written_in_.resize(size_t(n), 0);
+  }
 }
 
-bool HazardTracker::record(const char* op, const std::vector<int32_t>& reads,
-                           const std::vector<int32_t>& writes) {
+bool HazardTracker::record(OpKind op, std::initializer_list<int32_t> reads, std::initializer_list<int32_t> writes) {
+  auto check = [&](int32_t b) {
+    if (b < 0 || b >= int32_t(read_in_.size()))
+      throw std::logic_error(std::string(op_name(op)) + ": buffer " + std::to_string(b) + " is not allocated");
+  };
   bool hazard = stats_.stages == 0;
-  for (int32_t r : reads) hazard = hazard || contains(stage_writes_, r);
-  for (int32_t w : writes) hazard = hazard || contains(stage_writes_, w) || contains(stage_reads_, w);
+  for (int32_t r : reads) {
+    check(r);
+    hazard = hazard || written_in_[size_t(r)] == stage_;
+  }
+  for (int32_t w : writes) {
+    check(w);
+    hazard = hazard || written_in_[size_t(w)] == stage_ || read_in_[size_t(w)] == stage_;
+  }
   if (hazard) {
     ++stats_.stages;
-    stage_reads_.clear();
-    stage_writes_.clear();
+    ++stage_;
   }
-  stage_reads_.insert(stage_reads_.end(), reads.begin(), reads.end());
-  stage_writes_.insert(stage_writes_.end(), writes.begin(), writes.end());
+  for (int32_t r : reads) read_in_[size_t(r)] = stage_;
+  for (int32_t w : writes) written_in_[size_t(w)] = stage_;
   ++stats_.ops;
-  ++stats_.op_counts[op];
+  ++stats_.op_counts[size_t(op)];
   return hazard;
 }
 

@@ -1,21 +1,35 @@
 // The Ops interface: every backend (cpu/, later cuda/ and metal/) implements these kernels once, and
 // the Qwen3.6 graph (model/qwen36.cpp) is written once against them.
 //
-// Each public op declares the buffers it reads and writes before the backend's *_impl runs, so the
-// HazardTracker can derive barrier-separated stages (reported per decode step and prefill chunk).
-// Weights are read-only and never create hazards; activations and session state live in backend
-// buffers addressed by Tensor views.
+// The step model (docs/ARCHITECTURE.md, "Writing a backend"): a step is encoded between begin() and
+// submit(). Every op names the buffers it reads and writes before the backend sees it, so the
+// HazardTracker derives barrier-separated stages; a recording backend inserts its barrier at
+// on_stage_boundary(). Ops read their inputs (token ids, positions, logits) from backend tensors and
+// leave their results there: nothing inside a step touches host memory. submit() hands the recorded
+// work to the device and returns a fence; wait(fence) blocks until it is done; upload/download are the
+// only host transfers and happen outside steps (a download of a buffer that unwaited work writes, or an
+// upload into one that unwaited work uses, is a bug the deferred CPU backend reports).
+//
+// Weights are read-only, live in checkpoint mappings registered once at load (register_mapping) and
+// never create hazards. Scratch an op needs comes from a workspace tensor the session allocated
+// (workspace_bytes); nothing is allocated inside a step.
 #pragma once
+#include <array>
 #include <chrono>
 #include <cstdint>
-#include <map>
+#include <functional>
+#include <initializer_list>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "backend/hazard.h"
 #include "model/weight.h"
+#include "runtime/sampling_params.h"
 
 namespace lily {
+
+struct ModelConfig;
 
 // A 2-D row-major view into a backend buffer.
 struct Tensor {
@@ -32,14 +46,10 @@ struct Tensor {
     t.rows = n;
     return t;
   }
+  size_t bytes() const { return size_t(rows) * size_t(cols) * dtype_size(dtype); }
 };
 
 enum class Phase : uint8_t { Prefill, Decode };
-
-// Routed experts of one MoE layer: per-expert [inter, hidden] gate/up and [hidden, inter] down.
-struct ExpertSet {
-  std::vector<Weight> gate, up, down;
-};
 
 struct AttentionShape {
   int64_t heads, kv_heads, head_dim, rotary_dim;
@@ -52,6 +62,16 @@ struct DeltaShape {
   float eps;
 };
 
+// The sampler's state for one generate call, in backend buffers (all I32):
+//   counts [1, vocab]  times each token was generated in this call (presence / frequency penalties)
+//   seen   [1, vocab]  1 where the token occurs in the context (repetition penalty)
+//   rng    [1, kRngWords]  the Mersenne Twister (mt19937_64) state and its index
+//   ring   [R, 1]      ids generated in this call, id i at row i % R; ring_count [1, 1] = ids so far
+struct SamplerState {
+  static constexpr int64_t kRngWords = 2 * 312 + 2;
+  Tensor counts, seen, rng, ring, ring_count;
+};
+
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -59,115 +79,149 @@ class Ops {
   virtual std::string device() const = 0;
   virtual int threads() const { return 1; }
 
-  // ---- memory (not recorded as ops) ----
-  virtual Tensor alloc(const std::string& label, DType dtype, int64_t rows, int64_t cols) = 0;  // zeroed
+  // ---- memory (outside steps; not recorded) ----
+  Tensor alloc(const std::string& label, DType dtype, int64_t rows, int64_t cols);  // zeroed
   virtual void release(Tensor& t) = 0;
-  virtual void upload(const Tensor& dst, const void* src) = 0;   // host -> whole view
-  virtual void download(const Tensor& src, void* dst) = 0;       // whole view -> host
+  void upload(const Tensor& dst, const void* src);   // host -> whole view
+  void download(const Tensor& src, void* dst);       // whole view -> host; the caller waited for its writer
   virtual size_t allocated_bytes() const = 0;
+  // A checkpoint file (or a buffer Lily repacked) that weights point into; returns its mapping id.
+  virtual int32_t register_mapping(const void* base, size_t bytes, const std::string& label) = 0;
+  // Scratch one forward of `rows` tokens needs (MoE grouping, attention scores, DeltaNet work, sampling).
+  virtual size_t workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const = 0;
+  // Grows backend-internal per-thread scratch for forwards of up to `rows` tokens (outside steps).
+  virtual void reserve(const ModelConfig& cfg, int64_t rows) {}
 
-  // ---- step bracketing: stats of the ops recorded since begin() ----
-  void begin(Phase phase) {
-    phase_ = phase;
-    tracker_.begin();
+  // ---- steps ----
+  void begin(Phase phase);
+  uint64_t submit();                      // hands the step to the device; returns its fence
+  virtual void wait(uint64_t fence) {}    // blocks until the step with this fence is done
+  void wait_all() { wait(last_fence_); }
+  // Drops a step whose encoding failed half-way (an exception), so the engine stays usable.
+  void abandon() {
+    in_step_ = false;
+    abandon_impl();
   }
+  bool in_step() const { return in_step_; }
   const StepStats& stats() const { return tracker_.stats(); }
   Phase phase() const { return phase_; }
 
-  // Host-side wall time per op name while profiling is on (meaningful for the CPU backend, which runs
-  // each op synchronously; a recording backend would report its own timestamps).
-  void set_profiling(bool on) {
-    profiling_ = on;
-    profile_.clear();
-  }
-  const std::map<std::string, double>& profile() const { return profile_; }
+  // Host transfers since the counters were last reset (the decode loop asserts one id read per token).
+  struct Transfers {
+    int64_t uploads = 0, downloads = 0, upload_bytes = 0, download_bytes = 0;
+  };
+  const Transfers& transfers() const { return transfers_; }
+  void reset_transfers() { transfers_ = {}; }
+
+  // Per-op-kind time while profiling is on (host wall time around each op: exact for the CPU backend,
+  // which runs ops synchronously).
+  void set_profiling(bool on);
+  const std::array<double, kOpKinds>& profile() const { return profile_; }
+  bool profiling() const { return profiling_; }
 
   // ---- ops (domain names; shapes as [rows, cols]) ----
   // out[t] = table[ids[t]]  (ids: I32 [T, 1])
   void embed(const Tensor& ids, const Weight& table, const Tensor& out) {
-    record("embed", {ids.buf}, {out.buf},
-           [&] { embed_impl(ids, table, out); });
+    record(OpKind::Embed, {ids.buf}, {out.buf}, [=] { embed_impl(ids, table, out); });
   }
   // Plain-weight RMSNorm over segments of w.cols elements: out = x * rsqrt(mean(x^2) + eps) * w.
   // (Checkpoint loaders already turn 1+w norms into their effective multiplier.)
   void rms_norm(const Tensor& x, const Tensor& w, const Tensor& out, float eps) {
-    record("rms_norm", {x.buf, w.buf}, {out.buf},
-           [&] { rms_norm_impl(x, w, out, eps); });
+    record(OpKind::RmsNorm, {x.buf, w.buf}, {out.buf}, [=] { rms_norm_impl(x, w, out, eps); });
   }
   // out[T, N] = x[T, K] · Wᵀ; kernel family picked from the phase (GEMV for decode, GEMM for prefill).
   void matmul(const Tensor& x, const Weight& w, const Tensor& out) {
-    record("matmul", {x.buf}, {out.buf},
-           [&] { matmul_impl(x, w, out); });
+    record(OpKind::Matmul, {x.buf}, {out.buf}, [=] { matmul_impl(x, w, out); });
   }
   // out = a + b (out may alias a)
   void add(const Tensor& a, const Tensor& b, const Tensor& out) {
-    record("add", {a.buf, b.buf}, {out.buf},
-           [&] { add_impl(a, b, out); });
+    record(OpKind::Add, {a.buf, b.buf}, {out.buf}, [=] { add_impl(a, b, out); });
   }
   // Query/key preparation for gated attention (fused chain): split the per-head [query | gate] rows of
-  // qg, RMSNorm q and k per head, rotate the first rotary_dim dims at positions pos0 + t.
+  // qg, RMSNorm q and k per head, rotate the first rotary_dim dims at positions pos[0] + t.
   void attn_qk_prep(const Tensor& qg, const Tensor& k, const Tensor& q_norm, const Tensor& k_norm,
-                    int64_t pos0, const AttentionShape& s, const Tensor& q_out, const Tensor& gate_out,
+                    const Tensor& pos, const AttentionShape& s, const Tensor& q_out, const Tensor& gate_out,
                     const Tensor& k_out) {
-    record("attn_qk_prep", {qg.buf, k.buf, q_norm.buf, k_norm.buf}, {q_out.buf, gate_out.buf, k_out.buf},
-           [&] { attn_qk_prep_impl(qg, k, q_norm, k_norm, pos0, s, q_out, gate_out, k_out); });
+    record(OpKind::AttnQkPrep, {qg.buf, k.buf, q_norm.buf, k_norm.buf, pos.buf},
+           {q_out.buf, gate_out.buf, k_out.buf},
+           [=] { attn_qk_prep_impl(qg, k, q_norm, k_norm, pos, s, q_out, gate_out, k_out); });
   }
-  // Write T rows of k and v at positions pos0.. into the caches ([kv_heads * max_ctx, head_dim]).
-  void kv_append(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
-                 int64_t pos0, int64_t max_ctx, const AttentionShape& s) {
-    record("kv_append", {k.buf, v.buf}, {k_cache.buf, v_cache.buf},
-           [&] { kv_append_impl(k, v, k_cache, v_cache, pos0, max_ctx, s); });
+  // Write T rows of k and v at positions pos[0].. into the caches ([kv_heads * max_ctx, head_dim]).
+  void kv_append(const Tensor& k, const Tensor& v, const Tensor& pos, const Tensor& k_cache,
+                 const Tensor& v_cache, int64_t max_ctx, const AttentionShape& s) {
+    record(OpKind::KvAppend, {k.buf, v.buf, pos.buf}, {k_cache.buf, v_cache.buf},
+           [=] { kv_append_impl(k, v, pos, k_cache, v_cache, max_ctx, s); });
   }
-  // Causal GQA attention of T queries at positions pos0.. over cache positions [0, pos0 + t],
+  // Causal GQA attention of T queries at positions pos[0].. over cache positions [0, pos[0] + t],
   // then the output gate: out = attention · sigmoid(gate).
-  void attention(const Tensor& q, const Tensor& gate, const Tensor& k_cache,
-                              const Tensor& v_cache, int64_t pos0, int64_t max_ctx,
-                              const AttentionShape& s, const Tensor& out) {
-    record(phase_ == Phase::Decode ? "attn_decode" : "attn_prefill",
-          {q.buf, gate.buf, k_cache.buf, v_cache.buf}, {out.buf},
-           [&] { attention_impl(q, gate, k_cache, v_cache, pos0, max_ctx, s, out); });
+  void attention(const Tensor& q, const Tensor& gate, const Tensor& k_cache, const Tensor& v_cache,
+                 const Tensor& pos, int64_t max_ctx, const AttentionShape& s, const Tensor& ws,
+                 const Tensor& out) {
+    record(phase_ == Phase::Decode ? OpKind::AttnDecode : OpKind::AttnPrefill,
+           {q.buf, gate.buf, k_cache.buf, v_cache.buf, pos.buf}, {out.buf, ws.buf},
+           [=] { attention_impl(q, gate, k_cache, v_cache, pos, max_ctx, s, ws, out); });
   }
   // Causal depthwise conv over [q|k|v] channels with the pre-conv rows of the last K-1 tokens kept in
   // conv_state ([K-1, C]), then silu. Updates conv_state.
-  void conv1d_silu(const Tensor& mixed, const Tensor& conv_w, const Tensor& conv_state,
-                   const Tensor& out) {
-    record("conv1d_silu", {mixed.buf, conv_w.buf, conv_state.buf}, {out.buf, conv_state.buf},
-           [&] { conv1d_silu_impl(mixed, conv_w, conv_state, out); });
+  void conv1d_silu(const Tensor& mixed, const Tensor& conv_w, const Tensor& conv_state, const Tensor& out) {
+    record(OpKind::Conv1dSilu, {mixed.buf, conv_w.buf, conv_state.buf}, {out.buf, conv_state.buf},
+           [=] { conv1d_silu_impl(mixed, conv_w, conv_state, out); });
   }
   // Gated delta rule over T tokens (L2-normed q/k, beta = sigmoid(b), g = -exp(A_log)·softplus(a+dt_bias)),
   // fp32 state [v_heads * k_dim, v_dim] carried across calls; out [T, v_heads * v_dim].
   void gated_delta(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
-                   const Tensor& dt_bias, const Tensor& state, const DeltaShape& s, const Tensor& out) {
-    record("gated_delta", {qkv.buf, b.buf, a.buf, A_log.buf, dt_bias.buf, state.buf},
-          {state.buf, out.buf},
-           [&] { gated_delta_impl(qkv, b, a, A_log, dt_bias, state, s, out); });
+                   const Tensor& dt_bias, const Tensor& state, const DeltaShape& s, const Tensor& ws,
+                   const Tensor& out) {
+    record(OpKind::GatedDelta, {qkv.buf, b.buf, a.buf, A_log.buf, dt_bias.buf, state.buf},
+           {state.buf, out.buf, ws.buf},
+           [=] { gated_delta_impl(qkv, b, a, A_log, dt_bias, state, s, ws, out); });
   }
   // Per value head: out = (w · rmsnorm(o)) · silu(z)   (fused recurrent-output normalisation).
   void gated_rms_norm(const Tensor& o, const Tensor& z, const Tensor& w, float eps, const Tensor& out) {
-    record("gated_rms_norm", {o.buf, z.buf, w.buf}, {out.buf},
-           [&] { gated_rms_norm_impl(o, z, w, eps, out); });
+    record(OpKind::GatedRmsNorm, {o.buf, z.buf, w.buf}, {out.buf},
+           [=] { gated_rms_norm_impl(o, z, w, eps, out); });
   }
   // Router: softmax over all experts (fp32), top-k, renormalise. ids I32 [T, k], weights F32 [T, k].
-  void moe_route(const Tensor& logits, int64_t k, const Tensor& ids, const Tensor& weights) {
-    record("moe_route", {logits.buf}, {ids.buf, weights.buf},
-           [&] { moe_route_impl(logits, k, ids, weights); });
+  void moe_route(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids, const Tensor& weights) {
+    record(OpKind::MoeRoute, {logits.buf}, {ids.buf, weights.buf, ws.buf},
+           [=] { moe_route_impl(logits, k, ws, ids, weights); });
   }
   // Routed experts (grouped by expert): out[t] = Σ_k w[t,k] · down(silu(gate(x)) ⊙ up(x)).
-  void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertSet& e,
-                   const Tensor& out) {
-    record("moe_experts", {x.buf, ids.buf, weights.buf}, {out.buf},
-           [&] { moe_experts_impl(x, ids, weights, e, out); });
+  // gate, up, down are stacked [experts, ...] weights.
+  void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
+                   const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) {
+    record(OpKind::MoeExperts, {x.buf, ids.buf, weights.buf}, {out.buf, ws.buf},
+           [=] { moe_experts_impl(x, ids, weights, gate, up, down, ws, out); });
   }
   // out = silu(gate) ⊙ up
   void swiglu(const Tensor& gate, const Tensor& up, const Tensor& out) {
-    record("swiglu", {gate.buf, up.buf}, {out.buf},
-           [&] { swiglu_impl(gate, up, out); });
+    record(OpKind::Swiglu, {gate.buf, up.buf}, {out.buf}, [=] { swiglu_impl(gate, up, out); });
   }
   // h += routed + sigmoid(shared_gate_logit) · shared   (MoE output with the shared expert, residual)
   void moe_combine(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
                    const Tensor& h) {
-    record("moe_combine", {routed.buf, shared.buf, shared_gate_logit.buf, h.buf}, {h.buf},
-           [&] { moe_combine_impl(routed, shared, shared_gate_logit, h); });
+    record(OpKind::MoeCombine, {routed.buf, shared.buf, shared_gate_logit.buf, h.buf}, {h.buf},
+           [=] { moe_combine_impl(routed, shared, shared_gate_logit, h); });
+  }
+  // dst = src (same shape and dtype; state handles and the logits hand-over).
+  void copy(const Tensor& src, const Tensor& dst) {
+    record(OpKind::Copy, {src.buf}, {dst.buf}, [=] { copy_impl(src, dst); });
+  }
+  // Every element of dst = value (F32 or I32 tensors).
+  void fill(const Tensor& dst, double value) {
+    record(OpKind::Fill, {}, {dst.buf}, [=] { fill_impl(dst, value); });
+  }
+  // pos[0] += T: the step moves its own position, so a recorded decode step stays valid.
+  void advance_position(const Tensor& pos, int64_t T) {
+    record(OpKind::AdvancePosition, {pos.buf}, {pos.buf}, [=] { advance_position_impl(pos, T); });
+  }
+  // Samples one id from logits [1, vocab] (penalties from the sampler state, then greedy or a seeded
+  // draw), writes it to next_id [1, 1] (the next step's input slot) and appends it to st.ring.
+  void sample(const Tensor& logits, const SamplerState& st, const SamplingParams& p, const Tensor& ws,
+              const Tensor& next_id) {
+    record(OpKind::Sample, {logits.buf, st.counts.buf, st.seen.buf, st.rng.buf, st.ring_count.buf},
+           {next_id.buf, st.counts.buf, st.seen.buf, st.rng.buf, st.ring.buf, st.ring_count.buf, ws.buf},
+           [=] { sample_impl(logits, st, p, ws, next_id); });
   }
 
   // Kernel variant used for a weight in the current phase (engine.report()).
@@ -176,49 +230,83 @@ class Ops {
   virtual std::vector<std::string> optimizations() const = 0;
 
  protected:
+  virtual Tensor alloc_impl(const std::string& label, DType dtype, int64_t rows, int64_t cols) = 0;
+  virtual void upload_impl(const Tensor& dst, const void* src) = 0;
+  virtual void download_impl(const Tensor& src, void* dst) = 0;
+  // One op as a backend receives it. `run()` executes it now; `own()` copies it into a std::function for
+  // a backend that executes later (the copy allocates: only the deferred debug backend does it).
+  struct OpRun {
+    void (*call)(const void*);
+    std::function<void()> (*clone)(const void*);
+    const void* fn;
+    std::initializer_list<int32_t> reads, writes;
+    template <class F>
+    static OpRun of(const F& f, std::initializer_list<int32_t> r, std::initializer_list<int32_t> w) {
+      return {[](const void* p) { (*static_cast<const F*>(p))(); },
+              [](const void* p) { return std::function<void()>(*static_cast<const F*>(p)); }, &f, r, w};
+    }
+    void operator()() const { call(fn); }
+    std::function<void()> own() const { return clone(fn); }
+  };
+  virtual void execute(OpKind kind, const OpRun& run) { run(); }
+  // Called when the hazard tracker starts a new stage (a recording backend inserts its barrier).
+  virtual void on_stage_boundary() {}
+  // Deferred backends return a fence for the work recorded since begin(); immediate ones the next number.
+  virtual uint64_t submit_impl() { return ++last_fence_; }
+  virtual void abandon_impl() {}
+  uint64_t last_fence_ = 0;
+  Transfers transfers_;
+
   virtual void embed_impl(const Tensor& ids, const Weight& table, const Tensor& out) = 0;
   virtual void rms_norm_impl(const Tensor& x, const Tensor& w, const Tensor& out, float eps) = 0;
   virtual void matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) = 0;
   virtual void add_impl(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
   virtual void attn_qk_prep_impl(const Tensor& qg, const Tensor& k, const Tensor& q_norm,
-                                 const Tensor& k_norm, int64_t pos0, const AttentionShape& s,
+                                 const Tensor& k_norm, const Tensor& pos, const AttentionShape& s,
                                  const Tensor& q_out, const Tensor& gate_out, const Tensor& k_out) = 0;
-  virtual void kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& k_cache,
-                              const Tensor& v_cache, int64_t pos0, int64_t max_ctx,
-                              const AttentionShape& s) = 0;
+  virtual void kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& pos, const Tensor& k_cache,
+                              const Tensor& v_cache, int64_t max_ctx, const AttentionShape& s) = 0;
   virtual void attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache,
-                              const Tensor& v_cache, int64_t pos0, int64_t max_ctx,
-                              const AttentionShape& s, const Tensor& out) = 0;
+                              const Tensor& v_cache, const Tensor& pos, int64_t max_ctx,
+                              const AttentionShape& s, const Tensor& ws, const Tensor& out) = 0;
   virtual void conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& conv_state,
                                 const Tensor& out) = 0;
   virtual void gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
                                 const Tensor& dt_bias, const Tensor& state, const DeltaShape& s,
-                                const Tensor& out) = 0;
+                                const Tensor& ws, const Tensor& out) = 0;
   virtual void gated_rms_norm_impl(const Tensor& o, const Tensor& z, const Tensor& w, float eps,
                                    const Tensor& out) = 0;
-  virtual void moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ids,
+  virtual void moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids,
                               const Tensor& weights) = 0;
-  virtual void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
-                                const ExpertSet& e, const Tensor& out) = 0;
+  virtual void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
+                                const Weight& up, const Weight& down, const Tensor& ws,
+                                const Tensor& out) = 0;
   virtual void swiglu_impl(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
-  virtual void moe_combine_impl(const Tensor& routed, const Tensor& shared,
-                                const Tensor& shared_gate_logit, const Tensor& h) = 0;
+  virtual void moe_combine_impl(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
+                                const Tensor& h) = 0;
+  virtual void copy_impl(const Tensor& src, const Tensor& dst) = 0;
+  virtual void fill_impl(const Tensor& dst, double value) = 0;
+  virtual void advance_position_impl(const Tensor& pos, int64_t T) = 0;
+  virtual void sample_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p,
+                           const Tensor& ws, const Tensor& next_id) = 0;
 
-  // A backend that records work (Metal, CUDA) inserts its barrier when this returns true.
-  virtual void on_stage_boundary() {}
+  HazardTracker tracker_;
 
  private:
   template <class F>
-  void record(const char* op, std::vector<int32_t> reads, std::vector<int32_t> writes, F&& run) {
-    if (tracker_.record(op, reads, writes)) on_stage_boundary();
-    if (!profiling_) return run();
+  void record(OpKind kind, std::initializer_list<int32_t> reads, std::initializer_list<int32_t> writes,
+              const F& run) {
+    if (!in_step_) throw std::logic_error(std::string("op '") + op_name(kind) + "' recorded outside a step");
+    if (tracker_.record(kind, reads, writes)) on_stage_boundary();
+    const OpRun op = OpRun::of(run, reads, writes);
+    if (!profiling_) return execute(kind, op);
     const auto t0 = std::chrono::steady_clock::now();
-    run();
-    profile_[op] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    execute(kind, op);
+    profile_[size_t(kind)] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  HazardTracker tracker_;
+  bool in_step_ = false;
   bool profiling_ = false;
-  std::map<std::string, double> profile_;
+  std::array<double, kOpKinds> profile_{};
   Phase phase_ = Phase::Prefill;
 };
 

@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "cpu/backend.h"
+#include "cpu/math.h"
 #include "cpu/reduce.h"
+#include "model/config.h"
 
 namespace lily::cpu {
 
@@ -27,15 +29,10 @@ static void rope(float* x, int64_t rd, int64_t pos, double theta) {
   }
 }
 
-static void rms_norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
-  const float r = 1.f / std::sqrt(sum_squares(x, n) / float(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
-}
-
 void CpuOps::attn_qk_prep_impl(const Tensor& qg, const Tensor& k, const Tensor& q_norm,
-                               const Tensor& k_norm, int64_t pos0, const AttentionShape& s,
+                               const Tensor& k_norm, const Tensor& pos, const AttentionShape& s,
                                const Tensor& q_out, const Tensor& gate_out, const Tensor& k_out) {
-  const int64_t D = s.head_dim;
+  const int64_t D = s.head_dim, pos0 = *i32(pos);
   const float *pqg = f32(qg), *pk = f32(k), *wq = f32(q_norm), *wk = f32(k_norm);
   float *pq = f32(q_out), *pg = f32(gate_out), *pko = f32(k_out);
   pool().parallel_for(qg.rows, 4, [&](int64_t t0, int64_t t1, int) {
@@ -44,23 +41,26 @@ void CpuOps::attn_qk_prep_impl(const Tensor& qg, const Tensor& k, const Tensor& 
       for (int64_t h = 0; h < s.heads; ++h) {
         const float* src = pqg + t * qg.stride + h * 2 * D;
         float* q = pq + t * q_out.stride + h * D;
-        rms_norm_row(src, wq, q, D, s.eps);
+        rms_norm_segment(src, wq, D, s.eps, q);
         rope(q, s.rotary_dim, pos, s.rope_theta);
         std::copy(src + D, src + 2 * D, pg + t * gate_out.stride + h * D);
       }
       for (int64_t h = 0; h < s.kv_heads; ++h) {
         float* ko = pko + t * k_out.stride + h * D;
-        rms_norm_row(pk + t * k.stride + h * D, wk, ko, D, s.eps);
+        rms_norm_segment(pk + t * k.stride + h * D, wk, D, s.eps, ko);
         rope(ko, s.rotary_dim, pos, s.rope_theta);
       }
     }
   });
 }
 
-void CpuOps::kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& k_cache,
-                            const Tensor& v_cache, int64_t pos0, int64_t max_ctx,
-                            const AttentionShape& s) {
-  const int64_t D = s.head_dim;
+void CpuOps::kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& pos, const Tensor& k_cache,
+                            const Tensor& v_cache, int64_t max_ctx, const AttentionShape& s) {
+  const int64_t D = s.head_dim, pos0 = *i32(pos);
+  // The session never submits past max_context; a position that says otherwise is a corrupted state.
+  if (pos0 < 0 || pos0 + k.rows > max_ctx)
+    throw std::logic_error("kv_append: position " + std::to_string(pos0) + " + " + std::to_string(k.rows) +
+                           " rows exceeds max_context " + std::to_string(max_ctx));
   const float *pk = f32(k), *pv = f32(v);
   const bool half = k_cache.dtype == DType::BF16;
   for (int64_t t = 0; t < k.rows; ++t)
@@ -81,10 +81,22 @@ void CpuOps::kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& k_ca
     }
 }
 
+// Per thread: scores [group, max_ctx], the output accumulators [group, D] and a widened bf16 row [D].
+static size_t attention_thread_floats(size_t group, size_t D, size_t max_ctx) {
+  auto r16 = [](size_t n) { return (n + 15) / 16 * 16; };
+  return r16(group * max_ctx) + r16(group * D) + r16(D);
+}
+
+size_t attention_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t max_ctx, int threads) {
+  const size_t group = size_t(c.heads / c.kv_heads), D = size_t(c.head_dim);
+  (void)rows;  // scores cover every cached position a query may see: at most max_ctx
+  return Arena::need<float>(size_t(threads) * attention_thread_floats(group, D, size_t(max_ctx)));
+}
+
 void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache,
-                            const Tensor& v_cache, int64_t pos0, int64_t max_ctx,
-                            const AttentionShape& s, const Tensor& out) {
-  const int64_t D = s.head_dim, T = q.rows, group = s.heads / s.kv_heads;
+                            const Tensor& v_cache, const Tensor& pos, int64_t max_ctx,
+                            const AttentionShape& s, const Tensor& ws, const Tensor& out) {
+  const int64_t D = s.head_dim, T = q.rows, group = s.heads / s.kv_heads, pos0 = *i32(pos);
   const float scale = 1.f / std::sqrt(float(D));
   const float *pq = f32(q), *pg = f32(gate);
   float* po = f32(out);
@@ -102,19 +114,24 @@ void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k
   // the end of a chunk spread over every thread. Each head's result depends only on its absolute
   // position, so chunked and unchunked prefill agree bitwise.
   const int64_t items = T * s.kv_heads, P = pool().size();
-  pool().parallel_for(std::min(P, items), 1, [&](int64_t r0, int64_t r1, int) {
-    std::vector<float> scores(static_cast<size_t>(group * (pos0 + T)));
-    std::vector<float> acc(static_cast<size_t>(group * D)), tmp(static_cast<size_t>(D));
+  if (pos0 + T > max_ctx) throw std::logic_error("attention: position past max_context");
+  Arena a = arena(ws, "attention");
+  const size_t per = attention_thread_floats(size_t(group), size_t(D), size_t(max_ctx));
+  float* const base = a.take<float>(size_t(P) * per);
+  pool().parallel_for(std::min(P, items), 1, [&](int64_t r0, int64_t r1, int tid) {
+    float* scores = base + size_t(tid) * per;
+    float* acc = scores + (size_t(group * max_ctx) + 15) / 16 * 16;
+    float* tmp = acc + (size_t(group * D) + 15) / 16 * 16;
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t i = r; i < items; i += P) {
         const int64_t t = i / s.kv_heads, kvh = i % s.kv_heads, n = pos0 + t + 1;
         const float* q0 = pq + t * q.stride + kvh * group * D;
         for (int64_t j = 0; j < n; ++j) {
-          const float* kr = row(k_cache, kvh, j, tmp.data());
-          for (int64_t g = 0; g < group; ++g) scores[size_t(g * n + j)] = dot(q0 + g * D, kr, D) * scale;
+          const float* kr = row(k_cache, kvh, j, tmp);
+          for (int64_t g = 0; g < group; ++g) scores[g * n + j] = dot(q0 + g * D, kr, D) * scale;
         }
         for (int64_t g = 0; g < group; ++g) {
-          float* sc = scores.data() + g * n;
+          float* sc = scores + g * n;
           float mx = -INFINITY;
           for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sc[j]);
           float sum = 0.f;
@@ -125,21 +142,21 @@ void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k
           const float inv = 1.f / sum;
           for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
         }
-        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(acc, acc + group * D, 0.f);
         for (int64_t j = 0; j < n; ++j) {
-          const float* vr = row(v_cache, kvh, j, tmp.data());
+          const float* vr = row(v_cache, kvh, j, tmp);
           for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[size_t(g * n + j)];
-            float* a = acc.data() + g * D;
-            for (int64_t e = 0; e < D; ++e) a[e] += p * vr[e];
+            const float p = scores[g * n + j];
+            float* ag = acc + g * D;
+            for (int64_t e = 0; e < D; ++e) ag[e] += p * vr[e];
           }
         }
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = kvh * group + g;
           const float* gt = pg + t * gate.stride + h * D;
           float* o = po + t * out.stride + h * D;
-          const float* a = acc.data() + g * D;
-          for (int64_t e = 0; e < D; ++e) o[e] = a[e] / (1.f + std::exp(-gt[e]));
+          const float* ag = acc + g * D;
+          for (int64_t e = 0; e < D; ++e) o[e] = ag[e] / (1.f + std::exp(-gt[e]));
         }
       }
   });

@@ -9,13 +9,18 @@
 #include <vector>
 
 #include "cpu/backend.h"
+#include "cpu/math.h"
 #include "cpu/reduce.h"
+#include "model/config.h"
 
 namespace lily::cpu {
 
-static inline float silu(float x) { return x / (1.f + std::exp(-x)); }
-static inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
-static inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+// Per thread: normalised q and k [Dk], and m, delta, o [Dv].
+static size_t delta_thread_floats(size_t Dk, size_t Dv) { return (2 * Dk + 3 * Dv + 15) / 16 * 16; }
+
+size_t delta_workspace_bytes(const ModelConfig& c, int threads) {
+  return Arena::need<float>(size_t(threads) * delta_thread_floats(size_t(c.lin_k_dim), size_t(c.lin_v_dim)));
+}
 
 void CpuOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& conv_state,
                               const Tensor& out) {
@@ -57,14 +62,21 @@ void CpuOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const T
 
 void CpuOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
                               const Tensor& dt_bias, const Tensor& state, const DeltaShape& s,
-                              const Tensor& out) {
+                              const Tensor& ws, const Tensor& out) {
   const int64_t T = qkv.rows, Dk = s.k_dim, Dv = s.v_dim, key_dim = s.k_heads * Dk;
   const int64_t ratio = s.v_heads / s.k_heads;
   const float *px = f32(qkv), *pb = f32(b), *pa = f32(a), *pA = f32(A_log), *pdt = f32(dt_bias);
   float *pS = f32(state), *po = f32(out);
   const float q_scale = 1.f / std::sqrt(float(Dk));
-  pool().parallel_for(s.v_heads, 1, [&](int64_t h0, int64_t h1, int) {
-    std::vector<float> qn(static_cast<size_t>(Dk)), kn(static_cast<size_t>(Dk)), m(static_cast<size_t>(Dv)), delta(static_cast<size_t>(Dv)), o(static_cast<size_t>(Dv));
+  Arena arn = arena(ws, "gated_delta");
+  const size_t per = delta_thread_floats(size_t(Dk), size_t(Dv));
+  float* const base = arn.take<float>(size_t(pool().size()) * per);
+  pool().parallel_for(s.v_heads, 1, [&](int64_t h0, int64_t h1, int tid) {
+    float* const qn = base + size_t(tid) * per;
+    float* const kn = qn + Dk;
+    float* const m = kn + Dk;
+    float* const delta = m + Dv;
+    float* const o = delta + Dv;
     for (int64_t j = h0; j < h1; ++j) {
       const int64_t kh = j / ratio;  // value heads 2g, 2g+1 share key head g (ratio 2)
       float* S = pS + j * Dk * state.stride;
@@ -77,34 +89,34 @@ void CpuOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& 
         const float sq = sum_squares(q, Dk), sk = sum_squares(k, Dk);
         const float rq = q_scale / std::sqrt(sq + 1e-6f), rk = 1.f / std::sqrt(sk + 1e-6f);
         for (int64_t i = 0; i < Dk; ++i) {
-          qn[size_t(i)] = q[i] * rq;
-          kn[size_t(i)] = k[i] * rk;
+          qn[i] = q[i] * rq;
+          kn[i] = k[i] * rk;
         }
         const float beta = sigmoid(pb[t * b.stride + j]);
         const float alpha = std::exp(neg_A * softplus(pa[t * a.stride + j] + pdt[j]));
         // 1-2: decay, then read with the decayed state
-        std::fill(m.begin(), m.end(), 0.f);
+        std::fill(m, m + Dv, 0.f);
         for (int64_t i = 0; i < Dk; ++i) {
           float* Si = S + i * state.stride;
-          const float ki = kn[size_t(i)];
+          const float ki = kn[i];
           for (int64_t e = 0; e < Dv; ++e) {
             Si[e] *= alpha;
-            m[size_t(e)] += ki * Si[e];
+            m[e] += ki * Si[e];
           }
         }
         // 3: delta
-        for (int64_t e = 0; e < Dv; ++e) delta[size_t(e)] = beta * (v[e] - m[size_t(e)]);
+        for (int64_t e = 0; e < Dv; ++e) delta[e] = beta * (v[e] - m[e]);
         // 4-5: rank-1 write, then the output reads the updated state
-        std::fill(o.begin(), o.end(), 0.f);
+        std::fill(o, o + Dv, 0.f);
         for (int64_t i = 0; i < Dk; ++i) {
           float* Si = S + i * state.stride;
-          const float ki = kn[size_t(i)], qi = qn[size_t(i)];
+          const float ki = kn[i], qi = qn[i];
           for (int64_t e = 0; e < Dv; ++e) {
-            Si[e] += ki * delta[size_t(e)];
-            o[size_t(e)] += qi * Si[e];
+            Si[e] += ki * delta[e];
+            o[e] += qi * Si[e];
           }
         }
-        std::copy(o.begin(), o.end(), po + t * out.stride + j * Dv);
+        std::copy(o, o + Dv, po + t * out.stride + j * Dv);
       }
     }
   });

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "cpu/backend.h"
+#include "cpu/math.h"
 #include "cpu/reduce.h"
 
 namespace lily::cpu {
@@ -42,7 +43,7 @@ void CpuOps::gated_rms_norm_impl(const Tensor& o, const Tensor& z, const Tensor&
         float* ys = pout + t * out.stride + h * dv;
         const float r = inv_rms(os, dv, eps);
         for (int64_t i = 0; i < dv; ++i) {
-          const float g = zs[i] / (1.f + std::exp(-zs[i]));  // silu(z)
+          const float g = silu(zs[i]);
           ys[i] = pw[i] * (os[i] * r) * g;
         }
       }

@@ -1,7 +1,7 @@
 // The Qwen3.6 (qwen3_5_moe) text decoder: weights in canonical form and the forward pass, written
-// once against the Ops interface (MODEL.md sections 2-6).
+// once against the Ops interface (MODEL.md sections 2-6). The graph only encodes: it reads token ids and
+// the position from device tensors and leaves logits in device tensors; the Session submits and reads.
 #pragma once
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,9 +21,9 @@ struct LayerWeights {
   // gated attention
   Weight q, k, v, o;
   Tensor q_norm, k_norm;  // [1, head_dim]
-  // sparse MoE
+  // sparse MoE: router, shared expert, and the routed experts stacked [experts, out, in]
   Weight router, shared_gate, shared_gate_proj, shared_up, shared_down;
-  ExpertSet experts;
+  Weight experts_gate, experts_up, experts_down;
 };
 
 struct ModelWeights {
@@ -33,49 +33,93 @@ struct ModelWeights {
   bool tied = false;
 };
 
-// Per-session state that carries context across prefill chunks and decode steps.
+// Per-session state that carries context across prefill chunks and decode steps, all in backend tensors.
 struct SessionState {
   int64_t max_ctx = 0;
   DType kv_dtype = DType::F32;  // F32 (the oracle's default) or BF16 (half the bytes per token)
   std::vector<Tensor> k_cache, v_cache;  // per layer (full attention only): [kv_heads * max_ctx, head_dim]
   std::vector<Tensor> conv, recurrent;    // per layer (DeltaNet only): [K-1, conv_dim], [Hv * Dk, Dv]
+  Tensor pos;                             // I32 [1, 1]: tokens whose state is computed
+  Tensor logits;                          // F32 [1, vocab]: logits after the last computed token
+  Tensor slot[2];                         // I32 [1, 1]: decode input slots, alternating
+  SamplerState sampler;
 };
 
-// Activation buffers for up to `rows` tokens per forward call.
+// One tensor of a session's state (for sizes, snapshots and the report, from one place).
+struct StateTensor {
+  enum class Kind : uint8_t { K, V, Conv, Recurrent } kind;
+  size_t layer;
+  DType dtype;
+  int64_t rows, cols;
+};
+
+// Activation buffers for up to `rows` tokens per forward: one list, so declaring, allocating and
+// releasing a field cannot drift apart. X(name, dtype, rows (rows | logit_rows), columns, needed).
+#define LILY_SCRATCH_FIELDS(X)                                                     \
+  X(ids, I32, rows, 1, true)                                                       \
+  X(h, F32, rows, c.hidden, true)                                                  \
+  X(u, F32, rows, c.hidden, true)                                                  \
+  X(mixer_out, F32, rows, c.hidden, true)                                          \
+  X(qkv, F32, rows, c.conv_dim(), c.n_linear() > 0)                                \
+  X(mixed, F32, rows, c.conv_dim(), c.n_linear() > 0)                              \
+  X(z, F32, rows, c.value_dim(), c.n_linear() > 0)                                 \
+  X(b, F32, rows, c.lin_v_heads, c.n_linear() > 0)                                 \
+  X(a, F32, rows, c.lin_v_heads, c.n_linear() > 0)                                 \
+  X(delta_o, F32, rows, c.value_dim(), c.n_linear() > 0)                           \
+  X(delta_y, F32, rows, c.value_dim(), c.n_linear() > 0)                           \
+  X(qg, F32, rows, 2 * c.heads * c.head_dim, c.n_full() > 0)                       \
+  X(k, F32, rows, c.kv_heads * c.head_dim, c.n_full() > 0)                         \
+  X(v, F32, rows, c.kv_heads * c.head_dim, c.n_full() > 0)                         \
+  X(q, F32, rows, c.heads * c.head_dim, c.n_full() > 0)                            \
+  X(gate, F32, rows, c.heads * c.head_dim, c.n_full() > 0)                         \
+  X(kr, F32, rows, c.kv_heads * c.head_dim, c.n_full() > 0)                        \
+  X(attn_o, F32, rows, c.heads * c.head_dim, c.n_full() > 0)                       \
+  X(router_logits, F32, rows, c.experts, true)                                     \
+  X(topk_ids, I32, rows, c.topk, true)                                             \
+  X(topk_w, F32, rows, c.topk, true)                                               \
+  X(routed, F32, rows, c.hidden, true)                                             \
+  X(sh_g, F32, rows, c.shared_inter, true)                                         \
+  X(sh_u, F32, rows, c.shared_inter, true)                                         \
+  X(sh_act, F32, rows, c.shared_inter, true)                                       \
+  X(shared, F32, rows, c.hidden, true)                                             \
+  X(sh_gate, F32, rows, 1, true)                                                   \
+  X(final_h, F32, logit_rows, c.hidden, true)                                      \
+  X(logits, F32, logit_rows, c.vocab, true)
+
 struct Scratch {
-  int64_t rows = 0;
-  Tensor ids, h, u, mixer_out;
-  Tensor qkv, mixed, z, b, a, delta_o, delta_y;                  // DeltaNet
-  Tensor qg, k, v, q, gate, kr, attn_o;                          // attention
-  Tensor router_logits, topk_ids, topk_w, routed, sh_g, sh_u, sh_act, shared, sh_gate;  // MoE
-  Tensor final_h, logits;
-  int64_t logit_rows = 0;
+  int64_t rows = 0, logit_rows = 0, max_ctx = 0;
+#define LILY_DECLARE_SCRATCH(name, dtype, nrows, cols, needed) Tensor name;
+  LILY_SCRATCH_FIELDS(LILY_DECLARE_SCRATCH)
+#undef LILY_DECLARE_SCRATCH
+  Tensor ws;  // the workspace ops take their scratch from (Ops::workspace_bytes)
 };
 
 class Qwen36 {
  public:
-  // Takes ownership of the vector parameters it is given (uploaded into backend buffers).
   Qwen36(const ModelConfig& cfg, Ops& ops) : cfg_(cfg), ops_(ops) {}
   const ModelConfig& config() const { return cfg_; }
   ModelWeights& weights() { return w_; }
   const ModelWeights& weights() const { return w_; }
   Ops& ops() { return ops_; }
 
-  SessionState new_state(int64_t max_ctx, DType kv_dtype);
-  void free_state(SessionState& st);
-  Scratch new_scratch(int64_t rows, int64_t logit_rows);
-  void free_scratch(Scratch& sc);
+  // Every state tensor of a session with this context and KV dtype.
+  std::vector<StateTensor> state_tensors(int64_t max_ctx, DType kv_dtype) const;
+  // Throws std::invalid_argument (naming max_context) when the state would not be addressable.
   size_t state_bytes(int64_t max_ctx, DType kv_dtype) const;
+  SessionState new_state(int64_t max_ctx, DType kv_dtype);  // on failure releases what it allocated
+  void free_state(SessionState& st);
+  Scratch new_scratch(int64_t rows, int64_t logit_rows, int64_t max_ctx);
+  void free_scratch(Scratch& sc);
 
-  // Runs T tokens at positions pos0.. through the decoder (Phase::Decode requires T == 1) and writes the
-  // logits of the last `n_logits` rows (1 or T) into logits_out [n_logits, vocab].
-  void forward(SessionState& st, Scratch& sc, const int32_t* ids, int64_t T, int64_t pos0, Phase phase,
-               int64_t n_logits, float* logits_out);
+  // Encodes the decoder over T tokens read from ids ([T, 1], I32) at positions st.pos.. and advances
+  // st.pos by T; the final hidden rows stay in sc.h. Phase::Decode requires T == 1.
+  void encode_layers(SessionState& st, Scratch& sc, const Tensor& ids, int64_t T, Phase phase);
+  // Final norm and lm_head over rows [row0, row0 + n) of sc.h into out [n, vocab] (n <= sc.logit_rows).
+  void encode_logits(Scratch& sc, int64_t row0, int64_t n, const Tensor& out);
 
  private:
   void delta_layer(const LayerWeights& L, SessionState& st, size_t li, Scratch& sc, int64_t T);
-  void attention_layer(const LayerWeights& L, SessionState& st, size_t li, Scratch& sc, int64_t T,
-                       int64_t pos0);
+  void attention_layer(const LayerWeights& L, SessionState& st, size_t li, Scratch& sc, int64_t T);
   void moe_block(const LayerWeights& L, Scratch& sc, int64_t T);
   AttentionShape attn_shape() const;
   DeltaShape delta_shape() const;

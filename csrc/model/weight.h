@@ -1,6 +1,11 @@
-// A weight matrix as the checkpoint stores it, viewed in place (memory-mapped, never copied).
-// Dense rows are [rows, cols] row-major in f32/f16/bf16. Affine rows are MLX group quantization:
-// uint32-packed codes (bits 4 or 8, LSB first), one scale and bias per `group` inputs.
+// Weights as the checkpoint stores them, never copied: dense rows [rows, cols] row-major in f32/f16/bf16,
+// or MLX affine group quantization (uint32-packed codes, bits 4 or 8, LSB first, one scale and bias per
+// `group` inputs; MODEL.md section 9).
+//
+// Weight (what the graph and every backend see): a place in a checkpoint mapping registered once with
+// the backend (mapping id + byte offsets), a format and a shape. Routed experts are stacked: one base
+// plus a byte stride per expert, the layout of fused HF tensors and of MLX switch_mlp.
+// WeightView (what the CPU kernels see): the same weight resolved to host pointers.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -13,29 +18,50 @@ enum class DType : uint8_t { F32, F16, BF16, I32 };
 inline size_t dtype_size(DType t) { return t == DType::F16 || t == DType::BF16 ? 2 : 4; }
 const char* dtype_name(DType t);
 
-// A weight as the CPU kernels see it: host pointers into the mapped checkpoint.
-struct WeightView {
+// Format and shape, shared by both views.
+struct WeightFormat {
   enum class Kind : uint8_t { Dense, Affine };
   Kind kind = Kind::Dense;
   DType dtype = DType::F32;        // Dense: element type
-  const void* data = nullptr;      // Dense: elements; Affine: uint32 codes
-  int64_t rows = 0, cols = 0;      // logical shape [out, in]
+  int64_t rows = 0, cols = 0;      // logical shape [out, in] (of one expert when stacked)
   int bits = 0, group = 0;         // Affine only
-  const void* scales = nullptr;    // Affine only: [rows, cols/group]
-  const void* biases = nullptr;
   DType scale_dtype = DType::BF16;
 
   bool quantized() const { return kind == Kind::Affine; }
   // Bytes of one stored row (codes only for Affine).
   size_t row_bytes() const {
-    return quantized() ? size_t(cols) * bits / 8 : size_t(cols) * dtype_size(dtype);
+    return quantized() ? size_t(cols) * size_t(bits) / 8 : size_t(cols) * dtype_size(dtype);
   }
-  size_t bytes() const {
-    size_t b = row_bytes() * rows;
-    if (quantized()) b += 2 * size_t(rows) * (cols / group) * dtype_size(scale_dtype);
-    return b;
+  size_t scale_bytes() const {  // of the scales (and again of the biases) of one matrix
+    return quantized() ? size_t(rows) * size_t(cols / group) * dtype_size(scale_dtype) : 0;
   }
+  size_t bytes() const { return row_bytes() * size_t(rows) + 2 * scale_bytes(); }
   std::string describe() const;  // "q4g64" / "bf16" ...
+};
+
+struct Weight : WeightFormat {
+  // Codes (or elements), scales and biases each name their mapping: a sharded checkpoint may split them.
+  int32_t mapping = -1, scale_mapping = -1, bias_mapping = -1;
+  uint64_t data = 0, scales = 0, biases = 0;  // byte offsets into those mappings
+  int64_t experts = 0;                        // 0: one matrix; E: stacked, expert e at offset + e * stride
+  uint64_t data_stride = 0, scale_stride = 0, bias_stride = 0;
+
+  bool valid() const { return mapping >= 0; }
+  Weight expert(int64_t e) const {  // one expert of a stacked weight, as a plain matrix
+    Weight w = *this;
+    w.experts = 0;
+    w.data += uint64_t(e) * data_stride;
+    w.scales += uint64_t(e) * scale_stride;
+    w.biases += uint64_t(e) * bias_stride;
+    return w;
+  }
+  size_t total_bytes() const { return bytes() * size_t(experts ? experts : 1); }
+};
+
+struct WeightView : WeightFormat {
+  const void* data = nullptr;    // Dense: elements; Affine: uint32 codes
+  const void* scales = nullptr;  // Affine only: [rows, cols/group]
+  const void* biases = nullptr;
 };
 
 // bf16 / fp16 <-> fp32 scalars (the CPU kernels use vector forms of the same conversions).
@@ -54,15 +80,12 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
 }
 float f16_to_f32(uint16_t h);
 
-using Weight = WeightView;  // replaced by the mapping-relative Weight (issue: device-resident step)
-
-// Element `i` of a scale/bias array of the given dtype.
+// Element `i` of a scale/bias array of the given dtype (f32, f16 or bf16; validated at load).
 inline float load_scalar(const void* p, DType t, int64_t i) {
   switch (t) {
-    case DType::F32: return static_cast<const float*>(p)[i];
     case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
     case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    default: return 0.f;
+    default: return static_cast<const float*>(p)[i];
   }
 }
 

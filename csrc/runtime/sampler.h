@@ -1,38 +1,17 @@
-// Token sampling from one row of logits: penalties, then greedy (temperature 0) or
-// temperature -> top-k -> top-p -> min-p -> a draw from the renormalised distribution.
+// Sampling: the parameters (runtime/sampling_params.h), validated here, and the host side of the
+// sampler state a generate call starts from (the per-token work is the `sample` op of each backend;
+// the CPU's, csrc/cpu/sample.cpp, is the oracle).
 #pragma once
 #include <cstdint>
-#include <random>
-#include <unordered_map>
 #include <vector>
+
+#include "runtime/sampling_params.h"
 
 namespace lily {
 
-struct SamplingParams {
-  float temperature = 0.f;         // 0: greedy
-  int64_t top_k = 0;               // 0: off
-  float top_p = 1.f;               // 1: off
-  float min_p = 0.f;               // 0: off
-  float repetition_penalty = 1.f;  // HF style, over the whole context (prompt and output)
-  float presence_penalty = 0.f;    // OpenAI style, over tokens generated in this call
-  float frequency_penalty = 0.f;   // OpenAI style, over tokens generated in this call
-  bool has_seed = false;
-  uint64_t seed = 0;
-  void validate() const;  // throws std::invalid_argument naming the field
-};
-
-class Sampler {
- public:
-  explicit Sampler(const SamplingParams& p);
-  // context: every token of the session (for the repetition penalty). Records the choice as generated.
-  int32_t sample(const float* logits, int64_t vocab, const std::vector<int32_t>& context);
-
- private:
-  SamplingParams p_;
-  std::mt19937_64 rng_;
-  std::unordered_map<int32_t, int32_t> generated_;  // token -> times generated in this call
-  std::vector<float> work_;
-  std::vector<int32_t> idx_;
-};
+// The initial rng words of a generate call (mt19937.h layout) for this seed.
+std::vector<int32_t> sampler_rng_words(uint64_t seed);
+// 1 for every token id that occurs in `context` (the repetition penalty's set), vocab entries.
+std::vector<int32_t> sampler_seen_mask(const std::vector<int32_t>& context, int64_t vocab);
 
 }  // namespace lily

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <random>
 
 namespace lily {
 
@@ -13,55 +14,128 @@ struct BusyGuard {
     if (!lk.owns_lock()) throw SessionBusy("session is in use by another thread");
   }
 };
+
+// One step being encoded: an exception before submit() drops it, so the engine stays usable.
+struct Step {
+  Ops& ops;
+  Step(Ops& o, Phase phase) : ops(o) { ops.begin(phase); }
+  ~Step() {
+    if (ops.in_step()) ops.abandon();
+  }
+  Step(const Step&) = delete;
+  Step& operator=(const Step&) = delete;
+  uint64_t submit() { return ops.submit(); }
+};
 }  // namespace
 
-size_t Snapshot::bytes() const {
+// ---- snapshots ----
+
+size_t HostSnapshot::bytes() const {
   size_t b = tokens.size() * 4 + logits.size() * 4;
   for (auto* v : {&kv, &conv, &recurrent})
     for (auto& x : *v) b += x.size() * 4;
   return b;
 }
 
+DeviceSnapshot::~DeviceSnapshot() {
+  std::lock_guard<std::mutex> lk(lock_);
+  Ops& ops = model_.ops();
+  for (auto* v : {&k_, &v_, &conv_, &recurrent_})
+    for (Tensor& t : *v) ops.release(t);
+  ops.release(logits_);
+}
+
+size_t DeviceSnapshot::bytes() const {
+  size_t b = tokens_.size() * 4 + logits_.bytes();
+  for (auto* v : {&k_, &v_, &conv_, &recurrent_})
+    for (const Tensor& t : *v) b += t.bytes();
+  return b;
+}
+
+HostSnapshot DeviceSnapshot::to_host() const {
+  std::lock_guard<std::mutex> lk(lock_);
+  Ops& ops = model_.ops();
+  const ModelConfig& c = model_.config();
+  HostSnapshot h;
+  h.position = position_;
+  h.tokens = tokens_;
+  h.pending = pending_;
+  if (has_logits_) {
+    h.logits.resize(size_t(c.vocab));
+    ops.download(logits_, h.logits.data());
+  }
+  auto as_f32 = [&](const Tensor& t, float* dst) {
+    if (t.rows == 0) return;
+    if (t.dtype == DType::F32) return ops.download(t, dst);
+    std::vector<uint16_t> raw(size_t(t.rows * t.cols));
+    ops.download(t, raw.data());
+    for (size_t i = 0; i < raw.size(); ++i) dst[i] = bf16_to_f32(raw[i]);
+  };
+  for (size_t i = 0; i < k_.size(); ++i) {
+    std::vector<float> kv(size_t(2 * k_[i].rows * k_[i].cols));
+    as_f32(k_[i], kv.data());
+    as_f32(v_[i], kv.data() + k_[i].rows * k_[i].cols);
+    h.kv.push_back(std::move(kv));
+  }
+  for (size_t i = 0; i < conv_.size(); ++i) {
+    h.conv.emplace_back(size_t(conv_[i].rows * conv_[i].cols));
+    h.recurrent.emplace_back(size_t(recurrent_[i].rows * recurrent_[i].cols));
+    ops.download(conv_[i], h.conv.back().data());
+    ops.download(recurrent_[i], h.recurrent.back().data());
+  }
+  return h;
+}
+
+// ---- session ----
+
 Session::Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int64_t chunk, DType kv_dtype)
-    : model_(model), model_lock_(model_lock), chunk_(chunk) {
-  if (kv_dtype != DType::F32 && kv_dtype != DType::BF16)
-    throw std::invalid_argument("kv_cache_dtype must be f32 or bf16");
+    : model_(model), ops_(model.ops()), model_lock_(model_lock), chunk_(chunk) {
+  if (kv_dtype != DType::F32 && kv_dtype != DType::BF16) throw std::invalid_argument("kv_cache_dtype must be f32 or bf16");
   if (max_context <= 0) throw std::invalid_argument("max_context must be > 0");
   if (chunk <= 0) throw std::invalid_argument("prefill_chunk must be > 0");
   std::lock_guard<std::mutex> lk(model_lock_);
   st_ = model_.new_state(max_context, kv_dtype);
+  try {
+    decode_sc_ = model_.new_scratch(1, 1, max_context);
+  } catch (...) {
+    model_.free_state(st_);
+    throw;
+  }
 }
 
 Session::~Session() {
   std::lock_guard<std::mutex> lk(model_lock_);
   model_.free_state(st_);
-  if (prefill_sc_.rows) model_.free_scratch(prefill_sc_);
-  if (decode_sc_.rows) model_.free_scratch(decode_sc_);
+  model_.free_scratch(prefill_sc_);
+  model_.free_scratch(decode_sc_);
+}
+
+int64_t Session::position() const {
+  std::lock_guard<std::mutex> lk(state_mu_);
+  return int64_t(tokens_.size()) + (pending_ >= 0);
 }
 
 std::vector<int32_t> Session::tokens() const {
+  std::lock_guard<std::mutex> lk(state_mu_);
   std::vector<int32_t> t = tokens_;
   if (pending_ >= 0) t.push_back(pending_);
   return t;
 }
 
+StepStats Session::last_decode_stats() const {
+  std::lock_guard<std::mutex> lk(state_mu_);
+  return decode_stats_;
+}
+StepStats Session::last_prefill_stats() const {
+  std::lock_guard<std::mutex> lk(state_mu_);
+  return prefill_stats_;
+}
+Session::LoopTransfers Session::last_generate_transfers() const {
+  std::lock_guard<std::mutex> lk(state_mu_);
+  return loop_transfers_;
+}
+
 size_t Session::state_bytes() const { return model_.state_bytes(st_.max_ctx, st_.kv_dtype); }
-
-void Session::read_kv_rows(const Tensor& cache, int64_t head, int64_t n, float* dst) {
-  const Tensor rows = cache.rows_view(head * st_.max_ctx, n);
-  if (cache.dtype == DType::F32) return model_.ops().download(rows, dst);
-  std::vector<uint16_t> raw(static_cast<size_t>(n * cache.cols));
-  model_.ops().download(rows, raw.data());
-  for (size_t i = 0; i < raw.size(); ++i) dst[i] = bf16_to_f32(raw[i]);
-}
-
-void Session::write_kv_rows(const Tensor& cache, int64_t head, int64_t n, const float* src) {
-  const Tensor rows = cache.rows_view(head * st_.max_ctx, n);
-  if (cache.dtype == DType::F32) return model_.ops().upload(rows, src);
-  std::vector<uint16_t> raw(static_cast<size_t>(n * cache.cols));
-  for (size_t i = 0; i < raw.size(); ++i) raw[i] = f32_to_bf16(src[i]);
-  model_.ops().upload(rows, raw.data());
-}
 
 void Session::check_ids(const int32_t* ids, int64_t n) const {
   const int64_t vocab = model_.config().vocab;
@@ -75,56 +149,95 @@ void Session::ensure_scratch(Scratch& sc, int64_t rows, int64_t logit_rows) {
   if (sc.rows >= rows && sc.logit_rows >= logit_rows) return;
   rows = std::max(rows, sc.rows);
   logit_rows = std::max(logit_rows, sc.logit_rows);
-  if (sc.rows) model_.free_scratch(sc);
-  sc = model_.new_scratch(rows, logit_rows);
+  Scratch fresh = model_.new_scratch(rows, logit_rows, st_.max_ctx);  // the old one stays on failure
+  model_.free_scratch(sc);
+  sc = fresh;
 }
 
-void Session::decode_locked(int32_t token) {
-  ensure_scratch(decode_sc_, 1, 1);
-  last_logits_.resize(size_t(model_.config().vocab));
-  model_.forward(st_, decode_sc_, &token, 1, int64_t(tokens_.size()), Phase::Decode, 1, last_logits_.data());
-  decode_stats_ = model_.ops().stats();
-  tokens_.push_back(token);
+void Session::set_context(std::vector<int32_t> tokens, int32_t pending, bool has_logits) {
+  std::lock_guard<std::mutex> lk(state_mu_);
+  tokens_ = std::move(tokens);
+  pending_ = pending;
+  has_logits_ = has_logits;
 }
 
-void Session::feed_pending() {
-  if (pending_ < 0) return;
-  std::lock_guard<std::mutex> lk(model_lock_);
-  int32_t t = pending_;
-  decode_locked(t);
+void Session::encode_decode(int s) {
+  model_.encode_layers(st_, decode_sc_, st_.slot[s], 1, Phase::Decode);
+  model_.encode_logits(decode_sc_, 0, 1, st_.logits);
+}
+
+void Session::feed_pending_locked() {
+  int32_t t;
+  {
+    std::lock_guard<std::mutex> lk(state_mu_);
+    if (pending_ < 0) return;
+    t = pending_;
+  }
+  ops_.upload(st_.slot[0], &t);
+  Step step(ops_, Phase::Decode);
+  encode_decode(0);
+  const StepStats stats = ops_.stats();
+  ops_.wait(step.submit());
+  std::lock_guard<std::mutex> lk(state_mu_);
+  decode_stats_ = stats;
+  tokens_.push_back(t);
   pending_ = -1;
+  has_logits_ = true;
 }
 
-void Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* out,
-                      const std::function<bool(int64_t, int64_t)>& progress) {
+int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* out,
+                         const std::function<bool(int64_t, int64_t)>& progress) {
   BusyGuard busy(busy_);
   if (n <= 0) throw std::invalid_argument("prefill needs at least one token");
   check_ids(ids, n);
   if (position() + n > st_.max_ctx)
-    throw ContextOverflow("prefill of " + std::to_string(n) + " tokens at position " +
-                          std::to_string(position()) + " exceeds max_context " + std::to_string(st_.max_ctx));
-  feed_pending();
+    throw ContextOverflow("prefill of " + std::to_string(n) + " tokens at position " + std::to_string(position()) +
+                          " exceeds max_context " + std::to_string(st_.max_ctx));
   const int64_t vocab = model_.config().vocab;
-  std::vector<float> row(static_cast<size_t>(vocab));
-  for (int64_t done = 0; done < n;) {
+  {
+    std::lock_guard<std::mutex> lk(model_lock_);
+    feed_pending_locked();
+    // Logits rows come in blocks of up to 16 to bound the [rows, vocab] scratch.
+    ensure_scratch(prefill_sc_, std::min(chunk_, n), all_logits ? std::min<int64_t>(16, chunk_) : 1);
+  }
+  int64_t done = 0;
+  while (done < n) {
     const int64_t T = std::min(chunk_, n - done);
     {
       std::lock_guard<std::mutex> lk(model_lock_);
-      // Logits rows are computed in blocks of 16 to bound the [rows, vocab] scratch. Every chunk
-      // computes at least its last row, so a cancelled prefill still leaves valid logits.
-      ensure_scratch(prefill_sc_, std::min(chunk_, n), all_logits ? std::min<int64_t>(16, chunk_) : 1);
-      float* dst = all_logits ? out + done * vocab : row.data();
-      model_.forward(st_, prefill_sc_, ids + done, T, int64_t(tokens_.size()), Phase::Prefill,
-                     all_logits ? T : 1, dst);
-      prefill_stats_ = model_.ops().stats();
+      Scratch& sc = prefill_sc_;
+      ops_.upload(sc.ids.rows_view(0, T), ids + done);
+      StepStats stats;
+      {
+        Step step(ops_, Phase::Prefill);
+        model_.encode_layers(st_, sc, sc.ids, T, Phase::Prefill);
+        stats = ops_.stats();
+        // Every chunk computes its last row's logits, so a cancelled prefill still has valid ones.
+        if (!all_logits) model_.encode_logits(sc, T - 1, 1, st_.logits);
+        ops_.wait(step.submit());
+      }
+      for (int64_t r0 = 0; all_logits && r0 < T; r0 += sc.logit_rows) {
+        const int64_t nb = std::min(sc.logit_rows, T - r0);
+        const Tensor rows = sc.logits.rows_view(0, nb);
+        Step step(ops_, Phase::Prefill);
+        model_.encode_logits(sc, r0, nb, rows);
+        if (r0 + nb == T) ops_.copy(rows.rows_view(nb - 1, 1), st_.logits);
+        ops_.wait(step.submit());
+        ops_.download(rows, out + (done + r0) * vocab);
+      }
+      std::lock_guard<std::mutex> slk(state_mu_);
+      prefill_stats_ = stats;
       tokens_.insert(tokens_.end(), ids + done, ids + done + T);
-      const float* last = all_logits ? out + (done + T - 1) * vocab : row.data();
-      last_logits_.assign(last, last + vocab);
+      has_logits_ = true;
     }
     done += T;
-    if (progress && !progress(done, n) && done < n) return;  // cancelled between chunks
+    if (progress && !progress(done, n) && done < n) break;  // cancelled between chunks
   }
-  if (!all_logits) std::memcpy(out, last_logits_.data(), size_t(vocab) * 4);
+  if (!all_logits) {
+    std::lock_guard<std::mutex> lk(model_lock_);
+    ops_.download(st_.logits, out);
+  }
+  return done;
 }
 
 void Session::step(int32_t token, float* out) {
@@ -133,88 +246,212 @@ void Session::step(int32_t token, float* out) {
   if (position() + 1 > st_.max_ctx)
     throw ContextOverflow("step at position " + std::to_string(position()) + " exceeds max_context " +
                           std::to_string(st_.max_ctx));
-  feed_pending();
   std::lock_guard<std::mutex> lk(model_lock_);
-  decode_locked(token);
-  std::memcpy(out, last_logits_.data(), last_logits_.size() * 4);
+  feed_pending_locked();
+  ops_.upload(st_.slot[0], &token);
+  Step st(ops_, Phase::Decode);
+  encode_decode(0);
+  const StepStats stats = ops_.stats();
+  ops_.wait(st.submit());
+  ops_.download(st_.logits, out);
+  std::lock_guard<std::mutex> slk(state_mu_);
+  decode_stats_ = stats;
+  tokens_.push_back(token);
+  has_logits_ = true;
 }
 
 void Session::logits(float* out) {
   BusyGuard busy(busy_);
-  feed_pending();
-  if (last_logits_.empty()) throw std::logic_error("no logits yet: the session's context is empty");
-  std::memcpy(out, last_logits_.data(), last_logits_.size() * 4);
+  std::lock_guard<std::mutex> lk(model_lock_);
+  feed_pending_locked();
+  {
+    std::lock_guard<std::mutex> slk(state_mu_);
+    if (!has_logits_) throw std::logic_error("no logits yet: the session's context is empty");
+  }
+  ops_.download(st_.logits, out);
 }
 
-std::string Session::generate(int64_t max_tokens, const SamplingParams& params,
-                              const std::vector<int32_t>& stop_ids,
+std::string Session::generate(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
                               const std::function<bool(int32_t)>& on_token) {
   BusyGuard busy(busy_);
   if (max_tokens < 0) throw std::invalid_argument("max_tokens must be >= 0");
-  Sampler sampler(params);
-  feed_pending();
-  if (last_logits_.empty()) throw std::logic_error("generate needs a prefilled context");
+  params.validate();
   const int64_t vocab = model_.config().vocab;
-  std::vector<int32_t> context = tokens_;
-  for (int64_t i = 0; i < max_tokens; ++i) {
-    if (position() >= st_.max_ctx) return "context";
-    if (pending_ >= 0) {
-      std::lock_guard<std::mutex> lk(model_lock_);
-      decode_locked(pending_);
-      pending_ = -1;
+  uint64_t fence = 0;
+  int64_t P = 0;
+  {
+    std::lock_guard<std::mutex> lk(model_lock_);
+    feed_pending_locked();
+    std::vector<int32_t> context;
+    {
+      std::lock_guard<std::mutex> slk(state_mu_);
+      if (!has_logits_) throw std::logic_error("generate needs a prefilled context");
+      context = tokens_;
     }
-    const int32_t tok = sampler.sample(last_logits_.data(), vocab, context);
-    context.push_back(tok);
-    pending_ = tok;  // fed lazily: a stop token costs no forward unless the context continues
-    const bool keep_going = on_token(tok);
-    if (std::find(stop_ids.begin(), stop_ids.end(), tok) != stop_ids.end()) return "stop";
-    if (!keep_going) return "cancelled";
+    P = int64_t(context.size());
+    if (max_tokens == 0) return "length";
+    if (P >= st_.max_ctx) return "context";
+    // The call's sampler state, then iteration 0: the first id from the logits already computed.
+    const uint64_t seed = params.has_seed ? params.seed : std::random_device{}();
+    ops_.upload(st_.sampler.rng, sampler_rng_words(seed).data());
+    ops_.upload(st_.sampler.seen, sampler_seen_mask(context, vocab).data());
+    Step step(ops_, Phase::Decode);
+    ops_.fill(st_.sampler.counts, 0);
+    ops_.fill(st_.sampler.ring_count, 0);
+    ops_.sample(st_.logits, st_.sampler, params, decode_sc_.ws, st_.slot[0]);
+    fence = step.submit();
   }
-  return "length";
+  const Ops::Transfers before = ops_.transfers();
+  int64_t steps = 0;
+  auto account = [&] {
+    const Ops::Transfers& now = ops_.transfers();
+    std::lock_guard<std::mutex> slk(state_mu_);
+    loop_transfers_ = {steps, now.uploads - before.uploads, now.downloads - before.downloads,
+                       now.download_bytes - before.download_bytes};
+  };
+  // Iteration k leaves id k in slot[k % 2]; iteration k + 1 feeds it and samples id k + 1 into the other
+  // slot. It is submitted before id k is read, so the device never waits for the host. When id k ends
+  // the call, iteration k + 1 has only fed id k (which the caller has seen): its sample is discarded.
+  for (int64_t k = 0;; ++k) {
+    const bool next = k + 1 < max_tokens && P + k + 1 < st_.max_ctx;
+    uint64_t next_fence = 0;
+    int32_t id;
+    {
+      std::lock_guard<std::mutex> lk(model_lock_);
+      if (next) {
+        Step step(ops_, Phase::Decode);
+        encode_decode(int(k % 2));
+        const StepStats stats = ops_.stats();
+        ops_.sample(st_.logits, st_.sampler, params, decode_sc_.ws, st_.slot[(k + 1) % 2]);
+        next_fence = step.submit();
+        std::lock_guard<std::mutex> slk(state_mu_);
+        decode_stats_ = stats;
+      }
+      ops_.wait(fence);
+      ops_.download(st_.slot[k % 2], &id);
+      ++steps;
+    }
+    {
+      std::lock_guard<std::mutex> slk(state_mu_);
+      if (next)
+        tokens_.push_back(id);  // fed by the submitted iteration
+      else
+        pending_ = id;  // fed lazily: a final token costs no forward unless the context continues
+    }
+    account();
+    const bool keep_going = on_token(id);
+    const bool stop = std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end();
+    if (stop || !keep_going || !next) {
+      if (next) {
+        std::lock_guard<std::mutex> lk(model_lock_);
+        ops_.wait(next_fence);
+      }
+      if (stop) return "stop";
+      if (!keep_going) return "cancelled";
+      return k + 1 >= max_tokens ? "length" : "context";
+    }
+    fence = next_fence;
+  }
 }
 
-Snapshot Session::snapshot() {
+std::unique_ptr<DeviceSnapshot> Session::snapshot() {
   BusyGuard busy(busy_);
-  std::lock_guard<std::mutex> lk(model_lock_);
   const ModelConfig& c = model_.config();
-  Snapshot s;
-  s.position = int64_t(tokens_.size());
-  s.tokens = tokens_;
-  s.pending = pending_;
-  s.logits = last_logits_;
-  Ops& ops = model_.ops();
+  auto snap = std::make_unique<DeviceSnapshot>(model_, model_lock_);
+  std::lock_guard<std::mutex> lk(model_lock_);
+  {
+    std::lock_guard<std::mutex> slk(state_mu_);
+    snap->position_ = int64_t(tokens_.size());
+    snap->tokens_ = tokens_;
+    snap->pending_ = pending_;
+    snap->has_logits_ = has_logits_;
+  }
+  snap->kv_dtype_ = st_.kv_dtype;
+  const int64_t pos = snap->position_;
   for (size_t li = 0; li < size_t(c.layers); ++li) {
     if (c.full_attention[li]) {
-      std::vector<float> kv(static_cast<size_t>(2 * c.kv_heads * s.position * c.head_dim));
-      float* p = kv.data();
-      for (const Tensor* cache : {&st_.k_cache[li], &st_.v_cache[li]})
-        for (int64_t h = 0; h < c.kv_heads; ++h) {
-          if (s.position) read_kv_rows(*cache, h, s.position, p);
-          p += s.position * c.head_dim;
-        }
-      s.kv.push_back(std::move(kv));
+      snap->k_.push_back(ops_.alloc("snapshot_k", st_.kv_dtype, c.kv_heads * pos, c.head_dim));
+      snap->v_.push_back(ops_.alloc("snapshot_v", st_.kv_dtype, c.kv_heads * pos, c.head_dim));
     } else {
-      std::vector<float> conv(static_cast<size_t>(st_.conv[li].rows * st_.conv[li].cols));
-      std::vector<float> rec(static_cast<size_t>(st_.recurrent[li].rows * st_.recurrent[li].cols));
-      ops.download(st_.conv[li], conv.data());
-      ops.download(st_.recurrent[li], rec.data());
-      s.conv.push_back(std::move(conv));
-      s.recurrent.push_back(std::move(rec));
+      snap->conv_.push_back(ops_.alloc("snapshot_conv", DType::F32, st_.conv[li].rows, st_.conv[li].cols));
+      snap->recurrent_.push_back(
+          ops_.alloc("snapshot_recurrent", DType::F32, st_.recurrent[li].rows, st_.recurrent[li].cols));
     }
   }
-  return s;
+  snap->logits_ = ops_.alloc("snapshot_logits", DType::F32, 1, c.vocab);
+  Step step(ops_, Phase::Prefill);
+  size_t fi = 0, di = 0;
+  for (size_t li = 0; li < size_t(c.layers); ++li) {
+    if (c.full_attention[li]) {
+      for (int64_t h = 0; h < c.kv_heads && pos > 0; ++h) {
+        ops_.copy(st_.k_cache[li].rows_view(h * st_.max_ctx, pos), snap->k_[fi].rows_view(h * pos, pos));
+        ops_.copy(st_.v_cache[li].rows_view(h * st_.max_ctx, pos), snap->v_[fi].rows_view(h * pos, pos));
+      }
+      ++fi;
+    } else {
+      ops_.copy(st_.conv[li], snap->conv_[di]);
+      ops_.copy(st_.recurrent[li], snap->recurrent_[di]);
+      ++di;
+    }
+  }
+  ops_.copy(st_.logits, snap->logits_);
+  ops_.wait(step.submit());
+  return snap;
 }
 
-void Session::restore(const Snapshot& s) {
-  BusyGuard busy(busy_);
-  const ModelConfig& c = model_.config();
-  // Validate everything before touching the state, so a bad snapshot leaves the session as it was.
-  const int64_t need = s.position + (s.pending >= 0);
+void Session::check_restorable(int64_t position, int32_t pending, const std::vector<int32_t>& tokens) const {
+  const int64_t need = position + (pending >= 0);
   if (need > st_.max_ctx)
     throw ContextOverflow("snapshot holds " + std::to_string(need) + " tokens, more than max_context " +
                           std::to_string(st_.max_ctx));
-  if (int64_t(s.tokens.size()) != s.position) throw std::invalid_argument("snapshot: token count mismatch");
-  size_t n_full = size_t(c.n_full()), n_lin = size_t(c.n_linear());
+  if (int64_t(tokens.size()) != position) throw std::invalid_argument("snapshot: token count mismatch");
+  check_ids(tokens.data(), int64_t(tokens.size()));
+  if (pending >= 0) check_ids(&pending, 1);
+}
+
+void Session::restore_locked(const DeviceSnapshot& s) {
+  const ModelConfig& c = model_.config();
+  const int64_t pos = s.position_;
+  Step step(ops_, Phase::Prefill);
+  size_t fi = 0, di = 0;
+  for (size_t li = 0; li < size_t(c.layers); ++li) {
+    if (c.full_attention[li]) {
+      for (int64_t h = 0; h < c.kv_heads && pos > 0; ++h) {
+        ops_.copy(s.k_[fi].rows_view(h * pos, pos), st_.k_cache[li].rows_view(h * st_.max_ctx, pos));
+        ops_.copy(s.v_[fi].rows_view(h * pos, pos), st_.v_cache[li].rows_view(h * st_.max_ctx, pos));
+      }
+      ++fi;
+    } else {
+      ops_.copy(s.conv_[di], st_.conv[li]);
+      ops_.copy(s.recurrent_[di], st_.recurrent[li]);
+      ++di;
+    }
+  }
+  ops_.copy(s.logits_, st_.logits);
+  ops_.fill(st_.pos, double(pos));
+  ops_.wait(step.submit());
+}
+
+void Session::restore(const DeviceSnapshot& s) {
+  if (s.backend() != &ops_) {  // another engine's snapshot: its tensors live in another backend
+    restore(s.to_host());
+    return;
+  }
+  BusyGuard busy(busy_);
+  check_restorable(s.position_, s.pending_, s.tokens_);
+  {
+    std::lock_guard<std::mutex> lk(model_lock_);
+    restore_locked(s);
+  }
+  set_context(s.tokens_, s.pending_, s.has_logits_);
+}
+
+void Session::restore(const HostSnapshot& s) {
+  BusyGuard busy(busy_);
+  const ModelConfig& c = model_.config();
+  // Validate everything before touching the state, so a bad snapshot leaves the session as it was.
+  check_restorable(s.position, s.pending, s.tokens);
+  const size_t n_full = size_t(c.n_full()), n_lin = size_t(c.n_linear());
   if (s.kv.size() != n_full || s.conv.size() != n_lin || s.recurrent.size() != n_lin)
     throw std::invalid_argument("snapshot: layer count does not match this model");
   if (!s.logits.empty() && int64_t(s.logits.size()) != c.vocab)
@@ -226,45 +463,52 @@ void Session::restore(const Snapshot& s) {
     if (int64_t(s.conv[i].size()) != (c.conv_kernel - 1) * c.conv_dim() ||
         int64_t(s.recurrent[i].size()) != c.lin_v_heads * c.lin_k_dim * c.lin_v_dim)
       throw std::invalid_argument("snapshot: recurrent state size does not match this model");
-  check_ids(s.tokens.data(), int64_t(s.tokens.size()));
-  if (s.pending >= 0) check_ids(&s.pending, 1);
 
-  std::lock_guard<std::mutex> lk(model_lock_);
-  Ops& ops = model_.ops();
-  size_t fi = 0, di = 0;
-  for (size_t li = 0; li < size_t(c.layers); ++li) {
-    if (c.full_attention[li]) {
-      const float* p = s.kv[fi++].data();
-      for (const Tensor* cache : {&st_.k_cache[li], &st_.v_cache[li]})
-        for (int64_t h = 0; h < c.kv_heads; ++h) {
-          if (s.position) write_kv_rows(*cache, h, s.position, p);
-          p += s.position * c.head_dim;
-        }
-    } else {
-      ops.upload(st_.conv[li], s.conv[di].data());
-      ops.upload(st_.recurrent[li], s.recurrent[di].data());
-      ++di;
+  // Stage the host copy in fp32 device tensors, then restore it like any snapshot.
+  DeviceSnapshot d(model_, model_lock_);
+  d.position_ = s.position;
+  d.tokens_ = s.tokens;
+  d.pending_ = s.pending;
+  d.has_logits_ = !s.logits.empty();
+  {
+    std::lock_guard<std::mutex> lk(model_lock_);
+    const int64_t rows = c.kv_heads * s.position;
+    for (const auto& kv : s.kv) {
+      d.k_.push_back(ops_.alloc("staged_k", DType::F32, rows, c.head_dim));
+      d.v_.push_back(ops_.alloc("staged_v", DType::F32, rows, c.head_dim));
+      if (rows) {
+        ops_.upload(d.k_.back(), kv.data());
+        ops_.upload(d.v_.back(), kv.data() + rows * c.head_dim);
+      }
     }
+    for (size_t i = 0; i < n_lin; ++i) {
+      d.conv_.push_back(ops_.alloc("staged_conv", DType::F32, c.conv_kernel - 1, c.conv_dim()));
+      d.recurrent_.push_back(ops_.alloc("staged_recurrent", DType::F32, c.lin_v_heads * c.lin_k_dim, c.lin_v_dim));
+      ops_.upload(d.conv_.back(), s.conv[i].data());
+      ops_.upload(d.recurrent_.back(), s.recurrent[i].data());
+    }
+    d.logits_ = ops_.alloc("staged_logits", DType::F32, 1, c.vocab);
+    if (d.has_logits_) ops_.upload(d.logits_, s.logits.data());
+    restore_locked(d);
   }
-  tokens_ = s.tokens;
-  pending_ = s.pending;
-  last_logits_ = s.logits;
+  set_context(s.tokens, s.pending, d.has_logits_);
 }
 
 void Session::reset() {
   BusyGuard busy(busy_);
-  std::lock_guard<std::mutex> lk(model_lock_);
-  const ModelConfig& c = model_.config();
-  for (size_t li = 0; li < size_t(c.layers); ++li) {
-    if (c.full_attention[li]) continue;  // KV rows past the position are never read
-    std::vector<float> zeros(static_cast<size_t>(std::max(st_.conv[li].rows * st_.conv[li].cols,
-                                             st_.recurrent[li].rows * st_.recurrent[li].cols)));
-    model_.ops().upload(st_.conv[li], zeros.data());
-    model_.ops().upload(st_.recurrent[li], zeros.data());
+  {
+    std::lock_guard<std::mutex> lk(model_lock_);
+    const ModelConfig& c = model_.config();
+    Step step(ops_, Phase::Prefill);
+    for (size_t li = 0; li < size_t(c.layers); ++li) {
+      if (c.full_attention[li]) continue;  // KV rows past the position are never read
+      ops_.fill(st_.conv[li], 0);
+      ops_.fill(st_.recurrent[li], 0);
+    }
+    ops_.fill(st_.pos, 0);
+    ops_.wait(step.submit());
   }
-  tokens_.clear();
-  pending_ = -1;
-  last_logits_.clear();
+  set_context({}, -1, false);
 }
 
 }  // namespace lily

@@ -1,5 +1,13 @@
 // A conversation's state and the loops that advance it: chunked prefill, single decode steps, and the
-// generation loop (sampling and stop conditions in C++, one callback per token to stream it out).
+// generation loop. The graph encodes steps; the session owns every upload, submission, wait and
+// download: token ids go up once per call, logits come down only when the caller asks for them, and the
+// decode loop keeps the next step in flight while it reads the previous step's id (one 4-byte read per
+// token: the sampled id is written on the device into the next step's input slot).
+//
+// Locks: busy_ (try-locked) admits one call at a time per session; the engine's model_lock serialises
+// backend work (encode, submit, wait, transfers, alloc/release) across sessions; state_mu_ guards the
+// host-side context (tokens_, pending_, stats) so position()/tokens()/stats may be read from any
+// thread while a call runs. Order: busy_ -> model_lock -> state_mu_. Callbacks run with no lock held.
 #pragma once
 #include <functional>
 #include <memory>
@@ -22,8 +30,8 @@ struct SessionBusy : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// A host copy of everything a session needs to continue exactly where it was.
-struct Snapshot {
+// A host copy of a session's state (session files): KV rows as fp32 (exact for a bf16 cache too).
+struct HostSnapshot {
   int64_t position = 0;                 // tokens whose state is computed
   std::vector<int32_t> tokens;          // computed tokens
   int32_t pending = -1;                 // sampled but not yet fed
@@ -33,9 +41,37 @@ struct Snapshot {
   size_t bytes() const;
 };
 
+// A session's state copied into backend tensors by recorded copies (snapshot, restore and fork never
+// leave the device). Releases its tensors under the engine lock when destroyed.
+class DeviceSnapshot {
+ public:
+  DeviceSnapshot(Qwen36& model, std::mutex& model_lock) : model_(model), lock_(model_lock) {}
+  ~DeviceSnapshot();
+  DeviceSnapshot(const DeviceSnapshot&) = delete;
+  DeviceSnapshot& operator=(const DeviceSnapshot&) = delete;
+
+  int64_t position() const { return position_ + (pending_ >= 0); }
+  size_t bytes() const;
+  const Ops* backend() const { return &model_.ops(); }
+  HostSnapshot to_host() const;  // downloads (session files)
+
+ private:
+  friend class Session;
+  Qwen36& model_;
+  std::mutex& lock_;
+  int64_t position_ = 0;
+  std::vector<int32_t> tokens_;
+  int32_t pending_ = -1;
+  bool has_logits_ = false;
+  DType kv_dtype_ = DType::F32;
+  std::vector<Tensor> k_, v_;  // per full layer: [kv_heads * position, head_dim]
+  std::vector<Tensor> conv_, recurrent_;
+  Tensor logits_;
+};
+
 class Session {
  public:
-  // `lock` is shared by every session of one model: one forward runs at a time per engine.
+  // `lock` is shared by every session of one model: one backend call at a time per engine.
   Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int64_t chunk,
           DType kv_dtype = DType::F32);
   ~Session();
@@ -46,14 +82,15 @@ class Session {
   int64_t chunk() const { return chunk_; }
   DType kv_dtype() const { return st_.kv_dtype; }
   // Tokens in the context, including a sampled token not yet fed through the model.
-  int64_t position() const { return int64_t(tokens_.size()) + (pending_ >= 0); }
+  int64_t position() const;
   std::vector<int32_t> tokens() const;
 
   // Feeds ids (after any pending token). Writes logits of the last id, or of every id when all_logits,
   // into out ([1 or n, vocab]). progress(done, total) runs after each chunk; returning false cancels
-  // between chunks (the chunks done stay in the context).
-  void prefill(const int32_t* ids, int64_t n, bool all_logits, float* out,
-               const std::function<bool(int64_t, int64_t)>& progress);
+  // between chunks (the chunks done stay in the context). Returns the number of ids fed: with
+  // all_logits only that many rows of out are written; otherwise out holds the last fed id's logits.
+  int64_t prefill(const int32_t* ids, int64_t n, bool all_logits, float* out,
+                  const std::function<bool(int64_t, int64_t)>& progress);
   // Feeds one token, writes its logits to out [vocab].
   void step(int32_t token, float* out);
   // Logits after the last token (feeds a pending token first). Empty context: throws.
@@ -61,37 +98,47 @@ class Session {
 
   // Samples up to max_tokens tokens; each is reported through on_token (returning false stops) and
   // becomes part of the context. Returns why it stopped: "stop", "length", "context" or "cancelled".
-  std::string generate(int64_t max_tokens, const SamplingParams& params,
-                       const std::vector<int32_t>& stop_ids,
+  std::string generate(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
                        const std::function<bool(int32_t)>& on_token);
 
-  Snapshot snapshot();
-  void restore(const Snapshot& s);
+  std::unique_ptr<DeviceSnapshot> snapshot();
+  void restore(const DeviceSnapshot& s);  // a snapshot of another engine goes through host memory
+  void restore(const HostSnapshot& s);
   void reset();
 
-  const StepStats& last_decode_stats() const { return decode_stats_; }
-  const StepStats& last_prefill_stats() const { return prefill_stats_; }
+  StepStats last_decode_stats() const;
+  StepStats last_prefill_stats() const;
+  // Host transfers of the last generate call's decode loop (the loop's contract: one id read per token).
+  struct LoopTransfers {
+    int64_t steps = 0, uploads = 0, downloads = 0, download_bytes = 0;
+  };
+  LoopTransfers last_generate_transfers() const;
   size_t state_bytes() const;
 
  private:
   void check_ids(const int32_t* ids, int64_t n) const;
+  void check_restorable(int64_t position, int32_t pending, const std::vector<int32_t>& tokens) const;
   void ensure_scratch(Scratch& sc, int64_t rows, int64_t logit_rows);
-  void feed_pending();
-  void decode_locked(int32_t token);  // model lock held
-  // KV rows [0, n) of one head as fp32, and back (converting when the cache is bf16).
-  void read_kv_rows(const Tensor& cache, int64_t head, int64_t n, float* dst);
-  void write_kv_rows(const Tensor& cache, int64_t head, int64_t n, const float* src);
+  void feed_pending_locked();  // model lock held
+  // Encodes one decode step of the token in slot[s] into the open step. Model lock held.
+  void encode_decode(int s);
+  void restore_locked(const DeviceSnapshot& s);
+  void set_context(std::vector<int32_t> tokens, int32_t pending, bool has_logits);
 
   Qwen36& model_;
+  Ops& ops_;
   std::mutex& model_lock_;
   std::mutex busy_;
+  mutable std::mutex state_mu_;
   SessionState st_;
   Scratch prefill_sc_, decode_sc_;
   int64_t chunk_;
+  // guarded by state_mu_ (written only by the thread holding busy_)
   std::vector<int32_t> tokens_;
   int32_t pending_ = -1;
-  std::vector<float> last_logits_;
+  bool has_logits_ = false;
   StepStats decode_stats_, prefill_stats_;
+  LoopTransfers loop_transfers_;
 };
 
 }  // namespace lily

@@ -20,24 +20,47 @@ from .session import Session, read_session_file
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "lily-tiny"
-BACKENDS = ("cpu",)
+# What the CPU backend's debug modes read from the environment (comma-separated): "deferred" (record ops,
+# run them at submit on an executor thread, stage order shuffled, host access to in-flight buffers fails)
+# and "strict_alloc" (an op that allocates heap memory fails). `LILY_CPU_SHUFFLE_SEED` picks the order.
+DEBUG_ENV = "LILY_CPU_DEBUG"
+
+
+def backends() -> dict[str, dict]:
+    """Every backend this build knows, in the order ``backend="auto"`` prefers them:
+    ``{name: {"built": bool, "usable": bool, "status": str}}``."""
+    return {k: dict(v) for k, v in _core.backends().items()}
+
+
+def _choose_backend(backend: str) -> str:
+    known = backends()
+    if not isinstance(backend, str) or (backend != "auto" and backend not in known):
+        raise ValueError(f"backend must be 'auto' or one of {tuple(known)}, got {backend!r}")
+    if backend == "auto":
+        return next(name for name, b in known.items() if b["usable"])
+    if not known[backend]["usable"]:
+        raise LilyError(f"backend {backend!r} is {known[backend]['status']}")
+    return backend
+
+
+def _debug_options() -> dict:
+    words = {w.strip() for w in os.environ.get(DEBUG_ENV, "").split(",") if w.strip()}
+    unknown = words - {"deferred", "strict_alloc"}
+    if unknown:
+        raise ValueError(f"{DEBUG_ENV} holds unknown words {sorted(unknown)} (known: deferred, strict_alloc)")
+    opts: dict = {"deferred": "deferred" in words, "strict_alloc": "strict_alloc" in words}
+    if opts["deferred"]:
+        seed = os.environ.get("LILY_CPU_SHUFFLE_SEED", "1")
+        if not seed.isdigit():
+            raise ValueError(f"LILY_CPU_SHUFFLE_SEED must be a non-negative integer, got {seed!r}")
+        opts["shuffle_seed"] = int(seed)
+    return opts
 
 
 def _packaged_model_path(name: str) -> pathlib.Path | None:
     path = pathlib.Path(__file__).parent / "models" / name
     return path if (path / "config.json").is_file() else None
 
-
-
-def _gpu_backends() -> dict[str, str]:
-    """What this build of the extension holds for each GPU platform, and why inference still runs on the CPU."""
-    if getattr(_core, "has_metal", False):
-        metal = ("built: device, pipelines and the qmv4 / rms_norm / row_dot kernels (tests/metal); the Metal "
-                 "Ops backend for the model graph is a later issue, so inference runs on the CPU")
-    else:
-        metal = ("not built: Metal exists only on macOS (on Linux the kernels and host code are verified by the "
-                 "emulation harness in tools/metalsim)")
-    return {"metal": metal, "cuda": "not built: the CUDA backend is a later issue"}
 
 class Report(dict):
     """engine.report(): a dict that prints as an aligned text table."""
@@ -69,10 +92,9 @@ class Engine:
     Create it with :meth:`from_pretrained`; open conversations with :meth:`session`.
     """
 
-    def __init__(self, checkpoint: Checkpoint, *, backend: str = "cpu", threads: int | None = None,
+    def __init__(self, checkpoint: Checkpoint, *, backend: str = "auto", threads: int | None = None,
                  prefill_chunk: int = 512, kv_cache_dtype: str = "f32", tokenizer: Tokenizer | None = None):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        backend = _choose_backend(backend)
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive int or None, got {threads!r}")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -85,8 +107,11 @@ class Engine:
         self.backend = backend
         self.prefill_chunk = prefill_chunk
         self.tokenizer = tokenizer
+        options = {"threads": threads or 0, **_debug_options()}
+        # Each mapped file is handed over whole: the backend registers it once and weights are offsets in it.
+        files = [(np.frombuffer(f._mm, dtype=np.uint8), f.name) for f in checkpoint.files if f._mm is not None]
         try:
-            self._core = _core.Engine(self.config.to_core(), checkpoint.tensors, backend, threads or 0)
+            self._core = _core.Engine(self.config.to_core(), checkpoint.tensors, files, backend, options)
         except ValueError as exc:
             raise CheckpointError(f"{checkpoint.path}: {exc}") from exc
         self._fingerprint: str | None = None
@@ -94,11 +119,15 @@ class Engine:
 
     # ---- construction ----
     @classmethod
-    def from_pretrained(cls, model: str | os.PathLike | None = None, *, backend: str = "cpu",
+    def from_pretrained(cls, model: str | os.PathLike | None = None, *, backend: str = "auto",
                         threads: int | None = None, prefill_chunk: int = 512, kv_cache_dtype: str = "f32",
                         revision: str | None = None) -> "Engine":
         """Load a checkpoint: a local folder, a Hugging Face repo id (cached or downloaded; honours
         HF_HUB_OFFLINE), or the packaged demonstration model ``"lily-tiny"`` (the default).
+
+        ``backend``: ``"auto"`` (the first usable of :func:`lily.engine.backends`, in the order CUDA, Metal,
+        CPU), ``"cpu"``, ``"cuda"`` or ``"metal"``; a backend this build lacks, or whose device is absent,
+        raises :class:`LilyError` saying which.
 
         ``kv_cache_dtype="bf16"`` halves the KV cache (long contexts) at bf16 precision for K and V;
         the default ``"f32"`` keeps the CPU backend an exact fp32 oracle."""
@@ -221,7 +250,8 @@ class Engine:
             probe.prefill([0, 0])
             prefill = probe.stats()["prefill_chunk"]
             probe.step(0)
-            self._probe_stats = {"decode_step": probe.stats()["decode_step"], "prefill_chunk_2_tokens": prefill}
+            self._probe_stats = {"decode_step": probe.stats()["decode_step"], "prefill_chunk_2_tokens": prefill,
+                                 "host_transfers_per_generated_token": "1 download (the 4-byte id), 0 uploads"}
             del probe
         cfg = self.config
         kv_per_token = sum(cfg.layer_types[i] == "full_attention" for i in range(cfg.num_hidden_layers)) \
@@ -246,14 +276,20 @@ class Engine:
                 "kv_cache_bytes_per_token": kv_per_token,
                 "recurrent_state_bytes_per_session": rec,
                 "backend_buffers_bytes": core["backend_buffer_bytes"],
+                "mapped_regions": core["mappings"],
+                "repacked_expert_bytes": core["repacked_expert_bytes"],
             },
+            "experts_layout": ("stacked in place (one base + a stride per projection)"
+                               if core["repacked_expert_projections"] == 0 else
+                               f"repacked at load: {core['repacked_expert_projections']} expert projections "
+                               "stored one tensor per expert were copied into stacked buffers"),
             "kernels": dict(core["kernels"]),
             "ops_per_step": self._probe_stats,
             "optimizations": list(core["optimizations"]),
             "tied_embeddings": core["tied_embeddings"],
             "skipped_tensors": dict(self.checkpoint.skipped),
             "tokenizer": "none" if tok is None else f"{tok.vocab_size} tokens, stop ids {tok.stop_token_ids}",
-            "gpu_backends": _gpu_backends(),
+            "backends": {name: b["status"] for name, b in backends().items()},
             "chat_template": "none" if tok is None else (
                 "ChatML fallback (checkpoint has none)" if tok.chat_template is None else "from checkpoint"),
         })

@@ -20,7 +20,8 @@ _SESSION_FORMAT = "lily-session/1"
 
 
 class Snapshot:
-    """A host copy of a session's state; restore it into any session of the same model."""
+    """A copy of a session's state, held by the backend (restoring it never leaves the device); restore
+    it into any session of the same model. Snapshots read from session files are host copies."""
 
     def __init__(self, core_snapshot, fingerprint: str):
         self._core = core_snapshot
@@ -83,8 +84,10 @@ class Session:
         return self._core.logits()[0]
 
     def stats(self) -> dict:
-        """Ops and barrier-separated stages of the last decode step and the last prefill chunk."""
-        return {"decode_step": self._core.decode_stats(), "prefill_chunk": self._core.prefill_stats()}
+        """Ops and barrier-separated stages of the last decode step and the last prefill chunk, and the
+        host transfers of the last generate call's decode loop (``steps`` ids read, one download each)."""
+        return {"decode_step": self._core.decode_stats(), "prefill_chunk": self._core.prefill_stats(),
+                "generate_transfers": self._core.generate_transfers()}
 
     # ---- running the model ----
     def prefill(
@@ -96,13 +99,14 @@ class Session:
     ) -> np.ndarray:
         """Feed tokens through the model in chunks of ``prefill_chunk``.
 
-        Returns the logits of the last token (float32 [vocab]) or, with ``all_logits=True``, of every
-        token ([len(ids), vocab]). ``progress(done, total)`` runs after each chunk; returning False
-        stops between chunks (what was computed stays in the context).
+        Returns the logits of the last token fed (float32 [vocab]) or, with ``all_logits=True``, of every
+        token fed ([n, vocab]). ``progress(done, total)`` runs after each chunk; returning False stops
+        between chunks: what was computed stays in the context, and the result covers exactly those
+        tokens (the last one's logits, or ``done`` rows).
         """
         arr = self._engine._validate_ids(ids)
-        out = self._core.prefill(arr, bool(all_logits), progress)
-        return out if all_logits else out[0]
+        out, done = self._core.prefill(arr, bool(all_logits), progress)
+        return out[:done] if all_logits else out[0]
 
     def step(self, token: int) -> np.ndarray:
         """Feed one token; returns the logits that follow it (float32 [vocab])."""
@@ -261,7 +265,7 @@ def read_session_file(path: str | os.PathLike, fingerprint: str) -> tuple[Snapsh
     if meta.get("fingerprint") != fingerprint:
         raise LilyError(f"session file '{path}' was saved on a different model; it cannot be loaded here")
     try:
-        snap = _core.Snapshot.from_arrays(arrays)
+        snap = _core.HostSnapshot.from_arrays(arrays)
     except (ValueError, TypeError) as exc:
         raise CheckpointError(f"session file '{path}' is malformed: {exc}") from exc
     return Snapshot(snap, fingerprint), meta

@@ -1,0 +1,49 @@
+#include "backend/ops.h"
+
+#include <stdexcept>
+
+namespace lily {
+
+Tensor Ops::alloc(const std::string& label, DType dtype, int64_t rows, int64_t cols) {
+  if (in_step_) throw std::logic_error("alloc('" + label + "') inside a step: scratch comes from the workspace");
+  if (rows < 0 || cols <= 0)
+    throw std::invalid_argument("alloc('" + label + "'): bad shape [" + std::to_string(rows) + ", " +
+                                std::to_string(cols) + "]");
+  Tensor t = alloc_impl(label, dtype, rows, cols);
+  tracker_.ensure(t.buf + 1);
+  return t;
+}
+
+void Ops::upload(const Tensor& dst, const void* src) {
+  if (in_step_) throw std::logic_error("upload inside a step: steps read their inputs from device tensors");
+  ++transfers_.uploads;
+  transfers_.upload_bytes += int64_t(dst.bytes());
+  upload_impl(dst, src);
+}
+
+void Ops::download(const Tensor& src, void* dst) {
+  if (in_step_) throw std::logic_error("download inside a step: submit and wait first");
+  ++transfers_.downloads;
+  transfers_.download_bytes += int64_t(src.bytes());
+  download_impl(src, dst);
+}
+
+void Ops::begin(Phase phase) {
+  if (in_step_) throw std::logic_error("begin: the previous step was not submitted");
+  phase_ = phase;
+  tracker_.begin();
+  in_step_ = true;
+}
+
+uint64_t Ops::submit() {
+  if (!in_step_) throw std::logic_error("submit without begin");
+  in_step_ = false;
+  return submit_impl();
+}
+
+void Ops::set_profiling(bool on) {
+  profiling_ = on;
+  profile_.fill(0.0);
+}
+
+}  // namespace lily
