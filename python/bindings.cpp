@@ -601,6 +601,41 @@ NB_MODULE(_core, m) {
     }
     return true;
   }, "seed"_a, "n"_a);
+  // The deferred CPU mode's host-access checks on a two-step scenario: what each access answers.
+  m.def("cpu_deferred_selftest", [] {
+    cpu::CpuOptions o;
+    o.threads = 1;
+    o.deferred = true;
+    o.shuffle_seed = 1;
+    cpu::CpuOps ops(o);
+    Tensor a = ops.alloc("a", DType::F32, 1, 4), b = ops.alloc("b", DType::F32, 1, 4);
+    float buf[4] = {0, 0, 0, 0};
+    auto attempt = [&](auto&& f) -> std::string {
+      try {
+        f();
+        return "ok";
+      } catch (const std::logic_error& e) {
+        return e.what();
+      }
+    };
+    nb::dict r;
+    ops.begin(Phase::Prefill);
+    ops.fill(a, 3.0);
+    const uint64_t f1 = ops.submit();
+    r["read_while_written"] = attempt([&] { ops.download(a, buf); });
+    ops.wait(f1);
+    r["read_after_wait"] = attempt([&] {
+      ops.download(a, buf);
+      if (buf[0] != 3.f) throw std::logic_error("the deferred fill did not run");
+    });
+    ops.begin(Phase::Prefill);
+    ops.copy(a, b);
+    const uint64_t f2 = ops.submit();
+    r["write_while_read"] = attempt([&] { ops.upload(a, buf); });
+    r["read_of_buffer_only_read"] = attempt([&] { ops.download(a, buf); });
+    ops.wait(f2);
+    return r;
+  });
 #ifdef LILY_WITH_METAL
   m.attr("has_metal") = true;
   bind_metal(m);

@@ -174,9 +174,10 @@ class Session:
             cancelled.set()
             resume.release()
             worker.join()
+            # Also when the consumer closed the iterator early (break, close(), garbage collection).
+            self.finish_reason = outcome.get("reason", "cancelled") if "error" not in outcome else None
         if "error" in outcome:
             raise outcome["error"]
-        self.finish_reason = outcome.get("reason", "cancelled")
 
     def generate_text(
         self,
