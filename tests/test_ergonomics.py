@@ -51,7 +51,7 @@ def test_report_renders_as_text_table_and_escaped_html(eng):
 
     p = P()
     rep._repr_pretty_(p, False)
-    assert p.out == str(rep) and "backend: cpu" in p.out
+    assert p.out == str(rep) == repr(rep) and "backend: cpu" in p.out
 
 
 def test_prefill_progress_bar_and_errors(eng, capsys):

@@ -64,7 +64,10 @@ class Report(dict):
             emit(k, v)
         return "\n".join(lines)
 
-    def _repr_pretty_(self, p, cycle: bool) -> None:  # IPython's text view: the table, not the raw dict
+    def __repr__(self) -> str:  # the REPL shows the table, not the raw dict (it is still a plain dict)
+        return str(self)
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:  # IPython's text view, likewise
         p.text(str(self))
 
     def _repr_html_(self) -> str:
