@@ -18,11 +18,14 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from .errors import LilyError
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 __all__ = ["parse_lengths", "sweep_lengths", "synthetic_checkpoint", "measure_prefill", "measure_decode",
            "run_sweep", "format_table", "plot", "machine_info", "add_arguments", "main"]
@@ -74,11 +77,11 @@ def synthetic_checkpoint(size: str, cache: str | os.PathLike | None = None, *, p
     return folder
 
 
-def _tokens(engine, n: int, rng: np.random.Generator) -> np.ndarray:
+def _tokens(engine: "Engine", n: int, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(0, engine.config.vocab_size, size=n, dtype=np.int32)
 
 
-def measure_prefill(engine, n: int, *, repeats: int, rng: np.random.Generator) -> list[float]:
+def measure_prefill(engine: "Engine", n: int, *, repeats: int, rng: np.random.Generator) -> list[float]:
     """Tokens/s of ``repeats`` prefills of ``n`` random tokens into an empty session."""
     session = engine.session(max_context=n)
     rates = []
@@ -91,7 +94,7 @@ def measure_prefill(engine, n: int, *, repeats: int, rng: np.random.Generator) -
     return rates
 
 
-def measure_decode(engine, context: int, *, tokens: int, repeats: int, rng: np.random.Generator) -> list[float]:
+def measure_decode(engine: "Engine", context: int, *, tokens: int, repeats: int, rng: np.random.Generator) -> list[float]:
     """Tokens/s of greedy decoding at ``context`` tokens of context (``tokens`` >= 2 generated per run;
     the ``tokens - 1`` forward steps after the first token are timed). The context is prefilled once
     and restored from a snapshot before each run."""
@@ -118,7 +121,7 @@ def machine_info() -> dict[str, Any]:
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "lily": __version__}
 
 
-def report_summary(engine) -> dict[str, Any]:
+def report_summary(engine: "Engine") -> dict[str, Any]:
     """The engine report's fields that identify a run (backend, device, model, formats, memory)."""
     r = engine.report()
     return {k: r[k] for k in ("model", "format", "quantization", "backend", "device", "threads", "prefill_chunk",
@@ -126,7 +129,7 @@ def report_summary(engine) -> dict[str, Any]:
                                                     "optimizations": r["optimizations"]}
 
 
-def run_sweep(engine, prefill_lengths: list[int], decode_contexts: list[int], *, repeats: int = 3,
+def run_sweep(engine: "Engine", prefill_lengths: list[int], decode_contexts: list[int], *, repeats: int = 3,
               decode_tokens: int = 32, seed: int = 0, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure every length; returns {"prefill": [{tokens, tok_s, ms, runs}], "decode": [{context, tok_s,
     ms_per_token, runs}], "settings": {...}} with medians over ``repeats``."""
@@ -163,7 +166,7 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
+def _pyplot() -> Any:
     try:
         import matplotlib
 

@@ -204,7 +204,8 @@ class Engine:
     # ---- one-call generation ----
     def _prompt_session(self, prompt: str | Iterable[int], max_tokens: int, where: str, *,
                         sampling: SamplingParams | None = None, stop: str | Iterable[str] | None = None,
-                        progress=None, prefill_chunk: int | None = None) -> Session:
+                        progress: bool | Callable[[int, int], bool | None] | None = None,
+                        prefill_chunk: int | None = None) -> Session:
         """A session sized for ``prompt`` + ``max_tokens`` with the prompt prefilled (arguments checked first)."""
         check_max_tokens(max_tokens, where)
         check_sampling(sampling, where)
@@ -231,7 +232,8 @@ class Engine:
                ) -> Iterator[GenerationResponse]:
         """Complete a prompt in a new session, yielding a :class:`lily.GenerationResponse` per token
         (text piece, token id, prompt and generation tokens/s, peak memory, finish reason on the last;
-        ``stop`` strings as in :meth:`Session.stream`). ``progress`` applies to the prompt's prefill."""
+        ``stop`` strings as in :meth:`Session.stream`). ``progress`` applies to the prompt's prefill
+        (as in :meth:`Session.prefill`). Raises ValueError/TypeError naming the argument before any work."""
         s = self._prompt_session(prompt, max_tokens, "Engine.stream", sampling=sampling, stop=stop,
                                  progress=progress)
         return s.stream(max_tokens, sampling, stop=stop, stop_token_ids=stop_token_ids)

@@ -4,7 +4,7 @@ a callable is called as ``progress(done, total)``, ``None``/``False`` shows noth
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Union
 
 ProgressCallback = Callable[[int, int], Union[bool, None]]
 Progress = Union[bool, ProgressCallback, None]
@@ -23,7 +23,7 @@ def check_progress(progress: object, where: str, *, callable_ok: bool = True) ->
     raise TypeError(f"{where}: progress must be {wanted}, got {progress!r}")
 
 
-def bar(total: int, desc: str, unit: str, **kwargs):
+def bar(total: int, desc: str, unit: str, **kwargs: Any) -> Any:
     """A ``tqdm.auto`` bar (imported here so that importing lily stays cheap)."""
     from tqdm.auto import tqdm
 

@@ -90,7 +90,7 @@ class StopStringMatcher:
     what is held back when the stream ends without a match.
     """
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str]) -> None:
         if not stops or any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"StopStringMatcher needs non-empty stop strings, got {stops!r}")
         self._stops = tuple(stops)
