@@ -1,5 +1,7 @@
 """CPU backend throughput on a synthetic 4-bit checkpoint: medium (the config of issue #2) or full size.
 
+A caller of lily.bench (``python -m lily bench`` is the general sweep) that adds roofline fractions.
+
 medium: hidden 1024, 16 layers (every 4th full attention), 16 q / 2 kv heads x 128, DeltaNet 8 key / 16 value
 heads x 64, 64 experts top-8, expert and shared size 256, vocab 32768. full: Qwen3.6-35B-A3B's text config.
 Both MLX affine 4-bit (8-bit router), generated on first use and cached.
@@ -16,23 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
-import tempfile
-import time
 
 import numpy as np
 from roofline import measure_bandwidth
-
-# The real Qwen3.6-35B-A3B text config (MODEL.md section 1.2): 19.5 GB in MLX 4-bit.
-FULL = {
-    "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
-    "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512, "full_attention_interval": 4,
-}
 
 
 def active_params(c: dict) -> tuple[int, int]:
@@ -68,15 +58,11 @@ def main() -> None:
     args = ap.parse_args()
 
     import lily
-    from lily.synthetic import MEDIUM_CONFIG, write_synthetic_checkpoint
+    from lily.bench import measure_decode, measure_prefill, synthetic_checkpoint
+    from lily.synthetic import FULL_CONFIG, MEDIUM_CONFIG
 
-    MEDIUM = MEDIUM_CONFIG if args.size == "medium" else FULL
-    cache = pathlib.Path(args.cache or os.path.join(tempfile.gettempdir(), f"lily-bench-{args.size}-q4"))
-    if not (cache / "config.json").is_file():
-        t = time.perf_counter()
-        write_synthetic_checkpoint(cache, MEDIUM, fmt="mlx", bits=4, seed=0, progress=True)
-        print(f"wrote synthetic checkpoint to {cache} in {time.perf_counter() - t:.1f}s")
-
+    MEDIUM = MEDIUM_CONFIG if args.size == "medium" else FULL_CONFIG
+    cache = synthetic_checkpoint(args.size, args.cache)
     engine = lily.Engine.from_pretrained(str(cache), threads=args.threads, prefill_chunk=args.chunk)
     threads = engine.report()["threads"]
     n_active, n_lm = active_params(MEDIUM)
@@ -84,7 +70,6 @@ def main() -> None:
     flops_per_token = 2 * (n_active - n_lm)  # prefill computes the lm_head for the last position only
     bw = measure_bandwidth()
     peak = args.peak_gflops * 1e9 if args.peak_gflops else lily._core.cpu_fma_peak(threads)
-    vocab = MEDIUM["vocab_size"]
     print(f"{args.size} config, checkpoint {cache}")
     rng = np.random.default_rng(0)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -95,18 +80,10 @@ def main() -> None:
           f"fp32 FMA peak {peak / 1e9:.0f} GFLOP/s (measured)")
     print(f"{'tokens':>7} | {'prefill tok/s':>13} {'of peak':>8} | {'decode tok/s':>12} {'of bw':>6}")
     for n in lengths:
-        session = engine.session(max_context=n + args.decode_tokens + 1)
-        pre, dec = [], []
-        for _ in range(args.repeats):
-            ids = rng.integers(0, vocab, size=n)
-            session.reset()
-            t = time.perf_counter()
-            session.prefill(ids)
-            pre.append(n / (time.perf_counter() - t))
-            t = time.perf_counter()
-            k = sum(1 for _ in session.generate(args.decode_tokens, stop_token_ids=[]))
-            dec.append(k / (time.perf_counter() - t))
-        p, d = statistics.median(pre), statistics.median(dec)
+        # lily.bench's measurements: prefill into an empty session; decode at n tokens of context,
+        # timing the forward steps after the first token.
+        p = statistics.median(measure_prefill(engine, n, repeats=args.repeats, rng=rng))
+        d = statistics.median(measure_decode(engine, n, tokens=args.decode_tokens, repeats=args.repeats, rng=rng))
         results["prefill"][n] = p
         results["decode"][n] = d
         print(f"{n:>7} | {p:>13.1f} {p * flops_per_token / peak:>7.1%} | {d:>12.1f} {d * bytes_per_token / bw:>5.1%}")

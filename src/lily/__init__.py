@@ -3,10 +3,14 @@
     import lily
     engine = lily.Engine.from_pretrained()          # packaged demo model, or a path / Hub repo id
     print(engine.generate("Once upon a time", max_tokens=32))
+
+    model, tokenizer = lily.load()                  # mlx-lm style: lily.generate / lily.stream_generate
 """
 
 from .errors import ChatTemplateError, CheckpointError, ContextOverflowError, LilyError, SessionBusyError
+from .api import generate, load, stream_generate
 from .sampling import SamplingParams
+from .streaming import GenerationResponse
 
 __version__ = "0.1.0"
 
@@ -25,5 +29,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'lily' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "Session", "Snapshot", "SamplingParams", "LilyError", "CheckpointError",
+__all__ = ["Engine", "Session", "Snapshot", "SamplingParams", "GenerationResponse", "load", "generate",
+           "stream_generate", "LilyError", "CheckpointError",
            "ContextOverflowError", "ChatTemplateError", "SessionBusyError", "__version__"]

@@ -625,16 +625,26 @@ def _as_f32(s: _Src) -> np.ndarray:
     return a.astype(np.float32)
 
 
-def _open_files(folder: Path) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFile]]:
+def _open_files(folder: Path, progress: bool = False) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFile]]:
     paths, weight_map, index = list_weight_files(folder)
     files: list[SafetensorsFile] = []
+    bar = None
+    if progress:
+        from .progress import bar as make_bar
+
+        bar = make_bar(sum(p.stat().st_size for p in paths), f"loading {folder.name}", "B", unit_scale=True)
     try:
         for p in paths:
             files.append(SafetensorsFile(p))
+            if bar is not None:
+                bar.update(files[-1].size)
     except Exception:
         for f in files:
             f.close()
         raise
+    finally:
+        if bar is not None:
+            bar.close()
     by_name = {f.name: f for f in files}
     located: dict[str, SafetensorsFile] = {}
     if weight_map is not None:
@@ -655,8 +665,10 @@ def _open_files(folder: Path) -> tuple[list[SafetensorsFile], dict[str, Safetens
     return files, located
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Open a checkpoint folder (HF bf16/fp32 or MLX affine) and build the canonical weight set."""
+def load_checkpoint(path: str | Path, *, progress: bool = False) -> Checkpoint:
+    """Open a checkpoint folder (HF bf16/fp32 or MLX affine) and build the canonical weight set.
+
+    ``progress=True`` shows a ``tqdm.auto`` bar (bytes) as the weight files are opened and mapped."""
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder '{folder}' does not exist")
@@ -669,7 +681,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             f"{config.source}: unsupported quantization method '{q.get('quant_method')}' "
             "(Lily loads bf16/fp16/fp32 Hugging Face weights or MLX affine 4/8-bit)"
         )
-    files, located = _open_files(folder)
+    files, located = _open_files(folder, progress)
     try:
         return _build(folder, config, files, located)
     except BaseException:

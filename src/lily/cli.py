@@ -1,4 +1,4 @@
-"""Command line: python -m lily {generate,chat,info,eval,convert}."""
+"""Command line: python -m lily {generate,chat,info,eval,convert,bench}."""
 
 from __future__ import annotations
 
@@ -195,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--bits", type=int, default=4, choices=(4, 8))
     v.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     v.set_defaults(fn=cmd_convert)
+
+    from . import bench
+
+    b = sub.add_parser("bench", help="prefill and decode throughput sweep (256 .. --max-length tokens)",
+                       description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(b)
+    b.set_defaults(fn=bench.main)
     return parser
 
 

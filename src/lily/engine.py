@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 import pathlib
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -15,8 +15,10 @@ from .chat import render_chat
 from .checkpoint import Checkpoint, load_checkpoint
 from .errors import CheckpointError, LilyError
 from .hub import resolve_model_path
+from .progress import check_progress
 from .sampling import SamplingParams
 from .session import Session, read_session_file
+from .streaming import GenerationResponse, check_max_tokens, check_sampling, normalize_stop
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "lily-tiny"
@@ -85,6 +87,17 @@ class Report(dict):
             emit(k, v)
         return "\n".join(lines)
 
+    def __repr__(self) -> str:  # the REPL shows the table, not the raw dict (it is still a plain dict)
+        return str(self)
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:  # IPython's text view, likewise
+        p.text(str(self))
+
+    def _repr_html_(self) -> str:
+        from .display import report_html
+
+        return report_html(self)
+
 
 class Engine:
     """A Qwen3.6 (qwen3_5_moe) model loaded for inference.
@@ -117,11 +130,21 @@ class Engine:
         self._fingerprint: str | None = None
         self._probe_stats: dict | None = None
 
+    def __repr__(self) -> str:
+        from .display import engine_repr
+
+        return engine_repr(self)
+
+    def _repr_html_(self) -> str:
+        from .display import engine_html
+
+        return engine_html(self)
+
     # ---- construction ----
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, backend: str = "auto",
                         threads: int | None = None, prefill_chunk: int = 512, kv_cache_dtype: str = "f32",
-                        revision: str | None = None) -> "Engine":
+                        revision: str | None = None, progress: bool | None = None) -> "Engine":
         """Load a checkpoint: a local folder, a Hugging Face repo id (cached or downloaded; honours
         HF_HUB_OFFLINE), or the packaged demonstration model ``"lily-tiny"`` (the default).
 
@@ -130,14 +153,17 @@ class Engine:
         raises :class:`LilyError` saying which.
 
         ``kv_cache_dtype="bf16"`` halves the KV cache (long contexts) at bf16 precision for K and V;
-        the default ``"f32"`` keeps the CPU backend an exact fp32 oracle."""
+        the default ``"f32"`` keeps the CPU backend an exact fp32 oracle. ``progress=True`` shows a
+        ``tqdm.auto`` bar over mapping the checkpoint's weight files (a Hub download shows
+        huggingface_hub's own bars); anything but True/False/None raises TypeError."""
+        check_progress(progress, "Engine.from_pretrained", callable_ok=False)
         name = DEFAULT_MODEL if model is None else model
         path = _packaged_model_path(str(name)) if isinstance(name, str) else None
         if path is None:
             if str(name) == DEFAULT_MODEL:
                 raise CheckpointError(f"the packaged model '{DEFAULT_MODEL}' is not installed with this build")
             path = resolve_model_path(name, revision=revision)
-        checkpoint = load_checkpoint(path)
+        checkpoint = load_checkpoint(path, progress=bool(progress))
         tokenizer = Tokenizer.from_dir(path) if (pathlib.Path(path) / "tokenizer.json").is_file() else None
         return cls(checkpoint, backend=backend, threads=threads, prefill_chunk=prefill_chunk,
                    kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer)
@@ -205,24 +231,49 @@ class Engine:
         return self._fingerprint
 
     # ---- one-call generation ----
+    def _prompt_session(self, prompt: str | Iterable[int], max_tokens: int, where: str, *,
+                        sampling: SamplingParams | None = None, stop: str | Iterable[str] | None = None,
+                        progress: bool | Callable[[int, int], bool | None] | None = None,
+                        prefill_chunk: int | None = None) -> Session:
+        """A session sized for ``prompt`` + ``max_tokens`` with the prompt prefilled (arguments checked first)."""
+        check_max_tokens(max_tokens, where)
+        check_sampling(sampling, where)
+        normalize_stop(stop, where)
+        check_progress(progress, where)
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        s = self.session(max_context=max(1, len(ids) + max_tokens), prefill_chunk=prefill_chunk)
+        s.prefill(ids, progress=progress)
+        return s
+
     def generate(self, prompt: str | Iterable[int], max_tokens: int = 256,
                  sampling: SamplingParams | None = None, *, stream: bool = False,
-                 stop_token_ids: Iterable[int] | None = None) -> str | Iterator[str]:
+                 stop_token_ids: Iterable[int] | None = None,
+                 stop: str | Iterable[str] | None = None) -> str | Iterator[str]:
         """Complete a prompt (text or token ids). Returns the text, or an iterator of pieces when
-        ``stream=True``."""
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-        s = self.session(max_context=max(1, len(ids) + max_tokens))
-        s.prefill(ids)
-        pieces = s.generate_text(max_tokens, sampling, stop_token_ids)
+        ``stream=True``. ``stop``: stop strings, excluded from the text (see :meth:`Session.stream`)."""
+        s = self._prompt_session(prompt, max_tokens, "Engine.generate", sampling=sampling, stop=stop)
+        pieces = s.generate_text(max_tokens, sampling, stop_token_ids, stop=stop)
         return pieces if stream else "".join(pieces)
 
+    def stream(self, prompt: str | Iterable[int], max_tokens: int = 256, sampling: SamplingParams | None = None,
+               *, stop: str | Iterable[str] | None = None, stop_token_ids: Iterable[int] | None = None,
+               progress: bool | Callable[[int, int], bool | None] | None = None,
+               ) -> Iterator[GenerationResponse]:
+        """Complete a prompt in a new session, yielding a :class:`lily.GenerationResponse` per token
+        (text piece, token id, prompt and generation tokens/s, peak memory, finish reason on the last;
+        ``stop`` strings as in :meth:`Session.stream`). ``progress`` applies to the prompt's prefill
+        (as in :meth:`Session.prefill`). Raises ValueError/TypeError naming the argument before any work."""
+        s = self._prompt_session(prompt, max_tokens, "Engine.stream", sampling=sampling, stop=stop,
+                                 progress=progress)
+        return s.stream(max_tokens, sampling, stop=stop, stop_token_ids=stop_token_ids)
+
     def chat(self, messages: list[dict], max_tokens: int = 512, sampling: SamplingParams | None = None, *,
-             stream: bool = False, **template_kwargs) -> str | Iterator[str]:
-        """Answer a conversation rendered with the checkpoint's chat template."""
+             stream: bool = False, stop: str | Iterable[str] | None = None,
+             **template_kwargs) -> str | Iterator[str]:
+        """Answer a conversation rendered with the checkpoint's chat template (``stop`` strings as in
+        :meth:`generate`)."""
         return self.generate(self.apply_chat_template(messages, **template_kwargs), max_tokens, sampling,
-                             stream=stream)
+                             stream=stream, stop=stop)
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             **template_kwargs) -> list[int]:

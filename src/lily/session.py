@@ -6,15 +6,18 @@ import json
 import os
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import numpy as np
 
 from .errors import CheckpointError, ContextOverflowError, LilyError
+from .progress import check_progress, progress_callback
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .streaming import GenerationResponse
 
 _SESSION_FORMAT = "lily-session/1"
 
@@ -46,6 +49,17 @@ class Session:
         self._engine = engine
         self._core = core_session
         self.finish_reason: str | None = None
+        self._prompt_stats = (0, 0.0)  # (tokens, seconds) prefilled since the last stream(): its prompt_tps
+
+    def __repr__(self) -> str:
+        from .display import session_repr
+
+        return session_repr(self)
+
+    def _repr_html_(self) -> str:
+        from .display import session_html
+
+        return session_html(self)
 
     # ---- state ----
     @property
@@ -95,17 +109,25 @@ class Session:
         ids: Iterable[int] | np.ndarray,
         *,
         all_logits: bool = False,
-        progress: Callable[[int, int], bool | None] | None = None,
+        progress: bool | Callable[[int, int], bool | None] | None = None,
     ) -> np.ndarray:
         """Feed tokens through the model in chunks of ``prefill_chunk``.
 
         Returns the logits of the last token fed (float32 [vocab]) or, with ``all_logits=True``, of every
-        token fed ([n, vocab]). ``progress(done, total)`` runs after each chunk; returning False stops
-        between chunks: what was computed stays in the context, and the result covers exactly those
-        tokens (the last one's logits, or ``done`` rows).
+        token fed ([n, vocab]). ``progress=True`` shows a ``tqdm.auto`` bar (a widget in Jupyter); a
+        callable ``progress(done, total)`` runs after each chunk, and returning False stops between
+        chunks: what was computed stays in the context, and the result covers exactly those tokens (the
+        last one's logits, or ``done`` rows). Raises TypeError for any other ``progress``.
         """
+        check_progress(progress, "Session.prefill")
         arr = self._engine._validate_ids(ids)
-        out, done = self._core.prefill(arr, bool(all_logits), progress)
+        before, t = self.position, time.perf_counter()
+        try:
+            with progress_callback(progress, total=len(arr), desc="prefill", unit="tok") as callback:
+                out, done = self._core.prefill(arr, bool(all_logits), callback)
+        finally:
+            tokens, seconds = self._prompt_stats
+            self._prompt_stats = (tokens + self.position - before, seconds + time.perf_counter() - t)
         return out[:done] if all_logits else out[0]
 
     def step(self, token: int) -> np.ndarray:
@@ -179,6 +201,42 @@ class Session:
         if "error" in outcome:
             raise outcome["error"]
 
+    def stream(
+        self,
+        max_tokens: int = 256,
+        sampling: SamplingParams | None = None,
+        *,
+        stop: str | Iterable[str] | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> Iterator["GenerationResponse"]:
+        """Generate like :meth:`generate`, yielding one :class:`lily.GenerationResponse` per token.
+
+        ``stop``: stop strings (a str or a list), matched on the text across token boundaries. Text that
+        could be the start of a stop string is held back until it is decided, so no part of a stop
+        string is ever emitted; when one completes the stream ends with ``finish_reason="stop"`` and
+        ``session.finish_reason == "stop"``. The returned text excludes the stop string (and anything
+        after it in the same token); the context includes the token(s) that completed it, as in mlx-lm
+        and llama-cpp-python. The last response carries the finish reason ("stop", "length",
+        "context"; "cancelled" on an external cancel); earlier ones have None. No token, no response.
+
+        ``prompt_tokens``/``prompt_tps`` count what :meth:`prefill` fed since the previous stream.
+        Raises ValueError/TypeError naming the argument, LilyError without a context or tokenizer.
+        (Per-token log-probabilities need a hook in the core generate loop: the session's logits
+        cannot be read while the loop holds the session.)
+        """
+        from .streaming import check_max_tokens, check_sampling, normalize_stop, stream_responses
+
+        check_max_tokens(max_tokens, "Session.stream")
+        check_sampling(sampling, "Session.stream")
+        stops = normalize_stop(stop, "Session.stream")
+        decoder = self._engine._need_tokenizer().stream_decoder(skip_special_tokens=bool(skip_special_tokens))
+        stop_ids = self._engine.stop_token_ids if stop_token_ids is None else [int(t) for t in stop_token_ids]
+        ids = self.generate(max_tokens, sampling, stop_ids)
+        (prompt_tokens, prompt_seconds), self._prompt_stats = self._prompt_stats, (0, 0.0)
+        return stream_responses(self, ids, decoder, max_tokens=max_tokens, stop_ids=stop_ids, stops=stops,
+                                prompt_tokens=prompt_tokens, prompt_seconds=prompt_seconds)
+
     def generate_text(
         self,
         max_tokens: int = 256,
@@ -186,16 +244,14 @@ class Session:
         stop_token_ids: Iterable[int] | None = None,
         *,
         skip_special_tokens: bool = True,
+        stop: str | Iterable[str] | None = None,
     ) -> Iterator[str]:
-        """Like :meth:`generate`, yielding text pieces that never split a multi-byte character."""
-        decoder = self._engine._need_tokenizer().stream_decoder(skip_special_tokens=skip_special_tokens)
-        for tok in self.generate(max_tokens, sampling, stop_token_ids):
-            piece = decoder.push(tok)
-            if piece:
-                yield piece
-        tail = decoder.flush()
-        if tail:
-            yield tail
+        """Like :meth:`generate`, yielding text pieces that never split a multi-byte character (the
+        non-empty texts of :meth:`stream`; ``stop`` strings as there)."""
+        from .streaming import texts
+
+        return texts(self.stream(max_tokens, sampling, stop=stop, stop_token_ids=stop_token_ids,
+                                 skip_special_tokens=skip_special_tokens))
 
     # ---- state handles ----
     def snapshot(self) -> Snapshot:

@@ -29,7 +29,7 @@ from .convert import (
 )
 from .quantize import f32_to_bf16
 
-__all__ = ["write_synthetic_checkpoint", "TINY_CONFIG", "MEDIUM_CONFIG", "text_config"]
+__all__ = ["write_synthetic_checkpoint", "TINY_CONFIG", "MEDIUM_CONFIG", "FULL_CONFIG", "text_config"]
 
 # 4 layers (full attention at layer 3), every Linear input dim a multiple of 64.
 TINY_CONFIG = {
@@ -69,6 +69,15 @@ MEDIUM_CONFIG = {
     "moe_intermediate_size": 256,
     "shared_expert_intermediate_size": 256,
     "full_attention_interval": 4,
+}
+
+# The real Qwen3.6-35B-A3B text config (MODEL.md section 1.2): 19.5 GB in MLX 4-bit.
+FULL_CONFIG = {
+    "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "full_attention_interval": 4,
 }
 
 _TEXT_DEFAULTS = {

@@ -1,0 +1,68 @@
+"""python -m lily bench: lengths, the CLI on a tiny synthetic checkpoint, JSON and plot output."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lily import bench
+
+
+def test_lengths_parse_and_sweep():
+    assert bench.sweep_lengths(4096) == [256, 512, 1024, 2048, 4096]
+    assert bench.sweep_lengths(3000) == [256, 512, 1024, 2048]
+    assert bench.parse_lengths("256, 1K,4k", "--prefill-lengths") == [256, 1024, 4096]
+    with pytest.raises(ValueError, match="--prefill-lengths"):
+        bench.parse_lengths("256,abc", "--prefill-lengths")
+    with pytest.raises(ValueError, match="--decode-contexts"):
+        bench.parse_lengths("0", "--decode-contexts")
+    with pytest.raises(ValueError, match="--max-length"):
+        bench.sweep_lengths(100)
+
+
+def _bench(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "lily", "bench", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+def test_cli_sweep_writes_table_and_json(tmp_path):
+    out = _bench("--synthetic", "tiny", "--cache", str(tmp_path / "ckpt"), "--max-length", "512",
+                 "--decode-contexts", "256", "--repeats", "1", "--decode-tokens", "3",
+                 "--json", str(tmp_path / "r.json"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert [p["tokens"] for p in r["prefill"]] == [256, 512]
+    assert [d["context"] for d in r["decode"]] == [256]
+    assert all(p["tok_s"] > 0 and len(p["runs"]) == 1 for p in r["prefill"])
+    d = r["decode"][0]
+    assert d["ms_per_token"] == pytest.approx(1e3 / d["tok_s"])
+    assert r["backend"] == "cpu" and r["report"]["backend"] == "cpu" and r["model"] == "synthetic-tiny"
+    assert r["machine"]["cpu_count"] == os.cpu_count() and r["settings"]["decode_tokens"] == 3
+    lines = out.stdout.splitlines()
+    assert any(line.split("|")[0].strip() == "512" for line in lines)  # a prefill row per length
+    assert "ms/token" in out.stdout
+
+
+def test_cli_bad_flags_fail_before_work(tmp_path):
+    bad = _bench("--max-length", "100", cwd=tmp_path)
+    assert bad.returncode == 2 and "--max-length" in bad.stderr
+    bad = _bench("--backend", "nope", "--max-length", "256", "--repeats", "1", cwd=tmp_path)
+    assert bad.returncode == 2 and "backend" in bad.stderr
+
+
+def test_plot_writes_png_or_says_what_is_missing(tmp_path, monkeypatch):
+    result = {"prefill": [{"tokens": 256, "tok_s": 10.0}, {"tokens": 512, "tok_s": 8.0}],
+              "decode": [{"context": 256, "tok_s": 3.0}], "report": {"backend": "cpu"}}
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(Exception, match="matplotlib"):
+            bench.plot(result, tmp_path / "p.png")
+    else:
+        bench.plot(result, tmp_path / "p.png")
+        assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+        with pytest.raises(Exception, match="bench"):
+            bench.plot(result, tmp_path / "q.png")
