@@ -14,9 +14,12 @@
 //                  objc_msgSend_stret), doubles (GPUStartTime / GPUEndTime, objc_msgSend_fpret), an MTLSTR
 //                  literal and pipeline limits
 // If the library does not compile, prints "library: error <message>" and exits 0.
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <future>
+#include <memory>
 #include <sstream>
 #include <string>
 
@@ -39,7 +42,14 @@ float run_chain(Device& device, const std::string& how, int* handler_calls) {
 
   NS::AutoreleasePool* pool = NS::AutoreleasePool::alloc()->init();
   MTL::CommandBuffer* cb = device.queue()->commandBuffer();
-  cb->addCompletedHandler([handler_calls](MTL::CommandBuffer*) { ++*handler_calls; });
+  // Completed handlers run on another thread, possibly after waitUntilCompleted returns (Metal promises no
+  // order between the two), so the handler's count is handed over through a promise.
+  auto handled = std::make_shared<std::promise<void>>();
+  std::future<void> handler_done = handled->get_future();
+  cb->addCompletedHandler([handler_calls, handled](MTL::CommandBuffer*) {
+    ++*handler_calls;
+    handled->set_value();
+  });
   MTL::ComputeCommandEncoder* enc =
       how == "serial" ? cb->computeCommandEncoder() : cb->computeCommandEncoder(MTL::DispatchTypeConcurrent);
   enc->setComputePipelineState(row_dot);
@@ -61,6 +71,7 @@ float run_chain(Device& device, const std::string& how, int* handler_calls) {
   cb->commit();
   cb->waitUntilCompleted();
   const bool failed = cb->status() != MTL::CommandBufferStatusCompleted;
+  if (handler_done.wait_for(std::chrono::seconds(30)) != std::future_status::ready) throw MetalError("no handler");
   pool->release();
   if (failed) throw MetalError("command buffer failed");
   return *static_cast<float*>(u->contents());
