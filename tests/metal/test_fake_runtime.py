@@ -31,7 +31,9 @@ def host():
     try:
         host_mod.find_clang()
     except Exception as e:  # noqa: BLE001 - no clang: this machine cannot build the fake runtime
-        pytest.skip(f"clang not available: {e}")
+        from conftest import unavailable
+
+        unavailable(f"clang not available: {e}")
     return host_mod
 
 
@@ -47,7 +49,9 @@ def program(host, name: str, mode: str) -> Path:
 
 def run(exe: Path, args, env_extra=None, check=True) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    for k in ("FAKEMETAL_REVERSE", "FAKEMETAL_SHUFFLE", "FAKEMETAL_LEAKS_FATAL", "FAKEMETAL_QUIET_LEAKS"):
+    for k in ("FAKEMETAL_REVERSE", "FAKEMETAL_SHUFFLE", "FAKEMETAL_LEAKS_FATAL", "FAKEMETAL_QUIET_LEAKS", "FAKEMETAL_SYNC",
+              "FAKEMETAL_ORDER_SEED", "FAKEMETAL_ALLOW_FAST_MATH", "LILY_METALSIM_MAX_THREADS_PER_THREADGROUP",
+              "LILY_METALSIM_MAX_THREADGROUP_MEMORY", "LILY_METALSIM_MAX_BUFFER_LENGTH", "LILY_METALSIM_WORKING_SET_SIZE"):
         env.pop(k, None)
     env["ASAN_OPTIONS"] = "detect_leaks=1"  # LeakSanitizer for C++ leaks; the fake reports Metal objects
     env.update(env_extra or {})
