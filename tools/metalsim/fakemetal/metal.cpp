@@ -431,7 +431,9 @@ struct Binding {
 };
 
 struct Command {
-  enum Kind { Dispatch, Copy, Fill } kind = Dispatch;
+  // Barrier: memoryBarrierWithResources inside a concurrent stage; it orders only the listed buffers.
+  enum Kind { Dispatch, Copy, Fill, Barrier } kind = Dispatch;
+  std::vector<const void*> resources;  // Barrier: the listed resources (identity only, not retained)
   int ordinal = 0;  // position within its encoder (for messages)
   // Dispatch
   Pipeline* pipeline = nullptr;
@@ -701,12 +703,173 @@ void set_status(CommandBuffer* cb, unsigned long st) {
   cb->cv.notify_all();
 }
 
+// ---- ordering within a concurrent stage and the hazard check ------------------------------------------------
+// Within a stage (between full barriers) dispatches may run in any order, except that a resource barrier
+// orders the dispatches before it that bind one of its resources before the dispatches after it that bind
+// one. The stage runs in a valid order that is as adversarial as asked: recorded order, the reverse of it
+// (FAKEMETAL_REVERSE: the latest ready dispatch first), or seeded random choices (FAKEMETAL_ORDER_SEED).
+
+const Buffer* bound(const Command& c, int index) { return c.bind[index].bytes ? nullptr : c.bind[index].buffer; }
+
+bool binds(const Command& c, const void* r) {
+  if (c.kind == Command::Dispatch) {
+    for (int i = 0; i < kMaxBindings; ++i)
+      if (c.bind[i].set && bound(c, i) == r) return true;
+    return false;
+  }
+  return c.src == r || c.dst == r;
+}
+
+// Whether a resource barrier between commands i < j orders them for resource r (nullptr: for any shared one).
+bool ordered(const std::vector<Command>& stage, size_t i, size_t j, const void* r) {
+  for (size_t b = i + 1; b < j; ++b) {
+    if (stage[b].kind != Command::Barrier) continue;
+    for (const void* x : stage[b].resources)
+      if ((r ? x == r : true) && binds(stage[i], x) && binds(stage[j], x)) return true;
+  }
+  return false;
+}
+
+std::vector<size_t> stage_order(const std::vector<Command>& stage, bool reverse, uint64_t rng) {
+  const size_t n = stage.size();
+  std::vector<size_t> order;
+  std::vector<bool> done(n, false);
+  while (order.size() < n) {
+    std::vector<size_t> ready;
+    for (size_t j = 0; j < n; ++j) {
+      if (done[j]) continue;
+      bool ok = true;
+      for (size_t i = 0; i < j && ok; ++i)
+        if (!done[i] && ordered(stage, i, j, nullptr)) ok = false;
+      if (ok) ready.push_back(j);
+    }
+    const size_t pick = rng ? ready[(rng = mix(rng)) % ready.size()] : reverse ? ready.back() : ready.front();
+    done[pick] = true;
+    order.push_back(pick);
+  }
+  return order;
+}
+
+// What one command did to the buffers it binds: byte ranges it wrote (observed: the bytes that changed) and
+// ranges it may read (declared: from the binding's offset to the end, or the referenced object's size).
+struct Range {
+  const Buffer* buffer;
+  size_t begin, end;
+  int binding;  // the argument index (-1 for blit source / destination)
+};
+struct Access {
+  std::vector<Range> writes, reads;
+};
+
+// The writable bindings' bytes before the command runs (kernel arguments with writes = 1, blit destinations).
+std::vector<std::vector<uint8_t>> snapshot(const Command& c) {
+  std::vector<std::vector<uint8_t>> out(kMaxBindings + 1);
+  if (c.kind == Command::Dispatch) {
+    const mslsim_kernel* k = c.pipeline ? c.pipeline->function->kernel : nullptr;
+    for (int a = 0; k && a < k->n_args; ++a) {
+      const mslsim_arg& arg = k->args[a];
+      if (arg.kind != MSLSIM_ARG_BUFFER || !arg.writes || arg.index < 0 || arg.index >= kMaxBindings) continue;
+      const Buffer* b = bound(c, arg.index);
+      if (b && is_live_object(b) && c.bind[arg.index].offset < b->length)
+        out[arg.index].assign(b->gpu_data() + c.bind[arg.index].offset, b->gpu_data() + b->length);
+    }
+  } else if (c.dst && is_live_object(c.dst) && c.dst_offset + c.size <= c.dst->length) {
+    out[kMaxBindings].assign(c.dst->gpu_data() + c.dst_offset, c.dst->gpu_data() + c.dst_offset + c.size);
+  }
+  return out;
+}
+
+void changed_ranges(const Buffer* b, size_t base, const std::vector<uint8_t>& old, int binding, std::vector<Range>& out) {
+  const char* now = b->gpu_data() + base;
+  size_t i = 0;
+  while (i < old.size()) {
+    if (uint8_t(now[i]) == old[i]) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < old.size() && uint8_t(now[j]) != old[j]) ++j;
+    // Whole 4-byte words: a stored float whose low bytes did not change still wrote them.
+    i &= ~size_t(3);
+    j = std::min(old.size(), (j + 3) & ~size_t(3));
+    if (!out.empty() && out.back().buffer == b && out.back().end + 64 >= base + i)
+      out.back().end = base + j;  // merge nearby runs: a range per written region, not per byte
+    else
+      out.push_back(Range{b, base + i, base + j, binding});
+    i = j;
+  }
+}
+
+Access observe(const Command& c, const std::vector<std::vector<uint8_t>>& before) {
+  Access a;
+  if (c.kind == Command::Dispatch) {
+    const mslsim_kernel* k = c.pipeline->function->kernel;
+    for (int x = 0; x < k->n_args; ++x) {
+      const mslsim_arg& arg = k->args[x];
+      if (arg.kind != MSLSIM_ARG_BUFFER || arg.index < 0 || arg.index >= kMaxBindings) continue;
+      const Buffer* b = bound(c, arg.index);
+      if (!b || !is_live_object(b)) continue;
+      const size_t off = c.bind[arg.index].offset;
+      if (arg.writes)
+        changed_ranges(b, off, before[arg.index], arg.index, a.writes);
+      else
+        a.reads.push_back(Range{b, off, arg.min_bytes ? std::min(b->length, off + arg.min_bytes) : b->length,
+                                arg.index});
+    }
+  } else {
+    if (c.dst) changed_ranges(c.dst, c.dst_offset, before[kMaxBindings], -1, a.writes);
+    if (c.src) a.reads.push_back(Range{c.src, c.src_offset, c.src_offset + c.size, -1});
+  }
+  return a;
+}
+
+std::string describe_range(const Command& c, const Range& r, const char* how) {
+  std::ostringstream s;
+  s << "command " << c.ordinal;
+  if (c.kind == Command::Dispatch) s << " (kernel '" << c.pipeline->function->kernel->name << "')";
+  s << " " << how << " bytes [" << r.begin << ", " << r.end << ")";
+  if (r.binding >= 0) s << " through buffer(" << r.binding << ")";
+  return s.str();
+}
+
+// Two commands of one stage that no barrier orders must not touch overlapping bytes of a buffer where one
+// of them writes: on the GPU they may run at the same time, in either order.
+bool check_hazards(CommandBuffer* cb, const Recording* enc, size_t e, size_t s, const std::vector<Command>& stage,
+                   const std::vector<Access>& access) {
+  for (size_t i = 0; i < stage.size(); ++i)
+    for (size_t j = i + 1; j < stage.size(); ++j) {
+      if (stage[i].kind == Command::Barrier || stage[j].kind == Command::Barrier) continue;
+      auto conflict = [&](const std::vector<Range>& x, const std::vector<Range>& y, const char* hx,
+                          const char* hy) -> bool {
+        for (const Range& a : x)
+          for (const Range& b : y) {
+            if (a.buffer != b.buffer || a.end <= b.begin || b.end <= a.begin) continue;
+            if (ordered(stage, i, j, a.buffer)) continue;
+            std::ostringstream m;
+            m << "hazard in encoder " << e << " (" << (enc->concurrent ? "concurrent" : "serial") << "), stage " << s
+              << ": " << describe_range(stage[i], a, hx) << " and " << describe_range(stage[j], b, hy)
+              << " of buffer " << describe_buffer(a.buffer)
+              << " overlap with no memory barrier between them (they may run at the same time)";
+            fail(cb, MTL::CommandBufferErrorInvalidResource, m.str());
+            return true;
+          }
+        return false;
+      };
+      if (conflict(access[i].writes, access[j].writes, "writes", "writes") ||
+          conflict(access[i].writes, access[j].reads, "writes", "may read") ||
+          conflict(access[i].reads, access[j].writes, "may read", "writes"))
+        return false;
+    }
+  return true;
+}
+
 // Runs the recorded commands (on the queue's GPU thread, or in commit with FAKEMETAL_SYNC=1).
 void execute(CommandBuffer* cb) {
   std::lock_guard<std::mutex> lock(g_execute_mu);
   const bool reverse = env_flag("FAKEMETAL_REVERSE");
   const uint64_t seed = env_u64("FAKEMETAL_SHUFFLE", 0);
   const uint64_t order_seed = env_u64("FAKEMETAL_ORDER_SEED", 0);
+  const bool hazards = !getenv("FAKEMETAL_HAZARDS") || env_flag("FAKEMETAL_HAZARDS");
   set_status(cb, MTL::CommandBufferStatusScheduled);
   call_handlers(cb, cb->scheduled_handlers);
   cb->start_time = now_seconds();
@@ -715,21 +878,23 @@ void execute(CommandBuffer* cb) {
     Recording* enc = cb->encoders[e].get();
     for (size_t s = 0; ok && s < enc->stages.size(); ++s) {
       std::vector<Command>& stage = enc->stages[s];
-      std::vector<size_t> order(stage.size());
-      for (size_t i = 0; i < order.size(); ++i) order[i] = reverse ? order.size() - 1 - i : i;
-      if (order_seed) {  // a seeded permutation of the stage's dispatches (they may run in any order)
-        uint64_t rng = mix(order_seed ^ (e << 40) ^ s);
-        for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[(rng = mix(rng)) % i]);
-      }
+      const std::vector<size_t> order = stage_order(stage, reverse, order_seed ? mix(order_seed ^ (e << 40) ^ s) : 0);
+      const bool check = hazards && stage.size() > 1;
+      std::vector<Access> access(check ? stage.size() : 0);
       for (size_t i : order) {
         const Command& c = stage[i];
+        if (c.kind == Command::Barrier) continue;
         const std::string where = describe_command(enc, e, s, c);
         const uint64_t tg_seed = order_seed ? mix(order_seed ^ (e << 40) ^ (s << 20) ^ i) | 1 : 0;
+        std::vector<std::vector<uint8_t>> before;
+        if (check) before = snapshot(c);
         ok = c.kind == Command::Dispatch ? run_dispatch(cb, where, c, reverse, seed, tg_seed)
              : c.kind == Command::Copy   ? run_copy(cb, where, c)
                                          : run_fill(cb, where, c);
         if (!ok) break;
+        if (check) access[i] = observe(c, before);
       }
+      if (ok && check) ok = check_hazards(cb, enc, e, s, stage, access);
     }
   }
   // Work is done: the command buffer lets go of the resources it referenced.
@@ -1330,13 +1495,21 @@ void ce_dispatch_threads(Encoder* self, SEL, MTL::Size grid, MTL::Size threads) 
   set_size(c.threads, threads);
   record(self, std::move(c));
 }
-void ce_barrier_scope(Encoder* self, SEL, UInt) {
+// A scope barrier orders buffers only when its scope includes MTLBarrierScopeBuffers (a textures-only or
+// render-targets-only barrier leaves buffer accesses unordered); it then ends the stage.
+void ce_barrier_scope(Encoder* self, SEL, UInt scope) {
   self->rec->check_open("memoryBarrierWithScope:");
-  if (!self->rec->stages.back().empty()) self->rec->stages.emplace_back();
+  if ((scope & MTL::BarrierScopeBuffers) && !self->rec->stages.back().empty()) self->rec->stages.emplace_back();
 }
-void ce_barrier_resources(Encoder* self, SEL, objc_object* const*, UInt) {
+// A resource barrier orders only the listed resources: it stays inside the stage as a marker.
+void ce_barrier_resources(Encoder* self, SEL, objc_object* const* resources, UInt count) {
   self->rec->check_open("memoryBarrierWithResources:count:");
-  if (!self->rec->stages.back().empty()) self->rec->stages.emplace_back();
+  if (!self->rec->concurrent || self->rec->stages.back().empty()) return;  // nothing before it to order
+  Command c;
+  c.kind = Command::Barrier;
+  c.ordinal = -1;
+  for (UInt i = 0; i < count; ++i) c.resources.push_back(resources[i]);
+  self->rec->stages.back().push_back(std::move(c));
 }
 UInt ce_dispatch_type(Encoder* self, SEL) {
   return self->rec->concurrent ? MTL::DispatchTypeConcurrent : MTL::DispatchTypeSerial;
