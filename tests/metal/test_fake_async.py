@@ -51,7 +51,7 @@ def test_sync_mode_runs_inside_commit(host):  # noqa: F811
 
 def test_default_limits_static_threadgroup_memory_and_math_mode(host):  # noqa: F811
     _, out = cases(host, ["limits", "static-tg", "fast-math"])
-    assert out["limits"].startswith(f"maxBuffer={1 << 36} maxThreads=1024 pipeline=1024 big=nil status=5 "), out
+    assert out["limits"].startswith(f"maxBuffer={1 << 36} workingSet={8 << 30} maxThreads=1024 pipeline=1024 big=nil status=5 "), out
     assert "2048 threads per threadgroup (the pipeline's maxTotalThreadsPerThreadgroup allows 1 to 1024)" in out["limits"]
     assert out["static-tg"].startswith("static=4096 4 5 "), out  # 16 extra bytes fit; 32 KiB more do not
     assert ("36864 bytes of threadgroup memory (4096 static + 32768 set with setThreadgroupMemoryLength) exceed the "
@@ -61,9 +61,9 @@ def test_default_limits_static_threadgroup_memory_and_math_mode(host):  # noqa: 
 
 def test_small_device_limits(host):  # noqa: F811
     env = {"LILY_METALSIM_MAX_THREADS_PER_THREADGROUP": "256", "LILY_METALSIM_MAX_BUFFER_LENGTH": str(4 << 30),
-           "LILY_METALSIM_MAX_THREADGROUP_MEMORY": "8192"}
+           "LILY_METALSIM_MAX_THREADGROUP_MEMORY": "8192", "LILY_METALSIM_WORKING_SET_SIZE": str(6 << 30)}
     r, out = cases(host, ["limits", "static-tg", "two-in-flight"], env)
-    assert out["limits"].startswith(f"maxBuffer={4 << 30} maxThreads=256 pipeline=256 big=nil status=5 "), out
+    assert out["limits"].startswith(f"maxBuffer={4 << 30} workingSet={6 << 30} maxThreads=256 pipeline=256 big=nil status=5 "), out
     assert "512 threads per threadgroup (the pipeline's maxTotalThreadsPerThreadgroup allows 1 to 256)" in out["limits"]
     assert f"newBufferWithLength: {(4 << 30) + 1} bytes is not a valid buffer length" in r.stderr
     assert "12288 bytes of threadgroup memory (4096 static + 8192 set" in out["static-tg"], out

@@ -187,8 +187,9 @@ void run_case(Ctx& c, const std::string& name) {
     enc->endEncoding();
     cb->commit();
     cb->waitUntilCompleted();
-    printf("%s: maxBuffer=%lu maxThreads=%lu pipeline=%lu big=%s status=%lu %s\n", name.c_str(),
-           (unsigned long)c.device->maxBufferLength(), (unsigned long)c.device->maxThreadsPerThreadgroup().width,
+    printf("%s: maxBuffer=%lu workingSet=%llu maxThreads=%lu pipeline=%lu big=%s status=%lu %s\n", name.c_str(),
+           (unsigned long)c.device->maxBufferLength(), (unsigned long long)c.device->recommendedMaxWorkingSetSize(),
+           (unsigned long)c.device->maxThreadsPerThreadgroup().width,
            (unsigned long)c.scale->maxTotalThreadsPerThreadgroup(), big ? "buffer" : "nil", (unsigned long)cb->status(),
            cb->error() ? cb->error()->localizedDescription()->utf8String() : "");
     wide->release();

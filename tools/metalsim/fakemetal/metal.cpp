@@ -12,9 +12,18 @@
 //     bound with at least the bytes the kernel needs, [[threadgroup(i)]] lengths set, threadgroup size and
 //     memory within the device limits) and kernel errors reported by the emulator: the command buffer ends with
 //     status Error and an NSError whose localizedDescription says what failed; later dispatches do not run;
-//   * missing memory barriers: a concurrent encoder records its dispatches in stages split by memoryBarrier;
-//     FAKEMETAL_REVERSE=1 (read at commit) runs every stage's dispatches, and each dispatch's threadgroups, in
-//     reverse order, so a consumer placed in the same stage as its producer reads stale data;
+//   * missing memory barriers: a concurrent encoder records its dispatches in stages split by barriers that
+//     order buffers (a scope including MTLBarrierScopeBuffers); a resource barrier stays inside its stage and
+//     orders only the listed resources. After each stage the hazard check reports two dispatches no barrier
+//     orders that touch overlapping bytes of a buffer where one writes (FAKEMETAL_HAZARDS=0: off). The stage
+//     runs in a valid order: recorded, latest-ready-first with FAKEMETAL_REVERSE=1 (threadgroups reversed
+//     too), or seeded with FAKEMETAL_ORDER_SEED, so a consumer placed with its producer reads stale data;
+//   * asynchronous execution: commit returns at once, a GPU thread per queue runs command buffers in enqueue
+//     order, completed handlers run on a handler thread; the CPU view of every shared buffer an in-flight
+//     command buffer binds is protected, so a racing CPU access stops the process naming buffer and command
+//     buffer (FAKEMETAL_SYNC=1: run inside commit instead);
+//   * device limits from LILY_METALSIM_* variables (threads per threadgroup, threadgroup memory, buffer length,
+//     working set), static threadgroup memory per pipeline, and safe math (fast-math libraries are refused);
 //   * lifetimes as Metal documents them: computeCommandEncoder / commandBuffer return autoreleased (+0)
 //     objects, and the command buffer does not keep its encoder alive for the caller (Metal promises no such
 //     thing), so code that keeps an encoder past its autorelease pool without retaining it fails with
@@ -25,7 +34,14 @@
 //
 // Environment (read when needed):
 //   FAKEMETAL_REVERSE=1           reverse dispatch order within stages and threadgroup order within dispatches
+//   FAKEMETAL_ORDER_SEED=<seed>   seeded dispatch order within stages and threadgroup order within dispatches
 //   FAKEMETAL_SHUFFLE=<seed>      shuffled lane scheduling in the emulator (0 or unset: in order)
+//   FAKEMETAL_HAZARDS=0           no hazard check
+//   FAKEMETAL_SYNC=1              command buffers run inside commit (no threads, no in-flight protection)
+//   FAKEMETAL_GPU_DELAY_MS=<n>    a committed command buffer starts when waited on, or after n ms (default 50)
+//   FAKEMETAL_ALLOW_FAST_MATH=1   accept libraries compiled with fast or relaxed math
+//   LILY_METALSIM_MAX_THREADS_PER_THREADGROUP, LILY_METALSIM_MAX_THREADGROUP_MEMORY,
+//   LILY_METALSIM_MAX_BUFFER_LENGTH, LILY_METALSIM_WORKING_SET_SIZE   the device's limits
 //   LILY_METALSIM_TOOLS=<dir>     the folder holding the metalsim package (default: fixed at build time)
 //   FAKEMETAL_PYTHON=<exe>        the Python that runs the emulator's compiler (default: fixed at build time)
 //   LILY_METALSIM_CACHE=<dir>     the metalsim cache (default ~/.cache/lily/metalsim)
