@@ -50,7 +50,8 @@ def program(host, name: str, mode: str) -> Path:
 def run(exe: Path, args, env_extra=None, check=True) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     for k in ("FAKEMETAL_REVERSE", "FAKEMETAL_SHUFFLE", "FAKEMETAL_LEAKS_FATAL", "FAKEMETAL_QUIET_LEAKS", "FAKEMETAL_SYNC",
-              "FAKEMETAL_ORDER_SEED", "FAKEMETAL_ALLOW_FAST_MATH", "LILY_METALSIM_MAX_THREADS_PER_THREADGROUP",
+              "FAKEMETAL_ORDER_SEED", "FAKEMETAL_ALLOW_FAST_MATH", "FAKEMETAL_HAZARDS", "FAKEMETAL_GPU_DELAY_MS",
+              "LILY_METALSIM_MAX_THREADS_PER_THREADGROUP",
               "LILY_METALSIM_MAX_THREADGROUP_MEMORY", "LILY_METALSIM_MAX_BUFFER_LENGTH", "LILY_METALSIM_WORKING_SET_SIZE"):
         env.pop(k, None)
     env["ASAN_OPTIONS"] = "detect_leaks=1"  # LeakSanitizer for C++ leaks; the fake reports Metal objects

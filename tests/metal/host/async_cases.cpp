@@ -120,6 +120,7 @@ void run_case(Ctx& c, const std::string& name) {
       done->set_value(b->status() == MTL::CommandBufferStatusCompleted ? std::this_thread::get_id() : std::thread::id());
     });
     cb->commit();
+    cb->waitUntilCompleted();
     const std::thread::id t = tid.get();
     printf("%s: %s\n", name.c_str(), t == std::thread::id() ? "not completed" : t == std::this_thread::get_id() ? "same thread" : "other thread");
   } else if (name == "enqueue-order") {
