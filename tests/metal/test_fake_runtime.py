@@ -175,6 +175,19 @@ def test_missing_barrier_is_caught_by_reversed_stages(host, tmp_path, skip_barri
     assert (err["y"] <= TOL["y"]) == correct, err
 
 
+def test_seeded_orders_keep_barriers_and_expose_their_absence(host, tmp_path):
+    # FAKEMETAL_ORDER_SEED: seeded dispatch and threadgroup orders within each stage. With the barrier every
+    # seed is correct; without it (hazard check off) some seed runs a qmv4 before rms_norm wrote xn.
+    wrong = 0
+    for seed in (1, 2, 3):
+        env = {"FAKEMETAL_ORDER_SEED": str(seed), "FAKEMETAL_HAZARDS": "0"}
+        r, inputs, got = run_proof(host, tmp_path, "typed", 3, 192, 37, 64, "bf16", False, env, seed=7)
+        assert errors(inputs, got)["y"] <= TOL["y"], seed
+        r, inputs, got = run_proof(host, tmp_path, "typed", 3, 192, 37, 64, "bf16", True, env, seed=7)
+        wrong += errors(inputs, got)["y"] > TOL["y"]
+    assert wrong > 0
+
+
 def test_missing_barrier_is_a_hazard_in_recorded_order(host, tmp_path):
     # No reordering needed: rms_norm writes xn and qmv4 reads it in one concurrent stage.
     with pytest.raises(AssertionError) as e:
