@@ -64,6 +64,15 @@ Device::Device(const std::string& msl_source) {
   Ref<MTL::CompileOptions> options(MTL::CompileOptions::alloc()->init());
   // Kernels are written for MSL 3.1 (macOS 14): bfloat and the simdgroup functions they use.
   options->setLanguageVersion(MTL::LanguageVersion3_1);
+  // Safe math, as MLX compiles its kernels: exact division, IEEE NaN/Inf handling and no approximate exp/log.
+  // The kernels' numerics are verified against the CPU backend in the Linux emulator, which computes exactly
+  // this way; fast math (Metal's default) would make the GPU compute something the emulator never checked.
+  // fastMathEnabled is the macOS 14 switch; mathMode (macOS 15+) supersedes it, set only where it exists.
+  options->setFastMathEnabled(false);
+  // (metal-cpp keeps respondsToSelector protected: ask through objc_msgSend as metal-cpp itself does.)
+  const auto responds = reinterpret_cast<bool (*)(const void*, SEL, SEL)>(&objc_msgSend);
+  if (responds(options.get(), sel_registerName("respondsToSelector:"), sel_registerName("setMathMode:")))
+    options->setMathMode(MTL::MathModeSafe);
   NS::Error* error = nullptr;
   library_ = Ref<MTL::Library>(device_->newLibrary(ns_string(msl_source), options.get(), &error));
   if (!library_) throw MetalError("compiling Lily's Metal kernels failed: " + describe(error));

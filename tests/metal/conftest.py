@@ -3,6 +3,7 @@ for the whole session, and a skip (with the reason) of the harness tests where t
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -17,23 +18,39 @@ from metalsim import build  # noqa: E402
 from metalsim import emulator as emulator_module  # noqa: E402
 
 SKIP_REASON = build.unavailable_reason() or ""
+# LILY_METALSIM_REQUIRE=1 (set by CI): a machine that cannot run the harness fails these tests instead of
+# skipping them, so a CI image that lost clang cannot turn the Metal verification silently off.
+REQUIRE = os.environ.get("LILY_METALSIM_REQUIRE", "") not in ("", "0")
 # Test files that need the harness's toolchain; the lint and the real-GPU tests do not.
-NEEDS_HARNESS = {"test_emulator.py", "test_kernels.py", "test_host_compile.py", "test_fake_runtime.py"}
+NEEDS_HARNESS = {"test_emulator.py", "test_kernels.py", "test_host_compile.py", "test_fake_runtime.py",
+                 "test_harness.py", "test_fake_async.py"}
+
+
+def unavailable(reason: str):
+    """Skips the running test because the harness cannot run here, or fails it under LILY_METALSIM_REQUIRE=1."""
+    if REQUIRE:
+        pytest.fail(f"LILY_METALSIM_REQUIRE=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def pytest_collection_modifyitems(config, items):
     if not SKIP_REASON:
         return
-    skip = pytest.mark.skip(reason=SKIP_REASON)
+    mark = (pytest.mark.usefixtures("_harness_required") if REQUIRE else pytest.mark.skip(reason=SKIP_REASON))
     for item in items:
         path = Path(str(item.fspath)).resolve()
         if path.parent == HERE and path.name in NEEDS_HARNESS:
-            item.add_marker(skip)
+            item.add_marker(mark)
+
+
+@pytest.fixture
+def _harness_required():
+    unavailable(SKIP_REASON)
 
 
 def _emulator(mode: str):
     if SKIP_REASON:
-        pytest.skip(SKIP_REASON)
+        unavailable(SKIP_REASON)
     emu = emulator_module.Emulator(mode=mode, workers=2)
     yield emu
     emu.close()

@@ -31,7 +31,9 @@ def host():
     try:
         host_mod.find_clang()
     except Exception as e:  # noqa: BLE001 - no clang: this machine cannot build the fake runtime
-        pytest.skip(f"clang not available: {e}")
+        from conftest import unavailable
+
+        unavailable(f"clang not available: {e}")
     return host_mod
 
 
@@ -47,7 +49,10 @@ def program(host, name: str, mode: str) -> Path:
 
 def run(exe: Path, args, env_extra=None, check=True) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    for k in ("FAKEMETAL_REVERSE", "FAKEMETAL_SHUFFLE", "FAKEMETAL_LEAKS_FATAL", "FAKEMETAL_QUIET_LEAKS"):
+    for k in ("FAKEMETAL_REVERSE", "FAKEMETAL_SHUFFLE", "FAKEMETAL_LEAKS_FATAL", "FAKEMETAL_QUIET_LEAKS", "FAKEMETAL_SYNC",
+              "FAKEMETAL_ORDER_SEED", "FAKEMETAL_ALLOW_FAST_MATH", "FAKEMETAL_HAZARDS", "FAKEMETAL_GPU_DELAY_MS",
+              "LILY_METALSIM_MAX_THREADS_PER_THREADGROUP",
+              "LILY_METALSIM_MAX_THREADGROUP_MEMORY", "LILY_METALSIM_MAX_BUFFER_LENGTH", "LILY_METALSIM_WORKING_SET_SIZE"):
         env.pop(k, None)
     env["ASAN_OPTIONS"] = "detect_leaks=1"  # LeakSanitizer for C++ leaks; the fake reports Metal objects
     env.update(env_extra or {})
@@ -161,12 +166,35 @@ def test_proof_program_matches_cpu_backend(host, tmp_path, mode, rows, cols, out
     (True, True, False),   # barrier missing, stage run in reverse: qmv4 reads xn before rms_norm wrote it
 ], ids=["barrier-reversed", "no-barrier-in-order", "no-barrier-reversed"])
 def test_missing_barrier_is_caught_by_reversed_stages(host, tmp_path, skip_barrier, reverse, correct):
-    env = {"FAKEMETAL_REVERSE": "1"} if reverse else {}
+    # The hazard check (below) would stop the bug before anything runs; this checks the reordering on its own.
+    env = {"FAKEMETAL_REVERSE": "1", "FAKEMETAL_HAZARDS": "0"} if reverse else {"FAKEMETAL_HAZARDS": "0"}
     r, inputs, got = run_proof(host, tmp_path, "typed", 3, 192, 37, 64, "bf16", skip_barrier, env, seed=7)
     assert f"stages={1 if skip_barrier else 2}" in r.stdout, r.stdout
     err = errors(inputs, got)
     assert err["xn"] <= TOL["xn"] and err["dot"] <= TOL["dot"], err  # independent of the barrier
     assert (err["y"] <= TOL["y"]) == correct, err
+
+
+def test_seeded_orders_keep_barriers_and_expose_their_absence(host, tmp_path):
+    # FAKEMETAL_ORDER_SEED: seeded dispatch and threadgroup orders within each stage. With the barrier every
+    # seed is correct; without it (hazard check off) some seed runs a qmv4 before rms_norm wrote xn.
+    wrong = 0
+    for seed in (1, 2, 3):
+        env = {"FAKEMETAL_ORDER_SEED": str(seed), "FAKEMETAL_HAZARDS": "0"}
+        r, inputs, got = run_proof(host, tmp_path, "typed", 3, 192, 37, 64, "bf16", False, env, seed=7)
+        assert errors(inputs, got)["y"] <= TOL["y"], seed
+        r, inputs, got = run_proof(host, tmp_path, "typed", 3, 192, 37, 64, "bf16", True, env, seed=7)
+        wrong += errors(inputs, got)["y"] > TOL["y"]
+    assert wrong > 0
+
+
+def test_missing_barrier_is_a_hazard_in_recorded_order(host, tmp_path):
+    # No reordering needed: rms_norm writes xn and qmv4 reads it in one concurrent stage.
+    with pytest.raises(AssertionError) as e:
+        run_proof(host, tmp_path, "typed", 3, 192, 37, 64, "bf16", True, {}, seed=7)
+    assert re.search(r"hazard in encoder 0 \(concurrent\), stage 0: command 0 \(kernel 'rms_norm'\) writes bytes "
+                     r"\[0, 2304\) through buffer\(2\) and command \d \(kernel 'qmv4_bf16'\) may read bytes "
+                     r"\[0, 2304\) through buffer\(3\) of buffer .* overlap with no memory barrier", str(e.value)), e.value
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -260,8 +288,17 @@ def test_msl_compile_error_is_an_nserror_with_diagnostics(host, tmp_path):
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["in-order", "reversed"])
 def test_serial_encoder_and_resource_barriers_order_dispatches(host, reverse):
-    out = dispatch_cases(host, ["serial", "resource-barrier", "no-barrier"],
+    unordered = ["no-barrier", "wrong-resource-barrier", "texture-barrier"]
+    out = dispatch_cases(host, ["serial", "resource-barrier", *unordered],
                          env={"FAKEMETAL_REVERSE": "1"} if reverse else None)
     assert out["serial"] == "ok 8 handlers=1", out  # the completed handler ran once
     assert out["resource-barrier"] == "ok 8 handlers=1", out
-    assert out["no-barrier"] == ("ok 0 handlers=1" if reverse else "ok 8 handlers=1"), out
+    for case in unordered:  # the hazard check reports them in any order
+        assert re.fullmatch(r"error command buffer failed: fakemetal: hazard in encoder 0 \(concurrent\), stage 0: "
+                            r"command 0 \(kernel 'row_dot'\) writes bytes \[0, 4\) through buffer\(2\) and command "
+                            r"1 \(kernel 'row_dot'\) may read bytes \[0, 4\) through buffer\(0\) of buffer .*", out[case]), out
+    # Without the check, reversed order shows the stale read: a barrier that orders only other resources
+    # (or textures) does not order t.
+    out = dispatch_cases(host, unordered, env={"FAKEMETAL_HAZARDS": "0", **({"FAKEMETAL_REVERSE": "1"} if reverse else {})})
+    for case in unordered:
+        assert out[case] == ("ok 0 handlers=1" if reverse else "ok 8 handlers=1"), out

@@ -71,16 +71,28 @@ class Library:
         self._info = info
         self.kernels: list[str] = [k["name"] for k in info["kernels"]]
         self.constants: list[tuple[int, str, str]] = [(c["index"], c["name"], c["type"]) for c in info["constants"]]
+        # What Metal reports as staticThreadgroupMemoryLength, per kernel.
+        self.static_threadgroup_bytes: dict[str, int] = {k["name"]: k["static_threadgroup_bytes"]
+                                                         for k in info["kernels"]}
+        # Per kernel: {buffer index: True when the kernel may write through it} (from its signature).
+        self.buffer_writes: dict[str, dict[int, bool]] = {
+            k["name"]: {a["index"]: bool(a["writes"]) for a in k["args"] if a["kind"] == 0} for k in info["kernels"]}
+        # Per kernel: [(kind "buffer" | "threadgroup", index, name)] as the kernel declares them.
+        self.bindings: dict[str, list[tuple[str, int, str]]] = {
+            k["name"]: [("buffer" if a["kind"] == 0 else "threadgroup", a["index"], a["name"]) for a in k["args"]]
+            for k in info["kernels"]}
 
     def __repr__(self) -> str:
         return f"<metalsim Library {self.path.name}: {', '.join(self.kernels)}>"
 
     def run(self, kernel: str, *, threadgroups=None, grid=None, threads=(32, 1, 1), buffers=None,
             threadgroup_memory=None, constants=None, shuffle_seed: int = 0, reverse: bool = False,
-            timeout: float | None = None) -> dict:
+            threadgroup_seed: int = 0, timeout: float | None = None) -> dict:
         """Runs one dispatch; returns {buffer index: array after the run} (same dtype and shape).
 
         threadgroups=... is dispatchThreadgroups; grid=... is dispatchThreads (partial edge threadgroups).
+        shuffle_seed shuffles lane scheduling, threadgroup_seed the order in which threadgroups start
+        (0: in order), reverse reverses the threadgroup order.
         """
         if kernel not in self.kernels:
             raise KernelError(f"no kernel named '{kernel}' in {self.path.name} (has: {', '.join(self.kernels)})")
@@ -113,15 +125,26 @@ class Library:
             consts.append((int(index), data))
         tgm = sorted((int(i), int(n)) for i, n in (threadgroup_memory or {}).items())
         return self._emu._run(self, kernel, tg, gr, tpt, bufs, tgm, consts, int(shuffle_seed), bool(reverse),
-                              timeout)
+                              int(threadgroup_seed), timeout)
 
 
 class Emulator:
     """A persistent runner process for one build mode ("typed" or "asan")."""
 
-    def __init__(self, mode: str = "typed", workers: int = 2, timeout: float = 300.0):
+    # Device limits a runner can be given (Emulator(limits=...)) and the environment variables that carry
+    # them; the fake Metal runtime reads the same variables, so one configured device serves both.
+    LIMITS = {
+        "max_threads_per_threadgroup": "LILY_METALSIM_MAX_THREADS_PER_THREADGROUP",
+        "max_threadgroup_memory": "LILY_METALSIM_MAX_THREADGROUP_MEMORY",
+    }
+
+    def __init__(self, mode: str = "typed", workers: int = 2, timeout: float = 300.0, limits: dict | None = None):
         if mode not in build.MODES:
             raise ValueError(f"mode must be one of {build.MODES}, got {mode!r}")
+        unknown = set(limits or {}) - set(self.LIMITS)
+        if unknown:
+            raise ValueError(f"unknown device limits {sorted(unknown)}; known: {sorted(self.LIMITS)}")
+        self.limits = {k: int(v) for k, v in (limits or {}).items()}
         self.mode = mode
         self.workers = int(workers)
         self.timeout = timeout
@@ -166,6 +189,8 @@ class Emulator:
     def _start(self) -> None:
         runner = build.runner_path(self.mode)
         env = dict(os.environ)
+        for key, value in self.limits.items():
+            env[self.LIMITS[key]] = str(value)
         if self.mode == "asan":
             # Leak checking cannot work under the fibers (and often not under ptrace); the report must
             # name kernel source lines, so point ASan at llvm-symbolizer when it exists.
@@ -263,14 +288,15 @@ class Emulator:
         self._loaded[path] = info["id"]
         return info
 
-    def _run(self, lib: Library, kernel, tg, grid, tpt, bufs, tgm, consts, seed, reverse, timeout) -> dict:
+    def _run(self, lib: Library, kernel, tg, grid, tpt, bufs, tgm, consts, seed, reverse, tg_seed, timeout) -> dict:
         what = f"kernel '{kernel}'"
         self._ensure()
         if lib.path not in self._loaded:
             self._load_in_runner(lib.path)
         name = kernel.encode()
         head = (f"RUN {self._loaded[lib.path]} {len(name)} {tg[0]} {tg[1]} {tg[2]} {grid[0]} {grid[1]} {grid[2]} "
-                f"{tpt[0]} {tpt[1]} {tpt[2]} {seed & 0xFFFFFFFFFFFFFFFF} {int(reverse)} {len(bufs)} {len(tgm)} "
+                f"{tpt[0]} {tpt[1]} {tpt[2]} {seed & 0xFFFFFFFFFFFFFFFF} {int(reverse)} {tg_seed & 0xFFFFFFFFFFFFFFFF} "
+                f"{len(bufs)} {len(tgm)} "
                 f"{len(consts)}\n")
         parts = [head.encode(), name]
         for index, arr in bufs:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["RewriteError", "Rewritten", "rewrite", "BUILTINS"]
 
-REWRITER_VERSION = "1"
+REWRITER_VERSION = "2"
 
 BUILTINS = (
     "thread_position_in_grid",
@@ -72,6 +72,8 @@ class Arg:
     param: int  # position in the parameter list
     builtin: str = ""
     enabled_by: str = ""  # function constant name from [[function_constant(x)]]
+    implicit: bool = False  # no [[buffer(i)]] / [[threadgroup(i)]]: the index is assigned as Metal does
+    constant: bool = False  # in the constant address space (read-only)
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Kernel:
     name: str  # host name
     expr: str  # C++ expression naming the function (f or f<half>)
     params: list[Arg]
+    body: int | None = None  # token index of the body's '{' (the template's, for an instantiation)
 
 
 @dataclass
@@ -209,6 +212,12 @@ class _Rewriter:
         self.attr_groups: list[tuple[int, int]] = []
         self.tg_count = 0
         self.scope = ""  # qualification of the namespace being scanned ("a::b::")
+        # Function definitions at namespace scope: body '{' index -> (name, scope, static-memory tag or None
+        # for a kernel, template-argument text of a kernel template or None). Filled by scan_top.
+        self.bodies: dict[int, tuple[str, str, str | None, str | None]] = {}
+        self.body_close: dict[int, int] = {}
+        self.helper_tags: dict[str, str] = {}  # qualified helper name -> tag struct (helpers with threadgroup vars)
+        self.helper_decl_start: dict[int, int] = {}  # body '{' index -> first token of the helper's declaration
 
     # ---- helpers ------------------------------------------------------------------------------------
     def err(self, tok_index: int, msg: str) -> RewriteError:
@@ -321,6 +330,16 @@ class _Rewriter:
         if is_kernel:
             self.kernel_decl(a, b, body)
             return
+        if body is not None:
+            try:
+                name_i, _, _ = self.function_parts(a, b)
+            except RewriteError:
+                return
+            if toks[name_i].kind == "id":
+                self.bodies[body[0]] = (toks[name_i].text, self.scope, None, None)
+                self.body_close[body[0]] = body[1]
+                self.helper_decl_start[body[0]] = a
+            return
         if first == "constant":
             self.constant_decl(a, b)
 
@@ -369,11 +388,31 @@ class _Rewriter:
         name = toks[name_i].text
         if toks[a].text == "template":
             self.templates[name] = (lp, rp)
+            if body is not None:
+                self.bodies[body[0]] = (name, self.scope, "kernel", self.template_args(a))
+                self.body_close[body[0]] = body[1]
             return
+        if body is not None:
+            self.bodies[body[0]] = (name, self.scope, "kernel", None)
+            self.body_close[body[0]] = body[1]
         if body is None:
             return  # a prototype; the definition registers the kernel
         params = self.parse_params(lp, rp)
-        self.kernels.append(Kernel(self.host_name(a, b) or name, self.scope + name, params))
+        self.kernels.append(Kernel(self.host_name(a, b) or name, self.scope + name, params, body[0]))
+
+    def template_args(self, a: int) -> str:
+        """`T, N, Ts...`: the template's own parameters as arguments (toks[a] is 'template')."""
+        toks = self.toks
+        close = _match(toks, a + 1, "<", ">")
+        names = []
+        for pa, pb in _split_top(toks, a + 2, close):
+            eq = next((j for j in range(pa, pb) if toks[j].text == "="), pb)
+            ids = [j for j in range(pa, eq) if toks[j].kind == "id"]
+            if not ids:
+                raise self.err(pa, "cannot parse this template parameter")
+            pack = any(toks[j].text == "..." for j in range(pa, eq))
+            names.append(toks[ids[-1]].text + ("..." if pack else ""))
+        return ", ".join(names)
 
     def instantiation(self, a: int, b: int) -> None:
         """template [[host_name("x")]] [[kernel]] decltype(f<T>) f<T>;  (or ... void f<T>(params);)"""
@@ -390,11 +429,16 @@ class _Rewriter:
                 raise self.err(j, f"instantiation of unknown kernel template '{base}'")
             lp, rp = self.templates[base]
         else:
+            # template [[host_name("x")]] kernel void f<float>(device const float*, ...); the parameter list
+            # names only types, so attributes and names come from the kernel template's definition.
             name_i, lp, rp = self.function_parts(a, b)
             expr = self.span(name_i, lp)
             base = toks[name_i].text
+            if base in self.templates:
+                lp, rp = self.templates[base]
         params = self.parse_params(lp, rp)
-        self.kernels.append(Kernel(host or expr, self.scope + expr, params))
+        body = next((k for k, v in self.bodies.items() if v[0] == base and v[2] == "kernel"), None)
+        self.kernels.append(Kernel(host or expr, self.scope + expr, params, body))
         # The thunk names the specialization, which instantiates it; the explicit instantiation goes.
         self.replace(a, b, "")
 
@@ -437,10 +481,32 @@ class _Rewriter:
                     enabled = val
                 else:
                     raise self.err(pa, f"kernel parameter '{name}': [[{it}]] is not supported by the emulator")
+            type_ids = {toks[k].text for k in keep[:-1]}
             if arg is None:
-                raise self.err(pa, f"kernel parameter '{name}' has no [[buffer]], [[threadgroup]] or builtin attribute")
+                space = next((sp for sp in ("device", "constant", "threadgroup") if sp in type_ids), None)
+                if space is None:
+                    raise self.err(pa, f"kernel parameter '{name}' has no [[buffer]], [[threadgroup]] or builtin "
+                                       "attribute, and is not in the device, constant or threadgroup address space")
+                arg = Arg("threadgroup" if space == "threadgroup" else "buffer", -1, name, type_text, pos,
+                          implicit=True)
+            arg.constant = "constant" in type_ids
             arg.enabled_by = enabled
             out.append(arg)
+        # Arguments without an index attribute. The MSL specification (section 5.2.1, "Locating buffer,
+        # texture, and sampler arguments") says: "If the location indices are not specified, the Metal
+        # compiler assigns them using the first available location index." The search tools available here
+        # did not find the spec text itself, so this implements that sentence as quoted: in parameter order,
+        # each unattributed argument takes the lowest index of its kind (buffer or threadgroup) not taken by
+        # an explicit attribute or an earlier unattributed argument.
+        for kind in ("buffer", "threadgroup"):
+            taken = {a.index for a in out if a.kind == kind and not a.implicit}
+            nxt = 0
+            for a in out:
+                if a.kind == kind and a.implicit:
+                    while nxt in taken:
+                        nxt += 1
+                    a.index = nxt
+                    taken.add(nxt)
         return out
 
     def index_value(self, text: str, at: int) -> int:
@@ -481,9 +547,14 @@ class _Rewriter:
         """`threadgroup` storage declared inside any function body (member functions and lambdas too)."""
         toks, n = self.toks, len(self.toks)
         stack: list[bool] = []  # per open brace: is it a namespace / extern "C" block?
+        funcs: list[tuple[int, int]] = []  # enclosing function bodies: (brace depth, '{' index)
         j = 0
         while j < n:
             t = toks[j]
+            if t.text == "{" and j in self.bodies:
+                funcs.append((len(stack), j))
+            if t.text == "}" and funcs and funcs[-1][0] == len(stack) - 1:
+                funcs.pop()
             if t.text == "{":
                 k = j - 1
                 while k >= 0 and (toks[k].kind == "id" or toks[k].text == "::") and toks[k].text != "namespace":
@@ -512,13 +583,24 @@ class _Rewriter:
                     elif x == ";" and depth == 0:
                         break
                     end += 1
-                self.threadgroup_decl(j, end)
+                self.threadgroup_decl(j, end, funcs[-1][1] if funcs else None)
                 j = end
                 continue
             j += 1
 
-    def threadgroup_decl(self, a: int, b: int) -> None:
-        """toks[a] is 'threadgroup', toks[b] is ';'."""
+    def static_tag(self, body: int | None) -> str | None:
+        """The tag type under which threadgroup declarations in the function with this body register."""
+        if body is None:
+            return None  # a member function or lambda: counted only at run time
+        name, scope, kind, targs = self.bodies[body]
+        if kind == "kernel":
+            return f"::mslsim::fn_tag<&{name}{'<' + targs + '>' if targs else ''}>"
+        qual = f"{scope}__mslsim_tgfn_{name}"
+        self.helper_tags[scope + name] = qual
+        return qual
+
+    def threadgroup_decl(self, a: int, b: int, body: int | None = None) -> None:
+        """toks[a] is 'threadgroup', toks[b] is ';'; body is the '{' of the enclosing function (if known)."""
         toks = self.toks
         parts = _split_top(toks, a + 1, b)
         depth = 0
@@ -545,15 +627,16 @@ class _Rewriter:
             name = toks[name_i].text
             self.tg_count += 1
             key = f"__mslsim_tgkey_{self.tg_count}"
-            full = f"{ctype} {dims}".strip()
-            if dims:
-                ref = f"threadgroup {ctype} (&{name}){dims}"
-                ptr = f"threadgroup {ctype} (*){dims}"
-            else:
-                ref = f"threadgroup {ctype}& {name}"
-                ptr = f"threadgroup {ctype}*"
+            # Through a typedef: `half (&t)[64]` would expand the shim's function-like macro `half(...)`
+            # (MSL's constructor syntax), as would every vector type name followed by '('.
+            ty = f"__mslsim_tgtype_{self.tg_count}"
+            reg = ""
+            tag = self.static_tag(body)
+            if tag is not None:
+                reg = f"(void)&::mslsim::tg_static<{tag}, {self.tg_count}, sizeof({ty})>::reg; "
             out.append(
-                f"static char {key}; {ref} = *({ptr})::mslsim_tg_alloc(&{key}, sizeof({full}), alignof({full}));"
+                f"typedef {ctype} {ty}{dims}; static char {key}; {reg}threadgroup {ty}& {name} = "
+                f"*(threadgroup {ty}*)::mslsim_tg_alloc(&{key}, sizeof({ty}), alignof({ty}));"
             )
         self.replace(a, b, " ".join(out))
 
@@ -638,10 +721,13 @@ class _Rewriter:
                     )
                 call.append(f"::mslsim::bind_arg<{P}>(__a[{len(args)}])")
                 kind = "MSLSIM_ARG_BUFFER" if p.kind == "buffer" else "MSLSIM_ARG_THREADGROUP"
+                writes = "0" if p.kind != "buffer" or p.constant else f"::mslsim::arg_writes<{P}>()"
                 args.append(
                     f"{{{kind}, {p.index}, {_c_str(p.name)}, {_c_str(p.type)}, ::mslsim::arg_min_bytes<{P}>(), "
-                    f"{fc_index.get(p.enabled_by, -1)}}}"
+                    f"{fc_index.get(p.enabled_by, -1)}, {writes}}}"
                 )
+            tags = [f"::mslsim::fn_tag<&{kern.expr}>"] + self.reachable_helper_tags(kern.body)
+            lines.append(f"size_t __mslsim_static_tg_{k}() {{ return ::mslsim::tg_static_bytes<{', '.join(tags)}>(); }}")
             lines.append(f"void __mslsim_entry_{k}(void* const* __a) {{")
             lines.append("  const ::mslsim_builtins* __b = ::mslsim_lane_builtins(); (void)__b; (void)__a;")
             lines.append(f"  {kern.expr}({', '.join(call)});")
@@ -651,7 +737,7 @@ class _Rewriter:
         kern_entries = [
             f"{{{_c_str(kern.name)}, {sum(p.kind != 'builtin' for p in kern.params)}, "
             f"{f'__mslsim_args_{k}' if any(p.kind != 'builtin' for p in kern.params) else 'nullptr'}, "
-            f"&__mslsim_entry_{k}}}"
+            f"&__mslsim_entry_{k}, &__mslsim_static_tg_{k}}}"
             for k, kern in enumerate(self.kernels)
         ]
         if kern_entries:
@@ -679,11 +765,43 @@ class _Rewriter:
         lines.append("}")
         return "\n".join(lines) + "\n"
 
+    def reachable_helper_tags(self, body: int | None) -> list[str]:
+        """Tags of the same-file helpers with threadgroup variables that this body calls, transitively
+        (by name: an overloaded helper counts with all its overloads)."""
+        if body is None:
+            return []
+        by_name: dict[str, list[int]] = {}
+        for start, (name, _scope, kind, _t) in self.bodies.items():
+            if kind is None:
+                by_name.setdefault(name, []).append(start)
+        seen, todo, tags = {body}, [body], []
+        while todo:
+            b = todo.pop()
+            for j in range(b + 1, self.body_close[b]):
+                t = self.toks[j]
+                if t.kind != "id" or t.text not in by_name or j + 1 >= len(self.toks):
+                    continue
+                for hb in by_name[t.text]:
+                    if hb not in seen:
+                        seen.add(hb)
+                        todo.append(hb)
+                        name, scope, _k, _t = self.bodies[hb]
+                        tag = self.helper_tags.get(scope + name)
+                        if tag and tag not in tags:
+                            tags.append(tag)
+        return tags
+
     def run(self) -> Rewritten:
         self.scan_top()
         self.scan_bodies()
         self.scan_tokens()
-        cpp = self.apply_edits() + self.generate()
+        # Helper tags are declared before any code: namespace-scope structs in the helper's namespace.
+        decls = []
+        for qual in self.helper_tags.values():
+            *ns, tag = qual.split("::")
+            decls.append("".join(f"namespace {x} {{ " for x in ns) + f"struct {tag};" + " }" * len(ns))
+        prefix = " ".join(decls) + "\n" if decls else ""
+        cpp = prefix + self.apply_edits() + self.generate()
         kernels = [
             {
                 "name": k.name,

@@ -10,13 +10,18 @@
 //                  its own stage); also counts completed-handler calls (a metal-cpp std::function handler)
 //   no-barrier     the same two dispatches on a concurrent encoder without a barrier: 0 under FAKEMETAL_REVERSE=1
 //   resource-barrier  concurrent, separated by memoryBarrier(resources, count): 8
+//   wrong-resource-barrier  the resource barrier lists the wrong buffer (two, not t): it orders nothing here
+//   texture-barrier  memoryBarrier(MTL::BarrierScopeTextures): orders no buffer
 //   info           the other message-send paths: a struct returned in memory (maxThreadsPerThreadgroup,
 //                  objc_msgSend_stret), doubles (GPUStartTime / GPUEndTime, objc_msgSend_fpret), an MTLSTR
 //                  literal and pipeline limits
 // If the library does not compile, prints "library: error <message>" and exits 0.
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <future>
+#include <memory>
 #include <sstream>
 #include <string>
 
@@ -39,7 +44,14 @@ float run_chain(Device& device, const std::string& how, int* handler_calls) {
 
   NS::AutoreleasePool* pool = NS::AutoreleasePool::alloc()->init();
   MTL::CommandBuffer* cb = device.queue()->commandBuffer();
-  cb->addCompletedHandler([handler_calls](MTL::CommandBuffer*) { ++*handler_calls; });
+  // Completed handlers run on another thread, possibly after waitUntilCompleted returns (Metal promises no
+  // order between the two), so the handler's count is handed over through a promise.
+  auto handled = std::make_shared<std::promise<void>>();
+  std::future<void> handler_done = handled->get_future();
+  cb->addCompletedHandler([handler_calls, handled](MTL::CommandBuffer*) {
+    ++*handler_calls;
+    handled->set_value();
+  });
   MTL::ComputeCommandEncoder* enc =
       how == "serial" ? cb->computeCommandEncoder() : cb->computeCommandEncoder(MTL::DispatchTypeConcurrent);
   enc->setComputePipelineState(row_dot);
@@ -48,10 +60,11 @@ float run_chain(Device& device, const std::string& how, int* handler_calls) {
   enc->setBuffer(t.get(), 0, 2);
   enc->setBytes(&first, sizeof first, 3);
   enc->dispatchThreadgroups(MTL::Size(1, 1, 1), MTL::Size(32, 1, 1));
-  if (how == "resource-barrier") {
-    MTL::Resource* written[] = {t.get()};
+  if (how == "resource-barrier" || how == "wrong-resource-barrier") {
+    MTL::Resource* written[] = {how == "resource-barrier" ? t.get() : two_buf.get()};
     enc->memoryBarrier(written, 1);
   }
+  if (how == "texture-barrier") enc->memoryBarrier(MTL::BarrierScopeTextures);
   enc->setBuffer(t.get(), 0, 0);
   enc->setBuffer(two_buf.get(), 0, 1);
   enc->setBuffer(u.get(), 0, 2);
@@ -61,8 +74,10 @@ float run_chain(Device& device, const std::string& how, int* handler_calls) {
   cb->commit();
   cb->waitUntilCompleted();
   const bool failed = cb->status() != MTL::CommandBufferStatusCompleted;
+  const std::string why = failed && cb->error() ? cb->error()->localizedDescription()->utf8String() : "";
+  if (handler_done.wait_for(std::chrono::seconds(30)) != std::future_status::ready) throw MetalError("no handler");
   pool->release();
-  if (failed) throw MetalError("command buffer failed");
+  if (failed) throw MetalError("command buffer failed: " + why);
   return *static_cast<float*>(u->contents());
 }
 
@@ -75,7 +90,8 @@ void run_case(Device& device, const std::string& name) {
   const uint32_t rows_only = 1;
   std::vector<Arg> args = {Arg::buf(a_buf.get()), Arg::buf(b_buf.get()), Arg::buf(out.get()), Arg::value(shape)};
   try {
-    if (name == "serial" || name == "no-barrier" || name == "resource-barrier") {
+    if (name == "serial" || name == "no-barrier" || name == "resource-barrier" || name == "wrong-resource-barrier" ||
+        name == "texture-barrier") {
       int calls = 0;
       const float u = run_chain(device, name, &calls);
       printf("%s: ok %g handlers=%d\n", name.c_str(), double(u), calls);

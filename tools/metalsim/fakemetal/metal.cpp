@@ -12,9 +12,18 @@
 //     bound with at least the bytes the kernel needs, [[threadgroup(i)]] lengths set, threadgroup size and
 //     memory within the device limits) and kernel errors reported by the emulator: the command buffer ends with
 //     status Error and an NSError whose localizedDescription says what failed; later dispatches do not run;
-//   * missing memory barriers: a concurrent encoder records its dispatches in stages split by memoryBarrier;
-//     FAKEMETAL_REVERSE=1 (read at commit) runs every stage's dispatches, and each dispatch's threadgroups, in
-//     reverse order, so a consumer placed in the same stage as its producer reads stale data;
+//   * missing memory barriers: a concurrent encoder records its dispatches in stages split by barriers that
+//     order buffers (a scope including MTLBarrierScopeBuffers); a resource barrier stays inside its stage and
+//     orders only the listed resources. After each stage the hazard check reports two dispatches no barrier
+//     orders that touch overlapping bytes of a buffer where one writes (FAKEMETAL_HAZARDS=0: off). The stage
+//     runs in a valid order: recorded, latest-ready-first with FAKEMETAL_REVERSE=1 (threadgroups reversed
+//     too), or seeded with FAKEMETAL_ORDER_SEED, so a consumer placed with its producer reads stale data;
+//   * asynchronous execution: commit returns at once, a GPU thread per queue runs command buffers in enqueue
+//     order, completed handlers run on a handler thread; the CPU view of every shared buffer an in-flight
+//     command buffer binds is protected, so a racing CPU access stops the process naming buffer and command
+//     buffer (FAKEMETAL_SYNC=1: run inside commit instead);
+//   * device limits from LILY_METALSIM_* variables (threads per threadgroup, threadgroup memory, buffer length,
+//     working set), static threadgroup memory per pipeline, and safe math (fast-math libraries are refused);
 //   * lifetimes as Metal documents them: computeCommandEncoder / commandBuffer return autoreleased (+0)
 //     objects, and the command buffer does not keep its encoder alive for the caller (Metal promises no such
 //     thing), so code that keeps an encoder past its autorelease pool without retaining it fails with
@@ -25,7 +34,14 @@
 //
 // Environment (read when needed):
 //   FAKEMETAL_REVERSE=1           reverse dispatch order within stages and threadgroup order within dispatches
+//   FAKEMETAL_ORDER_SEED=<seed>   seeded dispatch order within stages and threadgroup order within dispatches
 //   FAKEMETAL_SHUFFLE=<seed>      shuffled lane scheduling in the emulator (0 or unset: in order)
+//   FAKEMETAL_HAZARDS=0           no hazard check
+//   FAKEMETAL_SYNC=1              command buffers run inside commit (no threads, no in-flight protection)
+//   FAKEMETAL_GPU_DELAY_MS=<n>    a committed command buffer starts when waited on, or after n ms (default 50)
+//   FAKEMETAL_ALLOW_FAST_MATH=1   accept libraries compiled with fast or relaxed math
+//   LILY_METALSIM_MAX_THREADS_PER_THREADGROUP, LILY_METALSIM_MAX_THREADGROUP_MEMORY,
+//   LILY_METALSIM_MAX_BUFFER_LENGTH, LILY_METALSIM_WORKING_SET_SIZE   the device's limits
 //   LILY_METALSIM_TOOLS=<dir>     the folder holding the metalsim package (default: fixed at build time)
 //   FAKEMETAL_PYTHON=<exe>        the Python that runs the emulator's compiler (default: fixed at build time)
 //   LILY_METALSIM_CACHE=<dir>     the metalsim cache (default ~/.cache/lily/metalsim)
@@ -34,15 +50,23 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <mslsim/abi.h>
+#include <signal.h>
 #include <spawn.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <array>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -71,11 +95,17 @@ namespace fakemetal {
 namespace {
 
 constexpr int kMaxBindings = MSLSIM_MAX_BINDINGS;
-constexpr unsigned long kMaxTotalThreadsPerThreadgroup = 1024;
 constexpr unsigned long kThreadExecutionWidth = 32;
-constexpr unsigned long kMaxThreadgroupMemory = 32768;
 constexpr unsigned long kMaxSetBytes = 4096;  // Metal: setBytes is for data under 4 KB
-constexpr unsigned long kMaxBufferLength = 1ul << 36;
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define FAKEMETAL_ASAN 1
+#endif
+#endif
+#ifndef FAKEMETAL_ASAN
+#define FAKEMETAL_ASAN 0
+#endif
 
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -85,6 +115,33 @@ bool env_flag(const char* name) {
   const char* v = getenv(name);
   return v && *v && strcmp(v, "0") != 0;
 }
+
+uint64_t env_u64(const char* name, uint64_t dflt) {
+  const char* v = getenv(name);
+  if (!v || !*v) return dflt;
+  char* end = nullptr;
+  const unsigned long long x = strtoull(v, &end, 0);
+  return end && *end == 0 && x ? x : dflt;
+}
+
+// The device's limits: a recent Apple GPU by default, smaller (or larger) through the environment, read once.
+// The emulator (libmslsim) reads the same variables, so a dispatch the device refuses is refused there too.
+struct Limits {
+  unsigned long max_threads;        // maxThreadsPerThreadgroup (each dimension) and per pipeline
+  unsigned long max_tg_memory;      // maxThreadgroupMemoryLength
+  unsigned long max_buffer;         // maxBufferLength
+  uint64_t working_set;             // recommendedMaxWorkingSetSize
+};
+const Limits& limits() {
+  static const Limits l = {
+      (unsigned long)env_u64("LILY_METALSIM_MAX_THREADS_PER_THREADGROUP", 1024),
+      (unsigned long)env_u64("LILY_METALSIM_MAX_THREADGROUP_MEMORY", 32768),
+      (unsigned long)env_u64("LILY_METALSIM_MAX_BUFFER_LENGTH", 1ul << 36),
+      env_u64("LILY_METALSIM_WORKING_SET_SIZE", 8ull << 30),
+  };
+  return l;
+}
+std::atomic<uint64_t> g_allocated{0};  // currentAllocatedSize
 
 template <class T>
 T* as(objc_object* o) {
@@ -154,14 +211,83 @@ Device* default_device() {  // +1
   return g_device;
 }
 
+// In-flight protection (typed builds): a shared buffer's memory is mapped twice, a CPU view (contents()) and
+// a GPU view (what dispatches, copies and fills use). While a committed command buffer that binds the buffer
+// has not completed, the CPU view is protected: PROT_NONE when that work may write the buffer, PROT_READ when
+// it only reads it. A CPU access that races with the GPU then faults, and the SIGSEGV handler names the buffer
+// and the command buffer. ASan builds keep malloc'd memory (ASan reports overflows and use after free there)
+// and have no in-flight protection.
+struct Protected {
+  size_t length = 0;  // bytes of the CPU view's mapping
+  int writers = 0, readers = 0;
+  std::string buffer;  // description for the fault message
+  std::vector<std::string> users;  // command buffers in flight that bind it (descriptions)
+};
+std::mutex g_protect_mu;
+std::map<char*, Protected>& protected_views() {  // CPU view -> state; a heap singleton (used by a signal handler)
+  static auto* m = new std::map<char*, Protected>;
+  return *m;
+}
+void apply_protection(char* view, const Protected& p) {
+  const int prot = p.writers ? PROT_NONE : p.readers ? PROT_READ : PROT_READ | PROT_WRITE;
+  if (mprotect(view, p.length, prot) != 0) die("mprotect: %s", strerror(errno));
+}
+
+struct sigaction g_old_segv;
+void on_segv(int sig, siginfo_t* info, void* ctx) {
+  char* addr = static_cast<char*>(info->si_addr);
+  const bool locked = g_protect_mu.try_lock();  // the faulting thread cannot hold it: it faulted in host code
+  for (auto& [view, p] : protected_views()) {
+    if (addr < view || addr >= view + p.length || (!p.writers && !p.readers)) continue;
+    std::string msg = "fakemetal: CPU access to buffer " + p.buffer + " (byte " + std::to_string(addr - view) +
+                      ") while command buffer " + (p.users.empty() ? std::string("?") : p.users.front()) +
+                      " is in flight (" +
+                      (p.writers ? "it may write the buffer: reading or writing it now races with the GPU"
+                                 : "it reads the buffer: writing it now races with the GPU") +
+                      "); wait for the command buffer (waitUntilCompleted, or its completed handler) first\n";
+    (void)!write(2, msg.data(), msg.size());
+    signal(SIGABRT, SIG_DFL);
+    abort();
+  }
+  if (locked) g_protect_mu.unlock();
+  // Not ours: hand the fault to whoever handled SIGSEGV before (a runner's crash report, or the default).
+  if (g_old_segv.sa_flags & SA_SIGINFO) {
+    if (g_old_segv.sa_sigaction) return g_old_segv.sa_sigaction(sig, info, ctx);
+  } else if (g_old_segv.sa_handler != SIG_DFL && g_old_segv.sa_handler != SIG_IGN) {
+    return g_old_segv.sa_handler(sig);
+  }
+  signal(SIGSEGV, SIG_DFL);  // returning re-runs the access, which now dies with the default action
+}
+void install_segv_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa = {};
+    sa.sa_sigaction = &on_segv;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_old_segv);
+  });
+}
+
 struct Buffer : MtlObj {
-  void* data = nullptr;
+  void* data = nullptr;  // the CPU view (contents())
+  void* gpu = nullptr;   // the GPU view of the same pages, when double-mapped (else data serves both)
+  size_t mapped = 0;     // bytes of each view's mapping when double-mapped
   size_t length = 0;
   unsigned long options = 0;
   bool owns = true;
   void* deallocator = nullptr;  // block void (^)(void*, NSUInteger), for newBufferWithBytesNoCopy
+  char* gpu_data() const { return static_cast<char*>(gpu ? gpu : data); }
   ~Buffer() {
-    if (owns) {
+    g_allocated -= owns ? length : 0;
+    if (mapped) {
+      {
+        std::lock_guard<std::mutex> lock(g_protect_mu);
+        protected_views().erase(static_cast<char*>(data));
+      }
+      munmap(data, mapped);  // contents read after the last release fault
+      munmap(gpu, mapped);
+    } else if (owns) {
       free(data);  // ASan builds: contents read after the last release are a heap-use-after-free
     } else if (deallocator) {
       auto* b = static_cast<BlockLayout*>(deallocator);
@@ -172,27 +298,64 @@ struct Buffer : MtlObj {
   bool is_private() const { return ((options >> 4) & 0xf) == MTL::StorageModePrivate; }
 };
 
+// Two mappings of one anonymous file: the CPU view and the GPU view (see Protected). nullptr if unavailable.
+bool map_twice(size_t length, void** cpu, void** gpu, size_t* mapped) {
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  const size_t n = (length + page - 1) / page * page;
+  const int fd = int(syscall(SYS_memfd_create, "fakemetal-buffer", 1u /* MFD_CLOEXEC */));
+  if (fd < 0) return false;
+  bool ok = ftruncate(fd, off_t(n)) == 0;  // zero-filled, as Metal's new buffers are
+  void* a = ok ? mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  void* b = a != MAP_FAILED ? mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  close(fd);  // the mappings keep the file alive
+  if (b == MAP_FAILED) {
+    if (a != MAP_FAILED) munmap(a, n);
+    return false;
+  }
+  *cpu = a, *gpu = b, *mapped = n;
+  return true;
+}
+
 objc_object* new_buffer(Device* dev, const void* bytes, unsigned long length, unsigned long options) {
-  if (length == 0 || length > kMaxBufferLength) {
-    warn("newBufferWithLength: %lu bytes is not a valid buffer length: returning nil", length);
+  if (length == 0 || length > limits().max_buffer) {
+    warn("newBufferWithLength: %lu bytes is not a valid buffer length (maxBufferLength %lu): returning nil", length,
+         limits().max_buffer);
     return nullptr;
   }
   void* mem = nullptr;
-  if (posix_memalign(&mem, 256, length) != 0) return nullptr;
-  if (bytes) {
-    memcpy(mem, bytes, length);
-  } else {
+  void* gpu = nullptr;
+  size_t mapped = 0;
+  if (FAKEMETAL_ASAN || !map_twice(length, &mem, &gpu, &mapped)) {
+    if (posix_memalign(&mem, 256, length) != 0) return nullptr;
     memset(mem, 0, length);  // Metal zero-fills new buffers
   }
+  if (bytes) memcpy(mem, bytes, length);
+  if (mapped) install_segv_handler();
   Buffer* b = new_object<Buffer>(*C_buffer);
   b->set_device(dev);
   b->data = mem;
+  b->gpu = gpu;
+  b->mapped = mapped;
   b->length = length;
   b->options = options;
+  g_allocated += length;
   return b;
 }
 
-struct Queue : MtlObj {};
+struct CommandBuffer;
+// A queue runs its committed command buffers in enqueue order on its own "GPU" thread (started on the first
+// commit). Completed handlers run on one shared completion thread. FAKEMETAL_SYNC=1 runs everything inside
+// commit instead (the pre-async behaviour, for debugging).
+struct Queue : MtlObj {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<CommandBuffer*> order;  // enqueued, not yet started (not retained: each is retained while committed)
+  uint64_t next_seq = 0, kick = 0;   // command buffers up to seq `kick` start now (someone waits on them)
+  std::thread gpu;
+  bool stop = false;
+  bool running = false;  // the GPU thread holds a command buffer it has taken from `order`
+  ~Queue();
+};
 
 // ---------------------------------------------------------------------------------------------------------
 // Libraries, functions, pipelines
@@ -200,13 +363,13 @@ struct Queue : MtlObj {};
 
 struct CompileOptions : MtlObj {
   unsigned long language_version = MTL::LanguageVersion3_1;
-  bool fast_math = true;
-  unsigned long math_mode = MTL::MathModeFast;
+  unsigned long math_mode = MTL::MathModeFast;  // Metal's default: fast math (fastMathEnabled = YES)
 };
 
 struct Library : MtlObj {
   const mslsim_library* lib = nullptr;
   std::string path;  // the emulator's shared object (kept on disk for sanitizer symbolization)
+  unsigned long math_mode = MTL::MathModeSafe;  // as compiled (the emulator computes safe math only)
 };
 
 struct ConstantValue {
@@ -232,6 +395,7 @@ struct Function : MtlObj {
 
 struct Pipeline : MtlObj {
   Function* function = nullptr;  // held
+  size_t static_tg = 0;          // staticThreadgroupMemoryLength
   ~Pipeline() { release(function); }
 };
 
@@ -283,7 +447,9 @@ struct Binding {
 };
 
 struct Command {
-  enum Kind { Dispatch, Copy, Fill } kind = Dispatch;
+  // Barrier: memoryBarrierWithResources inside a concurrent stage; it orders only the listed buffers.
+  enum Kind { Dispatch, Copy, Fill, Barrier } kind = Dispatch;
+  std::vector<const void*> resources;  // Barrier: the listed resources (identity only, not retained)
   int ordinal = 0;  // position within its encoder (for messages)
   // Dispatch
   Pipeline* pipeline = nullptr;
@@ -356,7 +522,13 @@ Recording::~Recording() {
 struct CommandBuffer : MtlObj {
   objc_object* queue = nullptr;  // held
   bool retain_refs = true;
-  unsigned long status = MTL::CommandBufferStatusNotEnqueued;
+  std::atomic<unsigned long> status{MTL::CommandBufferStatusNotEnqueued};
+  uint64_t seq = 0;              // position in its queue's enqueue order
+  bool failed = false;           // set while running; the status becomes Error when it completes
+  std::mutex mu;                 // guards status changes for waiters
+  std::condition_variable cv;
+  std::vector<std::pair<char*, bool>> guarded;  // CPU views protected while in flight (view, may write)
+  double commit_time = 0;
   objc_object* error = nullptr;  // held
   std::vector<std::shared_ptr<Recording>> encoders;
   Recording* open = nullptr;
@@ -377,8 +549,21 @@ std::mutex g_execute_mu;  // one command buffer executes at a time
 
 bool fail(CommandBuffer* cb, long code, const std::string& what) {
   cb->error = make_error("MTLCommandBufferErrorDomain", code, "fakemetal: " + what);
-  cb->status = MTL::CommandBufferStatusError;
+  cb->failed = true;
   return false;
+}
+
+std::string describe_cb(const CommandBuffer* cb) {
+  const std::string label = string_value(cb->label);
+  char buf[64];
+  snprintf(buf, sizeof buf, "%p", static_cast<const void*>(cb));
+  return label.empty() ? std::string("<unlabelled MTLCommandBuffer ") + buf + ">" : "'" + label + "'";
+}
+std::string describe_buffer(const Buffer* b) {
+  const std::string label = string_value(b->label);
+  char buf[96];
+  snprintf(buf, sizeof buf, "<unlabelled MTLBuffer %p, %zu bytes>", static_cast<const void*>(b), b->length);
+  return label.empty() ? std::string(buf) : "'" + label + "'";
 }
 
 std::string describe_command(const Recording* e, size_t encoder_index, size_t stage, const Command& c) {
@@ -404,7 +589,8 @@ bool constant_enabled(const Function* fn, int index) {
   return false;
 }
 
-bool run_dispatch(CommandBuffer* cb, const std::string& where, const Command& c, bool reverse, uint64_t seed) {
+bool run_dispatch(CommandBuffer* cb, const std::string& where, const Command& c, bool reverse, uint64_t seed,
+                  uint64_t order_seed) {
   if (!c.pipeline) return fail(cb, MTL::CommandBufferErrorInvalidResource, where + ": no compute pipeline state set");
   const Function* fn = c.pipeline->function;
   const mslsim_kernel* k = fn->kernel;
@@ -425,14 +611,11 @@ bool run_dispatch(CommandBuffer* cb, const std::string& where, const Command& c,
       return fail(cb, MTL::CommandBufferErrorInvalidResource,
                   where + ": buffer(" + std::to_string(i) + ") offset " + std::to_string(b.offset) +
                       " is past the buffer's " + std::to_string(b.buffer->length) + " bytes");
-    d.buffers[i] = static_cast<char*>(b.buffer->data) + b.offset;
+    d.buffers[i] = b.buffer->gpu_data() + b.offset;
     d.buffer_bytes[i] = b.buffer->length - b.offset;
   }
-  size_t threadgroup_total = 0;
-  for (int i = 0; i < kMaxBindings; ++i) {
-    d.threadgroup_bytes[i] = c.threadgroup_bytes[i];
-    threadgroup_total += c.threadgroup_bytes[i];
-  }
+  size_t threadgroup_total = c.pipeline->static_tg;  // static + the lengths of the kernel's [[threadgroup(i)]]
+  for (int i = 0; i < kMaxBindings; ++i) d.threadgroup_bytes[i] = c.threadgroup_bytes[i];
   for (int a = 0; a < k->n_args; ++a) {
     const mslsim_arg& arg = k->args[a];
     if (arg.enabled_by_constant >= 0 && !constant_enabled(fn, arg.enabled_by_constant))
@@ -449,22 +632,26 @@ bool run_dispatch(CommandBuffer* cb, const std::string& where, const Command& c,
         return fail(cb, MTL::CommandBufferErrorInvalidResource,
                     where + ": " + label + " is bound to " + std::to_string(d.buffer_bytes[arg.index]) +
                         " bytes; the kernel needs at least " + std::to_string(arg.min_bytes));
-    } else if (arg.kind == MSLSIM_ARG_THREADGROUP &&
-               c.threadgroup_bytes[arg.index] < std::max<size_t>(arg.min_bytes, 1)) {
-      return fail(cb, MTL::CommandBufferErrorInvalidResource,
-                  where + ": " + label + " has " + std::to_string(c.threadgroup_bytes[arg.index]) +
-                      " bytes of threadgroup memory (setThreadgroupMemoryLength:atIndex:)");
+    } else if (arg.kind == MSLSIM_ARG_THREADGROUP) {
+      if (c.threadgroup_bytes[arg.index] < std::max<size_t>(arg.min_bytes, 1))
+        return fail(cb, MTL::CommandBufferErrorInvalidResource,
+                    where + ": " + label + " has " + std::to_string(c.threadgroup_bytes[arg.index]) +
+                        " bytes of threadgroup memory (setThreadgroupMemoryLength:atIndex:)");
+      threadgroup_total += c.threadgroup_bytes[arg.index];
     }
   }
-  if (threadgroup_total > kMaxThreadgroupMemory)
+  if (threadgroup_total > limits().max_tg_memory)
     return fail(cb, MTL::CommandBufferErrorInvalidResource,
-                where + ": " + std::to_string(threadgroup_total) + " bytes of threadgroup memory exceed the " +
-                    std::to_string(kMaxThreadgroupMemory) + "-byte limit");
+                where + ": " + std::to_string(threadgroup_total) + " bytes of threadgroup memory (" +
+                    std::to_string(c.pipeline->static_tg) + " static + " +
+                    std::to_string(threadgroup_total - c.pipeline->static_tg) +
+                    " set with setThreadgroupMemoryLength) exceed the device's " +
+                    std::to_string(limits().max_tg_memory) + "-byte limit");
   const uint64_t per_group = uint64_t(c.threads[0]) * c.threads[1] * c.threads[2];
-  if (per_group == 0 || per_group > kMaxTotalThreadsPerThreadgroup)
+  if (per_group == 0 || per_group > limits().max_threads)
     return fail(cb, MTL::CommandBufferErrorInvalidResource,
-                where + ": " + std::to_string(per_group) + " threads per threadgroup (the pipeline allows 1 to " +
-                    std::to_string(kMaxTotalThreadsPerThreadgroup) + ")");
+                where + ": " + std::to_string(per_group) + " threads per threadgroup (the pipeline's "
+                "maxTotalThreadsPerThreadgroup allows 1 to " + std::to_string(limits().max_threads) + ")");
   for (int i = 0; i < 3; ++i) {
     d.threads_per_threadgroup[i] = c.threads[i];
     if (c.by_threads) {
@@ -482,6 +669,9 @@ bool run_dispatch(CommandBuffer* cb, const std::string& where, const Command& c,
   d.execution_width = uint32_t(kThreadExecutionWidth);
   d.lane_shuffle_seed = seed;
   d.reverse_threadgroups = reverse ? 1 : 0;
+  d.threadgroup_order_seed = order_seed;
+  d.max_threads_per_threadgroup = uint32_t(limits().max_threads);
+  d.max_threadgroup_memory = limits().max_tg_memory;
   char err[2048] = {0};
   if (mslsim_run(&d, err, sizeof err) != 0)
     return fail(cb, MTL::CommandBufferErrorInternal, where + ": " + (err[0] ? err : "kernel failed"));
@@ -495,7 +685,7 @@ bool run_copy(CommandBuffer* cb, const std::string& where, const Command& c) {
   if (c.src_offset + c.size > c.src->length || c.dst_offset + c.size > c.dst->length)
     return fail(cb, MTL::CommandBufferErrorInvalidResource, where + ": copy of " + std::to_string(c.size) +
                                                                 " bytes runs past the end of a buffer");
-  memmove(static_cast<char*>(c.dst->data) + c.dst_offset, static_cast<char*>(c.src->data) + c.src_offset, c.size);
+  memmove(c.dst->gpu_data() + c.dst_offset, c.src->gpu_data() + c.src_offset, c.size);
   return true;
 }
 
@@ -503,7 +693,7 @@ bool run_fill(CommandBuffer* cb, const std::string& where, const Command& c) {
   if (!buffer_usable(cb, c.dst, where, "the buffer")) return false;
   if (c.dst_offset + c.size > c.dst->length)
     return fail(cb, MTL::CommandBufferErrorInvalidResource, where + ": fill runs past the end of the buffer");
-  memset(static_cast<char*>(c.dst->data) + c.dst_offset, c.value, c.size);
+  memset(c.dst->gpu_data() + c.dst_offset, c.value, c.size);
   return true;
 }
 
@@ -516,12 +706,187 @@ void call_handlers(CommandBuffer* cb, std::vector<void*>& handlers) {
   handlers.clear();
 }
 
+uint64_t mix(uint64_t x) {  // splitmix64 finaliser: independent seeds per stage and dispatch
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+void set_status(CommandBuffer* cb, unsigned long st) {
+  std::lock_guard<std::mutex> lock(cb->mu);
+  cb->status = st;
+  cb->cv.notify_all();
+}
+
+// ---- ordering within a concurrent stage and the hazard check ------------------------------------------------
+// Within a stage (between full barriers) dispatches may run in any order, except that a resource barrier
+// orders the dispatches before it that bind one of its resources before the dispatches after it that bind
+// one. The stage runs in a valid order that is as adversarial as asked: recorded order, the reverse of it
+// (FAKEMETAL_REVERSE: the latest ready dispatch first), or seeded random choices (FAKEMETAL_ORDER_SEED).
+
+const Buffer* bound(const Command& c, int index) { return c.bind[index].bytes ? nullptr : c.bind[index].buffer; }
+
+bool binds(const Command& c, const void* r) {
+  if (c.kind == Command::Dispatch) {
+    for (int i = 0; i < kMaxBindings; ++i)
+      if (c.bind[i].set && bound(c, i) == r) return true;
+    return false;
+  }
+  return c.src == r || c.dst == r;
+}
+
+// Whether a resource barrier between commands i < j orders them for resource r (nullptr: for any shared one).
+bool ordered(const std::vector<Command>& stage, size_t i, size_t j, const void* r) {
+  for (size_t b = i + 1; b < j; ++b) {
+    if (stage[b].kind != Command::Barrier) continue;
+    for (const void* x : stage[b].resources)
+      if ((r ? x == r : true) && binds(stage[i], x) && binds(stage[j], x)) return true;
+  }
+  return false;
+}
+
+std::vector<size_t> stage_order(const std::vector<Command>& stage, bool reverse, uint64_t rng) {
+  const size_t n = stage.size();
+  std::vector<size_t> order;
+  std::vector<bool> done(n, false);
+  while (order.size() < n) {
+    std::vector<size_t> ready;
+    for (size_t j = 0; j < n; ++j) {
+      if (done[j]) continue;
+      bool ok = true;
+      for (size_t i = 0; i < j && ok; ++i)
+        if (!done[i] && ordered(stage, i, j, nullptr)) ok = false;
+      if (ok) ready.push_back(j);
+    }
+    const size_t pick = rng ? ready[(rng = mix(rng)) % ready.size()] : reverse ? ready.back() : ready.front();
+    done[pick] = true;
+    order.push_back(pick);
+  }
+  return order;
+}
+
+// What one command did to the buffers it binds: byte ranges it wrote (observed: the bytes that changed) and
+// ranges it may read (declared: from the binding's offset to the end, or the referenced object's size).
+struct Range {
+  const Buffer* buffer;
+  size_t begin, end;
+  int binding;  // the argument index (-1 for blit source / destination)
+};
+struct Access {
+  std::vector<Range> writes, reads;
+};
+
+// The writable bindings' bytes before the command runs (kernel arguments with writes = 1, blit destinations).
+std::vector<std::vector<uint8_t>> snapshot(const Command& c) {
+  std::vector<std::vector<uint8_t>> out(kMaxBindings + 1);
+  if (c.kind == Command::Dispatch) {
+    const mslsim_kernel* k = c.pipeline ? c.pipeline->function->kernel : nullptr;
+    for (int a = 0; k && a < k->n_args; ++a) {
+      const mslsim_arg& arg = k->args[a];
+      if (arg.kind != MSLSIM_ARG_BUFFER || !arg.writes || arg.index < 0 || arg.index >= kMaxBindings) continue;
+      const Buffer* b = bound(c, arg.index);
+      if (b && is_live_object(b) && c.bind[arg.index].offset < b->length)
+        out[arg.index].assign(b->gpu_data() + c.bind[arg.index].offset, b->gpu_data() + b->length);
+    }
+  } else if (c.dst && is_live_object(c.dst) && c.dst_offset + c.size <= c.dst->length) {
+    out[kMaxBindings].assign(c.dst->gpu_data() + c.dst_offset, c.dst->gpu_data() + c.dst_offset + c.size);
+  }
+  return out;
+}
+
+void changed_ranges(const Buffer* b, size_t base, const std::vector<uint8_t>& old, int binding, std::vector<Range>& out) {
+  const char* now = b->gpu_data() + base;
+  size_t i = 0;
+  while (i < old.size()) {
+    if (uint8_t(now[i]) == old[i]) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < old.size() && uint8_t(now[j]) != old[j]) ++j;
+    // Whole 4-byte words: a stored float whose low bytes did not change still wrote them.
+    i &= ~size_t(3);
+    j = std::min(old.size(), (j + 3) & ~size_t(3));
+    if (!out.empty() && out.back().buffer == b && out.back().end + 64 >= base + i)
+      out.back().end = base + j;  // merge nearby runs: a range per written region, not per byte
+    else
+      out.push_back(Range{b, base + i, base + j, binding});
+    i = j;
+  }
+}
+
+Access observe(const Command& c, const std::vector<std::vector<uint8_t>>& before) {
+  Access a;
+  if (c.kind == Command::Dispatch) {
+    const mslsim_kernel* k = c.pipeline->function->kernel;
+    for (int x = 0; x < k->n_args; ++x) {
+      const mslsim_arg& arg = k->args[x];
+      if (arg.kind != MSLSIM_ARG_BUFFER || arg.index < 0 || arg.index >= kMaxBindings) continue;
+      const Buffer* b = bound(c, arg.index);
+      if (!b || !is_live_object(b)) continue;
+      const size_t off = c.bind[arg.index].offset;
+      if (arg.writes)
+        changed_ranges(b, off, before[arg.index], arg.index, a.writes);
+      else
+        a.reads.push_back(Range{b, off, arg.min_bytes ? std::min(b->length, off + arg.min_bytes) : b->length,
+                                arg.index});
+    }
+  } else {
+    if (c.dst) changed_ranges(c.dst, c.dst_offset, before[kMaxBindings], -1, a.writes);
+    if (c.src) a.reads.push_back(Range{c.src, c.src_offset, c.src_offset + c.size, -1});
+  }
+  return a;
+}
+
+std::string describe_range(const Command& c, const Range& r, const char* how) {
+  std::ostringstream s;
+  s << "command " << c.ordinal;
+  if (c.kind == Command::Dispatch) s << " (kernel '" << c.pipeline->function->kernel->name << "')";
+  s << " " << how << " bytes [" << r.begin << ", " << r.end << ")";
+  if (r.binding >= 0) s << " through buffer(" << r.binding << ")";
+  return s.str();
+}
+
+// Two commands of one stage that no barrier orders must not touch overlapping bytes of a buffer where one
+// of them writes: on the GPU they may run at the same time, in either order.
+bool check_hazards(CommandBuffer* cb, const Recording* enc, size_t e, size_t s, const std::vector<Command>& stage,
+                   const std::vector<Access>& access) {
+  for (size_t i = 0; i < stage.size(); ++i)
+    for (size_t j = i + 1; j < stage.size(); ++j) {
+      if (stage[i].kind == Command::Barrier || stage[j].kind == Command::Barrier) continue;
+      auto conflict = [&](const std::vector<Range>& x, const std::vector<Range>& y, const char* hx,
+                          const char* hy) -> bool {
+        for (const Range& a : x)
+          for (const Range& b : y) {
+            if (a.buffer != b.buffer || a.end <= b.begin || b.end <= a.begin) continue;
+            if (ordered(stage, i, j, a.buffer)) continue;
+            std::ostringstream m;
+            m << "hazard in encoder " << e << " (" << (enc->concurrent ? "concurrent" : "serial") << "), stage " << s
+              << ": " << describe_range(stage[i], a, hx) << " and " << describe_range(stage[j], b, hy)
+              << " of buffer " << describe_buffer(a.buffer)
+              << " overlap with no memory barrier between them (they may run at the same time)";
+            fail(cb, MTL::CommandBufferErrorInvalidResource, m.str());
+            return true;
+          }
+        return false;
+      };
+      if (conflict(access[i].writes, access[j].writes, "writes", "writes") ||
+          conflict(access[i].writes, access[j].reads, "writes", "may read") ||
+          conflict(access[i].reads, access[j].writes, "may read", "writes"))
+        return false;
+    }
+  return true;
+}
+
+// Runs the recorded commands (on the queue's GPU thread, or in commit with FAKEMETAL_SYNC=1).
 void execute(CommandBuffer* cb) {
   std::lock_guard<std::mutex> lock(g_execute_mu);
   const bool reverse = env_flag("FAKEMETAL_REVERSE");
-  const char* shuffle = getenv("FAKEMETAL_SHUFFLE");
-  const uint64_t seed = shuffle ? strtoull(shuffle, nullptr, 0) : 0;
-  cb->status = MTL::CommandBufferStatusScheduled;
+  const uint64_t seed = env_u64("FAKEMETAL_SHUFFLE", 0);
+  const uint64_t order_seed = env_u64("FAKEMETAL_ORDER_SEED", 0);
+  const bool hazards = !getenv("FAKEMETAL_HAZARDS") || env_flag("FAKEMETAL_HAZARDS");
+  set_status(cb, MTL::CommandBufferStatusScheduled);
   call_handlers(cb, cb->scheduled_handlers);
   cb->start_time = now_seconds();
   bool ok = true;
@@ -529,16 +894,23 @@ void execute(CommandBuffer* cb) {
     Recording* enc = cb->encoders[e].get();
     for (size_t s = 0; ok && s < enc->stages.size(); ++s) {
       std::vector<Command>& stage = enc->stages[s];
-      std::vector<size_t> order(stage.size());
-      for (size_t i = 0; i < order.size(); ++i) order[i] = reverse ? order.size() - 1 - i : i;
+      const std::vector<size_t> order = stage_order(stage, reverse, order_seed ? mix(order_seed ^ (e << 40) ^ s) : 0);
+      const bool check = hazards && stage.size() > 1;
+      std::vector<Access> access(check ? stage.size() : 0);
       for (size_t i : order) {
         const Command& c = stage[i];
+        if (c.kind == Command::Barrier) continue;
         const std::string where = describe_command(enc, e, s, c);
-        ok = c.kind == Command::Dispatch ? run_dispatch(cb, where, c, reverse, seed)
+        const uint64_t tg_seed = order_seed ? mix(order_seed ^ (e << 40) ^ (s << 20) ^ i) | 1 : 0;
+        std::vector<std::vector<uint8_t>> before;
+        if (check) before = snapshot(c);
+        ok = c.kind == Command::Dispatch ? run_dispatch(cb, where, c, reverse, seed, tg_seed)
              : c.kind == Command::Copy   ? run_copy(cb, where, c)
                                          : run_fill(cb, where, c);
         if (!ok) break;
+        if (check) access[i] = observe(c, before);
       }
+      if (ok && check) ok = check_hazards(cb, enc, e, s, stage, access);
     }
   }
   // Work is done: the command buffer lets go of the resources it referenced.
@@ -548,8 +920,184 @@ void execute(CommandBuffer* cb) {
     enc->stages.clear();
   }
   cb->end_time = now_seconds();
-  if (ok) cb->status = MTL::CommandBufferStatusCompleted;
-  call_handlers(cb, cb->completed_handlers);
+}
+
+// The CPU views of the shared buffers a command buffer binds, protected from commit to completion.
+void guard_buffers(CommandBuffer* cb) {
+  std::map<Buffer*, bool> uses;  // buffer -> may the work write it
+  auto use = [&](Buffer* b, bool writes) {
+    if (b && is_live_object(b) && b->mapped && !b->is_private()) uses[b] = uses[b] || writes;
+  };
+  for (auto& enc : cb->encoders)
+    for (auto& stage : enc->stages)
+      for (auto& c : stage) {
+        use(c.src, false);
+        use(c.dst, true);
+        if (c.kind != Command::Dispatch || !c.pipeline) continue;
+        const mslsim_kernel* k = c.pipeline->function->kernel;
+        for (int a = 0; a < k->n_args; ++a)
+          if (k->args[a].kind == MSLSIM_ARG_BUFFER && k->args[a].index >= 0 && k->args[a].index < kMaxBindings)
+            use(c.bind[k->args[a].index].buffer, k->args[a].writes != 0);
+      }
+  std::lock_guard<std::mutex> lock(g_protect_mu);
+  for (auto& [b, writes] : uses) {
+    char* view = static_cast<char*>(b->data);
+    Protected& p = protected_views()[view];
+    p.length = b->mapped;
+    p.buffer = describe_buffer(b);
+    (writes ? p.writers : p.readers)++;
+    p.users.push_back(describe_cb(cb));
+    apply_protection(view, p);
+    cb->guarded.emplace_back(view, writes);
+  }
+}
+
+void unguard_buffers(CommandBuffer* cb) {
+  std::lock_guard<std::mutex> lock(g_protect_mu);
+  const std::string me = describe_cb(cb);
+  for (auto& [view, writes] : cb->guarded) {
+    auto it = protected_views().find(view);
+    if (it == protected_views().end()) continue;  // released while in flight (unretained references)
+    Protected& p = it->second;
+    (writes ? p.writers : p.readers)--;
+    auto u = std::find(p.users.begin(), p.users.end(), me);
+    if (u != p.users.end()) p.users.erase(u);
+    apply_protection(view, p);
+  }
+  cb->guarded.clear();
+}
+
+// Completed handlers run on one thread, in completion order; the handler thread drops the reference commit took.
+struct Completions {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<CommandBuffer*> ready;
+  int busy = 0;
+  std::thread thread;
+};
+Completions& completions() {
+  static auto* c = new Completions;  // never destroyed: the thread may be parked in it at exit
+  return *c;
+}
+void completion_main() {
+  Completions& c = completions();
+  for (;;) {
+    CommandBuffer* cb;
+    {
+      std::unique_lock<std::mutex> lock(c.mu);
+      c.cv.wait(lock, [&] { return !c.ready.empty(); });
+      cb = c.ready.front();
+      c.ready.pop_front();
+    }
+    call_handlers(cb, cb->completed_handlers);
+    release(cb);
+    std::lock_guard<std::mutex> lock(c.mu);
+    if (--c.busy == 0) c.cv.notify_all();
+  }
+}
+
+// The end of a command buffer's life on the GPU: its buffers become accessible, its status final, and its
+// completed handlers are queued.
+void complete(CommandBuffer* cb, bool sync) {
+  unguard_buffers(cb);
+  set_status(cb, cb->failed ? MTL::CommandBufferStatusError : MTL::CommandBufferStatusCompleted);
+  if (sync) {
+    call_handlers(cb, cb->completed_handlers);
+    return;
+  }
+  Completions& c = completions();
+  std::lock_guard<std::mutex> lock(c.mu);
+  if (!c.thread.joinable()) c.thread = std::thread(completion_main);
+  c.busy++;
+  c.ready.push_back(cb);
+  c.cv.notify_all();
+}
+
+// Each command buffer starts when it is waited on, or FAKEMETAL_GPU_DELAY_MS (default 50) after its commit,
+// whichever comes first. The delay makes the in-flight window deterministic: a CPU access between commit
+// and wait finds the buffers still protected however fast the kernels run.
+double gpu_delay() {
+  static const double d = double(env_u64("FAKEMETAL_GPU_DELAY_MS", 50)) / 1000.0;
+  return d;
+}
+
+void gpu_main(Queue* q) {
+  for (;;) {
+    CommandBuffer* cb;
+    {
+      std::unique_lock<std::mutex> lock(q->mu);
+      for (;;) {
+        if (q->stop) return;
+        if (!q->order.empty() && q->order.front()->status.load() >= MTL::CommandBufferStatusCommitted) {
+          CommandBuffer* head = q->order.front();
+          const double start_at = head->commit_time + gpu_delay();
+          if (head->seq <= q->kick || now_seconds() >= start_at) break;
+          q->cv.wait_for(lock, std::chrono::duration<double>(start_at - now_seconds()));
+          continue;
+        }
+        q->cv.wait(lock);
+      }
+      cb = q->order.front();
+      q->order.pop_front();
+      q->running = true;
+    }
+    execute(cb);
+    complete(cb, false);
+    std::lock_guard<std::mutex> lock(q->mu);
+    q->running = false;
+  }
+}
+
+std::mutex g_queues_mu;
+std::vector<Queue*>& live_queues() {  // for drain_all
+  static auto* v = new std::vector<Queue*>;
+  return *v;
+}
+
+Queue::~Queue() {
+  {
+    std::lock_guard<std::mutex> lock(g_queues_mu);
+    auto& v = live_queues();
+    v.erase(std::remove(v.begin(), v.end(), this), v.end());
+  }
+  if (gpu.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    gpu.join();
+  }
+}
+
+// Before the leak report at exit: committed work finishes (it holds references) and its handlers run.
+void drain_all() {
+  for (;;) {
+    bool pending = false;
+    {
+      std::lock_guard<std::mutex> lock(g_queues_mu);
+      for (Queue* q : live_queues()) {
+        std::lock_guard<std::mutex> ql(q->mu);
+        // Work behind an enqueued command buffer that was never committed can never run (as on Metal).
+        if (q->running ||
+            (!q->order.empty() && q->order.front()->status.load() >= MTL::CommandBufferStatusCommitted)) {
+          pending = true;
+          q->kick = q->next_seq;
+          q->cv.notify_all();
+        }
+      }
+    }
+    Completions& c = completions();
+    {
+      std::unique_lock<std::mutex> lock(c.mu);
+      if (!pending && c.busy == 0) return;
+      if (!pending) {
+        c.cv.wait(lock, [&] { return c.busy == 0; });
+        continue;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -686,6 +1234,8 @@ objc_object* dev_name(Device* self, SEL) { return self->name; }
 objc_object* dev_new_queue(Device* self, SEL) {
   Queue* q = new_object<Queue>(*C_queue);
   q->set_device(self);
+  std::lock_guard<std::mutex> lock(g_queues_mu);
+  live_queues().push_back(q);
   return q;
 }
 objc_object* dev_new_queue_max(Device* self, SEL, UInt) { return dev_new_queue(self, nullptr); }
@@ -712,8 +1262,21 @@ objc_object* dev_new_library(Device* self, SEL, objc_object* source, objc_object
     set_error(error, make_error("MTLLibraryErrorDomain", MTL::LibraryErrorCompileFailure, "source is nil"));
     return nullptr;
   }
-  (void)options;  // language version and math mode do not change the emulator's build
-  return compile_library(self, string_value(source), error);
+  // The emulator computes with exact (safe) math only. A library compiled for fast math would run other
+  // numerics on the device than the emulator verifies, so it is refused unless FAKEMETAL_ALLOW_FAST_MATH=1.
+  const unsigned long mode = options ? static_cast<CompileOptions*>(static_cast<Obj*>(options))->math_mode
+                                     : (unsigned long)MTL::MathModeFast;
+  if (mode != MTL::MathModeSafe && !env_flag("FAKEMETAL_ALLOW_FAST_MATH")) {
+    set_error(error, make_error("MTLLibraryErrorDomain", MTL::LibraryErrorCompileFailure,
+                                std::string("fakemetal: the library would be compiled with ") +
+                                    (mode == MTL::MathModeRelaxed ? "relaxed" : "fast") +
+                                    " math, but the emulator verifies safe math only: set "
+                                    "MTLCompileOptions.mathMode = MTLMathModeSafe (fastMathEnabled = NO)"));
+    return nullptr;
+  }
+  objc_object* lib = compile_library(self, string_value(source), error);
+  if (lib) as<Library>(lib)->math_mode = mode;
+  return lib;
 }
 objc_object* dev_new_pipeline(Device* self, SEL, Function* fn, objc_object** error) {
   if (error) *error = nullptr;
@@ -723,17 +1286,29 @@ objc_object* dev_new_pipeline(Device* self, SEL, Function* fn, objc_object** err
   }
   if (fn->info != C_function)
     die("newComputePipelineStateWithFunction: given a %s, not an MTLFunction", fn->info->name.c_str());
+  const size_t static_tg = fn->kernel->static_threadgroup_bytes ? fn->kernel->static_threadgroup_bytes() : 0;
+  if (static_tg > limits().max_tg_memory) {  // Metal refuses such a pipeline
+    set_error(error, make_error("MTLLibraryErrorDomain", MTL::LibraryErrorCompileFailure,
+                                "fakemetal: kernel '" + std::string(fn->kernel->name) + "' declares " +
+                                    std::to_string(static_tg) + " bytes of threadgroup memory; the device allows " +
+                                    std::to_string(limits().max_tg_memory)));
+    return nullptr;
+  }
   Pipeline* p = new_object<Pipeline>(*C_pipeline);
   p->set_device(self);
   retain(fn);
   p->function = fn;
+  p->static_tg = static_tg;
   return p;
 }
-MTL::Size dev_max_threads(Device*, SEL) { return MTL::Size(1024, 1024, 1024); }
-UInt dev_max_tg_memory(Device*, SEL) { return kMaxThreadgroupMemory; }
-UInt dev_max_buffer(Device*, SEL) { return kMaxBufferLength; }
-uint64_t dev_working_set(Device*, SEL) { return 8ull << 30; }
-UInt dev_allocated(Device*, SEL) { return 0; }
+MTL::Size dev_max_threads(Device*, SEL) {
+  const unsigned long n = limits().max_threads;
+  return MTL::Size(n, n, n);
+}
+UInt dev_max_tg_memory(Device*, SEL) { return limits().max_tg_memory; }
+UInt dev_max_buffer(Device*, SEL) { return limits().max_buffer; }
+uint64_t dev_working_set(Device*, SEL) { return limits().working_set; }
+UInt dev_allocated(Device*, SEL) { return g_allocated.load(); }
 bool dev_true(Device*, SEL) { return true; }
 bool dev_false(Device*, SEL) { return false; }
 uint64_t dev_registry(Device*, SEL) { return 0x1117; }
@@ -787,20 +1362,56 @@ objc_object* cb_blit_encoder(CommandBuffer* self, SEL) {
   cb_check_new_encoder(self, "blitCommandEncoder");
   return new_encoder(self, C_blit_encoder, false, false);
 }
+bool sync_mode() {
+  static const bool sync = env_flag("FAKEMETAL_SYNC");
+  return sync;
+}
+// enqueue reserves the command buffer's place in its queue's order (commit does it when enqueue was not called).
 void cb_enqueue(CommandBuffer* self, SEL) {
-  if (self->status == MTL::CommandBufferStatusNotEnqueued) self->status = MTL::CommandBufferStatusEnqueued;
+  if (self->status != MTL::CommandBufferStatusNotEnqueued) return;
+  Queue* q = as<Queue>(self->queue);
+  std::lock_guard<std::mutex> lock(q->mu);
+  self->seq = ++q->next_seq;
+  if (!sync_mode()) q->order.push_back(self);
+  set_status(self, MTL::CommandBufferStatusEnqueued);
 }
 void cb_commit(CommandBuffer* self, SEL) {
   if (self->status >= MTL::CommandBufferStatusCommitted) die("-[MTLCommandBuffer commit] called twice");
   if (self->open) die("-[MTLCommandBuffer commit] with an open %s (call endEncoding first)", self->open->kind());
-  self->status = MTL::CommandBufferStatusCommitted;
-  retain(self);  // a committed command buffer stays alive until it completes
-  execute(self);
-  release(self);
+  cb_enqueue(self, nullptr);
+  retain(self);  // a committed command buffer stays alive until it completes (and its handlers have run)
+  if (sync_mode()) {
+    set_status(self, MTL::CommandBufferStatusCommitted);
+    execute(self);
+    complete(self, true);
+    release(self);
+    return;
+  }
+  guard_buffers(self);
+  Queue* q = as<Queue>(self->queue);
+  std::lock_guard<std::mutex> lock(q->mu);
+  self->commit_time = now_seconds();
+  set_status(self, MTL::CommandBufferStatusCommitted);
+  if (!q->gpu.joinable()) q->gpu = std::thread(gpu_main, q);
+  q->cv.notify_all();
+}
+void wait_for(CommandBuffer* self, unsigned long status, const char* what) {
+  if (self->status < MTL::CommandBufferStatusCommitted)
+    die("-[MTLCommandBuffer %s] on a command buffer that was never committed (waits forever)", what);
+  Queue* q = as<Queue>(self->queue);
+  {
+    std::lock_guard<std::mutex> lock(q->mu);
+    q->kick = std::max(q->kick, self->seq);  // this one and everything enqueued before it start now
+    q->cv.notify_all();
+  }
+  std::unique_lock<std::mutex> lock(self->mu);
+  self->cv.wait(lock, [&] { return self->status.load() >= status; });
 }
 void cb_wait(CommandBuffer* self, SEL) {
-  if (self->status < MTL::CommandBufferStatusCommitted)
-    die("-[MTLCommandBuffer waitUntilCompleted] on a command buffer that was never committed (waits forever)");
+  wait_for(self, MTL::CommandBufferStatusCompleted, "waitUntilCompleted");
+}
+void cb_wait_scheduled(CommandBuffer* self, SEL) {
+  wait_for(self, MTL::CommandBufferStatusScheduled, "waitUntilScheduled");
 }
 UInt cb_status(CommandBuffer* self, SEL) { return self->status; }
 objc_object* cb_error(CommandBuffer* self, SEL) { return self->error; }
@@ -900,13 +1511,21 @@ void ce_dispatch_threads(Encoder* self, SEL, MTL::Size grid, MTL::Size threads) 
   set_size(c.threads, threads);
   record(self, std::move(c));
 }
-void ce_barrier_scope(Encoder* self, SEL, UInt) {
+// A scope barrier orders buffers only when its scope includes MTLBarrierScopeBuffers (a textures-only or
+// render-targets-only barrier leaves buffer accesses unordered); it then ends the stage.
+void ce_barrier_scope(Encoder* self, SEL, UInt scope) {
   self->rec->check_open("memoryBarrierWithScope:");
-  if (!self->rec->stages.back().empty()) self->rec->stages.emplace_back();
+  if ((scope & MTL::BarrierScopeBuffers) && !self->rec->stages.back().empty()) self->rec->stages.emplace_back();
 }
-void ce_barrier_resources(Encoder* self, SEL, objc_object* const*, UInt) {
+// A resource barrier orders only the listed resources: it stays inside the stage as a marker.
+void ce_barrier_resources(Encoder* self, SEL, objc_object* const* resources, UInt count) {
   self->rec->check_open("memoryBarrierWithResources:count:");
-  if (!self->rec->stages.back().empty()) self->rec->stages.emplace_back();
+  if (!self->rec->concurrent || self->rec->stages.back().empty()) return;  // nothing before it to order
+  Command c;
+  c.kind = Command::Barrier;
+  c.ordinal = -1;
+  for (UInt i = 0; i < count; ++i) c.resources.push_back(resources[i]);
+  self->rec->stages.back().push_back(std::move(c));
 }
 UInt ce_dispatch_type(Encoder* self, SEL) {
   return self->rec->concurrent ? MTL::DispatchTypeConcurrent : MTL::DispatchTypeSerial;
@@ -1052,15 +1671,16 @@ void fcv_reset(ConstantValues* self, SEL) {
 // MTLFunction / MTLComputePipelineState
 objc_object* fn_name(Function* self, SEL) { return self->name; }
 UInt fn_type(Function*, SEL) { return MTL::FunctionTypeKernel; }
-UInt ps_max_threads(Pipeline*, SEL) { return kMaxTotalThreadsPerThreadgroup; }
+UInt ps_max_threads(Pipeline*, SEL) { return limits().max_threads; }
 UInt ps_width(Pipeline*, SEL) { return kThreadExecutionWidth; }
-UInt ps_static_tg(Pipeline*, SEL) { return 0; }
+UInt ps_static_tg(Pipeline* self, SEL) { return self->static_tg; }
 
 // MTLCompileOptions
 void co_set_version(CompileOptions* self, SEL, UInt v) { self->language_version = v; }
 UInt co_version(CompileOptions* self, SEL) { return self->language_version; }
-void co_set_fast_math(CompileOptions* self, SEL, bool v) { self->fast_math = v; }
-bool co_fast_math(CompileOptions* self, SEL) { return self->fast_math; }
+// fastMathEnabled is the older switch over the same setting as mathMode: the later call wins.
+void co_set_fast_math(CompileOptions* self, SEL, bool v) { self->math_mode = v ? MTL::MathModeFast : MTL::MathModeSafe; }
+bool co_fast_math(CompileOptions* self, SEL) { return self->math_mode == MTL::MathModeFast; }
 void co_set_math_mode(CompileOptions* self, SEL, UInt v) { self->math_mode = v; }
 UInt co_math_mode(CompileOptions* self, SEL) { return self->math_mode; }
 void co_ignore_uint(CompileOptions*, SEL, UInt) {}
@@ -1069,6 +1689,7 @@ void co_ignore_obj(CompileOptions*, SEL, objc_object*) {}
 }  // namespace
 
 void register_metal_classes() {
+  g_before_exit_report = &drain_all;
   ClassInfo& base = define_class("_FakeMTLObject", "NSObject");
   def(base, "label", &m_label);
   def(base, "setLabel:", &m_set_label);
@@ -1109,7 +1730,7 @@ void register_metal_classes() {
   def(cb, "enqueue", &cb_enqueue);
   def(cb, "commit", &cb_commit);
   def(cb, "waitUntilCompleted", &cb_wait);
-  def(cb, "waitUntilScheduled", &cb_wait);
+  def(cb, "waitUntilScheduled", &cb_wait_scheduled);
   def(cb, "status", &cb_status);
   def(cb, "error", &cb_error);
   def(cb, "commandQueue", &cb_queue);

@@ -713,9 +713,12 @@ void byref_release(const void* arg) {
 // Exit report
 // ---------------------------------------------------------------------------------------------------------
 
+void (*g_before_exit_report)() = nullptr;
+
 namespace {
 struct ExitReport {
   ~ExitReport() {
+    if (g_before_exit_report) g_before_exit_report();
     const char* quiet = getenv("FAKEMETAL_QUIET_LEAKS");
     if (quiet && *quiet == '1') return;
     Registry& r = reg();

@@ -79,6 +79,8 @@ objc_object* autorelease(objc_object* o);
 bool is_live_object(const objc_object* o);  // a live object of this runtime (not a zombie, not a string literal)
 
 // Raises a fatal error: prints "fakemetal: <message>" and aborts.
+// Called first at exit, before the leak report (the Metal classes finish committed work there).
+extern void (*g_before_exit_report)();
 [[noreturn]] void die(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 void warn(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 

@@ -4,7 +4,7 @@
 // Protocol on stdin/stdout (a request is a text line of integers and names, then raw byte blobs):
 //   LOAD <n>\n<path: n bytes>              -> OK <n>\n<json: n bytes>   (library id, kernels, constants)
 //   WORKERS <count>\n                       -> OK 0\n
-//   RUN <lib> <name_len> <tg x y z> <grid x y z> <threads x y z> <seed> <reverse> <nbuf> <ntgm> <nconst>\n
+//   RUN <lib> <name_len> <tg x y z> <grid x y z> <threads x y z> <seed> <reverse> <tg_seed> <nbuf> <ntgm> <nconst>\n
 //       <name>, then nbuf x (<index> <n>\n<n bytes>), ntgm x (<index> <n>\n), nconst x (<index> <n>\n<n bytes>)
 //                                           -> OK <nbuf>\n then nbuf x (<index> <n>\n<n bytes>)
 //   any failure                             -> ERR <n>\n<message: n bytes>
@@ -90,9 +90,11 @@ std::string describe(const mslsim_library* lib, int id) {
       j += "{\"kind\":" + std::to_string(arg.kind) + ",\"index\":" + std::to_string(arg.index) +
            ",\"name\":" + json_str(arg.name) + ",\"type\":" + json_str(arg.type) +
            ",\"min_bytes\":" + std::to_string(arg.min_bytes) +
-           ",\"enabled_by_constant\":" + std::to_string(arg.enabled_by_constant) + "}";
+           ",\"enabled_by_constant\":" + std::to_string(arg.enabled_by_constant) +
+           ",\"writes\":" + std::to_string(arg.writes) + "}";
     }
-    j += "]}";
+    j += "],\"static_threadgroup_bytes\":" +
+         std::to_string(kern.static_threadgroup_bytes ? kern.static_threadgroup_bytes() : 0) + "}";
   }
   j += "],\"constants\":[";
   for (int c = 0; c < lib->n_constants; ++c) {
@@ -171,12 +173,12 @@ int main() {
     if (!strcmp(cmd, "RUN")) {
       int lib = 0, reverse = 0, nbuf = 0, ntgm = 0, nconst = 0;
       size_t name_len = 0;
-      unsigned long long seed = 0;
+      unsigned long long seed = 0, tg_seed = 0;
       unsigned tg[3], grid[3], tpt[3];
-      int got = sscanf(line.c_str(), "%*s %d %zu %u %u %u %u %u %u %u %u %u %llu %d %d %d %d", &lib, &name_len, &tg[0],
-                       &tg[1], &tg[2], &grid[0], &grid[1], &grid[2], &tpt[0], &tpt[1], &tpt[2], &seed, &reverse, &nbuf,
-                       &ntgm, &nconst);
-      if (got != 16) return 2;
+      int got = sscanf(line.c_str(), "%*s %d %zu %u %u %u %u %u %u %u %u %u %llu %d %llu %d %d %d", &lib, &name_len,
+                       &tg[0], &tg[1], &tg[2], &grid[0], &grid[1], &grid[2], &tpt[0], &tpt[1], &tpt[2], &seed, &reverse,
+                       &tg_seed, &nbuf, &ntgm, &nconst);
+      if (got != 17) return 2;
       std::string name(name_len, '\0');
       if (!read_exact(&name[0], name_len)) return 2;
       std::vector<Blob> bufs(nbuf), consts(nconst);
@@ -227,6 +229,7 @@ int main() {
         d.n_constants = nconst;
         d.lane_shuffle_seed = seed;
         d.reverse_threadgroups = reverse;
+        d.threadgroup_order_seed = tg_seed;
         char msg[4096] = {};
         g_kernel = d.kernel->name;
         if (mslsim_run(&d, msg, sizeof msg) != 0) err = msg;

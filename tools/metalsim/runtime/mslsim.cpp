@@ -41,7 +41,23 @@ namespace {
 // ASan's redzones make frames much larger, so its lanes get bigger stacks. Pages are only touched as
 // used, so the reservation costs address space, not memory.
 constexpr size_t kStackSize = MSLSIM_ASAN ? (512u << 10) : (64u << 10);
-constexpr uint32_t kMaxThreadsPerThreadgroup = 1024;
+constexpr uint32_t kMaxThreadsPerThreadgroup = 1024;     // Apple GPUs; LILY_METALSIM_MAX_THREADS_PER_THREADGROUP
+constexpr size_t kMaxThreadgroupMemory = 32768;          // Apple GPUs; LILY_METALSIM_MAX_THREADGROUP_MEMORY
+
+// A device limit: the dispatch's value, else the environment's (so the job runner and the fake Metal
+// runtime agree on one configured device), else the default.
+uint64_t limit(uint64_t given, const char* env, uint64_t dflt) {
+  if (given) return given;
+  const char* v = getenv(env);
+  if (v && *v) {
+    char* end = nullptr;
+    unsigned long long x = strtoull(v, &end, 0);
+    if (end && *end == 0 && x) return x;
+  }
+  return dflt;
+}
+
+size_t round16(size_t n) { return (n + 15) & ~size_t(15); }
 
 struct Stack {
   char* base = nullptr;  // lowest usable byte (the guard page lies just below)
@@ -112,6 +128,9 @@ struct Job {
   bool partial = false;          // dispatchThreads: edge threadgroups are clipped to the grid
   uint32_t width = 32;
   uint64_t total = 0;
+  std::vector<uint64_t> order;  // threadgroup start order when shuffled (threadgroup_order_seed)
+  size_t dynamic_tg = 0;        // bytes of [[threadgroup(i)]] memory the kernel's arguments use
+  size_t max_tg = 0;            // the device's threadgroup memory limit
   std::atomic<uint64_t> next{0};
   std::atomic<bool> failed{false};
   std::mutex err_mu;
@@ -143,6 +162,7 @@ struct Worker {
   bool tg_failed = false;
   std::string tg_err;
   uint64_t serial = 0;  // unique per threadgroup run: stamps threadgroup storage for re-poisoning
+  size_t tg_static_used = 0;  // bytes of threadgroup declarations this threadgroup has reached
   uint64_t rng = 0;     // 0: in-order scheduling
   uint32_t tgpos[3] = {0, 0, 0};
 
@@ -338,6 +358,7 @@ void* threadgroup_block(void*& mem, size_t& have, size_t want) {
 
 void run_threadgroup(Worker* w, Job* j, uint64_t linear) {
   const mslsim_dispatch* d = j->d;
+  if (!j->order.empty()) linear = j->order[linear];
   if (d->reverse_threadgroups) linear = j->total - 1 - linear;
   w->tgpos[0] = (uint32_t)(linear % j->ntg[0]);
   w->tgpos[1] = (uint32_t)((linear / j->ntg[0]) % j->ntg[1]);
@@ -361,6 +382,7 @@ void run_threadgroup(Worker* w, Job* j, uint64_t linear) {
   w->tg_failed = false;
   w->tg_err.clear();
   w->serial = g_serial.fetch_add(1);
+  w->tg_static_used = 0;
   w->rng = 0;
   if (d->lane_shuffle_seed) {
     w->rng = d->lane_shuffle_seed ^ (linear * 0xD1B54A32D192ED03ull);
@@ -684,8 +706,51 @@ void* mslsim_tg_alloc(const void* key, size_t size, size_t align) {
   if (b->stamp != w->serial) {
     memset(b->mem, 0xFF, size);  // poison: NaN for floats, -1 for integers
     b->stamp = w->serial;
+    // The budget, counted as declarations execute: this also covers threadgroup variables that the load-time
+    // count cannot see (in member functions and lambdas).
+    w->tg_static_used += round16(size);
+    if (w->tg_static_used + w->job->dynamic_tg > w->job->max_tg && t_lane)
+      fail_lane(w, t_lane,
+                "threadgroup memory over the device limit: " + std::to_string(w->tg_static_used) +
+                    " bytes of threadgroup variables reached so far + " + std::to_string(w->job->dynamic_tg) +
+                    " bytes of [[threadgroup(i)]] memory > " + std::to_string(w->job->max_tg) + " bytes");
   }
   return b->mem;
+}
+
+namespace {
+struct TgReg {
+  const void* key;
+  int decl;
+  size_t size;
+};
+std::mutex& reg_mutex() {
+  static std::mutex* m = new std::mutex;
+  return *m;
+}
+std::vector<TgReg>& registry() {
+  static std::vector<TgReg>* r = new std::vector<TgReg>;
+  return *r;
+}
+}  // namespace
+
+void mslsim_tg_register(const void* key, int decl, size_t size) {
+  std::lock_guard<std::mutex> lock(reg_mutex());
+  for (TgReg& r : registry())
+    if (r.key == key && r.decl == decl) {
+      if (size > r.size) r.size = size;
+      return;
+    }
+  registry().push_back(TgReg{key, decl, size});
+}
+
+size_t mslsim_tg_static_bytes(const void* const* keys, int n) {
+  std::lock_guard<std::mutex> lock(reg_mutex());
+  size_t total = 0;
+  for (const TgReg& r : registry())
+    for (int i = 0; i < n; ++i)
+      if (r.key == keys[i]) total += round16(r.size);
+  return total;
 }
 
 void mslsim_fail(const char* message, const char* file, unsigned line) {
@@ -763,10 +828,28 @@ int mslsim_run(const mslsim_dispatch* d, char* err, size_t err_size) {
     j->tptg[a] = d->threads_per_threadgroup[a];
     tg_threads *= j->tptg[a];
   }
-  if (tg_threads == 0 || tg_threads > kMaxThreadsPerThreadgroup) {
+  const uint64_t max_threads =
+      limit(d->max_threads_per_threadgroup, "LILY_METALSIM_MAX_THREADS_PER_THREADGROUP", kMaxThreadsPerThreadgroup);
+  if (tg_threads == 0 || tg_threads > max_threads) {
     delete j;
     return fail(err, err_size,
-                kname + ": threads per threadgroup must be between 1 and 1024, got " + std::to_string(tg_threads));
+                kname + ": threads per threadgroup must be between 1 and " + std::to_string(max_threads) + ", got " +
+                    std::to_string(tg_threads));
+  }
+  // Threadgroup memory: the declared (static) bytes plus the [[threadgroup(i)]] lengths must fit the device.
+  j->max_tg = limit(d->max_threadgroup_memory, "LILY_METALSIM_MAX_THREADGROUP_MEMORY", kMaxThreadgroupMemory);
+  for (int a = 0; a < k->n_args; ++a)
+    if (k->args[a].kind == MSLSIM_ARG_THREADGROUP && k->args[a].index >= 0 && k->args[a].index < MSLSIM_MAX_BINDINGS &&
+        (k->args[a].enabled_by_constant < 0 || constant_enabled(lib, k->args[a].enabled_by_constant)))
+      j->dynamic_tg += round16(d->threadgroup_bytes[k->args[a].index]);
+  const size_t static_tg = k->static_threadgroup_bytes ? k->static_threadgroup_bytes() : 0;
+  if (static_tg + j->dynamic_tg > j->max_tg) {
+    const size_t dyn = j->dynamic_tg, mx = j->max_tg;
+    delete j;
+    return fail(err, err_size,
+                kname + ": " + std::to_string(static_tg + dyn) + " bytes of threadgroup memory (" +
+                    std::to_string(static_tg) + " static + " + std::to_string(dyn) +
+                    " dynamic) exceed the device limit of " + std::to_string(mx) + " bytes");
   }
   j->partial = d->grid_threads[0] && d->grid_threads[1] && d->grid_threads[2];
   for (int a = 0; a < 3; ++a) {
@@ -782,6 +865,17 @@ int mslsim_run(const mslsim_dispatch* d, char* err, size_t err_size) {
   if (j->total == 0) {
     delete j;
     return 0;  // an empty grid runs nothing, as on the GPU
+  }
+  if (d->threadgroup_order_seed && j->total > 1) {  // a seeded permutation of the start order
+    j->order.resize(j->total);
+    for (uint64_t i = 0; i < j->total; ++i) j->order[i] = i;
+    uint64_t rng = d->threadgroup_order_seed;
+    for (uint64_t i = j->total - 1; i > 0; --i) {
+      uint64_t r = splitmix(rng) % (i + 1);
+      uint64_t t = j->order[i];
+      j->order[i] = j->order[r];
+      j->order[r] = t;
+    }
   }
 
   ensure_workers();

@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define MSLSIM_ABI_VERSION 1
+#define MSLSIM_ABI_VERSION 2
 #define MSLSIM_MAX_BINDINGS 31  // Metal's buffer / threadgroup-memory argument table size
 
 enum mslsim_arg_kind {
@@ -30,6 +30,11 @@ typedef struct mslsim_arg {
   // Added by the emulator (compatible extension): -1 when the argument is always used; otherwise the
   // index of the bool function constant named in [[buffer(i), function_constant(c)]] that enables it.
   int enabled_by_constant;
+  // 1 when the kernel may write through the argument (a `device T*` or `device T&` whose pointee is not
+  // const), 0 for `const device T*`, `constant T*`/`constant T&` and threadgroup memory. The fake Metal
+  // runtime's hazard check uses it: two dispatches of one concurrent stage conflict when one may write
+  // bytes the other binds.
+  int writes;
 } mslsim_arg;
 
 typedef struct mslsim_function_constant {
@@ -48,6 +53,11 @@ typedef struct mslsim_kernel {
   // Runs one lane of the kernel on the calling fiber. args[k] is the pointer for this->args[k]
   // (a buffer's contents plus offset, or the threadgroup's memory block for that index).
   void (*entry)(void* const* args);
+  // Bytes of `threadgroup` variables declared in the kernel and in the same-file helper functions it
+  // calls (each rounded up to 16 bytes): what Metal reports as staticThreadgroupMemoryLength. Exact for
+  // declarations in the kernel body and in free helper functions; declarations in member functions and
+  // lambdas are only seen at run time (mslsim_run counts them when they execute).
+  size_t (*static_threadgroup_bytes)(void);
 } mslsim_kernel;
 
 typedef struct mslsim_library {
@@ -85,6 +95,12 @@ typedef struct mslsim_dispatch {
   uint32_t execution_width;            // threads per simdgroup; 0 means 32
   uint64_t lane_shuffle_seed;          // 0: lanes scheduled in order; otherwise a seeded shuffled order
   int reverse_threadgroups;            // run threadgroups in reverse order (finds inter-group races)
+  // 0: threadgroups start in order (or reversed); otherwise they start in a permutation drawn from this seed.
+  uint64_t threadgroup_order_seed;
+  // Device limits the dispatch must respect; 0 means the defaults of a recent Apple GPU (1024 threads per
+  // threadgroup, 32 KiB of threadgroup memory). Static plus dynamic threadgroup memory must fit the limit.
+  uint32_t max_threads_per_threadgroup;
+  size_t max_threadgroup_memory;
 } mslsim_dispatch;
 
 // Runs one dispatch to completion. Returns 0 on success; otherwise nonzero with a one-line message in err

@@ -54,6 +54,13 @@ void mslsim_barrier(const char* what, const char* file, unsigned line, unsigned 
 // with 0xFF bytes the first time the declaration runs in each threadgroup.
 void* mslsim_tg_alloc(const void* key, size_t size, size_t align);
 
+// Static threadgroup memory, recorded when a kernel library is loaded: every `threadgroup T x[N];`
+// declaration registers its size under the identity of its enclosing function (one key per kernel
+// instantiation, one per same-file helper). The largest size per (key, declaration) counts.
+void mslsim_tg_register(const void* key, int decl, size_t size);
+// Sum of the registered sizes of the given keys, each rounded up to 16 bytes as Metal allocates them.
+size_t mslsim_tg_static_bytes(const void* const* keys, int n);
+
 // Fails the dispatch from kernel code (misuse that the shim detects); does not return.
 void mslsim_fail(const char* message, const char* file, unsigned line) __attribute__((noreturn));
 

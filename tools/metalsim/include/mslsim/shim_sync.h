@@ -391,6 +391,15 @@ METAL_FUNC typename A::value_type rmw(A* obj, F f, memory_order o) {
 }
 }  // namespace __a
 
+// atomic_thread_fence (MSL 3.2 spelling: flags, order, scope). Lanes of a threadgroup run on one OS thread
+// and switch only inside libmslsim, so a fence has nothing to order between them; threadgroups on other
+// workers see device memory through a real fence of the requested strength. A fence is not a barrier: it
+// makes no thread wait, so code that needs one still fails without threadgroup_barrier.
+METAL_FUNC void atomic_thread_fence(mem_flags flags, memory_order o, thread_scope scope = thread_scope_device) {
+  (void)scope;
+  if (uint(flags) != 0) __atomic_thread_fence(__a::order(o));
+}
+
 template <class A>
 METAL_FUNC void atomic_store_explicit(A* obj, typename A::value_type desired, memory_order o) {
   __atomic_store_n(__a::bits(obj), __a::to(desired), __a::order(o));
