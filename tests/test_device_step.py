@@ -25,7 +25,6 @@ import pytest
 
 import lily
 import lily._core as core
-import tiny
 
 NO_STOP: list[int] = []
 

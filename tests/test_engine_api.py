@@ -3,14 +3,11 @@
 import os
 import subprocess
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
 
 import lily
-import lily._core as core
 from lily.errors import LilyError
 
 
@@ -124,26 +121,6 @@ def test_closing_the_iterator_keeps_exactly_the_seen_tokens(eng):
             break
     gen.close()
     assert s.position == start + 5 and s.tokens[-5:] == seen
-
-
-def test_gil_released_during_generation(eng):
-    s = eng.session(max_context=2048)
-    s.prefill(eng.tokenize(PROMPT))
-    ticks = 0
-    done = threading.Event()
-
-    def consume():
-        for _ in s.generate(300, stop_token_ids=[]):
-            pass
-        done.set()
-
-    t = threading.Thread(target=consume)
-    t.start()
-    while not done.is_set():
-        ticks += 1  # pure Python work on the main thread while C++ decodes
-        time.sleep(0)
-    t.join()
-    assert ticks > 100
 
 
 def test_session_used_from_two_threads_raises_busy(eng):
