@@ -209,6 +209,7 @@ struct PyEngine {
     ops.reset();
   }
 
+  // Reads backend state under the engine lock (taken without the GIL by the binding).
   nb::dict report() {
     nb::dict r;
     r["backend"] = ops->name();
@@ -255,16 +256,19 @@ struct PyEngine {
   }
 };
 
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return !Py_IsInitialized() || Py_IsFinalizing();
+#else
+  return !Py_IsInitialized() || _Py_IsFinalizing();
+#endif
+}
+
 // Releases the GIL around `f` unless the interpreter is shutting down (then no other Python thread
 // runs, and a thread state must not be dropped).
 template <class F>
 auto without_gil(F&& f) -> decltype(f()) {
-#if PY_VERSION_HEX >= 0x030D0000
-  const bool finalizing = Py_IsFinalizing();
-#else
-  const bool finalizing = _Py_IsFinalizing();
-#endif
-  if (!Py_IsInitialized() || finalizing) return f();
+  if (interpreter_finalizing()) return f();
   nb::gil_scoped_release nogil;
   return f();
 }
@@ -354,6 +358,8 @@ struct CallbackGuard {
   bool failed = false;
   template <class F>
   bool call(F&& f) {
+    // A thread that takes the GIL during finalization is ended by Python mid-call; stop the loop instead.
+    if (interpreter_finalizing()) return false;
     nb::gil_scoped_acquire gil;
     try {
       return f();
@@ -389,6 +395,9 @@ SamplingParams parse_sampling(const nb::dict& p) {
 
 NB_MODULE(_core, m) {
   m.doc() = "Lily's compiled core: model graph, backends, session state and the decode loop.";
+  // Objects a daemon thread still holds at interpreter exit are reported by nanobind as leaks; in a library
+  // that lives inside other people's processes that is expected, not a bug to print.
+  nb::set_leak_warnings(false);
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -415,7 +424,13 @@ NB_MODULE(_core, m) {
       .def(nb::init<const nb::dict&, const nb::dict&, const std::vector<std::pair<AnyArray, std::string>>&,
                     const std::string&, const nb::dict&>(),
            "config"_a, "tensors"_a, "files"_a, "backend"_a = "cpu", "options"_a = nb::dict())
-      .def("report", &PyEngine::report)
+      .def("report",
+           [](PyEngine& e) {
+             nb::gil_scoped_release nogil;
+             std::lock_guard<std::mutex> lk(e.lock);
+             nb::gil_scoped_acquire gil;  // builds Python objects; no other thread waits on e.lock holding it
+             return e.report();
+           })
       .def("set_profiling",
            [](PyEngine& e, bool on) {
              without_gil([&] {

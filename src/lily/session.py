@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -20,6 +21,23 @@ if TYPE_CHECKING:
     from .streaming import GenerationResponse
 
 _SESSION_FORMAT = "lily-session/1"
+
+# Generation loops still running (a suspended generator, one abandoned in a global, a daemon thread's).
+# At interpreter exit they are cancelled and joined while Python still runs normally: a C++ loop that
+# called back into Python during finalization would take the process down.
+_LIVE_GENERATIONS: set = set()
+_LIVE_LOCK = threading.Lock()
+
+
+@atexit.register
+def _stop_live_generations() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE_GENERATIONS)
+    for cancelled, resume, worker in live:
+        cancelled.set()
+        resume.release()
+    for _, _, worker in live:
+        worker.join(timeout=30)
 
 
 class Snapshot:
@@ -178,6 +196,9 @@ class Session:
             handoff.put(None)
 
         worker = threading.Thread(target=run, name="lily-generate", daemon=True)
+        entry = (cancelled, resume, worker)
+        with _LIVE_LOCK:
+            _LIVE_GENERATIONS.add(entry)
         worker.start()
         try:
             while True:
@@ -196,6 +217,8 @@ class Session:
             cancelled.set()
             resume.release()
             worker.join()
+            with _LIVE_LOCK:
+                _LIVE_GENERATIONS.discard(entry)
             # Also when the consumer closed the iterator early (break, close(), garbage collection).
             self.finish_reason = outcome.get("reason", "cancelled") if "error" not in outcome else None
         if "error" in outcome:
