@@ -137,6 +137,13 @@ class Ops {
   void add(const Tensor& a, const Tensor& b, const Tensor& out) {
     record(OpKind::Add, {a.buf, b.buf}, {out.buf}, [=] { add_impl(a, b, out); });
   }
+  // The residual add and the norm after it, fused: sum = a + b (sum may alias a), then
+  // normed = rms_norm(sum, w, eps). The same numbers as add then rms_norm, one stage and one pass fewer.
+  void add_rms_norm(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
+                    const Tensor& normed) {
+    record(OpKind::AddRmsNorm, {a.buf, b.buf, w.buf}, {sum.buf, normed.buf},
+           [=] { add_rms_norm_impl(a, b, w, eps, sum, normed); });
+  }
   // Query/key preparation for gated attention (fused chain): split the per-head [query | gate] rows of
   // qg, RMSNorm q and k per head, rotate the first rotary_dim dims at positions pos[0] + t.
   void attn_qk_prep(const Tensor& qg, const Tensor& k, const Tensor& q_norm, const Tensor& k_norm,
@@ -261,6 +268,8 @@ class Ops {
   virtual void rms_norm_impl(const Tensor& x, const Tensor& w, const Tensor& out, float eps) = 0;
   virtual void matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) = 0;
   virtual void add_impl(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  virtual void add_rms_norm_impl(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
+                                 const Tensor& normed) = 0;
   virtual void attn_qk_prep_impl(const Tensor& qg, const Tensor& k, const Tensor& q_norm,
                                  const Tensor& k_norm, const Tensor& pos, const AttentionShape& s,
                                  const Tensor& q_out, const Tensor& gate_out, const Tensor& k_out) = 0;

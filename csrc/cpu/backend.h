@@ -93,6 +93,8 @@ class CpuOps final : public Ops {
   void rms_norm_impl(const Tensor& x, const Tensor& w, const Tensor& out, float eps) override;
   void matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) override;
   void add_impl(const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void add_rms_norm_impl(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
+                         const Tensor& normed) override;
   void attn_qk_prep_impl(const Tensor& qg, const Tensor& k, const Tensor& q_norm, const Tensor& k_norm,
                          const Tensor& pos, const AttentionShape& s, const Tensor& q_out,
                          const Tensor& gate_out, const Tensor& k_out) override;

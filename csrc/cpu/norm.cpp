@@ -30,6 +30,20 @@ void CpuOps::rms_norm_impl(const Tensor& x, const Tensor& w, const Tensor& out, 
   });
 }
 
+void CpuOps::add_rms_norm_impl(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
+                               const Tensor& normed) {
+  const float *pa = f32(a), *pb = f32(b), *pw = f32(w);
+  float *ps = f32(sum), *pn = f32(normed);
+  const int64_t seg = w.cols, nseg = a.cols / seg;
+  pool().parallel_for(a.rows, 16, [&](int64_t t0, int64_t t1, int) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* st = ps + t * sum.stride;
+      for (int64_t i = 0; i < a.cols; ++i) st[i] = pa[t * a.stride + i] + pb[t * b.stride + i];
+      for (int64_t s = 0; s < nseg; ++s) rms_norm_segment(st + s * seg, pw, seg, eps, pn + t * normed.stride + s * seg);
+    }
+  });
+}
+
 void CpuOps::gated_rms_norm_impl(const Tensor& o, const Tensor& z, const Tensor& w, float eps,
                                  const Tensor& out) {
   const float *po = f32(o), *pz = f32(z), *pw = f32(w);

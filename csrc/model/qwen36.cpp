@@ -70,8 +70,7 @@ void Qwen36::encode_layers(SessionState& st, Scratch& sc, const Tensor& ids, int
       attention_layer(L, st, li, sc, T);
     else
       delta_layer(L, st, li, sc, T);
-    ops_.add(r(sc.h), r(sc.mixer_out), r(sc.h));
-    ops_.rms_norm(r(sc.h), L.post_norm, r(sc.u), cfg_.eps);
+    ops_.add_rms_norm(r(sc.h), r(sc.mixer_out), L.post_norm, cfg_.eps, r(sc.h), r(sc.u));
     moe_block(L, sc, T);
   }
   ops_.advance_position(st.pos, T);
