@@ -481,7 +481,8 @@ NB_MODULE(_core, m) {
     {
       nb::gil_scoped_release nogil;
       cpu::ThreadPool pool(threads);
-      cpu::matmul(x.data(), T, w.cols, w, out, w.rows, mp, pool);
+      cpu::MatmulArena arena(pool.size());
+      cpu::matmul(x.data(), T, w.cols, w, out, w.rows, mp, pool, arena);
     }
     return arr;
   }, "x"_a, "weight"_a, "path"_a, "threads"_a = 1);

@@ -11,7 +11,7 @@
 namespace lily::cpu {
 
 CpuOps::CpuOps(int threads)
-    : pool_(threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency())) {}
+    : pool_(threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency())), arena_(pool_.size()) {}
 
 CpuOps::~CpuOps() {
   for (auto& b : buffers_) std::free(b.data);
@@ -104,7 +104,7 @@ void CpuOps::add_impl(const Tensor& a, const Tensor& b, const Tensor& out) {
 }
 
 void CpuOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
-  cpu::matmul(f32(x), x.rows, x.stride, w, f32(out), out.stride, path(), pool_);
+  cpu::matmul(f32(x), x.rows, x.stride, w, f32(out), out.stride, path(), pool_, arena_);
 }
 
 std::string CpuOps::matmul_variant(const Weight& w, Phase phase) const {

@@ -30,6 +30,7 @@ class CpuOps final : public Ops {
   std::vector<std::string> optimizations() const override;
 
   ThreadPool& pool() { return pool_; }
+  MatmulArena& arena() { return arena_; }
 
  protected:
   void embed_impl(const Tensor& ids, const Weight& table, const Tensor& out) override;
@@ -71,6 +72,7 @@ class CpuOps final : public Ops {
   std::vector<int32_t> free_ids_;
   size_t allocated_ = 0;
   ThreadPool pool_;
+  MatmulArena arena_;  // per pool thread index: matmul scratch (declared after pool_, sized from it)
 };
 
 // Measured peak fp32 FMA throughput (FLOP/s) of `threads` threads, for rooflines.

@@ -46,23 +46,15 @@ namespace {
 struct ExpertScratch {
   std::vector<float> g, u, y;
   void run(const float* x, int64_t n, int64_t H, const Weight& G, const Weight& U, const Weight& D,
-           MatmulPath path, ThreadPool* pool) {
+           MatmulPath path, MatmulScratch& ms) {
     const int64_t I = G.rows;
     g.resize(size_t(n * I));
     u.resize(size_t(n * I));
     y.resize(size_t(n * H));
-    if (pool) {
-      matmul(x, n, H, G, g.data(), I, path, *pool);
-      matmul(x, n, H, U, u.data(), I, path, *pool);
-    } else {
-      matmul_serial(x, n, H, G, g.data(), I, path);
-      matmul_serial(x, n, H, U, u.data(), I, path);
-    }
+    matmul_serial(x, n, H, G, g.data(), I, path, ms);
+    matmul_serial(x, n, H, U, u.data(), I, path, ms);
     for (size_t i = 0; i < g.size(); ++i) g[i] = silu(g[i]) * u[i];
-    if (pool)
-      matmul(g.data(), n, I, D, y.data(), H, path, *pool);
-    else
-      matmul_serial(g.data(), n, I, D, y.data(), H, path);
+    matmul_serial(g.data(), n, I, D, y.data(), H, path, ms);
   }
 };
 }  // namespace
@@ -96,7 +88,7 @@ void CpuOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& 
   if (phase() == Phase::Decode) {
     // A handful of single-row experts: spread the experts over the threads, sum afterwards in id order.
     std::vector<ExpertScratch> res(active.size());
-    pool().parallel_for(int64_t(active.size()), 1, [&](int64_t i0, int64_t i1, int) {
+    pool().parallel_for(int64_t(active.size()), 1, [&](int64_t i0, int64_t i1, int tid) {
       for (int64_t i = i0; i < i1; ++i) {
         const int32_t e = active[size_t(i)];
         const int64_t b = count[size_t(e)], n = count[size_t(e) + 1] - b;
@@ -105,7 +97,7 @@ void CpuOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& 
           std::copy(px + token[size_t(b + r)] * x.stride, px + token[size_t(b + r)] * x.stride + H,
                     xg.data() + r * H);
         res[size_t(i)].run(xg.data(), n, H, ex.gate[size_t(e)], ex.up[size_t(e)], ex.down[size_t(e)],
-                           MatmulPath::Gemv, nullptr);
+                           MatmulPath::Gemv, arena().at(tid));
       }
     });
     for (size_t i = 0; i < active.size(); ++i) {
@@ -137,7 +129,7 @@ void CpuOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& 
     bin_rows[bin] += count[size_t(e) + 1] - count[size_t(e)];
   }
   std::vector<float> y_all(static_cast<size_t>(T * k * H));
-  pool().parallel_for(P, 1, [&](int64_t r0, int64_t r1, int) {
+  pool().parallel_for(P, 1, [&](int64_t r0, int64_t r1, int tid) {
     ExpertScratch sc;
     std::vector<float> xg;
     for (int64_t r = r0; r < r1; ++r)
@@ -148,7 +140,7 @@ void CpuOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& 
           std::copy(px + token[size_t(b + i)] * x.stride, px + token[size_t(b + i)] * x.stride + H,
                     xg.data() + i * H);
         sc.run(xg.data(), n, H, ex.gate[size_t(e)], ex.up[size_t(e)], ex.down[size_t(e)], MatmulPath::Gemm,
-               nullptr);
+               arena().at(tid));
         std::copy(sc.y.begin(), sc.y.begin() + n * H, y_all.begin() + b * H);
       }
   });
