@@ -13,12 +13,17 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
+#include <chrono>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
+#include <thread>
 #include <stdexcept>
 #include <string>
 
+#include "cpu/alloc_guard.h"
 #include "cpu/backend.h"
 #include "cpu/reduce.h"
 #include "model/loader.h"
@@ -391,6 +396,237 @@ SamplingParams parse_sampling(const nb::dict& p) {
   return sp;
 }
 
+// ---- Test entry points for the CPU runtime (thread pool, allocation guard, matmul scratch):
+// tests/test_cpu_runtime.py.
+namespace cpu_runtime_tests {
+
+// Keeps an allocation observable, so the compiler cannot elide a new/delete pair under test.
+inline void sink(const void* p) { asm volatile("" : : "r"(p) : "memory"); }
+
+// Spins until `flag` is set (or a second passes: a missing thread then shows up as a failed check).
+inline void wait_for(const std::atomic<bool>& flag) {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!flag.load() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1))
+    std::this_thread::yield();
+}
+
+// Every index of [0, n) must be visited exactly once by a plain loop (the pool after a failed job).
+void check_plain_loop(cpu::ThreadPool& pool, std::vector<std::atomic<int>>& hits) {
+  for (auto& h : hits) h.store(0);
+  pool.parallel_for(int64_t(hits.size()), 1, [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) hits[size_t(i)].fetch_add(1);
+  });
+  for (size_t i = 0; i < hits.size(); ++i)
+    if (hits[i].load() != 1)
+      throw std::logic_error("invariant: after a failed job, index " + std::to_string(i) + " ran " +
+                             std::to_string(hits[i].load()) + " times");
+}
+
+// where: 0 any (the thread that gets index throw_at), 1 caller, 2 worker, 3 every range throws.
+std::map<std::string, int64_t> parallel_for_throw(int threads, int64_t n, int64_t throw_at, int where,
+                                                  int repeats, bool propagate) {
+  cpu::ThreadPool pool(threads);
+  std::vector<std::atomic<int>> hits(size_t(std::max<int64_t>(n, 1)));
+  std::map<std::string, int64_t> stats{{"caller_threw", 0}, {"worker_threw", 0}, {"workers_overlapped", 0}};
+  for (int r = 0; r < repeats; ++r) {
+    std::atomic<int> in_body{0};
+    std::atomic<bool> worker_threw{false}, caller_threw{false}, worker_in{false}, overlapped{false};
+    auto body = [&](int64_t b, int64_t e, int tid) {
+      struct Inside {  // counts threads inside the body, including while an exception unwinds it
+        std::atomic<int>& c;
+        explicit Inside(std::atomic<int>& c) : c(c) { c.fetch_add(1); }
+        ~Inside() { c.fetch_sub(1); }
+      } inside(in_body);
+      const auto fail = [&](int64_t i) {
+        (tid == 0 ? caller_threw : worker_threw).store(true);
+        throw std::runtime_error("parallel_for body failed at index " + std::to_string(i) + " on thread " +
+                                 std::to_string(tid));
+      };
+      if (where == 1) {
+        // The caller throws while a worker is inside its range, which must finish before parallel_for
+        // rethrows: the worker stays inside a while after the throw.
+        if (tid == 0) {
+          wait_for(worker_in);
+          fail(b);
+        }
+        worker_in = true;
+        wait_for(caller_threw);
+        overlapped.store(caller_threw.load());
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        return;
+      }
+      if (where == 2) {
+        if (tid != 0) fail(b);
+        wait_for(worker_threw);
+        return;
+      }
+      if (where == 3) fail(b);
+      for (int64_t i = b; i < e; ++i)
+        if (i == throw_at) fail(i);
+    };
+    if (propagate) {
+      pool.parallel_for(n, 1, body);
+      throw std::logic_error("invariant: the throwing body did not make parallel_for throw");
+    }
+    bool caught = false;
+    try {
+      pool.parallel_for(n, 1, body);
+    } catch (const std::runtime_error& ex) {
+      caught = std::string(ex.what()).rfind("parallel_for body failed at index ", 0) == 0;
+      if (!caught) throw;
+    }
+    if (!caught) throw std::logic_error("invariant: the throwing body did not make parallel_for throw");
+    if (in_body.load() != 0)
+      throw std::logic_error("invariant: parallel_for rethrew while " + std::to_string(in_body.load()) +
+                             " thread(s) still ran the body");
+    stats["caller_threw"] += caller_threw.load();
+    stats["worker_threw"] += worker_threw.load();
+    stats["workers_overlapped"] += overlapped.load();
+    check_plain_loop(pool, hits);
+  }
+  return stats;
+}
+
+// Builds a pool (refusing thread `refuse_at`, 0 = none) and runs one loop on it; returns the pool size.
+int thread_pool(int threads, int refuse_at) {
+  cpu::ThreadPool pool(threads, refuse_at);
+  std::vector<std::atomic<int>> hits(1000);
+  check_plain_loop(pool, hits);
+  return pool.size();
+}
+
+// Heap allocations counted by an AllocGuardScope around one kind of code (see the test).
+int64_t alloc_guard(const std::string& kind, int threads) {
+  cpu::ThreadPool pool(threads);  // started outside every scope
+  if (kind == "new_caller") {
+    cpu::AllocGuardScope g("new_caller");
+    int* p = new int[16];
+    sink(p);
+    delete[] p;
+    return g.count();
+  }
+  if (kind == "vector_caller") {
+    cpu::AllocGuardScope g("vector_caller");
+    std::vector<float> v(100);
+    sink(v.data());
+    return g.count();
+  }
+  if (kind == "vector_worker" || kind == "worker_active") {
+    if (pool.size() < 2) throw std::invalid_argument("needs at least 2 threads");
+    cpu::AllocGuardScope g(kind.c_str());
+    std::atomic<bool> worker_done{false};
+    std::atomic<int64_t> active{0};
+    pool.parallel_for(pool.size(), 1, [&](int64_t, int64_t, int tid) {
+      if (tid == 0) return wait_for(worker_done);  // the caller allocates nothing and leaves it to a worker
+      if (kind == "vector_worker") {
+        std::vector<float> v(64);
+        sink(v.data());
+      }
+      active += cpu::alloc_guard_active();
+      worker_done = true;
+    });
+    return kind == "vector_worker" ? g.count() : active.load();
+  }
+  if (kind == "worker_inactive_after") {  // a worker must not keep a finished job's scope
+    if (pool.size() < 2) throw std::invalid_argument("needs at least 2 threads");
+    std::atomic<int64_t> active{0};
+    for (int guarded = 1; guarded >= 0; --guarded) {
+      std::unique_ptr<cpu::AllocGuardScope> g;
+      if (guarded) g = std::make_unique<cpu::AllocGuardScope>("worker_inactive_after");
+      std::atomic<bool> worker_done{false};
+      pool.parallel_for(pool.size(), 1, [&](int64_t, int64_t, int tid) {
+        if (tid == 0) return wait_for(worker_done);
+        if (!guarded) active += cpu::alloc_guard_active();
+        worker_done = true;
+      });
+    }
+    return active.load();
+  }
+  if (kind == "nested_inner" || kind == "nested_outer") {
+    cpu::AllocGuardScope outer("outer");
+    std::vector<float> a(10);
+    sink(a.data());
+    int64_t inner_count;
+    {
+      cpu::AllocGuardScope inner("inner");
+      std::vector<float> b(10);
+      sink(b.data());
+      inner_count = inner.count();
+    }
+    return kind == "nested_inner" ? inner_count : outer.count();
+  }
+  if (kind == "parallel_for") {  // a call captures many references: std::function would allocate here
+    std::vector<double> acc(size_t(pool.size()), 0.0);
+    const double a = 1, b = 2, c = 3, d = 4;
+    cpu::AllocGuardScope g("parallel_for");
+    for (int rep = 0; rep < 100; ++rep)
+      pool.parallel_for(1000, 1, [&](int64_t i0, int64_t i1, int tid) {
+        for (int64_t i = i0; i < i1; ++i) acc[size_t(tid)] += a * double(i) + b * c - d;
+      });
+    sink(acc.data());
+    return g.count();
+  }
+  if (kind == "check") {
+    cpu::AllocGuardScope g("check");
+    std::vector<float> v(1000);
+    sink(v.data());
+    g.check();
+    return g.count();
+  }
+  throw std::invalid_argument("unknown kind '" + kind + "'");
+}
+
+}  // namespace cpu_runtime_tests
+
+void bind_cpu_runtime_tests(nb::module_& m) {
+  namespace t = cpu_runtime_tests;
+  m.def("cpu_parallel_for_throw_test", [](int threads, int64_t n, int64_t throw_at, const std::string& where,
+                                          int repeats, bool propagate) {
+    const int w = where == "any" ? 0 : where == "caller" ? 1 : where == "worker" ? 2 : where == "all" ? 3 : -1;
+    if (w < 0) throw std::invalid_argument("where must be 'any', 'caller', 'worker' or 'all'");
+    nb::gil_scoped_release nogil;
+    return t::parallel_for_throw(threads, n, throw_at, w, repeats, propagate);
+  }, "threads"_a, "n"_a, "throw_at"_a, "where"_a = "any", "repeats"_a = 1, "propagate"_a = false);
+  m.def("cpu_thread_pool_test", [](int threads, int refuse_at) {
+    nb::gil_scoped_release nogil;
+    return t::thread_pool(threads, refuse_at);
+  }, "threads"_a, "refuse_at"_a = 0);
+  m.def("cpu_alloc_guard_available", &cpu::alloc_guard_available);
+  m.def("cpu_alloc_guard_test", [](const std::string& kind, int threads) {
+    nb::gil_scoped_release nogil;
+    return t::alloc_guard(kind, threads);
+  }, "kind"_a, "threads"_a = 2);
+  // The product of cpu_matmul under an allocation guard: the counts of `calls` guarded calls on one pool
+  // and arena (threads = 0: matmul_serial on the arena's thread-0 scratch), reserved first if asked.
+  m.def("cpu_matmul_guarded", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
+                                 const nb::dict& weight, const std::string& path, int threads, bool reserve,
+                                 int calls) {
+    WeightView w = parse_view(weight);
+    const int64_t T = int64_t(x.shape(0));
+    if (int64_t(x.shape(1)) != w.cols) throw std::invalid_argument("x has the wrong number of columns");
+    if (path != "gemv" && path != "gemm") throw std::invalid_argument("path must be 'gemv' or 'gemm'");
+    const cpu::MatmulPath mp = path == "gemv" ? cpu::MatmulPath::Gemv : cpu::MatmulPath::Gemm;
+    float* out;
+    auto arr = new_logits(T, w.rows, &out);
+    std::vector<int64_t> counts(size_t(std::max(calls, 0)));
+    {
+      nb::gil_scoped_release nogil;
+      cpu::ThreadPool pool(std::max(threads, 1));
+      cpu::MatmulArena arena(pool.size());
+      if (reserve) arena.reserve(T, w.cols, w.rows);
+      for (auto& c : counts) {
+        cpu::AllocGuardScope g("matmul");
+        if (threads == 0)
+          cpu::matmul_serial(x.data(), T, w.cols, w, out, w.rows, mp, arena.at(0));
+        else
+          cpu::matmul(x.data(), T, w.cols, w, out, w.rows, mp, pool, arena);
+        c = g.count();
+      }
+    }
+    return nb::make_tuple(arr, to_numpy(counts));
+  }, "x"_a, "weight"_a, "path"_a, "threads"_a, "reserve"_a, "calls"_a = 1);
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -580,7 +816,8 @@ NB_MODULE(_core, m) {
     {
       nb::gil_scoped_release nogil;
       cpu::ThreadPool pool(threads);
-      cpu::matmul(x.data(), T, w.cols, w, out, w.rows, mp, pool);
+      cpu::MatmulArena arena(pool.size());
+      cpu::matmul(x.data(), T, w.cols, w, out, w.rows, mp, pool, arena);
     }
     return arr;
   }, "x"_a, "weight"_a, "path"_a, "threads"_a = 1);
@@ -672,4 +909,5 @@ NB_MODULE(_core, m) {
     WeightView w = parse_view(weight);
     return std::string(cpu::matmul_variant(w, path == "gemv" ? cpu::MatmulPath::Gemv : cpu::MatmulPath::Gemm));
   });
+  bind_cpu_runtime_tests(m);
 }

@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "cpu/alloc_guard.h"
 #include "model/config.h"
 
 namespace lily::cpu {
@@ -18,7 +19,11 @@ CpuOps::CpuOps(const CpuOptions& opt)
     : chunks_(new std::atomic<Buffer*>[kChunks]),
       opt_(opt),
       pool_(opt.threads > 0 ? opt.threads : int(std::max(1u, std::thread::hardware_concurrency()))),
+      arena_(pool_.size()),
       shuffle_rng_(opt.shuffle_seed) {
+  if (opt_.strict_alloc && !alloc_guard_available())
+    throw std::invalid_argument(
+        "strict_alloc needs the link-time allocation wrappers (GNU ld or lld on Linux), which this build lacks");
   for (int32_t i = 0; i < kChunks; ++i) chunks_[i].store(nullptr, std::memory_order_relaxed);
   if (opt_.deferred) executor_ = std::thread([this] { executor_loop(); });
 }
@@ -167,10 +172,17 @@ WeightView CpuOps::view(const Weight& w) const {
 
 // ---- execution ----
 
+void CpuOps::run_op(OpKind kind, const std::function<void()>* owned, const OpRun* now) {
+  if (!opt_.strict_alloc) return owned ? (*owned)() : (*now)();
+  AllocGuardScope guard(op_name(kind));
+  owned ? (*owned)() : (*now)();
+  guard.check();  // "allocation inside a step: ... in <op>"
+}
+
 void CpuOps::execute(OpKind kind, const OpRun& run) {
   if (!opt_.deferred) {
     exec_phase_ = phase();
-    return run();
+    return run_op(kind, nullptr, &run);
   }
   recording_.push_back({kind, phase(), tracker_.stage(), run.own()});
   rec_reads_.insert(rec_reads_.end(), run.reads.begin(), run.reads.end());
@@ -227,7 +239,7 @@ void CpuOps::executor_loop() {
     try {
       for (const RecordedOp& op : s->ops) {
         exec_phase_ = op.phase;
-        op.run();
+        run_op(op.kind, &op.run, nullptr);
       }
     } catch (...) {
       err = std::current_exception();
@@ -312,7 +324,7 @@ void CpuOps::fill_impl(const Tensor& dst, double value) {
 void CpuOps::advance_position_impl(const Tensor& pos, int64_t T) { *i32(pos) += int32_t(T); }
 
 void CpuOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
-  cpu::matmul(f32(x), x.rows, x.stride, view(w), f32(out), out.stride, path(), pool_);
+  cpu::matmul(f32(x), x.rows, x.stride, view(w), f32(out), out.stride, path(), pool_, arena_);
 }
 
 size_t CpuOps::workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const {
@@ -323,7 +335,13 @@ size_t CpuOps::workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t max
   return std::max(need, sample_workspace_bytes(cfg.vocab));
 }
 
-void CpuOps::reserve(const ModelConfig& cfg, int64_t rows) { (void)cfg, (void)rows; }
+void CpuOps::reserve(const ModelConfig& cfg, int64_t rows) {
+  // Every product's K and N: projections, experts, the shared expert, the router and the lm_head.
+  const int64_t k = std::max({cfg.hidden, cfg.value_dim(), cfg.heads * cfg.head_dim, cfg.moe_inter,
+                              cfg.shared_inter});
+  const int64_t n = std::max({cfg.vocab, cfg.conv_dim(), 2 * cfg.heads * cfg.head_dim, cfg.experts, k});
+  arena_.reserve(rows, k, n);
+}
 
 std::string CpuOps::matmul_variant(const Weight& w, Phase phase) const {
   WeightView v;

@@ -79,6 +79,7 @@ class CpuOps final : public Ops {
   std::vector<std::string> optimizations() const override;
 
   ThreadPool& pool() { return pool_; }
+  MatmulArena& matmul_arena() { return arena_; }
   WeightView view(const Weight& w) const;
 
  protected:
@@ -151,6 +152,7 @@ class CpuOps final : public Ops {
 
   CpuOptions opt_;
   ThreadPool pool_;
+  MatmulArena arena_;  // per-thread matmul scratch, indexed like the pool's threads
 
   // ---- deferred mode (guarded by mu_) ----
   struct RecordedOp {
@@ -165,6 +167,8 @@ class CpuOps final : public Ops {
     std::vector<int32_t> reads, writes;  // buffers the step touches (for host-access checks)
   };
   void executor_loop();
+  // Runs one op (recorded or immediate) under the allocation guard when strict_alloc is on.
+  void run_op(OpKind kind, const std::function<void()>* owned, const OpRun* now);
   void check_host_access(int32_t buf, bool host_writes, const char* what) const;
   std::vector<RecordedOp> recording_;
   std::vector<int32_t> rec_reads_, rec_writes_;

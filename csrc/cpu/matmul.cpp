@@ -26,7 +26,6 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -47,6 +46,32 @@
 #endif
 
 namespace lily::cpu {
+
+// Growable 64-byte aligned fp32 buffer (grows to at least twice its size, so lazy growth is rare).
+struct ScratchBuffer {
+  float* p = nullptr;
+  size_t n = 0;
+  ScratchBuffer() = default;
+  ScratchBuffer(const ScratchBuffer&) = delete;
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+  ~ScratchBuffer() { ::operator delete(p, std::align_val_t(64)); }
+  float* get(int64_t need) {
+    if (size_t(need) > n) {
+      const size_t want = std::max(size_t(need), n * 2);
+      float* q = static_cast<float*>(::operator new(want * sizeof(float), std::align_val_t(64)));
+      ::operator delete(p, std::align_val_t(64));
+      p = q;
+      n = want;
+    }
+    return p;
+  }
+};
+
+struct alignas(64) MatmulScratch {  // own cache lines: each is written by its own thread
+  ScratchBuffer prep;  // Gemv: prepared x rows (filled by the calling thread, read by all threads)
+  ScratchBuffer work;  // per thread: Gemm packed panels, Gemm scalar row, Gemv scale rows
+};
+
 namespace {
 
 // ---------------------------------------------------------------------------------------------------------
@@ -95,23 +120,6 @@ void validate(const WeightView& W) {
     throw std::invalid_argument("matmul: dense weight must be f32/f16/bf16");
   }
 }
-
-// Scratch that lives as long as its thread (pool workers are long-lived), 64-byte aligned.
-struct Scratch {
-  float* p = nullptr;
-  size_t n = 0;
-  ~Scratch() { ::operator delete(p, std::align_val_t(64)); }
-  float* get(size_t need) {
-    if (need > n) {
-      ::operator delete(p, std::align_val_t(64));
-      n = std::max(need, n * 2);
-      p = static_cast<float*>(::operator new(n * sizeof(float), std::align_val_t(64)));
-    }
-    return p;
-  }
-};
-thread_local Scratch tl_prep;   // Gemv: prepared x rows (filled by the calling thread, read by workers)
-thread_local Scratch tl_work;   // per-thread: Gemm packed panels, Gemv scale rows
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
@@ -184,10 +192,13 @@ void gemv_scalar(const float* x, int64_t T, int64_t ldx, const WeightView& W, fl
   }
 }
 
+// Scratch sizes in floats, shared by the kernels and MatmulArena::reserve.
+int64_t gemm_scalar_work(int64_t K) { return K; }
+
 void gemm_scalar(const float* x, int64_t t0, int64_t t1, int64_t ldx, const WeightView& W, float* y,
-                 int64_t ldy, int64_t n0, int64_t n1) {
+                 int64_t ldy, int64_t n0, int64_t n1, ScratchBuffer& work) {
   const int64_t K = W.cols;
-  float* w = tl_work.get(size_t(K));
+  float* w = work.get(gemm_scalar_work(K));
   for (int64_t n = n0; n < n1; ++n) {
     decode_row_scalar(W, n, 0, K, w);
     for (int64_t t = t0; t < t1; ++t) {
@@ -413,13 +424,16 @@ bool gemv_q4dw(const WeightView& W) {
          (W.group == 32 || W.group == 64 || W.group % 128 == 0);
 }
 
-GemvPrep gemv_prepare(const float* x, int64_t T, int64_t ldx, const WeightView& W) {
+// Prepared x: T rows of Kp (K rounded up to 128 or VW) plus ngp (K / group rounded up to VW) floats.
+int64_t gemv_prep_floats(int64_t T, int64_t Kp, int64_t ngp) { return T * (Kp + ngp); }
+
+GemvPrep gemv_prepare(const float* x, int64_t T, int64_t ldx, const WeightView& W, ScratchBuffer& prep) {
   const int64_t K = W.cols;
   GemvPrep p{};
   const bool q4dw = gemv_q4dw(W);
   p.Kp = round_up(K, q4dw ? 128 : VW);
   p.ngp = W.quantized() ? round_up(K / W.group, VW) : 0;
-  float* buf = tl_prep.get(size_t(T * (p.Kp + p.ngp)));
+  float* buf = prep.get(gemv_prep_floats(T, p.Kp, p.ngp));
   float* xp = buf;
   float* sx = buf + T * p.Kp;
   for (int64_t t = 0; t < T; ++t) {
@@ -746,10 +760,12 @@ void gemv_rows(const WeightView& W, const GemvPrep& P, int64_t T, int64_t n, flo
   }
 }
 
+constexpr int RMAX = 4;  // most W rows per Gemv block
+int64_t gemv_work_floats(int64_t ngp) { return 2 * RMAX * ngp + 1; }
+
 void gemv_simd_range(const WeightView& W, const GemvPrep& P, int64_t T, float* y, int64_t ldy, int64_t n0,
-                     int64_t n1) {
-  constexpr int RMAX = 4;
-  float* sc = tl_work.get(size_t(2 * RMAX * P.ngp + 1));
+                     int64_t n1, ScratchBuffer& work) {
+  float* sc = work.get(gemv_work_floats(P.ngp));
   float* bi = sc + RMAX * P.ngp;
   int64_t n = n0;
   if (T <= 2) {
@@ -888,16 +904,19 @@ constexpr auto make_micro_table(std::integer_sequence<int, Ms...>) {
   return std::array<MicroFn, sizeof...(Ms)>{&micro_kernel<Ms + 1>...};
 }
 
+constexpr int64_t GEMM_PANEL_FLOATS = (KC + KS) * NR;
+constexpr int64_t GEMM_WORK_FLOATS = PANELS * GEMM_PANEL_FLOATS + NR * KS;  // panels + decode tile
+
 void gemm_simd_range(const float* x, int64_t t0, int64_t t1, int64_t ldx, const WeightView& W, float* y,
-                     int64_t ldy, int64_t n0, int64_t n1) {
+                     int64_t ldy, int64_t n0, int64_t n1, ScratchBuffer& work) {
   static constexpr auto micro = make_micro_table(std::make_integer_sequence<int, MR>{});
   const int64_t K = W.cols;
-  const int64_t panel_floats = (KC + KS) * NR;
+  const int64_t panel_floats = GEMM_PANEL_FLOATS;
   using PackFn = void (*)(const WeightView&, int64_t, int64_t, int64_t, float*, float*);
   static constexpr PackFn packers[] = {&pack_panel<KQ4>, &pack_panel<KQ8>, &pack_panel<KF32>, &pack_panel<KF16>,
                                        &pack_panel<KBF16>};
   const PackFn pack = packers[kind_of(W)];
-  float* wp = tl_work.get(size_t(PANELS * panel_floats + NR * KS));
+  float* wp = work.get(GEMM_WORK_FLOATS);
   float* tile = wp + PANELS * panel_floats;
   for (int64_t nc = n0; nc < n1; nc += PANELS * NR) {
     const int64_t npan = std::min<int64_t>(PANELS, (n1 - nc + NR - 1) / NR);
@@ -934,38 +953,41 @@ bool uses_simd(const WeightView& W, MatmulPath path) {
 #endif
 }
 
+// pool == nullptr: serial on `scratch(0)`; else thread t of the pool uses scratch(t) (the caller is 0).
+template <class ScratchOf>
 void run(const float* x, int64_t T, int64_t ldx, const WeightView& W, float* y, int64_t ldy, MatmulPath path,
-         ThreadPool* pool) {
+         ThreadPool* pool, ScratchOf&& scratch) {
   validate(W);
   if (T <= 0) return;
   if (ldx < W.cols || ldy < W.rows) throw std::invalid_argument("matmul: ldx < K or ldy < N");
   const int64_t N = W.rows;
   const int threads = pool ? pool->size() : 1;
   [[maybe_unused]] const bool simd = uses_simd(W, path);
-  auto over_n = [&](int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  // fn(b, e, work): a template, not std::function, so a product never allocates outside its scratch.
+  auto over_n = [&](int64_t grain, auto&& fn) {
     if (pool && threads > 1)
-      pool->parallel_for(N, grain, [&](int64_t b, int64_t e, int) { fn(b, e); });
+      pool->parallel_for(N, grain, [&](int64_t b, int64_t e, int t) { fn(b, e, scratch(t).work); });
     else
-      fn(0, N);
+      fn(0, N, scratch(0).work);
   };
   if (path == MatmulPath::Gemv) {
 #if defined(LILY_MM_AVX512) || defined(LILY_MM_AVX2)
     if (simd) {
-      GemvPrep P = gemv_prepare(x, T, ldx, W);
-      over_n(16, [&](int64_t b, int64_t e) { gemv_simd_range(W, P, T, y, ldy, b, e); });
+      GemvPrep P = gemv_prepare(x, T, ldx, W, scratch(0).prep);
+      over_n(16, [&](int64_t b, int64_t e, ScratchBuffer& work) { gemv_simd_range(W, P, T, y, ldy, b, e, work); });
       return;
     }
 #endif
-    over_n(16, [&](int64_t b, int64_t e) { gemv_scalar(x, T, ldx, W, y, ldy, b, e); });
+    over_n(16, [&](int64_t b, int64_t e, ScratchBuffer&) { gemv_scalar(x, T, ldx, W, y, ldy, b, e); });
     return;
   }
   // Gemm: split N in NR-aligned ranges; if N has too few panels for the threads, split the x rows instead
   // (each thread then packs the same panels; the per-output chain is unchanged).
-  auto range = [&](int64_t tb, int64_t te, int64_t nb, int64_t ne) {
+  auto range = [&](int64_t tb, int64_t te, int64_t nb, int64_t ne, ScratchBuffer& work) {
 #if defined(LILY_MM_AVX512) || defined(LILY_MM_AVX2)
-    if (simd) return gemm_simd_range(x, tb, te, ldx, W, y, ldy, nb, ne);
+    if (simd) return gemm_simd_range(x, tb, te, ldx, W, y, ldy, nb, ne, work);
 #endif
-    gemm_scalar(x, tb, te, ldx, W, y, ldy, nb, ne);
+    gemm_scalar(x, tb, te, ldx, W, y, ldy, nb, ne, work);
   };
 #if defined(LILY_MM_AVX512) || defined(LILY_MM_AVX2)
   const int64_t nr = NR, mr = MR;
@@ -974,22 +996,55 @@ void run(const float* x, int64_t T, int64_t ldx, const WeightView& W, float* y, 
 #endif
   const int64_t panels = (N + nr - 1) / nr;
   if (pool && threads > 1 && panels < 2 * threads && T >= 2 * mr) {
-    pool->parallel_for(T, mr, [&](int64_t b, int64_t e, int) { range(b, e, 0, N); });
+    pool->parallel_for(T, mr, [&](int64_t b, int64_t e, int t) { range(b, e, 0, N, scratch(t).work); });
     return;
   }
-  over_n(nr, [&](int64_t b, int64_t e) { range(0, T, b, e); });
+  over_n(nr, [&](int64_t b, int64_t e, ScratchBuffer& work) { range(0, T, b, e, work); });
 }
 
 }  // namespace
 
+MatmulArena::MatmulArena(int threads) : threads_(std::max(1, threads)), s_(new MatmulScratch[size_t(threads_)]) {}
+MatmulArena::~MatmulArena() = default;
+
+MatmulScratch& MatmulArena::at(int thread_index) {
+  if (thread_index < 0 || thread_index >= threads_)
+    throw std::out_of_range("MatmulArena: thread index " + std::to_string(thread_index) + " of an arena for " +
+                            std::to_string(threads_) + " threads");
+  return s_[size_t(thread_index)];
+}
+
+void MatmulArena::reserve(int64_t max_rows, int64_t max_k, int64_t max_n) {
+  if (max_rows < 0 || max_k < 0 || max_n < 0) throw std::invalid_argument("MatmulArena::reserve: negative bound");
+  // N never sizes scratch (every kernel streams W rows through fixed-size blocks); the bounds over weight
+  // kinds are the largest each kernel's own size formula can reach for K <= max_k.
+  int64_t prep = 0, work = gemm_scalar_work(max_k);
+#if defined(LILY_MM_AVX512) || defined(LILY_MM_AVX2)
+  // SIMD affine groups are multiples of 32 (gemv_simd_ok), so K / group <= K / 32; Kp pads to <= 128.
+  const int64_t ngp = round_up(max_k / 32, VW), kp = round_up(max_k, 128);
+  prep = gemv_prep_floats(max_rows, kp, ngp);
+  work = std::max({work, gemv_work_floats(ngp), GEMM_WORK_FLOATS});
+#endif
+  for (int t = 0; t < threads_; ++t) {  // every thread: matmul_serial prepares x in its own scratch
+    if (prep > 0) s_[size_t(t)].prep.get(prep);
+    s_[size_t(t)].work.get(work);
+  }
+}
+
+size_t MatmulArena::bytes() const {
+  size_t b = 0;
+  for (int t = 0; t < threads_; ++t) b += (s_[size_t(t)].prep.n + s_[size_t(t)].work.n) * sizeof(float);
+  return b;
+}
+
 void matmul(const float* x, int64_t T, int64_t ldx, const WeightView& W, float* y, int64_t ldy,
-            MatmulPath path, ThreadPool& pool) {
-  run(x, T, ldx, W, y, ldy, path, &pool);
+            MatmulPath path, ThreadPool& pool, MatmulArena& arena) {
+  run(x, T, ldx, W, y, ldy, path, &pool, [&](int t) -> MatmulScratch& { return arena.at(t); });
 }
 
 void matmul_serial(const float* x, int64_t T, int64_t ldx, const WeightView& W, float* y, int64_t ldy,
-                   MatmulPath path) {
-  run(x, T, ldx, W, y, ldy, path, nullptr);
+                   MatmulPath path, MatmulScratch& scratch) {
+  run(x, T, ldx, W, y, ldy, path, nullptr, [&](int) -> MatmulScratch& { return scratch; });
 }
 
 void dequant_row(const WeightView& W, int64_t r, float* out) {

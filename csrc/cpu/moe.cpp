@@ -37,12 +37,13 @@ struct ExpertBuffers {
   static ExpertBuffers at(float* p, int64_t n, int64_t H, int64_t I) {
     return {p, p + n * H, p + n * H + n * I, p + n * H + 2 * n * I};
   }
-  void run(int64_t n, int64_t H, const WeightView& G, const WeightView& U, const WeightView& D, MatmulPath path) {
+  void run(int64_t n, int64_t H, const WeightView& G, const WeightView& U, const WeightView& D, MatmulPath path,
+           MatmulScratch& ms) {
     const int64_t I = G.rows;
-    matmul_serial(xg, n, H, G, g, I, path);
-    matmul_serial(xg, n, H, U, u, I, path);
+    matmul_serial(xg, n, H, G, g, I, path, ms);
+    matmul_serial(xg, n, H, U, u, I, path, ms);
     for (int64_t i = 0; i < n * I; ++i) g[i] = silu(g[i]) * u[i];
-    matmul_serial(g, n, I, D, y, H, path);
+    matmul_serial(g, n, I, D, y, H, path, ms);
   }
 };
 
@@ -146,14 +147,14 @@ void CpuOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& 
     // A handful of single-row experts: spread the experts over the threads, sum afterwards in id order.
     const size_t per = ExpertBuffers::floats(1, H, I);
     float* res = a.take<float>(size_t(T * k) * per);
-    pool().parallel_for(gr.n_active, 1, [&](int64_t i0, int64_t i1, int) {
+    pool().parallel_for(gr.n_active, 1, [&](int64_t i0, int64_t i1, int tid) {
       for (int64_t i = i0; i < i1; ++i) {
         const int32_t e = gr.active[i];
         const int64_t b = gr.count[e], n = gr.count[e + 1] - b;
         ExpertBuffers eb = ExpertBuffers::at(res + size_t(b) * per, n, H, I);
         gather(eb, b, n);
         const auto v = views(e);
-        eb.run(n, H, v[0], v[1], v[2], MatmulPath::Gemv);
+        eb.run(n, H, v[0], v[1], v[2], MatmulPath::Gemv, matmul_arena().at(tid));
       }
     });
     for (int64_t i = 0; i < gr.n_active; ++i) {
@@ -194,7 +195,7 @@ void CpuOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& 
         ExpertBuffers eb = ExpertBuffers::at(buffers + size_t(tid) * per, n, H, I);
         gather(eb, b, n);
         const auto v = views(e);
-        eb.run(n, H, v[0], v[1], v[2], MatmulPath::Gemm);
+        eb.run(n, H, v[0], v[1], v[2], MatmulPath::Gemm, matmul_arena().at(tid));
         std::copy(eb.y, eb.y + n * H, y_all + b * H);
       }
   });
