@@ -94,13 +94,15 @@ def test_deferred_refuses_host_access_to_in_flight_buffers():
 
 
 def test_whole_suite_passes_deferred(ck):
-    """Every engine-level test again, on the deferred backend with shuffled stages."""
+    """Every engine-level test again, on the deferred backend with shuffled stages, and with every op
+    failing if it allocates heap memory (strict_alloc)."""
     if os.environ.get("LILY_CPU_DEBUG"):
         pytest.skip("already running deferred (this is the inner run)")
     here = Path(__file__).resolve().parent
     files = ["test_session.py", "test_engine_api.py", "test_parity_transformers.py", "test_parity_mlx.py",
-             "test_kv_bf16.py", "test_lily_tiny.py", "test_checkpoint.py"]
-    env = dict(os.environ, LILY_CPU_DEBUG="deferred", LILY_CPU_SHUFFLE_SEED="99")
+             "test_kv_bf16.py", "test_lily_tiny.py", "test_checkpoint.py", "test_ergonomics.py",
+             "test_reliability.py", "test_device_step.py"]
+    env = dict(os.environ, LILY_CPU_DEBUG="deferred,strict_alloc", LILY_CPU_SHUFFLE_SEED="99")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         *[str(here / f) for f in files]], env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -178,8 +178,11 @@ void CpuOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& 
   int32_t* by_load = gr.active;  // sorted in place: the sums below walk experts by id through count[]
   std::fill(bin_rows, bin_rows + P, 0);
   std::fill(bin_size, bin_size + P, 0);
-  std::stable_sort(by_load, by_load + gr.n_active, [&](int32_t x, int32_t y) {
-    return gr.count[x + 1] - gr.count[x] > gr.count[y + 1] - gr.count[y];
+  // Heaviest first, ties by ascending id (what a stable sort of the id-ordered list gives, without the
+  // temporary buffer std::stable_sort allocates).
+  std::sort(by_load, by_load + gr.n_active, [&](int32_t x, int32_t y) {
+    const int64_t nx = gr.count[x + 1] - gr.count[x], ny = gr.count[y + 1] - gr.count[y];
+    return nx > ny || (nx == ny && x < y);
   });
   for (int64_t i = 0; i < gr.n_active; ++i) {
     const int32_t e = by_load[i];
