@@ -36,3 +36,67 @@ def test_tiny_temperature_behaves_like_greedy(eng, temperature):
     s.restore(snap)
     got = list(s.generate(10, lily.SamplingParams(temperature=temperature, seed=3), stop_token_ids=NO_STOP))
     assert got == greedy
+
+
+def test_engine_close_with_live_sessions_and_generators():
+    import threading
+
+    e = lily.Engine.from_pretrained()
+    a, b = e.session(max_context=2048), e.session(max_context=2048)
+    for s in (a, b):
+        s.prefill(e.tokenize("def f(x):"))
+    suspended = a.generate(1000, stop_token_ids=NO_STOP)
+    next(suspended)
+    got: list[int] = []
+
+    def consume():
+        for tok in b.generate(1500, stop_token_ids=NO_STOP):
+            got.append(tok)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    while len(got) < 3:
+        pass
+    e.close()
+    t.join(timeout=60)
+    assert not t.is_alive() and b.finish_reason == "cancelled" and len(got) < 1500
+    assert list(suspended) == [] and a.finish_reason == "cancelled"  # ends, yields nothing more
+    for call in (lambda: a.position, lambda: b.step(1), lambda: e.session(), lambda: e.report(),
+                 lambda: list(a.generate(3))):
+        with pytest.raises(lily.LilyError, match="closed"):
+            call()
+    e.close()  # twice is fine
+
+
+def test_context_managers_close():
+    with lily.Engine.from_pretrained() as e:
+        with e.session(max_context=64) as s:
+            s.prefill(e.tokenize("x = 1"))
+        with pytest.raises(lily.LilyError, match="Session is closed"):
+            s.step(1)
+    assert e.closed
+    with pytest.raises(lily.LilyError, match="Engine is closed"):
+        e.generate("x", max_tokens=1)
+
+
+@pytest.mark.parametrize("bad", [2**63, 2**64, -1, 1.5, True, "8"])
+def test_sizes_beyond_int64_or_of_the_wrong_type_name_the_argument(eng, bad):
+    with pytest.raises(ValueError, match="max_context"):
+        eng.session(max_context=bad)
+    s = eng.session(max_context=64)
+    s.prefill(eng.tokenize("x = 1"))
+    with pytest.raises(ValueError, match="max_tokens"):
+        list(s.generate(bad, stop_token_ids=NO_STOP))
+    assert s.position == len(eng.tokenize("x = 1"))
+
+
+def test_inputs_the_signatures_promise(eng):
+    s = eng.session(max_context=64)
+    ids = eng.tokenize("import os")
+    a = s.prefill(iter(ids))  # any iterable of ints
+    t = eng.session(max_context=64)
+    assert np.array_equal(a, t.prefill(ids))
+    with pytest.raises(ValueError, match=r"stop_token_ids\[0\]"):
+        list(s.generate(3, stop_token_ids=[1.7]))  # used to become 1
+    with pytest.raises(TypeError, match="progress callback must return"):
+        eng.session(max_context=64).prefill(ids, progress=lambda done, total: "yes")

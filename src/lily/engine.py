@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import pathlib
+import weakref
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -17,9 +18,10 @@ from .errors import CheckpointError, LilyError
 from .hub import resolve_model_path
 from .progress import check_progress
 from .sampling import SamplingParams
-from .session import Session, read_session_file
+from .session import Session, closed_handle, read_session_file
 from .streaming import GenerationResponse, check_max_tokens, check_sampling, normalize_stop
 from .tokenizer import Tokenizer
+from .validate import check_int
 
 DEFAULT_MODEL = "lily-tiny"
 # What the CPU backend's debug modes read from the environment (comma-separated): "deferred" (record ops,
@@ -129,6 +131,31 @@ class Engine:
             raise CheckpointError(f"{checkpoint.path}: {exc}") from exc
         self._fingerprint: str | None = None
         self._probe_stats: dict | None = None
+        self._sessions: weakref.WeakSet = weakref.WeakSet()
+        self._closed = False
+
+    # ---- lifetime ----
+    def close(self) -> None:
+        """Release the model and every session's state. Generations still running are cancelled first
+        (their iterators end with ``finish_reason == "cancelled"``); afterwards every call on this engine
+        or its sessions raises :class:`LilyError`. Safe to call twice; also what ``with`` does."""
+        if self._closed:
+            return
+        self._closed = True
+        for s in list(self._sessions):
+            s._close("its Engine was closed")
+        # The C++ engine goes with the last reference: sessions and snapshots hold one until they go.
+        self._core = closed_handle("this Engine")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         from .display import engine_repr
@@ -185,6 +212,8 @@ class Engine:
         return list(self.tokenizer.stop_token_ids) if self.tokenizer is not None else []
 
     def _validate_ids(self, ids) -> np.ndarray:
+        if not isinstance(ids, (np.ndarray, list, tuple)):
+            ids = list(ids)  # any iterable of ints (a generator, a range, a deque)
         arr = np.asarray(ids)
         if arr.ndim != 1 or arr.size == 0:
             raise ValueError(f"token ids must be a non-empty 1-D sequence of ints, got shape {arr.shape}")
@@ -200,12 +229,16 @@ class Engine:
     # ---- sessions ----
     def session(self, max_context: int = 4096, *, prefill_chunk: int | None = None) -> Session:
         """A new conversation with room for ``max_context`` tokens (KV cache allocated up front)."""
-        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
-            raise ValueError(f"max_context must be a positive int, got {max_context!r}")
+        # 2**40 tokens is far beyond any KV cache a machine holds; the core checks the bytes precisely.
+        max_context = check_int(max_context, "max_context", minimum=1, maximum=2**40)
         chunk = self.prefill_chunk if prefill_chunk is None else prefill_chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive int, got {chunk!r}")
-        return Session(self, _core.Session(self._core, max_context, chunk, self.kv_cache_dtype))
+        if self._closed:
+            raise LilyError("this Engine is closed")
+        s = Session(self, _core.Session(self._core, max_context, chunk, self.kv_cache_dtype))
+        self._sessions.add(s)
+        return s
 
     def load_session(self, path: str | os.PathLike, max_context: int | None = None) -> Session:
         """Recreate a session saved with :meth:`Session.save`."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Union
 
+import numpy as np
+
 ProgressCallback = Callable[[int, int], Union[bool, None]]
 Progress = Union[bool, ProgressCallback, None]
 
@@ -46,4 +48,12 @@ def progress_callback(progress: Progress, *, total: int, desc: str, unit: str) -
     elif progress is None or progress is False:
         yield None
     else:
-        yield progress
+        user = progress
+
+        def checked(done: int, total: int) -> bool | None:
+            r = user(done, total)
+            if r is not None and not isinstance(r, (bool, np.bool_)):
+                raise TypeError(f"progress callback must return True, False or None, got {r!r}")
+            return None if r is None else bool(r)
+
+        yield checked

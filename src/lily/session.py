@@ -15,6 +15,7 @@ import numpy as np
 from .errors import CheckpointError, ContextOverflowError, LilyError
 from .progress import check_progress, progress_callback
 from .sampling import SamplingParams
+from .validate import check_int, check_token_ids
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -38,6 +39,20 @@ def _stop_live_generations() -> None:
         resume.release()
     for _, _, worker in live:
         worker.join(timeout=30)
+
+
+class _ClosedHandle:
+    """Stands in for a released core object: any use raises a LilyError saying what was closed."""
+
+    def __init__(self, what: str):
+        self._what = what
+
+    def __getattr__(self, name: str):
+        raise LilyError(f"{self._what} is closed")
+
+
+def closed_handle(what: str) -> _ClosedHandle:
+    return _ClosedHandle(what)
 
 
 class Snapshot:
@@ -67,7 +82,31 @@ class Session:
         self._engine = engine
         self._core = core_session
         self.finish_reason: str | None = None
+        self._live: tuple | None = None  # (cancelled, resume, worker) of a running generation
         self._prompt_stats = (0, 0.0)  # (tokens, seconds) prefilled since the last stream(): its prompt_tps
+
+    # ---- lifetime ----
+    def close(self) -> None:
+        """Release this session's state (KV cache, recurrent state). A running generation is cancelled
+        first; later calls raise :class:`LilyError`. Also what ``with`` does."""
+        self._close("this Session")
+
+    def _close(self, why: str) -> None:
+        live = self._live
+        if live is not None:
+            cancelled, resume, worker = live
+            cancelled.set()
+            resume.release()
+            if worker is not threading.current_thread():
+                worker.join()
+        what = "this Session" if why == "this Session" else f"this Session ({why})"
+        self._core = closed_handle(what)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         from .display import session_repr
@@ -166,12 +205,11 @@ class Session:
         pass ``[]`` for none), at ``max_tokens``, at ``max_context``, or when the iterator is closed.
         The reason is left in ``session.finish_reason``.
         """
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        max_tokens = check_int(max_tokens, "max_tokens")
         if self.position == 0:
             raise LilyError("generate() needs a context: prefill a prompt first")
         params = (sampling if sampling is not None else SamplingParams()).to_core()
-        stops = self._engine.stop_token_ids if stop_token_ids is None else [int(t) for t in stop_token_ids]
+        stops = self._engine.stop_token_ids if stop_token_ids is None else check_token_ids(stop_token_ids, "stop_token_ids")
         self.finish_reason = None
         return self._run_generation(max_tokens, params, stops)
 
@@ -197,13 +235,14 @@ class Session:
 
         worker = threading.Thread(target=run, name="lily-generate", daemon=True)
         entry = (cancelled, resume, worker)
+        self._live = entry
         with _LIVE_LOCK:
             _LIVE_GENERATIONS.add(entry)
         worker.start()
         try:
             while True:
                 tok = handoff.get()
-                if tok is None:
+                if tok is None or cancelled.is_set():  # finished, or cancelled by close() / exit
                     break
                 consumed = False
                 try:
@@ -219,6 +258,7 @@ class Session:
             worker.join()
             with _LIVE_LOCK:
                 _LIVE_GENERATIONS.discard(entry)
+            self._live = None
             # Also when the consumer closed the iterator early (break, close(), garbage collection).
             self.finish_reason = outcome.get("reason", "cancelled") if "error" not in outcome else None
         if "error" in outcome:
@@ -254,7 +294,8 @@ class Session:
         check_sampling(sampling, "Session.stream")
         stops = normalize_stop(stop, "Session.stream")
         decoder = self._engine._need_tokenizer().stream_decoder(skip_special_tokens=bool(skip_special_tokens))
-        stop_ids = self._engine.stop_token_ids if stop_token_ids is None else [int(t) for t in stop_token_ids]
+        stop_ids = (self._engine.stop_token_ids if stop_token_ids is None
+                    else check_token_ids(stop_token_ids, "Session.stream: stop_token_ids"))
         ids = self.generate(max_tokens, sampling, stop_ids)
         (prompt_tokens, prompt_seconds), self._prompt_stats = self._prompt_stats, (0, 0.0)
         return stream_responses(self, ids, decoder, max_tokens=max_tokens, stop_ids=stop_ids, stops=stops,

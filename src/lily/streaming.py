@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from .sampling import SamplingParams
+from .validate import check_int
 
 if TYPE_CHECKING:
     from .session import Session
@@ -193,9 +194,7 @@ def stream_responses(
 
 
 def check_max_tokens(max_tokens: object, where: str) -> int:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise ValueError(f"{where}: max_tokens must be an int >= 0, got {max_tokens!r}")
-    return max_tokens
+    return check_int(max_tokens, f"{where}: max_tokens")
 
 
 def check_sampling(sampling: object, where: str) -> SamplingParams | None:

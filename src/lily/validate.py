@@ -1,0 +1,32 @@
+"""Argument checks shared by the public API: each error names the argument and says what was expected,
+before any work starts (and before a value reaches the C++ core, which takes 64-bit integers)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+INT64_MAX = 2**63 - 1
+
+
+def check_int(value: object, name: str, *, minimum: int = 0, maximum: int = INT64_MAX) -> int:
+    """``value`` as an int in [minimum, maximum] (numpy integers accepted, bools refused)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    v = int(value)
+    if not minimum <= v <= maximum:
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {v}")
+    return v
+
+
+def check_token_ids(ids: Iterable[object], name: str) -> list[int]:
+    """A list of token ids from any iterable of integers; floats (even integral ones) are refused rather
+    than truncated."""
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"{name} must be an iterable of ints, got {ids!r}")
+    try:
+        items = list(ids)
+    except TypeError:
+        raise ValueError(f"{name} must be an iterable of ints, got {ids!r}") from None
+    return [check_int(t, f"{name}[{i}]", minimum=0, maximum=2**31 - 1) for i, t in enumerate(items)]
