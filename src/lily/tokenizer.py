@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import tokenizers
 
 from .errors import CheckpointError
@@ -71,7 +72,7 @@ class Tokenizer:
         eos_token: str | None = None,
         pad_token: str | None = None,
         add_bos_token: bool = False,
-        generation_eos_ids: Sequence[int] = (),
+        generation_eos_ids: Iterable[int] = (),
         generation_bos_id: int | None = None,
         extra_special_ids: Iterable[int] = (),
         source: str | None = None,
@@ -241,7 +242,7 @@ class Tokenizer:
             ids = [i for i in ids if i not in self._special_ids]
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._decode_ids([_check_id(i) for i in ids], skip_special_tokens)
 
     def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
@@ -273,7 +274,10 @@ class Tokenizer:
         **extra: Any,
     ) -> list[int] | str:
         """Render `messages` with this checkpoint's template (ChatML fallback) and optionally tokenize."""
-        from .chat import render_chat  # local import: chat does not need the tokenizer at import time
+        from .chat import _as_list, render_chat  # local import: chat does not need the tokenizer at import time
+
+        if tools is not None:
+            tools = _as_list(tools, "tools")  # a generator would be consumed by the tool_use choice below
 
         kwargs = {**self.special_tokens_map(), **extra}
         text = render_chat(
@@ -292,13 +296,14 @@ class Tokenizer:
 
 
 def _check_id(token_id: Any) -> int:
-    # numpy ints are welcome; negatives and non-integers would crash or wrap inside the Rust decoder.
+    # numpy ints are welcome; negatives, non-integers and ids past u32 would crash, wrap or raise
+    # OverflowError inside the Rust decoder (unknown ids below 2**32 decode to nothing, as in HF).
     try:
         i = int(token_id)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"token id must be an int, got {token_id!r}") from None
-    if i != token_id or isinstance(token_id, bool) or i < 0:
-        raise ValueError(f"token id must be a non-negative int, got {token_id!r}")
+    if i != token_id or isinstance(token_id, (bool, np.bool_)) or not 0 <= i < 2**32:
+        raise ValueError(f"token id must be an int in [0, 2**32), got {token_id!r}")
     return i
 
 
