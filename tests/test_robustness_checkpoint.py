@@ -85,6 +85,14 @@ def test_deeply_nested_config_and_index(hf):
     checkpoint_error(lambda: load_checkpoint(hf), "model.safetensors.index.json", "nested too deeply")
 
 
+def test_convert_reads_config_through_the_checked_path(hf, tmp_path):
+    from lily.convert import convert
+
+    (hf / "generation_config.json").write_text(deep_json(100_000))  # ignored, as before, but no RecursionError
+    (hf / "config.json").write_text('{"text_config": ' + deep_json(100_000) + "}")
+    checkpoint_error(lambda: convert(hf, tmp_path / "out"), "config.json", "nested too deeply")
+
+
 def test_int_literal_too_long_for_python(hf):
     # json.loads raises ValueError (not JSONDecodeError) for ints of more than 4300 digits.
     (hf / "config.json").write_text('{"model_type": "qwen3_5_moe", "hidden_size": ' + "9" * 5000 + "}")

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import tokenizers
 
+from .config import brief
 from .errors import CheckpointError
 
 __all__ = ["Tokenizer", "StreamDecoder"]
@@ -28,7 +29,9 @@ def _read_json_object(path: Path) -> dict:
     try:
         with open(path, "r", encoding="utf-8") as f:
             value = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        raise CheckpointError(f"{path}: cannot parse JSON (nested too deeply)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # ValueError: JSONDecodeError, ints > 4300 digits
         raise CheckpointError(f"{path}: cannot parse JSON ({e})") from e
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
@@ -43,7 +46,7 @@ def _token_content(value: Any, path: Path, field: str) -> str | None:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    raise CheckpointError(f"{path}: field '{field}' must be a string or an object with 'content', got {value!r}")
+    raise CheckpointError(f"{path}: field '{field}' must be a string or an object with 'content', got {brief(value)}")
 
 
 def _id_list(value: Any, path: Path, field: str) -> list[int]:
@@ -52,9 +55,12 @@ def _id_list(value: Any, path: Path, field: str) -> list[int]:
     items = value if isinstance(value, list) else [value]
     out = []
     for v in items:
-        # bool is an int subclass; a `true` here is a broken config, not token 1.
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise CheckpointError(f"{path}: field '{field}' must be a non-negative int or a list of them, got {value!r}")
+        # bool is an int subclass; a `true` here is a broken config, not token 1. Ids reach the core as
+        # int32 stop tokens.
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**31:
+            raise CheckpointError(
+                f"{path}: field '{field}' must be an int in [0, 2**31) or a list of them, got {brief(value)}"
+            )
         out.append(v)
     return out
 
@@ -156,7 +162,7 @@ class Tokenizer:
             try:
                 tid = int(key)
             except ValueError:
-                raise CheckpointError(f"{cfg_path}: added_tokens_decoder key {key!r} is not a token id") from None
+                raise CheckpointError(f"{cfg_path}: added_tokens_decoder key {brief(key)} is not a token id") from None
             content = _token_content(spec, cfg_path, f"added_tokens_decoder[{key}]")
             existing = tok.token_to_id(content)
             if existing is None:
