@@ -75,6 +75,16 @@ def test_deeply_nested_safetensors_header(tmp_path):
     checkpoint_error(lambda: SafetensorsFile(p), "model.safetensors", "nested too deeply")
 
 
+def test_not_a_regular_file(tmp_path):
+    """A directory opened fine and then raised IsADirectoryError from pread; a FIFO blocked in open."""
+    import os
+
+    (tmp_path / "dir.safetensors").mkdir()
+    checkpoint_error(lambda: SafetensorsFile(tmp_path / "dir.safetensors"), "dir.safetensors", "not a regular file")
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    checkpoint_error(lambda: SafetensorsFile(tmp_path / "fifo.safetensors"), "fifo.safetensors", "not a regular file")
+
+
 def test_deeply_nested_config_and_index(hf):
     cfg = hf / "config.json"
     good = cfg.read_text()

@@ -21,6 +21,7 @@ import math
 import mmap
 import os
 import re
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,13 +105,17 @@ class SafetensorsFile:
         self.name = self.path.name
         self._mm: mmap.mmap | None = None
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (no effect on files).
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             raise CheckpointError(f"safetensors file '{self.path}' does not exist") from None
         except OSError as e:
             raise CheckpointError(f"cannot open safetensors file '{self.path}': {e}") from e
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"'{self.path}' is not a regular file (a safetensors file was expected)")
+            size = st.st_size
             if size < 8:
                 raise CheckpointError(f"'{self.name}' is too short ({size} bytes) to be a safetensors file")
             head = os.pread(fd, 8, 0)
@@ -124,6 +129,8 @@ class SafetensorsFile:
                 raise CheckpointError(f"'{self.name}': header length {n} is absurd (corrupt file)")
             raw = os.pread(fd, n, 8)
             self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise CheckpointError(f"cannot read safetensors file '{self.path}': {e}") from e
         finally:
             os.close(fd)  # the map keeps its own reference to the file
         self.size = size
@@ -611,14 +618,14 @@ class _Builder:
             if (eb is not None and eb != bits) or (eg is not None and eg != group):
                 raise CheckpointError(
                     f"{w.where()} is packed as bits={bits}, group_size={group} but config.json "
-                    f"'quantization' says bits={eb}, group_size={eg} for '{mpath}'"
+                    f"'quantization' says bits={brief(eb)}, group_size={brief(eg)} for '{mpath}'"
                 )
         elif entry is False:
             raise CheckpointError(f"{w.where()} is quantized but config.json 'quantization' says '{mpath}': false")
         else:
             db, dg = q.get("bits"), q.get("group_size")
             if (db is not None and db != bits) or (dg is not None and dg != group):
-                note = f"{mpath}: packed as q{bits}g{group}, config default is q{db}g{dg} (inferred from shapes)"
+                note = f"{mpath}: packed as q{bits}g{group}, config default is q{brief(db)}g{brief(dg)} (inferred from shapes)"
                 if len(self.notes) < 50:
                     self.notes.append(note)
 
@@ -702,7 +709,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     q = config.quantization
     if isinstance(q, dict) and "quant_method" in q and "bits" not in q:
         raise CheckpointError(
-            f"{config.source}: unsupported quantization method '{q.get('quant_method')}' "
+            f"{config.source}: unsupported quantization method {brief(q.get('quant_method'))} "
             "(Lily loads bf16/fp16/fp32 Hugging Face weights or MLX affine 4/8-bit)"
         )
     files, located = _open_files(folder)
