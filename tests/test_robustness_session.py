@@ -75,10 +75,24 @@ def reseal(path: Path, fn) -> None:
     rewrite_header(path, edit)
 
 
-def test_model_shard_as_session_file(engine, tmp_path):
+def test_model_shard_as_session_file(engine, saved, tmp_path):
+    """A BF16 shard made safetensors' numpy reader raise TypeError before the format was even checked."""
+    s, _ = saved
     shard = tmp_path / "model.safetensors"
     shutil.copy(TINY_MODEL / "model.safetensors", shard)
+    before = (s.tokens, s.position, s.logits.copy())
     checkpoint_error(lambda: engine.load_session(shard), "model.safetensors", "not a Lily session file")
+    checkpoint_error(lambda: s.load(shard), "model.safetensors", "not a Lily session file")
+    assert (s.tokens, s.position) == before[:2] and np.array_equal(s.logits, before[2])
+    s.step(1)  # still usable
+    checkpoint_error(lambda: engine.load_session(tmp_path), "not a regular file")
+
+
+def test_empty_session_round_trip(engine, tmp_path):
+    s = engine.session(max_context=16)
+    s.save(tmp_path / "empty.lily")
+    loaded = engine.load_session(tmp_path / "empty.lily")
+    assert (loaded.position, loaded.max_context, loaded.tokens) == (0, 16, [])
 
 
 @pytest.mark.parametrize("field,value", [("max_context", "abc"), ("max_context", str(2**70)),
