@@ -268,8 +268,9 @@ def _ticking(b: _Budget, iterable: Any) -> Any:
 
 @jinja2.pass_context
 def _output_guard(context: Any, value: Any) -> str:
-    # str() is what Jinja applies to every output piece when autoescape is off (as here).
-    text = value if type(value) is str else str(value)
+    # str() is what Jinja applies to every output piece when autoescape is off (as here); str
+    # subclasses (Markup) pass unchanged so an {% autoescape %} block still sees them as safe.
+    text = value if isinstance(value, str) else str(value)
     b = _BUDGET.get()
     if b is not None:
         b.tick()
