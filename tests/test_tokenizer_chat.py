@@ -287,6 +287,16 @@ def test_generation_eos_ids_fit_int32(tmp_path, raw_tokenizer, eos):
         Tokenizer.from_dir(path)
 
 
+@pytest.mark.parametrize("config", [{"pad_token": "\ud800"}, {"added_tokens_decoder": {"5": None}},
+                                    {"added_tokens_decoder": {"5": "\ud800x"}}, {"chat_template": "{{ '\ud800' }}"}])
+def test_unusable_token_strings_are_checkpoint_errors(tmp_path, raw_tokenizer, config):
+    """Found by tests/test_robustness_fuzz.py: a lone surrogate raised UnicodeEncodeError in the Rust
+    lookup, a None added token TypeError."""
+    path = _write_checkpoint(tmp_path / "c", raw_tokenizer, config=config)
+    with pytest.raises(CheckpointError, match="tokenizer_config.json"):
+        Tokenizer.from_dir(path)
+
+
 def test_tokenizer_json_only(tmp_path, raw_tokenizer):
     t = Tokenizer.from_dir(_write_checkpoint(tmp_path / "bare", raw_tokenizer))
     assert t.chat_template is None and t.uses_default_chat_template

@@ -42,11 +42,16 @@ def _token_content(value: Any, path: Path, field: str) -> str | None:
     # tokenizer_config stores special tokens either as plain strings or as serialized AddedToken dicts.
     if value is None:
         return None
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    raise CheckpointError(f"{path}: field '{field}' must be a string or an object with 'content', got {brief(value)}")
+    if isinstance(value, dict):
+        value = value.get("content")
+    if not isinstance(value, str):
+        raise CheckpointError(f"{path}: field '{field}' must be a string or an object with 'content', "
+                              f"got {brief(value)}")
+    try:
+        value.encode("utf-8")  # a lone surrogate (JSON "\ud800") cannot reach the Rust tokenizer
+    except UnicodeEncodeError:
+        raise CheckpointError(f"{path}: field '{field}' is not valid Unicode text: {brief(value)}") from None
+    return value
 
 
 def _id_list(value: Any, path: Path, field: str) -> list[int]:
@@ -149,6 +154,8 @@ class Tokenizer:
                 templates["default"] = jinja_path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{jinja_path}: cannot read chat template ({e})") from e
+        for tname, text in templates.items():
+            _token_content(text, cfg_path, f"chat_template[{tname!r}]")  # rendered text goes to the Rust encoder
         chat_template = templates.get("default")
         if chat_template is None and len(templates) == 1:
             chat_template = next(iter(templates.values()))
@@ -164,6 +171,9 @@ class Tokenizer:
             except ValueError:
                 raise CheckpointError(f"{cfg_path}: added_tokens_decoder key {brief(key)} is not a token id") from None
             content = _token_content(spec, cfg_path, f"added_tokens_decoder[{key}]")
+            if content is None:
+                raise CheckpointError(f"{cfg_path}: field 'added_tokens_decoder[{key}]' must be a string or an "
+                                      "object with 'content', got None")
             existing = tok.token_to_id(content)
             if existing is None:
                 # HF adds config-only tokens to the vocabulary at load; do the same, and insist the id matches.
