@@ -1,5 +1,6 @@
 """Seeded mutation fuzzing of everything Lily reads from disk: (a) safetensors headers, (b) config.json,
-(c) model.safetensors.index.json and (d) session files.
+(c) model.safetensors.index.json, (d) session files and (e) the tokenizer files (tokenizer_config.json with
+its chat template, generation_config.json, tokenizer.json).
 
 Every outcome must be success or a ``lily.LilyError``; a TypeError, KeyError, RecursionError, MemoryError,
 OverflowError, UnicodeDecodeError... is a bug. Checkpoint parsing is pure Python and runs in-process; the
@@ -37,7 +38,7 @@ MICRO = dict(vocab_size=64, hidden_size=64, num_hidden_layers=4, num_attention_h
              linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
              moe_intermediate_size=16, shared_expert_intermediate_size=16, full_attention_interval=4)
 
-N_HEADER, N_CONFIG, N_INDEX, N_SESSION = 2000, 1000, 600, 1600
+N_HEADER, N_CONFIG, N_INDEX, N_SESSION, N_TOKENIZER = 2000, 1000, 600, 1600, 600
 SESSION_BATCH = 200
 
 # Mutated dtypes reinterpret weight bytes, so NaN weights (and numpy's warning about them) are expected.
@@ -319,6 +320,17 @@ def build_case(family: str, seed: int, base: Path, out: Path) -> str:
         index, note = mutate_json(index, rng)
         p.write_bytes(dump_json(index, rng))
         return note
+    if family == "tokenizer":
+        r = rng.random()
+        name = "tokenizer_config.json" if r < 0.7 else "generation_config.json" if r < 0.95 else "tokenizer.json"
+        p = out / name
+        if name == "tokenizer.json" or rng.random() < 0.15:
+            raw, note = mutate_bytes(p.read_bytes(), rng)
+            p.write_bytes(raw)
+            return f"{name} bytes: {note}"
+        cfg, note = mutate_json(json.loads(p.read_text()), rng)
+        p.write_bytes(dump_json(cfg, rng))
+        return f"{name}: {note}"
     raise ValueError(family)
 
 
@@ -421,6 +433,41 @@ def test_fuzz_checkpoint_files(family, n, bases, tmp_path):
     assert len([r for r in records if "seed" in r]) == len(loaded)
     assert not bugs, "Engine construction raised a non-LilyError:\n" + "\n".join(bugs[:15])
     print(f"{family}: {n} cases, {len(loaded)} still loaded and were built into an Engine")
+
+
+def test_fuzz_tokenizer_files(tmp_path):
+    """The tokenizer side of a checkpoint (tokenizer_config.json with its chat template and special tokens,
+    generation_config.json, tokenizer.json bytes): loading, a chat render, encode and decode end in
+    success or a LilyError. Pure Python plus the tokenizers library, so in-process."""
+    import lily
+    from lily.tokenizer import Tokenizer
+
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(Path(lily.__file__).parent / "models" / "lily-tiny" / name, base / name)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"}]
+    failures, loaded = [], 0
+    for seed in range(N_TOKENIZER):
+        note = build_case("tokenizer", seed, base, tmp_path / "case")
+        exc = None
+        try:
+            tok = Tokenizer.from_dir(tmp_path / "case")
+            loaded += 1
+            ids = tok.apply_chat_template(msgs, render_timeout=0.5)
+            tok.decode(ids, skip_special_tokens=True)
+            stream = tok.stream_decoder()
+            for i in ids:
+                stream.push(i)
+        except BaseException as e:  # noqa: BLE001 - pyo3 panics are BaseExceptions, and bugs here
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            exc = e
+        bug = classify(exc)
+        if bug:
+            failures.append(f"tokenizer seed {seed} ({note}): {bug}")
+    assert not failures, f"{len(failures)} tokenizer cases failed:\n" + "\n".join(failures[:15])
+    assert 0 < loaded < N_TOKENIZER
 
 
 # ------------------------------------------------------------------------------------------------
