@@ -29,6 +29,7 @@ import logging
 import math
 import re
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
@@ -381,7 +382,11 @@ def _compile(template: str) -> jinja2.Template:
     try:
         tree = env.parse(template)
         _instrument(tree, env)
-        return env.from_string(tree)
+        with warnings.catch_warnings():
+            # Without the optimizer `{{ (10)[0] }}` compiles to Python `10[0]`, which CPython flags with a
+            # SyntaxWarning at compile time; it is the template's runtime error, reported when rendered.
+            warnings.simplefilter("ignore", SyntaxWarning)
+            return env.from_string(tree)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from e
     except Exception as e:  # noqa: BLE001 - e.g. RecursionError or MemoryError on absurd nesting
