@@ -1,6 +1,7 @@
 """Seeded mutation fuzzing of everything Lily reads from disk: (a) safetensors headers, (b) config.json,
 (c) model.safetensors.index.json, (d) session files and (e) the tokenizer files (tokenizer_config.json with
-its chat template, generation_config.json, tokenizer.json).
+its chat template, generation_config.json, tokenizer.json), plus random chat templates against the render
+budget.
 
 Every outcome must be success or a ``lily.LilyError``; a TypeError, KeyError, RecursionError, MemoryError,
 OverflowError, UnicodeDecodeError... is a bug. Checkpoint parsing is pure Python and runs in-process; the
@@ -38,7 +39,7 @@ MICRO = dict(vocab_size=64, hidden_size=64, num_hidden_layers=4, num_attention_h
              linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
              moe_intermediate_size=16, shared_expert_intermediate_size=16, full_attention_interval=4)
 
-N_HEADER, N_CONFIG, N_INDEX, N_SESSION, N_TOKENIZER = 2000, 1000, 600, 1600, 600
+N_HEADER, N_CONFIG, N_INDEX, N_SESSION, N_TOKENIZER, N_TEMPLATE = 2000, 1000, 600, 1600, 600, 1500
 SESSION_BATCH = 200
 
 # Mutated dtypes reinterpret weight bytes, so NaN weights (and numpy's warning about them) are expected.
@@ -468,6 +469,70 @@ def test_fuzz_tokenizer_files(tmp_path):
             failures.append(f"tokenizer seed {seed} ({note}): {bug}")
     assert not failures, f"{len(failures)} tokenizer cases failed:\n" + "\n".join(failures[:15])
     assert 0 < loaded < N_TOKENIZER
+
+
+_ATOMS = ["'x'", "'ab'", "''", "messages", "messages[0]", "messages[0].content", "[1, 2, 3]", "{'a': 1}", "none",
+          "10", "-3", "2.5", "ns.v", "range(4)", "range(100000)", "true", "undefined_name", "'%s-%d'", "'{}{}'",
+          "'\u00e9\ud83d'", "10**30"]
+_NUMS = ["0", "1", "3", "-1", "10**9", "2**70", "'x'", "none", "2.5"]
+_UNARY = ["{}|upper", "{}|length", "{}|list", "{}|sort", "{}|join(',')", "{}|join({})", "{}|tojson",
+          "{}|tojson(indent={n})", "{}|center({n})", "{}|indent({n})", "{}|replace('a', 'bbbb')", "{}|int",
+          "{}|string", "{}|batch({n})|list", "{}|first", "{}|reverse|list", "{}|map('upper')|list",
+          "{}|selectattr('role')|list", "{}|format({})", "{}|truncate({n})", "{}|wordwrap({n})", "{}.split('a')",
+          "{}.ljust({n})", "{}.zfill({n})", "'{{:>{n}}}'.format({})", "({})[0]", "({})[1:]", "{}.items()|list",
+          "{} is string", "{} is defined", "not {}", "-{}", "({}).content", "{}|tojson|length"]
+_BINARY = ["{} ~ {}", "{} + {}", "{} * {}", "{} % {}", "{} ** {}", "{} // {}", "{} in {}", "{} == {}",
+           "{} if {} else {}", "[{}, {}]", "({}, {})"]
+
+
+def _expr(rng: random.Random, depth: int) -> str:
+    r = rng.random()
+    if depth <= 0 or r < 0.3:
+        return rng.choice(_ATOMS)
+    if r < 0.65:
+        return rng.choice(_UNARY).replace("{n}", rng.choice(_NUMS)).replace("{}", "(" + _expr(rng, depth - 1) + ")", 1) \
+            .replace("{}", _expr(rng, depth - 1))
+    return rng.choice(_BINARY).replace("{}", "(" + _expr(rng, depth - 1) + ")", 1).replace("{}", "(" + _expr(rng, depth - 1) + ")")
+
+
+def _stmt(rng: random.Random, depth: int) -> str:
+    r = rng.random()
+    if depth <= 0 or r < 0.35:
+        return "{{ " + _expr(rng, 2) + " }}" if rng.random() < 0.8 else "text"
+    if r < 0.5:
+        return "{% for x in " + _expr(rng, 1) + " %}{{ loop.index }}" + _stmt(rng, depth - 1) + "{% endfor %}"
+    if r < 0.6:
+        return "{% if " + _expr(rng, 1) + " %}" + _stmt(rng, depth - 1) + "{% else %}" + _stmt(rng, depth - 1) + "{% endif %}"
+    if r < 0.75:
+        return "{% set ns.v = " + _expr(rng, 2) + " %}" + _stmt(rng, depth - 1)
+    if r < 0.85:
+        return "{% macro m(a) %}" + _stmt(rng, depth - 1) + "{{ a }}{% endmacro %}{{ m(" + _expr(rng, 1) + ") }}"
+    if r < 0.92:
+        return "{% set b %}" + _stmt(rng, depth - 1) + "{% endset %}{{ b|length }}"
+    return _stmt(rng, depth - 1) + _stmt(rng, depth - 1)
+
+
+def test_fuzz_chat_templates():
+    """Random templates built from Jinja constructs (loops, macros, set blocks, filters, string methods,
+    operators with absurd widths and counts): every render returns text or raises ChatTemplateError, so the
+    budget guards never leak a raw exception of their own."""
+    from lily.chat import render_chat
+    from lily.errors import ChatTemplateError
+
+    msgs = [{"role": "user", "content": "hello a"}, {"role": "assistant", "content": "abc"}]
+    failures, rendered = [], 0
+    for seed in range(N_TEMPLATE):
+        rng = random.Random(f"template:{seed}")
+        template = "{% set ns = namespace(v='s') %}" + _stmt(rng, 3)
+        try:
+            render_chat(template, msgs, render_timeout=0.25, max_output_chars=1 << 16)
+            rendered += 1
+        except ChatTemplateError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"template seed {seed}: {type(e).__name__}: {str(e)[:150]}\n    {template[:300]}")
+    assert not failures, f"{len(failures)} templates raised a non-ChatTemplateError:\n" + "\n".join(failures[:10])
+    assert 0 < rendered < N_TEMPLATE
 
 
 # ------------------------------------------------------------------------------------------------
