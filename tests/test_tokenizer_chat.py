@@ -269,6 +269,34 @@ def test_bad_generation_eos_type_is_checkpoint_error(tmp_path, raw_tokenizer):
         Tokenizer.from_dir(path)
 
 
+@pytest.mark.parametrize("bad_file", ["tokenizer_config.json", "generation_config.json"])
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"eos_token_id": ' + "7" * 5000 + "}"])
+def test_hostile_json_is_checkpoint_error(tmp_path, raw_tokenizer, bad_file, text):
+    """Deep nesting raised RecursionError and a 5000-digit int ValueError, past the JSON error handler."""
+    path = _write_checkpoint(tmp_path / "c", raw_tokenizer, generation={"eos_token_id": 1})
+    (path / bad_file).write_text(text, encoding="utf-8")
+    with pytest.raises(CheckpointError, match=bad_file):
+        Tokenizer.from_dir(path)
+
+
+@pytest.mark.parametrize("eos", [2**31, 2**70, [1, -1]])
+def test_generation_eos_ids_fit_int32(tmp_path, raw_tokenizer, eos):
+    # Stop ids go to the core as int32; 2**70 used to pass and fail later in a C++ cast.
+    path = _write_checkpoint(tmp_path / "c", raw_tokenizer, generation={"eos_token_id": eos})
+    with pytest.raises(CheckpointError, match="eos_token_id"):
+        Tokenizer.from_dir(path)
+
+
+@pytest.mark.parametrize("config", [{"pad_token": "\ud800"}, {"added_tokens_decoder": {"5": None}},
+                                    {"added_tokens_decoder": {"5": "\ud800x"}}, {"chat_template": "{{ '\ud800' }}"}])
+def test_unusable_token_strings_are_checkpoint_errors(tmp_path, raw_tokenizer, config):
+    """Found by tests/test_robustness_fuzz.py: a lone surrogate raised UnicodeEncodeError in the Rust
+    lookup, a None added token TypeError."""
+    path = _write_checkpoint(tmp_path / "c", raw_tokenizer, config=config)
+    with pytest.raises(CheckpointError, match="tokenizer_config.json"):
+        Tokenizer.from_dir(path)
+
+
 def test_tokenizer_json_only(tmp_path, raw_tokenizer):
     t = Tokenizer.from_dir(_write_checkpoint(tmp_path / "bare", raw_tokenizer))
     assert t.chat_template is None and t.uses_default_chat_template

@@ -17,9 +17,11 @@ are small float32 arrays (RMSNorm1p weights already turned into their effective 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +29,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import ModelConfig, brief, read_json_file
 from .errors import CheckpointError
 from .quantize import bf16_to_f32
 
@@ -64,6 +66,12 @@ _FLOAT_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 
 # A header is a few MB even for 100k tensors; more than this is a corrupt length field.
 _MAX_HEADER_BYTES = 256 << 20
+# numpy 1.x arrays have at most 32 dimensions. A dim above 2**48 can only belong to an empty tensor (a
+# non-empty one must fit in the file) and would overflow numpy's size arithmetic.
+_MAX_NDIM = 32
+_MAX_DIM = 1 << 48
+# model.safetensors.index.json of the real model is ~4 MB (about 30k per-expert names).
+_MAX_INDEX_BYTES = 256 << 20
 
 # Supported by MLX's affine mode; Lily's kernels take bits 4 and 8.
 _AFFINE_BITS_KNOWN = (2, 3, 4, 5, 6, 8)
@@ -97,13 +105,17 @@ class SafetensorsFile:
         self.name = self.path.name
         self._mm: mmap.mmap | None = None
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (no effect on files).
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             raise CheckpointError(f"safetensors file '{self.path}' does not exist") from None
         except OSError as e:
             raise CheckpointError(f"cannot open safetensors file '{self.path}': {e}") from e
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"'{self.path}' is not a regular file (a safetensors file was expected)")
+            size = st.st_size
             if size < 8:
                 raise CheckpointError(f"'{self.name}' is too short ({size} bytes) to be a safetensors file")
             head = os.pread(fd, 8, 0)
@@ -117,6 +129,8 @@ class SafetensorsFile:
                 raise CheckpointError(f"'{self.name}': header length {n} is absurd (corrupt file)")
             raw = os.pread(fd, n, 8)
             self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise CheckpointError(f"cannot read safetensors file '{self.path}': {e}") from e
         finally:
             os.close(fd)  # the map keeps its own reference to the file
         self.size = size
@@ -126,48 +140,70 @@ class SafetensorsFile:
     def _parse_header(self, raw: bytes, n: int) -> tuple[dict, dict[str, TensorInfo]]:
         try:
             header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except RecursionError:
+            raise CheckpointError(f"'{self.name}': the safetensors header is not valid JSON (nested too deeply)") from None
+        except (UnicodeDecodeError, ValueError) as e:  # ValueError: JSONDecodeError, ints of > 4300 digits
             raise CheckpointError(f"'{self.name}': the safetensors header is not valid JSON ({e})") from None
         if not isinstance(header, dict):
             raise CheckpointError(
                 f"'{self.name}': the safetensors header must be a JSON object, got {type(header).__name__}"
             )
-        metadata = header.pop("__metadata__", None) or {}
+        metadata = header.pop("__metadata__", None)
+        metadata = {} if metadata is None else metadata
+        # The format defines __metadata__ as an optional string -> string map (the safetensors library
+        # rejects anything else).
         if not isinstance(metadata, dict):
-            raise CheckpointError(f"'{self.name}': __metadata__ must be an object")
+            raise CheckpointError(
+                f"'{self.name}': header field '__metadata__' must be an object, got {type(metadata).__name__}"
+            )
+        for key, value in metadata.items():
+            if not isinstance(value, str):
+                raise CheckpointError(
+                    f"'{self.name}': header field '__metadata__.{key}' must be a string, got {type(value).__name__}"
+                )
         data_len = self.size - self.data_start
         tensors: dict[str, TensorInfo] = {}
         for name, entry in header.items():
             where = f"tensor '{name}' in '{self.name}'"
             if not isinstance(entry, dict):
-                raise CheckpointError(f"{where}: header entry must be an object")
+                raise CheckpointError(f"{where}: header entry must be an object, got {type(entry).__name__}")
             dtype = entry.get("dtype")
+            if not isinstance(dtype, str):
+                raise CheckpointError(
+                    f"{where}: header field 'dtype' must be a string, got {type(dtype).__name__} {brief(dtype)}"
+                )
             if dtype not in SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{where} has unknown dtype {dtype!r}")
+                raise CheckpointError(f"{where} has unknown dtype {brief(dtype)}")
             shape = entry.get("shape")
-            if not isinstance(shape, list) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+            if (
+                not isinstance(shape, list)
+                or len(shape) > _MAX_NDIM
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _MAX_DIM for d in shape)
             ):
-                raise CheckpointError(f"{where} has an invalid shape {shape!r}")
+                raise CheckpointError(
+                    f"{where}: header field 'shape' must be a list of at most {_MAX_NDIM} ints in "
+                    f"[0, {_MAX_DIM}], got {brief(shape)}"
+                )
             offs = entry.get("data_offsets")
             if (
                 not isinstance(offs, list)
                 or len(offs) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
             ):
-                raise CheckpointError(f"{where} has invalid data_offsets {offs!r}")
+                raise CheckpointError(f"{where}: header field 'data_offsets' must be two ints, got {brief(offs)}")
             begin, end = offs
             if not (0 <= begin <= end <= data_len):
                 raise CheckpointError(
-                    f"{where}: data_offsets [{begin}, {end}] are outside the data section "
+                    f"{where}: data_offsets [{brief(begin)}, {brief(end)}] are outside the data section "
                     f"({data_len} bytes; the file is truncated or corrupt)"
                 )
             itemsize = SAFETENSORS_DTYPES[dtype][1]
-            expected = int(np.prod(shape, dtype=np.int64)) * itemsize if shape else itemsize
+            # Python ints: the product of 32 dims of up to 2**48 cannot overflow (np.prod in int64 could).
+            expected = math.prod(shape) * itemsize
             if end - begin != expected:
                 raise CheckpointError(
                     f"{where}: data span {end - begin} bytes does not match shape {shape} x {itemsize} "
-                    f"bytes ({expected}); the file is truncated or corrupt"
+                    f"bytes ({brief(expected)}); the file is truncated or corrupt"
                 )
             tensors[name] = TensorInfo(name, dtype, tuple(shape), self.data_start + begin, self.data_start + end)
         spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.end > t.start)
@@ -208,20 +244,27 @@ def list_weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None, 
     """
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            with open(index, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"'{index.name}' is not valid JSON: {e}") from e
-        wm = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
-            raise CheckpointError(f"'{index.name}' has no valid 'weight_map' (tensor name -> file name)")
+        data = read_json_file(index, _MAX_INDEX_BYTES)
+        if not isinstance(data, dict):
+            raise CheckpointError(f"'{index.name}' must hold a JSON object, got {type(data).__name__}")
+        wm = data.get("weight_map")
+        if not isinstance(wm, dict):
+            raise CheckpointError(
+                f"'{index.name}': field 'weight_map' must be an object (tensor name -> file name), "
+                f"got {type(wm).__name__}"
+            )
+        for k, v in wm.items():
+            if not isinstance(v, str):
+                raise CheckpointError(
+                    f"'{index.name}': field 'weight_map' entry '{k}' must be a file name string, got {brief(v)}"
+                )
         names = sorted(set(wm.values()))
         for n in names:
-            if Path(n).name != n:
-                raise CheckpointError(f"'{index.name}' points to '{n}', which is not a file in the folder")
+            # A NUL byte or a lone surrogate cannot name a file (os.stat raises ValueError on them).
+            if Path(n).name != n or n in ("", ".", "..") or not n.isprintable():
+                raise CheckpointError(f"'{index.name}' points to {brief(n)}, which is not a file in the folder")
             if not (folder / n).is_file():
-                raise CheckpointError(f"'{index.name}' points to '{n}', which does not exist in '{folder}'")
+                raise CheckpointError(f"'{index.name}' points to {brief(n)}, which does not exist in '{folder}'")
         return [folder / n for n in names], wm, index
     single = folder / "model.safetensors"
     if single.is_file():
@@ -575,14 +618,14 @@ class _Builder:
             if (eb is not None and eb != bits) or (eg is not None and eg != group):
                 raise CheckpointError(
                     f"{w.where()} is packed as bits={bits}, group_size={group} but config.json "
-                    f"'quantization' says bits={eb}, group_size={eg} for '{mpath}'"
+                    f"'quantization' says bits={brief(eb)}, group_size={brief(eg)} for '{mpath}'"
                 )
         elif entry is False:
             raise CheckpointError(f"{w.where()} is quantized but config.json 'quantization' says '{mpath}': false")
         else:
             db, dg = q.get("bits"), q.get("group_size")
             if (db is not None and db != bits) or (dg is not None and dg != group):
-                note = f"{mpath}: packed as q{bits}g{group}, config default is q{db}g{dg} (inferred from shapes)"
+                note = f"{mpath}: packed as q{bits}g{group}, config default is q{brief(db)}g{brief(dg)} (inferred from shapes)"
                 if len(self.notes) < 50:
                     self.notes.append(note)
 
@@ -678,7 +721,7 @@ def load_checkpoint(path: str | Path, *, progress: bool = False) -> Checkpoint:
     q = config.quantization
     if isinstance(q, dict) and "quant_method" in q and "bits" not in q:
         raise CheckpointError(
-            f"{config.source}: unsupported quantization method '{q.get('quant_method')}' "
+            f"{config.source}: unsupported quantization method {brief(q.get('quant_method'))} "
             "(Lily loads bf16/fp16/fp32 Hugging Face weights or MLX affine 4/8-bit)"
         )
     files, located = _open_files(folder, progress)
@@ -796,7 +839,7 @@ def _build(folder: Path, cfg: ModelConfig, files: list[SafetensorsFile], located
     if leftovers:
         s = srcs[leftovers[0]]
         hint = ""
-        m = re.match(r"layers\.(\d+)\.(self_attn|linear_attn)\.", leftovers[0])
+        m = re.match(r"layers\.(\d{1,9})\.(self_attn|linear_attn)\.", leftovers[0])
         if m and int(m.group(1)) < cfg.num_hidden_layers:
             hint = f" (layer {m.group(1)} is {cfg.layer_types[int(m.group(1))]} per config.json)"
         more = f" and {len(leftovers) - 1} more" if len(leftovers) > 1 else ""

@@ -24,23 +24,100 @@ _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_PARTIAL_ROTARY = 0.25
 _DEFAULT_FULL_ATTENTION_INTERVAL = 4  # transformers' Qwen3_5MoeTextConfig default
 
-_REQUIRED_INTS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "vocab_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "shared_expert_intermediate_size",
-)
+# Every count read from config.json has an upper bound, checked before anything is built from it (a
+# `num_hidden_layers: 10**10` would otherwise build a list of 10**10 layer types). The bounds admit the real
+# model (MODEL.md 1.2: hidden 2048, 40 layers, vocab 248320, 16/2 heads of 256, 16/32 linear heads of
+# 128, conv 4, 256 experts top-8, intermediate 512) with a wide margin.
+INT_LIMITS: dict[str, int] = {
+    "hidden_size": 65536,
+    "num_hidden_layers": 4096,
+    "vocab_size": 1 << 24,
+    "num_attention_heads": 4096,
+    "num_key_value_heads": 4096,
+    "head_dim": 65536,
+    "linear_num_key_heads": 4096,
+    "linear_num_value_heads": 4096,
+    "linear_key_head_dim": 65536,
+    "linear_value_head_dim": 65536,
+    "linear_conv_kernel_dim": 1024,
+    "num_experts": 65536,
+    "num_experts_per_tok": 65536,
+    "moe_intermediate_size": 1 << 20,
+    "shared_expert_intermediate_size": 1 << 20,
+    "max_position_embeddings": (1 << 31) - 1,
+    "full_attention_interval": 4096,
+}
+_REQUIRED_INTS = tuple(k for k in INT_LIMITS if k not in ("max_position_embeddings", "full_attention_interval"))
+# Sizes derived from the counts above (matrix rows, per-session state) must fit a C++ int32 index; the
+# real model's largest is 2*16*128 + 32*128 = 8192 (conv_dim) rows and 32*128*128 = 524288 state floats.
+_MAX_DERIVED = (1 << 31) - 1
+# Expert matrices (layers x experts): each becomes a descriptor; the real model has 40 x 256 = 10240.
+_MAX_LAYER_EXPERTS = 1 << 20
+# A config.json is a few KB; more than this is not a config (json.load would read it all into memory).
+MAX_JSON_BYTES = 16 << 20
+
+
+def brief(value: Any, limit: int = 60) -> str:
+    """repr() for error messages, cut short: the value may be a huge list, or an int too long for str()."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<int of {value.bit_length()} bits>"
+    try:
+        r = repr(value)
+    except Exception:  # noqa: BLE001 - a repr that fails (e.g. a deeply nested list) still gets a message
+        return f"<{type(value).__name__}>"
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def read_json_file(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """Parse a JSON file from a checkpoint; every failure is a CheckpointError naming the file."""
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise CheckpointError(f"cannot read '{path}': {e}") from e
+    if size > max_bytes:
+        raise CheckpointError(f"'{path}' is {size} bytes, more than the {max_bytes} a JSON config may have")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except RecursionError:
+        raise CheckpointError(f"'{path}' is not valid JSON: nested too deeply") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # ValueError: JSONDecodeError, ints > 4300 digits
+        raise CheckpointError(f"'{path}' is not valid JSON: {e}") from e
+
+
+def _finite(x: int | float) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def _check_derived(vals: dict[str, int], err, name) -> None:
+    """Bound the sizes Lily computes from several fields (matrix rows, per-session state), each within its
+    own bound, before a loader or the core allocates or indexes with them."""
+    hd = vals["head_dim"]
+    Hk, Hv = vals["linear_num_key_heads"], vals["linear_num_value_heads"]
+    Dk, Dv = vals["linear_key_head_dim"], vals["linear_value_head_dim"]
+    conv_dim = 2 * Hk * Dk + Hv * Dv
+    derived = (  # (field to name, what it gives, value)
+        ("num_attention_heads", "num_attention_heads x 2 x head_dim (q_proj rows)", vals["num_attention_heads"] * 2 * hd),
+        ("num_key_value_heads", "num_key_value_heads x head_dim (k_proj rows)", vals["num_key_value_heads"] * hd),
+        ("linear_num_key_heads", "2 x linear_num_key_heads x linear_key_head_dim + linear_num_value_heads x "
+         "linear_value_head_dim (conv channels)", conv_dim),
+        ("linear_conv_kernel_dim", "(linear_conv_kernel_dim - 1) x conv channels (conv state)",
+         (vals["linear_conv_kernel_dim"] - 1) * conv_dim),
+        ("linear_num_value_heads", "linear_num_value_heads x linear_key_head_dim x linear_value_head_dim "
+         "(recurrent state)", Hv * Dk * Dv),
+        ("num_experts", "num_experts x 2 x moe_intermediate_size (fused gate_up rows)",
+         vals["num_experts"] * 2 * vals["moe_intermediate_size"]),
+    )
+    for field_name, what, v in derived:
+        if v > _MAX_DERIVED:
+            raise err(name(field_name), f"gives {what} = {v}, more than Lily's bound of {_MAX_DERIVED}")
+    n = vals["num_hidden_layers"] * vals["num_experts"]
+    if n > _MAX_LAYER_EXPERTS:
+        raise err(name("num_experts"), f"x num_hidden_layers = {n} expert blocks, more than Lily's bound of "
+                                      f"{_MAX_LAYER_EXPERTS}")
 
 
 @dataclass
@@ -103,11 +180,7 @@ class ModelConfig:
             p = p / "config.json"
         if not p.is_file():
             raise CheckpointError(f"config file '{p}' does not exist")
-        try:
-            with open(p, encoding="utf-8") as f:
-                d = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"'{p}' is not valid JSON: {e}") from e
+        d = read_json_file(p)
         if not isinstance(d, dict):
             raise CheckpointError(f"'{p}' must hold a JSON object, got {type(d).__name__}")
         return cls.from_dict(d, source=str(p))
@@ -126,7 +199,7 @@ class ModelConfig:
             raise err("model_type", "is missing (Lily runs qwen3_5_moe)")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(
-                f"unsupported model_type '{model_type}' in {source} (Lily runs qwen3_5_moe)"
+                f"unsupported model_type {brief(model_type)} in {source} (Lily runs qwen3_5_moe)"
             )
 
         if "text_config" in d and d["text_config"] is not None:
@@ -137,7 +210,7 @@ class ModelConfig:
             inner_type = tc.get("model_type")
             if inner_type is not None and inner_type not in SUPPORTED_MODEL_TYPES:
                 raise CheckpointError(
-                    f"unsupported model_type '{inner_type}' (field 'text_config.model_type') in {source} "
+                    f"unsupported model_type {brief(inner_type)} (field 'text_config.model_type') in {source} "
                     "(Lily runs qwen3_5_moe)"
                 )
         else:
@@ -157,16 +230,18 @@ class ModelConfig:
                 if isinstance(v, float) and v.is_integer():
                     v = int(v)
                 else:
-                    raise err(name(k), f"must be a positive integer, got {v!r}")
+                    raise err(name(k), f"must be a positive integer, got {brief(v)}")
             if v <= 0:
-                raise err(name(k), f"must be a positive integer, got {v!r}")
+                raise err(name(k), f"must be a positive integer, got {brief(v)}")
+            if v > INT_LIMITS[k]:
+                raise err(name(k), f"is {brief(v)}, more than Lily's bound of {INT_LIMITS[k]}")
             return v
 
         vals = {k: get_int(k) for k in _REQUIRED_INTS}
 
         eps = tc.get("rms_norm_eps", 1e-6)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
-            raise err(name("rms_norm_eps"), f"must be a small positive number, got {eps!r}")
+            raise err(name("rms_norm_eps"), f"must be a small positive number, got {brief(eps)}")
         if "rms_norm_eps" not in tc:
             notes.append("rms_norm_eps missing; using 1e-6")
 
@@ -187,16 +262,16 @@ class ModelConfig:
             if rtype not in ("default", "mrope", None):
                 raise err(
                     name(key) + ".rope_type",
-                    f"is '{rtype}': RoPE scaling is not supported (Lily supports rope_type 'default')",
+                    f"is {brief(rtype)}: RoPE scaling is not supported (Lily supports rope_type 'default')",
                 )
         if "rope_theta" in rope_params:
             theta = rope_params["rope_theta"]
             theta_field = name("rope_parameters.rope_theta")
-            notes.append(f"rope_theta={theta} from {theta_field}")
+            notes.append(f"rope_theta={brief(theta)} from {theta_field}")
         elif "rope_theta" in tc:
             theta = tc["rope_theta"]
             theta_field = name("rope_theta")
-            notes.append(f"rope_theta={theta} from {theta_field}")
+            notes.append(f"rope_theta={brief(theta)} from {theta_field}")
         else:
             theta = _DEFAULT_ROPE_THETA
             theta_field = name("rope_parameters.rope_theta")
@@ -204,8 +279,9 @@ class ModelConfig:
                 f"rope_theta missing; using transformers' default {_DEFAULT_ROPE_THETA:g} "
                 "(mlx-lm would use 100000)"
             )
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0 or not math.isfinite(theta):
-            raise err(theta_field, f"must be a positive number, got {theta!r}")
+        # float(): an int beyond the float range would make math.isfinite raise OverflowError.
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not _finite(theta) or not theta > 0:
+            raise err(theta_field, f"must be a positive finite number, got {brief(theta)}")
 
         if "partial_rotary_factor" in rope_params:
             prf, prf_field = rope_params["partial_rotary_factor"], name("rope_parameters.partial_rotary_factor")
@@ -215,7 +291,7 @@ class ModelConfig:
             prf, prf_field = _DEFAULT_PARTIAL_ROTARY, name("partial_rotary_factor")
             notes.append(f"partial_rotary_factor missing; using {_DEFAULT_PARTIAL_ROTARY}")
         if isinstance(prf, bool) or not isinstance(prf, (int, float)) or not (0 < prf <= 1):
-            raise err(prf_field, f"must be in (0, 1], got {prf!r}")
+            raise err(prf_field, f"must be in (0, 1], got {brief(prf)}")
         rotary_dim = int(vals["head_dim"] * prf)
         if rotary_dim <= 0 or rotary_dim % 2:
             raise err(prf_field, f"gives rotary_dim={rotary_dim} (head_dim {vals['head_dim']} x {prf}); it must be even and > 0")
@@ -238,8 +314,8 @@ class ModelConfig:
                     f"has {len(layer_types)} entries but num_hidden_layers is {n_layers}",
                 )
             for i, t in enumerate(layer_types):
-                if t not in LAYER_TYPES:
-                    raise err(name("layer_types") + f"[{i}]", f"is {t!r}; expected one of {list(LAYER_TYPES)}")
+                if not isinstance(t, str) or t not in LAYER_TYPES:
+                    raise err(name("layer_types") + f"[{i}]", f"is {brief(t)}; expected one of {list(LAYER_TYPES)}")
             layer_types = list(layer_types)
 
         # ---- consistency ----
@@ -259,8 +335,12 @@ class ModelConfig:
                 name("num_experts_per_tok"),
                 f"({vals['num_experts_per_tok']}) exceeds num_experts ({vals['num_experts']})",
             )
-        if tc.get("attention_bias", False):
+        bias = tc.get("attention_bias", False)
+        if bias is not None and not isinstance(bias, bool):
+            raise err(name("attention_bias"), f"must be true or false, got {brief(bias)}")
+        if bias:
             raise err(name("attention_bias"), "is true: attention biases are not supported (qwen3_5_moe has none)")
+        _check_derived(vals, err, name)
 
         # ---- tied embeddings: text_config wins (mlx-lm reads it there), else the top level ----
         if "tie_word_embeddings" in tc:
@@ -268,7 +348,7 @@ class ModelConfig:
         else:
             tie, tie_field = d.get("tie_word_embeddings", False), "tie_word_embeddings"
         if not isinstance(tie, bool):
-            raise err(tie_field, f"must be true or false, got {tie!r}")
+            raise err(tie_field, f"must be true or false, got {brief(tie)}")
 
         quant = d.get("quantization")
         if quant is None:

@@ -32,7 +32,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from .checkpoint import SAFETENSORS_DTYPES, SafetensorsWriter, load_checkpoint
-from .config import ModelConfig
+from .config import ModelConfig, read_json_file
 from .errors import CheckpointError
 from .quantize import bf16_to_f32, f32_to_bf16, quantize
 
@@ -237,7 +237,7 @@ def mlx_config_json(raw: dict, quant: dict, generation_config: Path | None) -> s
         try:
             with open(generation_config, encoding="utf-8") as f:
                 gen = json.load(f)
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # an unreadable generation config adds nothing
             gen = {}
         eos = gen.get("eos_token_id", False) if isinstance(gen, dict) else False
         if eos:
@@ -423,10 +423,9 @@ def convert(
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise CheckpointError(f"output folder '{out_dir}' already exists and is not empty")
 
-    with open(src_dir / "config.json", encoding="utf-8") as f:
-        raw_cfg = json.load(f)
-    ck = load_checkpoint(src_dir)
+    ck = load_checkpoint(src_dir)  # validates config.json first, so the raw read below cannot fail on it
     try:
+        raw_cfg = read_json_file(src_dir / "config.json")
         if ck.format != "hf":
             raise CheckpointError(f"'{src_dir}' is already an MLX checkpoint (nothing to convert)")
         if dtype is None:

@@ -4,6 +4,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _is_int(value: Any) -> bool:
+    # Python and numpy integers; bool and np.bool_ are flags, not counts.
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value: Any) -> bool:
+    # Python and numpy ints and floats (np.float64 is a float subclass, np.float32 is not); not bools,
+    # complex numbers, strings or arrays.
+    return _is_int(value) or isinstance(value, (float, np.floating))
+
+
+def _show(value: Any) -> str:
+    # The value and its type: np.float32(3.0) and 3.0 differ in what they may be used for.
+    kind = type(value)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    big = isinstance(value, int) and abs(value) > 2**256  # repr of a > 4300-digit int raises ValueError
+    text = f"<int of {value.bit_length()} bits>" if big else repr(value)
+    return f"{text[:60]} ({name})"
 
 
 @dataclass(frozen=True)
@@ -27,16 +52,35 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        # numpy scalars are welcome and stored as Python numbers (the core reads float and int64/uint64).
         def number(name: str) -> float:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
-            return float(value)
+            if not _is_real(value):
+                raise ValueError(f"SamplingParams.{name} must be a finite number, got {_show(value)}")
+            try:
+                f = float(value)
+            except OverflowError:  # an int beyond the float range
+                f = math.inf
+            # The core computes in float32: a larger magnitude would become inf there.
+            if not math.isfinite(f) or abs(f) > _FLOAT32_MAX:
+                raise ValueError(f"SamplingParams.{name} must be a finite number within the float32 range, "
+                                 f"got {_show(value)}")
+            object.__setattr__(self, name, f)
+            return f
+
+        def integer(name: str, lo: int, hi: int, what: str) -> None:
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise ValueError(f"SamplingParams.{name} must be {what}, got {_show(value)}")
+            v = int(value)
+            if not lo <= v <= hi:
+                raise ValueError(f"SamplingParams.{name} must be {what}, got {_show(value)}")
+            object.__setattr__(self, name, v)
 
         if number("temperature") < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        # Any top_k >= the vocabulary keeps every token; the bound is what the core's int64 holds.
+        integer("top_k", 0, 2**63 - 1, "an int in [0, 2**63) (0 disables it; it must fit in int64)")
         if not 0.0 < number("top_p") <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         if not 0.0 <= number("min_p") <= 1.0:
@@ -45,10 +89,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         number("presence_penalty")
         number("frequency_penalty")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
-        ):
-            raise ValueError(f"SamplingParams.seed must be an int in [0, 2**64) or None, got {self.seed!r}")
+        if self.seed is not None:
+            integer("seed", 0, 2**64 - 1, "an int in [0, 2**64) or None")
 
     @classmethod
     def greedy(cls) -> "SamplingParams":

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .streaming import GenerationResponse
 
-_SESSION_FORMAT = "lily-session/1"
+# /2: a sha256 checksum over metadata, tensor names, dtypes, shapes and bytes (metadata 'checksum').
+_SESSION_FORMAT = "lily-session/2"
 
 # Generation loops still running (a suspended generator, one abandoned in a global, a daemon thread's).
 # At interpreter exit they are cancelled and joined while Python still runs normally: a C++ loop that
@@ -353,40 +354,128 @@ class Session:
         self._core.reset()
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the session state to a safetensors file (load it with Engine.load_session)."""
-        from safetensors.numpy import save_file
+        """Write the session state to a safetensors file (load it with Engine.load_session or load)."""
+        from .checkpoint import SafetensorsWriter
 
         snap = self._core.snapshot()
         arrays = {k: np.ascontiguousarray(v) for k, v in snap.to_arrays().items()}
+        specs = [(name, _session_dtype(name, a), a.shape) for name, a in arrays.items()]
         meta = {
             "format": _SESSION_FORMAT,
             "fingerprint": self._engine.fingerprint,
             "max_context": str(self.max_context),
             "position": str(snap.position),
         }
+        meta["checksum"] = _session_checksum(meta, ((n, dt, shp, arrays[n]) for n, dt, shp in specs))
         tmp = f"{os.fspath(path)}.tmp"
-        save_file(arrays, tmp, metadata=meta)
+        try:
+            with SafetensorsWriter(tmp, specs, metadata=meta) as w:
+                for name, a in arrays.items():
+                    w.write(name, a)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
         os.replace(tmp, path)  # never leaves a half-written file under the real name
 
 
+# A session file's own max_context claim is bounded before Engine.load_session allocates a KV cache for
+# it: 2**24 tokens is 64x the real model's max_position_embeddings (262144, MODEL.md 1.2).
+_SESSION_MAX_CONTEXT = 1 << 24
+
+# numpy dtype -> safetensors dtype of the arrays a snapshot may hold (bf16 travels as uint16 bits).
+_NUMPY_TO_SAFETENSORS = {
+    np.dtype(np.bool_): "BOOL", np.dtype(np.uint8): "U8", np.dtype(np.int8): "I8", np.dtype("<u2"): "U16",
+    np.dtype("<i2"): "I16", np.dtype("<f2"): "F16", np.dtype("<u4"): "U32", np.dtype("<i4"): "I32",
+    np.dtype("<f4"): "F32", np.dtype("<u8"): "U64", np.dtype("<i8"): "I64", np.dtype("<f8"): "F64",
+}
+# Token ids are the arrays whose dtype Lily checks itself: a float array would be truncated silently.
+_INT32_ARRAYS = ("tokens", "pending")
+
+
+def _session_dtype(name: str, a: np.ndarray) -> str:
+    dt = _NUMPY_TO_SAFETENSORS.get(a.dtype)
+    if dt is None:
+        raise ValueError(f"snapshot array '{name}' has dtype {a.dtype}, which a session file cannot store")
+    return dt
+
+
+def _session_checksum(meta: dict[str, str], tensors: Iterable[tuple[str, str, tuple, np.ndarray]]) -> str:
+    """sha256 over the metadata (but the checksum itself), then each tensor's name, dtype, shape and bytes
+    in name order; the JSON line per tensor fixes how many bytes follow it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    h.update(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
+    for name, dtype, shape, a in sorted(tensors, key=lambda t: t[0]):
+        h.update(json.dumps([name, dtype, [int(d) for d in shape]]).encode())
+        if a.size:
+            h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    return "sha256:" + h.hexdigest()
+
+
+def _meta_int(meta: dict[str, str], key: str, path, lo: int, hi: int) -> int:
+    v = meta.get(key)
+    # ASCII digits only: int() would also take " 64", "+64", "6_4" and other scripts' digits.
+    if not isinstance(v, str) or not (v.isascii() and v.isdigit() and len(v) <= 20):
+        shown = "missing" if v is None else f"{v[:40]!r}"
+        raise CheckpointError(f"session file '{path}': metadata field '{key}' must be a decimal integer, got {shown}")
+    n = int(v)
+    if not lo <= n <= hi:
+        raise CheckpointError(f"session file '{path}': metadata field '{key}' is {n}, outside [{lo}, {hi}]")
+    return n
+
+
 def read_session_file(path: str | os.PathLike, fingerprint: str) -> tuple[Snapshot, dict]:
-    """The snapshot and metadata of a saved session, checked against the engine's model fingerprint."""
-    from safetensors import SafetensorError, safe_open
+    """The snapshot and metadata of a saved session, checked against the engine's model fingerprint.
 
+    Raises CheckpointError (naming the file and the field or tensor) for anything that is not an intact
+    session file of this format, LilyError for a session of another model."""
     from . import _core
+    from .checkpoint import SafetensorsFile
 
     try:
-        with safe_open(os.fspath(path), framework="numpy") as f:
-            meta = dict(f.metadata() or {})
-            arrays = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read session file '{path}': {exc}") from exc
-    if meta.get("format") != _SESSION_FORMAT:
-        raise CheckpointError(f"'{path}' is not a Lily session file (format {json.dumps(meta.get('format'))})")
-    if meta.get("fingerprint") != fingerprint:
-        raise LilyError(f"session file '{path}' was saved on a different model; it cannot be loaded here")
+        f = SafetensorsFile(path)  # validates the header: dtypes, shapes, offsets inside the file
+    except CheckpointError as exc:
+        raise CheckpointError(f"cannot read session file '{path}': {exc}") from None
+    arrays: dict[str, np.ndarray] = {}
     try:
-        snap = _core.HostSnapshot.from_arrays(arrays)
-    except (ValueError, TypeError) as exc:
-        raise CheckpointError(f"session file '{path}' is malformed: {exc}") from exc
+        meta = dict(f.metadata)
+        fmt = meta.get("format")
+        if fmt != _SESSION_FORMAT:
+            if isinstance(fmt, str) and fmt.startswith("lily-session/"):
+                raise CheckpointError(f"session file '{path}' has format {fmt[:40]!r}; this Lily reads "
+                                      f"{_SESSION_FORMAT!r} (save the session again with this version)")
+            raise CheckpointError(f"'{path}' is not a Lily session file (format {json.dumps(fmt)[:40]})")
+        max_context = _meta_int(meta, "max_context", path, 1, _SESSION_MAX_CONTEXT)
+        position = _meta_int(meta, "position", path, 0, max_context)
+        if meta.get("fingerprint") != fingerprint:
+            raise LilyError(f"session file '{path}' was saved on a different model; it cannot be loaded here")
+        for name in _INT32_ARRAYS:
+            info = f.tensors.get(name)
+            if info is None:
+                raise CheckpointError(f"session file '{path}' has no tensor '{name}'")
+            if info.dtype != "I32" or len(info.shape) != 1:
+                raise CheckpointError(f"session file '{path}': tensor '{name}' must be a 1-D I32 array of token "
+                                      f"ids, got {info.dtype} {list(info.shape)}")
+        n_pending = f.tensors["pending"].shape[0]
+        if n_pending > 1:
+            raise CheckpointError(f"session file '{path}': tensor 'pending' holds {n_pending} ids, at most 1")
+        arrays = {name: f.array(name) for name in f.tensors}  # views into the map, no copy
+        has_pending = n_pending == 1 and int(arrays["pending"][0]) >= 0
+        if f.tensors["tokens"].shape[0] + has_pending != position:
+            raise CheckpointError(f"session file '{path}': metadata field 'position' is {position} but the file "
+                                  f"holds {f.tensors['tokens'].shape[0]} tokens"
+                                  + (" and a pending one" if has_pending else ""))
+        expected = meta.get("checksum")
+        actual = _session_checksum(meta, ((n, t.dtype, t.shape, arrays[n]) for n, t in f.tensors.items()))
+        if expected != actual:
+            raise CheckpointError(f"session file '{path}' is corrupt: checksum mismatch")
+        try:
+            snap = _core.HostSnapshot.from_arrays(arrays)
+        except (ValueError, TypeError, RuntimeError) as exc:  # RuntimeError: nanobind's failed casts
+            raise CheckpointError(f"session file '{path}' is malformed: {exc}") from exc
+    finally:
+        arrays.clear()  # drop the views so the map can close now
+        f.close()
     return Snapshot(snap, fingerprint), meta

@@ -11,8 +11,10 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import tokenizers
 
+from .config import brief
 from .errors import CheckpointError
 
 __all__ = ["Tokenizer", "StreamDecoder"]
@@ -27,7 +29,9 @@ def _read_json_object(path: Path) -> dict:
     try:
         with open(path, "r", encoding="utf-8") as f:
             value = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        raise CheckpointError(f"{path}: cannot parse JSON (nested too deeply)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # ValueError: JSONDecodeError, ints > 4300 digits
         raise CheckpointError(f"{path}: cannot parse JSON ({e})") from e
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
@@ -38,11 +42,16 @@ def _token_content(value: Any, path: Path, field: str) -> str | None:
     # tokenizer_config stores special tokens either as plain strings or as serialized AddedToken dicts.
     if value is None:
         return None
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    raise CheckpointError(f"{path}: field '{field}' must be a string or an object with 'content', got {value!r}")
+    if isinstance(value, dict):
+        value = value.get("content")
+    if not isinstance(value, str):
+        raise CheckpointError(f"{path}: field '{field}' must be a string or an object with 'content', "
+                              f"got {brief(value)}")
+    try:
+        value.encode("utf-8")  # a lone surrogate (JSON "\ud800") cannot reach the Rust tokenizer
+    except UnicodeEncodeError:
+        raise CheckpointError(f"{path}: field '{field}' is not valid Unicode text: {brief(value)}") from None
+    return value
 
 
 def _id_list(value: Any, path: Path, field: str) -> list[int]:
@@ -51,9 +60,12 @@ def _id_list(value: Any, path: Path, field: str) -> list[int]:
     items = value if isinstance(value, list) else [value]
     out = []
     for v in items:
-        # bool is an int subclass; a `true` here is a broken config, not token 1.
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise CheckpointError(f"{path}: field '{field}' must be a non-negative int or a list of them, got {value!r}")
+        # bool is an int subclass; a `true` here is a broken config, not token 1. Ids reach the core as
+        # int32 stop tokens.
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**31:
+            raise CheckpointError(
+                f"{path}: field '{field}' must be an int in [0, 2**31) or a list of them, got {brief(value)}"
+            )
         out.append(v)
     return out
 
@@ -71,7 +83,7 @@ class Tokenizer:
         eos_token: str | None = None,
         pad_token: str | None = None,
         add_bos_token: bool = False,
-        generation_eos_ids: Sequence[int] = (),
+        generation_eos_ids: Iterable[int] = (),
         generation_bos_id: int | None = None,
         extra_special_ids: Iterable[int] = (),
         source: str | None = None,
@@ -142,6 +154,8 @@ class Tokenizer:
                 templates["default"] = jinja_path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{jinja_path}: cannot read chat template ({e})") from e
+        for tname, text in templates.items():
+            _token_content(text, cfg_path, f"chat_template[{tname!r}]")  # rendered text goes to the Rust encoder
         chat_template = templates.get("default")
         if chat_template is None and len(templates) == 1:
             chat_template = next(iter(templates.values()))
@@ -155,8 +169,11 @@ class Tokenizer:
             try:
                 tid = int(key)
             except ValueError:
-                raise CheckpointError(f"{cfg_path}: added_tokens_decoder key {key!r} is not a token id") from None
+                raise CheckpointError(f"{cfg_path}: added_tokens_decoder key {brief(key)} is not a token id") from None
             content = _token_content(spec, cfg_path, f"added_tokens_decoder[{key}]")
+            if content is None:
+                raise CheckpointError(f"{cfg_path}: field 'added_tokens_decoder[{key}]' must be a string or an "
+                                      "object with 'content', got None")
             existing = tok.token_to_id(content)
             if existing is None:
                 # HF adds config-only tokens to the vocabulary at load; do the same, and insist the id matches.
@@ -241,7 +258,7 @@ class Tokenizer:
             ids = [i for i in ids if i not in self._special_ids]
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._decode_ids([_check_id(i) for i in ids], skip_special_tokens)
 
     def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
@@ -273,7 +290,10 @@ class Tokenizer:
         **extra: Any,
     ) -> list[int] | str:
         """Render `messages` with this checkpoint's template (ChatML fallback) and optionally tokenize."""
-        from .chat import render_chat  # local import: chat does not need the tokenizer at import time
+        from .chat import _as_list, render_chat  # local import: chat does not need the tokenizer at import time
+
+        if tools is not None:
+            tools = _as_list(tools, "tools")  # a generator would be consumed by the tool_use choice below
 
         kwargs = {**self.special_tokens_map(), **extra}
         text = render_chat(
@@ -292,13 +312,14 @@ class Tokenizer:
 
 
 def _check_id(token_id: Any) -> int:
-    # numpy ints are welcome; negatives and non-integers would crash or wrap inside the Rust decoder.
+    # numpy ints are welcome; negatives, non-integers and ids past u32 would crash, wrap or raise
+    # OverflowError inside the Rust decoder (unknown ids below 2**32 decode to nothing, as in HF).
     try:
         i = int(token_id)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"token id must be an int, got {token_id!r}") from None
-    if i != token_id or isinstance(token_id, bool) or i < 0:
-        raise ValueError(f"token id must be a non-negative int, got {token_id!r}")
+    if i != token_id or isinstance(token_id, (bool, np.bool_)) or not 0 <= i < 2**32:
+        raise ValueError(f"token id must be an int in [0, 2**32), got {token_id!r}")
     return i
 
 
