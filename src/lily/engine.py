@@ -134,6 +134,15 @@ class Engine:
         self._sessions: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
 
+    def _state_bytes(self, max_context: int) -> int:
+        cfg = self.config
+        kv = sum(t == "full_attention" for t in cfg.layer_types) * 2 * cfg.num_key_value_heads * cfg.head_dim \
+            * (2 if self.kv_cache_dtype == "bf16" else 4)
+        n_lin = sum(t == "linear_attention" for t in cfg.layer_types)
+        rec = n_lin * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+                       + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim) * 4
+        return kv * max_context + rec
+
     # ---- lifetime ----
     def close(self) -> None:
         """Release the model and every session's state. Generations still running are cancelled first
@@ -236,7 +245,12 @@ class Engine:
             raise ValueError(f"prefill_chunk must be a positive int, got {chunk!r}")
         if self._closed:
             raise LilyError("this Engine is closed")
-        s = Session(self, _core.Session(self._core, max_context, chunk, self.kv_cache_dtype))
+        try:
+            core = _core.Session(self._core, max_context, chunk, self.kv_cache_dtype)
+        except MemoryError:
+            raise LilyError(f"cannot allocate a session with max_context={max_context}: its KV cache and "
+                            f"recurrent state need {self._state_bytes(max_context):,} bytes") from None
+        s = Session(self, core)
         self._sessions.add(s)
         return s
 
@@ -337,13 +351,8 @@ class Engine:
             self._probe_stats = {"decode_step": probe.stats()["decode_step"], "prefill_chunk_2_tokens": prefill,
                                  "host_transfers_per_generated_token": "1 download (the 4-byte id), 0 uploads"}
             del probe
-        cfg = self.config
-        kv_per_token = sum(cfg.layer_types[i] == "full_attention" for i in range(cfg.num_hidden_layers)) \
-            * 2 * cfg.num_key_value_heads * cfg.head_dim * (2 if self.kv_cache_dtype == "bf16" else 4)
-        n_lin = sum(t == "linear_attention" for t in cfg.layer_types)
-        rec = n_lin * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-                       + (cfg.linear_conv_kernel_dim - 1) * (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
-                                                           + cfg.linear_num_value_heads * cfg.linear_value_head_dim)) * 4
+        rec = self._state_bytes(0)
+        kv_per_token = self._state_bytes(1) - rec
         tok = self.tokenizer
         return Report({
             "model": str(self.checkpoint.path),
