@@ -16,6 +16,7 @@ import pytest
 from lily.checkpoint import SafetensorsFile, load_checkpoint
 from lily.config import INT_LIMITS, ModelConfig
 from lily.errors import CheckpointError
+from tiny import rewrite_header
 from lily.synthetic import TINY_CONFIG, text_config, write_synthetic_checkpoint
 
 # ---- helpers ---------------------------------------------------------------------------------------
@@ -24,17 +25,6 @@ from lily.synthetic import TINY_CONFIG, text_config, write_synthetic_checkpoint
 def write_raw_safetensors(path: Path, header: bytes, data: bytes = b"") -> Path:
     path.write_bytes(len(header).to_bytes(8, "little") + header + data)
     return path
-
-
-def rewrite_header(path: Path, fn) -> None:
-    """Apply ``fn`` to the parsed header and write it back; data offsets are relative to the end of the
-    header, so the header may change length."""
-    raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8: 8 + n])
-    fn(header)
-    h = json.dumps(header).encode()
-    path.write_bytes(len(h).to_bytes(8, "little") + h + raw[8 + n:])
 
 
 def deep_json(depth: int) -> str:

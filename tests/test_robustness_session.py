@@ -13,20 +13,11 @@ import numpy as np
 import pytest
 
 import lily
+
 from lily.errors import CheckpointError
+from tiny import rewrite_header
 
 TINY_MODEL = Path(lily.__file__).parent / "models" / "lily-tiny"
-
-
-def rewrite_header(path: Path, fn) -> None:
-    """Apply ``fn`` to the parsed header and write it back; data offsets are relative to the end of the
-    header, so the header may change length."""
-    raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8: 8 + n])
-    fn(header)
-    h = json.dumps(header).encode()
-    path.write_bytes(len(h).to_bytes(8, "little") + h + raw[8 + n:])
 
 
 def checkpoint_error(fn, *needles: str) -> str:

@@ -897,3 +897,19 @@ def mlx_reference_logits(mlx_dir, ids: Sequence[int], *, float32: bool = True) -
     logits = model(x)
     mx.eval(logits)
     return np.array(logits[0].astype(mx.float32)).astype(np.float64)
+
+
+# --------------------------------------------------------------------------------------------------
+# safetensors files
+# --------------------------------------------------------------------------------------------------
+
+
+def rewrite_header(path: Path, fn) -> None:
+    """Apply ``fn`` to the parsed header and write it back; data offsets are relative to the end of the
+    header, so the header may change length."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8: 8 + n])
+    fn(header)
+    h = json.dumps(header).encode()
+    path.write_bytes(len(h).to_bytes(8, "little") + h + raw[8 + n:])
