@@ -766,11 +766,15 @@ NB_MODULE(_core, m) {
               nb::object on_token) {
              SamplingParams sp = parse_sampling(p);
              CallbackGuard cb;
-             std::function<bool(int32_t)> fn = [&](int32_t tok) {
-               return cb.call([&] {
+             // on_token answers 1 (received, go on), 0 (received, stop) or -1 (not received).
+             std::function<int(int32_t)> fn = [&](int32_t tok) {
+               int answer = -1;  // a failed callback delivered nothing
+               cb.call([&] {
                  nb::object r = on_token(tok);
-                 return r.is_none() || nb::cast<bool>(r);
+                 answer = r.is_none() ? 1 : nb::cast<int>(r);
+                 return true;
                });
+               return answer;
              };
              std::string reason;
              {

@@ -100,3 +100,40 @@ def test_inputs_the_signatures_promise(eng):
         list(s.generate(3, stop_token_ids=[1.7]))  # used to become 1
     with pytest.raises(TypeError, match="progress callback must return"):
         eng.session(max_context=64).prefill(ids, progress=lambda done, total: "yes")
+
+
+def test_ctrl_c_during_generate_keeps_the_context_equal_to_what_was_seen():
+    """SIGINT lands while the consumer waits for the next token (the loop has already produced it, and
+    with the step pipelined, fed it): the context must hold only the tokens the caller received."""
+    import os
+    import random
+    import signal
+    import threading
+
+    e = lily.Engine.from_pretrained(threads=1)
+    prompt = e.tokenize("def read_lines(path):")
+    rng = random.Random(0)
+    extra = 0
+    for trial in range(25):
+        s = e.session(max_context=4096)
+        s.prefill(prompt)
+        seen: list[int] = []
+        timer = threading.Timer(rng.uniform(0.02, 0.15), os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            for tok in s.generate(3000, stop_token_ids=NO_STOP):
+                seen.append(tok)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            timer.cancel()
+        assert s.finish_reason in ("cancelled", "length")
+        extra += len(s.tokens) - len(prompt) - len(seen)
+        assert s.tokens == prompt + seen, f"trial {trial}: the context holds tokens the caller never saw"
+        twin = e.session(max_context=4096)  # and the state is that of exactly those tokens
+        twin.prefill(prompt)
+        for t in seen:
+            twin.step(t)
+        if seen:
+            assert np.array_equal(s.logits, twin.logits)
+    assert extra == 0

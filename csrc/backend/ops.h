@@ -168,20 +168,23 @@ class Ops {
            {q.buf, gate.buf, k_cache.buf, v_cache.buf, pos.buf}, {out.buf, ws.buf},
            [=] { attention_impl(q, gate, k_cache, v_cache, pos, max_ctx, s, ws, out); });
   }
-  // Causal depthwise conv over [q|k|v] channels with the pre-conv rows of the last K-1 tokens kept in
-  // conv_state ([K-1, C]), then silu. Updates conv_state.
-  void conv1d_silu(const Tensor& mixed, const Tensor& conv_w, const Tensor& conv_state, const Tensor& out) {
-    record(OpKind::Conv1dSilu, {mixed.buf, conv_w.buf, conv_state.buf}, {out.buf, conv_state.buf},
-           [=] { conv1d_silu_impl(mixed, conv_w, conv_state, out); });
+  // Causal depthwise conv over [q|k|v] channels with the pre-conv rows of the last K-1 tokens kept in the
+  // conv state ([K-1, C]), then silu. Reads state_in, writes the advanced state to state_out (the same
+  // tensor for an in-place update).
+  void conv1d_silu(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in, const Tensor& state_out,
+                   const Tensor& out) {
+    record(OpKind::Conv1dSilu, {mixed.buf, conv_w.buf, state_in.buf}, {out.buf, state_out.buf},
+           [=] { conv1d_silu_impl(mixed, conv_w, state_in, state_out, out); });
   }
   // Gated delta rule over T tokens (L2-normed q/k, beta = sigmoid(b), g = -exp(A_log)·softplus(a+dt_bias)),
-  // fp32 state [v_heads * k_dim, v_dim] carried across calls; out [T, v_heads * v_dim].
+  // fp32 state [v_heads * k_dim, v_dim] read from state_in and written to state_out (may be the same
+  // tensor); out [T, v_heads * v_dim].
   void gated_delta(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
-                   const Tensor& dt_bias, const Tensor& state, const DeltaShape& s, const Tensor& ws,
-                   const Tensor& out) {
-    record(OpKind::GatedDelta, {qkv.buf, b.buf, a.buf, A_log.buf, dt_bias.buf, state.buf},
-           {state.buf, out.buf, ws.buf},
-           [=] { gated_delta_impl(qkv, b, a, A_log, dt_bias, state, s, ws, out); });
+                   const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out, const DeltaShape& s,
+                   const Tensor& ws, const Tensor& out) {
+    record(OpKind::GatedDelta, {qkv.buf, b.buf, a.buf, A_log.buf, dt_bias.buf, state_in.buf},
+           {state_out.buf, out.buf, ws.buf},
+           [=] { gated_delta_impl(qkv, b, a, A_log, dt_bias, state_in, state_out, s, ws, out); });
   }
   // Per value head: out = (w · rmsnorm(o)) · silu(z)   (fused recurrent-output normalisation).
   void gated_rms_norm(const Tensor& o, const Tensor& z, const Tensor& w, float eps, const Tensor& out) {
@@ -218,9 +221,9 @@ class Ops {
   void fill(const Tensor& dst, double value) {
     record(OpKind::Fill, {}, {dst.buf}, [=] { fill_impl(dst, value); });
   }
-  // pos[0] += T: the step moves its own position, so a recorded decode step stays valid.
-  void advance_position(const Tensor& pos, int64_t T) {
-    record(OpKind::AdvancePosition, {pos.buf}, {pos.buf}, [=] { advance_position_impl(pos, T); });
+  // pos_out[0] = pos_in[0] + T: the step moves its own position, so a recorded decode step stays valid.
+  void advance_position(const Tensor& pos_in, const Tensor& pos_out, int64_t T) {
+    record(OpKind::AdvancePosition, {pos_in.buf}, {pos_out.buf}, [=] { advance_position_impl(pos_in, pos_out, T); });
   }
   // Samples one id from logits [1, vocab] (penalties from the sampler state, then greedy or a seeded
   // draw), writes it to next_id [1, 1] (the next step's input slot) and appends it to st.ring.
@@ -278,11 +281,11 @@ class Ops {
   virtual void attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache,
                               const Tensor& v_cache, const Tensor& pos, int64_t max_ctx,
                               const AttentionShape& s, const Tensor& ws, const Tensor& out) = 0;
-  virtual void conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& conv_state,
-                                const Tensor& out) = 0;
+  virtual void conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in,
+                                const Tensor& state_out, const Tensor& out) = 0;
   virtual void gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
-                                const Tensor& dt_bias, const Tensor& state, const DeltaShape& s,
-                                const Tensor& ws, const Tensor& out) = 0;
+                                const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out,
+                                const DeltaShape& s, const Tensor& ws, const Tensor& out) = 0;
   virtual void gated_rms_norm_impl(const Tensor& o, const Tensor& z, const Tensor& w, float eps,
                                    const Tensor& out) = 0;
   virtual void moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids,
@@ -295,7 +298,7 @@ class Ops {
                                 const Tensor& h) = 0;
   virtual void copy_impl(const Tensor& src, const Tensor& dst) = 0;
   virtual void fill_impl(const Tensor& dst, double value) = 0;
-  virtual void advance_position_impl(const Tensor& pos, int64_t T) = 0;
+  virtual void advance_position_impl(const Tensor& pos_in, const Tensor& pos_out, int64_t T) = 0;
   virtual void sample_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p,
                            const Tensor& ws, const Tensor& next_id) = 0;
 

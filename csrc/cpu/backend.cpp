@@ -321,7 +321,9 @@ void CpuOps::fill_impl(const Tensor& dst, double value) {
   }
 }
 
-void CpuOps::advance_position_impl(const Tensor& pos, int64_t T) { *i32(pos) += int32_t(T); }
+void CpuOps::advance_position_impl(const Tensor& pos_in, const Tensor& pos_out, int64_t T) {
+  *i32(pos_out) = *i32(pos_in) + int32_t(T);
+}
 
 void CpuOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
   cpu::matmul(f32(x), x.rows, x.stride, view(w), f32(out), out.stride, path(), pool_, arena_);

@@ -104,11 +104,11 @@ class CpuOps final : public Ops {
   void attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache, const Tensor& v_cache,
                       const Tensor& pos, int64_t max_ctx, const AttentionShape& s, const Tensor& ws,
                       const Tensor& out) override;
-  void conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& conv_state,
+  void conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in, const Tensor& state_out,
                         const Tensor& out) override;
   void gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
-                        const Tensor& dt_bias, const Tensor& state, const DeltaShape& s, const Tensor& ws,
-                        const Tensor& out) override;
+                        const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out, const DeltaShape& s,
+                        const Tensor& ws, const Tensor& out) override;
   void gated_rms_norm_impl(const Tensor& o, const Tensor& z, const Tensor& w, float eps,
                            const Tensor& out) override;
   void moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids,
@@ -120,7 +120,7 @@ class CpuOps final : public Ops {
                         const Tensor& h) override;
   void copy_impl(const Tensor& src, const Tensor& dst) override;
   void fill_impl(const Tensor& dst, double value) override;
-  void advance_position_impl(const Tensor& pos, int64_t T) override;
+  void advance_position_impl(const Tensor& pos_in, const Tensor& pos_out, int64_t T) override;
   void sample_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p, const Tensor& ws,
                    const Tensor& next_id) override;
 

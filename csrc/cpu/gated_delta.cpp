@@ -22,8 +22,11 @@ size_t delta_workspace_bytes(const ModelConfig& c, int threads) {
   return Arena::need<float>(size_t(threads) * delta_thread_floats(size_t(c.lin_k_dim), size_t(c.lin_v_dim)));
 }
 
-void CpuOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& conv_state,
-                              const Tensor& out) {
+void CpuOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in,
+                              const Tensor& state_out, const Tensor& out) {
+  // Out of place (a decode step writing the other state set): start from a copy, then update in place.
+  if (state_in.buf != state_out.buf || state_in.offset != state_out.offset) copy_impl(state_in, state_out);
+  const Tensor& conv_state = state_out;
   const int64_t T = mixed.rows, C = mixed.cols, K = conv_w.cols, S = K - 1;
   const float *px = f32(mixed), *pw = f32(conv_w);
   float *pst = f32(conv_state), *po = f32(out);
@@ -61,12 +64,16 @@ void CpuOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const T
 }
 
 void CpuOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
-                              const Tensor& dt_bias, const Tensor& state, const DeltaShape& s,
-                              const Tensor& ws, const Tensor& out) {
+                              const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out,
+                              const DeltaShape& s, const Tensor& ws, const Tensor& out) {
   const int64_t T = qkv.rows, Dk = s.k_dim, Dv = s.v_dim, key_dim = s.k_heads * Dk;
   const int64_t ratio = s.v_heads / s.k_heads;
   const float *px = f32(qkv), *pb = f32(b), *pa = f32(a), *pA = f32(A_log), *pdt = f32(dt_bias);
-  float *pS = f32(state), *po = f32(out);
+  // The first token's decay reads state_in and writes state_out; every later access is to state_out, so
+  // an out-of-place step (a decode step writing the other state set) costs no extra pass over the state.
+  const Tensor& state = state_out;
+  const float* pS_in = f32(state_in);
+  float *pS = f32(state_out), *po = f32(out);
   const float q_scale = 1.f / std::sqrt(float(Dk));
   Arena arn = arena(ws, "gated_delta");
   const size_t per = delta_thread_floats(size_t(Dk), size_t(Dv));
@@ -80,6 +87,7 @@ void CpuOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& 
     for (int64_t j = h0; j < h1; ++j) {
       const int64_t kh = j / ratio;  // value heads 2g, 2g+1 share key head g (ratio 2)
       float* S = pS + j * Dk * state.stride;
+      const float* S_first = pS_in + j * Dk * state_in.stride;
       const float neg_A = -std::exp(pA[j]);
       for (int64_t t = 0; t < T; ++t) {
         const float* row = px + t * qkv.stride;
@@ -98,9 +106,10 @@ void CpuOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& 
         std::fill(m, m + Dv, 0.f);
         for (int64_t i = 0; i < Dk; ++i) {
           float* Si = S + i * state.stride;
+          const float* src = t == 0 ? S_first + i * state_in.stride : Si;
           const float ki = kn[i];
           for (int64_t e = 0; e < Dv; ++e) {
-            Si[e] *= alpha;
+            Si[e] = src[e] * alpha;
             m[e] += ki * Si[e];
           }
         }

@@ -13,31 +13,32 @@ namespace lily {
 
 // Gated DeltaNet mixer (MODEL.md section 5): projections, causal conv + silu on [q|k|v], the gated delta
 // recurrence, per-head gated RMSNorm with silu(z), output projection.
-void Qwen36::delta_layer(const LayerWeights& L, SessionState& st, size_t li, Scratch& sc, int64_t T) {
+void Qwen36::delta_layer(const LayerWeights& L, const StepState& in, const StepState& out, size_t li, Scratch& sc,
+                         int64_t T) {
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
   ops_.matmul(r(sc.u), L.qkv, r(sc.qkv));
   ops_.matmul(r(sc.u), L.z, r(sc.z));
   ops_.matmul(r(sc.u), L.b, r(sc.b));
   ops_.matmul(r(sc.u), L.a, r(sc.a));
-  ops_.conv1d_silu(r(sc.qkv), L.conv, st.conv[li], r(sc.mixed));
-  ops_.gated_delta(r(sc.mixed), r(sc.b), r(sc.a), L.A_log, L.dt_bias, st.recurrent[li], delta_shape(), sc.ws,
-                   r(sc.delta_o));
+  ops_.conv1d_silu(r(sc.qkv), L.conv, in.conv[li], out.conv[li], r(sc.mixed));
+  ops_.gated_delta(r(sc.mixed), r(sc.b), r(sc.a), L.A_log, L.dt_bias, in.recurrent[li], out.recurrent[li],
+                   delta_shape(), sc.ws, r(sc.delta_o));
   ops_.gated_rms_norm(r(sc.delta_o), r(sc.z), L.delta_norm, cfg_.eps, r(sc.delta_y));
   ops_.matmul(r(sc.delta_y), L.out, r(sc.mixer_out));
 }
 
 // Gated full attention (MODEL.md section 4): q/gate split per head, q/k RMSNorm, partial RoPE, KV cache,
 // causal GQA softmax attention, sigmoid output gate, output projection.
-void Qwen36::attention_layer(const LayerWeights& L, SessionState& st, size_t li, Scratch& sc, int64_t T) {
+void Qwen36::attention_layer(const LayerWeights& L, SessionState& st, const Tensor& pos, size_t li, Scratch& sc,
+                             int64_t T) {
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
   const AttentionShape s = attn_shape();
   ops_.matmul(r(sc.u), L.q, r(sc.qg));
   ops_.matmul(r(sc.u), L.k, r(sc.k));
   ops_.matmul(r(sc.u), L.v, r(sc.v));
-  ops_.attn_qk_prep(r(sc.qg), r(sc.k), L.q_norm, L.k_norm, st.pos, s, r(sc.q), r(sc.gate), r(sc.kr));
-  ops_.kv_append(r(sc.kr), r(sc.v), st.pos, st.k_cache[li], st.v_cache[li], st.max_ctx, s);
-  ops_.attention(r(sc.q), r(sc.gate), st.k_cache[li], st.v_cache[li], st.pos, st.max_ctx, s, sc.ws,
-                 r(sc.attn_o));
+  ops_.attn_qk_prep(r(sc.qg), r(sc.k), L.q_norm, L.k_norm, pos, s, r(sc.q), r(sc.gate), r(sc.kr));
+  ops_.kv_append(r(sc.kr), r(sc.v), pos, st.k_cache[li], st.v_cache[li], st.max_ctx, s);
+  ops_.attention(r(sc.q), r(sc.gate), st.k_cache[li], st.v_cache[li], pos, st.max_ctx, s, sc.ws, r(sc.attn_o));
   ops_.matmul(r(sc.attn_o), L.o, r(sc.mixer_out));
 }
 
@@ -58,7 +59,8 @@ void Qwen36::moe_block(const LayerWeights& L, Scratch& sc, int64_t T) {
   ops_.moe_combine(r(sc.routed), r(sc.shared), r(sc.sh_gate), r(sc.h));
 }
 
-void Qwen36::encode_layers(SessionState& st, Scratch& sc, const Tensor& ids, int64_t T, Phase phase) {
+void Qwen36::encode_layers(SessionState& st, const StepState& in, const StepState& out, Scratch& sc,
+                           const Tensor& ids, int64_t T, Phase phase) {
   if (T <= 0 || T > sc.rows) throw std::logic_error("encode_layers: chunk larger than scratch");
   if (phase == Phase::Decode && T != 1) throw std::logic_error("encode_layers: decode runs one token");
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
@@ -67,13 +69,13 @@ void Qwen36::encode_layers(SessionState& st, Scratch& sc, const Tensor& ids, int
     const LayerWeights& L = w_.layers[li];
     ops_.rms_norm(r(sc.h), L.input_norm, r(sc.u), cfg_.eps);
     if (L.full)
-      attention_layer(L, st, li, sc, T);
+      attention_layer(L, st, in.pos, li, sc, T);
     else
-      delta_layer(L, st, li, sc, T);
+      delta_layer(L, in, out, li, sc, T);
     ops_.add_rms_norm(r(sc.h), r(sc.mixer_out), L.post_norm, cfg_.eps, r(sc.h), r(sc.u));
     moe_block(L, sc, T);
   }
-  ops_.advance_position(st.pos, T);
+  ops_.advance_position(in.pos, out.pos, T);
 }
 
 void Qwen36::encode_logits(Scratch& sc, int64_t row0, int64_t n, const Tensor& out) {
@@ -96,11 +98,14 @@ std::vector<StateTensor> Qwen36::state_tensors(int64_t max_ctx, DType kv_dtype) 
   std::vector<StateTensor> v;
   for (size_t i = 0; i < size_t(cfg_.layers); ++i) {
     if (cfg_.full_attention[i]) {
-      v.push_back({StateTensor::Kind::K, i, kv_dtype, cfg_.kv_heads * max_ctx, cfg_.head_dim});
-      v.push_back({StateTensor::Kind::V, i, kv_dtype, cfg_.kv_heads * max_ctx, cfg_.head_dim});
+      v.push_back({StateTensor::Kind::K, i, 0, kv_dtype, cfg_.kv_heads * max_ctx, cfg_.head_dim});
+      v.push_back({StateTensor::Kind::V, i, 0, kv_dtype, cfg_.kv_heads * max_ctx, cfg_.head_dim});
     } else {
-      v.push_back({StateTensor::Kind::Conv, i, DType::F32, cfg_.conv_kernel - 1, cfg_.conv_dim()});
-      v.push_back({StateTensor::Kind::Recurrent, i, DType::F32, cfg_.lin_v_heads * cfg_.lin_k_dim, cfg_.lin_v_dim});
+      for (int set = 0; set < 2; ++set) {
+        v.push_back({StateTensor::Kind::Conv, i, set, DType::F32, cfg_.conv_kernel - 1, cfg_.conv_dim()});
+        v.push_back({StateTensor::Kind::Recurrent, i, set, DType::F32, cfg_.lin_v_heads * cfg_.lin_k_dim,
+                     cfg_.lin_v_dim});
+      }
     }
   }
   return v;
@@ -128,16 +133,20 @@ SessionState Qwen36::new_state(int64_t max_ctx, DType kv_dtype) {
   const size_t n = size_t(cfg_.layers);
   st.k_cache.resize(n);
   st.v_cache.resize(n);
-  st.conv.resize(n);
-  st.recurrent.resize(n);
+  for (StepState& set : st.sets) {
+    set.conv.resize(n);
+    set.recurrent.resize(n);
+  }
   try {
     for (const StateTensor& t : state_tensors(max_ctx, kv_dtype)) {
       static const char* labels[] = {"kv_cache", "kv_cache", "conv_state", "recurrent_state"};
-      std::vector<Tensor>* lists[] = {&st.k_cache, &st.v_cache, &st.conv, &st.recurrent};
+      std::vector<Tensor>* lists[] = {&st.k_cache, &st.v_cache, &st.sets[t.set].conv, &st.sets[t.set].recurrent};
       (*lists[size_t(t.kind)])[t.layer] = ops_.alloc(labels[size_t(t.kind)], t.dtype, t.rows, t.cols);
     }
-    st.pos = ops_.alloc("position", DType::I32, 1, 1);
-    st.logits = ops_.alloc("last_logits", DType::F32, 1, cfg_.vocab);
+    for (StepState& set : st.sets) {
+      set.pos = ops_.alloc("position", DType::I32, 1, 1);
+      set.logits = ops_.alloc("last_logits", DType::F32, 1, cfg_.vocab);
+    }
     st.slot[0] = ops_.alloc("decode_slot_0", DType::I32, 1, 1);
     st.slot[1] = ops_.alloc("decode_slot_1", DType::I32, 1, 1);
     st.sampler.counts = ops_.alloc("sampler_counts", DType::I32, 1, cfg_.vocab);
@@ -153,10 +162,12 @@ SessionState Qwen36::new_state(int64_t max_ctx, DType kv_dtype) {
 }
 
 void Qwen36::free_state(SessionState& st) {
-  for (auto* v : {&st.k_cache, &st.v_cache, &st.conv, &st.recurrent})
+  for (auto* v : {&st.k_cache, &st.v_cache, &st.sets[0].conv, &st.sets[0].recurrent, &st.sets[1].conv,
+                  &st.sets[1].recurrent})
     for (Tensor& t : *v) ops_.release(t);
-  for (Tensor* t : {&st.pos, &st.logits, &st.slot[0], &st.slot[1], &st.sampler.counts, &st.sampler.seen,
-                    &st.sampler.rng, &st.sampler.ring, &st.sampler.ring_count})
+  for (Tensor* t : {&st.sets[0].pos, &st.sets[0].logits, &st.sets[1].pos, &st.sets[1].logits, &st.slot[0],
+                    &st.slot[1], &st.sampler.counts, &st.sampler.seen, &st.sampler.rng, &st.sampler.ring,
+                    &st.sampler.ring_count})
     ops_.release(*t);
 }
 

@@ -33,15 +33,26 @@ struct ModelWeights {
   bool tied = false;
 };
 
+// What a step changes besides the KV cache, held twice: a decode step reads one set and writes the
+// other, so a speculative step whose token the caller never received is undone by not switching sets
+// (KV rows past the position are never read, so the cache needs no second copy). Prefill updates the
+// current set in place.
+struct StepState {
+  std::vector<Tensor> conv, recurrent;  // per layer (DeltaNet only): [K-1, conv_dim], [Hv * Dk, Dv]
+  Tensor pos;                           // I32 [1, 1]: tokens whose state is computed
+  Tensor logits;                        // F32 [1, vocab]: logits after the last computed token
+};
+
 // Per-session state that carries context across prefill chunks and decode steps, all in backend tensors.
 struct SessionState {
   int64_t max_ctx = 0;
   DType kv_dtype = DType::F32;  // F32 (the oracle's default) or BF16 (half the bytes per token)
   std::vector<Tensor> k_cache, v_cache;  // per layer (full attention only): [kv_heads * max_ctx, head_dim]
-  std::vector<Tensor> conv, recurrent;    // per layer (DeltaNet only): [K-1, conv_dim], [Hv * Dk, Dv]
-  Tensor pos;                             // I32 [1, 1]: tokens whose state is computed
-  Tensor logits;                          // F32 [1, vocab]: logits after the last computed token
-  Tensor slot[2];                         // I32 [1, 1]: decode input slots, alternating
+  StepState sets[2];
+  int cur = 0;  // host-side: which set holds the session's state
+  StepState& now() { return sets[cur]; }
+  StepState& other() { return sets[1 - cur]; }
+  Tensor slot[2];  // I32 [1, 1]: decode input slots, alternating
   SamplerState sampler;
 };
 
@@ -49,6 +60,7 @@ struct SessionState {
 struct StateTensor {
   enum class Kind : uint8_t { K, V, Conv, Recurrent } kind;
   size_t layer;
+  int set;  // Conv / Recurrent: which StepState
   DType dtype;
   int64_t rows, cols;
 };
@@ -111,15 +123,19 @@ class Qwen36 {
   Scratch new_scratch(int64_t rows, int64_t logit_rows, int64_t max_ctx);
   void free_scratch(Scratch& sc);
 
-  // Encodes the decoder over T tokens read from ids ([T, 1], I32) at positions st.pos.. and advances
-  // st.pos by T; the final hidden rows stay in sc.h. Phase::Decode requires T == 1.
-  void encode_layers(SessionState& st, Scratch& sc, const Tensor& ids, int64_t T, Phase phase);
+  // Encodes the decoder over T tokens read from ids ([T, 1], I32) at positions in.pos.., reading the
+  // recurrent state from `in` and writing it, and the advanced position, to `out` (the same set for an
+  // in-place prefill); the final hidden rows stay in sc.h. Phase::Decode requires T == 1.
+  void encode_layers(SessionState& st, const StepState& in, const StepState& out, Scratch& sc, const Tensor& ids,
+                     int64_t T, Phase phase);
   // Final norm and lm_head over rows [row0, row0 + n) of sc.h into out [n, vocab] (n <= sc.logit_rows).
   void encode_logits(Scratch& sc, int64_t row0, int64_t n, const Tensor& out);
 
  private:
-  void delta_layer(const LayerWeights& L, SessionState& st, size_t li, Scratch& sc, int64_t T);
-  void attention_layer(const LayerWeights& L, SessionState& st, size_t li, Scratch& sc, int64_t T);
+  void delta_layer(const LayerWeights& L, const StepState& in, const StepState& out, size_t li, Scratch& sc,
+                   int64_t T);
+  void attention_layer(const LayerWeights& L, SessionState& st, const Tensor& pos, size_t li, Scratch& sc,
+                       int64_t T);
   void moe_block(const LayerWeights& L, Scratch& sc, int64_t T);
   AttentionShape attn_shape() const;
   DeltaShape delta_shape() const;

@@ -162,8 +162,8 @@ void Session::set_context(std::vector<int32_t> tokens, int32_t pending, bool has
 }
 
 void Session::encode_decode(int s) {
-  model_.encode_layers(st_, decode_sc_, st_.slot[s], 1, Phase::Decode);
-  model_.encode_logits(decode_sc_, 0, 1, st_.logits);
+  model_.encode_layers(st_, st_.now(), st_.other(), decode_sc_, st_.slot[s], 1, Phase::Decode);
+  model_.encode_logits(decode_sc_, 0, 1, st_.other().logits);
 }
 
 void Session::feed_pending_locked() {
@@ -181,6 +181,7 @@ void Session::feed_pending_locked() {
   std::lock_guard<std::mutex> lk(state_mu_);
   decode_stats_ = stats;
   tokens_.push_back(t);
+  st_.cur = 1 - st_.cur;
   pending_ = -1;
   has_logits_ = true;
 }
@@ -210,10 +211,10 @@ int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* 
       StepStats stats;
       {
         Step step(ops_, Phase::Prefill);
-        model_.encode_layers(st_, sc, sc.ids, T, Phase::Prefill);
+        model_.encode_layers(st_, st_.now(), st_.now(), sc, sc.ids, T, Phase::Prefill);
         stats = ops_.stats();
         // Every chunk computes its last row's logits, so a cancelled prefill still has valid ones.
-        if (!all_logits) model_.encode_logits(sc, T - 1, 1, st_.logits);
+        if (!all_logits) model_.encode_logits(sc, T - 1, 1, st_.now().logits);
         ops_.wait(step.submit());
       }
       for (int64_t r0 = 0; all_logits && r0 < T; r0 += sc.logit_rows) {
@@ -221,7 +222,7 @@ int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* 
         const Tensor rows = sc.logits.rows_view(0, nb);
         Step step(ops_, Phase::Prefill);
         model_.encode_logits(sc, r0, nb, rows);
-        if (r0 + nb == T) ops_.copy(rows.rows_view(nb - 1, 1), st_.logits);
+        if (r0 + nb == T) ops_.copy(rows.rows_view(nb - 1, 1), st_.now().logits);
         ops_.wait(step.submit());
         ops_.download(rows, out + (done + r0) * vocab);
       }
@@ -235,7 +236,7 @@ int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* 
   }
   if (!all_logits) {
     std::lock_guard<std::mutex> lk(model_lock_);
-    ops_.download(st_.logits, out);
+    ops_.download(st_.now().logits, out);
   }
   return done;
 }
@@ -253,8 +254,9 @@ void Session::step(int32_t token, float* out) {
   encode_decode(0);
   const StepStats stats = ops_.stats();
   ops_.wait(st.submit());
-  ops_.download(st_.logits, out);
   std::lock_guard<std::mutex> slk(state_mu_);
+  st_.cur = 1 - st_.cur;
+  ops_.download(st_.now().logits, out);
   decode_stats_ = stats;
   tokens_.push_back(token);
   has_logits_ = true;
@@ -268,11 +270,11 @@ void Session::logits(float* out) {
     std::lock_guard<std::mutex> slk(state_mu_);
     if (!has_logits_) throw std::logic_error("no logits yet: the session's context is empty");
   }
-  ops_.download(st_.logits, out);
+  ops_.download(st_.now().logits, out);
 }
 
 std::string Session::generate(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
-                              const std::function<bool(int32_t)>& on_token) {
+                              const std::function<int(int32_t)>& on_token) {
   BusyGuard busy(busy_);
   if (max_tokens < 0) throw std::invalid_argument("max_tokens must be >= 0");
   params.validate();
@@ -298,7 +300,7 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
     Step step(ops_, Phase::Decode);
     ops_.fill(st_.sampler.counts, 0);
     ops_.fill(st_.sampler.ring_count, 0);
-    ops_.sample(st_.logits, st_.sampler, params, decode_sc_.ws, st_.slot[0]);
+    ops_.sample(st_.now().logits, st_.sampler, params, decode_sc_.ws, st_.slot[0]);
     fence = step.submit();
   }
   const Ops::Transfers before = ops_.transfers();
@@ -322,7 +324,7 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
         Step step(ops_, Phase::Decode);
         encode_decode(int(k % 2));
         const StepStats stats = ops_.stats();
-        ops_.sample(st_.logits, st_.sampler, params, decode_sc_.ws, st_.slot[(k + 1) % 2]);
+        ops_.sample(st_.other().logits, st_.sampler, params, decode_sc_.ws, st_.slot[(k + 1) % 2]);
         next_fence = step.submit();
         std::lock_guard<std::mutex> slk(state_mu_);
         decode_stats_ = stats;
@@ -331,23 +333,33 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
       ops_.download(st_.slot[k % 2], &id);
       ++steps;
     }
+    account();
+    // Whether the caller received id k (1: yes, go on; 0: yes, stop; -1: no, it was interrupted first).
+    const int delivered = on_token(id);
+    if (delivered < 0) {
+      if (next) {  // iteration k + 1 fed id k into the other state set: not switching undoes it
+        std::lock_guard<std::mutex> lk(model_lock_);
+        ops_.wait(next_fence);
+      }
+      return "cancelled";
+    }
     {
       std::lock_guard<std::mutex> slk(state_mu_);
-      if (next)
-        tokens_.push_back(id);  // fed by the submitted iteration
-      else
+      if (next) {
+        tokens_.push_back(id);  // fed by the submitted iteration, whose state becomes the session's
+        st_.cur = 1 - st_.cur;
+      } else {
         pending_ = id;  // fed lazily: a final token costs no forward unless the context continues
+      }
     }
-    account();
-    const bool keep_going = on_token(id);
     const bool stop = std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end();
-    if (stop || !keep_going || !next) {
+    if (stop || delivered == 0 || !next) {
       if (next) {
         std::lock_guard<std::mutex> lk(model_lock_);
         ops_.wait(next_fence);
       }
       if (stop) return "stop";
-      if (!keep_going) return "cancelled";
+      if (delivered == 0) return "cancelled";
       return k + 1 >= max_tokens ? "length" : "context";
     }
     fence = next_fence;
@@ -373,9 +385,10 @@ std::unique_ptr<DeviceSnapshot> Session::snapshot() {
       snap->k_.push_back(ops_.alloc("snapshot_k", st_.kv_dtype, c.kv_heads * pos, c.head_dim));
       snap->v_.push_back(ops_.alloc("snapshot_v", st_.kv_dtype, c.kv_heads * pos, c.head_dim));
     } else {
-      snap->conv_.push_back(ops_.alloc("snapshot_conv", DType::F32, st_.conv[li].rows, st_.conv[li].cols));
+      const StepState& now = st_.now();
+      snap->conv_.push_back(ops_.alloc("snapshot_conv", DType::F32, now.conv[li].rows, now.conv[li].cols));
       snap->recurrent_.push_back(
-          ops_.alloc("snapshot_recurrent", DType::F32, st_.recurrent[li].rows, st_.recurrent[li].cols));
+          ops_.alloc("snapshot_recurrent", DType::F32, now.recurrent[li].rows, now.recurrent[li].cols));
     }
   }
   snap->logits_ = ops_.alloc("snapshot_logits", DType::F32, 1, c.vocab);
@@ -389,12 +402,12 @@ std::unique_ptr<DeviceSnapshot> Session::snapshot() {
       }
       ++fi;
     } else {
-      ops_.copy(st_.conv[li], snap->conv_[di]);
-      ops_.copy(st_.recurrent[li], snap->recurrent_[di]);
+      ops_.copy(st_.now().conv[li], snap->conv_[di]);
+      ops_.copy(st_.now().recurrent[li], snap->recurrent_[di]);
       ++di;
     }
   }
-  ops_.copy(st_.logits, snap->logits_);
+  ops_.copy(st_.now().logits, snap->logits_);
   ops_.wait(step.submit());
   return snap;
 }
@@ -422,13 +435,13 @@ void Session::restore_locked(const DeviceSnapshot& s) {
       }
       ++fi;
     } else {
-      ops_.copy(s.conv_[di], st_.conv[li]);
-      ops_.copy(s.recurrent_[di], st_.recurrent[li]);
+      ops_.copy(s.conv_[di], st_.now().conv[li]);
+      ops_.copy(s.recurrent_[di], st_.now().recurrent[li]);
       ++di;
     }
   }
-  ops_.copy(s.logits_, st_.logits);
-  ops_.fill(st_.pos, double(pos));
+  ops_.copy(s.logits_, st_.now().logits);
+  ops_.fill(st_.now().pos, double(pos));
   ops_.wait(step.submit());
 }
 
@@ -502,10 +515,10 @@ void Session::reset() {
     Step step(ops_, Phase::Prefill);
     for (size_t li = 0; li < size_t(c.layers); ++li) {
       if (c.full_attention[li]) continue;  // KV rows past the position are never read
-      ops_.fill(st_.conv[li], 0);
-      ops_.fill(st_.recurrent[li], 0);
+      ops_.fill(st_.now().conv[li], 0);
+      ops_.fill(st_.now().recurrent[li], 0);
     }
-    ops_.fill(st_.pos, 0);
+    ops_.fill(st_.now().pos, 0);
     ops_.wait(step.submit());
   }
   set_context({}, -1, false);

@@ -96,10 +96,11 @@ class Session {
   // Logits after the last token (feeds a pending token first). Empty context: throws.
   void logits(float* out);
 
-  // Samples up to max_tokens tokens; each is reported through on_token (returning false stops) and
-  // becomes part of the context. Returns why it stopped: "stop", "length", "context" or "cancelled".
+  // Samples up to max_tokens tokens; each is reported through on_token, which answers 1 (received, go
+  // on), 0 (received, stop) or -1 (not received: the caller was interrupted first; the token then never
+  // joins the context). Returns why it stopped: "stop", "length", "context" or "cancelled".
   std::string generate(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
-                       const std::function<bool(int32_t)>& on_token);
+                       const std::function<int(int32_t)>& on_token);
 
   std::unique_ptr<DeviceSnapshot> snapshot();
   void restore(const DeviceSnapshot& s);  // a snapshot of another engine goes through host memory

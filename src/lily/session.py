@@ -222,10 +222,17 @@ class Session:
         cancelled = threading.Event()
         outcome: dict = {}
 
-        def on_token(tok: int) -> bool:
+        # The consumer marks each token as it hands it to the caller; a token still in the queue when the
+        # consumer stops (Ctrl-C while it waited, close(), exit) was never seen and must not join the context.
+        taken = [0]  # tokens the consumer has handed to the caller
+
+        def on_token(tok: int) -> int:
+            seq = taken[0]
             handoff.put(tok)
             resume.acquire()
-            return not cancelled.is_set()
+            if taken[0] == seq:
+                return -1  # not received
+            return 0 if cancelled.is_set() else 1
 
         def run() -> None:
             try:
@@ -246,6 +253,7 @@ class Session:
                 if tok is None or cancelled.is_set():  # finished, or cancelled by close() / exit
                     break
                 consumed = False
+                taken[0] += 1
                 try:
                     yield tok
                     consumed = True
