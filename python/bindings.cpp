@@ -763,14 +763,23 @@ NB_MODULE(_core, m) {
            })
       .def("generate",
            [](PySession& s, int64_t max_tokens, const nb::dict& p, const std::vector<int32_t>& stop_ids,
-              nb::object on_token) {
+              nb::object on_token, bool with_logits) {
              SamplingParams sp = parse_sampling(p);
              CallbackGuard cb;
-             // on_token answers 1 (received, go on), 0 (received, stop) or -1 (not received).
-             std::function<int(int32_t)> fn = [&](int32_t tok) {
+             const int64_t vocab = s.vocab;
+             // on_token(tok[, logits]) answers 1 (received, go on), 0 (received, stop) or -1 (not received).
+             std::function<int(int32_t, const float*)> fn = [&](int32_t tok, const float* logits) {
                int answer = -1;  // a failed callback delivered nothing
                cb.call([&] {
-                 nb::object r = on_token(tok);
+                 nb::object r;
+                 if (logits) {
+                   float* out;
+                   auto row = new_logits(1, vocab, &out);
+                   std::copy(logits, logits + vocab, out);
+                   r = on_token(tok, row);
+                 } else {
+                   r = on_token(tok);
+                 }
                  answer = r.is_none() ? 1 : nb::cast<int>(r);
                  return true;
                });
@@ -779,12 +788,12 @@ NB_MODULE(_core, m) {
              std::string reason;
              {
                nb::gil_scoped_release nogil;
-               reason = s.s->generate(max_tokens, sp, stop_ids, fn);
+               reason = s.s->generate(max_tokens, sp, stop_ids, fn, with_logits);
              }
              cb.rethrow();
              return reason;
            },
-           "max_tokens"_a, "params"_a, "stop_ids"_a, "on_token"_a)
+           "max_tokens"_a, "params"_a, "stop_ids"_a, "on_token"_a, "with_logits"_a = false)
       .def("snapshot",
            [](PySession& s) {
              auto snap = without_gil([&] { return s.s->snapshot(); });

@@ -3,6 +3,7 @@
 import importlib.resources
 import inspect
 
+import numpy as np
 import pytest
 
 import lily
@@ -129,3 +130,27 @@ def test_public_api_is_annotated_and_typed_marker_is_installed():
         assert sig.return_annotation is not inspect.Signature.empty, fn
         assert all(p.annotation is not inspect.Parameter.empty for name, p in sig.parameters.items()
                    if name not in ("self", "cls") and p.kind not in (p.VAR_KEYWORD,)), fn
+
+
+def test_stream_logprobs_are_the_models_distribution_at_each_step():
+    e = lily.Engine.from_pretrained()
+    ids = e.tokenize("def read_lines(path):")
+    s = e.session(max_context=128)
+    s.prefill(ids)
+    rs = list(s.stream(12, lily.SamplingParams(temperature=0.9, seed=5), logprobs=4, stop_token_ids=[]))
+    twin = e.session(max_context=128)
+    logits = twin.prefill(ids)
+    for r in rs:
+        x = logits.astype(np.float64)
+        lsm = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+        assert r.logprob == pytest.approx(lsm[r.token], abs=1e-9)
+        top = np.lexsort((np.arange(x.size), -x))[:4]
+        assert [t for t, _ in r.top_logprobs] == top.tolist()
+        assert [lp for _, lp in r.top_logprobs] == pytest.approx(lsm[top].tolist(), abs=1e-9)
+        logits = twin.step(r.token)
+    s2 = e.session(max_context=64)
+    s2.prefill(ids)
+    r0 = next(iter(s2.stream(3, stop_token_ids=[])))
+    assert r0.logprob is None and r0.top_logprobs == ()
+    with pytest.raises(ValueError, match="logprobs"):
+        s2.stream(3, logprobs=-1)

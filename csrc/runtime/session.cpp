@@ -274,7 +274,7 @@ void Session::logits(float* out) {
 }
 
 std::string Session::generate(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
-                              const std::function<int(int32_t)>& on_token) {
+                              const std::function<int(int32_t, const float*)>& on_token, bool with_logits) {
   BusyGuard busy(busy_);
   if (max_tokens < 0) throw std::invalid_argument("max_tokens must be >= 0");
   params.validate();
@@ -305,6 +305,7 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
   }
   const Ops::Transfers before = ops_.transfers();
   int64_t steps = 0;
+  std::vector<float> row(with_logits ? size_t(vocab) : 0);
   auto account = [&] {
     const Ops::Transfers& now = ops_.transfers();
     std::lock_guard<std::mutex> slk(state_mu_);
@@ -331,11 +332,13 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
       }
       ops_.wait(fence);
       ops_.download(st_.slot[k % 2], &id);
+      // Id k was sampled from the current set's logits; the submitted iteration only writes the other set.
+      if (with_logits) ops_.download(st_.now().logits, row.data());
       ++steps;
     }
     account();
     // Whether the caller received id k (1: yes, go on; 0: yes, stop; -1: no, it was interrupted first).
-    const int delivered = on_token(id);
+    const int delivered = on_token(id, with_logits ? row.data() : nullptr);
     if (delivered < 0) {
       if (next) {  // iteration k + 1 fed id k into the other state set: not switching undoes it
         std::lock_guard<std::mutex> lk(model_lock_);

@@ -99,8 +99,10 @@ class Session {
   // Samples up to max_tokens tokens; each is reported through on_token, which answers 1 (received, go
   // on), 0 (received, stop) or -1 (not received: the caller was interrupted first; the token then never
   // joins the context). Returns why it stopped: "stop", "length", "context" or "cancelled".
+  // With `with_logits`, on_token also gets the logits [vocab] the token was sampled from (one extra
+  // download per token, for log-probabilities); otherwise nullptr.
   std::string generate(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
-                       const std::function<int(int32_t)>& on_token);
+                       const std::function<int(int32_t, const float*)>& on_token, bool with_logits = false);
 
   std::unique_ptr<DeviceSnapshot> snapshot();
   void restore(const DeviceSnapshot& s);  // a snapshot of another engine goes through host memory

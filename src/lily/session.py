@@ -85,6 +85,7 @@ class Session:
         self.finish_reason: str | None = None
         self._live: tuple | None = None  # (cancelled, resume, worker) of a running generation
         self._prompt_stats = (0, 0.0)  # (tokens, seconds) prefilled since the last stream(): its prompt_tps
+        self._token_logits = None  # logits [1, vocab] of the token being yielded (stream with logprobs)
 
     # ---- lifetime ----
     def close(self) -> None:
@@ -206,15 +207,20 @@ class Session:
         pass ``[]`` for none), at ``max_tokens``, at ``max_context``, or when the iterator is closed.
         The reason is left in ``session.finish_reason``.
         """
+        return self._generate(max_tokens, sampling, stop_token_ids, with_logits=False)
+
+    def _generate(self, max_tokens, sampling, stop_token_ids, *, with_logits: bool) -> Iterator[int]:
+        """:meth:`generate`; with ``with_logits`` each token's logits (float32 [vocab], the distribution
+        it was sampled from, before penalties) are in ``self._token_logits`` while it is yielded."""
         max_tokens = check_int(max_tokens, "max_tokens")
         if self.position == 0:
             raise LilyError("generate() needs a context: prefill a prompt first")
         params = (sampling if sampling is not None else SamplingParams()).to_core()
         stops = self._engine.stop_token_ids if stop_token_ids is None else check_token_ids(stop_token_ids, "stop_token_ids")
         self.finish_reason = None
-        return self._run_generation(max_tokens, params, stops)
+        return self._run_generation(max_tokens, params, stops, with_logits)
 
-    def _run_generation(self, max_tokens: int, params: dict, stops: list[int]) -> Iterator[int]:
+    def _run_generation(self, max_tokens: int, params: dict, stops: list[int], with_logits: bool) -> Iterator[int]:
         # Tokens are handed over one at a time: the C++ loop waits until the consumer asks for the next
         # one, so the context always equals exactly what the caller has seen.
         handoff: queue.SimpleQueue = queue.SimpleQueue()
@@ -226,9 +232,9 @@ class Session:
         # consumer stops (Ctrl-C while it waited, close(), exit) was never seen and must not join the context.
         taken = [0]  # tokens the consumer has handed to the caller
 
-        def on_token(tok: int) -> int:
+        def on_token(tok: int, logits=None) -> int:
             seq = taken[0]
-            handoff.put(tok)
+            handoff.put((tok, logits))
             resume.acquire()
             if taken[0] == seq:
                 return -1  # not received
@@ -236,7 +242,7 @@ class Session:
 
         def run() -> None:
             try:
-                outcome["reason"] = self._core.generate(max_tokens, params, stops, on_token)
+                outcome["reason"] = self._core.generate(max_tokens, params, stops, on_token, with_logits)
             except BaseException as exc:  # re-raised in the consumer's thread
                 outcome["error"] = exc
             handoff.put(None)
@@ -249,9 +255,10 @@ class Session:
         worker.start()
         try:
             while True:
-                tok = handoff.get()
-                if tok is None or cancelled.is_set():  # finished, or cancelled by close() / exit
+                item = handoff.get()
+                if item is None or cancelled.is_set():  # finished, or cancelled by close() / exit
                     break
+                tok, self._token_logits = item
                 consumed = False
                 taken[0] += 1
                 try:
@@ -281,8 +288,14 @@ class Session:
         stop: str | Iterable[str] | None = None,
         stop_token_ids: Iterable[int] | None = None,
         skip_special_tokens: bool = True,
+        logprobs: int = 0,
     ) -> Iterator["GenerationResponse"]:
         """Generate like :meth:`generate`, yielding one :class:`lily.GenerationResponse` per token.
+
+        ``logprobs=k`` (k >= 1) adds each token's log-probability and the k most likely tokens with theirs
+        (``response.logprob``, ``response.top_logprobs``), from the model's distribution at that step
+        (log-softmax of the logits, before sampling penalties and temperature): one extra [vocab] download
+        per token.
 
         ``stop``: stop strings (a str or a list), matched on the text across token boundaries. Text that
         could be the start of a stop string is held back until it is decided, so no part of a stop
@@ -294,8 +307,6 @@ class Session:
 
         ``prompt_tokens``/``prompt_tps`` count what :meth:`prefill` fed since the previous stream.
         Raises ValueError/TypeError naming the argument, LilyError without a context or tokenizer.
-        (Per-token log-probabilities need a hook in the core generate loop: the session's logits
-        cannot be read while the loop holds the session.)
         """
         from .streaming import check_max_tokens, check_sampling, normalize_stop, stream_responses
 
@@ -305,10 +316,11 @@ class Session:
         decoder = self._engine._need_tokenizer().stream_decoder(skip_special_tokens=bool(skip_special_tokens))
         stop_ids = (self._engine.stop_token_ids if stop_token_ids is None
                     else check_token_ids(stop_token_ids, "Session.stream: stop_token_ids"))
-        ids = self.generate(max_tokens, sampling, stop_ids)
+        logprobs = check_int(logprobs, "Session.stream: logprobs", maximum=self._engine.config.vocab_size)
+        ids = self._generate(max_tokens, sampling, stop_ids, with_logits=logprobs > 0)
         (prompt_tokens, prompt_seconds), self._prompt_stats = self._prompt_stats, (0, 0.0)
         return stream_responses(self, ids, decoder, max_tokens=max_tokens, stop_ids=stop_ids, stops=stops,
-                                prompt_tokens=prompt_tokens, prompt_seconds=prompt_seconds)
+                                prompt_tokens=prompt_tokens, prompt_seconds=prompt_seconds, logprobs=logprobs)
 
     def generate_text(
         self,

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
+import numpy as np
+
 from .sampling import SamplingParams
 from .validate import check_int
 
@@ -44,6 +46,8 @@ class GenerationResponse:
     - ``peak_memory_bytes``: the process's peak resident set size so far, in bytes.
     - ``finish_reason``: ``None`` until the last response, then ``"stop"`` (a stop token or stop string),
       ``"length"`` (max_tokens), ``"context"`` (max_context) or ``"cancelled"``.
+    - ``logprob``, ``top_logprobs``: with ``stream(logprobs=k)``, the token's natural-log probability and
+      the k most likely ``(token, logprob)`` pairs, most likely first (ties: lower id); else None and ().
     """
 
     text: str
@@ -54,11 +58,22 @@ class GenerationResponse:
     generation_tps: float
     peak_memory_bytes: int
     finish_reason: str | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
     @property
     def peak_memory(self) -> float:
         """Peak resident memory in GB (10**9 bytes), as mlx-lm's field of the same name."""
         return self.peak_memory_bytes / 1e9
+
+
+def token_logprobs(logits, tok: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """log-softmax of one logits row (float64): the token's log-probability and the top k pairs."""
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    order = np.lexsort((np.arange(x.size), -x))[:k]
+    return float(x[tok] - lse), tuple((int(i), float(x[i] - lse)) for i in order)
 
 
 def normalize_stop(stop: str | Iterable[str] | None, where: str) -> tuple[str, ...]:
@@ -131,6 +146,7 @@ def stream_responses(
     stops: tuple[str, ...],
     prompt_tokens: int,
     prompt_seconds: float,
+    logprobs: int = 0,
 ) -> Iterator[GenerationResponse]:
     """Responses for the token iterator ``ids`` (from ``session.generate``), one per token.
 
@@ -150,9 +166,11 @@ def stream_responses(
 
     def response(text: str, tok: int, finish: str | None) -> GenerationResponse:
         dt = time.perf_counter() - t0
+        lp, top = token_logprobs(session._token_logits, tok, logprobs) if logprobs else (None, ())
         return GenerationResponse(text=text, token=tok, prompt_tokens=prompt_tokens, prompt_tps=prompt_tps,
                                   generation_tokens=n, generation_tps=n / dt if dt > 0 else 0.0,
-                                  peak_memory_bytes=peak_rss_bytes(), finish_reason=finish)
+                                  peak_memory_bytes=peak_rss_bytes(), finish_reason=finish, logprob=lp,
+                                  top_logprobs=top)
 
     def release(piece: str) -> tuple[str, bool]:
         return matcher.push(piece) if matcher is not None else (piece, False)
