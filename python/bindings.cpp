@@ -651,6 +651,11 @@ NB_MODULE(_core, m) {
     } catch (const std::logic_error& e) {  // a call the session's state does not allow (e.g. no context yet)
       nb::object cls = nb::module_::import_("lily.errors").attr("LilyError");
       PyErr_SetString(cls.ptr(), e.what());
+    } catch (const nb::builtin_exception&) {
+      throw;  // nanobind's own TypeError / ValueError / ...: its default translator handles them
+    } catch (const std::runtime_error& e) {  // the backend failed: a refused thread, a device error
+      nb::object cls = nb::module_::import_("lily.errors").attr("BackendError");
+      PyErr_SetString(cls.ptr(), e.what());
     }
   });
 

@@ -137,3 +137,46 @@ def test_ctrl_c_during_generate_keeps_the_context_equal_to_what_was_seen():
         if seen:
             assert np.array_equal(s.logits, twin.logits)
     assert extra == 0
+
+
+def test_refused_threads_at_engine_creation_are_a_clear_error():
+    """The OS refuses the CPU backend's threads (RLIMIT_NPROC): a BackendError naming the thread, not an
+    abort (the pool's constructor used to terminate the process)."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import json, os, resource, lily
+        from lily.engine import Engine
+        from lily.checkpoint import load_checkpoint
+        ckpt = load_checkpoint(os.path.join(os.path.dirname(lily.__file__), "models", "lily-tiny"))
+        if os.getuid() == 0:  # root is exempt from RLIMIT_NPROC: become an otherwise unused user
+            os.setgid(61235)
+            os.setuid(61235)
+        mine = len(os.listdir("/proc/self/task"))
+        resource.setrlimit(resource.RLIMIT_NPROC, (mine + 2, mine + 2))
+        try:
+            Engine(ckpt, threads=16)
+            out = {"error": None}
+        except lily.BackendError as e:
+            out = {"error": str(e)}
+        e = Engine(ckpt, threads=1)  # the process is fine afterwards (the files were opened as root)
+        s = e.session(max_context=16)
+        s.prefill([1, 2, 3])
+        print(json.dumps(out))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    err = json.loads(r.stdout.strip().splitlines()[-1])["error"]
+    assert err and "cannot start thread" in err and "of 16 for the CPU backend" in err
+
+
+def test_a_failed_session_allocation_leaks_nothing(eng):
+    before = eng.report()["memory"]["backend_buffers_bytes"]
+    with pytest.raises(lily.LilyError, match="cannot allocate a session with max_context"):
+        eng.session(max_context=2**34)  # the DeltaNet layers' state fits, the first KV cache does not
+    assert eng.report()["memory"]["backend_buffers_bytes"] == before
+    s = eng.session(max_context=32)
+    s.prefill(eng.tokenize("x = 1"))

@@ -7,7 +7,8 @@
     model, tokenizer = lily.load()                  # mlx-lm style: lily.generate / lily.stream_generate
 """
 
-from .errors import ChatTemplateError, CheckpointError, ContextOverflowError, LilyError, SessionBusyError
+from .errors import (BackendError, ChatTemplateError, CheckpointError, ContextOverflowError, LilyError,
+                     SessionBusyError)
 from .api import generate, load, stream_generate
 from .sampling import SamplingParams
 from .streaming import GenerationResponse
@@ -31,4 +32,4 @@ def __getattr__(name: str):
 
 __all__ = ["Engine", "Session", "Snapshot", "SamplingParams", "GenerationResponse", "load", "generate",
            "stream_generate", "LilyError", "CheckpointError",
-           "ContextOverflowError", "ChatTemplateError", "SessionBusyError", "__version__"]
+           "ContextOverflowError", "ChatTemplateError", "SessionBusyError", "BackendError", "__version__"]

@@ -19,3 +19,7 @@ class ContextOverflowError(LilyError, ValueError):
 
 class SessionBusyError(LilyError, RuntimeError):
     """A session was used from two threads at once (a session runs one call at a time)."""
+
+
+class BackendError(LilyError, RuntimeError):
+    """The backend could not do what was asked: the OS refused a thread, a device failed. Names the call."""
