@@ -275,3 +275,21 @@ def test_gil_released_during_a_forward():
     assert duration > 0.05, "the forward is too short to tell"
     gaps = np.diff(np.concatenate([[span["t0"]], inside, [span["t1"]]]))
     assert gaps.max() < 0.5 * duration, f"main thread stalled {gaps.max():.3f} s of a {duration:.3f} s forward"
+
+
+def test_per_expert_tensors_off_a_uniform_stride_are_repacked_once(tiny_factory):
+    """transformers' save_pretrained writes one tensor per expert in name order, so with more than ten
+    experts ("experts.10" sorts before "experts.2") they do not sit at one stride: the loader repacks them
+    into a stacked buffer, says so, and the model computes exactly what the fused layout of the same weights
+    computes."""
+    per = tiny_factory("mlx", "per_expert")  # 16 experts, fp32
+    fused = tiny_factory("mlx", "fused_mm")
+    a = lily.Engine.from_pretrained(str(per.path))
+    b = lily.Engine.from_pretrained(str(fused.path))
+    ra, rb = a.report(), b.report()
+    assert ra["experts_layout"].startswith("repacked at load") and ra["memory"]["repacked_expert_bytes"] > 0
+    assert rb["experts_layout"].startswith("stacked in place") and rb["memory"]["repacked_expert_bytes"] == 0
+    ids = per.tokens(24, seed=9)
+    got = a.session(max_context=32).prefill(ids, all_logits=True)
+    assert np.array_equal(got, b.session(max_context=32).prefill(ids, all_logits=True))
+    per.check(got, ids, "repacked experts")
