@@ -128,7 +128,9 @@ def environment(kind: str, site: Path, reports: Path) -> dict:
     env.pop("LILY_CPU_DEBUG", None)
     if kind == "address":
         env["ASAN_OPTIONS"] = f"{ASAN_OPTIONS}:log_path={reports / 'asan'}"
-        env["UBSAN_OPTIONS"] = f"{UBSAN_OPTIONS}:log_path={reports / 'ubsan'}"
+        # No log_path for UBSan: next to ASan its file output is lost; its reports reach the console because
+        # pytest captures at the sys level only (--capture=sys below) and halt with exit status 1.
+        env["UBSAN_OPTIONS"] = UBSAN_OPTIONS
     else:
         env["TSAN_OPTIONS"] = (f"{TSAN_OPTIONS}:suppressions={ROOT / 'tools' / 'tsan.supp'}"
                                f":log_path={reports / 'tsan'}")
@@ -152,7 +154,8 @@ def check_loaded(env: dict, site: Path, kind: str) -> None:
 
 
 def pytest(env: dict, files: list[str], deselect: list[str], extra: list[str], label: str) -> int:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={ROOT}",
+    # --capture=sys: what the C++ code and the sanitizer runtimes write to fd 2 is not swallowed.
+    cmd = [sys.executable, "-m", "pytest", "-q", "--capture=sys", "-p", "no:cacheprovider", f"--rootdir={ROOT}",
            *[str(TESTS / f) for f in files], *[f"--deselect=tests/{d}" for d in deselect], *extra]
     log(f"{label}: pytest {' '.join(files)}" + (f" ({env['LILY_CPU_DEBUG']})" if "LILY_CPU_DEBUG" in env else ""))
     t0 = time.monotonic()
@@ -196,7 +199,7 @@ def main(argv: list[str]) -> int:
         found = sorted(p for p in reports.iterdir() if p.stat().st_size)
         for p in found:  # a report anywhere (also in a subprocess whose failure a test tolerated) fails
             log(f"{kind}: sanitizer report {p.name}:")
-            print(p.read_text(errors="replace")[-20000:], flush=True)
+            print(p.read_text(errors="replace")[:20000], flush=True)  # the head: the error and its stack
         if found and rc == 0:
             rc = 1
         log(f"{kind}: {'clean' if rc == 0 else 'FAILED'} in {time.monotonic() - t0:.0f}s")
