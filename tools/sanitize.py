@@ -37,11 +37,10 @@ SLOW = ["test_device_step.py::test_whole_suite_passes_deferred",
 KINDS: dict[str, dict] = {
     "address": {
         "fsanitize": "address,undefined",
-        # UBSan's alignment check is off: MLX checkpoints (mx.save_safetensors, and Lily's byte-compatible
-        # writer) have unpadded headers, so mapped weights sit at any byte address and the CPU kernels' scalar
-        # paths read them with typed loads (matmul.cpp scalar_at / code_at: defined on x86 and ARM hardware, UB
-        # in C++). Found by this run; to be re-enabled once those reads go through memcpy.
-        "extra": "-fno-sanitize=alignment",
+        # Alignment is checked too: MLX checkpoints have unpadded headers, so mapped weights sit at any byte
+        # address; every scalar read of them goes through load_unaligned (model/weight.h). This run found the
+        # typed loads that were there before.
+        "extra": "",
         "runtime": "libasan.so",
         # The session, checkpoint, sampler and thread-pool tests, the device-step model (deferred executor,
         # sampler oracle, the speculative decode step) and the reliability cases; the parity tests against

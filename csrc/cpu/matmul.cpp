@@ -86,19 +86,13 @@ inline float madd(float a, float b, float c) {
 #endif
 }
 
-inline float scalar_at(const void* p, DType t, int64_t i) {
-  switch (t) {
-    case DType::F32: return static_cast<const float*>(p)[i];
-    case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    default: return 0.f;
-  }
-}
+// validate() refuses other dtypes, so load_scalar's f32 default is never a silent zero.
+inline float scalar_at(const void* p, DType t, int64_t i) { return load_scalar(p, t, i); }
 
-// Code j of an affine row (bits 2, 4 or 8: elements never straddle a word).
+// Code j of an affine row (bits 2, 4 or 8: elements never straddle a word); rows may be misaligned.
 inline uint32_t code_at(const uint32_t* row, int bits, int64_t j) {
   const int per = 32 / bits;
-  return (row[j / per] >> ((j % per) * bits)) & ((1u << bits) - 1u);
+  return (load_unaligned<uint32_t>(row, j / per) >> ((j % per) * bits)) & ((1u << bits) - 1u);
 }
 
 const uint32_t* affine_row(const WeightView& W, int64_t n) {
@@ -403,7 +397,10 @@ inline void convert_run(const void* src, int64_t off, int64_t n, float* dst) {
   } else {
     const uint16_t* s = static_cast<const uint16_t*>(src) + off;
     for (; i + VW <= n; i += VW) V::store(dst + i, DT == DType::BF16 ? V::load_bf16(s + i) : V::load_f16(s + i));
-    for (; i < n; ++i) dst[i] = DT == DType::BF16 ? bf16_to_f32(s[i]) : f16_to_f32(s[i]);
+    for (; i < n; ++i) {
+      const uint16_t v = load_unaligned<uint16_t>(s, i);
+      dst[i] = DT == DType::BF16 ? bf16_to_f32(v) : f16_to_f32(v);
+    }
   }
   for (const int64_t e = round_up(n, VW); i < e; ++i) dst[i] = 0.f;
 }

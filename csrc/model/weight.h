@@ -80,12 +80,22 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
 }
 float f16_to_f32(uint16_t h);
 
-// Element `i` of a scale/bias array of the given dtype (f32, f16 or bf16; validated at load).
+// Element i of an array that may sit at any address: MLX's safetensors writer does not pad its header, so
+// mapped tensors can start at odd offsets. Typed loads through a misaligned pointer are undefined
+// behaviour (UBSan reports them); memcpy is the defined form and compiles to the same single load.
+template <class T>
+inline T load_unaligned(const void* p, int64_t i) {
+  T v;
+  __builtin_memcpy(&v, static_cast<const char*>(p) + size_t(i) * sizeof(T), sizeof(T));
+  return v;
+}
+
+// Element `i` of a scale/bias (or dense weight) array of the given dtype (f32, f16 or bf16).
 inline float load_scalar(const void* p, DType t, int64_t i) {
   switch (t) {
-    case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
+    case DType::BF16: return bf16_to_f32(load_unaligned<uint16_t>(p, i));
+    case DType::F16: return f16_to_f32(load_unaligned<uint16_t>(p, i));
+    default: return load_unaligned<float>(p, i);
   }
 }
 
