@@ -157,6 +157,8 @@ class OutputParser:
         self._types = parameter_types(tools if isinstance(tools, list) else None)
         self._buf = ""  # undecided text of the current state
         self._ws = ""  # whitespace held in text: dropped if a tool call follows (the markup's separator)
+        self._pre_ws = ""  # the whitespace held when the current <tool_call> opened
+        self._after_call = False  # nothing but whitespace since the last tool call
         self._after_think = False  # drop the newlines the template puts after </think>
         self.tool_calls = 0
 
@@ -177,11 +179,12 @@ class OutputParser:
             if (self._state, len(self._buf)) == before:
                 break
         if self._state == "tool":  # never closed: the model's text, as written
+            self._ws = self._pre_ws
             self._text(events, TOOL_OPEN + self._buf, final=True)
         elif self._buf:
             self._emit_plain(events, self._buf, final=True)
         self._buf = ""
-        if self._ws and not self.tool_calls:
+        if self._ws and not self._after_call:  # trailing whitespace of text is text; after a call, markup
             events.append(("text", self._ws))
         self._ws = ""
         return _merge(events)
@@ -230,7 +233,9 @@ class OutputParser:
                 i = buf.find(TOOL_OPEN)
                 if i >= 0:
                     self._text(events, buf[:i], final=False)
-                    self._ws = ""  # whitespace before a call separates it from the text: not content
+                    # Whitespace before a call separates it from the text: not content (unless the call
+                    # turns out malformed, when all of it is text again).
+                    self._pre_ws, self._ws = self._ws, ""
                     self._buf = buf[i + len(TOOL_OPEN):]
                     self._state = "tool"
                     return
@@ -246,9 +251,11 @@ class OutputParser:
             body = buf[:i]
             call = parse_tool_call(body, self._types)
             if call is None:
+                self._ws = self._pre_ws
                 self._text(events, TOOL_OPEN + body + TOOL_CLOSE, final=False)
             else:
                 self._ws = ""
+                self._after_call = True
                 self.tool_calls += 1
                 events.append(("tool_call", call))
             self._buf = buf[i + len(TOOL_CLOSE):]
@@ -268,6 +275,12 @@ class OutputParser:
         # Whitespace is held until something else follows it, so the newlines between two tool calls
         # (or between text and a call) never become content of their own.
         text = self._ws + text
+        if self._after_call:  # the whitespace after a call separates it from what follows
+            text = text.lstrip()
+            if not text:
+                self._ws = ""
+                return
+            self._after_call = False
         body = text.rstrip()
         self._ws = text[len(body):]
         if body:

@@ -314,7 +314,7 @@ class LilyServer:
         if max_tokens is None:
             return min(room, self.config.default_max_tokens)
         if max_tokens > room:
-            raise APIError(400, f"{where}: the prompt is {len(ids)} tokens and max_tokens is {max_tokens}: more "
+            raise APIError(400, f"{where}: the prompt is {len(ids)} tokens and 'max_tokens' is {max_tokens}: more "
                            f"than this server's context of {limit} tokens", param="max_tokens",
                            code="context_length_exceeded")
         return max_tokens
@@ -470,7 +470,8 @@ def _check_model(server: LilyServer, f: Fields) -> None:
                        f"'{server.config.model_name}'", param="model", code="model_not_found")
 
 
-def _text_content(content: Any, where: str, param: str) -> str:
+def _text_content(content: Any, where: str, label: str) -> str:
+    param = label.split("[")[0].split(".")[0]  # the top-level field: "messages[2].content" is in 'messages'
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -478,11 +479,11 @@ def _text_content(content: Any, where: str, param: str) -> str:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise _bad(f"{where}: {param}[{j}] must be a text part ({{'type': 'text', 'text': ...}}); "
+                raise _bad(f"{where}: {label}[{j}] must be a text part ({{'type': 'text', 'text': ...}}); "
                            f"got {str(kind)[:40]!r}: this server takes text only", param)
             parts.append(part["text"])
         return "".join(parts)
-    raise _bad(f"{where}: {param} must be a string or a list of text parts", param)
+    raise _bad(f"{where}: {label} must be a string or a list of text parts", param)
 
 
 def _tool_arguments(args: Any) -> Any:
