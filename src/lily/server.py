@@ -39,7 +39,7 @@ from .outputs import THINK_OPEN, OutputParser, ToolCall
 from .sampling import SamplingParams
 from .streaming import GenerationResponse
 
-__all__ = ["ServerConfig", "LilyServer", "create_app", "serve"]
+__all__ = ["ServerConfig", "LilyServer", "ServerThread", "create_app", "serve"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1161,3 +1161,36 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, config: ServerConfi
           log_level: str = "info") -> None:
     """Serve ``engine`` until interrupted."""
     uvicorn.run(create_app(engine, config), host=host, port=port, log_level=log_level)
+
+
+class ServerThread:
+    """The server on a background thread of this process (a notebook, a test, an app embedding Lily).
+
+    ``port=0`` picks a free port; ``url`` is ``http://host:port``. ``stop()`` (or leaving ``with``) shuts
+    it down; the engine stays open (it is the caller's)."""
+
+    def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, config: ServerConfig | None = None,
+                 log_level: str = "warning", start_timeout: float = 30.0):
+        self.app = create_app(engine, config)
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level))
+        self._thread = threading.Thread(target=self._server.run, name="lily-server", daemon=True)
+        self._thread.start()
+        t0 = time.monotonic()
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() - t0 > start_timeout:
+                self._server.should_exit = True
+                raise LilyError(f"the server did not start on {host}:{port}")
+            time.sleep(0.01)
+        bound = self._server.servers[0].sockets[0].getsockname()
+        self.host, self.port = host, bound[1]
+        self.url = f"http://{host}:{self.port}"
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "ServerThread":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
