@@ -114,7 +114,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def live(engine):
-    srv = Live(engine, max_context=1024, max_concurrency=4, chat_template=TEMPLATE)
+    srv = Live(engine, max_context=1024, max_concurrency=4, chat_template=TEMPLATE, prefix_cache_bytes=16 << 20)
     yield srv
     srv.stop()
 
@@ -184,7 +184,6 @@ def test_chat_matches_the_library_streaming_and_not(live, engine):
     assert r.choices[0].message.content == expected
     assert r.choices[0].finish_reason == ("length" if len(rs) == 40 else "stop")
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(rs)
-    assert r.usage.prompt_tokens_details.cached_tokens == 0
     assert r.choices[0].message.model_extra.get("reasoning_content") is None
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=40, temperature=0,
@@ -261,7 +260,7 @@ def test_anthropic_messages_match_the_library(live, engine):
     m = client.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, system="Be brief.", messages=msgs)
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == expected
     assert m.stop_reason == ("max_tokens" if len(rs) == 30 else "end_turn")
-    assert m.usage.input_tokens == len(ids) and m.usage.output_tokens == len(rs)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids) and m.usage.output_tokens == len(rs)
     with client.messages.stream(model=MODEL, max_tokens=30, extra_body=GREEDY, system="Be brief.", messages=msgs) as st:
         kinds = [ev.type for ev in st]
         final = st.get_final_message()
@@ -273,6 +272,36 @@ def test_anthropic_messages_match_the_library(live, engine):
                                stop_sequences=[stop])
     assert m.content[0].text == expected[:expected.index(stop)]
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+
+
+def test_three_turns_hit_the_prefix_cache_and_match_a_cold_run(live, engine):
+    # Thinking on: the template opens <think> in each prompt and drops earlier reasoning when it re-renders
+    # a turn, so the end of a prompt is not what the next one shares; the end of the conversation before
+    # the generation prompt is.
+    kw = {"chat_template_kwargs": {"enable_thinking": True}}
+    client = live.openai()
+    messages: list[dict] = []
+    before = live.metrics()["prefix_cache"]
+    for turn, question in enumerate(["def parse_three_turns(text):", "class Reader:", "import json"]):
+        messages.append({"role": "user", "content": question})
+        ids = prompt_ids(engine, messages, enable_thinking=True)
+        expected, rs = library_text(engine, ids, 16)  # cold: a fresh session, the whole prompt prefilled
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                           extra_body=kw)
+        msg = r.choices[0].message
+        assert msg.model_extra["reasoning_content"] == expected and r.usage.completion_tokens == len(rs)
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        if turn == 0:
+            assert cached == 0
+        else:  # the previous turn's conversation, up to its last user message, came from the cache
+            shared = engine.tokenizer.encode(render_chat(TEMPLATE, messages[:-2], add_generation_prompt=False,
+                                                         enable_thinking=True))
+            assert cached == len(shared) > 0
+        messages.append({"role": "assistant", "content": msg.content or "",
+                         "reasoning_content": msg.model_extra["reasoning_content"]})
+    after = live.metrics()["prefix_cache"]
+    assert after["hits"] >= before["hits"] + 2 and after["tokens_saved"] > before["tokens_saved"]
+    assert 0 < after["bytes"] <= after["max_bytes"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -379,7 +408,7 @@ def test_anthropic_history_with_tool_use_renders(live, engine):
         tools=[{"type": "function", "function": {"name": "get_weather", "description": "",
                                                  "parameters": TOOLS[0]["function"]["parameters"]}}])
     assert "<tool_response>\nrain\n</tool_response>" in rendered
-    assert m.usage.input_tokens == len(engine.tokenizer.encode(rendered))
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(engine.tokenizer.encode(rendered))
 
 
 # ---------------------------------------------------------------------------------------------------

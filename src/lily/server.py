@@ -10,6 +10,9 @@ by step. At most ``max_concurrency`` generations run at once; up to ``max_queue`
 and a request beyond that is answered 429 at once. A request that is not finished ``request_timeout``
 seconds after it arrived is answered 503 (waiting or generating; a stream gets an error event). A client
 that disconnects has its generation stopped after the current decode step and its session closed.
+
+Prefix cache (``prefix_cache_bytes``): see :mod:`lily.prefix_cache`; ``usage`` reports the prompt tokens
+it supplied (``prompt_tokens_details.cached_tokens``; Anthropic's ``cache_read_input_tokens``).
 """
 
 from __future__ import annotations
@@ -199,6 +202,7 @@ class ServerConfig:
     request_timeout: float = 600.0  # seconds from arrival to the last token; then 503
     default_max_tokens: int = 4096  # when a request gives none (capped by the room left in max_context)
     chat_template: str | None = None  # overrides the checkpoint's chat template
+    prefix_cache_bytes: int = 1 << 30  # budget of the prefix cache's checkpoints (copies: see lily.prefix_cache); 0: off
 
 
 def _rss_bytes() -> int:
@@ -249,6 +253,7 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     logprobs: int = 0  # top alternatives to report per token; -1: only the token's own logprob
     ignore_eos: bool = False
+    checkpoints: tuple[int, ...] = ()  # prompt positions worth a prefix-cache checkpoint
 
 
 @dataclass
@@ -259,6 +264,7 @@ class Job:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     tokens: list[int] = field(default_factory=list)
+    cached: int = 0  # prompt tokens restored from the prefix cache
 
 
 @dataclass
@@ -267,6 +273,7 @@ class Finish:
     completion_tokens: int
     stop_sequence: str | None = None  # the stop string that ended it
     eos: bool = False  # ended on a stop token
+    cached: int = 0  # prompt tokens restored from the prefix cache
 
 
 class LilyServer:
@@ -278,6 +285,9 @@ class LilyServer:
         if engine.tokenizer is None:
             raise LilyError("the server needs a checkpoint with a tokenizer (tokenizer.json)")
         self.metrics = Metrics()
+        from .prefix_cache import PrefixCache
+
+        self.cache = PrefixCache(engine, self.config.prefix_cache_bytes) if self.config.prefix_cache_bytes else None
         self.active = 0
         self.waiting = 0
         self._slots: asyncio.Semaphore | None = None
@@ -296,10 +306,11 @@ class LilyServer:
         return s
 
     # ---- prompts ----
-    def render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict,
+               add_generation_prompt: bool = True) -> str:
         tok = self.engine.tokenizer
         template = self.config.chat_template or tok.get_chat_template(tools)
-        return render_chat(template, messages, add_generation_prompt=True, tools=tools,
+        return render_chat(template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
                            **{**tok.special_tokens_map(), **kwargs})
 
     def check_prompt(self, ids: list[int], max_tokens: int | None, param: str, where: str) -> int:
@@ -362,7 +373,10 @@ class LilyServer:
             def progress(done: int, total: int) -> bool:
                 return not job.cancel.is_set() and time.monotonic() < job.deadline
 
-            session.prefill(req.ids, progress=progress if len(req.ids) > session.prefill_chunk else None)
+            if self.cache is not None:
+                job.cached = self.cache.prefill(session, req.ids, checkpoints=req.checkpoints, progress=progress)
+            else:
+                session.prefill(req.ids, progress=progress if len(req.ids) > session.prefill_chunk else None)
             reason = None
             if job.cancel.is_set():
                 reason = "cancelled"
@@ -387,6 +401,9 @@ class LilyServer:
                     stream.close()  # the C++ loop stops after the current token
                 if reason is None:
                     reason = session.finish_reason or "stop"
+                if self.cache is not None and reason in ("stop", "length"):
+                    # The prompt plus the reply: the next turn hits it when it re-renders the reply unchanged.
+                    self.cache.store(session, req.ids + job.tokens)
             finish = self._finish(job, reason)
         except BaseException as exc:  # reported to the request; the server goes on
             finish = exc
@@ -416,7 +433,7 @@ class LilyServer:
             text = self.engine.tokenizer.decode(job.tokens, skip_special_tokens=True)
             hits = [(text.find(s), s) for s in job.req.stop if s in text]
             matched = min(hits)[1] if hits else None
-        return Finish(reason, len(job.tokens), matched, eos)
+        return Finish(reason, len(job.tokens), matched, eos, job.cached)
 
     async def events(self, job: Job) -> AsyncIterator[GenerationResponse | Finish]:
         """The job's responses then its Finish; raises APIError on a timeout or failure. Leaving early
@@ -536,17 +553,27 @@ def _no_constrained_decoding(f: Fields) -> None:
 
 
 async def _prepare(server: LilyServer, messages: list[dict], tools: list[dict] | None, kwargs: dict,
-                   where: str) -> tuple[list[int], bool]:
-    """Token ids of the rendered conversation and whether the output starts inside <think>."""
+                   where: str) -> tuple[list[int], bool, tuple[int, ...]]:
+    """Token ids of the rendered conversation, whether the output starts inside <think>, and the prompt
+    positions worth a prefix-cache checkpoint."""
     def work():
         text = server.render(messages, tools, kwargs)
-        return text, server.engine.tokenizer.encode(text)
+        ids = server.engine.tokenizer.encode(text)
+        cuts: tuple[int, ...] = ()
+        if server.cache is not None:
+            # Where the conversation ends without the generation prompt: the next turn's prompt shares
+            # this much even when the template re-renders this turn's reply differently (without its
+            # reasoning, as Qwen3.6's does).
+            base = server.engine.tokenizer.encode(server.render(messages, tools, kwargs, add_generation_prompt=False))
+            if 0 < len(base) < len(ids) and ids[:len(base)] == base:
+                cuts = (len(base),)
+        return text, ids, cuts
 
     try:
-        text, ids = await asyncio.to_thread(work)  # a template may take up to its render budget
+        text, ids, cuts = await asyncio.to_thread(work)  # a template may take up to its render budget
     except (ChatTemplateError, ValueError) as exc:
         raise _bad(f"{where}: {exc}", "messages") from None
-    return ids, text.rstrip().endswith(THINK_OPEN)
+    return ids, text.rstrip().endswith(THINK_OPEN), cuts
 
 
 def _new_id(prefix: str) -> str:
@@ -633,9 +660,9 @@ async def _parse_chat(server: LilyServer, f: Fields) -> ChatJob:
     stop = f.stops("stop")
     ignore_eos = f.boolean("ignore_eos", False)
     kwargs = _template_kwargs(f)
-    ids, in_reasoning = await _prepare(server, messages, tools, kwargs, f.where)
+    ids, in_reasoning, cuts = await _prepare(server, messages, tools, kwargs, f.where)
     max_tokens = server.check_prompt(ids, max_tokens, "messages", f.where)
-    req = GenRequest(ids, max_tokens, sampling, stop, (top or -1) if want else 0, ignore_eos)
+    req = GenRequest(ids, max_tokens, sampling, stop, (top or -1) if want else 0, ignore_eos, cuts)
     return ChatJob(req, in_reasoning, tools, top, want)
 
 
@@ -645,9 +672,9 @@ def _finish_reason(fin: Finish, tool_calls: int) -> str:
     return "stop" if fin.reason in ("stop", "cancelled") else "length"
 
 
-def _usage(prompt: int, completion: int) -> dict:
+def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _openai_tool_call(call: ToolCall, index: int) -> dict:
@@ -687,7 +714,7 @@ async def chat_completions(server: LilyServer, f: Fields, arrived: float):
             "choices": [{"index": 0, "message": message,
                          "logprobs": {"content": lps} if cj.want_logprobs else None,
                          "finish_reason": _finish_reason(fin, len(calls))}],
-            "usage": _usage(prompt_n, fin.completion_tokens),
+            "usage": _usage(prompt_n, fin.completion_tokens, fin.cached),
         })
 
     def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> str:
@@ -733,7 +760,7 @@ async def chat_completions(server: LilyServer, f: Fields, arrived: float):
             yield chunk({}, _finish_reason(fin, parser.tool_calls))
             if include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": _usage(prompt_n, fin.completion_tokens)})
+                            "choices": [], "usage": _usage(prompt_n, fin.completion_tokens, fin.cached)})
         except APIError as exc:
             yield _sse(exc.openai())
         yield "data: [DONE]\n\n"
@@ -808,7 +835,7 @@ async def completions(server: LilyServer, f: Fields, arrived: float):
             "choices": [{"index": 0, "text": "".join(r.text for r in rs),
                          "logprobs": logprobs_of(rs, 0) if k is not None else None,
                          "finish_reason": _finish_reason(fin, 0)}],
-            "usage": _usage(len(ids), fin.completion_tokens),
+            "usage": _usage(len(ids), fin.completion_tokens, fin.cached),
         })
 
     def chunk(text: str, finish: str | None, lp: dict | None) -> str:
@@ -834,7 +861,7 @@ async def completions(server: LilyServer, f: Fields, arrived: float):
             yield chunk("", _finish_reason(fin, 0), None)
             if include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": _usage(len(ids), fin.completion_tokens)})
+                            "choices": [], "usage": _usage(len(ids), fin.completion_tokens, fin.cached)})
         except APIError as exc:
             yield _sse(exc.openai())
         yield "data: [DONE]\n\n"
@@ -937,9 +964,9 @@ async def messages_endpoint(server: LilyServer, f: Fields, arrived: float):
         kwargs.setdefault("enable_thinking", thinking["type"] == "enabled")
     sampling = _sampling(f)
     stop = f.stops("stop_sequences")
-    ids, in_reasoning = await _prepare(server, messages, tools, kwargs, f.where)
+    ids, in_reasoning, cuts = await _prepare(server, messages, tools, kwargs, f.where)
     max_tokens = server.check_prompt(ids, max_tokens, "messages", f.where)
-    req = GenRequest(ids, max_tokens, sampling, stop, 0, f.boolean("ignore_eos", False))
+    req = GenRequest(ids, max_tokens, sampling, stop, 0, f.boolean("ignore_eos", False), cuts)
     stream = f.boolean("stream", False)
     job = await server.submit(req, arrived)
     parser = OutputParser(in_reasoning=in_reasoning, tools=tools)
@@ -954,8 +981,9 @@ async def messages_endpoint(server: LilyServer, f: Fields, arrived: float):
             return "stop_sequence", fin.stop_sequence
         return "end_turn", None
 
-    def usage(completion: int) -> dict:
-        return {"input_tokens": len(ids), "output_tokens": completion, "cache_read_input_tokens": 0,
+    def usage(completion: int, cached: int = 0) -> dict:
+        # Anthropic counts input_tokens apart from the cached ones
+        return {"input_tokens": len(ids) - cached, "output_tokens": completion, "cache_read_input_tokens": cached,
                 "cache_creation_input_tokens": 0}
 
     if not stream:
@@ -986,7 +1014,8 @@ async def messages_endpoint(server: LilyServer, f: Fields, arrived: float):
         assert fin is not None
         reason, seq = stop_reason(fin)
         return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
-                             "stop_reason": reason, "stop_sequence": seq, "usage": usage(fin.completion_tokens)})
+                             "stop_reason": reason, "stop_sequence": seq,
+                             "usage": usage(fin.completion_tokens, fin.cached)})
 
     async def body() -> AsyncIterator[str]:
         yield _sse({"type": "message_start", "message": {
@@ -1044,7 +1073,8 @@ async def messages_endpoint(server: LilyServer, f: Fields, arrived: float):
             assert fin is not None
             reason, seq = stop_reason(fin)
             yield _sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                        "usage": {"output_tokens": fin.completion_tokens}}, "message_delta")
+                        "usage": {"output_tokens": fin.completion_tokens, "input_tokens": len(ids) - fin.cached,
+                                  "cache_read_input_tokens": fin.cached}}, "message_delta")
             yield _sse({"type": "message_stop"}, "message_stop")
         except APIError as exc:
             yield _sse(exc.anthropic(), "error")
@@ -1076,6 +1106,15 @@ def _prometheus(m: dict) -> str:
     metric("active_requests", "gauge", "generations running", [("", m["active"])])
     metric("queue_depth", "gauge", "requests waiting for a slot", [("", m["queued"])])
     metric("resident_memory_bytes", "gauge", "process resident set size", [("", m["rss_bytes"])])
+    cache = m.get("prefix_cache")
+    if cache:
+        metric("prefix_cache_hits_total", "counter", "prompts that restored a cached prefix", [("", cache["hits"])])
+        metric("prefix_cache_misses_total", "counter", "prompts with no cached prefix", [("", cache["misses"])])
+        metric("prefix_cache_tokens_saved_total", "counter", "prompt tokens not prefilled",
+               [("", cache["tokens_saved"])])
+        metric("prefix_cache_evictions_total", "counter", "checkpoints evicted", [("", cache["evictions"])])
+        metric("prefix_cache_bytes", "gauge", "bytes held by checkpoints", [("", cache["bytes"])])
+        metric("prefix_cache_entries", "gauge", "checkpoints held", [("", cache["entries"])])
     return "\n".join(lines) + "\n"
 
 
@@ -1148,7 +1187,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         data.update(active=server.active, queued=server.waiting, max_concurrency=server.config.max_concurrency,
                     max_queue=server.config.max_queue, rss_bytes=_rss_bytes(),
                     uptime_s=round(time.time() - m.started, 3),
-                    prefix_cache=None)  # no prefix cache yet: every request prefills its whole prompt
+                    prefix_cache=server.cache.stats() if server.cache is not None else None)
         fmt = request.query_params.get("format")
         if fmt == "prometheus" or (fmt is None and "text/plain" in request.headers.get("accept", "")):
             return PlainTextResponse(_prometheus(data), media_type="text/plain; version=0.0.4")
