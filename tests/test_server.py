@@ -495,6 +495,23 @@ def test_disconnect_mid_stream_cancels_the_generation(engine, path):
         srv.stop()
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/completions"])
+def test_disconnect_while_waiting_for_a_whole_answer_cancels(engine, path):
+    srv = Live(engine, max_context=16384)
+    try:
+        body = {"model": MODEL, "messages": USER, "max_tokens": 16000, "temperature": 0, "ignore_eos": True}
+        if path == "/v1/completions":
+            body = {**body, "prompt": "import os", "messages": None}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(srv.base + path, json=body, timeout=0.8)
+        t0 = time.monotonic()
+        after = srv.wait_idle()
+        assert time.monotonic() - t0 < 2.0
+        assert after["cancelled"] == 1 and 1 <= after["completion_tokens"] < 16000
+    finally:
+        srv.stop()
+
+
 def test_queue_limit_429_and_timeout_503(engine):
     srv = Live(engine, max_context=2048, max_concurrency=1, max_queue=0, request_timeout=30)
     try:
@@ -673,3 +690,12 @@ def test_cli_serve(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_missing_server_extra_names_it():
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['fastapi'] = None; import lily.server"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode != 0 and "pip install 'lily-inference[server]'" in r.stderr

@@ -134,7 +134,9 @@ def cmd_serve(args) -> int:
     template = None
     if args.chat_template is not None:
         template = pathlib.Path(args.chat_template).read_text(encoding="utf-8")
-    name = args.served_model_name or (pathlib.Path(str(args.model)).name if args.model else "lily-tiny")
+    # Clients send the id they were told: a repo id as given, a local folder by its name.
+    model = str(args.model) if args.model else "lily-tiny"
+    name = args.served_model_name or (pathlib.Path(model).name if pathlib.Path(model).is_dir() else model)
     config = ServerConfig(model_name=name, max_context=args.max_context, max_concurrency=args.max_concurrency,
                           max_queue=args.max_queue, request_timeout=args.request_timeout,
                           default_max_tokens=args.default_max_tokens, chat_template=template,
@@ -208,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None,
-                   help="the model id clients send (default: the --model folder's name, or lily-tiny)")
+                   help="the model id clients send (default: --model as given, a local folder by its name)")
     s.add_argument("--max-context", type=int, default=32768, help="tokens per request, prompt plus completion")
     s.add_argument("--max-concurrency", type=int, default=4, help="generations running at once")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")

@@ -90,6 +90,7 @@ class Fields:
             raise _bad(f"{where}: the request body must be a JSON object, got {type(body).__name__}", None)
         self.body = body
         self.where = where
+        self.request: Request | None = None  # the HTTP request it came with
 
     def _err(self, name: str, what: str, value: Any) -> APIError:
         shown = json.dumps(value)[:80] if _jsonable(value) else repr(value)[:80]
@@ -276,6 +277,9 @@ class Finish:
     cached: int = 0  # prompt tokens restored from the prefix cache
 
 
+_DISCONNECT_POLL = 0.25  # seconds between checks that a non-streaming request's client is still there
+
+
 class LilyServer:
     """The engine behind the HTTP endpoints: admission, one worker thread and Session per request."""
 
@@ -435,15 +439,28 @@ class LilyServer:
             matched = min(hits)[1] if hits else None
         return Finish(reason, len(job.tokens), matched, eos, job.cached)
 
-    async def events(self, job: Job) -> AsyncIterator[GenerationResponse | Finish]:
+    async def events(self, job: Job, request: Request | None = None) -> AsyncIterator[GenerationResponse | Finish]:
         """The job's responses then its Finish; raises APIError on a timeout or failure. Leaving early
-        (a disconnect, an exception) cancels the generation."""
+        (a disconnect, an exception) cancels the generation. With ``request`` (a response that is sent only
+        at the end), the client's connection is checked every quarter second: nobody else would notice
+        that it has gone."""
+        next_check = time.monotonic() + _DISCONNECT_POLL
         try:
             while True:
-                remaining = job.deadline - time.monotonic()
+                now = time.monotonic()
+                if request is not None and now >= next_check:
+                    next_check = now + _DISCONNECT_POLL
+                    if await request.is_disconnected():
+                        raise APIError(499, "the client disconnected", code="client_disconnected")
+                remaining = job.deadline - now
+                wait = max(remaining, 0.0) + 1.0
+                if request is not None:
+                    wait = min(wait, max(next_check - now, 0.0))
                 try:
-                    item = await asyncio.wait_for(job.queue.get(), timeout=max(remaining, 0.0) + 1.0)
+                    item = await asyncio.wait_for(job.queue.get(), timeout=wait)
                 except asyncio.TimeoutError:
+                    if time.monotonic() < job.deadline + 1.0:
+                        continue  # a disconnect check is due
                     job.cancel.set()
                     raise APIError(503, f"the request did not finish within request_timeout="
                                    f"{self.config.request_timeout:g} s", code="timeout") from None
@@ -695,7 +712,7 @@ async def chat_completions(server: LilyServer, f: Fields, arrived: float):
     if not stream:
         text, reasoning, calls, lps = [], [], [], []
         fin = None
-        async for item in server.events(job):
+        async for item in server.events(job, f.request):
             if isinstance(item, Finish):
                 fin = item
                 break
@@ -824,7 +841,7 @@ async def completions(server: LilyServer, f: Fields, arrived: float):
 
     if not stream:
         rs, fin = [], None
-        async for item in server.events(job):
+        async for item in server.events(job, f.request):
             if isinstance(item, Finish):
                 fin = item
                 break
@@ -1005,7 +1022,7 @@ async def messages_endpoint(server: LilyServer, f: Fields, arrived: float):
                 else:
                     blocks.append({"type": "text", "text": value})
 
-        async for item in server.events(job):
+        async for item in server.events(job, f.request):
             if isinstance(item, Finish):
                 fin = item
                 break
@@ -1149,7 +1166,9 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise _bad(f"{where}: the request body is not valid JSON ({exc})", None) from None
-        return Fields(data, where)
+        f = Fields(data, where)
+        f.request = request
+        return f
 
     def route(path: str, handler):
         async def endpoint(request: Request):
