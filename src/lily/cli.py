@@ -1,4 +1,4 @@
-"""Command line: python -m lily {generate,chat,info,eval,convert,bench}."""
+"""Command line: python -m lily {generate,chat,serve,info,eval,convert,bench}."""
 
 from __future__ import annotations
 
@@ -123,6 +123,34 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        from .server import ServerConfig, serve
+    except ImportError as exc:
+        raise LilyError(str(exc)) from None
+    import pathlib
+
+    engine = _engine(args)
+    template = None
+    if args.chat_template is not None:
+        template = pathlib.Path(args.chat_template).read_text(encoding="utf-8")
+    # Clients send the id they were told: a repo id as given, a local folder by its name.
+    model = str(args.model) if args.model else "lily-tiny"
+    name = args.served_model_name or (pathlib.Path(model).name if pathlib.Path(model).is_dir() else model)
+    config = ServerConfig(model_name=name, max_context=args.max_context, max_concurrency=args.max_concurrency,
+                          max_queue=args.max_queue, request_timeout=args.request_timeout,
+                          default_max_tokens=args.default_max_tokens, chat_template=template,
+                          prefix_cache_bytes=args.prefix_cache_bytes)
+    for field in ("max_context", "max_concurrency", "default_max_tokens"):
+        if getattr(config, field) < 1:
+            raise LilyError(f"--{field.replace('_', '-')} must be >= 1")
+    if config.max_queue < 0 or config.prefix_cache_bytes < 0 or not config.request_timeout > 0:
+        raise LilyError("--max-queue and --prefix-cache-bytes must be >= 0 and --request-timeout > 0")
+    print(f"Lily serving '{name}' on http://{args.host}:{args.port}/v1 ({engine.backend})", file=sys.stderr)
+    serve(engine, host=args.host, port=args.port, config=config, log_level=args.log_level)
+    return 0
+
+
 def cmd_info(args) -> int:
     engine = _engine(args)
     print(engine.report())
@@ -176,6 +204,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--max-context", type=int, default=8192)
     c.set_defaults(fn=cmd_chat)
+
+    s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (the [server] extra)")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: --model as given, a local folder by its name)")
+    s.add_argument("--max-context", type=int, default=32768, help="tokens per request, prompt plus completion")
+    s.add_argument("--max-concurrency", type=int, default=4, help="generations running at once")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    s.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request before 503")
+    s.add_argument("--default-max-tokens", type=int, default=4096, help="when a request gives no max_tokens")
+    s.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the model's")
+    s.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
+                   help="budget of the prefix cache's checkpoints (default 1 GiB; 0 turns it off)")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("info", help="print the engine report (backend, memory, kernels, optimizations)")
     _add_model_args(i)
