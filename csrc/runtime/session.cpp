@@ -166,6 +166,22 @@ void Session::encode_decode(int s) {
   model_.encode_logits(decode_sc_, 0, 1, st_.other().logits);
 }
 
+// One decode step of `token` (the current state set to the other, which becomes current); `was_pending`:
+// the token is the pending one (the context shows it once throughout). Model lock held.
+void Session::decode_one_locked(int32_t token, bool was_pending) {
+  ops_.upload(st_.slot[0], &token);
+  Step step(ops_, Phase::Decode);
+  encode_decode(0);
+  const StepStats stats = ops_.stats();
+  ops_.wait(step.submit());
+  std::lock_guard<std::mutex> lk(state_mu_);
+  decode_stats_ = stats;
+  tokens_.push_back(token);
+  if (was_pending) pending_ = -1;
+  st_.cur = 1 - st_.cur;
+  has_logits_ = true;
+}
+
 void Session::feed_pending_locked() {
   int32_t t;
   {
@@ -173,17 +189,7 @@ void Session::feed_pending_locked() {
     if (pending_ < 0) return;
     t = pending_;
   }
-  ops_.upload(st_.slot[0], &t);
-  Step step(ops_, Phase::Decode);
-  encode_decode(0);
-  const StepStats stats = ops_.stats();
-  ops_.wait(step.submit());
-  std::lock_guard<std::mutex> lk(state_mu_);
-  decode_stats_ = stats;
-  tokens_.push_back(t);
-  st_.cur = 1 - st_.cur;
-  pending_ = -1;
-  has_logits_ = true;
+  decode_one_locked(t, true);
 }
 
 int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* out,
@@ -249,17 +255,8 @@ void Session::step(int32_t token, float* out) {
                           std::to_string(st_.max_ctx));
   std::lock_guard<std::mutex> lk(model_lock_);
   feed_pending_locked();
-  ops_.upload(st_.slot[0], &token);
-  Step st(ops_, Phase::Decode);
-  encode_decode(0);
-  const StepStats stats = ops_.stats();
-  ops_.wait(st.submit());
-  std::lock_guard<std::mutex> slk(state_mu_);
-  st_.cur = 1 - st_.cur;
+  decode_one_locked(token, false);
   ops_.download(st_.now().logits, out);
-  decode_stats_ = stats;
-  tokens_.push_back(token);
-  has_logits_ = true;
 }
 
 void Session::logits(float* out) {

@@ -123,6 +123,7 @@ class Session {
   void check_restorable(int64_t position, int32_t pending, const std::vector<int32_t>& tokens) const;
   void ensure_scratch(Scratch& sc, int64_t rows, int64_t logit_rows);
   void feed_pending_locked();  // model lock held
+  void decode_one_locked(int32_t token, bool was_pending);
   // Encodes one decode step of the token in slot[s] into the open step. Model lock held.
   void encode_decode(int s);
   void restore_locked(const DeviceSnapshot& s);
