@@ -180,3 +180,12 @@ def test_a_failed_session_allocation_leaks_nothing(eng):
     assert eng.report()["memory"]["backend_buffers_bytes"] == before
     s = eng.session(max_context=32)
     s.prefill(eng.tokenize("x = 1"))
+
+
+def test_reported_state_sizes_match_what_a_session_allocates(eng):
+    before = eng.report()["memory"]["backend_buffers_bytes"]
+    s = eng.session(max_context=100)
+    assert s.state_bytes == eng._state_bytes(100)
+    r = eng.report()["memory"]
+    assert r["kv_cache_bytes_per_token"] * 100 + r["recurrent_state_bytes_per_session"] == s.state_bytes
+    assert r["backend_buffers_bytes"] - before >= s.state_bytes  # plus scratch and the sampler's state

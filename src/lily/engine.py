@@ -139,8 +139,9 @@ class Engine:
         kv = sum(t == "full_attention" for t in cfg.layer_types) * 2 * cfg.num_key_value_heads * cfg.head_dim \
             * (2 if self.kv_cache_dtype == "bf16" else 4)
         n_lin = sum(t == "linear_attention" for t in cfg.layer_types)
-        rec = n_lin * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-                       + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim) * 4
+        # Two sets of recurrent and conv state: a decode step writes the other set (undoable speculation).
+        rec = 2 * n_lin * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+                           + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim) * 4
         return kv * max_context + rec
 
     # ---- lifetime ----
