@@ -15,8 +15,7 @@ import pytest
 
 from lily.checkpoint import SafetensorsFile, load_checkpoint
 from lily.config import INT_LIMITS, ModelConfig
-from lily.errors import CheckpointError
-from tiny import rewrite_header
+from tiny import checkpoint_error, rewrite_header
 from lily.synthetic import TINY_CONFIG, text_config, write_synthetic_checkpoint
 
 # ---- helpers ---------------------------------------------------------------------------------------
@@ -29,15 +28,6 @@ def write_raw_safetensors(path: Path, header: bytes, data: bytes = b"") -> Path:
 
 def deep_json(depth: int) -> str:
     return "[" * depth + "]" * depth
-
-
-def checkpoint_error(fn, *needles: str) -> str:
-    with pytest.raises(CheckpointError) as ei:
-        fn()
-    msg = str(ei.value)
-    for n in needles:
-        assert n in msg, f"{n!r} not in {msg!r}"
-    return msg
 
 
 @pytest.fixture

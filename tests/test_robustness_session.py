@@ -14,19 +14,9 @@ import pytest
 
 import lily
 
-from lily.errors import CheckpointError
-from tiny import rewrite_header
+from tiny import checkpoint_error, rewrite_header
 
 TINY_MODEL = Path(lily.__file__).parent / "models" / "lily-tiny"
-
-
-def checkpoint_error(fn, *needles: str) -> str:
-    with pytest.raises(CheckpointError) as ei:
-        fn()
-    msg = str(ei.value)
-    for n in needles:
-        assert n in msg, f"{n!r} not in {msg!r}"
-    return msg
 
 
 # ---- 5. session files ------------------------------------------------------------------------------

@@ -913,3 +913,17 @@ def rewrite_header(path: Path, fn) -> None:
     fn(header)
     h = json.dumps(header).encode()
     path.write_bytes(len(h).to_bytes(8, "little") + h + raw[8 + n:])
+
+
+def checkpoint_error(fn, *needles: str) -> str:
+    """Runs fn, which must raise lily.CheckpointError whose message holds every needle; returns it."""
+    import pytest
+
+    from lily.errors import CheckpointError
+
+    with pytest.raises(CheckpointError) as ei:
+        fn()
+    msg = str(ei.value)
+    for n in needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+    return msg

@@ -96,7 +96,6 @@ class Ops {
   void begin(Phase phase);
   uint64_t submit();                      // hands the step to the device; returns its fence
   virtual void wait(uint64_t fence) {}    // blocks until the step with this fence is done
-  void wait_all() { wait(last_fence_); }
   // Drops a step whose encoding failed half-way (an exception), so the engine stays usable.
   void abandon() {
     in_step_ = false;
@@ -106,12 +105,11 @@ class Ops {
   const StepStats& stats() const { return tracker_.stats(); }
   Phase phase() const { return phase_; }
 
-  // Host transfers since the counters were last reset (the decode loop asserts one id read per token).
+  // Host transfers so far (the decode loop counts its own: one id read per token).
   struct Transfers {
     int64_t uploads = 0, downloads = 0, upload_bytes = 0, download_bytes = 0;
   };
   const Transfers& transfers() const { return transfers_; }
-  void reset_transfers() { transfers_ = {}; }
 
   // Per-op-kind time while profiling is on (host wall time around each op: exact for the CPU backend,
   // which runs ops synchronously).
