@@ -1,0 +1,261 @@
+// The CUDA backend: the model graph on one NVIDIA GPU (sm_80 or newer).
+//
+// Shape of a step. Ops are encoded between begin() and submit() as before; each *_impl picks kernels and
+// records their launches (kernel, grid, block, shared memory, packed arguments) in a host list, nothing
+// runs yet. submit() hands the list to the device: a prefill step's launches go to the compute stream as
+// they are; a decode step's list is compared with the decode graphs already captured (same kernels, same
+// arguments, byte for byte) and replayed as a CUDA graph, or captured once into a new one. The step's end
+// is marked by an event: that is the fence wait() blocks on. Because a decode step reads its token id and
+// position from device tensors and the session alternates two slots and two state sets, two graphs serve a
+// whole generation.
+//
+// Kernels come from csrc/cuda/kernels/<family>.cu (embedded in the extension), compiled by NVRTC at first
+// use with the model's dimensions as -D constants and the device's architecture, and cached on disk
+// (kernel(); compile.cpp). Host transfers (upload/download, outside steps) use a separate copy stream, so
+// reading id k while step k + 1 runs does not wait for step k + 1.
+//
+// Threads: a CudaOps is used by one thread at a time (the engine lock); nothing here is shared between
+// engines except the loaded driver tables (driver.h) and the on-disk kernel cache (written atomically).
+#pragma once
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "backend/ops.h"
+#include "cuda/driver.h"
+
+namespace lily::cuda {
+
+// Compile-time constants of one module build, e.g. {{"HIDDEN", 2048}, {"BITS", 4}}: -DHIDDEN=2048 -DBITS=4.
+using Defines = std::vector<std::pair<std::string, int64_t>>;
+
+struct Dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+struct Kernel {
+  CUfunction fn = nullptr;
+  std::string family, name;
+  int max_dynamic_smem = 48 * 1024;  // raised with set_dynamic_smem
+};
+
+struct CudaOptions {
+  int device = 0;
+  bool graphs = true;                // decode steps replayed as CUDA graphs
+  std::string cache_dir;             // kernel cache ("" = LILY_CACHE_DIR, else ~/.cache/lily/cuda)
+};
+
+struct DeviceInfo {
+  std::string name;
+  int ordinal = 0, cc_major = 0, cc_minor = 0, sms = 0, max_threads = 1024;
+  int max_smem_optin = 48 * 1024;
+  int64_t l2_bytes = 0;
+  size_t total_mem = 0;
+  double peak_bandwidth = 0;  // bytes/s from the memory clock and bus width (a datasheet figure)
+  int arch() const { return cc_major * 10 + cc_minor; }
+};
+
+// Which CUDA pieces this machine has (engine.backends(): built, usable, and why not).
+struct Availability {
+  bool usable = false;
+  std::string status;
+};
+Availability availability();
+
+class CudaOps final : public Ops {
+ public:
+  explicit CudaOps(const CudaOptions& opt);
+  ~CudaOps() override;
+  const char* name() const override { return "cuda"; }
+  std::string device() const override;
+
+  void release(Tensor& t) override;
+  size_t allocated_bytes() const override { return allocated_; }
+  int32_t register_mapping(const void* base, size_t bytes, const std::string& label) override;
+  size_t workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const override;
+  void reserve(const ModelConfig& cfg, int64_t rows) override;
+  void wait(uint64_t fence) override;
+
+  std::string matmul_variant(const Weight& w, Phase phase) const override;
+  std::vector<std::string> optimizations() const override;
+
+  // ---- for the kernel families (csrc/cuda/<family>.cpp) ----
+  // Kernel `name` (an extern "C" __global__ function) of kernels/<family>.cu compiled with `defines`.
+  // Compiled once per (family, defines) for this device (or taken from the disk cache).
+  const Kernel& kernel(const std::string& family, const char* name, const Defines& defines = {});
+  // Allows k more than 48 KB of dynamic shared memory (up to the device's opt-in limit).
+  void set_dynamic_smem(const Kernel& k, int bytes);
+  // Records one launch in the current step. Arguments are packed with their natural alignment, the layout
+  // the kernel's parameter list has: pass scalars (int, int64_t, float, unsigned, CUdeviceptr) or small
+  // trivially copyable structs, exactly the kernel's parameter types, in order.
+  template <class... A>
+  void launch(const Kernel& k, Dim3 grid, Dim3 block, uint32_t smem, const A&... args) {
+    Launch l;
+    l.fn = k.fn;
+    l.grid = grid;
+    l.block = block;
+    l.smem = smem;
+    l.kernel = &k;
+    l.args_at = args_base_ = args_.size();
+    (pack(args), ...);
+    l.args_len = args_.size() - l.args_at;
+    record_launch(l);
+  }
+  // Device address of a view's first element, and of a byte offset in a registered mapping.
+  CUdeviceptr ptr(const Tensor& t) const;
+  CUdeviceptr ptr(int32_t mapping, uint64_t offset) const;
+  // A weight's codes / scales / biases (expert 0 of a stacked weight; add e * w.data_stride and so on).
+  CUdeviceptr data(const Weight& w) const { return ptr(w.mapping, w.data); }
+  CUdeviceptr scales(const Weight& w) const { return ptr(w.scale_mapping, w.scales); }
+  CUdeviceptr biases(const Weight& w) const { return ptr(w.bias_mapping, w.biases); }
+  const DeviceInfo& info() const { return info_; }
+  // The variant each op family chose and why (engine.report()["cuda"]["variants"]); later notes for the
+  // same key replace earlier ones.
+  void note_variant(const std::string& key, const std::string& variant);
+
+  // ---- report ----
+  struct CompileStats {
+    int modules = 0, compiled = 0, cache_hits = 0;
+    double compile_seconds = 0;
+  };
+  const CompileStats& compile_stats() const { return compile_stats_; }
+  struct GraphStats {
+    int64_t captured = 0, replayed = 0, direct_steps = 0;
+    int64_t last_decode_launches = 0, last_decode_nodes = 0;
+  };
+  const GraphStats& graph_stats() const { return graph_stats_; }
+  const std::map<std::string, std::string>& variants() const { return variants_; }
+  // Bytes by kind: weights (registered mappings), and allocations by label prefix.
+  std::map<std::string, size_t> memory_by_kind() const;
+  // Compiles every kernel family with the constants `cfg` gives (used by the CI compile check and at load).
+  static std::vector<std::string> families();
+
+ protected:
+  Tensor alloc_impl(const std::string& label, DType dtype, int64_t rows, int64_t cols) override;
+  void upload_impl(const Tensor& dst, const void* src) override;
+  void download_impl(const Tensor& src, void* dst) override;
+  uint64_t submit_impl() override;
+  void abandon_impl() override;
+  void on_stage_boundary() override;
+
+  void embed_impl(const Tensor& ids, const Weight& table, const Tensor& out) override;
+  void rms_norm_impl(const Tensor& x, const Tensor& w, const Tensor& out, float eps) override;
+  void matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) override;
+  void add_impl(const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void add_rms_norm_impl(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
+                         const Tensor& normed) override;
+  void attn_qk_prep_impl(const Tensor& qg, const Tensor& k, const Tensor& q_norm, const Tensor& k_norm,
+                         const Tensor& pos, const AttentionShape& s, const Tensor& q_out,
+                         const Tensor& gate_out, const Tensor& k_out) override;
+  void kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& pos, const Tensor& k_cache,
+                      const Tensor& v_cache, int64_t max_ctx, const AttentionShape& s) override;
+  void attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache, const Tensor& v_cache,
+                      const Tensor& pos, int64_t max_ctx, const AttentionShape& s, const Tensor& ws,
+                      const Tensor& out) override;
+  void conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in,
+                        const Tensor& state_out, const Tensor& out) override;
+  void gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
+                        const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out,
+                        const DeltaShape& s, const Tensor& ws, const Tensor& out) override;
+  void gated_rms_norm_impl(const Tensor& o, const Tensor& z, const Tensor& w, float eps,
+                           const Tensor& out) override;
+  void moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids,
+                      const Tensor& weights) override;
+  void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
+                        const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) override;
+  void swiglu_impl(const Tensor& gate, const Tensor& up, const Tensor& out) override;
+  void moe_combine_impl(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
+                        const Tensor& h) override;
+  void copy_impl(const Tensor& src, const Tensor& dst) override;
+  void fill_impl(const Tensor& dst, double value) override;
+  void advance_position_impl(const Tensor& pos_in, const Tensor& pos_out, int64_t T) override;
+  void sample_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p, const Tensor& ws,
+                   const Tensor& next_id) override;
+
+ private:
+  struct Launch {
+    CUfunction fn = nullptr;
+    const Kernel* kernel = nullptr;
+    Dim3 grid, block;
+    uint32_t smem = 0;
+    size_t args_at = 0, args_len = 0;  // in args_
+    int64_t stage = 0;
+  };
+  template <class T>
+  void pack(const T& v) {
+    static_assert(std::is_trivially_copyable<T>::value, "kernel arguments must be trivially copyable");
+    const size_t a = alignof(T);
+    size_t at = (args_.size() - args_base_ + a - 1) / a * a + args_base_;
+    args_.resize(at + sizeof(T));
+    std::memcpy(args_.data() + at, &v, sizeof(T));
+  }
+  void record_launch(Launch& l);
+  void issue(const Launch& l, CUstream s);
+  void ensure_usable() const;  // throws after a device fault
+  void fault(const CudaError& e);
+
+  struct Buffer {
+    CUdeviceptr ptr = 0;
+    size_t bytes = 0;
+    std::string label;
+  };
+  struct Mapping {
+    CUdeviceptr ptr = 0;
+    size_t bytes = 0;
+    std::string label;
+  };
+  struct Graph;  // a captured decode step (backend.cpp)
+
+  CudaOptions opt_;
+  DeviceInfo info_;
+  CUcontext ctx_ = nullptr;
+  CUstream stream_ = nullptr, copy_stream_ = nullptr;
+  std::vector<CUstream> side_streams_;
+  void* staging_ = nullptr;  // pinned host memory for small transfers
+  size_t staging_bytes_ = 0;
+  std::vector<Buffer> buffers_;
+  std::vector<int32_t> free_ids_;
+  size_t allocated_ = 0;
+  std::vector<Mapping> mappings_;
+  size_t mapped_bytes_ = 0;
+
+  // The step being encoded.
+  std::vector<Launch> launches_;
+  std::vector<unsigned char> args_;
+  size_t args_base_ = 0;  // start of the launch being packed (arguments align relative to it)
+  int64_t stage_ = 0;
+
+  // Fences: event per submitted step, recycled once waited for.
+  std::vector<std::pair<uint64_t, CUevent>> pending_;
+  std::vector<CUevent> spare_events_;
+  uint64_t done_fence_ = 0;
+
+  std::vector<std::unique_ptr<Graph>> graphs_;  // most recently used first
+  GraphStats graph_stats_;
+
+  struct Module;
+  std::map<std::string, std::unique_ptr<Module>> modules_;  // by family + defines
+  CompileStats compile_stats_;
+  std::map<std::string, std::string> variants_;
+  std::string fault_;  // set after a sticky error: the context is lost
+};
+
+// Workspace each kernel family needs for `rows` tokens (sizes for CudaOps::workspace_bytes; 0 if none).
+size_t moe_workspace_bytes(const ModelConfig& c, int64_t rows);
+size_t attention_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t max_ctx);
+size_t delta_workspace_bytes(const ModelConfig& c, int64_t rows);
+size_t sample_workspace_bytes(int64_t vocab);
+
+// The module sources (generated from csrc/cuda/kernels by CMake): the text of kernels/<name>.
+const char* kernel_source(const std::string& file);  // nullptr if absent
+std::vector<std::string> kernel_files();               // every .cu and .cuh
+
+// Compiles kernels/<family>.cu with `defines` for sm_<arch> through NVRTC and returns the cubin, or
+// throws CudaError with the compiler's log. Used by CudaOps (through its cache) and by the CI check.
+std::string compile_module(const std::string& family, const Defines& defines, int arch, double* seconds);
+
+}  // namespace lily::cuda

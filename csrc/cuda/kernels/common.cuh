@@ -1,0 +1,75 @@
+// Shared device helpers for every kernel family (compiled by NVRTC; no CUDA headers are used, so the
+// extension needs no toolkit): element conversions, warp and block reductions, and the dtype codes of
+// lily::DType. Included by kernels/<family>.cu as #include "common.cuh".
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+typedef unsigned long long u64;
+
+// lily::DType codes (model/weight.h).
+#define LILY_F32 0
+#define LILY_F16 1
+#define LILY_BF16 2
+#define LILY_I32 3
+
+__device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(u32(v) << 16); }
+// Round to nearest even; NaN stays a quiet NaN (the CPU's f32_to_bf16).
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+  u32 u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return u16((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return u16(u >> 16);
+}
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+  float f;
+  asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+  return f;
+}
+// Element i of an f32 / f16 / bf16 array.
+__device__ __forceinline__ float load_as_f32(const void* p, int dtype, i64 i) {
+  if (dtype == LILY_BF16) return bf16_to_f32(static_cast<const u16*>(p)[i]);
+  if (dtype == LILY_F16) return f16_to_f32(static_cast<const u16*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+__device__ __forceinline__ void store_from_f32(void* p, int dtype, i64 i, float v) {
+  if (dtype == LILY_BF16)
+    static_cast<u16*>(p)[i] = f32_to_bf16(v);
+  else
+    static_cast<float*>(p)[i] = v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// `scratch` holds 32 floats of shared memory; the block must reach this call together.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0.f;
+  return warp_sum(v);
+}
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : -3.402823466e38f;
+  return warp_max(v);
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
