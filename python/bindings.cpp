@@ -31,9 +31,16 @@
 #include "runtime/mt19937.h"
 #include "runtime/session.h"
 
+#ifdef LILY_WITH_CUDA
+#include "cuda/backend.h"
+#endif
+
 #ifdef LILY_WITH_METAL
 void bind_metal(nanobind::module_& m);  // python/bindings_metal.cpp
 #endif
+namespace lily {
+void bind_ops_bench(nanobind::module_& m);  // python/bindings_ops.cpp
+}
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -155,9 +162,14 @@ nb::dict backends_dict() {
     b["status"] = why;
     d[name] = b;
   };
-  put("cuda", false, false,
-      "not built: this extension has no CUDA backend (it arrives with the CUDA backend issue; "
-      "Lily runs on the CPU meanwhile)");
+#ifdef LILY_WITH_CUDA
+  {
+    const cuda::Availability a = cuda::availability();
+    put("cuda", true, a.usable, a.status);
+  }
+#else
+  put("cuda", false, false, "not built: this extension was built without the CUDA backend (LILY_CUDA=OFF, or not Linux)");
+#endif
 #ifdef LILY_WITH_METAL
   put("metal", false, false,
       "not built as an inference backend yet: this build holds the Metal device layer and its first kernels "
@@ -177,16 +189,91 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     throw std::invalid_argument("unknown backend '" + name + "' (known: " + names + ")");
   }
   nb::dict b = nb::cast<nb::dict>(all[name.c_str()]);
+  auto opt = [&](const char* k) { return options.contains(k) ? options[k] : nb::none(); };
+#ifdef LILY_WITH_CUDA
+  if (name == "cuda") {
+    cuda::CudaOptions o;
+    if (!opt("device").is_none()) o.device = nb::cast<int>(opt("device"));
+    if (!opt("graphs").is_none()) o.graphs = nb::cast<bool>(opt("graphs"));
+    if (!opt("branches").is_none()) o.branches = nb::cast<bool>(opt("branches"));
+    if (!opt("cache_dir").is_none()) o.cache_dir = nb::cast<std::string>(opt("cache_dir"));
+    if (!opt("dry_arch").is_none()) o.dry_arch = nb::cast<int>(opt("dry_arch"));
+    if (o.dry_arch == 0 && !nb::cast<bool>(b["usable"]))
+      throw std::invalid_argument("backend 'cuda' is not usable: " + nb::cast<std::string>(b["status"]));
+    if (o.dry_arch != 0 && o.dry_arch < 80) throw std::invalid_argument("dry_arch must be 80 or newer");
+    nb::gil_scoped_release nogil;  // the driver's initialisation can take a while
+    return std::make_unique<cuda::CudaOps>(o);
+  }
+#endif
   if (!nb::cast<bool>(b["usable"]))
     throw std::invalid_argument("backend '" + name + "' is " + nb::cast<std::string>(b["status"]));
   cpu::CpuOptions o;
-  auto opt = [&](const char* k) { return options.contains(k) ? options[k] : nb::none(); };
   if (!opt("threads").is_none()) o.threads = nb::cast<int>(opt("threads"));
   if (!opt("deferred").is_none()) o.deferred = nb::cast<bool>(opt("deferred"));
   if (!opt("shuffle_seed").is_none()) o.shuffle_seed = nb::cast<uint64_t>(opt("shuffle_seed"));
   if (!opt("strict_alloc").is_none()) o.strict_alloc = nb::cast<bool>(opt("strict_alloc"));
   return std::make_unique<cpu::CpuOps>(o);
 }
+
+// Backend-specific figures for engine.report() (the CUDA backend: device, kernels, graphs, memory).
+nb::dict backend_report(Ops& ops) {
+  nb::dict d;
+#ifdef LILY_WITH_CUDA
+  if (auto* c = dynamic_cast<cuda::CudaOps*>(&ops)) {
+    const cuda::DeviceInfo& i = c->info();
+    nb::dict dev;
+    dev["name"] = i.name;
+    dev["arch"] = "sm_" + std::to_string(i.arch());
+    dev["multiprocessors"] = i.sms;
+    dev["memory_bytes"] = i.total_mem;
+    dev["l2_bytes"] = i.l2_bytes;
+    dev["peak_bandwidth_bytes_per_s"] = i.peak_bandwidth;
+    d["device"] = dev;
+    const auto& cs = c->compile_stats();
+    nb::dict comp;
+    comp["modules"] = cs.modules;
+    comp["compiled"] = cs.compiled;
+    comp["cache_hits"] = cs.cache_hits;
+    comp["compile_seconds"] = cs.compile_seconds;
+    comp["nvrtc"] = cuda::nvrtc().loaded ? std::to_string(cuda::nvrtc().major) + "." + std::to_string(cuda::nvrtc().minor)
+                                         : cuda::nvrtc().error;
+    d["compile"] = comp;
+    const auto& g = c->graph_stats();
+    nb::dict gr;
+    gr["captured"] = g.captured;
+    gr["replayed"] = g.replayed;
+    gr["direct_steps"] = g.direct_steps;
+    gr["launches_per_decode_step"] = g.last_decode_launches;
+    gr["graph_nodes_per_decode_step"] = g.last_decode_nodes;
+    d["graphs"] = gr;
+    nb::dict v;
+    for (const auto& [k, s] : c->variants()) v[k.c_str()] = s;
+    d["variants"] = v;
+    nb::dict mem;
+    for (const auto& [k, n] : c->memory_by_kind()) mem[k.c_str()] = n;
+    d["memory_bytes"] = mem;
+  }
+#endif
+  return d;
+}
+
+}  // namespace
+
+namespace lily {
+std::unique_ptr<Ops> make_backend_for_bench(const std::string& name, const nb::dict& options) {
+  return make_backend(name, options);
+}
+ModelConfig parse_config_for_bench(const nb::dict& cfg) { return parse_config(cfg); }
+nb::dict report_for_bench(Ops& ops) {
+  nb::dict d = backend_report(ops);
+  d["backend"] = ops.name();
+  d["device"] = ops.device();
+  d["optimizations"] = ops.optimizations();
+  return d;
+}
+}  // namespace lily
+
+namespace {
 
 // ---- the engine ----
 
@@ -257,6 +344,8 @@ struct PyEngine {
     r["kernels"] = variants;
     r["optimizations"] = ops->optimizations();
     r["tied_embeddings"] = W.tied;
+    nb::dict extra = backend_report(*ops);
+    if (extra.size()) r[ops->name()] = extra;
     return r;
   }
 };
@@ -660,6 +749,25 @@ NB_MODULE(_core, m) {
   });
 
   m.def("backends", &backends_dict, "Every backend this build knows: built, usable, and why not.");
+  bind_ops_bench(m);
+#ifdef LILY_WITH_CUDA
+  m.attr("has_cuda") = true;
+  m.def("cuda_set_nvrtc_paths", &cuda::set_nvrtc_search_paths, "paths"_a,
+        "Where to look for libnvrtc before the system's loader (set by lily.engine at import).");
+  m.def("cuda_families", &cuda::CudaOps::families, "Every CUDA kernel family embedded in this build.");
+  m.def("cuda_compile", [](const std::string& family, const std::vector<std::pair<std::string, int64_t>>& defines,
+                           int arch) {
+    double secs = 0;
+    std::string cubin;
+    {
+      nb::gil_scoped_release nogil;
+      cubin = cuda::compile_module(family, defines, arch, &secs);
+    }
+    return nb::make_tuple(cubin.size(), secs);
+  }, "family"_a, "defines"_a, "arch"_a, "Compiles one kernel family with NVRTC (no GPU needed): (cubin bytes, seconds).");
+#else
+  m.attr("has_cuda") = false;
+#endif
 
   nb::class_<PyEngine>(m, "Engine")
       .def(nb::init<const nb::dict&, const nb::dict&, const std::vector<std::pair<AnyArray, std::string>>&,

@@ -87,6 +87,10 @@ class Ops {
   virtual size_t allocated_bytes() const = 0;
   // A checkpoint file (or a buffer Lily repacked) that weights point into; returns its mapping id.
   virtual int32_t register_mapping(const void* base, size_t bytes, const std::string& label) = 0;
+  // Called once after loading with every Weight of the model (and by op harnesses for theirs): a backend
+  // whose kernels need the weights elsewhere (device memory, aligned) moves them and rewrites the Weights'
+  // mappings and offsets. The CPU reads them where the checkpoint mapping has them.
+  virtual void place_weights(const std::vector<Weight*>& weights) {}
   // Scratch one forward of `rows` tokens needs (MoE grouping, attention scores, DeltaNet work, sampling).
   virtual size_t workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const = 0;
   // Grows backend-internal per-thread scratch for forwards of up to `rows` tokens (outside steps).

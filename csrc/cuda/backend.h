@@ -46,7 +46,9 @@ struct Kernel {
 struct CudaOptions {
   int device = 0;
   bool graphs = true;                // decode steps replayed as CUDA graphs
+  bool branches = true;              // independent launches of a stage on parallel streams / graph branches
   std::string cache_dir;             // kernel cache ("" = LILY_CACHE_DIR, else ~/.cache/lily/cuda)
+  int dry_arch = 0;                  // > 0: no device; compile for sm_<dry_arch> and record only (CI)
 };
 
 struct DeviceInfo {
@@ -76,6 +78,7 @@ class CudaOps final : public Ops {
   void release(Tensor& t) override;
   size_t allocated_bytes() const override { return allocated_; }
   int32_t register_mapping(const void* base, size_t bytes, const std::string& label) override;
+  void place_weights(const std::vector<Weight*>& weights) override;
   size_t workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const override;
   void reserve(const ModelConfig& cfg, int64_t rows) override;
   void wait(uint64_t fence) override;
@@ -195,8 +198,12 @@ class CudaOps final : public Ops {
   }
   void record_launch(Launch& l);
   void issue(const Launch& l, CUstream s);
+  void issue_staged();
   void ensure_usable() const;  // throws after a device fault
+  void bind_context() const;   // makes the context current on the calling thread (engine threads vary)
   void fault(const CudaError& e);
+  template <class F>
+  void guarded(F&& f);  // runs f; a sticky CudaError marks the context lost before it propagates
 
   struct Buffer {
     CUdeviceptr ptr = 0;
@@ -204,7 +211,8 @@ class CudaOps final : public Ops {
     std::string label;
   };
   struct Mapping {
-    CUdeviceptr ptr = 0;
+    const char* host = nullptr;  // a registered host region (not yet on the device)
+    CUdeviceptr ptr = 0;         // a device copy made by place_weights
     size_t bytes = 0;
     std::string label;
   };
@@ -215,6 +223,8 @@ class CudaOps final : public Ops {
   CUcontext ctx_ = nullptr;
   CUstream stream_ = nullptr, copy_stream_ = nullptr;
   std::vector<CUstream> side_streams_;
+  std::vector<CUevent> join_events_;
+  CUevent fork_event_ = nullptr;
   void* staging_ = nullptr;  // pinned host memory for small transfers
   size_t staging_bytes_ = 0;
   std::vector<Buffer> buffers_;
@@ -228,6 +238,7 @@ class CudaOps final : public Ops {
   std::vector<unsigned char> args_;
   size_t args_base_ = 0;  // start of the launch being packed (arguments align relative to it)
   int64_t stage_ = 0;
+  int64_t steps_launches_ = 0;  // launches of the last submitted step
 
   // Fences: event per submitted step, recycled once waited for.
   std::vector<std::pair<uint64_t, CUevent>> pending_;

@@ -183,6 +183,13 @@ LoadInfo load_weights(Qwen36& model, WeightSource& src, const std::vector<Mapped
     L.experts_up = ld.experts(e, "up", c.experts, c.moe_inter, c.hidden);
     L.experts_down = ld.experts(e, "down", c.experts, c.hidden, c.moe_inter);
   }
+  std::vector<Weight*> all = {&W.embed, &W.lm_head};
+  for (LayerWeights& L : W.layers)
+    for (Weight* w : {&L.qkv, &L.z, &L.b, &L.a, &L.out, &L.q, &L.k, &L.v, &L.o, &L.router, &L.shared_gate,
+                      &L.shared_gate_proj, &L.shared_up, &L.shared_down, &L.experts_gate, &L.experts_up,
+                      &L.experts_down})
+      if (w->valid()) all.push_back(w);
+  model.ops().place_weights(all);
   return info;
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -28,6 +29,30 @@ DEFAULT_MODEL = "lily-tiny"
 # run them at submit on an executor thread, stage order shuffled, host access to in-flight buffers fails)
 # and "strict_alloc" (an op that allocates heap memory fails). `LILY_CPU_SHUFFLE_SEED` picks the order.
 DEBUG_ENV = "LILY_CPU_DEBUG"
+
+
+def _nvrtc_candidates() -> list[str]:
+    """Where libnvrtc may be, newest first: NVIDIA's nvidia-cuda-nvrtc wheels (the ``lily-inference[cuda]``
+    extra; PyTorch's CUDA builds bring them too), then CUDA_HOME / CUDA_PATH and /usr/local/cuda."""
+    found: list[str] = []
+    try:
+        import nvidia  # namespace package of NVIDIA's wheels; absent on most machines
+
+        for base in getattr(nvidia, "__path__", []):
+            for sub in ("cu13", "cuda_nvrtc", "cu12"):
+                found += sorted(glob.glob(os.path.join(base, sub, "lib", "libnvrtc.so*")), reverse=True)
+    except ImportError:
+        pass
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            found += sorted(glob.glob(os.path.join(os.environ[env], "lib64", "libnvrtc.so*")), reverse=True)
+    found += sorted(glob.glob("/usr/local/cuda/lib64/libnvrtc.so*"), reverse=True)
+    # Real libraries only (not libnvrtc-builtins), each once.
+    return list(dict.fromkeys(p for p in found if os.path.basename(p).startswith("libnvrtc.so")))
+
+
+if getattr(_core, "has_cuda", False):
+    _core.cuda_set_nvrtc_paths(_nvrtc_candidates())
 
 
 def backends() -> dict[str, dict]:
@@ -108,8 +133,13 @@ class Engine:
     """
 
     def __init__(self, checkpoint: Checkpoint, *, backend: str = "auto", threads: int | None = None,
-                 prefill_chunk: int = 512, kv_cache_dtype: str = "f32", tokenizer: Tokenizer | None = None):
-        backend = _choose_backend(backend)
+                 prefill_chunk: int = 512, kv_cache_dtype: str = "f32", tokenizer: Tokenizer | None = None,
+                 backend_options: dict | None = None):
+        if backend_options is not None and not isinstance(backend_options, dict):
+            raise ValueError(f"backend_options must be a dict or None, got {type(backend_options).__name__}")
+        backend_options = dict(backend_options or {})
+        # CUDA's dry mode (compile and record, no device: the CI's compile check) needs no GPU.
+        backend = "cuda" if backend == "cuda" and backend_options.get("dry_arch") else _choose_backend(backend)
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive int or None, got {threads!r}")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -122,7 +152,7 @@ class Engine:
         self.backend = backend
         self.prefill_chunk = prefill_chunk
         self.tokenizer = tokenizer
-        options = {"threads": threads or 0, **_debug_options()}
+        options = {"threads": threads or 0, **_debug_options(), **backend_options}
         # Each mapped file is handed over whole: the backend registers it once and weights are offsets in it.
         files = [(np.frombuffer(f._mm, dtype=np.uint8), f.name) for f in checkpoint.files if f._mm is not None]
         try:
@@ -181,7 +211,8 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, backend: str = "auto",
                         threads: int | None = None, prefill_chunk: int = 512, kv_cache_dtype: str = "f32",
-                        revision: str | None = None, progress: bool | None = None) -> "Engine":
+                        revision: str | None = None, progress: bool | None = None,
+                        backend_options: dict | None = None) -> "Engine":
         """Load a checkpoint: a local folder, a Hugging Face repo id (cached or downloaded; honours
         HF_HUB_OFFLINE), or the packaged demonstration model ``"lily-tiny"`` (the default).
 
@@ -192,7 +223,13 @@ class Engine:
         ``kv_cache_dtype="bf16"`` halves the KV cache (long contexts) at bf16 precision for K and V;
         the default ``"f32"`` keeps the CPU backend an exact fp32 oracle. ``progress=True`` shows a
         ``tqdm.auto`` bar over mapping the checkpoint's weight files (a Hub download shows
-        huggingface_hub's own bars); anything but True/False/None raises TypeError."""
+        huggingface_hub's own bars); anything but True/False/None raises TypeError.
+
+        ``backend_options``: backend settings. CPU: ``threads``; CUDA: ``device`` (ordinal, default 0),
+        ``graphs`` (replay decode steps as CUDA graphs, default True), ``branches`` (independent launches
+        side by side, default True), ``cache_dir`` (compiled kernels;
+        default ``$LILY_CACHE_DIR/cuda`` or ``~/.cache/lily/cuda``), ``dry_arch`` (compile for sm_N and run
+        nothing: a compile check without a GPU)."""
         check_progress(progress, "Engine.from_pretrained", callable_ok=False)
         name = DEFAULT_MODEL if model is None else model
         path = _packaged_model_path(str(name)) if isinstance(name, str) else None
@@ -203,7 +240,7 @@ class Engine:
         checkpoint = load_checkpoint(path, progress=bool(progress))
         tokenizer = Tokenizer.from_dir(path) if (pathlib.Path(path) / "tokenizer.json").is_file() else None
         return cls(checkpoint, backend=backend, threads=threads, prefill_chunk=prefill_chunk,
-                   kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer)
+                   kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer, backend_options=backend_options)
 
     # ---- tokens ----
     def _need_tokenizer(self) -> Tokenizer:

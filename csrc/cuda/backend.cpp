@@ -1,0 +1,797 @@
+// The CUDA backend's core (backend.h): device and context, memory, weights, steps (launch lists, CUDA
+// graphs for decode, fences), host transfers, and the backend's own small ops.
+#include "cuda/backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "model/config.h"
+
+namespace lily::cuda {
+
+std::string cached_module(const std::string& dir, const std::string& family, const Defines& defines, int arch,
+                          bool* hit, double* seconds);
+std::string default_cache_dir();
+
+namespace {
+
+const Driver& drv() { return driver(); }
+
+std::string gib(double bytes) {
+  std::ostringstream o;
+  o.precision(bytes < 1e9 ? 3 : 4);
+  o << bytes / double(1ull << 30) << " GiB";
+  return o.str();
+}
+
+}  // namespace
+
+Availability availability() {
+  Availability a;
+  const Driver& d = drv();
+  if (!d.loaded) {
+    a.status = "no usable NVIDIA GPU: " + d.error;
+    return a;
+  }
+  int n = 0;
+  if (d.cuDeviceGetCount(&n) != CUDA_SUCCESS || n == 0) {
+    a.status = "no usable NVIDIA GPU: the driver sees no device";
+    return a;
+  }
+  CUdevice dev = 0;
+  int major = 0, minor = 0;
+  d.cuDeviceGet(&dev, 0);
+  d.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
+  d.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
+  char name[256] = {0};
+  d.cuDeviceGetName(name, sizeof name, dev);
+  if (major < 8) {
+    a.status = std::string("GPU 0 (") + name + ", sm_" + std::to_string(major * 10 + minor) +
+               ") is older than Lily's CUDA kernels need (sm_80 or newer)";
+    return a;
+  }
+  const Nvrtc& r = nvrtc();
+  if (!r.loaded) {
+    a.status = r.error;
+    return a;
+  }
+  a.usable = true;
+  a.status = std::string("built and usable: ") + name + " (sm_" + std::to_string(major * 10 + minor) + "), NVRTC " +
+             std::to_string(r.major) + "." + std::to_string(r.minor);
+  return a;
+}
+
+// ---- modules ----
+
+struct CudaOps::Module {
+  CUmodule mod = nullptr;
+  std::map<std::string, std::unique_ptr<Kernel>> kernels;
+};
+
+// A captured decode step: the launch list it was captured from (compared byte for byte) and its graph.
+struct CudaOps::Graph {
+  std::vector<unsigned char> key;
+  CUgraph graph = nullptr;
+  CUgraphExec exec = nullptr;
+  size_t nodes = 0;
+};
+
+CudaOps::CudaOps(const CudaOptions& opt) : opt_(opt) {
+  if (opt_.cache_dir.empty()) opt_.cache_dir = default_cache_dir();
+  if (opt_.dry_arch) {
+    // No device: kernels are compiled for dry_arch and launches recorded, nothing runs (the CI's compile
+    // check). The figures are an H200's so variant choices match the real device's.
+    info_.name = "dry run (no device; kernels compiled for sm_" + std::to_string(opt_.dry_arch) + ")";
+    info_.cc_major = opt_.dry_arch / 10;
+    info_.cc_minor = opt_.dry_arch % 10;
+    info_.sms = 132;
+    info_.max_smem_optin = 227 * 1024;
+    info_.l2_bytes = 50 << 20;
+    info_.total_mem = size_t(141) << 30;
+    return;
+  }
+  const Availability a = availability();
+  if (!a.usable) throw std::runtime_error("the CUDA backend is not usable here: " + a.status);
+  const Driver& d = drv();
+  int n = 0;
+  check(d.cuDeviceGetCount(&n), "cuDeviceGetCount");
+  if (opt_.device < 0 || opt_.device >= n)
+    throw std::invalid_argument("CUDA device " + std::to_string(opt_.device) + " does not exist (" +
+                                std::to_string(n) + " visible)");
+  CUdevice dev = 0;
+  check(d.cuDeviceGet(&dev, opt_.device), "cuDeviceGet");
+  char name[256] = {0};
+  d.cuDeviceGetName(name, sizeof name, dev);
+  info_.name = name;
+  info_.ordinal = opt_.device;
+  auto attr = [&](int a) {
+    int v = 0;
+    check(d.cuDeviceGetAttribute(&v, a, dev), "cuDeviceGetAttribute");
+    return v;
+  };
+  info_.cc_major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+  info_.cc_minor = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+  info_.sms = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
+  info_.max_threads = attr(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK);
+  info_.max_smem_optin = attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN);
+  info_.l2_bytes = attr(CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE);
+  // Double data rate: bytes/s = 2 · clock (kHz) · 1000 · bus width (bits) / 8.
+  info_.peak_bandwidth = 2.0 * attr(CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE) * 1e3 *
+                         attr(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH) / 8.0;
+  check(d.cuDeviceTotalMem_v2(&info_.total_mem, dev), "cuDeviceTotalMem");
+  check(d.cuDevicePrimaryCtxRetain(&ctx_, dev), "cuDevicePrimaryCtxRetain");
+  try {
+    check(d.cuCtxSetCurrent(ctx_), "cuCtxSetCurrent");
+    check(d.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    check(d.cuStreamCreate(&copy_stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    for (int i = 0; i < 3; ++i) {  // graph branches: up to 4 launches of one stage side by side
+      CUstream st = nullptr;
+      CUevent ev = nullptr;
+      check(d.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+      side_streams_.push_back(st);
+      check(d.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+      join_events_.push_back(ev);
+    }
+    check(d.cuEventCreate(&fork_event_, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    staging_bytes_ = size_t(4) << 20;
+    check(d.cuMemAllocHost_v2(&staging_, staging_bytes_), "cuMemAllocHost (transfer staging)");
+  } catch (...) {
+    for (CUstream st : side_streams_) d.cuStreamDestroy_v2(st);
+    for (CUevent ev : join_events_) d.cuEventDestroy_v2(ev);
+    if (fork_event_) d.cuEventDestroy_v2(fork_event_);
+    if (stream_) d.cuStreamDestroy_v2(stream_);
+    if (copy_stream_) d.cuStreamDestroy_v2(copy_stream_);
+    d.cuDevicePrimaryCtxRelease_v2(dev);
+    throw;
+  }
+}
+
+CudaOps::~CudaOps() {
+  if (opt_.dry_arch || !ctx_) return;
+  const Driver& d = drv();
+  d.cuCtxSetCurrent(ctx_);
+  d.cuStreamSynchronize(stream_);  // nothing may still run on memory freed below (errors ignored: teardown)
+  d.cuStreamSynchronize(copy_stream_);
+  for (auto& g : graphs_) {
+    if (g->exec) d.cuGraphExecDestroy(g->exec);
+    if (g->graph) d.cuGraphDestroy(g->graph);
+  }
+  for (auto& [k, m] : modules_)
+    if (m->mod) d.cuModuleUnload(m->mod);
+  for (Buffer& b : buffers_)
+    if (b.ptr) d.cuMemFree_v2(b.ptr);
+  for (Mapping& m : mappings_)
+    if (m.ptr) d.cuMemFree_v2(m.ptr);
+  for (auto& [f, e] : pending_) d.cuEventDestroy_v2(e);
+  for (CUevent e : spare_events_) d.cuEventDestroy_v2(e);
+  for (CUstream st : side_streams_) d.cuStreamDestroy_v2(st);
+  for (CUevent ev : join_events_) d.cuEventDestroy_v2(ev);
+  if (fork_event_) d.cuEventDestroy_v2(fork_event_);
+  if (staging_) d.cuMemFreeHost(staging_);
+  d.cuStreamDestroy_v2(stream_);
+  d.cuStreamDestroy_v2(copy_stream_);
+  CUdevice dev = 0;
+  if (d.cuDeviceGet(&dev, opt_.device) == CUDA_SUCCESS) d.cuDevicePrimaryCtxRelease_v2(dev);
+}
+
+std::string CudaOps::device() const {
+  if (opt_.dry_arch) return info_.name;
+  std::ostringstream o;
+  o << info_.name << " (sm_" << info_.arch() << ", " << info_.sms << " SMs, " << gib(double(info_.total_mem)) << ")";
+  return o.str();
+}
+
+void CudaOps::bind_context() const {
+  if (opt_.dry_arch) return;
+  ensure_usable();
+  check(drv().cuCtxSetCurrent(ctx_), "cuCtxSetCurrent");
+}
+
+void CudaOps::ensure_usable() const {
+  if (!fault_.empty())
+    throw std::runtime_error("the CUDA device reported a fault earlier (" + fault_ +
+                             "); its context is lost: close this engine and load the model again");
+}
+
+void CudaOps::fault(const CudaError& e) {
+  if (e.sticky() && fault_.empty()) fault_ = e.what();
+}
+
+template <class F>
+void CudaOps::guarded(F&& f) {
+  try {
+    f();
+  } catch (const CudaError& e) {
+    fault(e);
+    throw;
+  }
+}
+
+// ---- memory ----
+
+Tensor CudaOps::alloc_impl(const std::string& label, DType dtype, int64_t rows, int64_t cols) {
+  const size_t bytes = std::max<size_t>(size_t(rows) * size_t(cols) * dtype_size(dtype), 4);
+  Buffer b;
+  b.bytes = bytes;
+  b.label = label;
+  if (opt_.dry_arch) {
+    b.ptr = (CUdeviceptr(buffers_.size() + 1) << 40);
+  } else {
+    bind_context();
+    const CUresult r = drv().cuMemAlloc_v2(&b.ptr, bytes);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+      size_t free_b = 0, total = 0;
+      drv().cuMemGetInfo_v2(&free_b, &total);
+      throw std::runtime_error("out of GPU memory allocating '" + label + "' (" + gib(double(bytes)) + "; " +
+                               gib(double(free_b)) + " of " + gib(double(total)) + " free on " + info_.name +
+                               "): use a smaller max_context or prefill_chunk");
+    }
+    guarded([&] { check(r, ("cuMemAlloc ('" + label + "')").c_str()); });
+    guarded([&] {
+      check(drv().cuMemsetD8Async(b.ptr, 0, bytes, copy_stream_), "cuMemsetD8Async");
+      check(drv().cuStreamSynchronize(copy_stream_), "cuStreamSynchronize");
+    });
+  }
+  int32_t id;
+  if (!free_ids_.empty()) {
+    id = free_ids_.back();
+    free_ids_.pop_back();
+    buffers_[size_t(id)] = b;
+  } else {
+    id = int32_t(buffers_.size());
+    buffers_.push_back(b);
+  }
+  allocated_ += bytes;
+  Tensor t;
+  t.buf = id;
+  t.dtype = dtype;
+  t.rows = rows;
+  t.cols = cols;
+  t.stride = cols;
+  return t;
+}
+
+void CudaOps::release(Tensor& t) {
+  if (!t.valid()) return;
+  Buffer& b = buffers_.at(size_t(t.buf));
+  if (b.ptr && !opt_.dry_arch && fault_.empty()) {
+    drv().cuCtxSetCurrent(ctx_);
+    // Work still queued may use the buffer: the frees of a session come after its last wait, but a
+    // release after an abandoned step must not race it.
+    drv().cuStreamSynchronize(stream_);
+    drv().cuMemFree_v2(b.ptr);
+  }
+  allocated_ -= b.bytes;
+  b = Buffer{};
+  free_ids_.push_back(t.buf);
+  t = Tensor{};
+}
+
+CUdeviceptr CudaOps::ptr(const Tensor& t) const {
+  return buffers_.at(size_t(t.buf)).ptr + CUdeviceptr(t.offset) * dtype_size(t.dtype);
+}
+
+CUdeviceptr CudaOps::ptr(int32_t mapping, uint64_t offset) const {
+  const Mapping& m = mappings_.at(size_t(mapping));
+  if (!m.ptr && !opt_.dry_arch)
+    throw std::logic_error("weight in mapping '" + m.label + "' was never placed on the device (place_weights)");
+  return m.ptr + offset;
+}
+
+int32_t CudaOps::register_mapping(const void* base, size_t bytes, const std::string& label) {
+  // Host regions only: place_weights copies the parts the model uses to the device, each aligned.
+  Mapping m;
+  m.host = static_cast<const char*>(base);
+  m.bytes = bytes;
+  m.label = label;
+  mappings_.push_back(m);
+  return int32_t(mappings_.size() - 1);
+}
+
+// Every byte range a weight reads (codes, scales, biases; all experts of a stacked one) is copied into
+// one device buffer per range at a 256-byte aligned address; overlapping ranges (tied embeddings, a
+// stacked span) are merged. Only what the model uses reaches the GPU, and every tensor starts aligned
+// whatever its offset in the file.
+void CudaOps::place_weights(const std::vector<Weight*>& weights) {
+  struct Part {
+    int32_t mapping;
+    uint64_t begin, end;
+  };
+  std::vector<Part> parts;
+  auto span = [](const Weight& w, size_t one, uint64_t stride) {
+    return uint64_t(w.experts > 1 ? stride * uint64_t(w.experts - 1) : 0) + one;
+  };
+  for (const Weight* w : weights) {
+    if (!w->valid()) continue;
+    if (!mappings_.at(size_t(w->mapping)).host) continue;  // already on the device
+    parts.push_back({w->mapping, w->data, w->data + span(*w, w->row_bytes() * size_t(w->rows), w->data_stride)});
+    if (w->quantized()) {
+      parts.push_back({w->scale_mapping, w->scales, w->scales + span(*w, w->scale_bytes(), w->scale_stride)});
+      parts.push_back({w->bias_mapping, w->biases, w->biases + span(*w, w->scale_bytes(), w->bias_stride)});
+    }
+  }
+  std::sort(parts.begin(), parts.end(), [](const Part& a, const Part& b) {
+    return a.mapping != b.mapping ? a.mapping < b.mapping : a.begin < b.begin;
+  });
+  std::vector<Part> merged;
+  for (const Part& p : parts) {
+    if (!merged.empty() && merged.back().mapping == p.mapping && p.begin < merged.back().end)
+      merged.back().end = std::max(merged.back().end, p.end);
+    else
+      merged.push_back(p);
+  }
+  size_t need = 0;
+  for (const Part& p : merged) need += (p.end - p.begin + 255) / 256 * 256;
+  if (!opt_.dry_arch) {
+    bind_context();
+    size_t free_b = 0, total = 0;
+    check(drv().cuMemGetInfo_v2(&free_b, &total), "cuMemGetInfo");
+    if (need > free_b)
+      throw std::runtime_error("out of GPU memory loading the weights: they need " + gib(double(need)) + " but " +
+                               gib(double(free_b)) + " of " + gib(double(total)) + " are free on " + info_.name);
+  }
+  // New mappings (device copies), and where each old (mapping, offset) went.
+  struct Placed {
+    Part src;
+    int32_t id;
+  };
+  std::vector<Placed> placed;
+  {
+    for (const Part& p : merged) {
+      const Mapping& src = mappings_.at(size_t(p.mapping));
+      if (p.end > src.bytes)
+        throw std::invalid_argument("weight bytes [" + std::to_string(p.begin) + ", " + std::to_string(p.end) +
+                                    ") lie outside '" + src.label + "' (" + std::to_string(src.bytes) + " bytes)");
+      Mapping m;
+      m.label = src.label;
+      m.bytes = p.end - p.begin;
+      if (opt_.dry_arch) {
+        m.ptr = (CUdeviceptr(mappings_.size() + 1) << 44);
+      } else {
+        const CUresult r = drv().cuMemAlloc_v2(&m.ptr, m.bytes);
+        if (r == CUDA_ERROR_OUT_OF_MEMORY)
+          throw std::runtime_error("out of GPU memory placing weights of '" + src.label + "' (" +
+                                   gib(double(m.bytes)) + "; all weights need " + gib(double(need)) + ")");
+        guarded([&] { check(r, "cuMemAlloc (weights)"); });
+        mappings_.push_back(m);  // owned from here: freed by the destructor even if a copy fails
+        // Pageable host memory (the checkpoint mapping): the driver stages it; in chunks so page faults
+        // of the mapped file overlap the copies.
+        const size_t chunk = size_t(256) << 20;
+        for (size_t off = 0; off < m.bytes; off += chunk)
+          guarded([&] {
+            check(drv().cuMemcpyHtoDAsync_v2(m.ptr + off, src.host + p.begin + off, std::min(chunk, m.bytes - off),
+                                             copy_stream_),
+                  "cuMemcpyHtoDAsync (weights)");
+          });
+        guarded([&] { check(drv().cuStreamSynchronize(copy_stream_), "cuStreamSynchronize (weights)"); });
+        placed.push_back({p, int32_t(mappings_.size() - 1)});
+        mapped_bytes_ += m.bytes;
+        continue;
+      }
+      mappings_.push_back(m);
+      placed.push_back({p, int32_t(mappings_.size() - 1)});
+      mapped_bytes_ += m.bytes;
+    }
+  }
+  auto move = [&](int32_t& mapping, uint64_t& offset) {
+    for (const Placed& p : placed)
+      if (p.src.mapping == mapping && offset >= p.src.begin && offset < p.src.end) {
+        mapping = p.id;
+        offset -= p.src.begin;
+        return;
+      }
+  };
+  for (Weight* w : weights) {
+    if (!w->valid()) continue;
+    auto relocate = [&](int32_t& mapping, uint64_t& offset) {
+      if (mappings_.at(size_t(mapping)).host) move(mapping, offset);  // not yet a device copy
+    };
+    relocate(w->mapping, w->data);
+    if (w->quantized()) {
+      relocate(w->scale_mapping, w->scales);
+      relocate(w->bias_mapping, w->biases);
+    }
+  }
+}
+
+size_t CudaOps::workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const {
+  size_t need = moe_workspace_bytes(cfg, rows);
+  if (cfg.n_full()) need = std::max(need, attention_workspace_bytes(cfg, rows, max_ctx));
+  if (cfg.n_linear()) need = std::max(need, delta_workspace_bytes(cfg, rows));
+  return std::max(need, sample_workspace_bytes(cfg.vocab));
+}
+
+void CudaOps::reserve(const ModelConfig&, int64_t) {}
+
+std::map<std::string, size_t> CudaOps::memory_by_kind() const {
+  std::map<std::string, size_t> m;
+  m["weights"] = mapped_bytes_;
+  for (const Buffer& b : buffers_) {
+    if (!b.ptr) continue;
+    const std::string& l = b.label;
+    const char* kind = l == "kv_cache"                                ? "kv_cache"
+                       : l == "recurrent_state" || l == "conv_state" ? "recurrent_state"
+                       : l == "workspace"                            ? "workspace"
+                       : l.rfind("layers.", 0) == 0 || l == "final_norm" ? "weights_small"
+                                                                     : "activations_and_other";
+    m[kind] += b.bytes;
+  }
+  return m;
+}
+
+// ---- kernels ----
+
+std::vector<std::string> CudaOps::families() {
+  std::vector<std::string> f;
+  for (const std::string& n : kernel_files())
+    if (n.size() > 3 && n.compare(n.size() - 3, 3, ".cu") == 0) f.push_back(n.substr(0, n.size() - 3));
+  return f;
+}
+
+const Kernel& CudaOps::kernel(const std::string& family, const char* name, const Defines& defines) {
+  std::string key = family;
+  for (const auto& [k, v] : defines) key += " " + k + "=" + std::to_string(v);
+  auto it = modules_.find(key);
+  if (it == modules_.end()) {
+    auto m = std::make_unique<Module>();
+    bool hit = false;
+    double secs = 0;
+    const std::string cubin = cached_module(opt_.cache_dir, family, defines, info_.arch(), &hit, &secs);
+    ++compile_stats_.modules;
+    (hit ? compile_stats_.cache_hits : compile_stats_.compiled) += 1;
+    compile_stats_.compile_seconds += secs;
+    if (!opt_.dry_arch) {
+      bind_context();
+      guarded([&] { check(drv().cuModuleLoadData(&m->mod, cubin.data()), ("cuModuleLoadData (" + key + ")").c_str()); });
+    }
+    it = modules_.emplace(key, std::move(m)).first;
+  }
+  Module& m = *it->second;
+  auto k = m.kernels.find(name);
+  if (k == m.kernels.end()) {
+    auto kr = std::make_unique<Kernel>();
+    kr->family = family;
+    kr->name = name;
+    if (!opt_.dry_arch)
+      guarded([&] {
+        check(drv().cuModuleGetFunction(&kr->fn, m.mod, name),
+              ("cuModuleGetFunction ('" + std::string(name) + "' in kernels/" + family + ".cu)").c_str());
+      });
+    k = m.kernels.emplace(name, std::move(kr)).first;
+  }
+  return *k->second;
+}
+
+void CudaOps::set_dynamic_smem(const Kernel& k, int bytes) {
+  if (bytes > info_.max_smem_optin)
+    throw std::invalid_argument("kernel '" + k.name + "' asks for " + std::to_string(bytes) +
+                                " bytes of shared memory; " + info_.name + " allows " +
+                                std::to_string(info_.max_smem_optin));
+  if (bytes <= k.max_dynamic_smem) return;
+  if (!opt_.dry_arch)
+    guarded([&] {
+      check(drv().cuFuncSetAttribute(k.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes),
+            "cuFuncSetAttribute (dynamic shared memory)");
+    });
+  const_cast<Kernel&>(k).max_dynamic_smem = bytes;
+}
+
+void CudaOps::note_variant(const std::string& key, const std::string& variant) { variants_[key] = variant; }
+
+// ---- steps ----
+
+void CudaOps::record_launch(Launch& l) {
+  if (!in_step()) throw std::logic_error("kernel launch recorded outside a step");
+  if (l.grid.x == 0 || l.grid.y == 0 || l.grid.z == 0) {  // nothing to do (an empty view): no launch
+    args_.resize(l.args_at);
+    return;
+  }
+  l.stage = stage_;
+  launches_.push_back(l);
+}
+
+void CudaOps::on_stage_boundary() { ++stage_; }
+
+void CudaOps::issue(const Launch& l, CUstream s) {
+  size_t size = l.args_len;
+  void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, const_cast<unsigned char*>(args_.data() + l.args_at),
+                   CU_LAUNCH_PARAM_BUFFER_SIZE, &size, CU_LAUNCH_PARAM_END};
+  const CUresult r = drv().cuLaunchKernel(l.fn, l.grid.x, l.grid.y, l.grid.z, l.block.x, l.block.y, l.block.z,
+                                          l.smem, s, nullptr, extra);
+  if (r != CUDA_SUCCESS)
+    throw CudaError("launch of '" + l.kernel->name + "' (kernels/" + l.kernel->family + ".cu) failed: " +
+                        error_text(r),
+                    r, is_sticky(r));
+}
+
+// The launch list as bytes: kernel, geometry and arguments (what makes two decode steps the same graph).
+static void append_key(std::vector<unsigned char>& key, const void* p, size_t n) {
+  const auto* c = static_cast<const unsigned char*>(p);
+  key.insert(key.end(), c, c + n);
+}
+
+uint64_t CudaOps::submit_impl() {
+  const uint64_t fence = ++last_fence_;
+  steps_launches_ = int64_t(launches_.size());
+  if (opt_.dry_arch) {
+    if (phase() == Phase::Decode) graph_stats_.last_decode_launches = int64_t(launches_.size());
+    launches_.clear();
+    args_.clear();
+    stage_ = 0;
+    done_fence_ = fence;
+    return fence;
+  }
+  bind_context();
+  try {
+    if (phase() == Phase::Decode && opt_.graphs && !launches_.empty()) {
+      std::vector<unsigned char> key;
+      key.reserve(launches_.size() * 96);
+      for (const Launch& l : launches_) {
+        append_key(key, &l.fn, sizeof l.fn);
+        append_key(key, &l.grid, sizeof l.grid);
+        append_key(key, &l.block, sizeof l.block);
+        append_key(key, &l.smem, sizeof l.smem);
+        const uint64_t n = l.args_len;
+        append_key(key, &n, sizeof n);
+        append_key(key, args_.data() + l.args_at, l.args_len);
+      }
+      size_t hit = graphs_.size();
+      for (size_t i = 0; i < graphs_.size(); ++i)
+        if (graphs_[i]->key == key) {
+          hit = i;
+          break;
+        }
+      if (hit == graphs_.size()) {
+        auto g = std::make_unique<Graph>();
+        g->key = std::move(key);
+        check(drv().cuStreamBeginCapture_v2(stream_, CU_STREAM_CAPTURE_MODE_RELAXED), "cuStreamBeginCapture");
+        try {
+          issue_staged();
+        } catch (...) {
+          CUgraph broken = nullptr;
+          drv().cuStreamEndCapture(stream_, &broken);
+          if (broken) drv().cuGraphDestroy(broken);
+          throw;
+        }
+        check(drv().cuStreamEndCapture(stream_, &g->graph), "cuStreamEndCapture");
+        check(drv().cuGraphInstantiateWithFlags(&g->exec, g->graph, 0), "cuGraphInstantiate");
+        check(drv().cuGraphGetNodes(g->graph, nullptr, &g->nodes), "cuGraphGetNodes");
+        ++graph_stats_.captured;
+        if (graphs_.size() >= 8) {  // least recently used goes
+          drv().cuGraphExecDestroy(graphs_.back()->exec);
+          drv().cuGraphDestroy(graphs_.back()->graph);
+          graphs_.pop_back();
+        }
+        graphs_.insert(graphs_.begin(), std::move(g));
+      } else {
+        std::rotate(graphs_.begin(), graphs_.begin() + long(hit), graphs_.begin() + long(hit) + 1);
+        ++graph_stats_.replayed;
+      }
+      check(drv().cuGraphLaunch(graphs_.front()->exec, stream_), "cuGraphLaunch");
+      graph_stats_.last_decode_launches = int64_t(launches_.size());
+      graph_stats_.last_decode_nodes = int64_t(graphs_.front()->nodes);
+    } else {
+      issue_staged();
+      ++graph_stats_.direct_steps;
+      if (phase() == Phase::Decode) graph_stats_.last_decode_launches = int64_t(launches_.size());
+    }
+    CUevent e = nullptr;
+    if (!spare_events_.empty()) {
+      e = spare_events_.back();
+      spare_events_.pop_back();
+    } else {
+      check(drv().cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    }
+    pending_.push_back({fence, e});
+    check(drv().cuEventRecord(e, stream_), "cuEventRecord");
+  } catch (const CudaError& e) {
+    launches_.clear();
+    args_.clear();
+    stage_ = 0;
+    fault(e);
+    throw;
+  }
+  launches_.clear();
+  args_.clear();
+  stage_ = 0;
+  return fence;
+}
+
+// Issues the step's launches on the compute stream; with branches on, the launches of one hazard stage
+// (independent by construction: no two of them write what another reads or writes) are spread over side
+// streams that fork from the compute stream at the stage's start and join it at its end. Under capture
+// this gives the graph parallel branches; the ordering between stages is exactly the recorded one.
+void CudaOps::issue_staged() {
+  const Driver& d = drv();
+  size_t i = 0;
+  while (i < launches_.size()) {
+    size_t j = i + 1;
+    while (j < launches_.size() && launches_[j].stage == launches_[i].stage) ++j;
+    const size_t n = j - i, lanes = std::min(n, side_streams_.size() + 1);
+    if (!opt_.branches || lanes < 2) {
+      for (size_t k = i; k < j; ++k) issue(launches_[k], stream_);
+    } else {
+      check(d.cuEventRecord(fork_event_, stream_), "cuEventRecord (fork)");
+      for (size_t s = 1; s < lanes; ++s) check(d.cuStreamWaitEvent(side_streams_[s - 1], fork_event_, 0), "cuStreamWaitEvent");
+      for (size_t k = i; k < j; ++k) {
+        const size_t lane = (k - i) % lanes;
+        issue(launches_[k], lane == 0 ? stream_ : side_streams_[lane - 1]);
+      }
+      for (size_t s = 1; s < lanes; ++s) {
+        check(d.cuEventRecord(join_events_[s - 1], side_streams_[s - 1]), "cuEventRecord (join)");
+        check(d.cuStreamWaitEvent(stream_, join_events_[s - 1], 0), "cuStreamWaitEvent");
+      }
+    }
+    i = j;
+  }
+}
+
+void CudaOps::abandon_impl() {
+  launches_.clear();
+  args_.clear();
+  stage_ = 0;
+}
+
+void CudaOps::wait(uint64_t fence) {
+  if (opt_.dry_arch || fence <= done_fence_) return;
+  bind_context();
+  // Fences complete in order (one stream): wait for the newest event at or before `fence`.
+  CUevent last = nullptr;
+  size_t n = 0;
+  for (; n < pending_.size() && pending_[n].first <= fence; ++n) last = pending_[n].second;
+  if (!last) return;
+  guarded([&] { check(drv().cuEventSynchronize(last), "a CUDA step (cuEventSynchronize)"); });
+  for (size_t i = 0; i < n; ++i) spare_events_.push_back(pending_[i].second);
+  pending_.erase(pending_.begin(), pending_.begin() + long(n));
+  done_fence_ = std::max(done_fence_, fence);
+}
+
+// ---- host transfers (outside steps, on the copy stream) ----
+
+void CudaOps::upload_impl(const Tensor& dst, const void* src) {
+  if (opt_.dry_arch) return;
+  bind_context();
+  const size_t es = dtype_size(dst.dtype), row = size_t(dst.cols) * es;
+  const bool dense = dst.stride == dst.cols || dst.rows == 1;
+  const size_t bytes = dst.bytes();
+  guarded([&] {
+    if (dense && bytes <= staging_bytes_) {
+      std::memcpy(staging_, src, bytes);
+      check(drv().cuMemcpyHtoDAsync_v2(ptr(dst), staging_, bytes, copy_stream_), "cuMemcpyHtoDAsync");
+    } else {
+      for (int64_t r = 0; r < dst.rows; ++r) {
+        check(drv().cuMemcpyHtoDAsync_v2(ptr(dst) + CUdeviceptr(r) * dst.stride * es,
+                                         static_cast<const char*>(src) + size_t(r) * row, dense ? bytes : row,
+                                         copy_stream_),
+              "cuMemcpyHtoDAsync");
+        if (dense) break;
+      }
+    }
+    check(drv().cuStreamSynchronize(copy_stream_), "cuStreamSynchronize (upload)");
+  });
+}
+
+void CudaOps::download_impl(const Tensor& src, void* dst) {
+  if (opt_.dry_arch) {
+    std::memset(dst, 0, src.bytes());
+    return;
+  }
+  bind_context();
+  const size_t es = dtype_size(src.dtype), row = size_t(src.cols) * es;
+  const bool dense = src.stride == src.cols || src.rows == 1;
+  const size_t bytes = src.bytes();
+  guarded([&] {
+    if (dense && bytes <= staging_bytes_) {
+      check(drv().cuMemcpyDtoHAsync_v2(staging_, ptr(src), bytes, copy_stream_), "cuMemcpyDtoHAsync");
+      check(drv().cuStreamSynchronize(copy_stream_), "cuStreamSynchronize (download)");
+      std::memcpy(dst, staging_, bytes);
+    } else {
+      for (int64_t r = 0; r < src.rows; ++r) {
+        check(drv().cuMemcpyDtoHAsync_v2(static_cast<char*>(dst) + size_t(r) * row,
+                                         ptr(src) + CUdeviceptr(r) * src.stride * es, dense ? bytes : row,
+                                         copy_stream_),
+              "cuMemcpyDtoHAsync");
+        if (dense) break;
+      }
+      check(drv().cuStreamSynchronize(copy_stream_), "cuStreamSynchronize (download)");
+    }
+  });
+}
+
+// ---- the backend's own ops (kernels/backend.cu) ----
+
+namespace {
+unsigned blocks_for(int64_t n, int64_t per_block, unsigned cap = 65535) {
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>(cap, (n + per_block - 1) / per_block)));
+}
+}  // namespace
+
+void CudaOps::copy_impl(const Tensor& src, const Tensor& dst) {
+  if (src.rows != dst.rows || src.cols != dst.cols) throw std::logic_error("copy: source and destination differ in shape");
+  if (src.rows == 0) return;
+  if (src.dtype == dst.dtype) {
+    const int64_t es = int64_t(dtype_size(src.dtype)), row = src.cols * es;
+    const CUdeviceptr s = ptr(src), d = ptr(dst);
+    const int64_t ss = src.stride * es, ds = dst.stride * es;
+    const int align16 = ((s | d) % 16 == 0) && ss % 16 == 0 && ds % 16 == 0 && row % 16 == 0;
+    const Kernel& k = kernel("backend", "copy_rows");
+    launch(k, Dim3{blocks_for(align16 ? row / 16 : row, 256, 1024), unsigned(src.rows), 1}, Dim3{256, 1, 1}, 0, d,
+           ds, s, ss, row, align16);
+    return;
+  }
+  int to_bf16;
+  if (src.dtype == DType::F32 && dst.dtype == DType::BF16)
+    to_bf16 = 1;
+  else if (src.dtype == DType::BF16 && dst.dtype == DType::F32)
+    to_bf16 = 0;
+  else
+    throw std::logic_error("copy: unsupported dtype conversion");
+  const Kernel& k = kernel("backend", "convert_rows");
+  launch(k, Dim3{blocks_for(src.cols, 256, 1024), unsigned(src.rows), 1}, Dim3{256, 1, 1}, 0, ptr(dst), dst.stride,
+         ptr(src), src.stride, src.cols, to_bf16);
+}
+
+void CudaOps::fill_impl(const Tensor& dst, double value) {
+  if (dst.rows == 0) return;
+  uint32_t bits;
+  int elem;
+  if (dst.dtype == DType::I32) {
+    const int32_t v = int32_t(value);
+    std::memcpy(&bits, &v, 4);
+    elem = 4;
+  } else if (dst.dtype == DType::F32) {
+    const float v = float(value);
+    std::memcpy(&bits, &v, 4);
+    elem = 4;
+  } else {
+    bits = f32_to_bf16(float(value));
+    elem = 2;
+  }
+  const Kernel& k = kernel("backend", "fill_rows");
+  launch(k, Dim3{blocks_for(dst.cols, 256, 1024), unsigned(dst.rows), 1}, Dim3{256, 1, 1}, 0, ptr(dst), dst.stride,
+         dst.cols, elem, bits);
+}
+
+void CudaOps::advance_position_impl(const Tensor& pos_in, const Tensor& pos_out, int64_t T) {
+  launch(kernel("backend", "advance_position"), Dim3{1, 1, 1}, Dim3{32, 1, 1}, 0, ptr(pos_in), ptr(pos_out), int(T));
+}
+
+void CudaOps::add_impl(const Tensor& a, const Tensor& b, const Tensor& out) {
+  if (out.rows == 0) return;
+  launch(kernel("backend", "add_rows"), Dim3{blocks_for(out.cols, 256, 1024), unsigned(out.rows), 1},
+         Dim3{256, 1, 1}, 0, ptr(out), out.stride, ptr(a), a.stride, ptr(b), b.stride, out.cols);
+}
+
+void CudaOps::embed_impl(const Tensor& ids, const Weight& table, const Tensor& out) {
+  if (out.rows == 0) return;
+  const bool q = table.quantized();
+  launch(kernel("backend", "embed_rows"), Dim3{blocks_for(out.cols, 256, 1024), unsigned(out.rows), 1},
+         Dim3{256, 1, 1}, 0, ptr(out), out.stride, ptr(ids), ids.stride, data(table),
+         q ? scales(table) : CUdeviceptr(0), q ? biases(table) : CUdeviceptr(0), table.rows, table.cols,
+         int(table.dtype), q ? table.bits : 0, q ? table.group : 0, int(table.scale_dtype));
+}
+
+// ---- report ----
+
+std::vector<std::string> CudaOps::optimizations() const {
+  std::vector<std::string> o;
+  o.push_back(opt_.graphs ? "decode steps captured once as CUDA graphs and replayed (a graph per distinct launch "
+                            "list: the two alternating slots and state sets give two)"
+                          : "CUDA graphs off (graphs=False): every decode launch issued from the host");
+  o.push_back("kernels compiled by NVRTC for sm_" + std::to_string(info_.arch()) +
+              " with the model's dimensions as compile-time constants; on-disk cache " +
+              (opt_.cache_dir.empty() ? std::string("off (no cache directory)") : "at " + opt_.cache_dir));
+  o.push_back("weights placed once in GPU memory, each tensor 256-byte aligned (only the tensors the model reads)");
+  o.push_back("host reads of the sampled id on a separate copy stream: reading id k does not wait for step k + 1");
+  o.push_back(opt_.branches ? "graph branches: the launches of one hazard stage run side by side (up to 4 streams "
+                              "forked and joined per stage)"
+                            : "graph branches off (branches=False): launches run one after another");
+  o.push_back("not active: programmatic dependent launch (each launch waits for the previous one to finish)");
+  for (const auto& [k, v] : variants_) o.push_back(k + ": " + v);
+  return o;
+}
+
+}  // namespace lily::cuda

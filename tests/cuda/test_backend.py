@@ -1,0 +1,214 @@
+"""The CUDA backend's own ops (copy, fill, advance_position, add, embed) against the CPU, and the whole
+model end to end on the GPU against the CPU backend: logits, chunked prefill, snapshots, sampling, the
+decode loop's CUDA graphs and its one id read per token, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lily
+from lily.synthetic import TINY_CONFIG, write_synthetic_checkpoint
+
+from conftest import rel_err, requires_cuda
+
+pytestmark = requires_cuda
+
+
+def both(benches, fn):
+    return [fn(b) for b in benches]
+
+
+def test_copy_fill_add_advance(benches):
+    rng = np.random.default_rng(1)
+    for rows, cols in ((1, 1), (3, 5), (7, 1000), (130, 2048)):
+        a = rng.normal(size=(rows, cols)).astype(np.float32)
+        b = rng.normal(size=(rows, cols)).astype(np.float32)
+        outs = []
+        for bench in benches:
+            ha, hb, out, cp = bench.tensor(a), bench.tensor(b), bench.empty(rows, cols), bench.empty(rows, cols)
+            bench.run("add", a=ha, b=hb, out=out)
+            bench.run("copy", src=ha, dst=cp)
+            outs.append((bench.read(out), bench.read(cp)))
+        assert np.array_equal(outs[0][0], outs[1][0])
+        assert np.array_equal(outs[1][1], a)
+    for dtype, value in (("f32", -2.5), ("i32", 7), ("bf16", 0.3)):
+        got = []
+        for bench in benches:
+            h = bench.empty(3, 33, dtype)
+            bench.run("fill", dst=bench.view(h, 1, 2), value=value)
+            got.append(bench.read(h))
+        np.testing.assert_array_equal(np.nan_to_num(got[0], nan=123), np.nan_to_num(got[1], nan=123))
+        if dtype == "i32":
+            assert (got[1][1:] == 7).all() and (got[1][0] == 0x7F7F7F7F).all()
+    for bench in benches:
+        p = bench.tensor(np.array([[41]], dtype=np.int32), "i32")
+        q = bench.empty(1, 1, "i32")
+        bench.run("advance_position", pos_in=p, pos_out=q, T=5)
+        assert bench.read(q)[0, 0] == 46
+
+
+def test_copy_between_kv_dtypes(benches):
+    rng = np.random.default_rng(2)
+    a = rng.normal(size=(9, 256)).astype(np.float32)
+    res = []
+    for bench in benches:
+        f = bench.tensor(a)
+        h = bench.empty(9, 256, "bf16")
+        back = bench.empty(9, 256)
+        bench.run("copy", src=f, dst=h)
+        bench.run("copy", src=h, dst=back)
+        res.append((bench.read(h), bench.read(back)))
+    np.testing.assert_array_equal(res[0][0], res[1][0])
+    np.testing.assert_array_equal(res[0][1], res[1][1])
+
+
+def _affine_table(rng, rows, cols, bits, group):
+    per = 32 // bits
+    codes = rng.integers(0, 1 << bits, size=(rows, cols), dtype=np.uint64)
+    shifts = (np.arange(per, dtype=np.uint64) * bits)[None, None, :]
+    words = (codes.reshape(rows, cols // per, per) << shifts).sum(axis=2).astype(np.uint32)
+    scales = (rng.uniform(0.01, 0.1, size=(rows, cols // group)) * rng.choice([-1, 1], size=(rows, cols // group)))
+    biases = rng.normal(0, 0.3, size=(rows, cols // group))
+    f32 = lambda x: np.ascontiguousarray(x, dtype=np.float32)  # noqa: E731
+    return {"kind": "affine", "shape": [rows, cols], "bits": bits, "group": group, "scale_dtype": "f32",
+            "data": words, "scales": f32(scales), "biases": f32(biases)}
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q4", "q8"])
+def test_embed(benches, fmt):
+    rng = np.random.default_rng(3)
+    rows, cols = 300, 192
+    if fmt == "f32":
+        desc = {"kind": "dense", "dtype": "f32", "shape": [rows, cols],
+                "data": rng.normal(size=(rows, cols)).astype(np.float32)}
+    else:
+        desc = _affine_table(rng, rows, cols, 4 if fmt == "q4" else 8, 64)
+    ids = rng.integers(0, rows, size=(37, 1)).astype(np.int32)
+    got = []
+    for bench in benches:
+        w = bench.weight(desc)
+        out = bench.empty(37, cols)
+        bench.run("embed", ids=bench.tensor(ids, "i32"), table=w, out=out)
+        got.append(bench.read(out))
+    np.testing.assert_array_equal(got[0], got[1])
+
+
+# ---- end to end ----
+
+PROMPT_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cuda_e2e")
+    return {
+        "mlx4": write_synthetic_checkpoint(base / "mlx4", TINY_CONFIG, fmt="mlx", bits=4, seed=5),
+        "mlx8": write_synthetic_checkpoint(base / "mlx8", TINY_CONFIG, fmt="mlx", bits=8, seed=6),
+        "hf_bf16": write_synthetic_checkpoint(base / "hf", TINY_CONFIG, fmt="hf", dtype="bf16", seed=7),
+    }
+
+
+def _ids(vocab, n, seed):
+    return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
+
+
+@pytest.mark.parametrize("name", ["mlx4", "mlx8", "hf_bf16"])
+def test_logits_match_cpu(checkpoints, name):
+    path = checkpoints[name]
+    ids = _ids(TINY_CONFIG["vocab_size"], PROMPT_LEN, 11)
+    with lily.Engine.from_pretrained(path, backend="cpu") as cpu, lily.Engine.from_pretrained(path, backend="cuda") as gpu:
+        sc, sg = cpu.session(), gpu.session()
+        lc, lg = sc.prefill(ids, all_logits=True), sg.prefill(ids, all_logits=True)
+        # bf16 tensor-core products in prefill: errors of a few 1e-3 relative per row
+        assert rel_err(lg, lc) < 1e-2
+        for t in _ids(TINY_CONFIG["vocab_size"], 6, 12):  # decode: fp32 GEMVs
+            a, b = sc.step(t), sg.step(t)
+            assert rel_err(b, a) < 1e-2
+        r = gpu.report()
+        assert r["backend"] == "cuda" and r["cuda"]["compile"]["modules"] > 0
+        assert r["cuda"]["memory_bytes"]["weights"] > 0
+
+
+def test_chunked_prefill_and_snapshots(checkpoints):
+    path = checkpoints["mlx4"]
+    ids = _ids(TINY_CONFIG["vocab_size"], 70, 13)
+    with lily.Engine.from_pretrained(path, backend="cuda", prefill_chunk=16) as chunked, \
+            lily.Engine.from_pretrained(path, backend="cuda", kv_cache_dtype="bf16") as whole:
+        a = chunked.session().prefill(ids)
+        s = whole.session()
+        b = s.prefill(ids)
+        assert rel_err(a, b) < 1e-2  # chunked vs whole, f32 vs bf16 KV
+        snap = s.snapshot()
+        x1 = s.step(5)
+        fork = s.fork()
+        s.restore(snap)
+        x2 = s.step(5)
+        np.testing.assert_array_equal(x1, x2)  # the same device computation from the same state
+        np.testing.assert_array_equal(fork.step(9), s.step(9))
+
+
+def test_decode_graphs_and_one_read_per_token(checkpoints):
+    path = checkpoints["mlx4"]
+    with lily.Engine.from_pretrained(path, backend="cuda") as gpu:
+        s = gpu.session()
+        s.prefill(_ids(TINY_CONFIG["vocab_size"], 20, 14))
+        out = list(s.generate(24, lily.SamplingParams(temperature=0), stop_token_ids=[]))
+        assert len(out) == 24
+        g = gpu.report()["cuda"]["graphs"]
+        assert g["captured"] <= 3 and g["replayed"] >= 18, g
+        assert g["launches_per_decode_step"] > 0 and g["graph_nodes_per_decode_step"] >= g["launches_per_decode_step"]
+        st = s.stats()
+        assert st["generate_transfers"]["downloads"] == st["generate_transfers"]["steps"], st
+
+
+def test_greedy_generation_matches_cpu(checkpoints):
+    path = checkpoints["mlx8"]
+    prompt = _ids(TINY_CONFIG["vocab_size"], 16, 15)
+    with lily.Engine.from_pretrained(path, backend="cpu") as cpu, lily.Engine.from_pretrained(path, backend="cuda") as gpu:
+        a = cpu.session()
+        a.prefill(prompt)
+        b = gpu.session()
+        b.prefill(prompt)
+        greedy = lily.SamplingParams(temperature=0)
+        ta = a.generate(12, greedy, stop_token_ids=[])
+        tb = b.generate(12, greedy, stop_token_ids=[])
+        # Near-ties can flip a token between backends; the first tokens of a random model agree.
+        assert list(ta)[:4] == list(tb)[:4]
+
+
+def test_context_overflow_and_oom_are_clear(checkpoints):
+    path = checkpoints["mlx4"]
+    with lily.Engine.from_pretrained(path, backend="cuda") as gpu:
+        s = gpu.session(max_context=32)
+        with pytest.raises(lily.ContextOverflowError):
+            s.prefill(list(range(40)))
+        s.prefill(list(range(10)))  # still usable
+        with pytest.raises(Exception, match="out of GPU memory|max_context"):
+            gpu.session(max_context=1 << 31)
+        assert s.step(3).shape == (TINY_CONFIG["vocab_size"],)
+
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Once upon a time, in a small village by the sea, there "
+        "lived an old fisherman who told stories to the children every evening. They listened and laughed, and "
+        "the waves kept time with his voice while the sun went down behind the hills.")
+
+
+def _perplexity(logits: np.ndarray, targets: list[int]) -> float:
+    x = logits.astype(np.float64)
+    x = x - x.max(axis=1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+    return float(np.exp(-logp[np.arange(len(targets)), targets].mean()))
+
+
+def test_lily_tiny_teacher_forced_agreement():
+    """The issue's bar on the shipped model: top-1 agreement with the CPU >= 99%, perplexity within 0.1%."""
+    with lily.Engine.from_pretrained(backend="cpu") as cpu, lily.Engine.from_pretrained(backend="cuda") as gpu:
+        ids = cpu.tokenize(TEXT * 3)
+        lc = cpu.session().prefill(ids, all_logits=True)[:-1]
+        lg = gpu.session().prefill(ids, all_logits=True)[:-1]
+        agree = float((lc.argmax(axis=1) == lg.argmax(axis=1)).mean())
+        pc, pg = _perplexity(lc, ids[1:]), _perplexity(lg, ids[1:])
+        print(f"lily-tiny: {len(ids)} tokens, top-1 agreement {agree:.4f}, perplexity cpu {pc:.5f} cuda {pg:.5f}")
+        assert agree >= 0.99
+        assert abs(pg - pc) / pc < 1e-3

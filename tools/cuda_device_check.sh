@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The CUDA backend on a GPU machine in one command: build, GPU tests, compute-sanitizer, benchmark.
+#
+#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench]   (default: build tests)
+#
+# Builds the extension with CMake into /tmp/lily-cuda-build (no pip, no network), assembles the package in
+# /tmp/lily-cuda-pkg and runs from there. Logs and results go to $OUT (default ./cuda-out). Needs python3
+# with numpy, safetensors, tokenizers, jinja2, nanobind and pytest (the GPU machine's image has them).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/cuda-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 LILY_CACHE_DIR=${LILY_CACHE_DIR:-/tmp/lily-cache}
+STAGES=${*:-build tests}
+B=/tmp/lily-cuda-build PKG=/tmp/lily-cuda-pkg
+rc=0
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+if has build || [ ! -e "$PKG/lily" ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+  cat "$OUT/gpu.txt"
+  t0=$(date +%s)
+  cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON -Dnanobind_DIR="$(python3 -m nanobind --cmake_dir)" \
+    -DPython_EXECUTABLE="$(command -v python3)" > "$OUT/build.log" 2>&1 \
+    && cmake --build "$B" -j "$(nproc)" >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  rm -rf "$PKG" && mkdir -p "$PKG" && cp -r src/lily "$PKG/" && cp "$B"/_core*.so "$PKG/lily/"
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
+export PYTHONPATH=$PKG
+python3 -c "import lily.engine as e; print(e.backends()['cuda'])"
+
+if has tests; then
+  python3 -m pytest -q -rs --durations=15 -p no:cacheprovider tests/cuda tests/test_cuda_compile.py 2>&1 | tee "$OUT/tests.log"
+  rc=${PIPESTATUS[0]}
+fi
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/cuda/test_backend.py -k "logits_match_cpu and mlx4 or decode_graphs" > "$OUT/sanitize-$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $?"; tail -5 "$OUT/sanitize-$tool.log"
+  done
+fi
+if has quickbench; then
+  python3 benchmarks/bench_cuda.py --cache /tmp/lily-full-q4 --prefill 512,4K --decode 256,4K --repeats 3 \
+    --decode-tokens 48 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+fi
+if has bench; then
+  python3 benchmarks/bench_cuda.py --cache /tmp/lily-full-q4 --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \
+    | tee "$OUT/bench.log"
+fi
+exit $rc
