@@ -29,13 +29,15 @@
 //   r < ⌈DK/16⌉: 32 floats of S per lane at DK = 128, in registers for all T tokens; a warp's float4 load
 //   of one pass reads 16 rows × 32 B, whole sectors. S is read once and written once per call (in-place
 //   safe: a warp writes only the slice it read). No shared memory and no __syncthreads: m and o are
-//   reduced over the 16 lanes of a quad with 4 xor shuffles (offsets 2, 4, 8, 16); Σq², Σk² the same way.
+//   reduced over the 16 lanes of a quad, transposed (quad_sum_t: 5 shuffles for 4 columns, each lane ends
+//   with one column's total; m is then gathered back with 4 more, o is stored by 8 lanes in one 32 B
+//   store); Σq², Σk² with 4 xor shuffles each (offsets 2, 4, 8, 16).
 //   The inputs of token t+2 are loaded and those of t+1 normalised while token t updates the state.
 //   Real model: 32 × 8 = 256 blocks (512 warps) for decode and prefill alike (the sequential scan).
 //   Floor: the state crosses memory once per call, 2 · 32·128·128·4 B = 4 MiB per layer (~1 µs at 4 TB/s);
 //   T·Hv·DK·DV·8 FLOPs. Prefill is bound by the per-token dependency chain (decay, m, 4 shuffles, update).
-//   Sum order: per lane rows ascending in r (two partial sums for m: even and odd r), then the xor tree;
-//   fixed by DK, never by T.
+//   Sum order: per lane rows ascending in r (two partial sums for m: even and odd r), then the shuffle
+//   tree; fixed by DK, never by T.
 //
 // Oracle: CpuOps::conv1d_silu_impl / gated_delta_impl (csrc/cpu/gated_delta.cpp); tests/cuda/test_gated_delta.py.
 #include "common.cuh"
@@ -84,13 +86,30 @@ extern "C" __global__ void __launch_bounds__(128)
 #define GD_WARPS 2                         // warps per block
 #define GD_RPP (32 / GD_QUADS)             // rows per pass
 #define GD_R ((DK + GD_RPP - 1) / GD_RPP)  // passes: rows of S per lane
+static_assert(GD_QUADS == 2, "quad_sum_t assumes lane bit 0 = quad, bits 1-4 = row lane");
 
-// Sum over the lanes holding the same column quad (all rows of the warp's slice).
+// Sum over the lanes holding the same column quad (all rows of the warp's slice); GD_QUADS = 2 here.
 __device__ __forceinline__ float quad_sum(float v) {
 #pragma unroll
   for (int o = GD_QUADS; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+
+// m[0..3] (the 4 columns of this lane's quad, partial over its rows) summed over the 16 lanes of the quad,
+// transposed: halving the set of columns a lane keeps at offsets 16 and 8 (3 shuffles instead of 8), then
+// offsets 4 and 2. Returns the total of column e = 2·bit4 + bit3 of the lane; lanes differing in bits 1, 2
+// hold the same value.
+__device__ __forceinline__ float quad_sum_t(float m0, float m1, float m2, float m3, int lane) {
+  const bool hi16 = lane & 16, hi8 = lane & 8;
+  const float r0 = (hi16 ? m2 : m0) + __shfl_xor_sync(0xffffffffu, hi16 ? m0 : m2, 16);
+  const float r1 = (hi16 ? m3 : m1) + __shfl_xor_sync(0xffffffffu, hi16 ? m1 : m3, 16);
+  float v = (hi8 ? r1 : r0) + __shfl_xor_sync(0xffffffffu, hi8 ? r0 : r1, 8);
+  v += __shfl_xor_sync(0xffffffffu, v, 4);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  return v;
+}
+// The lane that holds column e of quad q after quad_sum_t.
+__device__ __forceinline__ int quad_sum_t_lane(int q, int e) { return q | (e & 1) << 3 | (e >> 1) << 4; }
 
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
@@ -184,10 +203,11 @@ extern "C" __global__ void __launch_bounds__(64)
       m.w += p.k[r] * s.w;
     }
     // 3: delta (every lane of the quad gets the full m)
-    const float d0 = p.beta * (p.v[0] - quad_sum(m0.x + m1.x));
-    const float d1 = p.beta * (p.v[1] - quad_sum(m0.y + m1.y));
-    const float d2 = p.beta * (p.v[2] - quad_sum(m0.z + m1.z));
-    const float d3 = p.beta * (p.v[3] - quad_sum(m0.w + m1.w));
+    const float ms = quad_sum_t(m0.x + m1.x, m0.y + m1.y, m0.z + m1.z, m0.w + m1.w, lane);
+    const float d0 = p.beta * (p.v[0] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 0)));
+    const float d1 = p.beta * (p.v[1] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 1)));
+    const float d2 = p.beta * (p.v[2] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 2)));
+    const float d3 = p.beta * (p.v[3] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 3)));
     // 4-5: rank-1 write, then the output reads the updated state
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -202,17 +222,9 @@ extern "C" __global__ void __launch_bounds__(64)
       o.z += p.q[r] * s.z;
       o.w += p.q[r] * s.w;
     }
-    o.x = quad_sum(o.x);
-    o.y = quad_sum(o.y);
-    o.z = quad_sum(o.z);
-    o.w = quad_sum(o.w);
-    if (rl == 0) {  // lanes 0 .. GD_QUADS-1: one quad each (scalar stores: out rows need no alignment)
-      float* po = out + i64(t) * out_stride + i64(j) * DV + col;
-      po[0] = o.x;
-      po[1] = o.y;
-      po[2] = o.z;
-      po[3] = o.w;
-    }
+    const float os = quad_sum_t(o.x, o.y, o.z, o.w, lane);
+    if ((lane & 6) == 0)  // lanes 0,1, 8,9, 16,17, 24,25: the 8 columns of the slice, one store
+      out[i64(t) * out_stride + i64(j) * DV + col + ((lane >> 3) & 1) + 2 * (lane >> 4)] = os;
     p = pn;
     nxt = nn;
   }
