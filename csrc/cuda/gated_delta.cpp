@@ -1,8 +1,9 @@
 // Gated DeltaNet on CUDA (MODEL.md section 5): the host side of kernels/gated_delta.cu.
 // conv1d_silu: one kernel, channels over threads, token blocks over grid.y.
-// gated_delta: one kernel for decode and prefill, a sequential scan over T with each warp's slice of the
-//   fp32 state in registers (see the kernel file for the geometry). No chunked (WY) form yet: every T
-//   takes the scan, so no workspace is needed.
+// gated_delta: a sequential scan over T with each warp's slice of the fp32 state in registers (see the
+//   kernel file for the geometry). T = 1 (decode): one kernel that also normalises q, k and computes
+//   alpha, beta per warp. T > 1: gated_delta_prep writes q̂, k̂, alpha, beta once per token into the
+//   workspace, then gated_delta_prepped scans. No chunked (WY) form yet.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -23,7 +24,15 @@ void require_f32(const Tensor& t, const char* what) {
 }
 }  // namespace
 
-size_t delta_workspace_bytes(const ModelConfig&, int64_t) { return 0; }
+// The prefill path's workspace: qn, kn [T, Hk·Dk], alpha, beta [T, Hv], each region 256-byte aligned.
+namespace {
+size_t region(int64_t floats) { return (size_t(floats) * 4 + 255) / 256 * 256; }
+size_t prep_bytes(int64_t T, int64_t key_dim, int64_t Hv) { return 2 * region(T * key_dim) + 2 * region(T * Hv); }
+}  // namespace
+
+size_t delta_workspace_bytes(const ModelConfig& c, int64_t rows) {
+  return rows > 1 ? prep_bytes(rows, c.key_dim(), c.lin_v_heads) : 0;
+}
 
 void CudaOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in,
                                const Tensor& state_out, const Tensor& out) {
@@ -49,7 +58,6 @@ void CudaOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const 
 void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
                                const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out,
                                const DeltaShape& s, const Tensor& ws, const Tensor& out) {
-  (void)ws;
   for (const Tensor* t : {&qkv, &b, &a, &A_log, &dt_bias, &state_in, &state_out, &out}) require_f32(*t, "every tensor");
   const int64_t T = qkv.rows, Hk = s.k_heads, Hv = s.v_heads, Dk = s.k_dim, Dv = s.v_dim;
   if (Hk < 1 || Hv % Hk != 0 || Dk < 1 || Dv < 1)
@@ -63,17 +71,33 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
       ptr(state_out) % 16 != 0)
     throw std::invalid_argument("gated_delta (cuda): needs v_dim % 8 == 0 and 16-byte aligned state rows");
   if (T == 0) return;  // as the CPU: nothing to do, the state is not touched
-  const Kernel& k = kernel("gated_delta", "gated_delta", {{"DK", Dk}, {"DV", Dv}});
+  const Kernel& k = kernel("gated_delta", T == 1 ? "gated_delta" : "gated_delta_prepped", {{"DK", Dk}, {"DV", Dv}});
   const Dim3 grid{unsigned(Hv), unsigned((Dv + kDeltaColsPerBlock - 1) / kDeltaColsPerBlock), 1};
-  launch(k, grid, Dim3{kDeltaThreads, 1, 1}, 0, ptr(qkv), int64_t(qkv.stride), ptr(b), int64_t(b.stride), ptr(a),
-         int64_t(a.stride), ptr(A_log), ptr(dt_bias), ptr(state_in), int64_t(state_in.stride), ptr(state_out),
-         int64_t(state_out.stride), ptr(out), int64_t(out.stride), int(T), int(Hk), int(Hv));
+  const Dim3 block{kDeltaThreads, 1, 1};
   const std::string geo = "grid (" + std::to_string(grid.x) + ", " + std::to_string(grid.y) +
                           ") × 64 threads, 8 state columns per warp in registers";
-  if (phase() == Phase::Decode)
-    note_variant("gated_delta.decode", "scan (one token): " + geo + ", state read and written once");
-  else
-    note_variant("gated_delta.prefill", "sequential scan over T (no chunked form yet): " + geo);
+  if (T == 1) {
+    launch(k, grid, block, 0, ptr(qkv), int64_t(qkv.stride), ptr(b), int64_t(b.stride), ptr(a), int64_t(a.stride),
+           ptr(A_log), ptr(dt_bias), ptr(state_in), int64_t(state_in.stride), ptr(state_out),
+           int64_t(state_out.stride), ptr(out), int64_t(out.stride), int(T), int(Hk), int(Hv));
+    note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
+                 "fused scan (one token, norms and gates per warp): " + geo + ", state read and written once");
+    return;
+  }
+  const int64_t key_dim = Hk * Dk;
+  if (!ws.valid() || ws.bytes() < prep_bytes(T, key_dim, Hv))
+    throw std::invalid_argument("gated_delta (cuda): workspace smaller than delta_workspace_bytes");
+  const CUdeviceptr qn = ptr(ws), kn = qn + region(T * key_dim), alpha = kn + region(T * key_dim),
+                    beta = alpha + region(T * Hv);
+  const Kernel& kp = kernel("gated_delta", "gated_delta_prep", {{"DK", Dk}, {"DV", Dv}});
+  launch(kp, Dim3{unsigned(T), unsigned((Hk + 3) / 4), 1}, Dim3{128, 1, 1}, 0, ptr(qkv), int64_t(qkv.stride), ptr(b),
+         int64_t(b.stride), ptr(a), int64_t(a.stride), ptr(A_log), ptr(dt_bias), qn, kn, alpha, beta, int(Hk),
+         int(Hv));
+  launch(k, grid, block, 0, ptr(qkv), int64_t(qkv.stride), ptr(b), int64_t(b.stride), ptr(a), int64_t(a.stride),
+         ptr(A_log), ptr(dt_bias), qn, kn, alpha, beta, ptr(state_in), int64_t(state_in.stride), ptr(state_out),
+         int64_t(state_out.stride), ptr(out), int64_t(out.stride), int(T), int(Hk), int(Hv));
+  note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
+               "gated_delta_prep (q̂, k̂, alpha, beta once per token) + sequential scan over T: " + geo);
 }
 
 }  // namespace lily::cuda

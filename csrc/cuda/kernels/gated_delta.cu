@@ -33,6 +33,10 @@
 //   with one column's total; m is then gathered back with 4 more, o is stored by 8 lanes in one 32 B
 //   store); Σq², Σk² with 4 xor shuffles each (offsets 2, 4, 8, 16).
 //   The inputs of token t+2 are loaded and those of t+1 normalised while token t updates the state.
+//   Two entry points share that body: gated_delta (T = 1, decode) normalises q, k and computes α, β in
+//   every warp; gated_delta_prepped (T > 1) reads q̂, k̂ [T, Hk·DK] and α, β [T, Hv] that gated_delta_prep
+//   wrote to the workspace (grid (T, ⌈Hk/4⌉) × 128: a warp per (token, key head)), which takes the norms,
+//   sqrt, exp and log1p off the scan's per-token path.
 //   Real model: 32 × 8 = 256 blocks (512 warps) for decode and prefill alike (the sequential scan).
 //   Floor: the state crosses memory once per call, 2 · 32·128·128·4 B = 4 MiB per layer (~1 µs at 4 TB/s);
 //   T·Hv·DK·DV·8 FLOPs. Prefill is bound by the per-token dependency chain (decay, m, 4 shuffles, update).
@@ -120,11 +124,52 @@ struct GdPrep {  // normalised
   float q[GD_R], k[GD_R], v[4], alpha, beta;
 };
 
-extern "C" __global__ void __launch_bounds__(64)
-    gated_delta(const float* __restrict__ qkv, i64 qkv_stride, const float* __restrict__ b, i64 b_stride,
-                const float* __restrict__ a, i64 a_stride, const float* __restrict__ A_log,
-                const float* __restrict__ dt_bias, const float* S_in, i64 in_stride, float* S_out,
-                i64 st_stride, float* __restrict__ out, i64 out_stride, int T, int Hk, int Hv) {
+// Per-token quantities of the prefill path, computed once instead of in every warp of the scan:
+// qn, kn [T, Hk·DK] (q̂ with its 1/sqrt(DK) scale, k̂), alpha, beta [T, Hv]. Grid (T, ⌈Hk/4⌉), block 128:
+// warp w normalises key head 4y + w of token t (lane i sums elements i, i+32, ...; then the xor tree),
+// block y = 0 also computes alpha, beta of every value head.
+extern "C" __global__ void __launch_bounds__(128)
+    gated_delta_prep(const float* __restrict__ qkv, i64 qkv_stride, const float* __restrict__ b, i64 b_stride,
+                     const float* __restrict__ a, i64 a_stride, const float* __restrict__ A_log,
+                     const float* __restrict__ dt_bias, float* __restrict__ qn, float* __restrict__ kn,
+                     float* __restrict__ alpha, float* __restrict__ beta, int Hk, int Hv) {
+  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kh = blockIdx.y * 4 + warp;
+  const i64 key_dim = i64(Hk) * DK;
+  const float* row = qkv + i64(t) * qkv_stride;
+  if (kh < Hk) {
+    float sq = 0.f, sk = 0.f;
+    for (int i = lane; i < DK; i += 32) {
+      const float q = row[i64(kh) * DK + i], k = row[key_dim + i64(kh) * DK + i];
+      sq += q * q;
+      sk += k * k;
+    }
+    sq = warp_sum(sq);
+    sk = warp_sum(sk);
+    const float rq = (1.f / sqrtf(float(DK))) / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f);
+    for (int i = lane; i < DK; i += 32) {
+      qn[i64(t) * key_dim + i64(kh) * DK + i] = row[i64(kh) * DK + i] * rq;
+      kn[i64(t) * key_dim + i64(kh) * DK + i] = row[key_dim + i64(kh) * DK + i] * rk;
+    }
+  }
+  if (blockIdx.y == 0)
+    for (int j = threadIdx.x; j < Hv; j += blockDim.x) {
+      beta[i64(t) * Hv + j] = sigmoid(b[i64(t) * b_stride + j]);
+      alpha[i64(t) * Hv + j] = expf(-expf(A_log[j]) * softplus(a[i64(t) * a_stride + j] + dt_bias[j]));
+    }
+}
+
+// PREPPED = false (decode, T = 1): each warp normalises q, k and computes alpha, beta itself.
+// PREPPED = true (prefill): it reads them from gated_delta_prep's output.
+template <bool PREPPED>
+__device__ __forceinline__ void gated_delta_scan(const float* __restrict__ qkv, i64 qkv_stride,
+                                                 const float* __restrict__ b, i64 b_stride,
+                                                 const float* __restrict__ a, i64 a_stride,
+                                                 const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                                                 const float* __restrict__ qn, const float* __restrict__ kn,
+                                                 const float* __restrict__ alpha, const float* __restrict__ beta,
+                                                 const float* S_in, i64 in_stride, float* S_out, i64 st_stride,
+                                                 float* __restrict__ out, i64 out_stride, int T, int Hk, int Hv) {
   const int j = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int c0 = (blockIdx.y * GD_WARPS + warp) * GD_WCOLS;
@@ -144,23 +189,37 @@ extern "C" __global__ void __launch_bounds__(64)
   const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
   const float q_scale = 1.f / sqrtf(float(DK));
 
-  auto load = [&](int t) {
+  auto load = [&](int t) {  // raw inputs (PREPPED = false) or the prepared ones (true)
     GdRaw x;
     const float* row = qkv + i64(t) * qkv_stride;
+    const float* qsrc = PREPPED ? qn + i64(t) * key_dim : row;
+    const float* ksrc = PREPPED ? kn + i64(t) * key_dim : row + key_dim;
 #pragma unroll
     for (int r = 0; r < GD_R; ++r) {
       const int i = r * GD_RPP + rl;
-      x.q[r] = i < DK ? row[i64(kh) * DK + i] : 0.f;
-      x.k[r] = i < DK ? row[key_dim + i64(kh) * DK + i] : 0.f;
+      x.q[r] = i < DK ? qsrc[i64(kh) * DK + i] : 0.f;
+      x.k[r] = i < DK ? ksrc[i64(kh) * DK + i] : 0.f;
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) x.v[e] = row[2 * key_dim + i64(j) * DV + col + e];
-    x.a = a[i64(t) * a_stride + j];
-    x.b = b[i64(t) * b_stride + j];
+    x.a = PREPPED ? alpha[i64(t) * Hv + j] : a[i64(t) * a_stride + j];
+    x.b = PREPPED ? beta[i64(t) * Hv + j] : b[i64(t) * b_stride + j];
     return x;
   };
   auto prep = [&](const GdRaw& x) {
     GdPrep p;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p.v[e] = x.v[e];
+    if (PREPPED) {
+#pragma unroll
+      for (int r = 0; r < GD_R; ++r) {
+        p.q[r] = x.q[r];
+        p.k[r] = x.k[r];
+      }
+      p.alpha = x.a;
+      p.beta = x.b;
+      return p;
+    }
     float sq = 0.f, sk = 0.f;
 #pragma unroll
     for (int r = 0; r < GD_R; ++r) {
@@ -175,8 +234,6 @@ extern "C" __global__ void __launch_bounds__(64)
       p.q[r] = x.q[r] * rq;
       p.k[r] = x.k[r] * rk;
     }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) p.v[e] = x.v[e];
     p.beta = sigmoid(x.b);
     p.alpha = expf(neg_A * softplus(x.a + dtb));
     return p;
@@ -233,5 +290,23 @@ extern "C" __global__ void __launch_bounds__(64)
     const int i = r * GD_RPP + rl;
     if (i < DK) *reinterpret_cast<float4*>(S_out + (i64(j) * DK + i) * st_stride + col) = S[r];
   }
+}
+
+#define GD_PARAMS                                                                                            \
+  const float *__restrict__ qkv, i64 qkv_stride, const float *__restrict__ b, i64 b_stride,                \
+      const float *__restrict__ a, i64 a_stride, const float *__restrict__ A_log,                           \
+      const float *__restrict__ dt_bias
+#define GD_STATE_PARAMS \
+  const float *S_in, i64 in_stride, float *S_out, i64 st_stride, float *__restrict__ out, i64 out_stride, int T, int Hk, int Hv
+
+extern "C" __global__ void __launch_bounds__(64) gated_delta(GD_PARAMS, GD_STATE_PARAMS) {
+  gated_delta_scan<false>(qkv, qkv_stride, b, b_stride, a, a_stride, A_log, dt_bias, nullptr, nullptr, nullptr,
+                          nullptr, S_in, in_stride, S_out, st_stride, out, out_stride, T, Hk, Hv);
+}
+extern "C" __global__ void __launch_bounds__(64)
+    gated_delta_prepped(GD_PARAMS, const float* __restrict__ qn, const float* __restrict__ kn,
+                        const float* __restrict__ alpha, const float* __restrict__ beta, GD_STATE_PARAMS) {
+  gated_delta_scan<true>(qkv, qkv_stride, b, b_stride, a, a_stride, A_log, dt_bias, qn, kn, alpha, beta, S_in,
+                         in_stride, S_out, st_stride, out, out_stride, T, Hk, Hv);
 }
 #endif  // DK && DV
