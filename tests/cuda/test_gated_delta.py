@@ -156,3 +156,20 @@ def test_gated_delta_chained(benches, shape):
         assert rel(rg.state(dst), rc.state(dst)) < TOL, n
     rep = gpu.report()
     assert "gated_delta.decode" in str(rep) and "gated_delta.prefill" in str(rep)
+
+
+def test_gated_delta_split_is_bitwise(benches):
+    """A token gives the same bits in a prefill of T > 1 (prep kernel + scan) as in a decode step (the
+    fused kernel): 33 tokens at once == 32 tokens then one, on the GPU alone."""
+    _, gpu = benches
+    shape = REAL
+    rng = np.random.default_rng(5)
+    inputs = delta_inputs(rng, 33, *shape)
+    state0 = (rng.standard_normal((shape[1] * shape[2], shape[3])) * 0.5).astype(np.float32)
+    whole, split = DeltaRun(gpu, shape, state0, 33), DeltaRun(gpu, shape, state0, 33)
+    o_whole = whole.step(inputs, 0, 1)
+    o_head = split.step(tuple(x[:32] if x.shape[0] == 33 else x for x in inputs), 0, 1)
+    o_last = split.step(tuple(x[32:] if x.shape[0] == 33 else x for x in inputs), 1, 0)
+    np.testing.assert_array_equal(o_whole[:32], o_head)
+    np.testing.assert_array_equal(o_whole[32:], o_last)
+    np.testing.assert_array_equal(whole.state(1), split.state(0))

@@ -1,6 +1,6 @@
 // Gated DeltaNet kernels (MODEL.md section 5): the causal depthwise conv + silu on [q|k|v] (§5.2) and the
-// gated delta rule (§5.3-5.4). Two kernels, each compiled only when its -D constants are given (a module
-// built for one of them holds just that one).
+// gated delta rule (§5.3-5.4). Each part is compiled only when its -D constants are given (a module built
+// for the conv holds just conv1d_silu; one built with DK, DV the three gated_delta kernels).
 //
 // ---- conv1d_silu (-D KTAPS = K, 4 in the real model) ----
 //   out[t, c] = silu(Σ_{j<K} w[c, j] · x[t-K+1+j, c]),  x[<0] taken from the carried state (oldest first),
@@ -31,7 +31,7 @@
 //   safe: a warp writes only the slice it read). No shared memory and no __syncthreads: m and o are
 //   reduced over the 16 lanes of a quad, transposed (quad_sum_t: 5 shuffles for 4 columns, each lane ends
 //   with one column's total; m is then gathered back with 4 more, o is stored by 8 lanes in one 32 B
-//   store); Σq², Σk² with 4 xor shuffles each (offsets 2, 4, 8, 16).
+//   store); in the decode entry Σq², Σk² take 4 xor shuffles each (offsets 2, 4, 8, 16).
 //   The inputs of token t+2 are loaded and those of t+1 normalised while token t updates the state.
 //   Two entry points share that body: gated_delta (T = 1, decode) normalises q, k and computes α, β in
 //   every warp; gated_delta_prepped (T > 1) reads q̂, k̂ [T, Hk·DK] and α, β [T, Hv] that gated_delta_prep
@@ -39,7 +39,8 @@
 //   sqrt, exp and log1p off the scan's per-token path.
 //   Real model: 32 × 8 = 256 blocks (512 warps) for decode and prefill alike (the sequential scan).
 //   Floor: the state crosses memory once per call, 2 · 32·128·128·4 B = 4 MiB per layer (~1 µs at 4 TB/s);
-//   T·Hv·DK·DV·8 FLOPs. Prefill is bound by the per-token dependency chain (decay, m, 4 shuffles, update).
+//   T·Hv·DK·DV·8 FLOPs (4 fp32 instructions per state element per token). Prefill is bound by issue and by
+//   the per-token dependency chain (decay, m, 9 shuffles, update); there is no chunked (WY) form yet.
 //   Sum order: per lane rows ascending in r (two partial sums for m: even and odd r), then the shuffle
 //   tree; fixed by DK, never by T.
 //
@@ -126,8 +127,10 @@ struct GdPrep {  // normalised
 
 // Per-token quantities of the prefill path, computed once instead of in every warp of the scan:
 // qn, kn [T, Hk·DK] (q̂ with its 1/sqrt(DK) scale, k̂), alpha, beta [T, Hv]. Grid (T, ⌈Hk/4⌉), block 128:
-// warp w normalises key head 4y + w of token t (lane i sums elements i, i+32, ...; then the xor tree),
-// block y = 0 also computes alpha, beta of every value head.
+// warp w normalises key head 4y + w of token t; block y = 0 also computes alpha, beta of every value head.
+// Σq², Σk² are summed exactly as the decode entry's warps sum them (lane l: rows 16·r + (l >> 1), r
+// ascending, then quad_sum), and the formulas are the same, so a token gives the same bits whether it
+// comes in a prefill of T > 1 or in a decode step.
 extern "C" __global__ void __launch_bounds__(128)
     gated_delta_prep(const float* __restrict__ qkv, i64 qkv_stride, const float* __restrict__ b, i64 b_stride,
                      const float* __restrict__ a, i64 a_stride, const float* __restrict__ A_log,
@@ -137,25 +140,32 @@ extern "C" __global__ void __launch_bounds__(128)
   const int kh = blockIdx.y * 4 + warp;
   const i64 key_dim = i64(Hk) * DK;
   const float* row = qkv + i64(t) * qkv_stride;
-  if (kh < Hk) {
+  if (kh < Hk) {  // the whole warp
+    const float* q = row + i64(kh) * DK;
+    const float* k = row + key_dim + i64(kh) * DK;
+    const int rl = lane / GD_QUADS;
     float sq = 0.f, sk = 0.f;
-    for (int i = lane; i < DK; i += 32) {
-      const float q = row[i64(kh) * DK + i], k = row[key_dim + i64(kh) * DK + i];
-      sq += q * q;
-      sk += k * k;
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      const int i = r * GD_RPP + rl;
+      const float x = i < DK ? q[i] : 0.f, y = i < DK ? k[i] : 0.f;
+      sq += x * x;
+      sk += y * y;
     }
-    sq = warp_sum(sq);
-    sk = warp_sum(sk);
-    const float rq = (1.f / sqrtf(float(DK))) / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f);
+    sq = quad_sum(sq);
+    sk = quad_sum(sk);
+    const float q_scale = 1.f / sqrtf(float(DK));
+    const float rq = q_scale / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f);
     for (int i = lane; i < DK; i += 32) {
-      qn[i64(t) * key_dim + i64(kh) * DK + i] = row[i64(kh) * DK + i] * rq;
-      kn[i64(t) * key_dim + i64(kh) * DK + i] = row[key_dim + i64(kh) * DK + i] * rk;
+      qn[i64(t) * key_dim + i64(kh) * DK + i] = q[i] * rq;
+      kn[i64(t) * key_dim + i64(kh) * DK + i] = k[i] * rk;
     }
   }
   if (blockIdx.y == 0)
     for (int j = threadIdx.x; j < Hv; j += blockDim.x) {
+      const float neg_A = -expf(A_log[j]);
       beta[i64(t) * Hv + j] = sigmoid(b[i64(t) * b_stride + j]);
-      alpha[i64(t) * Hv + j] = expf(-expf(A_log[j]) * softplus(a[i64(t) * a_stride + j] + dt_bias[j]));
+      alpha[i64(t) * Hv + j] = expf(neg_A * softplus(a[i64(t) * a_stride + j] + dt_bias[j]));
     }
 }
 
