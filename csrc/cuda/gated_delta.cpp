@@ -22,10 +22,8 @@ constexpr int kDeltaThreads = 64;
 void require_f32(const Tensor& t, const char* what) {
   if (t.dtype != DType::F32) throw std::invalid_argument(std::string("gated_delta (cuda): ") + what + " must be F32");
 }
-}  // namespace
 
 // The prefill path's workspace: qn, kn [T, Hk·Dk], alpha, beta [T, Hv], each region 256-byte aligned.
-namespace {
 size_t region(int64_t floats) { return (size_t(floats) * 4 + 255) / 256 * 256; }
 size_t prep_bytes(int64_t T, int64_t key_dim, int64_t Hv) { return 2 * region(T * key_dim) + 2 * region(T * Hv); }
 }  // namespace
