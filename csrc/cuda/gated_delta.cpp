@@ -1,0 +1,101 @@
+// Gated DeltaNet on CUDA (MODEL.md section 5): the host side of kernels/gated_delta.cu.
+// conv1d_silu: one kernel, channels over threads, token blocks over grid.y.
+// gated_delta: a sequential scan over T with each warp's slice of the fp32 state in registers (see the
+//   kernel file for the geometry). T = 1 (decode): one kernel that also normalises q, k and computes
+//   alpha, beta per warp. T > 1: gated_delta_prep writes q̂, k̂, alpha, beta once per token into the
+//   workspace, then gated_delta_prepped scans. No chunked (WY) form yet.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/backend.h"
+#include "model/config.h"
+
+namespace lily::cuda {
+
+namespace {
+constexpr int kConvThreads = 128;
+constexpr int kConvMinTokens = 32;  // tokens per block row (at least K-1: see the kernel's aliasing rule)
+constexpr int kDeltaColsPerBlock = 16;  // 2 warps × 8 columns
+constexpr int kDeltaThreads = 64;
+
+void require_f32(const Tensor& t, const char* what) {
+  if (t.dtype != DType::F32) throw std::invalid_argument(std::string("gated_delta (cuda): ") + what + " must be F32");
+}
+
+// The prefill path's workspace: qn, kn [T, Hk·Dk], alpha, beta [T, Hv], each region 256-byte aligned.
+size_t region(int64_t floats) { return (size_t(floats) * 4 + 255) / 256 * 256; }
+size_t prep_bytes(int64_t T, int64_t key_dim, int64_t Hv) { return 2 * region(T * key_dim) + 2 * region(T * Hv); }
+}  // namespace
+
+size_t delta_workspace_bytes(const ModelConfig& c, int64_t rows) {
+  return rows > 1 ? prep_bytes(rows, c.key_dim(), c.lin_v_heads) : 0;
+}
+
+void CudaOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in,
+                               const Tensor& state_out, const Tensor& out) {
+  require_f32(mixed, "mixed");
+  require_f32(conv_w, "conv_w");
+  require_f32(state_in, "conv state");
+  require_f32(state_out, "conv state");
+  require_f32(out, "out");
+  const int64_t T = mixed.rows, C = mixed.cols, K = conv_w.cols;
+  if (K < 1 || K > 16 || conv_w.rows != C || state_in.rows != K - 1 || state_in.cols != C ||
+      state_out.rows != K - 1 || state_out.cols != C || out.rows != T || out.cols != C)
+    throw std::invalid_argument("conv1d_silu (cuda): shapes do not match mixed [T, C], conv_w [C, K]");
+  const int tpb = int(std::max<int64_t>(kConvMinTokens, K - 1));
+  const Kernel& k = kernel("gated_delta", "conv1d_silu", {{"KTAPS", K}});
+  const Dim3 grid{unsigned((C + kConvThreads - 1) / kConvThreads), unsigned(std::max<int64_t>(1, (T + tpb - 1) / tpb)), 1};
+  launch(k, grid, Dim3{kConvThreads, 1, 1}, 0, ptr(mixed), int64_t(mixed.stride), ptr(conv_w), int64_t(conv_w.stride),
+         ptr(state_in), int64_t(state_in.stride), ptr(state_out), int64_t(state_out.stride), ptr(out),
+         int64_t(out.stride), int(T), int(C), tpb);
+  note_variant("conv1d_silu", "channels over 128 threads, " + std::to_string(tpb) +
+                                  "-token blocks over grid.y, K = " + std::to_string(K) + " taps in registers");
+}
+
+void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
+                               const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out,
+                               const DeltaShape& s, const Tensor& ws, const Tensor& out) {
+  for (const Tensor* t : {&qkv, &b, &a, &A_log, &dt_bias, &state_in, &state_out, &out}) require_f32(*t, "every tensor");
+  const int64_t T = qkv.rows, Hk = s.k_heads, Hv = s.v_heads, Dk = s.k_dim, Dv = s.v_dim;
+  if (Hk < 1 || Hv % Hk != 0 || Dk < 1 || Dv < 1)
+    throw std::invalid_argument("gated_delta (cuda): needs v_heads a multiple of k_heads");
+  if (qkv.cols != 2 * Hk * Dk + Hv * Dv || b.rows != T || a.rows != T || b.cols != Hv || a.cols != Hv ||
+      A_log.cols != Hv || dt_bias.cols != Hv || out.rows != T || out.cols != Hv * Dv ||
+      state_in.rows != Hv * Dk || state_in.cols != Dv || state_out.rows != Hv * Dk || state_out.cols != Dv)
+    throw std::invalid_argument("gated_delta (cuda): shapes do not match the DeltaShape");
+  // The state moves as float4 rows of 8-column warp slices.
+  if (Dv % 8 != 0 || state_in.stride % 4 != 0 || state_out.stride % 4 != 0 || ptr(state_in) % 16 != 0 ||
+      ptr(state_out) % 16 != 0)
+    throw std::invalid_argument("gated_delta (cuda): needs v_dim % 8 == 0 and 16-byte aligned state rows");
+  if (T == 0) return;  // as the CPU: nothing to do, the state is not touched
+  const Kernel& k = kernel("gated_delta", T == 1 ? "gated_delta" : "gated_delta_prepped", {{"DK", Dk}, {"DV", Dv}});
+  const Dim3 grid{unsigned(Hv), unsigned((Dv + kDeltaColsPerBlock - 1) / kDeltaColsPerBlock), 1};
+  const Dim3 block{kDeltaThreads, 1, 1};
+  const std::string geo = "grid (" + std::to_string(grid.x) + ", " + std::to_string(grid.y) +
+                          ") × 64 threads, 8 state columns per warp in registers";
+  if (T == 1) {
+    launch(k, grid, block, 0, ptr(qkv), int64_t(qkv.stride), ptr(b), int64_t(b.stride), ptr(a), int64_t(a.stride),
+           ptr(A_log), ptr(dt_bias), ptr(state_in), int64_t(state_in.stride), ptr(state_out),
+           int64_t(state_out.stride), ptr(out), int64_t(out.stride), int(T), int(Hk), int(Hv));
+    note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
+                 "fused scan (one token, norms and gates per warp): " + geo + ", state read and written once");
+    return;
+  }
+  const int64_t key_dim = Hk * Dk;
+  if (!ws.valid() || ws.bytes() < prep_bytes(T, key_dim, Hv))
+    throw std::invalid_argument("gated_delta (cuda): workspace smaller than delta_workspace_bytes");
+  const CUdeviceptr qn = ptr(ws), kn = qn + region(T * key_dim), alpha = kn + region(T * key_dim),
+                    beta = alpha + region(T * Hv);
+  const Kernel& kp = kernel("gated_delta", "gated_delta_prep", {{"DK", Dk}, {"DV", Dv}});
+  launch(kp, Dim3{unsigned(T), unsigned((Hk + 3) / 4), 1}, Dim3{128, 1, 1}, 0, ptr(qkv), int64_t(qkv.stride), ptr(b),
+         int64_t(b.stride), ptr(a), int64_t(a.stride), ptr(A_log), ptr(dt_bias), qn, kn, alpha, beta, int(Hk),
+         int(Hv));
+  launch(k, grid, block, 0, ptr(qkv), int64_t(qkv.stride), ptr(b), int64_t(b.stride), ptr(a), int64_t(a.stride),
+         ptr(A_log), ptr(dt_bias), qn, kn, alpha, beta, ptr(state_in), int64_t(state_in.stride), ptr(state_out),
+         int64_t(state_out.stride), ptr(out), int64_t(out.stride), int(T), int(Hk), int(Hv));
+  note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
+               "gated_delta_prep (q̂, k̂, alpha, beta once per token) + sequential scan over T: " + geo);
+}
+
+}  // namespace lily::cuda

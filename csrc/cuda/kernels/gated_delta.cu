@@ -1,0 +1,322 @@
+// Gated DeltaNet kernels (MODEL.md section 5): the causal depthwise conv + silu on [q|k|v] (§5.2) and the
+// gated delta rule (§5.3-5.4). Each part is compiled only when its -D constants are given (a module built
+// for the conv holds just conv1d_silu; one built with DK, DV the three gated_delta kernels).
+//
+// ---- conv1d_silu (-D KTAPS = K, 4 in the real model) ----
+//   out[t, c] = silu(Σ_{j<K} w[c, j] · x[t-K+1+j, c]),  x[<0] taken from the carried state (oldest first),
+//   then the state keeps the last K-1 pre-conv rows of [state; mixed].
+//   mixed f32 [T, C] (row stride), conv_w f32 [C, K] (row stride; tap K-1 = current token),
+//   state_in f32 [K-1, C] read, state_out f32 [K-1, C] written (may be state_in), out f32 [T, C] written.
+//   Grid (⌈C/128⌉, ⌈T/tpb⌉), block 128: thread c owns channel c for tokens [y·tpb, y·tpb + tpb); its K taps
+//   and a window of the last K-1 inputs stay in registers, so every row of mixed is read once (plus K-1
+//   rows of overlap per token block); loads and stores are coalesced over channels. The host gives
+//   tpb >= K-1, so only block row y = 0 reads state_in; that same thread writes channel c of state_out
+//   after its reads, which makes the in-place update race-free (no other thread touches channel c).
+//   Floor: T·C·4 B read + T·C·4 B written (+ 2·(K-1)·C·4 B of state): 64 KiB per decode token at C = 8192.
+//   Sum order: taps j = 0..K-1 ascending from 0, as the CPU (FMA contraction may differ: fp32 rounding).
+//
+// ---- gated_delta (-D DK, DV = key / value head dim, 128 and 128 in the real model) ----
+//   Per value head j, key head kh = j / (Hv/Hk) (repeat-interleave, §5.3), for t = 0..T-1:
+//     q̂ = q / sqrt(Σq² + 1e-6) / sqrt(DK),  k̂ = k / sqrt(Σk² + 1e-6),  β = σ(b),
+//     α = exp(−exp(A_log_j) · softplus(a + dt_bias_j))      (softplus(x) = x above 20, as torch)
+//     S ← α·S;  m = Sᵀk̂;  δ = β·(v − m);  S ← S + k̂ ⊗ δ;  o = Sᵀq̂          (the order of §5.4)
+//   qkv f32 [T, 2·Hk·DK + Hv·DV] (the conv output: q head i at i·DK, k at Hk·DK + i·DK, v head j at
+//   2·Hk·DK + j·DV), b, a f32 [T, Hv], A_log, dt_bias f32 [1, Hv]: read.
+//   S_in f32 [Hv·DK, DV] read (row j·DK + i = row i of head j), S_out written (may be S_in), o f32
+//   [T, Hv·DV] written. Rows of S need 16-byte alignment (the host checks).
+//   Grid (Hv, ⌈DV/16⌉), block 64 = 2 warps; warp w of block y owns columns [c0, c0 + 8), c0 = (2y + w)·8,
+//   of head j. Lane l holds column quad (l & 1) (4 columns, one float4) of rows i = 16·r + (l >> 1),
+//   r < ⌈DK/16⌉: 32 floats of S per lane at DK = 128, in registers for all T tokens; a warp's float4 load
+//   of one pass reads 16 rows × 32 B, whole sectors. S is read once and written once per call (in-place
+//   safe: a warp writes only the slice it read). No shared memory and no __syncthreads: m and o are
+//   reduced over the 16 lanes of a quad, transposed (quad_sum_t: 5 shuffles for 4 columns, each lane ends
+//   with one column's total; m is then gathered back with 4 more, o is stored by 8 lanes in one 32 B
+//   store); in the decode entry Σq², Σk² take 4 xor shuffles each (offsets 2, 4, 8, 16).
+//   The inputs of token t+2 are loaded and those of t+1 normalised while token t updates the state.
+//   Two entry points share that body: gated_delta (T = 1, decode) normalises q, k and computes α, β in
+//   every warp; gated_delta_prepped (T > 1) reads q̂, k̂ [T, Hk·DK] and α, β [T, Hv] that gated_delta_prep
+//   wrote to the workspace (grid (T, ⌈Hk/4⌉) × 128: a warp per (token, key head)), which takes the norms,
+//   sqrt, exp and log1p off the scan's per-token path.
+//   Real model: 32 × 8 = 256 blocks (512 warps) for decode and prefill alike (the sequential scan).
+//   Floor: the state crosses memory once per call, 2 · 32·128·128·4 B = 4 MiB per layer (~1 µs at 4 TB/s);
+//   T·Hv·DK·DV·8 FLOPs (4 fp32 instructions per state element per token). Prefill is bound by issue and by
+//   the per-token dependency chain (decay, m, 9 shuffles, update); there is no chunked (WY) form yet.
+//   Sum order: per lane rows ascending in r (two partial sums for m: even and odd r), then the shuffle
+//   tree; fixed by DK, never by T.
+//
+// Oracle: CpuOps::conv1d_silu_impl / gated_delta_impl (csrc/cpu/gated_delta.cpp); tests/cuda/test_gated_delta.py.
+#include "common.cuh"
+
+#if defined(KTAPS)
+extern "C" __global__ void __launch_bounds__(128)
+    conv1d_silu(const float* __restrict__ mixed, i64 mixed_stride, const float* __restrict__ w, i64 w_stride,
+                const float* state_in, i64 in_stride, float* state_out, i64 st_stride, float* __restrict__ out,
+                i64 out_stride, int T, int C, int tpb) {
+  constexpr int S = KTAPS - 1;
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int t0 = blockIdx.y * tpb, t1 = min(T, t0 + tpb);
+  float wk[KTAPS];
+#pragma unroll
+  for (int j = 0; j < KTAPS; ++j) wk[j] = w[i64(c) * w_stride + j];
+  float hist[S > 0 ? S : 1];
+#pragma unroll
+  for (int j = 0; j < S; ++j) {
+    const int src = t0 - S + j;  // token index; negative = row S + src of the carried state
+    hist[j] = src >= 0 ? mixed[i64(src) * mixed_stride + c] : state_in[i64(S + src) * in_stride + c];
+  }
+  for (int t = t0; t < t1; ++t) {
+    const float x = mixed[i64(t) * mixed_stride + c];
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < S; ++j) acc += wk[j] * hist[j];
+    acc += wk[S] * x;
+    out[i64(t) * out_stride + c] = silu(acc);
+#pragma unroll
+    for (int j = 0; j + 1 < S; ++j) hist[j] = hist[j + 1];
+    if (S > 0) hist[S > 0 ? S - 1 : 0] = x;
+  }
+  if (blockIdx.y != 0) return;
+  // New state: the last S rows of [old state; mixed]. When this block covered every token, that is the
+  // window itself (it began as the old state); otherwise T > tpb >= S and they are all input rows.
+#pragma unroll
+  for (int r = 0; r < S; ++r)
+    state_out[i64(r) * st_stride + c] = T <= tpb ? hist[r] : mixed[i64(T - S + r) * mixed_stride + c];
+}
+#endif  // KTAPS
+
+#if defined(DK) && defined(DV)
+#define GD_QUADS 2                         // float4 column quads per warp
+#define GD_WCOLS (4 * GD_QUADS)            // columns per warp
+#define GD_WARPS 2                         // warps per block
+#define GD_RPP (32 / GD_QUADS)             // rows per pass
+#define GD_R ((DK + GD_RPP - 1) / GD_RPP)  // passes: rows of S per lane
+static_assert(GD_QUADS == 2, "quad_sum_t assumes lane bit 0 = quad, bits 1-4 = row lane");
+
+// Sum over the lanes holding the same column quad (all rows of the warp's slice); GD_QUADS = 2 here.
+__device__ __forceinline__ float quad_sum(float v) {
+#pragma unroll
+  for (int o = GD_QUADS; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// m[0..3] (the 4 columns of this lane's quad, partial over its rows) summed over the 16 lanes of the quad,
+// transposed: halving the set of columns a lane keeps at offsets 16 and 8 (3 shuffles instead of 8), then
+// offsets 4 and 2. Returns the total of column e = 2·bit4 + bit3 of the lane; lanes differing in bits 1, 2
+// hold the same value.
+__device__ __forceinline__ float quad_sum_t(float m0, float m1, float m2, float m3, int lane) {
+  const bool hi16 = lane & 16, hi8 = lane & 8;
+  const float r0 = (hi16 ? m2 : m0) + __shfl_xor_sync(0xffffffffu, hi16 ? m0 : m2, 16);
+  const float r1 = (hi16 ? m3 : m1) + __shfl_xor_sync(0xffffffffu, hi16 ? m1 : m3, 16);
+  float v = (hi8 ? r1 : r0) + __shfl_xor_sync(0xffffffffu, hi8 ? r0 : r1, 8);
+  v += __shfl_xor_sync(0xffffffffu, v, 4);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  return v;
+}
+// The lane that holds column e of quad q after quad_sum_t.
+__device__ __forceinline__ int quad_sum_t_lane(int q, int e) { return q | (e & 1) << 3 | (e >> 1) << 4; }
+
+__device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+struct GdRaw {  // one token's inputs as read
+  float q[GD_R], k[GD_R], v[4], a, b;
+};
+struct GdPrep {  // normalised
+  float q[GD_R], k[GD_R], v[4], alpha, beta;
+};
+
+// Per-token quantities of the prefill path, computed once instead of in every warp of the scan:
+// qn, kn [T, Hk·DK] (q̂ with its 1/sqrt(DK) scale, k̂), alpha, beta [T, Hv]. Grid (T, ⌈Hk/4⌉), block 128:
+// warp w normalises key head 4y + w of token t; block y = 0 also computes alpha, beta of every value head.
+// Σq², Σk² are summed exactly as the decode entry's warps sum them (lane l: rows 16·r + (l >> 1), r
+// ascending, then quad_sum), and the formulas are the same, so a token gives the same bits whether it
+// comes in a prefill of T > 1 or in a decode step.
+extern "C" __global__ void __launch_bounds__(128)
+    gated_delta_prep(const float* __restrict__ qkv, i64 qkv_stride, const float* __restrict__ b, i64 b_stride,
+                     const float* __restrict__ a, i64 a_stride, const float* __restrict__ A_log,
+                     const float* __restrict__ dt_bias, float* __restrict__ qn, float* __restrict__ kn,
+                     float* __restrict__ alpha, float* __restrict__ beta, int Hk, int Hv) {
+  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kh = blockIdx.y * 4 + warp;
+  const i64 key_dim = i64(Hk) * DK;
+  const float* row = qkv + i64(t) * qkv_stride;
+  if (kh < Hk) {  // the whole warp
+    const float* q = row + i64(kh) * DK;
+    const float* k = row + key_dim + i64(kh) * DK;
+    const int rl = lane / GD_QUADS;
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      const int i = r * GD_RPP + rl;
+      const float x = i < DK ? q[i] : 0.f, y = i < DK ? k[i] : 0.f;
+      sq += x * x;
+      sk += y * y;
+    }
+    sq = quad_sum(sq);
+    sk = quad_sum(sk);
+    const float q_scale = 1.f / sqrtf(float(DK));
+    const float rq = q_scale / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f);
+    for (int i = lane; i < DK; i += 32) {
+      qn[i64(t) * key_dim + i64(kh) * DK + i] = q[i] * rq;
+      kn[i64(t) * key_dim + i64(kh) * DK + i] = k[i] * rk;
+    }
+  }
+  if (blockIdx.y == 0)
+    for (int j = threadIdx.x; j < Hv; j += blockDim.x) {
+      const float neg_A = -expf(A_log[j]);
+      beta[i64(t) * Hv + j] = sigmoid(b[i64(t) * b_stride + j]);
+      alpha[i64(t) * Hv + j] = expf(neg_A * softplus(a[i64(t) * a_stride + j] + dt_bias[j]));
+    }
+}
+
+// PREPPED = false (decode, T = 1): each warp normalises q, k and computes alpha, beta itself.
+// PREPPED = true (prefill): it reads them from gated_delta_prep's output.
+template <bool PREPPED>
+__device__ __forceinline__ void gated_delta_scan(const float* __restrict__ qkv, i64 qkv_stride,
+                                                 const float* __restrict__ b, i64 b_stride,
+                                                 const float* __restrict__ a, i64 a_stride,
+                                                 const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                                                 const float* __restrict__ qn, const float* __restrict__ kn,
+                                                 const float* __restrict__ alpha, const float* __restrict__ beta,
+                                                 const float* S_in, i64 in_stride, float* S_out, i64 st_stride,
+                                                 float* __restrict__ out, i64 out_stride, int T, int Hk, int Hv) {
+  const int j = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int c0 = (blockIdx.y * GD_WARPS + warp) * GD_WCOLS;
+  if (c0 >= DV) return;  // the whole warp: no shuffle is left waiting
+  const int quad = lane & (GD_QUADS - 1), rl = lane / GD_QUADS;
+  const int col = c0 + 4 * quad;
+  const int kh = j / (Hv / Hk);
+  const i64 key_dim = i64(Hk) * DK;
+
+  float4 S[GD_R];
+#pragma unroll
+  for (int r = 0; r < GD_R; ++r) {
+    const int i = r * GD_RPP + rl;
+    S[r] = i < DK ? *reinterpret_cast<const float4*>(S_in + (i64(j) * DK + i) * in_stride + col)
+                  : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
+  const float q_scale = 1.f / sqrtf(float(DK));
+
+  auto load = [&](int t) {  // raw inputs (PREPPED = false) or the prepared ones (true)
+    GdRaw x;
+    const float* row = qkv + i64(t) * qkv_stride;
+    const float* qsrc = PREPPED ? qn + i64(t) * key_dim : row;
+    const float* ksrc = PREPPED ? kn + i64(t) * key_dim : row + key_dim;
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      const int i = r * GD_RPP + rl;
+      x.q[r] = i < DK ? qsrc[i64(kh) * DK + i] : 0.f;
+      x.k[r] = i < DK ? ksrc[i64(kh) * DK + i] : 0.f;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x.v[e] = row[2 * key_dim + i64(j) * DV + col + e];
+    x.a = PREPPED ? alpha[i64(t) * Hv + j] : a[i64(t) * a_stride + j];
+    x.b = PREPPED ? beta[i64(t) * Hv + j] : b[i64(t) * b_stride + j];
+    return x;
+  };
+  auto prep = [&](const GdRaw& x) {
+    GdPrep p;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p.v[e] = x.v[e];
+    if (PREPPED) {
+#pragma unroll
+      for (int r = 0; r < GD_R; ++r) {
+        p.q[r] = x.q[r];
+        p.k[r] = x.k[r];
+      }
+      p.alpha = x.a;
+      p.beta = x.b;
+      return p;
+    }
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      sq += x.q[r] * x.q[r];
+      sk += x.k[r] * x.k[r];
+    }
+    sq = quad_sum(sq);
+    sk = quad_sum(sk);
+    const float rq = q_scale / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f);
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      p.q[r] = x.q[r] * rq;
+      p.k[r] = x.k[r] * rk;
+    }
+    p.beta = sigmoid(x.b);
+    p.alpha = expf(neg_A * softplus(x.a + dtb));
+    return p;
+  };
+
+  GdPrep p = prep(load(0));
+  GdRaw nxt = load(min(1, T - 1));
+  for (int t = 0; t < T; ++t) {
+    const GdRaw nn = load(min(t + 2, T - 1));  // in flight while token t runs
+    const GdPrep pn = prep(nxt);                // independent of S: overlaps the chain below
+    // 1-2: decay, then read with the decayed state
+    float4 m0 = make_float4(0.f, 0.f, 0.f, 0.f), m1 = m0;
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      float4& s = S[r];
+      s.x *= p.alpha;
+      s.y *= p.alpha;
+      s.z *= p.alpha;
+      s.w *= p.alpha;
+      float4& m = (r & 1) ? m1 : m0;
+      m.x += p.k[r] * s.x;
+      m.y += p.k[r] * s.y;
+      m.z += p.k[r] * s.z;
+      m.w += p.k[r] * s.w;
+    }
+    // 3: delta (every lane of the quad gets the full m)
+    const float ms = quad_sum_t(m0.x + m1.x, m0.y + m1.y, m0.z + m1.z, m0.w + m1.w, lane);
+    const float d0 = p.beta * (p.v[0] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 0)));
+    const float d1 = p.beta * (p.v[1] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 1)));
+    const float d2 = p.beta * (p.v[2] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 2)));
+    const float d3 = p.beta * (p.v[3] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 3)));
+    // 4-5: rank-1 write, then the output reads the updated state
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      float4& s = S[r];
+      s.x += p.k[r] * d0;
+      s.y += p.k[r] * d1;
+      s.z += p.k[r] * d2;
+      s.w += p.k[r] * d3;
+      o.x += p.q[r] * s.x;
+      o.y += p.q[r] * s.y;
+      o.z += p.q[r] * s.z;
+      o.w += p.q[r] * s.w;
+    }
+    const float os = quad_sum_t(o.x, o.y, o.z, o.w, lane);
+    if ((lane & 6) == 0)  // lanes 0,1, 8,9, 16,17, 24,25: the 8 columns of the slice, one store
+      out[i64(t) * out_stride + i64(j) * DV + col + ((lane >> 3) & 1) + 2 * (lane >> 4)] = os;
+    p = pn;
+    nxt = nn;
+  }
+#pragma unroll
+  for (int r = 0; r < GD_R; ++r) {
+    const int i = r * GD_RPP + rl;
+    if (i < DK) *reinterpret_cast<float4*>(S_out + (i64(j) * DK + i) * st_stride + col) = S[r];
+  }
+}
+
+#define GD_PARAMS                                                                                            \
+  const float *__restrict__ qkv, i64 qkv_stride, const float *__restrict__ b, i64 b_stride,                \
+      const float *__restrict__ a, i64 a_stride, const float *__restrict__ A_log,                           \
+      const float *__restrict__ dt_bias
+#define GD_STATE_PARAMS \
+  const float *S_in, i64 in_stride, float *S_out, i64 st_stride, float *__restrict__ out, i64 out_stride, int T, int Hk, int Hv
+
+extern "C" __global__ void __launch_bounds__(64) gated_delta(GD_PARAMS, GD_STATE_PARAMS) {
+  gated_delta_scan<false>(qkv, qkv_stride, b, b_stride, a, a_stride, A_log, dt_bias, nullptr, nullptr, nullptr,
+                          nullptr, S_in, in_stride, S_out, st_stride, out, out_stride, T, Hk, Hv);
+}
+extern "C" __global__ void __launch_bounds__(64)
+    gated_delta_prepped(GD_PARAMS, const float* __restrict__ qn, const float* __restrict__ kn,
+                        const float* __restrict__ alpha, const float* __restrict__ beta, GD_STATE_PARAMS) {
+  gated_delta_scan<true>(qkv, qkv_stride, b, b_stride, a, a_stride, A_log, dt_bias, qn, kn, alpha, beta, S_in,
+                         in_stride, S_out, st_stride, out, out_stride, T, Hk, Hv);
+}
+#endif  // DK && DV
