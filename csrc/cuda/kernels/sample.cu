@@ -457,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) sample_select(SelectAr
     sh_need = n < V && n > mc;  // top_k > CAP: total from a descent
   }
   __syncthreads();
-  if (sh_need) {
+  if (const int need = sh_need; __syncthreads_or(need)) {  // read by all before thread 0 reuses sh_need
     descend(keys, wts, V, 0, u32(n), s);  // group holding rank n
     if (threadIdx.x == 0) {
       const u64 fg = s.sel.gw / s.sel.gc;
@@ -466,6 +466,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) sample_select(SelectAr
     __syncthreads();
   }
   const double total = sh_total;
+  __syncthreads();  // every thread has read sh_total and sh_need before thread 0 writes them again
   // top-p
   if (threadIdx.x == 0) {
     sh_need = 0;
@@ -487,7 +488,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) sample_select(SelectAr
     }
   }
   __syncthreads();
-  if (sh_need) {
+  if (const int need = sh_need; __syncthreads_or(need)) {  // read by all before thread 0 reuses sh_need
     u64 target = __double2ull_rn(double(a.top_p) * total * FIX_SCALE);
     if (target == 0) target = 1;
     descend(keys, wts, V, 1, target, s);
@@ -516,7 +517,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) sample_select(SelectAr
     sh_keep = k;
   }
   __syncthreads();
-  if (sh_need) {
+  if (const int need = sh_need; __syncthreads_or(need)) {  // read by all before thread 0 reuses sh_need
     u32 c = 0;
     for (int i = threadIdx.x; i < V; i += blockDim.x) c += wts[i] >= a.min_p;
     u32 ec;
