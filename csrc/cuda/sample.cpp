@@ -1,0 +1,85 @@
+// The sample op on CUDA: the host side of kernels/sample.cu (oracle: csrc/cpu/sample.cpp).
+// Greedy: sample_prep (grid over V) + sample_greedy (one block). Sampling: sample_prep + sample_weights (grid
+// over V) + sample_select (one 1024-thread block). Nothing here depends on device data, so the same launches
+// replay in a decode graph.
+// Workspace: keys [V] u32, weights [V] f32, one partial maximum per prep block.
+#include <stdexcept>
+#include <string>
+
+#include "cuda/backend.h"
+
+namespace lily::cuda {
+
+namespace {
+
+constexpr int64_t kChunk = 2048;       // tokens per prep block: PREP_CHUNK in kernels/sample.cu
+constexpr int kCap = 2048;             // sorted prefix: CAP in kernels/sample.cu
+constexpr int kSelectSmem = 60 * 1024;  // SELECT_SMEM in kernels/sample.cu
+
+int64_t prep_blocks(int64_t vocab) { return (vocab + kChunk - 1) / kChunk; }
+size_t round16(size_t b) { return (b + 15) / 16 * 16; }
+
+// Must match the kernel's structs (natural alignment, no implicit padding beyond it).
+struct FinishArgs {
+  CUdeviceptr counts, seen, ring, ring_count, next_id;
+  int64_t ring_rows, ring_stride;
+};
+struct SelectArgs {
+  CUdeviceptr keys, wts, rng;
+  FinishArgs fa;
+  int V, n;
+  float top_p, min_p;
+};
+static_assert(sizeof(SelectArgs) == 3 * 8 + 7 * 8 + 16, "SelectArgs layout must match kernels/sample.cu");
+
+[[noreturn]] void bad(const std::string& why) { throw std::invalid_argument("sample (cuda): " + why); }
+
+}  // namespace
+
+size_t sample_workspace_bytes(int64_t vocab) {
+  return round16(size_t(vocab) * 4) * 2 + round16(size_t(prep_blocks(vocab)) * 8);
+}
+
+void CudaOps::sample_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p, const Tensor& ws,
+                          const Tensor& next_id) {
+  const int64_t V = logits.cols;
+  if (logits.dtype != DType::F32 || logits.rows != 1 || V < 1) bad("logits must be F32 [1, vocab]");
+  if (V >= (int64_t(1) << 31)) bad("vocab too large");
+  for (const Tensor* t : {&st.counts, &st.seen, &st.rng, &st.ring, &st.ring_count, &next_id})
+    if (t->dtype != DType::I32) bad("sampler state and next_id must be I32");
+  if (st.counts.cols != V || st.seen.cols != V || st.rng.cols != SamplerState::kRngWords || st.ring.rows < 1)
+    bad("sampler state does not match vocab " + std::to_string(V));
+  if (ws.bytes() < sample_workspace_bytes(V)) bad("workspace too small");
+
+  const CUdeviceptr base = ptr(ws);
+  const CUdeviceptr keys = base, wts = base + round16(size_t(V) * 4), partials = wts + round16(size_t(V) * 4);
+  const int G = int(prep_blocks(V));
+  const FinishArgs fa{ptr(st.counts), ptr(st.seen), ptr(st.ring), ptr(st.ring_count), ptr(next_id),
+                      int64_t(st.ring.rows), int64_t(st.ring.stride)};
+  const int has_rep = p.repetition_penalty != 1.f, has_pf = p.presence_penalty != 0.f || p.frequency_penalty != 0.f;
+
+  const Kernel& prep = kernel("sample", "sample_prep");
+  launch(prep, Dim3{unsigned(G), 1, 1}, Dim3{256, 1, 1}, 0, ptr(logits), ptr(st.seen), ptr(st.counts), keys,
+         partials, int(V), p.repetition_penalty, p.presence_penalty, p.frequency_penalty, has_rep, has_pf);
+  if (p.greedy()) {
+    const Kernel& g = kernel("sample", "sample_greedy");
+    launch(g, Dim3{1, 1, 1}, Dim3{256, 1, 1}, 0, partials, G, fa);
+    note_variant("sample.greedy", "prep over " + std::to_string(G) +
+                                      " blocks (first maximum per block) + one block reducing the partials");
+    return;
+  }
+  const float inv_t = 1.f / p.temperature;  // the CPU's Candidates::inv_t
+  const int n = int(p.top_k > 0 && p.top_k < V ? p.top_k : V);
+  const Kernel& w = kernel("sample", "sample_weights");
+  launch(w, Dim3{unsigned(G), 1, 1}, Dim3{256, 1, 1}, 0, keys, partials, G, wts, int(V), inv_t);
+  const Kernel& sel = kernel("sample", "sample_select");
+  set_dynamic_smem(sel, kSelectSmem);
+  const SelectArgs sa{keys, wts, ptr(st.rng), fa, int(V), n, p.top_p, p.min_p};
+  launch(sel, Dim3{1, 1, 1}, Dim3{1024, 1, 1}, kSelectSmem, sa);
+  note_variant("sample.draw", "prep + weights over " + std::to_string(G) + " blocks, one 1024-thread block: radix " +
+                                  "descent to the first " + std::to_string(kCap) +
+                                  " candidates, bitonic sort, the CPU's sequential walk; whole-vocabulary " +
+                                  "descents where top-p/min-p/top-k reach past them");
+}
+
+}  // namespace lily::cuda

@@ -1,0 +1,123 @@
+"""CUDA sample op against the CPU oracle (csrc/cpu/sample.cpp): identical ids and identical sampler state.
+
+Each case runs 50 consecutive draws on both benches from the same state (seeded mt19937_64 words, a random
+repetition `seen` mask, random starting counts), logits fresh per draw with exact ties (copied values, a tied
+maximum at a higher id) and -inf entries, and after every draw compares the id, counts, seen, the rng words,
+the ring and ring_count exactly. What it protects: the candidate order (logit descending, ties by lower id),
+the CPU's penalty arithmetic, the top-k/top-p/min-p cuts and the draw's double sums, the twister (state
+regeneration every 312 draws is crossed: 50 draws per case and cases share no state, so the test also
+starts from a state whose index is near 312), and the bookkeeping.
+Whole-vocabulary cases without a top-k (temperature only, top-p on flat random logits) take the device's
+fixed-point descent path, equal to the CPU's sequential double sums up to ~1e-12 relative: an id mismatch
+there would need a draw within that distance of a boundary (probability ~1e-9 per draw).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lily._core as core
+
+pytestmark = pytest.mark.skipif(
+    not core.backends().get("cuda", {}).get("usable", False), reason="CUDA backend not usable (core.backends()['cuda'])"
+)
+
+MASK64 = (1 << 64) - 1
+RING = 16
+DRAWS = 50
+
+
+def mt_words(seed: int, advance_to: int = 312) -> np.ndarray:
+    """runtime/mt19937.h's seed(): 312 64-bit values as (low, high) int32 pairs, then the index."""
+    s = [seed & MASK64]
+    for i in range(1, 312):
+        p = s[-1]
+        s.append((6364136223846793005 * (p ^ (p >> 62)) + i) & MASK64)
+    w = np.zeros(626, dtype=np.uint32)
+    for i, v in enumerate(s):
+        w[2 * i], w[2 * i + 1] = v & 0xFFFFFFFF, v >> 32
+    w[624] = advance_to  # 312: the first draw regenerates; less: draws straight from the seeded words
+    return w.view(np.int32)
+
+
+def config(vocab: int) -> dict:
+    return {
+        "hidden": 2048, "layers": 40, "vocab": vocab, "eps": 1e-6, "heads": 16, "kv_heads": 2, "head_dim": 256,
+        "rotary_dim": 64, "rope_theta": 1e7, "lin_k_heads": 16, "lin_v_heads": 32, "lin_k_dim": 128,
+        "lin_v_dim": 128, "conv_kernel": 4, "experts": 256, "topk": 8, "moe_inter": 512, "shared_inter": 512,
+        "full_attention": [i % 4 == 3 for i in range(40)],
+    }
+
+
+def logits_for(rng, vocab: int, scale: float) -> np.ndarray:
+    x = (rng.standard_normal(vocab) * scale).astype(np.float32)
+    if vocab >= 7:
+        k = max(1, vocab // 50)
+        src = rng.integers(0, vocab, k)
+        dst = rng.integers(0, vocab, k)
+        x[dst] = x[src]  # exact ties
+        m = int(np.argmax(x))
+        x[rng.integers(0, vocab)] = x[m]  # a tied maximum (the lower id must win)
+        x[rng.integers(0, vocab, max(1, vocab // 100))] = -np.inf
+        if x.max() == -np.inf:
+            x[0] = 1.0
+    return x.reshape(1, vocab)
+
+
+CASES = {
+    "greedy": dict(temperature=0.0),
+    "greedy_penalties": dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+    "temperature": dict(temperature=0.8),
+    "top_k1": dict(temperature=1.0, top_k=1),
+    "top_k40": dict(temperature=0.7, top_k=40),
+    "top_k2000": dict(temperature=1.2, top_k=2000),
+    "top_k5000": dict(temperature=1.0, top_k=5000),  # past the device's sorted prefix (2048)
+    "top_p09": dict(temperature=1.0, top_p=0.9),
+    "top_p05": dict(temperature=0.5, top_p=0.5),
+    "min_p": dict(temperature=1.0, min_p=0.05),
+    "repetition": dict(temperature=1.0, top_k=50, repetition_penalty=1.5),
+    "presence": dict(temperature=1.0, top_p=0.8, presence_penalty=1.0),
+    "frequency": dict(temperature=0.9, top_k=100, frequency_penalty=0.7),
+    "combined": dict(temperature=0.8, top_k=200, top_p=0.9, min_p=0.02, repetition_penalty=1.1,
+                     presence_penalty=0.3, frequency_penalty=0.2),
+    "combined_wide": dict(temperature=1.5, top_k=100000, top_p=0.95, min_p=0.01),
+}
+
+
+@pytest.fixture(scope="module")
+def benches():
+    return core.OpBench("cpu"), core.OpBench("cuda")
+
+
+@pytest.mark.parametrize("vocab", [248320, 1000, 7])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sample_matches_cpu(benches, vocab, case):
+    params = CASES[case]
+    seed = 1234 + vocab + len(case)
+    rng = np.random.default_rng(seed)
+    seen = (rng.random((1, vocab)) < 0.05).astype(np.int32)
+    counts = (rng.random((1, vocab)) < 0.01).astype(np.int32) * rng.integers(1, 4, (1, vocab)).astype(np.int32)
+    # Start 30 numbers before a regeneration on the peaked cases, at a regeneration on the others.
+    words = mt_words(seed, advance_to=282 if "top_k" in case else 312).reshape(1, 626)
+    # Peaked logits (scale 4) make top-p/min-p nuclei small; flat ones (scale 1) make them huge.
+    scale = 1.0 if case in ("top_p09", "temperature", "min_p") else 4.0
+    state = []
+    for b in benches:
+        state.append(dict(
+            counts=b.tensor(counts, dtype="i32"), seen=b.tensor(seen, dtype="i32"),
+            rng=b.tensor(words, dtype="i32"), ring=b.tensor(np.zeros((RING, 1), np.int32), dtype="i32"),
+            ring_count=b.tensor(np.zeros((1, 1), np.int32), dtype="i32"),
+            ws=b.workspace(config(vocab), 1, 64),
+        ))
+    for draw in range(DRAWS):
+        x = logits_for(rng, vocab, scale)
+        got = []
+        for b, st in zip(benches, state):
+            nid = b.empty(1, 1, dtype="i32")
+            b.run("sample", phase="decode", logits=b.tensor(x), next_id=nid, **st, **params, seed=seed)
+            got.append({"id": b.read(nid)} | {k: b.read(st[k]) for k in ("counts", "seen", "rng", "ring", "ring_count")})
+        c, g = got
+        for k in c:
+            np.testing.assert_array_equal(g[k], c[k], err_msg=f"{case} vocab {vocab} draw {draw}: {k}")
+        assert 0 <= int(c["id"][0, 0]) < vocab
