@@ -92,9 +92,10 @@ class OpBench {
     return keep(t);
   }
 
-  int empty(int64_t rows, int64_t cols, const std::string& dtype) {
+  int empty(int64_t rows, int64_t cols, const std::string& dtype, bool poison) {
     const DType dt = dtype_of(dtype);
     Tensor t = ops_->alloc("bench", dt, rows, cols);
+    if (!poison) return keep(t);  // zeroed (the dry-run compile check never reads it)
     const size_t n = size_t(rows * cols);
     if (dtype_size(dt) == 4) {
       std::vector<uint32_t> p(n, dt == DType::I32 ? 0x7f7f7f7fu : 0x7fc00000u);
@@ -294,7 +295,7 @@ void bind_ops_bench(nb::module_& m) {
   nb::class_<OpBench>(m, "OpBench")
       .def(nb::init<const std::string&, const nb::dict&>(), "backend"_a, "options"_a = nb::dict())
       .def("tensor", &OpBench::tensor, "array"_a, "dtype"_a = "f32")
-      .def("empty", &OpBench::empty, "rows"_a, "cols"_a, "dtype"_a = "f32")
+      .def("empty", &OpBench::empty, "rows"_a, "cols"_a, "dtype"_a = "f32", "poison"_a = true)
       .def("view", &OpBench::view, "tensor"_a, "row0"_a, "rows"_a)
       .def("workspace", &OpBench::workspace, "config"_a, "rows"_a, "max_ctx"_a)
       .def("weight", &OpBench::weight, "desc"_a)
