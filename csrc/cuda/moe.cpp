@@ -206,7 +206,10 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   a.out = ptr(out);
   a.out_stride = out.stride;
   const Weight* mats[3] = {&gate, &up, &down};
-  bool aligned = aligned16(a.x) && x.stride % 4 == 0 && aligned16(ptr(ws));
+  // The workspace carve-up is 256-byte aligned from the workspace start; the kernels' float2/float4
+  // workspace accesses need that start 16-byte aligned (a backend allocation always is).
+  if (!aligned16(ptr(ws))) throw std::invalid_argument(what + ": workspace not 16-byte aligned");
+  bool aligned = aligned16(a.x) && x.stride % 4 == 0;
   const size_t sbytes = dtype_size(gate.scale_dtype);
   for (int m = 0; m < 3; ++m) {
     const Weight& w = *mats[m];

@@ -545,13 +545,17 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
   const float* asrc = reinterpret_cast<const float*>(GATHER ? a.x : a.act);
   const i64 astride = GATHER ? a.x_stride : i64(KDIM);
   const unsigned char* wbase[NMAT];
+#if WKIND == 1
   const unsigned char* sbase[NMAT];
   const unsigned char* bbase[NMAT];
+#endif
 #pragma unroll
   for (int m = 0; m < NMAT; ++m) {
     wbase[m] = reinterpret_cast<const unsigned char*>(a.data[mat0 + m]) + i64(e) * i64(a.data_stride[mat0 + m]);
+#if WKIND == 1
     sbase[m] = reinterpret_cast<const unsigned char*>(a.scales[mat0 + m]) + i64(e) * i64(a.scale_stride[mat0 + m]);
     bbase[m] = reinterpret_cast<const unsigned char*>(a.biases[mat0 + m]) + i64(e) * i64(a.bias_stride[mat0 + m]);
+#endif
   }
 
   float4 ra[A_PER];
