@@ -273,13 +273,17 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
     return;
   }
   const unsigned char* base[2];
+#if WKIND == 1
   const unsigned char* sbase[2];
   const unsigned char* bbase[2];
+#endif
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
     base[m] = reinterpret_cast<const unsigned char*>(a.data[m]) + i64(e) * i64(a.data_stride[m]);
+#if WKIND == 1
     sbase[m] = reinterpret_cast<const unsigned char*>(a.scales[m]) + i64(e) * i64(a.scale_stride[m]);
     bbase[m] = reinterpret_cast<const unsigned char*>(a.biases[m]) + i64(e) * i64(a.bias_stride[m]);
+#endif
   }
   // All loads first (ROWS_G·2·NIT 16-byte vectors per lane in flight), then the arithmetic.
   uint4 wv[ROWS_G][2][NIT];
