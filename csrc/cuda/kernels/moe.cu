@@ -1,0 +1,789 @@
+// Sparse MoE block (MODEL.md section 6; §12.13 router, §12.18 quant format): router, routed experts,
+// SwiGLU and the shared-expert combine. Oracle: CpuOps::moe_* (csrc/cpu/moe.cpp); test: tests/cuda/test_moe.py.
+//
+// The module is built in three parts (-D MOE_PART), so a route build does not compile the GEMMs:
+//
+// MOE_PART 1, router.  moe_route: logits f32 [T, E] (row stride ls) -> ids i32 [T, k], weights f32 [T, k].
+//   p = softmax_fp32(logits) over all E, top-k by p (ties to the lower id, the CPU's partial_sort order),
+//   w = p / Σ_{s<k} p_s (the sum in slot order, as the CPU). Grid ⌈T/4⌉, block 128: one warp per token,
+//   lane l holds experts l, l+32, ... in registers (E ≤ 512: 16 per lane); k rounds of a warp arg-max.
+//   The softmax sum is a warp tree (not the CPU's serial sum): p differs by ≤ 1 ulp, which cannot reorder
+//   distinct values except ones within an ulp of each other; exact ties (equal logits) stay exact ties.
+//   -D NEXP (E), TOPK (k). Floor: T·E·4 bytes read; negligible.
+//
+// MOE_PART 2, experts.  x f32 [T, H] (stride), ids i32 [T, k], weights f32 [T, k]; stacked expert weights
+//   gate, up [E, I, H] and down [E, H, I] (one format for all three: MLX affine codes uint32 LSB first with
+//   scales/biases [rows, cols/GROUP], or dense f32/f16/bf16 rows); out f32 [T, H] (stride), written whole.
+//   out[t] = Σ_s w[t,s] · down_e(silu(gate_e(x_t)) ⊙ up_e(x_t)), e = ids[t,s], the k terms summed in
+//   ascending (expert id, slot) order starting from 0 (the CPU's order), so the result does not depend on
+//   T, chunking or grid size. Expert ids outside [0, E) contribute nothing (the CPU throws; a kernel cannot).
+//   Workspace (MoeArgs pointers, carved by moe.cpp): act f32 [T·k, I]; prefill also y f32 [T·k, H], the tile
+//   map int [1 + 3·max_tiles], pair_token int [T·k] (sorted row -> token), pair_pos int [T·k] ((t,s) ->
+//   sorted row).
+//   Decode (2 launches; every expert's weights stream once per token, 16-byte loads, dequantized in
+//   registers, fp32 accumulation as Σ_g s_g·(Σ x·q)_g + b_g·(Σ x)_g):
+//     moe_gate_up_decode: grid (⌈I / (8·ROWS_G)⌉, T·k), block 256 (8 warps). Block (i, slot) reads the
+//       expert id from ids on the device, keeps x_t in shared memory (H floats, float4 index f stored at
+//       f ^ ((f>>3)&7): a lane reads 32 consecutive inputs, the swizzle makes a quarter-warp's float4
+//       reads hit 8 distinct bank quads), each warp owns ROWS_G rows of gate AND up (the same rows), lane
+//       l reads vectors l, l+32, ... of each row; act[slot, row] = silu(g)·u.
+//     moe_down_decode: grid (⌈H / ROWS_D⌉, T), block 256. The k act rows of token t in shared memory
+//       (swizzled as above); a group of LPR lanes (LPR = the power of two ≥ I/CPV, ≤ 32) owns one (row,
+//       slot) dot product, the ROWS_D·k partials land in shared memory and thread r sums row r's k of them
+//       in (id, slot) order times the routing weights. No atomics.
+//   Prefill (4 launches; grids sized for the worst case, so no host knowledge of the routing):
+//     moe_group (1 block of 1024): histogram of rows per expert (shared atomics: counts only), exclusive
+//       scans of rows and of tiles (⌈n_e/BM⌉) per expert, the tile map (expert, first sorted row, rows),
+//       and a stable scatter of the (token, slot) pairs into expert-sorted order (tokens ascending per
+//       expert, the CPU's counting sort): per 1024-pair chunk, warp peers from __match_any_sync, per-warp
+//       counts in shared memory, a prefix over warps.
+//     moe_gate_up_mma: grid (max_tiles, ⌈I/64⌉), block 128 (4 warps). Tile = BM gathered rows of one
+//       expert × 64 columns of gate and the same 64 of up; K (= H) in steps of 64. Per step the x rows are
+//       loaded (float4, f32 -> f16) and each weight vector (16 B) dequantized in registers to f16, both
+//       stored to shared memory (row pitch 72 halves: fragment loads conflict-free); the next step's global
+//       loads are issued before this step's MMAs. mma.sync m16n8k16 f16×f16 -> f32. Epilogue: act =
+//       silu(g)·u to the workspace (sorted rows). Tiles past the map's count exit at once.
+//     moe_down_mma: the same kernel shape on act (sorted rows, K = I) × down (N = H, 128 columns per
+//       block) -> y (sorted rows, fp32).
+//     moe_expert_sum: grid T, block 256: out[t] = Σ_s w[t,s]·y[pair_pos[t,s]] in (id, slot) order.
+//   -D WKIND (0 dense, 1 affine), WDT (dense dtype code), BITS, GROUP, SDT (scale dtype code), ALIGNED
+//   (1: every weight/activation address and stride allows 16-byte loads; 0: byte loads, a slow but
+//   correct path for unpadded checkpoints), NEXP, TOPK, HID, INTER, ROWS_G, ROWS_D, LPR, BM (16 or 64,
+//   picked on the host from the expected rows per expert T·k/E; the sums do not depend on it: each output
+//   element accumulates its K steps in the same order whatever BM is).
+//   Floors (Qwen3.6 q4g64): decode streams the k = 8 hit experts' 3·512·2048 weights at 0.5625 B each,
+//   4.7 MB per layer per token (plus T·k·(H+I)·4 B of activations); prefill reads every hit expert's
+//   weights once per BM-row tile (at most 453 MB per layer when all 256 are hit) and does 6·T·k·I·H FLOPs.
+//   Tensor-core prefill rounds x, act and the dequantized weights to f16 (|x| must stay below 65504):
+//   relative error ~1e-3 against the fp32 CPU, while decode is fp32 throughout (~1e-6).
+//
+// MOE_PART 3, elementwise.  swiglu: out = silu(gate) ⊙ up; moe_combine: h += routed + σ(sg[t])·shared.
+//   f32 [T, C] views with strides; grid (⌈C / (256·VEC)⌉, T), block 256, VEC = 4 (float4) when every
+//   address and stride allows it, else 1. Floor: 3 (resp. 4) · T·C·4 bytes.
+#include "common.cuh"
+
+#ifndef MOE_PART
+#define MOE_PART 0
+#endif
+
+// ================================================================================================
+#if MOE_PART == 1
+
+extern "C" __global__ void __launch_bounds__(128)
+    moe_route(const float* __restrict__ logits, i64 ls, int T, int* __restrict__ ids, i64 is,
+              float* __restrict__ w, i64 wstride) {
+  constexpr int NJ = (NEXP + 31) / 32;
+  const int lane = threadIdx.x & 31, t = blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (t >= T) return;  // whole warps leave; nothing below synchronises the block
+  const float* l = logits + i64(t) * ls;
+  float v[NJ];
+  float mx = -3.402823466e38f;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < NEXP ? l[e] : -3.402823466e38f;
+    mx = fmaxf(mx, v[j]);
+  }
+  mx = warp_max(mx);
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < NEXP ? expf(v[j] - mx) : 0.f;
+    sum += v[j];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) v[j] = lane + 32 * j < NEXP ? v[j] / sum : -1.f;  // -1: not selectable
+
+  // k rounds: the lane's best (higher p, then lower id), then the warp's best.
+  int my_id = 0;
+  float my_p = 0.f, top = 0.f;
+#pragma unroll 1
+  for (int s = 0; s < TOPK; ++s) {
+    float bp = -1.f;  // taken entries (-1) never win: k <= E is checked on the host
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if (v[j] > bp) {  // j ascending = id ascending: the first of equal values is kept
+        bp = v[j];
+        bi = lane + 32 * j;
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float op = __shfl_xor_sync(0xffffffffu, bp, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (op > bp || (op == bp && oi < bi)) {
+        bp = op;
+        bi = oi;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if (lane + 32 * j == bi) v[j] = -1.f;
+    top += bp;  // slot order, as the CPU sums
+    if (lane == s) {
+      my_id = bi;
+      my_p = bp;
+    }
+  }
+  if (lane < TOPK) {
+    ids[i64(t) * is + lane] = my_id;
+    w[i64(t) * wstride + lane] = my_p / top;
+  }
+}
+
+#endif  // MOE_PART 1
+
+// ================================================================================================
+#if MOE_PART == 2
+
+// Must match struct MoeArgs in csrc/cuda/moe.cpp (static_assert there on its size).
+struct MoeArgs {
+  u64 x;
+  i64 x_stride;
+  u64 ids;
+  i64 ids_stride;
+  u64 wts;
+  i64 wts_stride;
+  u64 out;
+  i64 out_stride;
+  u64 data[3], scales[3], biases[3];  // gate, up, down: expert 0
+  u64 data_stride[3], scale_stride[3], bias_stride[3];  // bytes per expert
+  u64 act, y, tiles, pair_token, pair_pos;  // workspace
+  int T, k, max_tiles, pad;
+};
+
+// ---- weight format ----
+#if WKIND == 1
+#define CPV (128 / BITS)  // codes per 16-byte vector
+#elif WDT == LILY_F32
+#define CPV 4
+#else
+#define CPV 8
+#endif
+#define ESIZE_SCALE (SDT == LILY_F32 ? 4 : 2)
+
+// 16 bytes of weights (or activations) at p.
+__device__ __forceinline__ uint4 moe_ld16(const unsigned char* p) {
+#if ALIGNED
+  return *reinterpret_cast<const uint4*>(p);
+#else
+  u32 w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = u32(p[4 * i]) | (u32(p[4 * i + 1]) << 8) | (u32(p[4 * i + 2]) << 16) | (u32(p[4 * i + 3]) << 24);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+#endif
+}
+
+// Scale / bias element i (dtype SDT) of the array at p.
+__device__ __forceinline__ float moe_scalar(const unsigned char* p, i64 i) {
+#if ALIGNED
+  return load_as_f32(p, SDT, i);
+#else
+  const unsigned char* q = p + i * ESIZE_SCALE;
+  if (SDT == LILY_F32) return __uint_as_float(u32(q[0]) | (u32(q[1]) << 8) | (u32(q[2]) << 16) | (u32(q[3]) << 24));
+  const u16 h = u16(u32(q[0]) | (u32(q[1]) << 8));
+  return SDT == LILY_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+#endif
+}
+
+// The CPV values of one 16-byte vector: codes q (affine) or the weights themselves (dense), in input order.
+__device__ __forceinline__ void moe_unpack(const uint4 v, float* w) {
+  const u32 words[4] = {v.x, v.y, v.z, v.w};
+#if WKIND == 1
+  constexpr int PER = 32 / BITS;
+  constexpr u32 MASK = (1u << BITS) - 1u;
+#pragma unroll
+  for (int i = 0; i < CPV; ++i) w[i] = float((words[i / PER] >> (BITS * (i % PER))) & MASK);
+#elif WDT == LILY_F32
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = __uint_as_float(words[i]);
+#else
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const u16 h = u16(words[i / 2] >> (16 * (i % 2)));
+    w[i] = WDT == LILY_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+  }
+#endif
+}
+
+// Row bytes of one matrix row with `cols` inputs.
+#if WKIND == 1
+#define ROW_BYTES(cols) (i64(cols) * BITS / 8)
+#define VEC_BYTES_AT(k) (i64(k) * BITS / 8)
+#else
+#define ROW_BYTES(cols) (i64(cols) * (WDT == LILY_F32 ? 4 : 2))
+#define VEC_BYTES_AT(k) (i64(k) * (WDT == LILY_F32 ? 4 : 2))
+#endif
+
+__device__ __forceinline__ int moe_swz(int f) { return f ^ ((f >> 3) & 7); }
+
+__device__ __forceinline__ bool moe_valid_expert(int e) { return e >= 0 && e < NEXP; }
+
+// ---------------------------------------------------------------------------------------------
+// Decode 1: grouped gate + up + SiLU·mul.
+
+// Σ over one vector of a row (vector index c: inputs [c·CPV, (c+1)·CPV)) of w·x, affine form applied.
+__device__ __forceinline__ float moe_vec_dot(const uint4 wv, const float4* xs, int c, float s, float b) {
+  float w[CPV];
+  moe_unpack(wv, w);
+  const int f0 = c * (CPV / 4);
+  float d = 0.f, sx = 0.f;
+#pragma unroll
+  for (int j = 0; j < CPV / 4; ++j) {
+    const float4 xv = xs[moe_swz(f0 + j)];
+    d = fmaf(w[4 * j], xv.x, d);
+    d = fmaf(w[4 * j + 1], xv.y, d);
+    d = fmaf(w[4 * j + 2], xv.z, d);
+    d = fmaf(w[4 * j + 3], xv.w, d);
+    sx += (xv.x + xv.y) + (xv.z + xv.w);
+  }
+#if WKIND == 1
+  return fmaf(s, d, b * sx);
+#else
+  return d;
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeArgs a) {
+  constexpr int NV = HID / CPV;          // vectors per gate/up row
+  constexpr int NIT = (NV + 31) / 32;    // per lane
+  constexpr int XF4 = (HID / 4 + 7) / 8 * 8;
+  extern __shared__ float4 moe_smem[];
+  float4* xs = moe_smem;  // [XF4], swizzled
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int slot = blockIdx.y, t = slot / a.k, s = slot - t * a.k;
+  const int e = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + s];
+  const float* x = reinterpret_cast<const float*>(a.x) + i64(t) * a.x_stride;
+  for (int f = tid; f < XF4; f += 256) {
+    float4 v;
+    v.x = 4 * f < HID ? x[4 * f] : 0.f;
+    v.y = 4 * f + 1 < HID ? x[4 * f + 1] : 0.f;
+    v.z = 4 * f + 2 < HID ? x[4 * f + 2] : 0.f;
+    v.w = 4 * f + 3 < HID ? x[4 * f + 3] : 0.f;
+    xs[moe_swz(f)] = v;
+  }
+  __syncthreads();
+  float* act = reinterpret_cast<float*>(a.act) + i64(slot) * INTER;
+  const int row0 = (blockIdx.x * 8 + warp) * ROWS_G;
+  if (!moe_valid_expert(e)) {
+    if (lane < ROWS_G && row0 + lane < INTER) act[row0 + lane] = 0.f;
+    return;
+  }
+  const unsigned char* base[2];
+#if WKIND == 1
+  const unsigned char* sbase[2];
+  const unsigned char* bbase[2];
+#endif
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    base[m] = reinterpret_cast<const unsigned char*>(a.data[m]) + i64(e) * i64(a.data_stride[m]);
+#if WKIND == 1
+    sbase[m] = reinterpret_cast<const unsigned char*>(a.scales[m]) + i64(e) * i64(a.scale_stride[m]);
+    bbase[m] = reinterpret_cast<const unsigned char*>(a.biases[m]) + i64(e) * i64(a.bias_stride[m]);
+#endif
+  }
+  // All loads first (ROWS_G·2·NIT 16-byte vectors per lane in flight), then the arithmetic.
+  uint4 wv[ROWS_G][2][NIT];
+  float sc[ROWS_G][2][NIT], bi[ROWS_G][2][NIT];
+#pragma unroll
+  for (int r = 0; r < ROWS_G; ++r)
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int it = 0; it < NIT; ++it) {
+        const int row = row0 + r, c = lane + 32 * it;
+        wv[r][m][it] = make_uint4(0, 0, 0, 0);
+        sc[r][m][it] = 0.f;
+        bi[r][m][it] = 0.f;
+        if (row < INTER && c < NV) {
+          wv[r][m][it] = moe_ld16(base[m] + i64(row) * ROW_BYTES(HID) + VEC_BYTES_AT(c * CPV));
+#if WKIND == 1
+          const i64 gi = i64(row) * (HID / GROUP) + (c * CPV) / GROUP;
+          sc[r][m][it] = moe_scalar(sbase[m], gi);
+          bi[r][m][it] = moe_scalar(bbase[m], gi);
+#endif
+        }
+      }
+#pragma unroll
+  for (int r = 0; r < ROWS_G; ++r) {
+    float acc[2] = {0.f, 0.f};
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int it = 0; it < NIT; ++it) {
+        const int c = lane + 32 * it;
+        if (c < NV) acc[m] += moe_vec_dot(wv[r][m][it], xs, c, sc[r][m][it], bi[r][m][it]);
+      }
+    const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
+    const int row = row0 + r;
+    if (lane == 0 && row < INTER) act[row] = silu(g) * u;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode 2: grouped down + routing weights, summed per output row in (id, slot) order.
+
+extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs a) {
+  constexpr int NVI = INTER / CPV;                 // vectors per down row
+  constexpr int NITD = (NVI + LPR - 1) / LPR;      // per lane of a group
+  constexpr int NGRP = 256 / LPR;                  // (row, slot) items in flight per pass
+  constexpr int ITEMS = ROWS_D * TOPK;
+  constexpr int PASSES = (ITEMS + NGRP - 1) / NGRP;
+  constexpr int AF4 = (INTER / 4 + 7) / 8 * 8;     // float4 per act row (padded for the swizzle)
+  extern __shared__ float4 moe_smem[];
+  float4* acts = moe_smem;  // [TOPK][AF4], swizzled per row
+  __shared__ float part[ITEMS];
+  __shared__ int eid[TOPK], ord[TOPK];
+  __shared__ float ew[TOPK];
+  const int tid = threadIdx.x, t = blockIdx.y, n0 = blockIdx.x * ROWS_D;
+  if (tid < TOPK) {
+    eid[tid] = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + tid];
+    ew[tid] = reinterpret_cast<const float*>(a.wts)[i64(t) * a.wts_stride + tid];
+  }
+  const float* act = reinterpret_cast<const float*>(a.act) + i64(t) * TOPK * INTER;
+  for (int i = tid; i < TOPK * AF4; i += 256) {
+    const int s = i / AF4, f = i - s * AF4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (4 * f < INTER) v = *reinterpret_cast<const float4*>(act + i64(s) * INTER + 4 * f);  // INTER % 4 == 0
+    acts[s * AF4 + moe_swz(f)] = v;
+  }
+  __syncthreads();
+  if (tid < TOPK) {  // rank of slot tid by (expert id, slot)
+    int rank = 0;
+    for (int j = 0; j < TOPK; ++j) rank += eid[j] < eid[tid] || (eid[j] == eid[tid] && j < tid);
+    ord[rank] = tid;
+  }
+
+  const int grp = tid / LPR, gl = tid % LPR;
+  uint4 wv[PASSES][NITD];
+  float sc[PASSES][NITD], bi[PASSES][NITD];
+#pragma unroll
+  for (int p = 0; p < PASSES; ++p) {
+    const int item = grp + NGRP * p, r = item / TOPK, s = item - r * TOPK, n = n0 + r;
+    const int e = item < ITEMS ? eid[s] : -1;
+    const bool ok = item < ITEMS && n < HID && moe_valid_expert(e);
+#pragma unroll
+    for (int j = 0; j < NITD; ++j) {
+      const int c = gl + LPR * j;
+      wv[p][j] = make_uint4(0, 0, 0, 0);
+      sc[p][j] = 0.f;
+      bi[p][j] = 0.f;
+      if (ok && c < NVI) {
+        const unsigned char* base = reinterpret_cast<const unsigned char*>(a.data[2]) + i64(e) * i64(a.data_stride[2]);
+        wv[p][j] = moe_ld16(base + i64(n) * ROW_BYTES(INTER) + VEC_BYTES_AT(c * CPV));
+#if WKIND == 1
+        const i64 gi = i64(n) * (INTER / GROUP) + (c * CPV) / GROUP;
+        sc[p][j] = moe_scalar(reinterpret_cast<const unsigned char*>(a.scales[2]) + i64(e) * i64(a.scale_stride[2]), gi);
+        bi[p][j] = moe_scalar(reinterpret_cast<const unsigned char*>(a.biases[2]) + i64(e) * i64(a.bias_stride[2]), gi);
+#endif
+      }
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < PASSES; ++p) {
+    const int item = grp + NGRP * p, r = item / TOPK, s = item - r * TOPK;
+    float d = 0.f;
+#pragma unroll
+    for (int j = 0; j < NITD; ++j) {
+      const int c = gl + LPR * j;
+      if (c < NVI && item < ITEMS) d += moe_vec_dot(wv[p][j], acts + s * AF4, c, sc[p][j], bi[p][j]);
+    }
+#pragma unroll
+    for (int o = LPR / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+    if (gl == 0 && item < ITEMS) part[item] = d;
+  }
+  __syncthreads();
+  if (tid < ROWS_D && n0 + tid < HID) {
+    float o = 0.f;
+    for (int j = 0; j < TOPK; ++j) {
+      const int s = ord[j];
+      if (moe_valid_expert(eid[s])) o += ew[s] * part[tid * TOPK + s];
+    }
+    reinterpret_cast<float*>(a.out)[i64(t) * a.out_stride + n0 + tid] = o;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill 1: grouping (one block of 1024 threads).
+
+__device__ __forceinline__ int moe_pair_expert(const MoeArgs& a, int p) {
+  const int t = p / a.k, s = p - t * a.k;
+  const int e = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + s];
+  return moe_valid_expert(e) ? e : -1;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_group(const MoeArgs a) {
+  constexpr int EPL = (NEXP + 31) / 32;  // experts per lane in the scans
+  __shared__ int hist[NEXP], cursor[NEXP], tstart[NEXP];
+  __shared__ u16 wcnt[32][NEXP + (NEXP & 1)];  // pairs of expert e in warp w of the current chunk
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int P = a.T * a.k;
+  int* tiles = reinterpret_cast<int*>(a.tiles);
+  int* pair_token = reinterpret_cast<int*>(a.pair_token);
+  int* pair_pos = reinterpret_cast<int*>(a.pair_pos);
+  for (int e = tid; e < NEXP; e += 1024) hist[e] = 0;
+  __syncthreads();
+  for (int p = tid; p < P; p += 1024) {
+    const int e = moe_pair_expert(a, p);
+    if (e >= 0) atomicAdd(&hist[e], 1);
+  }
+  __syncthreads();
+  if (warp == 0) {  // exclusive scans of rows and tiles per expert: lane-serial chunks, then a warp scan
+    int rows = 0, ntl = 0;
+    for (int j = 0; j < EPL; ++j) {
+      const int e = lane * EPL + j;
+      if (e < NEXP) {
+        rows += hist[e];
+        ntl += (hist[e] + BM - 1) / BM;
+      }
+    }
+    int ir = rows, it = ntl;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int vr = __shfl_up_sync(0xffffffffu, ir, o), vt = __shfl_up_sync(0xffffffffu, it, o);
+      if (lane >= o) {
+        ir += vr;
+        it += vt;
+      }
+    }
+    int r0 = ir - rows, t0 = it - ntl;
+    for (int j = 0; j < EPL; ++j) {
+      const int e = lane * EPL + j;
+      if (e < NEXP) {
+        cursor[e] = r0;
+        tstart[e] = t0;
+        r0 += hist[e];
+        t0 += (hist[e] + BM - 1) / BM;
+      }
+    }
+    if (lane == 31) tiles[0] = it < a.max_tiles ? it : a.max_tiles;
+  }
+  __syncthreads();
+  for (int e = tid; e < NEXP; e += 1024) {
+    const int n = hist[e];
+    for (int j = 0; j * BM < n; ++j) {
+      const int ti = tstart[e] + j;
+      if (ti < a.max_tiles) {
+        tiles[1 + 3 * ti] = e;
+        tiles[2 + 3 * ti] = cursor[e] + j * BM;
+        tiles[3 + 3 * ti] = n - j * BM < BM ? n - j * BM : BM;
+      }
+    }
+  }
+  u32* wz = reinterpret_cast<u32*>(&wcnt[0][0]);
+  constexpr int WZ = 32 * (NEXP + (NEXP & 1)) / 2;
+  for (int base = 0; base < P; base += 1024) {
+    for (int i = tid; i < WZ; i += 1024) wz[i] = 0u;
+    __syncthreads();
+    const int p = base + tid;
+    const int e = p < P ? moe_pair_expert(a, p) : -1;
+    const u32 peers = __match_any_sync(0xffffffffu, e);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    if (e >= 0 && rank == 0) wcnt[warp][e] = u16(__popc(peers));
+    __syncthreads();
+    if (e >= 0) {
+      int before = 0;
+      for (int w = 0; w < warp; ++w) before += wcnt[w][e];
+      const int pos = cursor[e] + before + rank;
+      pair_token[pos] = p / a.k;
+      pair_pos[p] = pos;
+    } else if (p < P) {
+      pair_pos[p] = -1;
+    }
+    __syncthreads();
+    for (int e2 = tid; e2 < NEXP; e2 += 1024) {
+      int n = 0;
+      for (int w = 0; w < 32; ++w) n += wcnt[w][e2];
+      cursor[e2] += n;
+    }
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill 2/3: grouped GEMM on tensor cores.
+
+__device__ __forceinline__ u32 moe_half2(float lo, float hi) {
+  u16 l, h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(l) : "f"(lo));
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(hi));
+  return u32(l) | (u32(h) << 16);
+}
+
+__device__ __forceinline__ void moe_mma16816(float* c, const u32* a, const u32* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// One block: BM sorted rows of one expert × BN columns of NMAT weight matrices (mat0, mat0 + 1, ...).
+// A rows: GATHER ? x[pair_token[row]] : act[row]; K = KDIM; weights [N = NDIM, KDIM] per expert.
+template <int NMAT, int BN, int KDIM, int NDIM, bool GATHER>
+__device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
+  constexpr int BK = 64, PITCH = BK + 8;  // halves; 36 words per row: fragment loads conflict-free
+  constexpr int WARPS_M = BM >= 32 ? 2 : 1, WARPS_N = 4 / WARPS_M;
+  constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N, MT = WTM / 16, NT = WTN / 8;
+  constexpr int A_CH = BM * BK / 4, A_PER = (A_CH + 127) / 128;
+  constexpr int BROWS = NMAT * BN, B_CH = BROWS * BK / CPV, B_PER = (B_CH + 127) / 128;
+  constexpr int KT = (KDIM + BK - 1) / BK;
+  __shared__ __align__(16) u16 As[BM * PITCH];
+  __shared__ __align__(16) u16 Bs[BROWS * PITCH];
+  __shared__ int rowsrc[BM];
+
+  const int* tiles = reinterpret_cast<const int*>(a.tiles);
+  const int tile = blockIdx.x;
+  if (tile >= tiles[0]) return;  // uniform over the block
+  const int e = tiles[1 + 3 * tile], r0 = tiles[2 + 3 * tile], rn = tiles[3 + 3 * tile];
+  const int n0 = blockIdx.y * BN;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / WARPS_N, wn = warp % WARPS_N, g = lane >> 2, t4 = lane & 3;
+  if (tid < BM)
+    rowsrc[tid] = tid < rn ? (GATHER ? reinterpret_cast<const int*>(a.pair_token)[r0 + tid] : r0 + tid) : -1;
+  __syncthreads();
+
+  const float* asrc = reinterpret_cast<const float*>(GATHER ? a.x : a.act);
+  const i64 astride = GATHER ? a.x_stride : i64(KDIM);
+  const unsigned char* wbase[NMAT];
+#if WKIND == 1
+  const unsigned char* sbase[NMAT];
+  const unsigned char* bbase[NMAT];
+#endif
+#pragma unroll
+  for (int m = 0; m < NMAT; ++m) {
+    wbase[m] = reinterpret_cast<const unsigned char*>(a.data[mat0 + m]) + i64(e) * i64(a.data_stride[mat0 + m]);
+#if WKIND == 1
+    sbase[m] = reinterpret_cast<const unsigned char*>(a.scales[mat0 + m]) + i64(e) * i64(a.scale_stride[mat0 + m]);
+    bbase[m] = reinterpret_cast<const unsigned char*>(a.biases[mat0 + m]) + i64(e) * i64(a.bias_stride[mat0 + m]);
+#endif
+  }
+
+  float4 ra[A_PER];
+  uint4 rb[B_PER];
+  float rs[B_PER], rz[B_PER];
+  auto load = [&](int kt) {
+#pragma unroll
+    for (int i = 0; i < A_PER; ++i) {
+      const int c = tid + 128 * i, row = c / (BK / 4), k = kt * BK + (c % (BK / 4)) * 4;
+      ra[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (c < A_CH && k < KDIM) {
+        const int src = rowsrc[row];
+        if (src >= 0) {
+#if ALIGNED
+          ra[i] = *reinterpret_cast<const float4*>(asrc + i64(src) * astride + k);
+#else
+          const float* p = asrc + i64(src) * astride + k;
+          ra[i] = make_float4(p[0], p[1], p[2], p[3]);
+#endif
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < B_PER; ++i) {
+      const int c = tid + 128 * i, row = c / (BK / CPV), k = kt * BK + (c % (BK / CPV)) * CPV;
+      const int m = row / BN, n = n0 + row % BN;
+      rb[i] = make_uint4(0, 0, 0, 0);
+      rs[i] = 0.f;
+      rz[i] = 0.f;
+      if (c < B_CH && n < NDIM && k < KDIM) {
+        // NMAT ≤ 2: select, not index (a dynamic index would put the pointer arrays in local memory)
+        const bool m1 = NMAT > 1 && m > 0;
+        rb[i] = moe_ld16((m1 ? wbase[NMAT - 1] : wbase[0]) + i64(n) * ROW_BYTES(KDIM) + VEC_BYTES_AT(k));
+#if WKIND == 1
+        const i64 gi = i64(n) * (KDIM / GROUP) + k / GROUP;
+        rs[i] = moe_scalar(m1 ? sbase[NMAT - 1] : sbase[0], gi);
+        rz[i] = moe_scalar(m1 ? bbase[NMAT - 1] : bbase[0], gi);
+#endif
+      }
+    }
+  };
+  auto store = [&]() {
+#pragma unroll
+    for (int i = 0; i < A_PER; ++i) {
+      const int c = tid + 128 * i, row = c / (BK / 4), col = (c % (BK / 4)) * 4;
+      if (c < A_CH)
+        *reinterpret_cast<uint2*>(&As[row * PITCH + col]) =
+            make_uint2(moe_half2(ra[i].x, ra[i].y), moe_half2(ra[i].z, ra[i].w));
+    }
+#pragma unroll
+    for (int i = 0; i < B_PER; ++i) {
+      const int c = tid + 128 * i, row = c / (BK / CPV), col = (c % (BK / CPV)) * CPV;
+      if (c < B_CH) {
+        float w[CPV];
+        moe_unpack(rb[i], w);
+        u32 h[CPV / 2];
+#pragma unroll
+        for (int j = 0; j < CPV / 2; ++j) {
+#if WKIND == 1
+          h[j] = moe_half2(fmaf(rs[i], w[2 * j], rz[i]), fmaf(rs[i], w[2 * j + 1], rz[i]));
+#else
+          h[j] = moe_half2(w[2 * j], w[2 * j + 1]);
+#endif
+        }
+#pragma unroll
+        for (int j = 0; j < CPV / 2; j += 2)
+          *reinterpret_cast<uint2*>(&Bs[row * PITCH + col + 2 * j]) = make_uint2(h[j], h[j + 1]);
+      }
+    }
+  };
+
+  float acc[NMAT][MT][NT][4];
+#pragma unroll
+  for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[m][i][j][q] = 0.f;
+
+  const u32* As32 = reinterpret_cast<const u32*>(As);
+  const u32* Bs32 = reinterpret_cast<const u32*>(Bs);
+  load(0);
+#pragma unroll 1
+  for (int kt = 0; kt < KT; ++kt) {
+    store();
+    __syncthreads();
+    if (kt + 1 < KT) load(kt + 1);  // in flight during this step's MMAs
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      u32 af[MT][4];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const int rb0 = wm * WTM + i * 16 + g, w0 = kk * 8 + t4;  // words: (row, col) -> row·36 + col/2
+        af[i][0] = As32[rb0 * (PITCH / 2) + w0];
+        af[i][1] = As32[(rb0 + 8) * (PITCH / 2) + w0];
+        af[i][2] = As32[rb0 * (PITCH / 2) + w0 + 4];
+        af[i][3] = As32[(rb0 + 8) * (PITCH / 2) + w0 + 4];
+      }
+#pragma unroll
+      for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const int nr = m * BN + wn * WTN + j * 8 + g, w0 = kk * 8 + t4;
+          const u32 bf[2] = {Bs32[nr * (PITCH / 2) + w0], Bs32[nr * (PITCH / 2) + w0 + 4]};
+#pragma unroll
+          for (int i = 0; i < MT; ++i) moe_mma16816(acc[m][i][j], af[i], bf);
+        }
+    }
+    __syncthreads();
+  }
+
+  // Epilogue: c0,c1 at (row g, cols 2·t4, 2·t4+1), c2,c3 at row g + 8.
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int hrow = 0; hrow < 2; ++hrow) {
+        const int row = wm * WTM + i * 16 + g + 8 * hrow, n = n0 + wn * WTN + j * 8 + 2 * t4;
+        if (row >= rn || n >= NDIM) continue;  // NDIM is even (a multiple of CPV)
+        float2 v;
+        if constexpr (NMAT == 2) {  // gate, up -> act = silu(gate) · up
+          v.x = silu(acc[0][i][j][2 * hrow]) * acc[NMAT - 1][i][j][2 * hrow];
+          v.y = silu(acc[0][i][j][2 * hrow + 1]) * acc[NMAT - 1][i][j][2 * hrow + 1];
+          *reinterpret_cast<float2*>(reinterpret_cast<float*>(a.act) + i64(r0 + row) * INTER + n) = v;
+        } else {
+          v.x = acc[0][i][j][2 * hrow];
+          v.y = acc[0][i][j][2 * hrow + 1];
+          *reinterpret_cast<float2*>(reinterpret_cast<float*>(a.y) + i64(r0 + row) * HID + n) = v;
+        }
+      }
+}
+
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_mma(const MoeArgs a) {
+  moe_mma_block<2, 64, HID, INTER, true>(a, 0);
+}
+
+extern "C" __global__ void __launch_bounds__(128) moe_down_mma(const MoeArgs a) {
+  moe_mma_block<1, 128, INTER, HID, false>(a, 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill 4: out[t] = Σ_s w[t,s] · y[pair_pos[t,s]] in (expert id, slot) order.
+
+extern "C" __global__ void __launch_bounds__(256) moe_expert_sum(const MoeArgs a) {
+  __shared__ int pos[TOPK], ord[TOPK], eid[TOPK];
+  __shared__ float ew[TOPK];
+  const int t = blockIdx.x, tid = threadIdx.x;
+  if (tid < TOPK) {
+    eid[tid] = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + tid];
+    ew[tid] = reinterpret_cast<const float*>(a.wts)[i64(t) * a.wts_stride + tid];
+    pos[tid] = reinterpret_cast<const int*>(a.pair_pos)[i64(t) * TOPK + tid];
+  }
+  __syncthreads();
+  if (tid < TOPK) {
+    int rank = 0;
+    for (int j = 0; j < TOPK; ++j) rank += eid[j] < eid[tid] || (eid[j] == eid[tid] && j < tid);
+    ord[rank] = tid;
+  }
+  __syncthreads();
+  const float* y = reinterpret_cast<const float*>(a.y);
+  float* out = reinterpret_cast<float*>(a.out) + i64(t) * a.out_stride;
+  for (int c = tid; c < HID; c += 256) {
+    float o = 0.f;
+    for (int j = 0; j < TOPK; ++j) {
+      const int s = ord[j], p = pos[s];
+      if (p >= 0) o += ew[s] * y[i64(p) * HID + c];
+    }
+    out[c] = o;
+  }
+}
+
+#endif  // MOE_PART 2
+
+// ================================================================================================
+#if MOE_PART == 3
+
+#ifndef VEC
+#define VEC 1
+#endif
+
+// The element ops: one row per blockIdx.y, VEC consecutive columns per thread.
+#if VEC == 4
+__device__ __forceinline__ float4 moe_swiglu4(float4 g, float4 u) {
+  return make_float4(silu(g.x) * u.x, silu(g.y) * u.y, silu(g.z) * u.z, silu(g.w) * u.w);
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(256)
+    swiglu(const float* __restrict__ gate, i64 gs, const float* __restrict__ up, i64 us, float* __restrict__ out,
+           i64 os, int cols) {
+  const i64 t = blockIdx.y;
+  const int c = (blockIdx.x * 256 + threadIdx.x) * VEC;
+  if (c >= cols) return;
+#if VEC == 4
+  const float4 g = *reinterpret_cast<const float4*>(gate + t * gs + c);
+  const float4 u = *reinterpret_cast<const float4*>(up + t * us + c);
+  *reinterpret_cast<float4*>(out + t * os + c) = moe_swiglu4(g, u);
+#else
+  out[t * os + c] = silu(gate[t * gs + c]) * up[t * us + c];
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    moe_combine(const float* __restrict__ routed, i64 rs, const float* __restrict__ shared, i64 ss,
+                const float* __restrict__ sg, i64 gs, float* h, i64 hs, int cols) {
+  const i64 t = blockIdx.y;
+  const int c = (blockIdx.x * 256 + threadIdx.x) * VEC;
+  if (c >= cols) return;
+  const float g = sigmoid(sg[t * gs]);
+#if VEC == 4
+  const float4 r = *reinterpret_cast<const float4*>(routed + t * rs + c);
+  const float4 s = *reinterpret_cast<const float4*>(shared + t * ss + c);
+  float4 v = *reinterpret_cast<const float4*>(h + t * hs + c);
+  v.x += r.x + g * s.x;
+  v.y += r.y + g * s.y;
+  v.z += r.z + g * s.z;
+  v.w += r.w + g * s.w;
+  *reinterpret_cast<float4*>(h + t * hs + c) = v;
+#else
+  h[t * hs + c] += routed[t * rs + c] + g * shared[t * ss + c];
+#endif
+}
+
+#endif  // MOE_PART 3

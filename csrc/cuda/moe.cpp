@@ -1,0 +1,312 @@
+// Host encoders of the MoE family (MODEL.md section 6): moe_route, moe_experts (decode: two grouped GEMV
+// launches; prefill: device-side grouping + two grouped tensor-core GEMMs + a fixed-order combine),
+// swiglu and moe_combine. Kernels and their geometry: csrc/cuda/kernels/moe.cu; oracle: csrc/cpu/moe.cpp;
+// test: tests/cuda/test_moe.py. Every choice below is made by select_experts / select_elementwise, whose
+// result is what is launched and what note_variant reports.
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "cuda/backend.h"
+#include "model/config.h"
+
+namespace lily::cuda {
+
+namespace {
+
+// Must match struct MoeArgs in kernels/moe.cu (MOE_PART 2).
+struct MoeArgs {
+  uint64_t x;
+  int64_t x_stride;
+  uint64_t ids;
+  int64_t ids_stride;
+  uint64_t wts;
+  int64_t wts_stride;
+  uint64_t out;
+  int64_t out_stride;
+  uint64_t data[3], scales[3], biases[3];
+  uint64_t data_stride[3], scale_stride[3], bias_stride[3];
+  uint64_t act, y, tiles, pair_token, pair_pos;
+  int32_t T, k, max_tiles, pad;
+};
+static_assert(sizeof(MoeArgs) == 8 * 8 + 18 * 8 + 5 * 8 + 16, "must match struct MoeArgs in kernels/moe.cu");
+
+constexpr int64_t kMaxExperts = 512;  // moe_route keeps 16 logits per lane; moe_group's tables are [32][E]
+constexpr int64_t kMaxTopk = 16;
+constexpr int kDecodeRowsDown = 8;    // ROWS_D: output rows per moe_down_decode block
+constexpr int kMmaBlockN = 64;        // moe_gate_up_mma columns of gate (and of up) per block
+constexpr int kMmaBlockNDown = 128;   // moe_down_mma columns per block
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+// Tiles of the prefill tile map: Σ_e ⌈n_e / bm⌉ ≤ ⌈P / bm⌉ + (number of experts hit) for P = T·k pairs.
+int64_t max_tiles(int64_t T, int64_t k, int64_t E, int bm) {
+  const int64_t P = T * k;
+  return (P + bm - 1) / bm + std::min(E, P);
+}
+
+// Workspace carve-up (byte offsets from the workspace start, each 256-byte aligned).
+struct Layout {
+  size_t act = 0, y = 0, tiles = 0, pair_token = 0, pair_pos = 0, total = 0;
+};
+Layout layout(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
+  const size_t P = size_t(T * k);
+  Layout l;
+  l.act = 0;
+  l.y = l.act + align256(P * size_t(I) * 4);
+  l.tiles = l.y + align256(P * size_t(H) * 4);
+  l.pair_token = l.tiles + align256(size_t(1 + 3 * max_tiles(T, k, E, 16)) * 4);  // bm = 16: the most tiles
+  l.pair_pos = l.pair_token + align256(P * 4);
+  l.total = l.pair_pos + align256(P * 4);
+  return l;
+}
+
+int codes_per_vector(const WeightFormat& w) {
+  if (w.quantized()) return 128 / w.bits;
+  return w.dtype == DType::F32 ? 4 : 8;
+}
+
+int next_pow2(int64_t n) {
+  int p = 1;
+  while (p < n && p < 32) p <<= 1;
+  return p;
+}
+
+bool same_format(const WeightFormat& a, const WeightFormat& b) {
+  return a.kind == b.kind && a.dtype == b.dtype && a.bits == b.bits && a.group == b.group &&
+         (!a.quantized() || a.scale_dtype == b.scale_dtype);
+}
+
+std::string shape_text(const Weight& gate) {
+  return "E " + std::to_string(gate.experts) + ", H " + std::to_string(gate.cols) + ", inter " +
+         std::to_string(gate.rows) + ", " + gate.describe();
+}
+
+struct ExpertsVariant {
+  Defines defines;
+  std::string text;  // for note_variant
+  int rows_g = 1, bm = 16;
+};
+
+}  // namespace
+
+size_t moe_workspace_bytes(const ModelConfig& c, int64_t rows) {
+  if (rows <= 0 || c.experts <= 0) return 0;
+  return layout(rows, c.topk, c.experts, c.hidden, c.moe_inter).total;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// moe_route
+
+void CudaOps::moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids,
+                             const Tensor& weights) {
+  (void)ws;  // the router needs no scratch on the GPU (everything stays in one warp's registers)
+  const int64_t T = logits.rows, E = logits.cols;
+  if (logits.dtype != DType::F32 || ids.dtype != DType::I32 || weights.dtype != DType::F32)
+    throw std::invalid_argument("moe_route (cuda): logits and weights must be f32, ids i32");
+  if (E < 1 || E > kMaxExperts || k < 1 || k > std::min(E, kMaxTopk))
+    throw std::invalid_argument("moe_route (cuda): " + std::to_string(E) + " experts, top-" + std::to_string(k) +
+                                " (supported: E ≤ 512, 1 ≤ k ≤ min(E, 16))");
+  if (ids.rows != T || weights.rows != T || ids.cols != k || weights.cols != k)
+    throw std::invalid_argument("moe_route (cuda): ids and weights must be [T, k]");
+  if (T == 0) return;
+  const Kernel& kr = kernel("moe", "moe_route", {{"MOE_PART", 1}, {"NEXP", E}, {"TOPK", k}});
+  note_variant("moe.route", "moe_route: one warp per token, " + std::to_string((E + 31) / 32) +
+                                " logits per lane in registers, " + std::to_string(k) + " warp arg-max rounds");
+  launch(kr, Dim3{unsigned((T + 3) / 4), 1, 1}, Dim3{128, 1, 1}, 0, ptr(logits), int64_t(logits.stride), int(T),
+         ptr(ids), int64_t(ids.stride), ptr(weights), int64_t(weights.stride));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// moe_experts
+
+namespace {
+
+// The kernels' constants for this weight format, shape and phase (and whether 16-byte loads are legal).
+ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned) {
+  const int64_t E = gate.experts, H = gate.cols, I = gate.rows;
+  const int cpv = codes_per_vector(gate);
+  ExpertsVariant v;
+  const int64_t nit = (H / cpv + 31) / 32;  // 16-byte vectors per lane per gate/up row
+  v.rows_g = int(std::max<int64_t>(1, std::min<int64_t>(4, 4 / nit)));
+  const int lpr = next_pow2(I / cpv);
+  // Expected rows per expert T·k/E: ≥ 32 fills 64-row tiles; below, 16-row tiles waste less.
+  v.bm = phase == Phase::Prefill && T * k >= 32 * E ? 64 : 16;
+  v.defines = {{"MOE_PART", 2},
+               {"WKIND", gate.quantized() ? 1 : 0},
+               {"WDT", int64_t(gate.dtype)},
+               {"BITS", gate.quantized() ? gate.bits : 0},
+               {"GROUP", gate.quantized() ? gate.group : 0},
+               {"SDT", int64_t(gate.scale_dtype)},
+               {"ALIGNED", aligned ? 1 : 0},
+               {"NEXP", E},
+               {"TOPK", k},
+               {"HID", H},
+               {"INTER", I},
+               {"ROWS_G", v.rows_g},
+               {"ROWS_D", kDecodeRowsDown},
+               {"LPR", lpr},
+               {"BM", v.bm}};
+  const std::string fmt = gate.describe() + (aligned ? ", 16-byte loads" : ", byte loads (unaligned weights)");
+  if (phase == Phase::Decode)
+    v.text = "moe_gate_up_decode (" + std::to_string(v.rows_g) + " gate+up rows per warp) + moe_down_decode (" +
+             std::to_string(lpr) + " lanes per expert row, " + std::to_string(kDecodeRowsDown) +
+             " rows per block), " + fmt;
+  else
+    v.text = "moe_group + moe_gate_up_mma / moe_down_mma (mma.sync m16n8k16 f16, " + std::to_string(v.bm) +
+             "-row tiles" + (v.bm == 64 ? ", T·k/E ≥ 32" : ", T·k/E < 32") +
+             ", weights dequantized in shared memory) + moe_expert_sum, " + fmt;
+  return v;
+}
+
+bool aligned16(uint64_t v) { return v % 16 == 0; }
+
+}  // namespace
+
+void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
+                               const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) {
+  const int64_t T = x.rows, H = x.cols, k = ids.cols, E = gate.experts, I = gate.rows;
+  const std::string what = "moe_experts (cuda, " + shape_text(gate) + ")";
+  if (x.dtype != DType::F32 || out.dtype != DType::F32 || weights.dtype != DType::F32 || ids.dtype != DType::I32)
+    throw std::invalid_argument(what + ": x, weights and out must be f32, ids i32");
+  if (E < 1 || E > kMaxExperts || up.experts != E || down.experts != E)
+    throw std::invalid_argument(what + ": gate, up and down must stack the same 1..512 experts");
+  if (k < 1 || k > kMaxTopk || weights.cols != k || ids.rows != T || weights.rows != T)
+    throw std::invalid_argument(what + ": ids and weights must be [T, k] with 1 ≤ k ≤ 16");
+  if (gate.cols != H || up.cols != H || up.rows != I || down.rows != H || down.cols != I || out.cols != H ||
+      out.rows != T)
+    throw std::invalid_argument(what + ": gate/up must be [E, inter, H], down [E, H, inter], out [T, H]");
+  if (!same_format(gate, up) || !same_format(gate, down))
+    throw std::invalid_argument(what + ": gate, up and down must share one format (" + gate.describe() + ", " +
+                                up.describe() + ", " + down.describe() + ")");
+  const int cpv = codes_per_vector(gate);
+  if (gate.quantized() && ((gate.bits != 4 && gate.bits != 8) || gate.group <= 0 || gate.group % cpv != 0 ||
+                           H % gate.group != 0 || I % gate.group != 0))
+    throw std::invalid_argument(what + ": affine weights need bits 4 or 8 and a group that is a multiple of " +
+                                std::to_string(cpv) + " dividing H and inter");
+  if (H % cpv != 0 || I % cpv != 0)
+    throw std::invalid_argument(what + ": H and inter must be multiples of " + std::to_string(cpv) +
+                                " (one 16-byte weight vector)");
+  const Layout L = layout(T, k, E, H, I);
+  if (ws.bytes() < L.total)
+    throw std::invalid_argument(what + ": workspace too small for moe_experts (" + std::to_string(ws.bytes()) +
+                                " < " + std::to_string(L.total) + " bytes)");
+  if (T == 0) return;
+
+  MoeArgs a{};
+  a.x = ptr(x);
+  a.x_stride = x.stride;
+  a.ids = ptr(ids);
+  a.ids_stride = ids.stride;
+  a.wts = ptr(weights);
+  a.wts_stride = weights.stride;
+  a.out = ptr(out);
+  a.out_stride = out.stride;
+  const Weight* mats[3] = {&gate, &up, &down};
+  // The workspace carve-up is 256-byte aligned from the workspace start; the kernels' float2/float4
+  // workspace accesses need that start 16-byte aligned (a backend allocation always is).
+  if (!aligned16(ptr(ws))) throw std::invalid_argument(what + ": workspace not 16-byte aligned");
+  bool aligned = aligned16(a.x) && x.stride % 4 == 0;
+  const size_t sbytes = dtype_size(gate.scale_dtype);
+  for (int m = 0; m < 3; ++m) {
+    const Weight& w = *mats[m];
+    a.data[m] = data(w);
+    a.data_stride[m] = w.data_stride;
+    aligned = aligned && aligned16(a.data[m]) && aligned16(w.data_stride) && aligned16(w.row_bytes());
+    if (w.quantized()) {
+      a.scales[m] = scales(w);
+      a.biases[m] = biases(w);
+      a.scale_stride[m] = w.scale_stride;
+      a.bias_stride[m] = w.bias_stride;
+      aligned = aligned && a.scales[m] % sbytes == 0 && a.biases[m] % sbytes == 0 && w.scale_stride % sbytes == 0 &&
+                w.bias_stride % sbytes == 0;
+    }
+  }
+  const CUdeviceptr base = ptr(ws);
+  a.act = base + L.act;
+  a.y = base + L.y;
+  a.tiles = base + L.tiles;
+  a.pair_token = base + L.pair_token;
+  a.pair_pos = base + L.pair_pos;
+  a.T = int32_t(T);
+  a.k = int32_t(k);
+
+  const Phase ph = phase();
+  const ExpertsVariant v = select_experts(gate, T, k, ph, aligned);
+  if (ph == Phase::Decode) {
+    note_variant("moe.experts.decode", v.text);
+    const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
+    const Kernel& k2 = kernel("moe", "moe_down_decode", v.defines);
+    // Dynamic shared memory: x (⌈H/4⌉ float4 padded to 8) and the k act rows (⌈I/4⌉ padded to 8 each).
+    const int smem1 = int((H / 4 + 7) / 8 * 8 * 16), smem2 = int(k * ((I / 4 + 7) / 8 * 8) * 16);
+    if (smem1 > 48 * 1024) set_dynamic_smem(k1, smem1);
+    if (smem2 > 48 * 1024) set_dynamic_smem(k2, smem2);
+    if (T * k > 65535) throw std::invalid_argument(what + ": decode supports T·k ≤ 65535");
+    launch(k1, Dim3{unsigned((I + 8 * v.rows_g - 1) / (8 * v.rows_g)), unsigned(T * k), 1}, Dim3{256, 1, 1},
+           uint32_t(smem1), a);
+    launch(k2, Dim3{unsigned((H + kDecodeRowsDown - 1) / kDecodeRowsDown), unsigned(T), 1}, Dim3{256, 1, 1},
+           uint32_t(smem2), a);
+    return;
+  }
+  note_variant("moe.experts.prefill", v.text);
+  a.max_tiles = int32_t(max_tiles(T, k, E, v.bm));
+  const Kernel& kg = kernel("moe", "moe_group", v.defines);
+  const Kernel& k1 = kernel("moe", "moe_gate_up_mma", v.defines);
+  const Kernel& k2 = kernel("moe", "moe_down_mma", v.defines);
+  const Kernel& k3 = kernel("moe", "moe_expert_sum", v.defines);
+  launch(kg, Dim3{1, 1, 1}, Dim3{1024, 1, 1}, 0, a);
+  launch(k1, Dim3{unsigned(a.max_tiles), unsigned((I + kMmaBlockN - 1) / kMmaBlockN), 1}, Dim3{128, 1, 1}, 0, a);
+  launch(k2, Dim3{unsigned(a.max_tiles), unsigned((H + kMmaBlockNDown - 1) / kMmaBlockNDown), 1}, Dim3{128, 1, 1},
+         0, a);
+  launch(k3, Dim3{unsigned(T), 1, 1}, Dim3{256, 1, 1}, 0, a);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// swiglu, moe_combine
+
+namespace {
+
+bool vec4(const std::initializer_list<std::pair<CUdeviceptr, int64_t>>& views, int64_t cols) {
+  if (cols % 4 != 0) return false;
+  for (const auto& [p, stride] : views)
+    if (p % 16 != 0 || stride % 4 != 0) return false;
+  return true;
+}
+
+}  // namespace
+
+void CudaOps::swiglu_impl(const Tensor& gate, const Tensor& up, const Tensor& out) {
+  const int64_t T = out.rows, C = out.cols;
+  if (gate.dtype != DType::F32 || up.dtype != DType::F32 || out.dtype != DType::F32 || gate.rows != T ||
+      up.rows != T || gate.cols != C || up.cols != C)
+    throw std::invalid_argument("swiglu (cuda): gate, up and out must be f32 of one shape");
+  if (T > 65535) throw std::invalid_argument("swiglu (cuda): at most 65535 rows");
+  if (T == 0 || C == 0) return;
+  const int vec = vec4({{ptr(gate), gate.stride}, {ptr(up), up.stride}, {ptr(out), out.stride}}, C) ? 4 : 1;
+  const Kernel& kr = kernel("moe", "swiglu", {{"MOE_PART", 3}, {"VEC", vec}});
+  note_variant("moe.swiglu", vec == 4 ? "swiglu: float4" : "swiglu: scalar (unaligned view)");
+  launch(kr, Dim3{unsigned((C + 256 * vec - 1) / (256 * vec)), unsigned(T), 1}, Dim3{256, 1, 1}, 0, ptr(gate),
+         int64_t(gate.stride), ptr(up), int64_t(up.stride), ptr(out), int64_t(out.stride), int(C));
+}
+
+void CudaOps::moe_combine_impl(const Tensor& routed, const Tensor& shared, const Tensor& sg, const Tensor& h) {
+  const int64_t T = h.rows, C = h.cols;
+  if (routed.dtype != DType::F32 || shared.dtype != DType::F32 || sg.dtype != DType::F32 ||
+      h.dtype != DType::F32 || routed.rows != T || shared.rows != T || sg.rows != T || routed.cols != C ||
+      shared.cols != C || sg.cols < 1)
+    throw std::invalid_argument("moe_combine (cuda): routed, shared, h f32 [T, C], shared_gate_logit f32 [T, 1]");
+  if (T > 65535) throw std::invalid_argument("moe_combine (cuda): at most 65535 rows");
+  if (T == 0 || C == 0) return;
+  const int vec =
+      vec4({{ptr(routed), routed.stride}, {ptr(shared), shared.stride}, {ptr(h), h.stride}}, C) ? 4 : 1;
+  const Kernel& kr = kernel("moe", "moe_combine", {{"MOE_PART", 3}, {"VEC", vec}});
+  note_variant("moe.combine", vec == 4 ? "moe_combine: float4" : "moe_combine: scalar (unaligned view)");
+  launch(kr, Dim3{unsigned((C + 256 * vec - 1) / (256 * vec)), unsigned(T), 1}, Dim3{256, 1, 1}, 0, ptr(routed),
+         int64_t(routed.stride), ptr(shared), int64_t(shared.stride), ptr(sg), int64_t(sg.stride), ptr(h),
+         int64_t(h.stride), int(C));
+}
+
+}  // namespace lily::cuda

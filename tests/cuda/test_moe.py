@@ -1,0 +1,273 @@
+"""The CUDA MoE family (csrc/cuda/kernels/moe.cu) against the CPU oracle (csrc/cpu/moe.cpp) through OpBench.
+
+moe_route: ids must equal the CPU's exactly (random logits, and logits with exact ties, which both break
+toward the lower id); the weights within 1e-6 (the GPU's softmax sum is a warp tree and its expf is within
+2 ulp of libm's, so p differs by a few ulp). moe_experts, decode: fp32 throughout, in another order than
+the CPU (per 32-input half-group partials, warp trees): 1e-5 relative (‖gpu − cpu‖ / ‖cpu‖). Prefill runs
+on tensor cores with x, act and the dequantized weights rounded to f16 (unit roundoff 2^-11, two
+roundings per product per GEMM): expected ~1e-3, asserted ≤ 3e-3, and > 1e-6 (a prefill that matches the
+fp32 CPU that closely is not running the tensor-core path this test is for). Prefill is also checked bit
+for bit independent of T and of the tile size (the T = 7 call equals the first rows of a T = 80 call):
+each output element accumulates its K steps in one order whatever the tiles.
+Outputs live in poisoned tensors with a guard row on each side that must stay NaN.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import lily._core as core
+from conftest import rel_err, requires_cuda
+
+pytestmark = requires_cuda
+
+REAL = dict(E=256, k=8, H=2048, I=512)
+
+
+def config(E: int, k: int, H: int, I: int) -> dict:
+    """ModelConfig.to_core() of Qwen3.6-35B-A3B with the MoE dims replaced (and a small vocab/depth)."""
+    return {
+        "hidden": H, "layers": 4, "vocab": 1024, "eps": 1e-6, "heads": 16, "kv_heads": 2, "head_dim": 256,
+        "rotary_dim": 64, "rope_theta": 1e7, "lin_k_heads": 16, "lin_v_heads": 32, "lin_k_dim": 128,
+        "lin_v_dim": 128, "conv_kernel": 4, "experts": E, "topk": k, "moe_inter": I, "shared_inter": I,
+        "full_attention": [False, False, False, True],
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------------
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def stored(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bf16":
+        return bf16_bits(a)
+    if dtype == "f16":
+        return a.astype(np.float16)
+    return a.astype(np.float32)
+
+
+def stacked(rng, spec: str, E: int, n: int, k: int) -> dict:
+    """E matrices [n, k] back to back. spec 'q4g64-bf16' (MLX affine: random uint32 words = random codes,
+    scales of both signs, biases) or 'bf16' / 'f16' / 'f32' dense."""
+    if spec.startswith("q"):
+        q, sd = spec.split("-")
+        bits, group = (int(v) for v in q[1:].split("g"))
+        words = rng.integers(0, 2**32, size=(E * n, k * bits // 32), dtype=np.uint32)
+        ng = k // group
+        scales = rng.uniform(0.002, 0.03, size=(E * n, ng)) * rng.choice([-1.0, 1.0], size=(E * n, ng))
+        biases = rng.normal(0.0, 0.1, size=(E * n, ng))
+        return {"kind": "affine", "bits": bits, "group": group, "scale_dtype": sd, "shape": (n, k),
+                "experts": E, "data": words, "scales": stored(scales, sd), "biases": stored(biases, sd)}
+    data = stored(rng.normal(0.0, 0.1, size=(E * n, k)), spec)
+    return {"kind": "dense", "dtype": spec, "shape": (n, k), "experts": E, "data": data}
+
+
+def signed(rng, t: int, n: int, lo: float = 0.1, hi: float = 1.0) -> np.ndarray:
+    """Bounded away from zero, both signs (zeros hide lane and permutation mistakes)."""
+    return (rng.uniform(lo, hi, size=(t, n)) * rng.choice([-1.0, 1.0], size=(t, n))).astype(np.float32)
+
+
+def routing(rng, T: int, E: int, k: int):
+    """ids: k distinct experts per token; expert 1 in every token, expert 0 in none (when E > k + 1)."""
+    ids = np.empty((T, k), dtype=np.int32)
+    for t in range(T):
+        if E > k + 1:
+            rest = rng.permutation(np.arange(2, E))[: k - 1]
+            row = np.concatenate([[1], rest])
+        else:
+            row = rng.permutation(E)[:k]
+        ids[t] = rng.permutation(row)
+    w = rng.uniform(0.05, 1.0, size=(T, k))
+    return ids, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# moe_route
+# ------------------------------------------------------------------------------------------------
+
+
+def run_route(benches, logits: np.ndarray, k: int, E: int):
+    T = logits.shape[0]
+    res = []
+    for b in benches:
+        ids, w = b.empty(T + 2, k, "i32"), b.empty(T + 2, k)
+        b.run("moe_route", phase="prefill" if T > 1 else "decode", logits=b.tensor(logits), k=k,
+              ws=b.workspace(config(E, k, 2048, 512), T, 16), ids=b.view(ids, 1, T), weights=b.view(w, 1, T))
+        res.append((b.read(ids), b.read(w)))
+    (ci, cw), (gi, gw) = res
+    assert (gi[0] == 0x7F7F7F7F).all() and (gi[-1] == 0x7F7F7F7F).all(), "moe_route wrote outside its view"
+    assert np.isnan(gw[0]).all() and np.isnan(gw[-1]).all(), "moe_route wrote outside its view"
+    return ci[1:-1], cw[1:-1], gi[1:-1], gw[1:-1]
+
+
+@pytest.mark.parametrize("E,k", [(256, 8), (12, 3), (512, 16)])
+@pytest.mark.parametrize("T", [1, 7, 130])
+def test_route_random(benches, E, k, T):
+    rng = np.random.default_rng(E * 1000 + T)
+    # Distinct logits at least 0.6 grid steps apart (a random permutation of a jittered grid over [-6, 6]):
+    # well posed, since adjacent probabilities then differ by ≥ 1.4 %, far above the GPU's few ulp in p.
+    step = 12.0 / (E - 1)
+    grid = np.linspace(-6.0, 6.0, E) + rng.uniform(-0.2, 0.2, size=(T, E)) * step
+    logits = np.stack([rng.permutation(row) for row in grid]).astype(np.float32)
+    ci, cw, gi, gw = run_route(benches, logits, k, E)
+    np.testing.assert_array_equal(gi, ci, err_msg="moe_route ids differ from the CPU")
+    assert rel_err(gw, cw) < 2e-6, "moe_route weights beyond fp32 rounding of the CPU's"
+    np.testing.assert_allclose(gw.sum(axis=1), 1.0, atol=1e-6, err_msg="weights not renormalised (§12.13)")
+
+
+@pytest.mark.parametrize("E,k", [(256, 8), (12, 3)])
+@pytest.mark.parametrize("T", [1, 7, 130])
+def test_route_exact_ties(benches, E, k, T):
+    """Logits on a coarse grid: many exact ties across the top-k boundary and inside the top k. Both
+    backends break them toward the lower id and list the slots in the same order."""
+    rng = np.random.default_rng(7 * E + T)
+    logits = (rng.integers(0, 5, size=(T, E)) * 0.5).astype(np.float32)
+    logits[:, E // 2] = logits[:, 3]  # at least one tie pair in every row
+    ci, cw, gi, gw = run_route(benches, logits, k, E)
+    np.testing.assert_array_equal(gi, ci, err_msg="moe_route tie order differs from the CPU")
+    assert rel_err(gw, cw) < 2e-6
+
+
+# ------------------------------------------------------------------------------------------------
+# moe_experts
+# ------------------------------------------------------------------------------------------------
+
+
+_WEIGHTS: dict = {}
+
+
+def weights_for(benches, spec: str, E: int, k: int, H: int, I: int):
+    """Stacked gate, up [E, I, H] and down [E, H, I], registered once per bench pair and case (the real
+    q4 stack is 453 MB; the module's benches keep what they registered)."""
+    key = (id(benches), spec, E, k, H, I)
+    if key not in _WEIGHTS:
+        rng = np.random.default_rng(zlib.crc32(f"{spec} {E} {H} {I}".encode()))
+        descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
+        _WEIGHTS[key] = [tuple(b.weight(d) for d in descs) for b in benches]
+    return _WEIGHTS[key]
+
+
+def run_experts(benches, handles, phase: str, x, ids, w, E, k, H, I):
+    T = x.shape[0]
+    outs = []
+    for b, (g, u, d) in zip(benches, handles):
+        out = b.empty(T + 2, H)
+        b.run("moe_experts", phase=phase, x=b.tensor(x), ids=b.tensor(ids, "i32"), weights=b.tensor(w),
+              gate=g, up=u, down=d, ws=b.workspace(config(E, k, H, I), T, 16), out=b.view(out, 1, T))
+        outs.append(b.read(out))
+    cpu, gpu = outs
+    assert np.isnan(gpu[0]).all() and np.isnan(gpu[-1]).all(), "moe_experts wrote outside its view"
+    assert np.isfinite(gpu[1:-1]).all(), "moe_experts left outputs unwritten (NaN poison) or overflowed"
+    return cpu[1:-1], gpu[1:-1]
+
+
+def token_inputs(seed: int, E: int, k: int, H: int, T: int):
+    rng = np.random.default_rng(seed)
+    ids, w = routing(rng, T, E, k)
+    return signed(rng, T, H), ids, w
+
+
+EXPERT_CASES = [
+    # (spec, E, k, H, I): the real shapes (MLX q4g64 bf16 scales; bf16 HF weights with fewer experts to
+    # keep the stack small), then awkward ones: inter 96 (not a multiple of the 64-wide tiles), H 192
+    # (6 q4 vectors per row: fewer than the 32 lanes), 8-bit codes with f16 scales, group 32 f32 scales.
+    ("q4g64-bf16", 256, 8, 2048, 512),
+    ("bf16", 32, 8, 2048, 512),
+    ("q4g64-bf16", 5, 2, 192, 96),
+    ("bf16", 5, 2, 192, 96),
+    ("q8g64-f16", 5, 2, 192, 96),
+    ("q4g32-f32", 12, 3, 256, 160),
+]
+
+
+@pytest.mark.parametrize("spec,E,k,H,I", EXPERT_CASES)
+def test_experts_decode(benches, spec, E, k, H, I):
+    handles = weights_for(benches, spec, E, k, H, I)
+    for T in (1, 2):
+        x, ids, w = token_inputs(11 + T, E, k, H, T)
+        cpu, gpu = run_experts(benches, handles, "decode", x, ids, w, E, k, H, I)
+        err = rel_err(gpu, cpu)
+        assert err < 1e-5, f"decode {spec} E={E} H={H} I={I} T={T}: relative error {err:.3g} (fp32 path)"
+
+
+@pytest.mark.parametrize("spec,E,k,H,I", EXPERT_CASES)
+def test_experts_prefill(benches, spec, E, k, H, I):
+    handles = weights_for(benches, spec, E, k, H, I)
+    for T in (1, 2, 33, 130):
+        x, ids, w = token_inputs(23 + T, E, k, H, T)
+        cpu, gpu = run_experts(benches, handles, "prefill", x, ids, w, E, k, H, I)
+        err = rel_err(gpu, cpu)
+        assert err < 3e-3, f"prefill {spec} E={E} H={H} I={I} T={T}: relative error {err:.3g} (f16 MMA)"
+        assert err > 1e-6, f"prefill {spec} T={T}: {err:.3g}, too close for f16 operands (not the MMA path?)"
+
+
+def test_experts_prefill_tiles_and_T(benches):
+    """T·k/E ≥ 32 selects 64-row tiles (q4, real H and inter, 16 experts, 80 tokens: 40 rows per expert),
+    T = 7 16-row tiles. A token's output must not depend on the other tokens of the call or the tile size
+    (chunked prefill equals one prefill bit for bit): the T = 7 call equals the first 7 rows of T = 80."""
+    E, k, H, I = 16, 8, 2048, 512
+    handles = weights_for(benches, "q4g64-bf16", E, k, H, I)
+    x, ids, w = token_inputs(5, E, k, H, 80)
+    cpu, full = run_experts(benches, handles, "prefill", x, ids, w, E, k, H, I)
+    assert rel_err(full, cpu) < 3e-3
+    assert "64-row tiles" in str(benches[1].report())
+    _, part = run_experts(benches, handles, "prefill", x[:7], ids[:7], w[:7], E, k, H, I)
+    assert "16-row tiles" in str(benches[1].report())
+    np.testing.assert_array_equal(part.view(np.uint32), full[:7].view(np.uint32))
+
+
+def test_experts_variants_reported(benches):
+    E, k, H, I = 5, 2, 192, 96
+    handles = weights_for(benches, "q4g64-bf16", E, k, H, I)
+    x, ids, w = token_inputs(9, E, k, H, 1)
+    run_experts(benches, handles, "decode", x, ids, w, E, k, H, I)
+    run_experts(benches, handles, "prefill", x, ids, w, E, k, H, I)
+    rep = str(benches[1].report())
+    assert "moe_gate_up_decode" in rep and "moe_down_decode" in rep, rep
+    assert "moe_gate_up_mma" in rep and "16-byte loads" in rep, rep
+
+
+# ------------------------------------------------------------------------------------------------
+# swiglu, moe_combine
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,C", [(1, 512), (7, 96), (130, 2048), (3, 37)])
+def test_swiglu(benches, T, C):
+    rng = np.random.default_rng(T * C)
+    g, u = signed(rng, T + 1, C, 0.1, 6.0), signed(rng, T + 1, C)
+    res = []
+    for b in benches:
+        out = b.empty(T + 2, C)
+        # Views one row in: C = 37 also leaves the rows unaligned for float4 (the scalar variant).
+        b.run("swiglu", gate=b.view(b.tensor(g), 1, T), up=b.view(b.tensor(u), 1, T), out=b.view(out, 1, T))
+        res.append(b.read(out))
+    cpu, gpu = res
+    assert np.isnan(gpu[0]).all() and np.isnan(gpu[-1]).all()
+    assert rel_err(gpu[1:-1], cpu[1:-1]) < 1e-6, "swiglu beyond expf's few-ulp difference"
+
+
+@pytest.mark.parametrize("T,C", [(1, 2048), (7, 96), (130, 2048), (3, 37)])
+def test_moe_combine(benches, T, C):
+    rng = np.random.default_rng(T + C)
+    r, s, h0 = signed(rng, T, C), signed(rng, T, C), signed(rng, T + 2, C)
+    sg = rng.normal(0.0, 2.0, size=(T, 1)).astype(np.float32)
+    res = []
+    for b in benches:
+        h = b.tensor(h0)
+        b.run("moe_combine", routed=b.tensor(r), shared=b.tensor(s), shared_gate_logit=b.tensor(sg),
+              h=b.view(h, 1, T))
+        res.append(b.read(h))
+    cpu, gpu = res
+    np.testing.assert_array_equal(gpu[0], h0[0])
+    np.testing.assert_array_equal(gpu[-1], h0[-1])
+    assert rel_err(gpu, cpu) < 1e-6
