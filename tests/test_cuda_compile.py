@@ -43,12 +43,20 @@ def checkpoints(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cuda_cache"))
+
+
+def _dry_engine(path, arch, cache):
+    return lily.Engine(lily.engine.load_checkpoint(path), backend="cuda", prefill_chunk=16,
+                       backend_options={"dry_arch": arch, "cache_dir": cache})
+
+
 @pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("name", ["mlx4", "mlx8", "hf_bf16"])
-def test_model_compiles_dry(checkpoints, name, arch, tmp_path):
-    e = lily.Engine(lily.engine.load_checkpoint(checkpoints[name]), backend="cuda",
-                    prefill_chunk=16, backend_options={"dry_arch": arch, "cache_dir": str(tmp_path)})
-    with e:
+def test_model_compiles_dry(checkpoints, name, arch, cache):
+    with _dry_engine(checkpoints[name], arch, cache) as e:
         for kv in ("f32",):
             s = e.session(max_context=256)
             s.prefill(list(range(40)))        # chunks of 16 and a tail of 8: prefill kernels
@@ -64,6 +72,28 @@ def test_model_compiles_dry(checkpoints, name, arch, tmp_path):
         assert r["graphs"]["launches_per_decode_step"] > 0
 
 
+def test_disk_cache_serves_a_second_load(checkpoints, tmp_path):
+    """The first load compiles every module and writes the cache; the next load compiles nothing."""
+    counts = []
+    for _ in range(2):
+        with _dry_engine(checkpoints["mlx4"], 90, str(tmp_path)) as e:
+            s = e.session(max_context=64)
+            s.prefill(list(range(20)))
+            s.step(1)
+            counts.append(e.report()["cuda"]["compile"])
+    assert counts[0]["compiled"] == counts[0]["modules"] > 0 and counts[0]["cache_hits"] == 0
+    assert counts[1]["compiled"] == 0 and counts[1]["cache_hits"] == counts[0]["modules"]
+    files = list(tmp_path.rglob("*.cubin"))
+    assert len(files) == counts[0]["modules"]
+    # A damaged cache file is a miss (recompiled and rewritten), never a wrong kernel.
+    files[0].write_bytes(files[0].read_bytes()[:100])
+    with _dry_engine(checkpoints["mlx4"], 90, str(tmp_path)) as e:
+        s = e.session(max_context=64)
+        s.prefill(list(range(20)))
+        s.step(1)
+        assert e.report()["cuda"]["compile"]["compiled"] == 1
+
+
 def _zeros_weight(rows, cols, fmt, experts=0):
     n = max(experts, 1)
     if fmt == "bf16":
@@ -77,12 +107,12 @@ def _zeros_weight(rows, cols, fmt, experts=0):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_full_model_shapes_compile_dry(arch, tmp_path):
+def test_full_model_shapes_compile_dry(arch, cache):
     """The real model's op shapes (dry: zero-filled host arrays are only registered, never read)."""
     c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
                                           source="FULL_CONFIG").to_core()
     H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
-    bench = core.OpBench("cuda", {"dry_arch": arch, "cache_dir": str(tmp_path)})
+    bench = core.OpBench("cuda", {"dry_arch": arch, "cache_dir": cache})
 
     class Dry:  # outputs need no poison: nothing runs
         def __getattr__(self, name):
