@@ -30,7 +30,7 @@ namespace {
 
 constexpr int kThreads = 256;          // NT in matmul.cu
 constexpr int kGemvRows = 4;           // GEMV_U
-constexpr int kGemvBlocksPerSm = 3;    // GEMV_MINB (__launch_bounds__ guarantees the registers)
+constexpr int kGemvBlocksPerSm = 2;    // GEMV_MINB (__launch_bounds__ guarantees the registers)
 constexpr int kGemmSmem = 60416;       // GEMM_SMEM
 constexpr int kGemmBM = 64, kGemmBN = 128;  // BM, BN
 constexpr int kGemmBK = 64;            // BK

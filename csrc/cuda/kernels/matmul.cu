@@ -76,7 +76,7 @@
 
 #define NT 256
 #define GEMV_U 4     // rows per thread per batch (matmul.cpp kGemvRows must match)
-#define GEMV_MINB 3  // blocks per SM the register budget must allow (matmul.cpp kGemvBlocksPerSm must match)
+#define GEMV_MINB 2  // blocks per SM the register budget must allow (matmul.cpp kGemvBlocksPerSm must match)
 
 constexpr int imin(int a, int b) { return a < b ? a : b; }
 constexpr int pow2ceil(int v) { return v <= 1 ? 1 : 2 * pow2ceil((v + 1) / 2); }
@@ -127,8 +127,12 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
     }
   }
 
-  for (i64 bt = b0; bt * RB < N; bt += bstep) {
-    u32 v[GEMV_U][J][4];
+  // Batch loads: codes (and, affine, the converted scales/biases) of the U rows of batch bt. The next
+  // batch's loads are issued before this batch's arithmetic (register double buffer), so a warp always
+  // has U·J 16-byte loads in flight and no batch waits for its scales separately.
+  u32 v[GEMV_U][J][4];
+  float sc[GEMV_U][J][NSG], bi[GEMV_U][J][NSG];
+  auto load_batch = [&](i64 bt, u32 (&vv)[GEMV_U][J][4], float (&ss)[GEMV_U][J][NSG], float (&bb)[GEMV_U][J][NSG]) {
 #pragma unroll
     for (int u = 0; u < GEMV_U; ++u) {
       const i64 n = bt * RB + u * RPP + rg;
@@ -136,47 +140,80 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
       for (int j = 0; j < J; ++j) {
         const int c = tr + j * TPR;
         const i64 off = i64(c) * 16;
-        if (n < N && c < C) {
-          mm_load16<AL>(W + n * RBYTES + off, RBYTES - off >= 16 ? 16 : int(RBYTES - off), v[u][j]);
+        const bool live = n < N && c < C;
+        if (live) {
+          mm_load16<AL>(W + n * RBYTES + off, RBYTES - off >= 16 ? 16 : int(RBYTES - off), vv[u][j]);
         } else {
-          v[u][j][0] = v[u][j][1] = v[u][j][2] = v[u][j][3] = 0u;
+          vv[u][j][0] = vv[u][j][1] = vv[u][j][2] = vv[u][j][3] = 0u;
         }
-      }
-    }
-    float acc[GEMV_U];
 #pragma unroll
-    for (int u = 0; u < GEMV_U; ++u) {
-      const i64 n = bt * RB + u * RPP + rg;
-      acc[u] = 0.f;
-      if (n < N) {
-#pragma unroll
-        for (int j = 0; j < J; ++j) {
-          const int c = tr + j * TPR;
-          if (c >= C) continue;
-          if (BITS) {
-#pragma unroll
-            for (int s = 0; s < NSG; ++s) {
-              const i64 k0 = i64(c) * EPC + s * SG;
-              if (k0 >= K) continue;
-              const i64 gi = n * NG + k0 / (GROUP ? GROUP : 1);
-              const float sc = mm_scalar<DT, SAL>(S, gi), bi = mm_scalar<DT, SAL>(B, gi);
-              const float d = q_dot_words<BITS ? BITS : 4, WPS ? WPS : 1>(&v[u][j][s * WPS], &xs[j][s * SG]);
-              acc[u] = fmaf(sc, d, acc[u]);
-              acc[u] = fmaf(bi, sx[j][s], acc[u]);
-            }
-          } else {
-            acc[u] = dense_dot_chunk<DT>(v[u][j], xs[j], acc[u]);
+        for (int s = 0; s < NSG; ++s) {
+          const i64 k0 = i64(c) * EPC + s * SG;
+          ss[u][j][s] = bb[u][j][s] = 0.f;
+          if (BITS && live && k0 < K) {
+            const i64 gi = n * NG + k0 / (GROUP ? GROUP : 1);
+            ss[u][j][s] = mm_scalar<DT, SAL>(S, gi);
+            bb[u][j][s] = mm_scalar<DT, SAL>(B, gi);
           }
         }
       }
     }
+  };
+  if (i64(b0) * RB < N) load_batch(b0, v, sc, bi);
+
+  constexpr int WL = imin(TPR, 32);  // lanes of one row inside a warp
+  constexpr bool BFLY = GEMV_U == 4 && WL >= 8;
+  for (i64 bt = b0; bt * RB < N; bt += bstep) {
+    u32 vn[GEMV_U][J][4];
+    float scn[GEMV_U][J][NSG], bin[GEMV_U][J][NSG];
+    const bool more = (bt + bstep) * RB < N;
+    if (more) load_batch(bt + bstep, vn, scn, bin);
+
+    float acc[GEMV_U];
 #pragma unroll
     for (int u = 0; u < GEMV_U; ++u) {
+      acc[u] = 0.f;
 #pragma unroll
-      for (int o = imin(TPR, 32) / 2; o > 0; o >>= 1) acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], o);
+      for (int j = 0; j < J; ++j) {
+        if (BITS) {
+#pragma unroll
+          for (int s = 0; s < NSG; ++s) {
+            const float d = q_dot_words<BITS ? BITS : 4, WPS ? WPS : 1>(&v[u][j][s * WPS], &xs[j][s * SG]);
+            acc[u] = fmaf(sc[u][j][s], d, acc[u]);  // zero scale/bias for dead rows, chunks, subgroups
+            acc[u] = fmaf(bi[u][j][s], sx[j][s], acc[u]);
+          }
+        } else {
+          acc[u] = dense_dot_chunk<DT>(v[u][j], xs[j], acc[u]);  // zero codes for dead rows and chunks
+        }
+      }
+    }
+    // Sum over the WL lanes of a row. U = 4, WL >= 8: a transposed butterfly (xor WL/2 halves the rows a
+    // lane carries, xor WL/4 halves them again, then a plain tree): 6 shuffles instead of 20. Lane l then
+    // holds row uq = 2·[l & WL/2] + [l & WL/4].
+    float red1;
+    int uq = 0;
+    if (BFLY) {
+      const bool h = lane & (WL / 2), q = lane & (WL / 4);
+      const float s0 = __shfl_xor_sync(0xffffffffu, h ? acc[0] : acc[2], WL / 2);
+      const float s1 = __shfl_xor_sync(0xffffffffu, h ? acc[1] : acc[3], WL / 2);
+      const float p0 = (h ? acc[2] : acc[0]) + s0, p1 = (h ? acc[3] : acc[1]) + s1;
+      const float s2 = __shfl_xor_sync(0xffffffffu, q ? p0 : p1, WL / 4);
+      red1 = (q ? p1 : p0) + s2;
+#pragma unroll
+      for (int o = WL / 8; o > 0; o >>= 1) red1 += __shfl_xor_sync(0xffffffffu, red1, o);
+      uq = (h ? 2 : 0) + (q ? 1 : 0);
+    } else {
+#pragma unroll
+      for (int u = 0; u < GEMV_U; ++u) {
+#pragma unroll
+        for (int o = WL / 2; o > 0; o >>= 1) acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], o);
+      }
     }
     if (TPR <= 32) {
-      if (tr == 0) {
+      if (BFLY) {
+        const i64 n = bt * RB + uq * RPP + rg;
+        if ((tr & (WL / 4 - 1)) == 0 && n < N) y[i64(t) * ldy + n] = red1;
+      } else if (tr == 0) {
 #pragma unroll
         for (int u = 0; u < GEMV_U; ++u) {
           const i64 n = bt * RB + u * RPP + rg;
@@ -184,7 +221,9 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
         }
       }
     } else {
-      if (lane == 0) {
+      if (BFLY) {
+        if ((lane & (WL / 4 - 1)) == 0) red[uq][rg][tr / 32] = red1;
+      } else if (lane == 0) {
 #pragma unroll
         for (int u = 0; u < GEMV_U; ++u) red[u][rg][tr / 32] = acc[u];
       }
@@ -198,6 +237,17 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
         if (n < N) y[i64(t) * ldy + n] = s;
       }
       __syncthreads();
+    }
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < GEMV_U; ++u)
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) v[u][j][i] = vn[u][j][i];
+#pragma unroll
+          for (int s = 0; s < NSG; ++s) sc[u][j][s] = scn[u][j][s], bi[u][j][s] = bin[u][j][s];
+        }
     }
   }
 }
