@@ -1,0 +1,503 @@
+// Weight-streaming matmul: y[T, N] = x[T, K] · Wᵀ with fp32 accumulation (Ops::matmul, ops.h; the oracle is
+// csrc/cpu/matmul.cpp, tests/cuda/test_matmul.py). W is one matrix [N, K]: dense f32/f16/bf16 rows or MLX
+// affine codes (bits 2/4/8, one scale and bias per GROUP inputs; MODEL.md §9: scales may be negative, the
+// bias is not the group minimum, nibbles LSB first; §12.18).
+//
+// Buffers: x f32 [T, K] rows at stride ldx (read); y f32 [T, N] rows at stride ldy (written, every element
+// of the T×N block exactly once; no aliasing with x); W bytes (row n at n · K·bits/8, read once per kernel
+// in decode), scales/biases [N, K/GROUP] of dtype DT (affine only). Nothing is read past row N-1, column
+// K-1 (bytes of a partial 16-byte chunk past the row end read as 0; see quant.cuh for the word rule) or the
+// last scale.
+//
+// Specialisation (NVRTC -D, set by csrc/cuda/matmul.cpp from the weight alone, never from a model config):
+//   K      input features (2048, 4096, 512 in Qwen3.6-35B-A3B; tests: 64·3, 64·17, 7, 100, 1000 ...)
+//   BITS   2/4/8 affine, 0 dense;  DT  scale dtype (affine) or element dtype (dense): LILY_F32/F16/BF16
+//   GROUP  affine group (64; tests 32/128), 0 for dense
+//   AL     proven alignment of W's base and row stride: 16 (one 16-byte load per chunk), 4, or 1 (funnel)
+//   SAL    1 when scales and biases are aligned to their element size, 0 for byte-wise reads
+//   XS     GEMM only: x as 2 bf16 terms (hi + lo, error ~1e-5) or 1 (bf16 x, error ~1.5e-3)
+// One module per (K, format, alignment) serves both phases: ~6 modules for the real model.
+//
+// matmul_gemv (decode, T <= 16): block of NT = 256 threads; a row's 16-byte chunks are spread over TPR
+// threads (TPR = next power of two of the chunk count C, at most 256; J = ceil(C / TPR) chunks per thread),
+// RPP = 256 / TPR rows per pass, U = 4 rows per thread per batch (RB = RPP·U rows per block batch, all their
+// 16-byte loads issued before any use). x stays in registers for the whole kernel: a thread only ever
+// touches its own J·EPC inputs (prescaled for the 3-instruction code decode, quant.cuh), with per-subgroup
+// Σx for the bias term, so no shared-memory traffic per weight. Row sums: xor shuffles within TPR lanes,
+// then (TPR > 32) TPR/32 warp partials through shared memory, summed in warp order. Grid: T · nb blocks,
+// block b serves x row b % T and batches b / T, b / T + nb, ... (persistent: nb = min(batches,
+// MINB·SMs / T) with MINB = 3 blocks per SM guaranteed by __launch_bounds__; consecutive blocks read the
+// same rows for different t, so for T > 1 W comes from L2 after the first). Small N (1, 32): one batch,
+// every thread one 16-byte load: the kernel is one DRAM round trip, which splitting K further cannot shorten.
+// Floor: W.bytes() per call (q4g64: 0.5625 B/weight; lm_head 248320 × 2048 q4g64 = 286 MB = 72 µs at
+// 4 TB/s); instruction floor ~3 per code (q4: ~10 codes/clk/SMSP, above the 7.1 T codes/s HBM feeds).
+//
+// matmul_gemm (prefill, any T): mma.sync m16n8k16 bf16 → f32. Block 256 threads = 8 warps (2 along T × 4
+// along N), tile BM 64 (T) × BN 128 (N) × BK 64 (K), warp tile 32 × 32; grid (ceil(T/64), ceil(N/128)), T
+// fastest so the T-blocks sharing a W tile run together and W is read from DRAM about once. Per K block:
+// x (f32, masked) → bf16 hi (+ lo = bf16(x − hi)) in shared memory; W → shared memory as
+//   WM 0 (affine, GROUP % 16 == 0 and GROUP tiles BK or BK tiles GROUP): the integer codes as bf16 (exact);
+//        the MMA accumulates Σ x·q per group in a second accumulator set that is folded in at the group's
+//        end as acc += s·D, plus acc += b·Σx (Σx over the group part from f32 x): W itself is never rounded;
+//   WM 1 (dense bf16): the elements as they are;
+//   WM 2 (dense f32/f16, affine with other groups): hi + lo bf16 of the fp32 value fma(q, s, b).
+// MMAs per k16 step: x_hi·W_hi (+ x_lo·W_hi if XS 2) (+ x_hi·W_lo if WM 2). Shared memory 60,416 bytes
+// (fixed layout, GEMM_SMEM; matmul.cpp must match). Floor: 2·T·N·K FLOP (×XS) on the tensor cores; W bytes
+// once. No cp.async yet: loads of a K block are issued before the previous block's MMAs only by the
+// compiler's scheduling (a register-prefetch pipeline is the next step).
+//
+// Determinism: every output's reduction order depends on K, GROUP and the format only: GEMV sums each
+// thread's chunks in ascending order, then a fixed shuffle tree and the warp partials in order; GEMM sums
+// K blocks in order. Neither depends on T, on which block serves a row, or on the grid: a prefill in
+// chunks gives the same bits as one prefill, and a decode row the same bits whatever T is.
+#include "quant.cuh"
+
+#ifndef K
+#error "matmul.cu needs -DK"
+#endif
+#ifndef BITS
+#define BITS 0
+#endif
+#ifndef DT
+#define DT LILY_F32
+#endif
+#ifndef GROUP
+#define GROUP 0
+#endif
+#ifndef AL
+#define AL 1
+#endif
+#ifndef SAL
+#define SAL 0
+#endif
+#ifndef XS
+#define XS 2
+#endif
+
+#define NT 256
+#define GEMV_U 4     // rows per thread per batch (matmul.cpp kGemvRows must match)
+#define GEMV_MINB 2  // blocks per SM the register budget must allow (matmul.cpp kGemvBlocksPerSm must match)
+
+constexpr int imin(int a, int b) { return a < b ? a : b; }
+constexpr int pow2ceil(int v) { return v <= 1 ? 1 : 2 * pow2ceil((v + 1) / 2); }
+
+constexpr int EB = WFmt<BITS, DT>::EB;
+constexpr int EPC = WFmt<BITS, DT>::EPC;
+constexpr i64 RBYTES = i64(K) * EB / 8;  // bytes of one row
+constexpr int C = int((RBYTES + 15) / 16);
+constexpr int NG = BITS ? K / (GROUP ? GROUP : 1) : 1;
+
+static_assert(BITS == 0 || BITS == 2 || BITS == 4 || BITS == 8, "BITS must be 0, 2, 4 or 8");
+static_assert(BITS == 0 || (GROUP > 0 && K % GROUP == 0 && GROUP % (32 / BITS) == 0), "GROUP must tile K");
+static_assert(BITS != 0 || DT == LILY_F32 || DT == LILY_F16 || DT == LILY_BF16, "dense dtype");
+
+// ------------------------------------------------------------------------------------------------------
+// GEMV (decode)
+
+constexpr int TPR = imin(pow2ceil(C), NT);        // threads per row (matmul.cpp gemv_geometry must match)
+constexpr int J = (C + TPR - 1) / TPR;            // chunks per thread
+constexpr int RPP = NT / TPR;                     // rows per pass
+constexpr int RB = RPP * GEMV_U;                  // rows per block batch
+constexpr int SG = BITS ? imin(GROUP, EPC) : EPC;  // elements of one (sub)group inside a chunk
+constexpr int NSG = EPC / SG;
+constexpr int WPS = BITS ? SG * BITS / 32 : 0;     // words per subgroup
+constexpr int WPR = TPR > 32 ? TPR / 32 : 1;       // warps per row
+
+extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
+    matmul_gemv(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
+                const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+  __shared__ float red[GEMV_U][RPP][WPR];
+  const int tid = threadIdx.x, tr = tid % TPR, rg = tid / TPR, lane = tid & 31;
+  const int t = blockIdx.x % T, b0 = blockIdx.x / T, bstep = gridDim.x / T;
+  const float* xr = x + i64(t) * ldx;
+
+  // This thread's inputs, once: xs (prescaled for affine codes), sx = Σx per subgroup.
+  float xs[J][EPC], sx[J][NSG];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int c = tr + j * TPR;
+#pragma unroll
+    for (int s = 0; s < NSG; ++s) sx[j][s] = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPC; ++e) {
+      const i64 k = i64(c) * EPC + e;
+      const float v = (c < C && k < K) ? xr[k] : 0.f;
+      sx[j][e / SG] += v;
+      xs[j][e] = BITS ? v * q_prescale<BITS ? BITS : 4>(e) : v;
+    }
+  }
+
+  // Batch loads: codes (and, affine, the converted scales/biases) of the U rows of batch bt. The next
+  // batch's loads are issued before this batch's arithmetic (register double buffer), so a warp always
+  // has U·J 16-byte loads in flight and no batch waits for its scales separately.
+  u32 v[GEMV_U][J][4];
+  float sc[GEMV_U][J][NSG], bi[GEMV_U][J][NSG];
+  auto load_batch = [&](i64 bt, u32 (&vv)[GEMV_U][J][4], float (&ss)[GEMV_U][J][NSG], float (&bb)[GEMV_U][J][NSG]) {
+#pragma unroll
+    for (int u = 0; u < GEMV_U; ++u) {
+      const i64 n = bt * RB + u * RPP + rg;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int c = tr + j * TPR;
+        const i64 off = i64(c) * 16;
+        const bool live = n < N && c < C;
+        if (live) {
+          mm_load16<AL>(W + n * RBYTES + off, RBYTES - off >= 16 ? 16 : int(RBYTES - off), vv[u][j]);
+        } else {
+          vv[u][j][0] = vv[u][j][1] = vv[u][j][2] = vv[u][j][3] = 0u;
+        }
+#pragma unroll
+        for (int s = 0; s < NSG; ++s) {
+          const i64 k0 = i64(c) * EPC + s * SG;
+          ss[u][j][s] = bb[u][j][s] = 0.f;
+          if (BITS && live && k0 < K) {
+            const i64 gi = n * NG + k0 / (GROUP ? GROUP : 1);
+            ss[u][j][s] = mm_scalar<DT, SAL>(S, gi);
+            bb[u][j][s] = mm_scalar<DT, SAL>(B, gi);
+          }
+        }
+      }
+    }
+  };
+  if (i64(b0) * RB < N) load_batch(b0, v, sc, bi);
+
+  constexpr int WL = imin(TPR, 32);  // lanes of one row inside a warp
+  constexpr bool BFLY = GEMV_U == 4 && WL >= 8;
+  for (i64 bt = b0; bt * RB < N; bt += bstep) {
+    u32 vn[GEMV_U][J][4];
+    float scn[GEMV_U][J][NSG], bin[GEMV_U][J][NSG];
+    const bool more = (bt + bstep) * RB < N;
+    if (more) load_batch(bt + bstep, vn, scn, bin);
+
+    float acc[GEMV_U];
+#pragma unroll
+    for (int u = 0; u < GEMV_U; ++u) {
+      acc[u] = 0.f;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        if (BITS) {
+#pragma unroll
+          for (int s = 0; s < NSG; ++s) {
+            const float d = q_dot_words<BITS ? BITS : 4, WPS ? WPS : 1>(&v[u][j][s * WPS], &xs[j][s * SG]);
+            acc[u] = fmaf(sc[u][j][s], d, acc[u]);  // zero scale/bias for dead rows, chunks, subgroups
+            acc[u] = fmaf(bi[u][j][s], sx[j][s], acc[u]);
+          }
+        } else {
+          acc[u] = dense_dot_chunk<DT>(v[u][j], xs[j], acc[u]);  // zero codes for dead rows and chunks
+        }
+      }
+    }
+    // Sum over the WL lanes of a row. U = 4, WL >= 8: a transposed butterfly (xor WL/2 halves the rows a
+    // lane carries, xor WL/4 halves them again, then a plain tree): 6 shuffles instead of 20. Lane l then
+    // holds row uq = 2·[l & WL/2] + [l & WL/4].
+    float red1;
+    int uq = 0;
+    if (BFLY) {
+      const bool h = lane & (WL / 2), q = lane & (WL / 4);
+      const float s0 = __shfl_xor_sync(0xffffffffu, h ? acc[0] : acc[2], WL / 2);
+      const float s1 = __shfl_xor_sync(0xffffffffu, h ? acc[1] : acc[3], WL / 2);
+      const float p0 = (h ? acc[2] : acc[0]) + s0, p1 = (h ? acc[3] : acc[1]) + s1;
+      const float s2 = __shfl_xor_sync(0xffffffffu, q ? p0 : p1, WL / 4);
+      red1 = (q ? p1 : p0) + s2;
+#pragma unroll
+      for (int o = WL / 8; o > 0; o >>= 1) red1 += __shfl_xor_sync(0xffffffffu, red1, o);
+      uq = (h ? 2 : 0) + (q ? 1 : 0);
+    } else {
+#pragma unroll
+      for (int u = 0; u < GEMV_U; ++u) {
+#pragma unroll
+        for (int o = WL / 2; o > 0; o >>= 1) acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], o);
+      }
+    }
+    if (TPR <= 32) {
+      if (BFLY) {
+        const i64 n = bt * RB + uq * RPP + rg;
+        if ((tr & (WL / 4 - 1)) == 0 && n < N) y[i64(t) * ldy + n] = red1;
+      } else if (tr == 0) {
+#pragma unroll
+        for (int u = 0; u < GEMV_U; ++u) {
+          const i64 n = bt * RB + u * RPP + rg;
+          if (n < N) y[i64(t) * ldy + n] = acc[u];
+        }
+      }
+    } else {
+      if (BFLY) {
+        if ((lane & (WL / 4 - 1)) == 0) red[uq][rg][tr / 32] = red1;
+      } else if (lane == 0) {
+#pragma unroll
+        for (int u = 0; u < GEMV_U; ++u) red[u][rg][tr / 32] = acc[u];
+      }
+      __syncthreads();
+      if (tid < RB) {
+        const int u = tid / RPP, r = tid % RPP;
+        const i64 n = bt * RB + u * RPP + r;
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < WPR; ++w) s += red[u][r][w];
+        if (n < N) y[i64(t) * ldy + n] = s;
+      }
+      __syncthreads();
+    }
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < GEMV_U; ++u)
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) v[u][j][i] = vn[u][j][i];
+#pragma unroll
+          for (int s = 0; s < NSG; ++s) sc[u][j][s] = scn[u][j][s], bi[u][j][s] = bin[u][j][s];
+        }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// GEMM (prefill)
+
+#define BM 64
+#define BN 128
+#define BK 64
+#define LDS (BK + 8)  // bf16 per shared row: 144 bytes, so the 8 rows of an ldmatrix hit distinct banks
+
+// Weight staging mode (matmul.cpp gemm_mode must match).
+constexpr int WM = BITS ? ((GROUP % 16 == 0 && (GROUP % BK == 0 || BK % GROUP == 0)) ? 0 : 2)
+                        : (DT == LILY_BF16 ? 1 : 2);
+constexpr int GP = BITS ? imin(GROUP, BK) : BK;  // group part inside one K block (WM 0)
+constexpr int NP = BK / GP;                      // parts per K block (1, 2 or 4 in WM 0)
+constexpr int CPR = BK * EB / 8 / 16;            // 16-byte chunks of a row per K block
+constexpr int KB = (K + BK - 1) / BK;
+
+// Shared layout (bytes): x hi, x lo [BM][LDS] bf16; W hi, W lo [BN][LDS] bf16; Σx [BM][4] f32;
+// scales, biases [BN][4] f32. 60,416 bytes in all (matmul.cpp kGemmSmem must match).
+#define SM_XH 0
+#define SM_XL (SM_XH + BM * LDS * 2)
+#define SM_WH (SM_XL + BM * LDS * 2)
+#define SM_WL (SM_WH + BN * LDS * 2)
+#define SM_SX (SM_WL + BN * LDS * 2)
+#define SM_SS (SM_SX + BM * 4 * 4)
+#define SM_BS (SM_SS + BN * 4 * 4)
+#define GEMM_SMEM (SM_BS + BN * 4 * 4)
+static_assert(GEMM_SMEM == 60416, "matmul.cpp kGemmSmem");
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32 r[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u32 pack_bf16(u16 lo, u16 hi) { return u32(lo) | (u32(hi) << 16); }
+// bf16 hi and lo = bf16(v - hi) of an fp32 value.
+__device__ __forceinline__ void split_bf16(float v, u16& h, u16& l) {
+  h = f32_to_bf16(v);
+  l = f32_to_bf16(v - bf16_to_f32(h));
+}
+
+extern "C" __global__ void __launch_bounds__(NT)
+    matmul_gemm(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
+                const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  u16* xh = reinterpret_cast<u16*>(smem + SM_XH);
+  u16* xl = reinterpret_cast<u16*>(smem + SM_XL);
+  u16* wh = reinterpret_cast<u16*>(smem + SM_WH);
+  u16* wl = reinterpret_cast<u16*>(smem + SM_WL);
+  float* sxs = reinterpret_cast<float*>(smem + SM_SX);
+  float* ss = reinterpret_cast<float*>(smem + SM_SS);
+  float* bs = reinterpret_cast<float*>(smem + SM_BS);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp >> 2, wn = warp & 3;
+  const i64 t0 = i64(blockIdx.x) * BM, n0 = i64(blockIdx.y) * BN;
+
+  float acc[2][4][4], accg[2][4][4];
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = accg[mi][ni][e] = 0.f;
+
+  for (int kb = 0; kb < KB; ++kb) {
+    const i64 kbase = i64(kb) * BK;
+    // ---- x tile: thread → row tid / 4, columns (tid % 4)·16 .. +16
+    {
+      const int r = tid >> 2, q = tid & 3;
+      const i64 t = t0 + r;
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const i64 k = kbase + q * 16 + i;
+        v[i] = (t < T && k < K) ? x[t * ldx + k] : 0.f;
+      }
+      u32 ph[8], pl[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        u16 h0, l0, h1, l1;
+        split_bf16(v[2 * i], h0, l0);
+        split_bf16(v[2 * i + 1], h1, l1);
+        ph[i] = pack_bf16(h0, h1);
+        pl[i] = pack_bf16(l0, l1);
+      }
+      uint4* dh = reinterpret_cast<uint4*>(xh + r * LDS + q * 16);
+      dh[0] = make_uint4(ph[0], ph[1], ph[2], ph[3]);
+      dh[1] = make_uint4(ph[4], ph[5], ph[6], ph[7]);
+      if (XS == 2) {
+        uint4* dl = reinterpret_cast<uint4*>(xl + r * LDS + q * 16);
+        dl[0] = make_uint4(pl[0], pl[1], pl[2], pl[3]);
+        dl[1] = make_uint4(pl[4], pl[5], pl[6], pl[7]);
+      }
+      if (WM == 0) {  // Σx over each group part (GP / 16 neighbouring lanes share one)
+        float ps = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) ps += v[i];
+        constexpr int LP = GP >= 16 ? GP / 16 : 1;
+#pragma unroll
+        for (int o = LP / 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+        if (q % LP == 0) sxs[r * 4 + q / LP] = ps;
+      }
+    }
+    // ---- W tile: chunk qi → row qi / CPR, chunk qi % CPR of this K block
+    for (int qi = tid; qi < BN * CPR; qi += NT) {
+      const int nl = qi / CPR, cc = qi % CPR;
+      const i64 n = n0 + nl;
+      const i64 boff = kbase * EB / 8 + i64(cc) * 16;
+      const i64 valid = RBYTES - boff;
+      u32 w[4] = {0u, 0u, 0u, 0u};
+      if (n < N && valid > 0) mm_load16<AL>(W + n * RBYTES + boff, valid >= 16 ? 16 : int(valid), w);
+      u32* dh = reinterpret_cast<u32*>(wh + nl * LDS + cc * EPC);
+      u32* dl = reinterpret_cast<u32*>(wl + nl * LDS + cc * EPC);
+      if (WM == 1) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dh[i] = w[i];
+      } else if (WM == 0) {
+#pragma unroll
+        for (int p = 0; p < EPC / 2; ++p) {
+          const int e0 = 2 * p, e1 = 2 * p + 1;
+          constexpr int PW = 32 / (BITS ? BITS : 4);
+          const float q0 = q_code<BITS ? BITS : 4>(w[e0 / PW], e0 % PW);
+          const float q1 = q_code<BITS ? BITS : 4>(w[e1 / PW], e1 % PW);
+          dh[p] = pack_bf16(u16(__float_as_uint(q0) >> 16), u16(__float_as_uint(q1) >> 16));  // exact
+        }
+      } else {
+#pragma unroll
+        for (int p = 0; p < EPC / 2; ++p) {
+          u16 h[2], l[2];
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int e = 2 * p + h2;
+            const i64 k = kbase + cc * EPC + e;
+            float f = 0.f;
+            if (BITS) {
+              constexpr int PW = 32 / (BITS ? BITS : 4);
+              if (n < N && k < K) {
+                const i64 gi = n * NG + k / (GROUP ? GROUP : 1);
+                f = fmaf(q_code<BITS ? BITS : 4>(w[e / PW], e % PW), mm_scalar<DT, SAL>(S, gi),
+                         mm_scalar<DT, SAL>(B, gi));
+              }
+            } else {
+              f = dense_elem<DT>(w, e);
+            }
+            split_bf16(f, h[h2], l[h2]);
+          }
+          dh[p] = pack_bf16(h[0], h[1]);
+          dl[p] = pack_bf16(l[0], l[1]);
+        }
+      }
+    }
+    // ---- scales and biases of the group parts of this K block (WM 0)
+    if (WM == 0) {
+      for (int i = tid; i < BN * NP; i += NT) {
+        const int nl = i / NP, p = i % NP;
+        const i64 n = n0 + nl, k0 = kbase + p * GP;
+        float s = 0.f, b = 0.f;
+        if (n < N && k0 < K) {
+          const i64 gi = n * NG + k0 / (GROUP ? GROUP : 1);
+          s = mm_scalar<DT, SAL>(S, gi);
+          b = mm_scalar<DT, SAL>(B, gi);
+        }
+        ss[nl * 4 + p] = s;
+        bs[nl * 4 + p] = b;
+      }
+    }
+    __syncthreads();
+
+    // ---- MMAs over the 4 k16 steps of the block
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ++ks) {
+      const i64 kg = kbase + ks * 16;
+      if (kg >= K) break;  // uniform: past the last group (zeros), nothing to add
+      u32 ah[2][4], al[2][4], bh[4][2], bl[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        const int row = wm * 32 + mi * 16 + (lane & 15), col = ks * 16 + (lane >> 4) * 8;
+        ldsm_x4(smem_u32(xh + row * LDS + col), ah[mi]);
+        if (XS == 2) ldsm_x4(smem_u32(xl + row * LDS + col), al[mi]);
+      }
+#pragma unroll
+      for (int nj = 0; nj < 2; ++nj) {
+        const int row = wn * 32 + nj * 16 + (lane & 7) + (lane >> 4) * 8, col = ks * 16 + ((lane >> 3) & 1) * 8;
+        u32 r[4];
+        ldsm_x4(smem_u32(wh + row * LDS + col), r);
+        bh[2 * nj][0] = r[0], bh[2 * nj][1] = r[1], bh[2 * nj + 1][0] = r[2], bh[2 * nj + 1][1] = r[3];
+        if (WM == 2) {
+          ldsm_x4(smem_u32(wl + row * LDS + col), r);
+          bl[2 * nj][0] = r[0], bl[2 * nj][1] = r[1], bl[2 * nj + 1][0] = r[2], bl[2 * nj + 1][1] = r[3];
+        }
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+          float* c = WM == 0 ? accg[mi][ni] : acc[mi][ni];
+          mma_bf16(c, ah[mi], bh[ni][0], bh[ni][1]);
+          if (XS == 2) mma_bf16(c, al[mi], bh[ni][0], bh[ni][1]);
+          if (WM == 2) mma_bf16(c, ah[mi], bl[ni][0], bl[ni][1]);
+        }
+      if (WM == 0) {
+        const int p = (ks * 16) / GP;
+        const bool part_end = ((ks * 16 + 16) % GP) == 0;
+        const bool group_end = ((kg + 16) % (GROUP ? GROUP : 16)) == 0;
+        if (group_end || part_end) {
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int nl = wn * 32 + ni * 8 + 2 * (lane & 3) + (e & 1);
+                const int tl = wm * 32 + mi * 16 + (lane >> 2) + (e >> 1) * 8;
+                if (group_end) {
+                  acc[mi][ni][e] = fmaf(ss[nl * 4 + p], accg[mi][ni][e], acc[mi][ni][e]);
+                  accg[mi][ni][e] = 0.f;
+                }
+                if (part_end) acc[mi][ni][e] = fmaf(bs[nl * 4 + p], sxs[tl * 4 + p], acc[mi][ni][e]);
+              }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // ---- epilogue
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const i64 n = n0 + wn * 32 + ni * 8 + 2 * (lane & 3) + (e & 1);
+        const i64 t = t0 + wm * 32 + mi * 16 + (lane >> 2) + (e >> 1) * 8;
+        if (t < T && n < N) y[t * ldy + n] = acc[mi][ni][e];
+      }
+}

@@ -1,0 +1,179 @@
+// Matmul on CUDA: out[T, N] = x[T, K] · Wᵀ (Ops::matmul), kernels/matmul.cu, oracle csrc/cpu/matmul.cpp.
+//
+// Variants (select_matmul is the one place that decides; matmul_impl launches what it returns and
+// matmul_variant reports the same name):
+// - phase Decode: matmul_gemv for T <= 16 (x in registers, W streamed once with 16-byte loads; more than 16
+//   rows in a decode step is refused). Prefill: matmul_gemm for every T (tensor cores, W dequantized into
+//   shared memory tile by tile), never the GEMV, so a prefill in chunks of any size gives the same bits as
+//   one prefill (STYLE.md §5: select by phase and weight, not by T).
+// - Alignment (checkpoints map tensors at any byte offset): the code loads are 16-byte (AL 16) when data(w)
+//   and the row stride are 16-byte aligned, 4-byte (AL 4) when both are 4-byte aligned, else the funnel
+//   form (AL 1: aligned words realigned in registers). Scales/biases off their element alignment are read
+//   byte-wise (SAL 0). Each case is named in the variant and its reason.
+// - GEMM weight staging (WM in matmul.cu): affine with GROUP % 16 == 0 tiling the 64-wide K block (or
+//   tiled by it) keeps integer codes (exact in bf16) and applies scale and bias per group in fp32; dense
+//   bf16 is staged as is; dense f32/f16 and other affine groups as bf16 hi + lo of the fp32 value. x is
+//   always hi + lo (kXSplit = 2): measured-to-be error ~1e-5 instead of ~1.5e-3 for plain bf16 x, at twice
+//   the MMAs.
+// Module defines come from the weight alone (K, BITS, DT, GROUP, AL, SAL, XS): one module serves both
+// phases for one (K, format, alignment); the real Qwen3.6 checkpoint needs about six.
+#include <algorithm>
+#include <climits>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/backend.h"
+
+namespace lily::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;          // NT in matmul.cu
+constexpr int kGemvRows = 4;           // GEMV_U
+constexpr int kGemvBlocksPerSm = 2;    // GEMV_MINB (__launch_bounds__ guarantees the registers)
+constexpr int kGemmSmem = 60416;       // GEMM_SMEM
+constexpr int kGemmBM = 64, kGemmBN = 128;  // BM, BN
+constexpr int kGemmBK = 64;            // BK
+constexpr int kXSplit = 2;             // XS
+constexpr int64_t kMaxDecodeRows = 16;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int pow2ceil(int64_t v) {
+  int p = 1;
+  while (p < v) p *= 2;
+  return p;
+}
+
+int dtype_code(DType t) {
+  switch (t) {
+    case DType::F32: return 0;   // LILY_F32
+    case DType::F16: return 1;   // LILY_F16
+    case DType::BF16: return 2;  // LILY_BF16
+    default: return -1;
+  }
+}
+
+// "q4g64-bf16 [248320, 2048]" / "f32 [3, 7]"
+std::string describe(const Weight& w) {
+  std::string s = w.describe();
+  if (w.quantized()) s += std::string("-") + dtype_name(w.scale_dtype);
+  return s + " [" + std::to_string(w.rows) + ", " + std::to_string(w.cols) + "]";
+}
+
+void validate(const Weight& w) {
+  auto fail = [&](const std::string& why) {
+    throw std::invalid_argument("cuda matmul: weight " + describe(w) + ": " + why);
+  };
+  if (!w.valid()) fail("has no mapping");
+  if (w.rows <= 0 || w.cols <= 0) fail("empty shape");
+  if (w.rows > INT_MAX) fail("more than 2^31 - 1 rows");
+  if (w.experts > 1) fail("is a stack of " + std::to_string(w.experts) + " experts (matmul takes one matrix)");
+  if (w.quantized()) {
+    if (w.bits != 2 && w.bits != 4 && w.bits != 8) fail("affine bits must be 2, 4 or 8");
+    if (w.group <= 0 || w.cols % w.group != 0 || w.group % (32 / w.bits) != 0)
+      fail("group " + std::to_string(w.group) + " does not tile cols (and whole words)");
+    if (dtype_code(w.scale_dtype) < 0) fail("scales must be f32, f16 or bf16");
+  } else if (dtype_code(w.dtype) < 0) {
+    fail("dense weight must be f32, f16 or bf16");
+  }
+}
+
+int alignment_of(uint64_t addr, uint64_t stride) {
+  const uint64_t a = addr | stride;
+  return a % 16 == 0 ? 16 : a % 4 == 0 ? 4 : 1;
+}
+
+struct MatmulVariant {
+  bool gemm = false;
+  std::string name, reason;
+  Defines defines;
+};
+
+MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
+  validate(w);
+  MatmulVariant v;
+  v.gemm = phase == Phase::Prefill;
+  const int al = alignment_of(uint64_t(ops.data(w)), w.row_bytes());
+  int sal = 1;
+  if (w.quantized()) {
+    const uint64_t es = dtype_size(w.scale_dtype);
+    sal = (uint64_t(ops.scales(w)) % es == 0 && uint64_t(ops.biases(w)) % es == 0) ? 1 : 0;
+  }
+  const int dt = w.quantized() ? dtype_code(w.scale_dtype) : dtype_code(w.dtype);
+  v.defines = {{"K", w.cols}, {"BITS", w.quantized() ? w.bits : 0}, {"DT", dt},
+               {"GROUP", w.quantized() ? w.group : 0}, {"AL", al}, {"SAL", sal}, {"XS", kXSplit}};
+
+  const std::string kind = w.quantized() ? "q" + std::to_string(w.bits) : dtype_name(w.dtype);
+  std::string fmt = w.quantized() ? "g" + std::to_string(w.group) + "_" + dtype_name(w.scale_dtype) + "s" : "";
+  const std::string loads = al == 16 ? "16-byte loads" : al == 4 ? "4-byte loads (data or row stride not 16-byte aligned)"
+                                                                 : "funnel-shifted word loads (data or row stride not 4-byte aligned)";
+  const std::string ld_suffix = al == 16 ? "" : al == 4 ? "_ld4" : "_ldfunnel";
+  const std::string sc_suffix = sal ? "" : "_scalebytes";
+  const std::string sc_reason = sal ? "" : ", scales/biases read byte-wise (not aligned to their dtype)";
+  if (!v.gemm) {
+    v.name = "gemv_" + kind + "_cuda" + (fmt.empty() ? "" : "_" + fmt) + ld_suffix + sc_suffix;
+    const int64_t chunks = ceil_div(int64_t(w.row_bytes()), 16);
+    const int tpr = std::min(pow2ceil(chunks), kThreads);
+    v.reason = "x in registers, " + std::to_string(tpr) + " threads per row, " +
+               std::to_string(kThreads / tpr * kGemvRows) + " rows per block batch, " + loads + sc_reason;
+  } else {
+    const bool codes = w.quantized() && w.group % 16 == 0 && (w.group % kGemmBK == 0 || kGemmBK % w.group == 0);
+    const std::string mode = codes ? "codes" : (!w.quantized() && w.dtype == DType::BF16) ? "bf16" : "split";
+    v.name = "gemm_" + kind + "_mma_" + mode + (fmt.empty() ? "" : "_" + fmt) + "_x" + std::to_string(kXSplit) +
+             ld_suffix + sc_suffix;
+    v.reason = std::string("mma.sync m16n8k16 bf16, tile 64x128x64, ") +
+               (codes ? "integer codes with fp32 per-group scale/bias"
+                      : mode == "bf16" ? "bf16 weights as stored" : "weights as bf16 hi+lo") +
+               ", x as " + (kXSplit == 2 ? "bf16 hi+lo" : "bf16") + ", " + loads + sc_reason;
+  }
+  return v;
+}
+
+}  // namespace
+
+std::string CudaOps::matmul_variant(const Weight& w, Phase phase) const { return select_matmul(*this, w, phase).name; }
+
+void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
+  const MatmulVariant v = select_matmul(*this, w, phase());
+  const int64_t T = x.rows, K = w.cols, N = w.rows;
+  if (x.dtype != DType::F32 || out.dtype != DType::F32)
+    throw std::invalid_argument("cuda matmul: x and out must be f32 (weight " + describe(w) + ")");
+  if (x.cols != K || out.cols != N || out.rows != T)
+    throw std::invalid_argument("cuda matmul: x [" + std::to_string(T) + ", " + std::to_string(x.cols) +
+                                "] and out [" + std::to_string(out.rows) + ", " + std::to_string(out.cols) +
+                                "] do not fit weight " + describe(w));
+  if (x.stride < K || out.stride < N) throw std::invalid_argument("cuda matmul: row stride below the row length");
+  if (T <= 0) return;
+  if (T > INT_MAX) throw std::invalid_argument("cuda matmul: too many rows");
+
+  const std::string key = std::string("matmul.") + (v.gemm ? "prefill." : "decode.") + describe(w);
+  note_variant(key, v.name + ": " + v.reason);
+  const CUdeviceptr S = w.quantized() ? scales(w) : 0, B = w.quantized() ? biases(w) : 0;
+  const int Ti = int(T), Ni = int(N);
+  const int64_t ldx = x.stride, ldy = out.stride;
+
+  if (!v.gemm) {
+    if (T > kMaxDecodeRows)
+      throw std::invalid_argument("cuda matmul: decode GEMV takes at most " + std::to_string(kMaxDecodeRows) +
+                                  " rows, got " + std::to_string(T) + " (weight " + describe(w) + ")");
+    const Kernel& k = kernel("matmul", "matmul_gemv", v.defines);
+    // Geometry as matmul.cu derives it (TPR, RPP, RB): must match.
+    const int64_t chunks = ceil_div(int64_t(w.row_bytes()), 16);
+    const int64_t tpr = std::min<int64_t>(pow2ceil(chunks), kThreads);
+    const int64_t rb = (kThreads / tpr) * kGemvRows;
+    const int64_t batches = ceil_div(N, rb);
+    const int64_t slots = std::max<int64_t>(1, int64_t(kGemvBlocksPerSm) * std::max(1, info().sms) / T);
+    const int64_t nb = std::min(batches, slots);
+    launch(k, Dim3{unsigned(nb * T), 1, 1}, Dim3{unsigned(kThreads), 1, 1}, 0, ptr(x), Ti, ldx, data(w), S, B,
+           ptr(out), ldy, Ni);
+    return;
+  }
+  const Kernel& k = kernel("matmul", "matmul_gemm", v.defines);
+  if (k.max_dynamic_smem < kGemmSmem) set_dynamic_smem(k, kGemmSmem);
+  const int64_t gy = ceil_div(N, kGemmBN);
+  if (gy > 65535) throw std::invalid_argument("cuda matmul: weight " + describe(w) + " has too many rows for the GEMM grid");
+  launch(k, Dim3{unsigned(ceil_div(T, kGemmBM)), unsigned(gy), 1}, Dim3{unsigned(kThreads), 1, 1}, kGemmSmem,
+         ptr(x), Ti, ldx, data(w), S, B, ptr(out), ldy, Ni);
+}
+
+}  // namespace lily::cuda

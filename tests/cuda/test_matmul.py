@@ -1,0 +1,202 @@
+"""CUDA matmul (csrc/cuda/matmul.cpp, kernels/matmul.cu) against the CPU oracle (csrc/cpu/matmul.cpp).
+
+Both benches get the same weight descriptor (tests/test_cpu_matmul.py's builders: MLX affine codes with
+scales of both signs, or dense rows) and the same inputs (bounded away from zero, both signs); outputs
+come from `empty` (poisoned), so an unwritten element fails the comparison.
+
+Tolerances (relative error ‖gpu − cpu‖ / ‖cpu‖):
+  * decode (GEMV): fp32 FMAs on the CUDA cores, another summation order than the CPU: 1e-5 (a host
+    emulation of the kernel measured 0.5-2e-7 against a float64 reference).
+  * prefill (GEMM): tensor cores with x as two bf16 terms (hi + lo: x to ~16 bits) and W exact (codes, or
+    bf16 as stored) or as hi + lo: 5e-5 (the emulation measured 1-7e-6; plain bf16 x would give ~1.5e-3,
+    so a lost lo term fails this bound).
+Bitwise: prefill rows do not depend on T (chunks of 7 vs one batch of 130), decode rows do not depend on T.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lily._core as core
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_cpu_matmul import _bf16_bits, make_weight, make_x  # noqa: E402
+
+
+def _cuda_usable() -> tuple[bool, str]:
+    try:
+        st = core.backends()["cuda"]
+    except Exception as e:  # an extension without the backends table
+        return False, f"lily._core.backends() failed: {e}"
+    if not hasattr(core, "OpBench"):
+        return False, "lily._core has no OpBench harness"
+    return bool(st.get("usable")), f"cuda backend not usable: {st.get('status')}"
+
+
+_OK, _WHY = _cuda_usable()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_WHY)]
+
+TOL = {"decode": 1e-5, "prefill": 5e-5}
+QSPECS = [f"q{b}g{g}-{sd}" for b in (4, 8) for g in (32, 64, 128) for sd in ("f32", "f16", "bf16")]
+DSPECS = ["f32", "f16", "bf16"]
+
+
+@pytest.fixture(scope="module")
+def benches():
+    return core.OpBench("cpu"), core.OpBench("cuda")
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a.astype(np.float64) - b.astype(np.float64)) / np.linalg.norm(b.astype(np.float64)))
+
+
+def _run(b, desc: dict, x: np.ndarray, phase: str) -> np.ndarray:
+    w = b.weight(desc)
+    xh = b.tensor(x, dtype="f32")
+    out = b.empty(x.shape[0], desc["shape"][0], dtype="f32")
+    b.run("matmul", phase=phase, x=xh, w=w, out=out)
+    return b.read(out)
+
+
+def _check(benches, desc: dict, x: np.ndarray, phase: str, what: str) -> np.ndarray:
+    cpu, gpu = benches
+    ref, got = _run(cpu, desc, x, phase), _run(gpu, desc, x, phase)
+    assert got.shape == ref.shape
+    assert np.isfinite(got).all(), f"{what}: non-finite outputs (unwritten rows or columns?)"
+    rel = _rel(got, ref)
+    assert rel <= TOL[phase], f"{what} {phase}: relative error {rel:.3g} > {TOL[phase]}"
+    return got
+
+
+def _variants(report) -> dict:
+    """The {key: variant} notes wherever the report keeps them (report["variants"] or report["cuda"][...])."""
+    if isinstance(report, dict):
+        if any(isinstance(k, str) and k.startswith("matmul.") for k in report):
+            return report
+        for v in report.values():
+            found = _variants(v)
+            if found:
+                return found
+    return {}
+
+
+def _k_for(spec: str) -> int:
+    return 384 if "g128" in spec else 192  # 64·3 where the group allows, else 128·3
+
+
+@pytest.mark.parametrize("spec", QSPECS + DSPECS)
+def test_every_format_both_phases(benches, spec):
+    """Every format the CPU supports, T = 1, 2, 7 in decode and 1, 2, 7, 33, 130 in prefill, N = 100."""
+    rng = np.random.default_rng(zlib.crc32(spec.encode()))
+    k = _k_for(spec)
+    desc, _ = make_weight(rng, spec, 100, k)
+    x = make_x(rng, 130, k)
+    for t in (1, 2, 7):
+        _check(benches, desc, x[:t], "decode", f"{spec} T={t}")
+    for t in (1, 2, 7, 33, 130):
+        _check(benches, desc, x[:t], "prefill", f"{spec} T={t}")
+
+
+@pytest.mark.parametrize("n,k", [(8192, 2048), (2048, 4096), (2048, 512)])
+def test_real_q4_shapes(benches, n, k):
+    """in_proj_qkv [8192, 2048], o_proj/out_proj [2048, 4096], shared_down [2048, 512] (q4g64, bf16)."""
+    rng = np.random.default_rng(n + k)
+    desc, _ = make_weight(rng, "q4g64-bf16", n, k)
+    x = make_x(rng, 130, k)
+    _check(benches, desc, x[:1], "decode", f"q4 [{n}, {k}]")
+    _check(benches, desc, x[:4], "decode", f"q4 [{n}, {k}]")
+    _check(benches, desc, x, "prefill", f"q4 [{n}, {k}]")
+
+
+@pytest.mark.parametrize("n", [256, 1])
+def test_router_and_shared_gate_q8(benches, n):
+    """mlp.gate [256, 2048] and shared_expert_gate [1, 2048]: 8-bit, group 64."""
+    rng = np.random.default_rng(n)
+    desc, _ = make_weight(rng, "q8g64-bf16", n, 2048)
+    x = make_x(rng, 33, 2048)
+    _check(benches, desc, x[:1], "decode", f"q8 [{n}, 2048]")
+    _check(benches, desc, x, "prefill", f"q8 [{n}, 2048]")
+
+
+@pytest.mark.parametrize("n", [1, 3, 100, 1000])
+@pytest.mark.parametrize("k", [64 * 3, 64 * 17])
+def test_awkward_shapes(benches, n, k):
+    """N not a multiple of any tile or row batch, K of 3 and 17 groups of 64 (partial K blocks)."""
+    rng = np.random.default_rng(n * 1000 + k)
+    for spec in ("q4g64-bf16", "q8g64-f16", "bf16"):
+        desc, _ = make_weight(rng, spec, n, k)
+        x = make_x(rng, 33, k)
+        _check(benches, desc, x[:2], "decode", f"{spec} [{n}, {k}]")
+        _check(benches, desc, x, "prefill", f"{spec} [{n}, {k}]")
+
+
+@pytest.mark.parametrize("spec", ["f32", "f16", "bf16"])
+def test_dense_odd_k(benches, spec):
+    """Dense rows whose byte length is not a multiple of 16 (or of 4): partial chunks, narrower loads."""
+    rng = np.random.default_rng(5)
+    for k in (7, 100, 1000):
+        desc, _ = make_weight(rng, spec, 40, k)
+        x = make_x(rng, 9, k)
+        _check(benches, desc, x[:1], "decode", f"{spec} K={k}")
+        _check(benches, desc, x, "prefill", f"{spec} K={k}")
+
+
+def test_lm_head_decode(benches):
+    """lm_head [248320, 2048] q4g64 (bf16 scales), one decode row: the largest weight, once."""
+    rng = np.random.default_rng(248320)
+    n, k, g = 248320, 2048, 64
+    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    scales = (rng.uniform(0.002, 0.05, (n, k // g)) * rng.choice([-1.0, 1.0], (n, k // g))).astype(np.float32)
+    biases = rng.normal(0.0, 0.3, (n, k // g)).astype(np.float32)
+    desc = {"kind": "affine", "bits": 4, "group": g, "data": words, "scales": _bf16_bits(scales),
+            "biases": _bf16_bits(biases), "scale_dtype": "bf16", "shape": (n, k)}
+    x = make_x(rng, 1, k)
+    _check(benches, desc, x, "decode", "lm_head")
+
+
+def test_rows_do_not_depend_on_t(benches):
+    """Prefill: chunks of 7 give the bits of one batch of 130. Decode: a row alone = that row in T = 7."""
+    _, gpu = benches
+    rng = np.random.default_rng(17)
+    desc, _ = make_weight(rng, "q4g64-bf16", 300, 1024)
+    x = make_x(rng, 130, 1024)
+    full = _run(gpu, desc, x, "prefill")
+    chunks = np.concatenate([_run(gpu, desc, x[i:i + 7], "prefill") for i in range(0, 130, 7)])
+    assert np.array_equal(full.view(np.uint32), chunks.view(np.uint32)), "prefill: chunks of 7 vs one batch"
+    d7 = _run(gpu, desc, x[:7], "decode")
+    for r in (0, 3, 6):
+        alone = _run(gpu, desc, x[r:r + 1], "decode")
+        assert np.array_equal(alone.view(np.uint32), d7[r:r + 1].view(np.uint32)), f"decode row {r} alone vs T=7"
+
+
+def test_decode_refuses_more_than_16_rows(benches):
+    _, gpu = benches
+    rng = np.random.default_rng(2)
+    desc, _ = make_weight(rng, "q4g64-bf16", 8, 128)
+    with pytest.raises(Exception, match="at most 16"):
+        _run(gpu, desc, make_x(rng, 17, 128), "decode")
+
+
+def test_variants_pinned_for_real_shapes(benches):
+    """The fast variants for the real model's weights (STYLE.md §5): a refactor that demotes one shows."""
+    _, gpu = benches
+    rng = np.random.default_rng(3)
+    expect = {("q4g64-bf16", 8192, 2048): "q4", ("q4g64-bf16", 512, 2048): "q4", ("q4g64-bf16", 2048, 512): "q4",
+              ("q8g64-bf16", 256, 2048): "q8"}
+    for (spec, n, k), kind in expect.items():
+        desc, _ = make_weight(rng, spec, n, k)
+        x = make_x(rng, 1, k)
+        _run(gpu, desc, x, "decode")
+        _run(gpu, desc, x, "prefill")
+    variants = _variants(gpu.report())
+    text = repr(variants)
+    for (spec, n, k), kind in expect.items():
+        dec = [v for key, v in variants.items() if key.startswith("matmul.decode.") and f"[{n}, {k}]" in key]
+        pre = [v for key, v in variants.items() if key.startswith("matmul.prefill.") and f"[{n}, {k}]" in key]
+        assert dec and dec[0].startswith(f"gemv_{kind}_cuda_g64_bf16s:"), f"decode [{n}, {k}]: {text}"
+        assert pre and pre[0].startswith(f"gemm_{kind}_mma_codes_g64_bf16s_x2:"), f"prefill [{n}, {k}]: {text}"
