@@ -35,9 +35,8 @@ void check_shape(int64_t heads, int64_t kv, int64_t D, int64_t rd) {
   if (kv <= 0 || heads % kv != 0 || heads / kv > 16)
     throw std::invalid_argument("cuda attention: heads " + std::to_string(heads) + " / kv_heads " +
                                 std::to_string(kv) + " must be a whole group of at most 16");
-  if (D % 64 != 0 || D > 256)
-    throw std::invalid_argument("cuda attention: head_dim " + std::to_string(D) +
-                                " must be a multiple of 64, at most 256");
+  if (D != 64 && D != 128 && D != 256)
+    throw std::invalid_argument("cuda attention: head_dim " + std::to_string(D) + " must be 64, 128 or 256");
   if (rd < 0 || rd > D || rd % 2 != 0)
     throw std::invalid_argument("cuda attention: rotary_dim " + std::to_string(rd) + " must be even, <= head_dim");
 }
@@ -119,7 +118,7 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
   }
 
   const int64_t es = code == 2 ? 2 : 4;
-  const int64_t rows = std::min<int64_t>(64, 16384 / (D * es));  // PF_R
+  const int64_t rows = std::min<int64_t>(64, 16384 / (D * es)) / 4 * 4;  // PF_R (a multiple of PF_U)
   const int smem = int(2 * 2 * rows * D * es);                   // two stages of K and V tiles
   const Kernel& pf = kernel("attention", "attn_prefill", defs);
   if (smem > 48 * 1024) set_dynamic_smem(pf, smem);

@@ -1,7 +1,7 @@
 // Gated full attention (MODEL.md section 4): q/k preparation, KV append, causal GQA attention with the
 // output gate. The CPU oracle is csrc/cpu/attention.cpp; every kernel computes its function in fp32.
 //
-// Defines: HEAD_DIM (D, a multiple of 64, at most 256), GROUP (query heads per kv head, G <= 16),
+// Defines: HEAD_DIM (D: 64, 128 or 256), GROUP (query heads per kv head, G <= 16),
 // KV_BF16 (1: caches hold bf16 rows, 0: f32 rows). Caches are [kv_heads * max_ctx, D], head-major.
 //
 // attn_qk_prep   qg [T, heads*2D] (per head [query D | gate D]), k [T, kv*D], q_norm/k_norm [D]
@@ -21,8 +21,9 @@
 //                g·(32/GP)...; online softmax in fp32; the warps of a block merge through shared memory
 //                and write one partial (m, l, o[G][D]) per (split, kv head) to ws. The reduce (grid heads,
 //                block 128) merges the a partials of its head and applies sigmoid(gate).
-//                Floor: 2·kv·len·D·ES bytes of cache (bf16, 128K, real shape: 256 MiB... = 2·2·131072·256·2
-//                = 268 MB, ~60 µs at 4.5 TB/s); FLOPs 4·heads·len·D (fp32 FMA: about the same time at G=8).
+//                Floor: 2·kv·len·D·ES bytes of cache; real shape, bf16, len 128K: 2·2·131072·256·2 =
+//                268 MB, ~60 µs at 4.5 TB/s. FLOPs 4·heads·len·D = 2.1 GFLOP: ~35 µs of fp32 FMA at full
+//                issue, plus about 50% overhead (conversions, shuffles, exp), so close to the byte floor.
 // attn_prefill   (any T): grid (ceil(T / PF_QT), kv), block PF_QT warps, warp w = token
 //                blockIdx.x·PF_QT + w with all G heads of the kv head; K/V tiles of PF_R rows are
 //                staged in shared memory by cp.async (double buffered) and shared by the block's warps;
@@ -53,7 +54,7 @@ constexpr int VEC = VEC0 < D / 32 ? VEC0 : D / 32;  // elements per lane per loa
 constexpr int NCH = D / (32 * VEC);                  // loads per lane per row
 constexpr int EPL = D / 32;                          // elements per lane
 constexpr int RW = VEC * ES / 4;                     // 32-bit words per load
-static_assert(D % 64 == 0 && D <= 256, "HEAD_DIM must be a multiple of 64, at most 256");
+static_assert(D == 64 || D == 128 || D == 256, "HEAD_DIM must be 64, 128 or 256");
 static_assert(G >= 1 && G <= 16, "GROUP must be 1..16");
 static_assert(RW == 1 || RW == 2 || RW == 4, "load width");
 
@@ -65,7 +66,7 @@ static_assert(RW == 1 || RW == 2 || RW == 4, "load width");
 #define PF_QT 8
 #define PF_U 4
 constexpr int PF_R0 = 16384 / (D * ES);
-constexpr int PF_R = PF_R0 > 64 ? 64 : PF_R0;  // 32 (bf16, D 256), 16 (f32, D 256), 64 (D 64)
+constexpr int PF_R = (PF_R0 > 64 ? 64 : PF_R0) / PF_U * PF_U;  // 32 (bf16, D 256), 16 (f32, D 256), 64 (D 64)
 constexpr int PF_STAGE_BYTES = 2 * PF_R * D * ES;  // K tile then V tile
 
 // Element index of lane `lane`, load c, component i (the same mapping for q, k, v, o and the gate).
