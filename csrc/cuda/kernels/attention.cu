@@ -15,8 +15,9 @@
 //                DEC_NW warps; the live length len = pos[0] + 1 is read on the device and cut into
 //                a = min(NS, ceil(len / MIN_CHUNK)) contiguous chunks, block s < a takes chunk s, blocks
 //                s >= a exit. Inside a block each warp holds the G queries of its kv head (lane l: D/32
-//                elements of each) and streams rows DEC_U at a time with 16-byte loads (one K row and one
-//                V row per warp load instruction; each row is read once for all G heads); scores are
+//                elements of each) and streams rows DEC_U at a time with 16-byte loads (a warp covers a bf16
+//                row of 256 in one load instruction, an f32 row in two; each row is read once for all G
+//                heads); scores are
 //                reduced over the warp with a butterfly that leaves head g's score in lanes
 //                g·(32/GP)...; online softmax in fp32; the warps of a block merge through shared memory
 //                and write one partial (m, l, o[G][D]) per (split, kv head) to ws. The reduce (grid heads,
