@@ -7,10 +7,13 @@
 //   graph fits every position; the live length pos[0] + 1 is cut on the device into
 //   a = min(ns, ceil(len / 64)) chunks (blocks past a exit) and the reduce merges those a partials. So a
 //   short context costs a few blocks and a 128K one spreads over two blocks per SM.
-// - attention, prefill (any other call): the fp32 flash kernel (tiles of K/V staged in shared memory by
-//   cp.async, shared by 8 tokens × G heads, online softmax in fp32).
+// - attention, prefill (any other call), bf16 caches and G dividing 64: attn_prefill_mma, flash attention
+//   on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulation) with q and p split into two bf16 halves so
+//   the result stays within ~1e-5 of fp32. f32 caches (or LILY_CUDA_ATTENTION_PREFILL=fp32): the fp32
+//   flash kernel (K/V tiles staged in shared memory by cp.async, shared by 8 tokens × G heads).
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -117,16 +120,35 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
     return;
   }
 
+  // Tensor-core prefill for bf16 caches (K and V exact in bf16; q and p carried as two bf16 halves) when the
+  // group divides the 64-row query tile and the shared memory fits; LILY_CUDA_ATTENTION_PREFILL=fp32 forces
+  // the fp32 kernel (tests compare the two).
+  const char* force = std::getenv("LILY_CUDA_ATTENTION_PREFILL");
+  const bool want_fp32 = force && std::string(force) == "fp32";
+  const int mm_smem = int((2 * 64 + 4 * 32) * (D * 2 + 16));
+  if (code == 2 && 64 % G == 0 && !want_fp32 && mm_smem <= info().max_smem_optin) {
+    const Kernel& mm = kernel("attention", "attn_prefill_mma", defs);
+    if (mm_smem > 48 * 1024) set_dynamic_smem(mm, mm_smem);
+    const int64_t qt = 64 / G;
+    launch(mm, Dim3{unsigned(ceil_div(T, qt)), unsigned(s.kv_heads), 1}, Dim3{128, 1, 1}, uint32_t(mm_smem), ptr(q),
+           int64_t(q.stride), ptr(gate), int64_t(gate.stride), ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx),
+           int(T), scale, ptr(out), int64_t(out.stride));
+    note_variant("attention.prefill", "mma.sync bf16 flash: 64 query rows (" + std::to_string(qt) + " tokens × " +
+                                          std::to_string(G) + " heads) per block of 4 warps, K/V tiles of 32 rows " +
+                                          "via cp.async (2 stages), q and p as bf16 hi + lo, fp32 softmax");
+    return;
+  }
   const int64_t es = code == 2 ? 2 : 4;
   const int64_t rows = std::min<int64_t>(64, 16384 / (D * es)) / 4 * 4;  // PF_R (a multiple of PF_U)
-  const int smem = int(2 * 2 * rows * D * es);                   // two stages of K and V tiles
+  const int smem = int(2 * 2 * rows * D * es);                             // two stages of K and V tiles
   const Kernel& pf = kernel("attention", "attn_prefill", defs);
   if (smem > 48 * 1024) set_dynamic_smem(pf, smem);
   launch(pf, Dim3{unsigned(ceil_div(T, kPrefillTokens)), unsigned(s.kv_heads), 1}, Dim3{32 * kPrefillTokens, 1, 1},
          uint32_t(smem), ptr(q), int64_t(q.stride), ptr(gate), int64_t(gate.stride), ptr(k_cache), ptr(v_cache),
          ptr(pos), int64_t(max_ctx), int(T), scale, ptr(out), int64_t(out.stride));
   note_variant("attention.prefill", "flash fp32: 8 tokens × G heads per block, K/V tiles of " + std::to_string(rows) +
-                                        " rows via cp.async (2 stages), online softmax");
+                                        " rows via cp.async (2 stages), online softmax" +
+                                        (want_fp32 ? " (forced by LILY_CUDA_ATTENTION_PREFILL)" : ""));
 }
 
 }  // namespace lily::cuda

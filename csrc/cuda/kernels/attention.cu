@@ -383,6 +383,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_reduce(
 // ---------------------------------------------------------------------------------------------------
 // prefill
 // ---------------------------------------------------------------------------------------------------
+// ---- PTX wrappers (sm_80+): cp.async, ldmatrix, mma.sync ----
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   return static_cast<u32>(__cvta_generic_to_shared(p));
 }
@@ -395,6 +396,28 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+// Four 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+// c[16x8] += a[16x16] (row) · b[16x8] (col), bf16 operands, fp32 accumulation.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// ---- end PTX wrappers ----
 
 // Stages rows [j0, j0 + PF_R) of K and V (rows >= len zero filled) into `stage`.
 __device__ __forceinline__ void pf_load(unsigned char* stage, const unsigned char* kb, const unsigned char* vb,
@@ -474,3 +497,204 @@ extern "C" __global__ void __launch_bounds__(PF_QT * 32) attn_prefill(
       }
   }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// prefill on tensor cores (bf16 caches, G dividing 64)
+// ---------------------------------------------------------------------------------------------------
+// Block: 4 warps, MM_BM = 64 query rows = MM_QT tokens × G heads of one kv head (row r: token
+// r / G, head r % G), warp w owns rows 16w..16w+15. Q is staged once in shared memory as two bf16 halves
+// (q = hi + lo, both rounded to nearest), K/V tiles of MM_BN rows by cp.async (double buffered); per tile
+// S = Q_hi·Kᵀ + Q_lo·Kᵀ and O += P_hi·V + P_lo·V with mma.sync m16n8k16 (fp32 accumulation), so
+// the products carry about 16 mantissa bits of q and p and the result stays within ~1e-6 of the fp32
+// kernel. Online softmax in fp32 on the S fragments (each lane: 2 rows × 2 columns per 8-key tile).
+// Shared memory: (2·MM_BM + 4·MM_BN) rows of D·2 + 16 bytes (the pad keeps ldmatrix conflict free):
+// 135 KB at D = 256. FLOPs 4× those of plain bf16 attention (the two halves of both products).
+#if KV_BF16 && (64 % GROUP == 0)
+#define MM_BM 64
+#define MM_BN 32
+constexpr int MM_QT = MM_BM / G;
+constexpr int MM_PITCH = D * 2 + 16;  // bytes per staged row
+constexpr int MM_NT = D / 8;          // n-tiles of the output
+constexpr int MM_SMEM = (2 * MM_BM + 4 * MM_BN) * MM_PITCH;
+
+__device__ __forceinline__ u32 pack_bf16(u16 lo, u16 hi) { return u32(lo) | (u32(hi) << 16); }
+// p = hi + lo in bf16 (hi = round(p), lo = round(p - hi)); returns the two packed pairs for (x0, x1).
+__device__ __forceinline__ void split2(float x0, float x1, u32& hi, u32& lo) {
+  const u16 h0 = f32_to_bf16(x0), h1 = f32_to_bf16(x1);
+  hi = pack_bf16(h0, h1);
+  lo = pack_bf16(f32_to_bf16(x0 - bf16_to_f32(h0)), f32_to_bf16(x1 - bf16_to_f32(h1)));
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
+    const float* __restrict__ q, i64 q_stride, const float* __restrict__ gate, i64 g_stride,
+    const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
+    const int* __restrict__ pos, i64 max_ctx, int T, float scale, float* __restrict__ out, i64 o_stride) {
+  extern __shared__ __align__(16) unsigned char mm_smem[];
+  unsigned char* qhi = mm_smem;
+  unsigned char* qlo = qhi + MM_BM * MM_PITCH;
+  unsigned char* kv0 = qlo + MM_BM * MM_PITCH;  // stage s: K at kv0 + s·2·BN·PITCH, V after it
+  const int kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t0 = blockIdx.x * MM_QT;
+  const int t_last = min(T - 1, t0 + MM_QT - 1);
+  const int pos0 = pos[0];
+  const int len_block = pos0 + t_last + 1;
+  const unsigned char* kb = k_cache + i64(kvh) * max_ctx * D * 2;
+  const unsigned char* vb = v_cache + i64(kvh) * max_ctx * D * 2;
+
+  // K/V tile loader: rows [j0, j0 + BN), zero past len_block.
+  auto load_tile = [&](int stage, int j0) {
+    constexpr int ROW16 = D * 2 / 16;
+    const u32 base = smem_addr(kv0 + stage * 2 * MM_BN * MM_PITCH);
+    for (int ci = threadIdx.x; ci < 2 * MM_BN * ROW16; ci += blockDim.x) {
+      const int which = ci / (MM_BN * ROW16), cj = ci % (MM_BN * ROW16), r = cj / ROW16, c16 = cj % ROW16;
+      const bool ok = j0 + r < len_block;
+      const unsigned char* src = (which ? vb : kb) + (ok ? (i64(j0 + r) * ROW16 + c16) * 16 : 0);
+      cp_async16(base + u32((which * MM_BN + r) * MM_PITCH + c16 * 16), src, ok);
+    }
+  };
+  load_tile(0, 0);
+  cp_async_commit();
+
+  // Q (pairs of elements), split into bf16 halves; rows of tokens past T are zero.
+  for (int idx = threadIdx.x; idx < MM_BM * D / 2; idx += blockDim.x) {
+    const int r = idx / (D / 2), e = (idx % (D / 2)) * 2;
+    const int t = t0 + r / G, h = kvh * G + r % G;
+    float x0 = 0.f, x1 = 0.f;
+    if (t < T) {
+      x0 = q[i64(t) * q_stride + i64(h) * D + e];
+      x1 = q[i64(t) * q_stride + i64(h) * D + e + 1];
+    }
+    u32 hi, lo;
+    split2(x0, x1, hi, lo);
+    *reinterpret_cast<u32*>(qhi + r * MM_PITCH + e * 2) = hi;
+    *reinterpret_cast<u32*>(qlo + r * MM_PITCH + e * 2) = lo;
+  }
+
+  // This lane's two rows (A: lane / 4, B: lane / 4 + 8 of the warp's 16) and their last visible key.
+  const int rA = warp * 16 + (lane >> 2), rB = rA + 8;
+  const int tA = t0 + rA / G, tB = t0 + rB / G;
+  const int limA = pos0 + min(tA, t_last), limB = pos0 + min(tB, t_last);  // padding rows: harmless
+  const int lim_warp = pos0 + min(t0 + (warp * 16 + 15) / G, t_last);
+  float o[MM_NT][4];
+#pragma unroll
+  for (int n = 0; n < MM_NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float mA = NEG_INF, mB = NEG_INF, lA = 0.f, lB = 0.f;  // l: this lane's columns only
+
+  const int ntile = (len_block + MM_BN - 1) / MM_BN;
+  for (int it = 0; it < ntile; ++it) {
+    if (it + 1 < ntile) {
+      load_tile((it + 1) & 1, (it + 1) * MM_BN);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int jt = it * MM_BN;
+    if (jt <= lim_warp) {
+      const unsigned char* ks = kv0 + (it & 1) * 2 * MM_BN * MM_PITCH;
+      const unsigned char* vs = ks + MM_BN * MM_PITCH;
+      // S = Q·Kᵀ over the tile: 4 n-tiles of 8 keys, hi and lo accumulated apart.
+      float sh[MM_BN / 8][4], sl[MM_BN / 8][4];
+#pragma unroll
+      for (int n = 0; n < MM_BN / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sh[n][c] = sl[n][c] = 0.f;
+      const int arow = warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7), acol = (lane >> 4) * 8;
+      const int brow = (lane >> 4) * 8 + (lane & 7), bcol = ((lane >> 3) & 1) * 8;
+#pragma unroll 4
+      for (int kk = 0; kk < D / 16; ++kk) {
+        u32 ah[4], al[4];
+        ldsm_x4(ah, smem_addr(qhi + arow * MM_PITCH + (kk * 16 + acol) * 2));
+        ldsm_x4(al, smem_addr(qlo + arow * MM_PITCH + (kk * 16 + acol) * 2));
+#pragma unroll
+        for (int np = 0; np < MM_BN / 16; ++np) {
+          u32 b[4];
+          ldsm_x4(b, smem_addr(ks + (np * 16 + brow) * MM_PITCH + (kk * 16 + bcol) * 2));
+          mma_bf16(sh[2 * np], ah, b[0], b[1]);
+          mma_bf16(sh[2 * np + 1], ah, b[2], b[3]);
+          mma_bf16(sl[2 * np], al, b[0], b[1]);
+          mma_bf16(sl[2 * np + 1], al, b[2], b[3]);
+        }
+      }
+      // Scale, mask, online softmax (rows A: c0 c1, B: c2 c3).
+      float mxA = NEG_INF, mxB = NEG_INF;
+#pragma unroll
+      for (int n = 0; n < MM_BN / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int j = jt + n * 8 + (lane & 3) * 2 + (c & 1);
+          const float v = (sh[n][c] + sl[n][c]) * scale;
+          const bool ok = j <= (c < 2 ? limA : limB);
+          sh[n][c] = ok ? v : NEG_INF;
+          if (c < 2) mxA = fmaxf(mxA, sh[n][c]); else mxB = fmaxf(mxB, sh[n][c]);
+        }
+      mxA = fmaxf(mxA, __shfl_xor_sync(FULL_MASK, mxA, 1));
+      mxA = fmaxf(mxA, __shfl_xor_sync(FULL_MASK, mxA, 2));
+      mxB = fmaxf(mxB, __shfl_xor_sync(FULL_MASK, mxB, 1));
+      mxB = fmaxf(mxB, __shfl_xor_sync(FULL_MASK, mxB, 2));
+      const float nA = fmaxf(mA, mxA), nB = fmaxf(mB, mxB);  // finite: key 0 is in every row's first tile
+      const float cA = expf(mA - nA), cB = expf(mB - nB);
+      mA = nA;
+      mB = nB;
+      float psA = 0.f, psB = 0.f;
+#pragma unroll
+      for (int n = 0; n < MM_BN / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float p = expf(sh[n][c] - (c < 2 ? nA : nB));
+          sh[n][c] = p;
+          if (c < 2) psA += p; else psB += p;
+        }
+      lA = lA * cA + psA;
+      lB = lB * cB + psB;
+#pragma unroll
+      for (int n = 0; n < MM_NT; ++n) {
+        o[n][0] *= cA;
+        o[n][1] *= cA;
+        o[n][2] *= cB;
+        o[n][3] *= cB;
+      }
+      // O += P·V: k-steps of 16 keys; A fragments straight from the S fragments.
+      const int vrow = ((lane >> 3) & 1) * 8 + (lane & 7), vcol = (lane >> 4) * 8;
+#pragma unroll
+      for (int kk = 0; kk < MM_BN / 16; ++kk) {
+        u32 ph[4], pl[4];
+        split2(sh[2 * kk][0], sh[2 * kk][1], ph[0], pl[0]);
+        split2(sh[2 * kk][2], sh[2 * kk][3], ph[1], pl[1]);
+        split2(sh[2 * kk + 1][0], sh[2 * kk + 1][1], ph[2], pl[2]);
+        split2(sh[2 * kk + 1][2], sh[2 * kk + 1][3], ph[3], pl[3]);
+#pragma unroll
+        for (int np = 0; np < D / 16; ++np) {
+          u32 b[4];
+          ldsm_x4_t(b, smem_addr(vs + (kk * 16 + vrow) * MM_PITCH + (np * 16 + vcol) * 2));
+          mma_bf16(o[2 * np], ph, b[0], b[1]);
+          mma_bf16(o[2 * np + 1], ph, b[2], b[3]);
+          mma_bf16(o[2 * np], pl, b[0], b[1]);
+          mma_bf16(o[2 * np + 1], pl, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  lA += __shfl_xor_sync(FULL_MASK, lA, 1);
+  lA += __shfl_xor_sync(FULL_MASK, lA, 2);
+  lB += __shfl_xor_sync(FULL_MASK, lB, 1);
+  lB += __shfl_xor_sync(FULL_MASK, lB, 2);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = half ? rB : rA, t = t0 + r / G, h = kvh * G + r % G;
+    const float l = half ? lB : lA;
+    if (t >= T) continue;
+    const float* gt = gate + i64(t) * g_stride + i64(h) * D;
+    float* po = out + i64(t) * o_stride + i64(h) * D;
+#pragma unroll
+    for (int n = 0; n < MM_NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int e = n * 8 + (lane & 3) * 2 + c;
+        po[e] = o[n][half * 2 + c] / l / (1.f + expf(-gt[e]));
+      }
+  }
+}
+#endif
