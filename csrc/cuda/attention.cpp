@@ -38,8 +38,8 @@ void check_shape(int64_t heads, int64_t kv, int64_t D, int64_t rd) {
   if (kv <= 0 || heads % kv != 0 || heads / kv > 16)
     throw std::invalid_argument("cuda attention: heads " + std::to_string(heads) + " / kv_heads " +
                                 std::to_string(kv) + " must be a whole group of at most 16");
-  if (D != 64 && D != 128 && D != 256)
-    throw std::invalid_argument("cuda attention: head_dim " + std::to_string(D) + " must be 64, 128 or 256");
+  if (D != 32 && D != 64 && D != 128 && D != 256)
+    throw std::invalid_argument("cuda attention: head_dim " + std::to_string(D) + " must be 32, 64, 128 or 256");
   if (rd < 0 || rd > D || rd % 2 != 0)
     throw std::invalid_argument("cuda attention: rotary_dim " + std::to_string(rd) + " must be even, <= head_dim");
 }

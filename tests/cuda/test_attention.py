@@ -14,7 +14,7 @@ Same inputs on both benches (fresh random, both signs), the op on each, compared
   fp32 prefill kernel, compared here too.
 Cache rows past the live length are NaN, so a kernel that reads one (or leaves an output unwritten: outputs
 are poisoned) fails. Real shapes (16 q heads, 2 kv heads, head_dim 256, rotary 64, theta 1e7) and awkward
-ones (6/3 × 64, rotary 16; 4/1 × 128, rotary 32), f32 and bf16 caches, decode and prefill.
+ones (6/3 × 64, rotary 16; 4/1 × 128, rotary 32; 2/1 × 32, rotary 8), f32 and bf16 caches, decode and prefill.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ REAL = dict(heads=16, kv_heads=2, head_dim=256, rotary_dim=64, rope_theta=1e7, e
 AWKWARD = [
     dict(heads=6, kv_heads=3, head_dim=64, rotary_dim=16, rope_theta=1e4, eps=1e-6),
     dict(heads=4, kv_heads=1, head_dim=128, rotary_dim=32, rope_theta=1e6, eps=1e-5),
+    dict(heads=2, kv_heads=1, head_dim=32, rotary_dim=8, rope_theta=1e7, eps=1e-6),  # tests/tiny.py's
 ]
+AWKWARD_IDS = ["6x3x64", "4x1x128", "2x1x32"]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,7 @@ def _attention(benches, s, q, gate, kc, vc, pos0, max_ctx, cache_dtype, phase):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("s", [REAL] + AWKWARD, ids=["real", "6x3x64", "4x1x128"])
+@pytest.mark.parametrize("s", [REAL] + AWKWARD, ids=["real"] + AWKWARD_IDS)
 def test_qk_prep(benches, s):
     rng = np.random.default_rng(1)
     H, kv, D = s["heads"], s["kv_heads"], s["head_dim"]
@@ -191,7 +193,7 @@ def test_attention_prefill_real(benches, cache_dtype):
         assert _rel(g, c) < _tol("prefill", cache_dtype), (T, pos0)
 
 
-@pytest.mark.parametrize("s", AWKWARD, ids=["6x3x64", "4x1x128"])
+@pytest.mark.parametrize("s", AWKWARD, ids=AWKWARD_IDS)
 @pytest.mark.parametrize("cache_dtype", ["f32", "bf16"])
 def test_attention_awkward(benches, s, cache_dtype):
     rng = np.random.default_rng(7)
@@ -255,7 +257,7 @@ def test_attention_layer_chunked(benches, cache_dtype):
     assert "attention.decode" in str(gb.report()) and "attention.prefill" in str(gb.report())
 
 
-@pytest.mark.parametrize("s", [REAL] + AWKWARD, ids=["real", "6x3x64", "4x1x128"])
+@pytest.mark.parametrize("s", [REAL] + AWKWARD, ids=["real"] + AWKWARD_IDS)
 def test_attention_prefill_fp32_vs_mma(benches, s, monkeypatch):
     """bf16 caches: the tensor-core prefill and the fp32 prefill kernel, both against the CPU."""
     rng = np.random.default_rng(9)

@@ -1,7 +1,7 @@
 // Gated full attention (MODEL.md section 4): q/k preparation, KV append, causal GQA attention with the
 // output gate. The CPU oracle is csrc/cpu/attention.cpp; every kernel computes its function in fp32.
 //
-// Defines: HEAD_DIM (D: 64, 128 or 256), GROUP (query heads per kv head, G <= 16),
+// Defines: HEAD_DIM (D: 32, 64, 128 or 256), GROUP (query heads per kv head, G <= 16),
 // KV_BF16 (1: caches hold bf16 rows, 0: f32 rows). Caches are [kv_heads * max_ctx, D], head-major.
 //
 // attn_qk_prep   qg [T, heads*2D] (per head [query D | gate D]), k [T, kv*D], q_norm/k_norm [D]
@@ -54,8 +54,8 @@ constexpr int VEC0 = 16 / ES;
 constexpr int VEC = VEC0 < D / 32 ? VEC0 : D / 32;  // elements per lane per load
 constexpr int NCH = D / (32 * VEC);                  // loads per lane per row
 constexpr int EPL = D / 32;                          // elements per lane
-constexpr int RW = VEC * ES / 4;                     // 32-bit words per load
-static_assert(D == 64 || D == 128 || D == 256, "HEAD_DIM must be 64, 128 or 256");
+constexpr int RW = VEC * ES >= 4 ? VEC * ES / 4 : 1;  // 32-bit words per load (D 32, bf16: half of one)
+static_assert(D == 32 || D == 64 || D == 128 || D == 256, "HEAD_DIM must be 32, 64, 128 or 256");
 static_assert(G >= 1 && G <= 16, "GROUP must be 1..16");
 static_assert(RW == 1 || RW == 2 || RW == 4, "load width");
 
@@ -80,6 +80,8 @@ __device__ __forceinline__ void ld_raw(const void* p, u32 (&r)[RW]) {
   } else if constexpr (RW == 2) {
     const uint2 v = *static_cast<const uint2*>(p);
     r[0] = v.x; r[1] = v.y;
+  } else if constexpr (VEC * ES == 2) {
+    r[0] = u32(*static_cast<const u16*>(p));
   } else {
     r[0] = *static_cast<const u32*>(p);
   }
@@ -93,7 +95,7 @@ __device__ __forceinline__ void cvt_raw(const u32 (&r)[RW], float (&f)[VEC]) {
   for (int w = 0; w < RW; ++w) {
     if constexpr (ES == 2) {
       f[2 * w] = __uint_as_float(r[w] << 16);
-      f[2 * w + 1] = __uint_as_float(r[w] & 0xffff0000u);
+      if constexpr (VEC > 1) f[2 * w + 1] = __uint_as_float(r[w] & 0xffff0000u);
     } else {
       f[w] = __uint_as_float(r[w]);
     }
