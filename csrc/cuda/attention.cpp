@@ -1,0 +1,154 @@
+// Gated full attention on CUDA (MODEL.md section 4): kernels/attention.cu, oracle csrc/cpu/attention.cpp.
+//
+// Variants.
+// - attn_qk_prep, kv_append: one kernel each, one warp per (token, head) / one block per (token, kv head).
+// - attention, decode step (phase Decode, T = 1): always the split-KV form. The grid has ns blocks per kv
+//   head, ns = min(ceil(max_ctx / 64), ceil(2·SMs / kv_heads), 256), fixed at encode time so the captured
+//   graph fits every position; the live length pos[0] + 1 is cut on the device into
+//   a = min(ns, ceil(len / 64)) chunks (blocks past a exit) and the reduce merges those a partials. So a
+//   short context costs a few blocks and a 128K one spreads over two blocks per SM.
+// - attention, prefill (any other call), bf16 caches and G dividing 64: attn_prefill_mma, flash attention
+//   on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulation) with q and p split into two bf16 halves so
+//   the result stays within ~1e-5 of fp32. f32 caches (or LILY_CUDA_ATTENTION_PREFILL=fp32): the fp32
+//   flash kernel (K/V tiles staged in shared memory by cp.async, shared by 8 tokens × G heads).
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/backend.h"
+#include "model/config.h"
+
+namespace lily::cuda {
+
+namespace {
+
+constexpr int64_t kMinChunk = 64;   // MIN_CHUNK in attention.cu
+constexpr int64_t kSplitCap = 256;  // most splits per kv head
+constexpr int kDecodeWarps = 4;     // DEC_NW
+constexpr int kPrefillTokens = 8;   // PF_QT
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Splits per kv head that the workspace holds for max_ctx (the grid never exceeds it).
+int64_t split_room(int64_t max_ctx) { return std::max<int64_t>(1, std::min(kSplitCap, ceil_div(max_ctx, kMinChunk))); }
+
+void check_shape(int64_t heads, int64_t kv, int64_t D, int64_t rd) {
+  if (kv <= 0 || heads % kv != 0 || heads / kv > 16)
+    throw std::invalid_argument("cuda attention: heads " + std::to_string(heads) + " / kv_heads " +
+                                std::to_string(kv) + " must be a whole group of at most 16");
+  if (D != 32 && D != 64 && D != 128 && D != 256)
+    throw std::invalid_argument("cuda attention: head_dim " + std::to_string(D) + " must be 32, 64, 128 or 256");
+  if (rd < 0 || rd > D || rd % 2 != 0)
+    throw std::invalid_argument("cuda attention: rotary_dim " + std::to_string(rd) + " must be even, <= head_dim");
+}
+
+int cache_code(const Tensor& c) {
+  if (c.dtype == DType::BF16) return 2;  // LILY_BF16
+  if (c.dtype == DType::F32) return 0;   // LILY_F32
+  throw std::invalid_argument("cuda attention: KV cache must be f32 or bf16");
+}
+
+}  // namespace
+
+size_t attention_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t max_ctx) {
+  (void)rows;  // prefill needs no scratch; decode partials depend on max_ctx only
+  if (c.kv_heads <= 0 || c.heads <= 0) return 0;
+  const int64_t G = c.heads / c.kv_heads, D = c.head_dim;
+  return size_t(c.kv_heads) * size_t(split_room(max_ctx)) * size_t(G) * size_t(D + 2) * sizeof(float);
+}
+
+void CudaOps::attn_qk_prep_impl(const Tensor& qg, const Tensor& k, const Tensor& q_norm, const Tensor& k_norm,
+                                const Tensor& pos, const AttentionShape& s, const Tensor& q_out,
+                                const Tensor& gate_out, const Tensor& k_out) {
+  check_shape(s.heads, s.kv_heads, s.head_dim, s.rotary_dim);
+  if (qg.rows == 0) return;
+  const Kernel& kn = kernel("attention", "attn_qk_prep", {{"HEAD_DIM", s.head_dim}});
+  const unsigned gy = unsigned(ceil_div(s.heads + s.kv_heads, 4));
+  launch(kn, Dim3{unsigned(qg.rows), gy, 1}, Dim3{128, 1, 1}, 0, ptr(qg), int64_t(qg.stride), ptr(k),
+         int64_t(k.stride), ptr(q_norm), ptr(k_norm), ptr(pos), ptr(q_out), int64_t(q_out.stride), ptr(gate_out),
+         int64_t(gate_out.stride), ptr(k_out), int64_t(k_out.stride), int(s.heads), int(s.kv_heads),
+         int(s.rotary_dim), double(s.rope_theta), float(s.eps));
+  note_variant("attention.qk_prep", "attn_qk_prep: warp per (token, head), RoPE angles in double");
+}
+
+void CudaOps::kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& pos, const Tensor& k_cache,
+                             const Tensor& v_cache, int64_t max_ctx, const AttentionShape& s) {
+  check_shape(s.heads, s.kv_heads, s.head_dim, s.rotary_dim);
+  if (k.rows == 0) return;
+  if (k_cache.dtype != v_cache.dtype) throw std::invalid_argument("cuda kv_append: K and V caches differ in dtype");
+  const Kernel& kn = kernel("attention", "attn_kv_append", {{"HEAD_DIM", s.head_dim}});
+  launch(kn, Dim3{unsigned(k.rows), unsigned(s.kv_heads), 1}, Dim3{64, 1, 1}, 0, ptr(k), int64_t(k.stride), ptr(v),
+         int64_t(v.stride), ptr(pos), ptr(k_cache), ptr(v_cache), int64_t(max_ctx), cache_code(k_cache));
+}
+
+void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache, const Tensor& v_cache,
+                             const Tensor& pos, int64_t max_ctx, const AttentionShape& s, const Tensor& ws,
+                             const Tensor& out) {
+  check_shape(s.heads, s.kv_heads, s.head_dim, s.rotary_dim);
+  const int64_t T = q.rows, D = s.head_dim, G = s.heads / s.kv_heads;
+  if (T == 0) return;
+  const int code = cache_code(k_cache);
+  if (v_cache.dtype != k_cache.dtype) throw std::invalid_argument("cuda attention: K and V caches differ in dtype");
+  if ((ptr(k_cache) | ptr(v_cache)) % 16 != 0)
+    throw std::invalid_argument("cuda attention: KV caches must be 16-byte aligned");
+  const Defines defs = {{"HEAD_DIM", D}, {"GROUP", G}, {"KV_BF16", code == 2 ? 1 : 0}};
+  const float scale = 1.f / std::sqrt(float(D));
+
+  if (phase() == Phase::Decode && T == 1) {
+    const int64_t room = split_room(max_ctx);
+    const int64_t fill = ceil_div(2 * int64_t(std::max(1, info().sms)), s.kv_heads);
+    const int64_t ns = std::max<int64_t>(1, std::min(room, fill));
+    const size_t part_o = size_t(s.kv_heads) * size_t(room) * size_t(G) * size_t(D);
+    const size_t need = (part_o + size_t(s.kv_heads) * size_t(room) * size_t(G) * 2) * sizeof(float);
+    if (ws.bytes() < need)
+      throw std::logic_error("cuda attention: workspace of " + std::to_string(ws.bytes()) + " bytes, " +
+                             std::to_string(need) + " needed");
+    const CUdeviceptr po = ptr(ws), pml = po + part_o * sizeof(float);
+    const Kernel& split = kernel("attention", "attn_decode_split", defs);
+    launch(split, Dim3{unsigned(ns), unsigned(s.kv_heads), 1}, Dim3{32 * kDecodeWarps, 1, 1}, 0, ptr(q), ptr(k_cache),
+           ptr(v_cache), ptr(pos), int64_t(max_ctx), int(ns), scale, po, pml);
+    const Kernel& reduce = kernel("attention", "attn_decode_reduce", defs);
+    launch(reduce, Dim3{unsigned(s.heads), 1, 1}, Dim3{128, 1, 1}, uint32_t(ns * sizeof(float)), po, pml, ptr(pos),
+           int(ns), ptr(gate), ptr(out));
+    note_variant("attention.decode",
+                 "split-KV: " + std::to_string(ns) + " splits/kv head (max_ctx " + std::to_string(max_ctx) +
+                     ", >= 64 rows each, live length cut on device), " + std::to_string(kDecodeWarps) +
+                     " warps × " + (code == 2 ? "4 bf16" : "2 f32") +
+                     " rows in flight, all G heads per KV row, fp32 FMA; then the reduce");
+    return;
+  }
+
+  // Tensor-core prefill for bf16 caches (K and V exact in bf16; q and p carried as two bf16 halves) when the
+  // group divides the 64-row query tile and the shared memory fits; LILY_CUDA_ATTENTION_PREFILL=fp32 forces
+  // the fp32 kernel (tests compare the two).
+  const char* force = std::getenv("LILY_CUDA_ATTENTION_PREFILL");
+  const bool want_fp32 = force && std::string(force) == "fp32";
+  const int mm_smem = int((2 * 64 + 4 * 32) * (D * 2 + 16));
+  if (code == 2 && 64 % G == 0 && !want_fp32 && mm_smem <= info().max_smem_optin) {
+    const Kernel& mm = kernel("attention", "attn_prefill_mma", defs);
+    if (mm_smem > 48 * 1024) set_dynamic_smem(mm, mm_smem);
+    const int64_t qt = 64 / G;
+    launch(mm, Dim3{unsigned(ceil_div(T, qt)), unsigned(s.kv_heads), 1}, Dim3{128, 1, 1}, uint32_t(mm_smem), ptr(q),
+           int64_t(q.stride), ptr(gate), int64_t(gate.stride), ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx),
+           int(T), scale, ptr(out), int64_t(out.stride));
+    note_variant("attention.prefill", "mma.sync bf16 flash: 64 query rows (" + std::to_string(qt) + " tokens × " +
+                                          std::to_string(G) + " heads) per block of 4 warps, K/V tiles of 32 rows " +
+                                          "via cp.async (2 stages), q and p as bf16 hi + lo, fp32 softmax");
+    return;
+  }
+  const int64_t es = code == 2 ? 2 : 4;
+  const int64_t rows = std::min<int64_t>(64, 16384 / (D * es)) / 4 * 4;  // PF_R (a multiple of PF_U)
+  const int smem = int(2 * 2 * rows * D * es);                             // two stages of K and V tiles
+  const Kernel& pf = kernel("attention", "attn_prefill", defs);
+  if (smem > 48 * 1024) set_dynamic_smem(pf, smem);
+  launch(pf, Dim3{unsigned(ceil_div(T, kPrefillTokens)), unsigned(s.kv_heads), 1}, Dim3{32 * kPrefillTokens, 1, 1},
+         uint32_t(smem), ptr(q), int64_t(q.stride), ptr(gate), int64_t(gate.stride), ptr(k_cache), ptr(v_cache),
+         ptr(pos), int64_t(max_ctx), int(T), scale, ptr(out), int64_t(out.stride));
+  note_variant("attention.prefill", "flash fp32: 8 tokens × G heads per block, K/V tiles of " + std::to_string(rows) +
+                                        " rows via cp.async (2 stages), online softmax" +
+                                        (want_fp32 ? " (forced by LILY_CUDA_ATTENTION_PREFILL)" : ""));
+}
+
+}  // namespace lily::cuda

@@ -1,0 +1,702 @@
+// Gated full attention (MODEL.md section 4): q/k preparation, KV append, causal GQA attention with the
+// output gate. The CPU oracle is csrc/cpu/attention.cpp; every kernel computes its function in fp32.
+//
+// Defines: HEAD_DIM (D: 32, 64, 128 or 256), GROUP (query heads per kv head, G <= 16),
+// KV_BF16 (1: caches hold bf16 rows, 0: f32 rows). Caches are [kv_heads * max_ctx, D], head-major.
+//
+// attn_qk_prep   qg [T, heads*2D] (per head [query D | gate D]), k [T, kv*D], q_norm/k_norm [D]
+//                -> q_out, gate_out [T, heads*D], k_out [T, kv*D]. RMSNorm per head, then rotate-half
+//                RoPE on the first rotary_dim dims at position pos[0] + t (angles in double, like the CPU).
+//                Grid (T, ceil((heads + kv) / 4)), block 128: one warp per (token, head).
+//                Floor: reads 4·T·(2·heads + kv)·D bytes, writes the same less nothing: memory bound, tiny.
+// kv_append      k, v [T, kv*D] -> rows pos[0] + t of each kv head's cache. Grid (T, kv), block 64.
+//                Floor: reads 8·T·kv·D bytes, writes 2·ES·T·kv·D.
+// attn_decode_split + attn_decode_reduce (T = 1): split-KV ("flash decoding"). Grid (NS, kv) blocks of
+//                DEC_NW warps; the live length len = pos[0] + 1 is read on the device and cut into
+//                a = min(NS, ceil(len / MIN_CHUNK)) contiguous chunks, block s < a takes chunk s, blocks
+//                s >= a exit. Inside a block each warp holds the G queries of its kv head (lane l: D/32
+//                elements of each) and streams rows DEC_U at a time with 16-byte loads (a warp covers a bf16
+//                row of 256 in one load instruction, an f32 row in two; each row is read once for all G
+//                heads); scores are
+//                reduced over the warp with a butterfly that leaves head g's score in lanes
+//                g·(32/GP)...; online softmax in fp32; the warps of a block merge through shared memory
+//                and write one partial (m, l, o[G][D]) per (split, kv head) to ws. The reduce (grid heads,
+//                block 128) merges the a partials of its head and applies sigmoid(gate).
+//                Floor: 2·kv·len·D·ES bytes of cache; real shape, bf16, len 128K: 2·2·131072·256·2 =
+//                268 MB, ~60 µs at 4.5 TB/s. FLOPs 4·heads·len·D = 2.1 GFLOP: ~35 µs of fp32 FMA at full
+//                issue, plus about 50% overhead (conversions, shuffles, exp), so close to the byte floor.
+// attn_prefill   (any T): grid (ceil(T / PF_QT), kv), block PF_QT warps, warp w = token
+//                blockIdx.x·PF_QT + w with all G heads of the kv head; K/V tiles of PF_R rows are
+//                staged in shared memory by cp.async (double buffered) and shared by the block's warps;
+//                causal mask per warp (row j <= pos[0] + t). Same per-row math as decode. FLOPs
+//                4·heads·T·(pos0 + T/2)·D; cache bytes read 2·kv·ES·D·(len) per block row.
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 256
+#endif
+#ifndef GROUP
+#define GROUP 1
+#endif
+#ifndef KV_BF16
+#define KV_BF16 1
+#endif
+
+#define FULL_MASK 0xffffffffu
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+constexpr int D = HEAD_DIM;
+constexpr int G = GROUP;
+constexpr int GP = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : G <= 8 ? 8 : G <= 16 ? 16 : 32;  // padded group
+constexpr int LPH = 32 / GP;              // lanes per head after the butterfly
+constexpr int ES = KV_BF16 ? 2 : 4;       // cache element bytes
+constexpr int VEC0 = 16 / ES;
+constexpr int VEC = VEC0 < D / 32 ? VEC0 : D / 32;  // elements per lane per load
+constexpr int NCH = D / (32 * VEC);                  // loads per lane per row
+constexpr int EPL = D / 32;                          // elements per lane
+constexpr int RW = VEC * ES >= 4 ? VEC * ES / 4 : 1;  // 32-bit words per load (D 32, bf16: half of one)
+static_assert(D == 32 || D == 64 || D == 128 || D == 256, "HEAD_DIM must be 32, 64, 128 or 256");
+static_assert(G >= 1 && G <= 16, "GROUP must be 1..16");
+static_assert(RW == 1 || RW == 2 || RW == 4, "load width");
+
+// Decode geometry: DEC_NW warps per block, DEC_U rows in flight per warp; MIN_CHUNK rows per split at least.
+#define DEC_NW 4
+#define DEC_U (KV_BF16 ? 4 : 2)
+#define MIN_CHUNK 64
+// Prefill geometry: PF_QT warps (tokens) per block, tiles of PF_R rows, PF_U rows per step.
+#define PF_QT 8
+#define PF_U 4
+constexpr int PF_R0 = 16384 / (D * ES);
+constexpr int PF_R = (PF_R0 > 64 ? 64 : PF_R0) / PF_U * PF_U;  // 32 (bf16, D 256), 16 (f32, D 256), 64 (D 64)
+constexpr int PF_STAGE_BYTES = 2 * PF_R * D * ES;  // K tile then V tile
+
+// Element index of lane `lane`, load c, component i (the same mapping for q, k, v, o and the gate).
+__device__ __forceinline__ int elem(int lane, int c, int i) { return VEC * (lane + 32 * c) + i; }
+
+__device__ __forceinline__ void ld_raw(const void* p, u32 (&r)[RW]) {
+  if constexpr (RW == 4) {
+    const uint4 v = *static_cast<const uint4*>(p);
+    r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
+  } else if constexpr (RW == 2) {
+    const uint2 v = *static_cast<const uint2*>(p);
+    r[0] = v.x; r[1] = v.y;
+  } else if constexpr (VEC * ES == 2) {
+    r[0] = u32(*static_cast<const u16*>(p));
+  } else {
+    r[0] = *static_cast<const u32*>(p);
+  }
+}
+__device__ __forceinline__ void zero_raw(u32 (&r)[RW]) {
+#pragma unroll
+  for (int w = 0; w < RW; ++w) r[w] = 0u;
+}
+__device__ __forceinline__ void cvt_raw(const u32 (&r)[RW], float (&f)[VEC]) {
+#pragma unroll
+  for (int w = 0; w < RW; ++w) {
+    if constexpr (ES == 2) {
+      f[2 * w] = __uint_as_float(r[w] << 16);
+      if constexpr (VEC > 1) f[2 * w + 1] = __uint_as_float(r[w] & 0xffff0000u);
+    } else {
+      f[w] = __uint_as_float(r[w]);
+    }
+  }
+}
+
+// Sums v[0..GP) over the warp; afterwards every lane holds the total of head lane / LPH.
+__device__ __forceinline__ float head_reduce(float (&v)[GP], int lane) {
+#pragma unroll
+  for (int n = GP, off = 16; n > 1; n >>= 1, off >>= 1) {
+    const bool up = (lane & off) != 0;
+#pragma unroll
+    for (int i = 0; i < n / 2; ++i) {
+      const float send = up ? v[i] : v[i + n / 2];
+      const float keep = up ? v[i + n / 2] : v[i];
+      v[i] = keep + __shfl_xor_sync(FULL_MASK, send, off);
+    }
+  }
+  float s = v[0];
+#pragma unroll
+  for (int off = LPH / 2; off >= 1; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
+  return s;
+}
+
+// One warp's attention state for the G query heads of a kv head: queries and accumulators (this lane's
+// EPL elements of each head), running max m and sum l of head lane / LPH.
+struct WarpAttn {
+  float q[G][EPL];
+  float o[G][EPL];
+  float m, l;
+};
+
+__device__ __forceinline__ void warp_init(WarpAttn& A, const float* q, int lane) {
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int c = 0; c < NCH; ++c)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        A.q[g][c * VEC + i] = q[g * D + elem(lane, c, i)];
+        A.o[g][c * VEC + i] = 0.f;
+      }
+  A.m = NEG_INF;
+  A.l = 0.f;
+}
+
+// U rows (raw K and V, zeros where invalid): scores, online softmax update, accumulate P·V.
+template <int U>
+__device__ __forceinline__ void warp_rows(WarpAttn& A, const u32 (&kr)[U][NCH][RW], const u32 (&vr)[U][NCH][RW],
+                                          const bool (&valid)[U], float scale, int lane) {
+  float s[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float d[GP];
+#pragma unroll
+    for (int g = 0; g < GP; ++g) d[g] = 0.f;
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) {
+      float kf[VEC];
+      cvt_raw(kr[u][c], kf);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i)
+#pragma unroll
+        for (int g = 0; g < G; ++g) d[g] = fmaf(A.q[g][c * VEC + i], kf[i], d[g]);
+    }
+    const float sc = head_reduce(d, lane) * scale;
+    s[u] = valid[u] ? sc : NEG_INF;
+  }
+  float mx = A.m;
+#pragma unroll
+  for (int u = 0; u < U; ++u) mx = fmaxf(mx, s[u]);
+  float corr = 1.f, p[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) p[u] = 0.f;
+  if (mx != NEG_INF) {
+    corr = expf(A.m - mx);  // 0 when A.m is -inf
+#pragma unroll
+    for (int u = 0; u < U; ++u) p[u] = expf(s[u] - mx);
+  }
+  float ps = 0.f;
+#pragma unroll
+  for (int u = 0; u < U; ++u) ps += p[u];
+  A.l = A.l * corr + ps;
+  A.m = mx;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float cg = __shfl_sync(FULL_MASK, corr, g * LPH);
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) A.o[g][e] *= cg;
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float vf[EPL];
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) {
+      float t[VEC];
+      cvt_raw(vr[u][c], t);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) vf[c * VEC + i] = t[i];
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float pg = __shfl_sync(FULL_MASK, p[u], g * LPH);
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) A.o[g][e] = fmaf(pg, vf[e], A.o[g][e]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// qk_prep
+// ---------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(128) attn_qk_prep(
+    const float* __restrict__ qg, i64 qg_stride, const float* __restrict__ k, i64 k_stride,
+    const float* __restrict__ q_norm, const float* __restrict__ k_norm, const int* __restrict__ pos,
+    float* __restrict__ q_out, i64 q_stride, float* __restrict__ gate_out, i64 g_stride,
+    float* __restrict__ k_out, i64 ko_stride, int heads, int kv_heads, int rotary_dim, double theta,
+    float eps) {
+  __shared__ float row[4][D];
+  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int hh = blockIdx.y * 4 + warp;
+  if (hh >= heads + kv_heads) return;
+  const bool is_q = hh < heads;
+  const float* src = is_q ? qg + t * qg_stride + i64(hh) * 2 * D : k + t * k_stride + i64(hh - heads) * D;
+  const float* w = is_q ? q_norm : k_norm;
+  float* dst = is_q ? q_out + t * q_stride + i64(hh) * D : k_out + t * ko_stride + i64(hh - heads) * D;
+  float x[D / 32];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {
+    x[i] = src[lane + 32 * i];
+    ss = fmaf(x[i], x[i], ss);
+  }
+  ss = warp_sum(ss);
+  const float r = 1.f / sqrtf(ss / float(D) + eps);
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) row[warp][lane + 32 * i] = __fmul_rn(__fmul_rn(x[i], r), w[lane + 32 * i]);
+  __syncwarp();
+  const i64 p = i64(pos[0]) + t;
+  const int half = rotary_dim / 2;
+  for (int i = lane; i < half; i += 32) {
+    const float inv_freq = float(1.0 / pow(theta, double(2 * i) / double(rotary_dim)));
+    const double ang = double(p) * double(inv_freq);
+    const float c = float(cos(ang)), s = float(sin(ang));
+    const float x0 = row[warp][i], x1 = row[warp][i + half];
+    dst[i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    dst[i + half] = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+  }
+  for (int e = rotary_dim + lane; e < D; e += 32) dst[e] = row[warp][e];
+  if (is_q) {
+    float* gd = gate_out + t * g_stride + i64(hh) * D;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) gd[lane + 32 * i] = src[D + lane + 32 * i];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// kv_append
+// ---------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(64) attn_kv_append(
+    const float* __restrict__ k, i64 k_stride, const float* __restrict__ v, i64 v_stride,
+    const int* __restrict__ pos, void* __restrict__ k_cache, void* __restrict__ v_cache, i64 max_ctx,
+    int cache_dtype) {
+  const int t = blockIdx.x, h = blockIdx.y;
+  const i64 p = i64(pos[0]) + t;
+  if (pos[0] < 0 || p >= max_ctx) return;  // a corrupted position: write nothing (the CPU throws)
+  const i64 row = (i64(h) * max_ctx + p) * D;
+  const float* ks = k + t * k_stride + i64(h) * D;
+  const float* vs = v + t * v_stride + i64(h) * D;
+  for (int e = threadIdx.x; e < D; e += blockDim.x) {
+    store_from_f32(k_cache, cache_dtype, row + e, ks[e]);
+    store_from_f32(v_cache, cache_dtype, row + e, vs[e]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// decode: split-KV partials, then the reduce
+// ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ int active_splits(int len, int ns) {
+  const int a = (len + MIN_CHUNK - 1) / MIN_CHUNK;
+  return a < ns ? a : ns;
+}
+
+// part_o [kv][ns][G][D] and part_ml [kv][ns][G][2] (max, sum) in ws.
+extern "C" __global__ void __launch_bounds__(DEC_NW * 32) attn_decode_split(
+    const float* __restrict__ q, const unsigned char* __restrict__ k_cache,
+    const unsigned char* __restrict__ v_cache, const int* __restrict__ pos, i64 max_ctx, int ns, float scale,
+    float* __restrict__ part_o, float* __restrict__ part_ml) {
+  __shared__ float so[DEC_NW][G][D];
+  __shared__ float sml[DEC_NW][G][2];
+  const int split = blockIdx.x, kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int len = pos[0] + 1;
+  const int a = active_splits(len, ns);
+  if (split >= a) return;
+  const int chunk = (len + a - 1) / a;
+  const int j0 = split * chunk, j1 = min(len, j0 + chunk);
+
+  WarpAttn A;
+  warp_init(A, q + i64(kvh) * G * D, lane);
+  const unsigned char* kb = k_cache + i64(kvh) * max_ctx * D * ES;
+  const unsigned char* vb = v_cache + i64(kvh) * max_ctx * D * ES;
+  constexpr int U = DEC_U;
+  for (int j = j0 + warp * U; j < j1; j += DEC_NW * U) {
+    u32 kr[U][NCH][RW], vr[U][NCH][RW];
+    bool valid[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      valid[u] = j + u < j1;
+#pragma unroll
+      for (int c = 0; c < NCH; ++c) {
+        const i64 off = i64(j + u) * D * ES + i64(elem(lane, c, 0)) * ES;
+        if (valid[u]) {
+          ld_raw(kb + off, kr[u][c]);
+          ld_raw(vb + off, vr[u][c]);
+        } else {
+          zero_raw(kr[u][c]);
+          zero_raw(vr[u][c]);
+        }
+      }
+    }
+    warp_rows<U>(A, kr, vr, valid, scale, lane);
+  }
+
+  // Merge the block's warps.
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int c = 0; c < NCH; ++c)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) so[warp][g][elem(lane, c, i)] = A.o[g][c * VEC + i];
+  const int hl = lane / LPH;
+  if (lane % LPH == 0 && hl < G) {
+    sml[warp][hl][0] = A.m;
+    sml[warp][hl][1] = A.l;
+  }
+  __syncthreads();
+  const i64 base = i64(kvh) * ns + split;
+  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    const int g = idx / D, e = idx % D;
+    float M = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < DEC_NW; ++w) M = fmaxf(M, sml[w][g][0]);
+    float acc = 0.f, L = 0.f;
+    if (M != NEG_INF) {
+#pragma unroll
+      for (int w = 0; w < DEC_NW; ++w) {
+        const float f = expf(sml[w][g][0] - M);
+        acc = fmaf(f, so[w][g][e], acc);
+        L = fmaf(f, sml[w][g][1], L);
+      }
+    }
+    part_o[(base * G + g) * D + e] = acc;
+    if (e == 0) {
+      part_ml[(base * G + g) * 2] = M;
+      part_ml[(base * G + g) * 2 + 1] = L;
+    }
+  }
+}
+
+// Grid (heads), block 128: merges the active partials of head h, out = o / l · sigmoid(gate).
+extern "C" __global__ void __launch_bounds__(128) attn_decode_reduce(
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* __restrict__ pos, int ns,
+    const float* __restrict__ gate, float* __restrict__ out) {
+  extern __shared__ float wsplit[];  // [ns]
+  __shared__ float scratch[32];
+  const int h = blockIdx.x, kvh = h / G, g = h % G;
+  const int a = active_splits(pos[0] + 1, ns);
+  const i64 base = i64(kvh) * ns;
+  float mx = NEG_INF;
+  for (int s = threadIdx.x; s < a; s += blockDim.x) mx = fmaxf(mx, part_ml[((base + s) * G + g) * 2]);
+  const float M = block_max(mx, scratch);
+  float lsum = 0.f;
+  for (int s = threadIdx.x; s < a; s += blockDim.x) {
+    const float m = part_ml[((base + s) * G + g) * 2];
+    const float f = m == NEG_INF ? 0.f : expf(m - M);
+    wsplit[s] = f;
+    lsum = fmaf(f, part_ml[((base + s) * G + g) * 2 + 1], lsum);
+  }
+  const float L = block_sum(lsum, scratch);  // its barriers also publish wsplit
+  for (int e = threadIdx.x; e < D; e += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < a; ++s) acc = fmaf(wsplit[s], part_o[((base + s) * G + g) * D + e], acc);
+    out[i64(h) * D + e] = acc / L / (1.f + expf(-gate[i64(h) * D + e]));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// prefill
+// ---------------------------------------------------------------------------------------------------
+// ---- PTX wrappers (sm_80+): cp.async, ldmatrix, mma.sync ----
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;  // 0: zero fill, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Four 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+// c[16x8] += a[16x16] (row) · b[16x8] (col), bf16 operands, fp32 accumulation.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// ---- end PTX wrappers ----
+
+// Stages rows [j0, j0 + PF_R) of K and V (rows >= len zero filled) into `stage`.
+__device__ __forceinline__ void pf_load(unsigned char* stage, const unsigned char* kb, const unsigned char* vb,
+                                        int j0, int len) {
+  constexpr int ROW16 = D * ES / 16, N16 = PF_R * ROW16;
+  const u32 s0 = smem_addr(stage);
+  for (int ci = threadIdx.x; ci < 2 * N16; ci += blockDim.x) {
+    const int which = ci / N16, cj = ci % N16, r = cj / ROW16;
+    const bool ok = j0 + r < len;
+    const unsigned char* src = (which ? vb : kb) + (ok ? (i64(j0) * ROW16 + cj) * 16 : 0);
+    cp_async16(s0 + u32(ci) * 16u, src, ok);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(PF_QT * 32) attn_prefill(
+    const float* __restrict__ q, i64 q_stride, const float* __restrict__ gate, i64 g_stride,
+    const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
+    const int* __restrict__ pos, i64 max_ctx, int T, float scale, float* __restrict__ out, i64 o_stride) {
+  extern __shared__ __align__(16) unsigned char pf_smem[];  // 2 stages of [K tile | V tile]
+  const int kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t = blockIdx.x * PF_QT + warp;
+  const int t_last = min(T - 1, blockIdx.x * PF_QT + PF_QT - 1);
+  const int pos0 = pos[0];
+  const int len_block = pos0 + t_last + 1, len_t = pos0 + t + 1;
+  const bool active = t < T;
+  const unsigned char* kb = k_cache + i64(kvh) * max_ctx * D * ES;
+  const unsigned char* vb = v_cache + i64(kvh) * max_ctx * D * ES;
+
+  WarpAttn A;
+  warp_init(A, q + i64(active ? t : 0) * q_stride + i64(kvh) * G * D, lane);
+  const int ntile = (len_block + PF_R - 1) / PF_R;
+  pf_load(pf_smem, kb, vb, 0, len_block);
+  cp_async_commit();
+  for (int it = 0; it < ntile; ++it) {
+    if (it + 1 < ntile) {
+      pf_load(pf_smem + ((it + 1) & 1) * PF_STAGE_BYTES, kb, vb, (it + 1) * PF_R, len_block);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const unsigned char* ks = pf_smem + (it & 1) * PF_STAGE_BYTES;
+    const unsigned char* vs = ks + PF_R * D * ES;
+    const int jt = it * PF_R;
+    if (active) {
+      for (int r = 0; r < PF_R && jt + r < len_t; r += PF_U) {
+        u32 kr[PF_U][NCH][RW], vr[PF_U][NCH][RW];
+        bool valid[PF_U];
+#pragma unroll
+        for (int u = 0; u < PF_U; ++u) {
+          valid[u] = jt + r + u < len_t;
+#pragma unroll
+          for (int c = 0; c < NCH; ++c) {
+            const int off = (r + u) * D * ES + elem(lane, c, 0) * ES;
+            ld_raw(ks + off, kr[u][c]);
+            ld_raw(vs + off, vr[u][c]);
+          }
+        }
+        warp_rows<PF_U>(A, kr, vr, valid, scale, lane);
+      }
+    }
+    __syncthreads();
+  }
+  if (!active) return;
+  const float* gt = gate + i64(t) * g_stride + i64(kvh) * G * D;
+  float* o = out + i64(t) * o_stride + i64(kvh) * G * D;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float l = __shfl_sync(FULL_MASK, A.l, g * LPH);
+#pragma unroll
+    for (int c = 0; c < NCH; ++c)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const int e = elem(lane, c, i);
+        o[g * D + e] = A.o[g][c * VEC + i] / l / (1.f + expf(-gt[g * D + e]));
+      }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// prefill on tensor cores (bf16 caches, G dividing 64)
+// ---------------------------------------------------------------------------------------------------
+// Block: 4 warps, MM_BM = 64 query rows = MM_QT tokens × G heads of one kv head (row r: token
+// r / G, head r % G), warp w owns rows 16w..16w+15. Q is staged once in shared memory as two bf16 halves
+// (q = hi + lo, both rounded to nearest), K/V tiles of MM_BN rows by cp.async (double buffered); per tile
+// S = Q_hi·Kᵀ + Q_lo·Kᵀ and O += P_hi·V + P_lo·V with mma.sync m16n8k16 (fp32 accumulation), so
+// the products carry about 16 mantissa bits of q and p and the result stays within ~1e-6 of the fp32
+// kernel. Online softmax in fp32 on the S fragments (each lane: 2 rows × 2 columns per 8-key tile).
+// Shared memory: (2·MM_BM + 4·MM_BN) rows of D·2 + 16 bytes (the pad keeps ldmatrix conflict free):
+// 135 KB at D = 256. FLOPs 4× those of plain bf16 attention (the two halves of both products).
+#if KV_BF16 && (64 % GROUP == 0)
+#define MM_BM 64
+#define MM_BN 32
+constexpr int MM_QT = MM_BM / G;
+constexpr int MM_PITCH = D * 2 + 16;  // bytes per staged row
+constexpr int MM_NT = D / 8;          // n-tiles of the output
+constexpr int MM_SMEM = (2 * MM_BM + 4 * MM_BN) * MM_PITCH;
+
+__device__ __forceinline__ u32 pack_bf16(u16 lo, u16 hi) { return u32(lo) | (u32(hi) << 16); }
+// p = hi + lo in bf16 (hi = round(p), lo = round(p - hi)); returns the two packed pairs for (x0, x1).
+__device__ __forceinline__ void split2(float x0, float x1, u32& hi, u32& lo) {
+  const u16 h0 = f32_to_bf16(x0), h1 = f32_to_bf16(x1);
+  hi = pack_bf16(h0, h1);
+  lo = pack_bf16(f32_to_bf16(x0 - bf16_to_f32(h0)), f32_to_bf16(x1 - bf16_to_f32(h1)));
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
+    const float* __restrict__ q, i64 q_stride, const float* __restrict__ gate, i64 g_stride,
+    const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
+    const int* __restrict__ pos, i64 max_ctx, int T, float scale, float* __restrict__ out, i64 o_stride) {
+  extern __shared__ __align__(16) unsigned char mm_smem[];
+  unsigned char* qhi = mm_smem;
+  unsigned char* qlo = qhi + MM_BM * MM_PITCH;
+  unsigned char* kv0 = qlo + MM_BM * MM_PITCH;  // stage s: K at kv0 + s·2·BN·PITCH, V after it
+  const int kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t0 = blockIdx.x * MM_QT;
+  const int t_last = min(T - 1, t0 + MM_QT - 1);
+  const int pos0 = pos[0];
+  const int len_block = pos0 + t_last + 1;
+  const unsigned char* kb = k_cache + i64(kvh) * max_ctx * D * 2;
+  const unsigned char* vb = v_cache + i64(kvh) * max_ctx * D * 2;
+
+  // K/V tile loader: rows [j0, j0 + BN), zero past len_block.
+  auto load_tile = [&](int stage, int j0) {
+    constexpr int ROW16 = D * 2 / 16;
+    const u32 base = smem_addr(kv0 + stage * 2 * MM_BN * MM_PITCH);
+    for (int ci = threadIdx.x; ci < 2 * MM_BN * ROW16; ci += blockDim.x) {
+      const int which = ci / (MM_BN * ROW16), cj = ci % (MM_BN * ROW16), r = cj / ROW16, c16 = cj % ROW16;
+      const bool ok = j0 + r < len_block;
+      const unsigned char* src = (which ? vb : kb) + (ok ? (i64(j0 + r) * ROW16 + c16) * 16 : 0);
+      cp_async16(base + u32((which * MM_BN + r) * MM_PITCH + c16 * 16), src, ok);
+    }
+  };
+  load_tile(0, 0);
+  cp_async_commit();
+
+  // Q (pairs of elements), split into bf16 halves; rows of tokens past T are zero.
+  for (int idx = threadIdx.x; idx < MM_BM * D / 2; idx += blockDim.x) {
+    const int r = idx / (D / 2), e = (idx % (D / 2)) * 2;
+    const int t = t0 + r / G, h = kvh * G + r % G;
+    float x0 = 0.f, x1 = 0.f;
+    if (t < T) {
+      x0 = q[i64(t) * q_stride + i64(h) * D + e];
+      x1 = q[i64(t) * q_stride + i64(h) * D + e + 1];
+    }
+    u32 hi, lo;
+    split2(x0, x1, hi, lo);
+    *reinterpret_cast<u32*>(qhi + r * MM_PITCH + e * 2) = hi;
+    *reinterpret_cast<u32*>(qlo + r * MM_PITCH + e * 2) = lo;
+  }
+
+  // This lane's two rows (A: lane / 4, B: lane / 4 + 8 of the warp's 16) and their last visible key.
+  const int rA = warp * 16 + (lane >> 2), rB = rA + 8;
+  const int tA = t0 + rA / G, tB = t0 + rB / G;
+  const int limA = pos0 + min(tA, t_last), limB = pos0 + min(tB, t_last);  // padding rows: harmless
+  const int lim_warp = pos0 + min(t0 + (warp * 16 + 15) / G, t_last);
+  float o[MM_NT][4];
+#pragma unroll
+  for (int n = 0; n < MM_NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float mA = NEG_INF, mB = NEG_INF, lA = 0.f, lB = 0.f;  // l: this lane's columns only
+
+  const int ntile = (len_block + MM_BN - 1) / MM_BN;
+  for (int it = 0; it < ntile; ++it) {
+    if (it + 1 < ntile) {
+      load_tile((it + 1) & 1, (it + 1) * MM_BN);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int jt = it * MM_BN;
+    if (jt <= lim_warp) {
+      const unsigned char* ks = kv0 + (it & 1) * 2 * MM_BN * MM_PITCH;
+      const unsigned char* vs = ks + MM_BN * MM_PITCH;
+      // S = Q·Kᵀ over the tile: 4 n-tiles of 8 keys, hi and lo accumulated apart.
+      float sh[MM_BN / 8][4], sl[MM_BN / 8][4];
+#pragma unroll
+      for (int n = 0; n < MM_BN / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sh[n][c] = sl[n][c] = 0.f;
+      const int arow = warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7), acol = (lane >> 4) * 8;
+      const int brow = (lane >> 4) * 8 + (lane & 7), bcol = ((lane >> 3) & 1) * 8;
+#pragma unroll 4
+      for (int kk = 0; kk < D / 16; ++kk) {
+        u32 ah[4], al[4];
+        ldsm_x4(ah, smem_addr(qhi + arow * MM_PITCH + (kk * 16 + acol) * 2));
+        ldsm_x4(al, smem_addr(qlo + arow * MM_PITCH + (kk * 16 + acol) * 2));
+#pragma unroll
+        for (int np = 0; np < MM_BN / 16; ++np) {
+          u32 b[4];
+          ldsm_x4(b, smem_addr(ks + (np * 16 + brow) * MM_PITCH + (kk * 16 + bcol) * 2));
+          mma_bf16(sh[2 * np], ah, b[0], b[1]);
+          mma_bf16(sh[2 * np + 1], ah, b[2], b[3]);
+          mma_bf16(sl[2 * np], al, b[0], b[1]);
+          mma_bf16(sl[2 * np + 1], al, b[2], b[3]);
+        }
+      }
+      // Scale, mask, online softmax (rows A: c0 c1, B: c2 c3).
+      float mxA = NEG_INF, mxB = NEG_INF;
+#pragma unroll
+      for (int n = 0; n < MM_BN / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int j = jt + n * 8 + (lane & 3) * 2 + (c & 1);
+          const float v = (sh[n][c] + sl[n][c]) * scale;
+          const bool ok = j <= (c < 2 ? limA : limB);
+          sh[n][c] = ok ? v : NEG_INF;
+          if (c < 2) mxA = fmaxf(mxA, sh[n][c]); else mxB = fmaxf(mxB, sh[n][c]);
+        }
+      mxA = fmaxf(mxA, __shfl_xor_sync(FULL_MASK, mxA, 1));
+      mxA = fmaxf(mxA, __shfl_xor_sync(FULL_MASK, mxA, 2));
+      mxB = fmaxf(mxB, __shfl_xor_sync(FULL_MASK, mxB, 1));
+      mxB = fmaxf(mxB, __shfl_xor_sync(FULL_MASK, mxB, 2));
+      const float nA = fmaxf(mA, mxA), nB = fmaxf(mB, mxB);  // finite: key 0 is in every row's first tile
+      const float cA = expf(mA - nA), cB = expf(mB - nB);
+      mA = nA;
+      mB = nB;
+      float psA = 0.f, psB = 0.f;
+#pragma unroll
+      for (int n = 0; n < MM_BN / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float p = expf(sh[n][c] - (c < 2 ? nA : nB));
+          sh[n][c] = p;
+          if (c < 2) psA += p; else psB += p;
+        }
+      lA = lA * cA + psA;
+      lB = lB * cB + psB;
+#pragma unroll
+      for (int n = 0; n < MM_NT; ++n) {
+        o[n][0] *= cA;
+        o[n][1] *= cA;
+        o[n][2] *= cB;
+        o[n][3] *= cB;
+      }
+      // O += P·V: k-steps of 16 keys; A fragments straight from the S fragments.
+      const int vrow = ((lane >> 3) & 1) * 8 + (lane & 7), vcol = (lane >> 4) * 8;
+#pragma unroll
+      for (int kk = 0; kk < MM_BN / 16; ++kk) {
+        u32 ph[4], pl[4];
+        split2(sh[2 * kk][0], sh[2 * kk][1], ph[0], pl[0]);
+        split2(sh[2 * kk][2], sh[2 * kk][3], ph[1], pl[1]);
+        split2(sh[2 * kk + 1][0], sh[2 * kk + 1][1], ph[2], pl[2]);
+        split2(sh[2 * kk + 1][2], sh[2 * kk + 1][3], ph[3], pl[3]);
+#pragma unroll
+        for (int np = 0; np < D / 16; ++np) {
+          u32 b[4];
+          ldsm_x4_t(b, smem_addr(vs + (kk * 16 + vrow) * MM_PITCH + (np * 16 + vcol) * 2));
+          mma_bf16(o[2 * np], ph, b[0], b[1]);
+          mma_bf16(o[2 * np + 1], ph, b[2], b[3]);
+          mma_bf16(o[2 * np], pl, b[0], b[1]);
+          mma_bf16(o[2 * np + 1], pl, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  lA += __shfl_xor_sync(FULL_MASK, lA, 1);
+  lA += __shfl_xor_sync(FULL_MASK, lA, 2);
+  lB += __shfl_xor_sync(FULL_MASK, lB, 1);
+  lB += __shfl_xor_sync(FULL_MASK, lB, 2);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = half ? rB : rA, t = t0 + r / G, h = kvh * G + r % G;
+    const float l = half ? lB : lA;
+    if (t >= T) continue;
+    const float* gt = gate + i64(t) * g_stride + i64(h) * D;
+    float* po = out + i64(t) * o_stride + i64(h) * D;
+#pragma unroll
+    for (int n = 0; n < MM_NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int e = n * 8 + (lane & 3) * 2 + c;
+        po[e] = o[n][half * 2 + c] / l / (1.f + expf(-gt[e]));
+      }
+  }
+}
+#endif
