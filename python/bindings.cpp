@@ -338,8 +338,9 @@ struct PyEngine {
     put("lm_head", W.lm_head);
     if (lin) put("deltanet.in_proj_qkv", lin->qkv);
     if (full) put("attention.q_proj", full->q);
-    put("experts.gate_proj", W.layers[0].experts_gate);
-    put("experts.down_proj", W.layers[0].experts_down);
+    // One expert's matrix (a GPU backend's grouped MoE kernels are in its own variants list).
+    put("experts.gate_proj", W.layers[0].experts_gate.expert(0));
+    put("experts.down_proj", W.layers[0].experts_down.expert(0));
     put("router", W.layers[0].router);
     r["kernels"] = variants;
     r["optimizations"] = ops->optimizations();

@@ -30,7 +30,9 @@ export PYTHONPATH=$PKG
 python3 -c "import lily.engine as e; print(e.backends()['cuda'])"
 
 if has tests; then
-  python3 -m pytest -q -rs --durations=15 -p no:cacheprovider tests/cuda tests/test_cuda_compile.py 2>&1 | tee "$OUT/tests.log"
+  # Parallel processes: most of the time is NVRTC compiling each test shape's modules (one core each).
+  python3 -m pytest -q -rs --durations=20 -p no:cacheprovider -n 8 --timeout 300 tests/cuda ${PYTEST_ARGS:-} \
+    2>&1 | tee "$OUT/tests.log"
   rc=${PIPESTATUS[0]}
 fi
 if has sanitize; then

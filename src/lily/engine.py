@@ -379,7 +379,6 @@ class Engine:
 
     def report(self) -> Report:
         """Backend, memory per component, chunk size, kernels and every optimization (active or not)."""
-        core = self._core.report()
         if self._probe_stats is None:
             # Ops and stages are measured on a real decode step and prefill chunk of a scratch session.
             probe = self.session(max_context=3, prefill_chunk=2)
@@ -389,6 +388,7 @@ class Engine:
             self._probe_stats = {"decode_step": probe.stats()["decode_step"], "prefill_chunk_2_tokens": prefill,
                                  "host_transfers_per_generated_token": "1 download (the 4-byte id), 0 uploads"}
             del probe
+        core = self._core.report()
         rec = self._state_bytes(0)
         kv_per_token = self._state_bytes(1) - rec
         tok = self.tokenizer
@@ -423,4 +423,7 @@ class Engine:
             "backends": {name: b["status"] for name, b in backends().items()},
             "chat_template": "none" if tok is None else (
                 "ChatML fallback (checkpoint has none)" if tok.chat_template is None else "from checkpoint"),
+            # The backend's own figures (CUDA: device, kernel variants, compile and cache counts, graphs,
+            # launches per decode step, memory by kind).
+            **({core["backend"]: dict(core[core["backend"]])} if core["backend"] in core else {}),
         })
