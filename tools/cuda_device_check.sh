@@ -20,7 +20,7 @@ if has build || [ ! -e "$PKG/lily" ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
   cat "$OUT/gpu.txt"
   t0=$(date +%s)
-  cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON -Dnanobind_DIR="$(python3 -m nanobind --cmake_dir)" \
+  cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=${LILY_BUILD_TYPE:-RelWithDebInfo} -DLILY_CUDA=ON -Dnanobind_DIR="$(python3 -m nanobind --cmake_dir)" \
     -DPython_EXECUTABLE="$(command -v python3)" > "$OUT/build.log" 2>&1 \
     && cmake --build "$B" -j "$(nproc)" >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   rm -rf "$PKG" && mkdir -p "$PKG" && cp -r src/lily "$PKG/" && cp "$B"/_core*.so "$PKG/lily/"

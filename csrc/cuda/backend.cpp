@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
+#include <cstdio>
 
 #include "model/config.h"
 
@@ -20,11 +20,10 @@ namespace {
 
 const Driver& drv() { return driver(); }
 
-std::string gib(double bytes) {
-  std::ostringstream o;
-  o.precision(bytes < 1e9 ? 3 : 4);
-  o << bytes / double(1ull << 30) << " GiB";
-  return o.str();
+std::string gib(double bytes) {  // snprintf, not iostreams (see compile.cpp)
+  char b[48];
+  std::snprintf(b, sizeof b, "%.3g GiB", bytes / double(1ull << 30));
+  return b;
 }
 
 }  // namespace
@@ -179,9 +178,8 @@ CudaOps::~CudaOps() {
 
 std::string CudaOps::device() const {
   if (opt_.dry_arch) return info_.name;
-  std::ostringstream o;
-  o << info_.name << " (sm_" << info_.arch() << ", " << info_.sms << " SMs, " << gib(double(info_.total_mem)) << ")";
-  return o.str();
+  return info_.name + " (sm_" + std::to_string(info_.arch()) + ", " + std::to_string(info_.sms) + " SMs, " +
+         gib(double(info_.total_mem)) + ")";
 }
 
 void CudaOps::bind_context() const {

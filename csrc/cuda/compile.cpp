@@ -7,8 +7,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -90,22 +88,27 @@ std::string cached_module(const std::string& dir, const std::string& family, con
                           bool* hit, double* seconds) {
   const Nvrtc& n = nvrtc();
   if (!n.loaded) throw CudaError(n.error, -1, false);
-  std::ostringstream key;
-  key << "lily-cuda-module/1\n" << family << "\nsm_" << arch << "\nnvrtc " << n.major << "." << n.minor << "\n";
-  for (const auto& o : options_for(defines, arch)) key << o << "\n";
+  // Built with std::string (no iostreams: a stream's locale facets are one more thing that can differ
+  // between the C++ runtime Lily was built with and the one a host process loaded).
+  std::string k = "lily-cuda-module/1\n" + family + "\nsm_" + std::to_string(arch) + "\nnvrtc " +
+                  std::to_string(n.major) + "." + std::to_string(n.minor) + "\n";
+  for (const auto& o : options_for(defines, arch)) k += o + "\n";
   for (const std::string& f : kernel_files())  // the family and every header it may include
     if (f == family + ".cu" || (f.size() > 4 && f.compare(f.size() - 4, 4, ".cuh") == 0))
-      key << "== " << f << "\n" << kernel_source(f) << "\n";
-  const std::string k = key.str();
+      k += "== " + f + "\n" + kernel_source(f) + "\n";
   char name[64];
   std::snprintf(name, sizeof name, "%016llx", static_cast<unsigned long long>(fnv1a(k)));
   const std::string path = dir.empty() ? "" : dir + "/" + family + "-sm" + std::to_string(arch) + "-" + name + ".cubin";
+  static const char kMagic[] = "LILYCUBN";
   *hit = false;
   if (!path.empty()) {
-    std::ifstream in(path, std::ios::binary);
-    if (in) {
-      std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      if (all.size() > k.size() + 8 && all.compare(8, k.size(), k) == 0 && all.compare(0, 8, "LILYCUBN") == 0) {
+    if (FILE* in = std::fopen(path.c_str(), "rb")) {
+      std::string all;
+      char buf[1 << 16];
+      size_t got;
+      while ((got = std::fread(buf, 1, sizeof buf, in)) > 0) all.append(buf, got);
+      std::fclose(in);
+      if (all.size() > k.size() + 8 && all.compare(0, 8, kMagic) == 0 && all.compare(8, k.size(), k) == 0) {
         *hit = true;
         if (seconds) *seconds = 0;
         return all.substr(8 + k.size());
@@ -116,10 +119,13 @@ std::string cached_module(const std::string& dir, const std::string& family, con
   if (!path.empty()) {  // best effort: an unwritable cache only costs the next process a compile
     make_dirs(dir);
     const std::string tmp = path + ".tmp" + std::to_string(getpid());
-    std::ofstream out(tmp, std::ios::binary);
-    out << "LILYCUBN" << k << cubin;
-    out.close();
-    if (!out || std::rename(tmp.c_str(), path.c_str()) != 0) std::remove(tmp.c_str());
+    bool ok = false;
+    if (FILE* out = std::fopen(tmp.c_str(), "wb")) {
+      ok = std::fwrite(kMagic, 1, 8, out) == 8 && std::fwrite(k.data(), 1, k.size(), out) == k.size() &&
+           std::fwrite(cubin.data(), 1, cubin.size(), out) == cubin.size();
+      ok = (std::fclose(out) == 0) && ok;
+    }
+    if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) std::remove(tmp.c_str());
   }
   return cubin;
 }
