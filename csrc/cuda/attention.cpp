@@ -3,10 +3,12 @@
 // Variants.
 // - attn_qk_prep, kv_append: one kernel each, one warp per (token, head) / one block per (token, kv head).
 // - attention, decode step (phase Decode, T = 1): always the split-KV form. The grid has ns blocks per kv
-//   head, ns = min(ceil(max_ctx / 64), ceil(2·SMs / kv_heads), 256), fixed at encode time so the captured
-//   graph fits every position; the live length pos[0] + 1 is cut on the device into
-//   a = min(ns, ceil(len / 64)) chunks (blocks past a exit) and the reduce merges those a partials. So a
-//   short context costs a few blocks and a 128K one spreads over two blocks per SM.
+//   head, ns = min(ceil(max_ctx / 64), ceil(b·SMs / kv_heads), 256) with b the resident blocks per SM (1
+//   for the tensor-core kernel, 2 for the fp32 one), fixed at encode time so the captured graph fits every
+//   position; the live length pos[0] + 1 is cut on the device into a = min(ns, ceil(len / 64)) chunks
+//   (blocks past a exit) and the reduce merges those a partials. So a short context costs a few blocks and
+//   a 128K one fills the machine in one wave. bf16 caches: attn_decode_mma (tensor cores, q and p as two
+//   bf16 halves); f32 caches or LILY_CUDA_ATTENTION_DECODE=fp32: attn_decode_split (fp32 FMA).
 // - attention, prefill (any other call), bf16 caches and G dividing 64: attn_prefill_mma, flash attention
 //   on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulation) with q and p split into two bf16 halves so
 //   the result stays within ~1e-5 of fp32. f32 caches (or LILY_CUDA_ATTENTION_PREFILL=fp32): the fp32
@@ -97,8 +99,16 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
   const float scale = 1.f / std::sqrt(float(D));
 
   if (phase() == Phase::Decode && T == 1) {
+    // bf16 caches: the tensor-core split kernel (one block of 4 warps per SM, 152 KB of shared memory at
+    // D = 256); f32 caches (or LILY_CUDA_ATTENTION_DECODE=fp32): the fp32 one (two blocks per SM). Both
+    // write the same partials for the same reduce.
+    const char* force = std::getenv("LILY_CUDA_ATTENTION_DECODE");
+    const bool want_fp32 = force && std::string(force) == "fp32";
+    const int dm_smem = int((2 * 16 + 4 * 2 * 2 * 16) * (D * 2 + 16));
+    const bool mma = code == 2 && !want_fp32 && dm_smem <= info().max_smem_optin;
+    const int64_t sms = int64_t(std::max(1, info().sms));
     const int64_t room = split_room(max_ctx);
-    const int64_t fill = ceil_div(2 * int64_t(std::max(1, info().sms)), s.kv_heads);
+    const int64_t fill = ceil_div((mma ? 1 : 2) * sms, s.kv_heads);  // one wave of resident blocks
     const int64_t ns = std::max<int64_t>(1, std::min(room, fill));
     const size_t part_o = size_t(s.kv_heads) * size_t(room) * size_t(G) * size_t(D);
     const size_t need = (part_o + size_t(s.kv_heads) * size_t(room) * size_t(G) * 2) * sizeof(float);
@@ -106,17 +116,31 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
       throw std::logic_error("cuda attention: workspace of " + std::to_string(ws.bytes()) + " bytes, " +
                              std::to_string(need) + " needed");
     const CUdeviceptr po = ptr(ws), pml = po + part_o * sizeof(float);
-    const Kernel& split = kernel("attention", "attn_decode_split", defs);
-    launch(split, Dim3{unsigned(ns), unsigned(s.kv_heads), 1}, Dim3{32 * kDecodeWarps, 1, 1}, 0, ptr(q), ptr(k_cache),
-           ptr(v_cache), ptr(pos), int64_t(max_ctx), int(ns), scale, po, pml);
+    if (mma) {
+      const Kernel& split = kernel("attention", "attn_decode_mma", defs);
+      if (dm_smem > 48 * 1024) set_dynamic_smem(split, dm_smem);
+      launch(split, Dim3{unsigned(ns), unsigned(s.kv_heads), 1}, Dim3{128, 1, 1}, uint32_t(dm_smem), ptr(q),
+             ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx), int(ns), scale, po, pml);
+    } else {
+      const Kernel& split = kernel("attention", "attn_decode_split", defs);
+      const int so_smem = int(kDecodeWarps * G * D * int64_t(sizeof(float)));
+      if (so_smem > 48 * 1024) set_dynamic_smem(split, so_smem);
+      launch(split, Dim3{unsigned(ns), unsigned(s.kv_heads), 1}, Dim3{32 * kDecodeWarps, 1, 1}, uint32_t(so_smem),
+             ptr(q), ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx), int(ns), scale, po, pml);
+    }
     const Kernel& reduce = kernel("attention", "attn_decode_reduce", defs);
     launch(reduce, Dim3{unsigned(s.heads), 1, 1}, Dim3{128, 1, 1}, uint32_t(ns * sizeof(float)), po, pml, ptr(pos),
            int(ns), ptr(gate), ptr(out));
+    const std::string splits = std::to_string(ns) + " splits/kv head (max_ctx " + std::to_string(max_ctx) +
+                               ", >= 64 rows each, live length cut on device)";
     note_variant("attention.decode",
-                 "split-KV: " + std::to_string(ns) + " splits/kv head (max_ctx " + std::to_string(max_ctx) +
-                     ", >= 64 rows each, live length cut on device), " + std::to_string(kDecodeWarps) +
-                     " warps × " + (code == 2 ? "4 bf16" : "2 f32") +
-                     " rows in flight, all G heads per KV row, fp32 FMA; then the reduce");
+                 mma ? "split-KV mma.sync bf16: " + splits +
+                           ", 4 warps × 16-key tiles via cp.async, G heads as mma rows, q and p as bf16 hi + lo; "
+                           "then the reduce"
+                     : "split-KV fp32: " + splits + ", " + std::to_string(kDecodeWarps) + " warps × " +
+                           (code == 2 ? "4 bf16" : "2 f32") +
+                           " rows in flight, all G heads per KV row, fp32 FMA; then the reduce" +
+                           (want_fp32 ? " (forced by LILY_CUDA_ATTENTION_DECODE)" : ""));
     return;
   }
 

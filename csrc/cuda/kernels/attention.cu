@@ -11,25 +11,29 @@
 //                Floor: reads 4·T·(2·heads + kv)·D bytes, writes the same less nothing: memory bound, tiny.
 // kv_append      k, v [T, kv*D] -> rows pos[0] + t of each kv head's cache. Grid (T, kv), block 64.
 //                Floor: reads 8·T·kv·D bytes, writes 2·ES·T·kv·D.
-// attn_decode_split + attn_decode_reduce (T = 1): split-KV ("flash decoding"). Grid (NS, kv) blocks of
-//                DEC_NW warps; the live length len = pos[0] + 1 is read on the device and cut into
-//                a = min(NS, ceil(len / MIN_CHUNK)) contiguous chunks, block s < a takes chunk s, blocks
-//                s >= a exit. Inside a block each warp holds the G queries of its kv head (lane l: D/32
-//                elements of each) and streams rows DEC_U at a time with 16-byte loads (a warp covers a bf16
-//                row of 256 in one load instruction, an f32 row in two; each row is read once for all G
-//                heads); scores are
-//                reduced over the warp with a butterfly that leaves head g's score in lanes
-//                g·(32/GP)...; online softmax in fp32; the warps of a block merge through shared memory
-//                and write one partial (m, l, o[G][D]) per (split, kv head) to ws. The reduce (grid heads,
-//                block 128) merges the a partials of its head and applies sigmoid(gate).
+// attn_decode_split + attn_decode_reduce (T = 1): split-KV ("flash decoding"), the fp32 form (f32
+//                caches). Grid (NS, kv) blocks of DEC_NW warps; the live length len = pos[0] + 1 is read on
+//                the device and cut into a = min(NS, ceil(len / MIN_CHUNK)) contiguous chunks, block s < a
+//                takes chunk s, blocks s >= a exit. Inside a block each warp holds the G queries of its kv
+//                head (lane l: D/32 elements of each) and streams rows DEC_U at a time with 16-byte loads
+//                (a warp covers a bf16 row of 256 in one load instruction, an f32 row in two; each row is
+//                read once for all G heads); scores are reduced over the warp with a butterfly that leaves
+//                head g's score in lanes g·(32/GP)...; online softmax in fp32; the warps of a block merge
+//                through shared memory and write one partial (m, l, o[G][D]) per (split, kv head) to ws.
+//                The reduce (grid heads, block 128) merges the a partials of its head and applies
+//                sigmoid(gate). ~210 fp32-pipe instructions per (row, warp) at G = 8: about the byte
+//                floor's time for bf16 rows, under it for f32 rows.
+// attn_decode_mma (T = 1, bf16 caches): the same chunks and partials, computed on tensor cores (see its
+//                section); then the same reduce.
 //                Floor: 2·kv·len·D·ES bytes of cache; real shape, bf16, len 128K: 2·2·131072·256·2 =
-//                268 MB, ~60 µs at 4.5 TB/s. FLOPs 4·heads·len·D = 2.1 GFLOP: ~35 µs of fp32 FMA at full
-//                issue, plus about 50% overhead (conversions, shuffles, exp), so close to the byte floor.
-// attn_prefill   (any T): grid (ceil(T / PF_QT), kv), block PF_QT warps, warp w = token
+//                268 MB, ~60 µs at 4.5 TB/s; FLOPs 4·heads·len·D = 2.1 GFLOP.
+// attn_prefill   (any T; f32 caches): grid (ceil(T / PF_QT), kv), block PF_QT warps, warp w = token
 //                blockIdx.x·PF_QT + w with all G heads of the kv head; K/V tiles of PF_R rows are
 //                staged in shared memory by cp.async (double buffered) and shared by the block's warps;
 //                causal mask per warp (row j <= pos[0] + t). Same per-row math as decode. FLOPs
 //                4·heads·T·(pos0 + T/2)·D; cache bytes read 2·kv·ES·D·(len) per block row.
+// attn_prefill_mma (any T; bf16 caches, G dividing 64): flash attention on tensor cores, 64 query rows
+//                (64/G tokens × G heads) per block of 4 warps (see its section).
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -284,7 +288,7 @@ extern "C" __global__ void __launch_bounds__(DEC_NW * 32) attn_decode_split(
     const float* __restrict__ q, const unsigned char* __restrict__ k_cache,
     const unsigned char* __restrict__ v_cache, const int* __restrict__ pos, i64 max_ctx, int ns, float scale,
     float* __restrict__ part_o, float* __restrict__ part_ml) {
-  __shared__ float so[DEC_NW][G][D];
+  extern __shared__ float dec_so[];  // [DEC_NW][G][D], dynamic (64 KB at G 16, D 256)
   __shared__ float sml[DEC_NW][G][2];
   const int split = blockIdx.x, kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int len = pos[0] + 1;
@@ -325,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(DEC_NW * 32) attn_decode_split(
 #pragma unroll
     for (int c = 0; c < NCH; ++c)
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) so[warp][g][elem(lane, c, i)] = A.o[g][c * VEC + i];
+      for (int i = 0; i < VEC; ++i) dec_so[(warp * G + g) * D + elem(lane, c, i)] = A.o[g][c * VEC + i];
   const int hl = lane / LPH;
   if (lane % LPH == 0 && hl < G) {
     sml[warp][hl][0] = A.m;
@@ -343,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(DEC_NW * 32) attn_decode_split(
 #pragma unroll
       for (int w = 0; w < DEC_NW; ++w) {
         const float f = expf(sml[w][g][0] - M);
-        acc = fmaf(f, so[w][g][e], acc);
+        acc = fmaf(f, dec_so[(w * G + g) * D + e], acc);
         L = fmaf(f, sml[w][g][1], L);
       }
     }
@@ -420,6 +424,15 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 // ---- end PTX wrappers ----
+
+__device__ __forceinline__ u32 pack_bf16(u16 lo, u16 hi) { return u32(lo) | (u32(hi) << 16); }
+// p = hi + lo in bf16 (hi = round(p), lo = round(p - hi)); returns the two packed pairs for (x0, x1).
+__device__ __forceinline__ void split2(float x0, float x1, u32& hi, u32& lo) {
+  const u16 h0 = f32_to_bf16(x0), h1 = f32_to_bf16(x1);
+  hi = pack_bf16(h0, h1);
+  lo = pack_bf16(f32_to_bf16(x0 - bf16_to_f32(h0)), f32_to_bf16(x1 - bf16_to_f32(h1)));
+}
+
 
 // Stages rows [j0, j0 + PF_R) of K and V (rows >= len zero filled) into `stage`.
 __device__ __forceinline__ void pf_load(unsigned char* stage, const unsigned char* kb, const unsigned char* vb,
@@ -518,14 +531,6 @@ constexpr int MM_QT = MM_BM / G;
 constexpr int MM_PITCH = D * 2 + 16;  // bytes per staged row
 constexpr int MM_NT = D / 8;          // n-tiles of the output
 constexpr int MM_SMEM = (2 * MM_BM + 4 * MM_BN) * MM_PITCH;
-
-__device__ __forceinline__ u32 pack_bf16(u16 lo, u16 hi) { return u32(lo) | (u32(hi) << 16); }
-// p = hi + lo in bf16 (hi = round(p), lo = round(p - hi)); returns the two packed pairs for (x0, x1).
-__device__ __forceinline__ void split2(float x0, float x1, u32& hi, u32& lo) {
-  const u16 h0 = f32_to_bf16(x0), h1 = f32_to_bf16(x1);
-  hi = pack_bf16(h0, h1);
-  lo = pack_bf16(f32_to_bf16(x0 - bf16_to_f32(h0)), f32_to_bf16(x1 - bf16_to_f32(h1)));
-}
 
 extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
     const float* __restrict__ q, i64 q_stride, const float* __restrict__ gate, i64 g_stride,
@@ -697,6 +702,200 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
         const int e = n * 8 + (lane & 3) * 2 + c;
         po[e] = o[n][half * 2 + c] / l / (1.f + expf(-gt[e]));
       }
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// decode on tensor cores (bf16 caches): the split-KV partials of attn_decode_split, computed by mma.sync
+// ---------------------------------------------------------------------------------------------------
+// Same grid, chunking and partial format as attn_decode_split (the same attn_decode_reduce follows). The
+// G query heads of the kv head are the 16 rows of the mma A operand (rows >= G are zero); each warp takes
+// 16-key tiles of the block's chunk (tile warp, warp + 4, ...), staged by cp.async in its own two-stage
+// shared buffer (Q's two halves are staged once per block), and computes S = Q_hi·Kᵀ + Q_lo·Kᵀ and O += P_hi·V + P_lo·V like attn_prefill_mma. Per 16
+// keys a warp issues 128 mma + 64 ldmatrix instead of ~3400 fp32 instructions, so the kernel streams the
+// cache at the memory's pace. Shared memory: Q (2 × 16 rows) + 4 warps × 2 stages × 32 rows, each of
+// D·2 + 16 bytes (152 KB at D = 256), the start reused for the block merge. One block (4 warps) per SM.
+#if KV_BF16
+#define DM_BN 16
+constexpr int DM_PITCH = D * 2 + 16;
+constexpr int DM_WARP_BYTES = 2 * 2 * DM_BN * DM_PITCH;  // 2 stages of [K tile | V tile]
+constexpr int DM_NT = D / 8;
+
+extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
+    const float* __restrict__ q, const unsigned char* __restrict__ k_cache,
+    const unsigned char* __restrict__ v_cache, const int* __restrict__ pos, i64 max_ctx, int ns, float scale,
+    float* __restrict__ part_o, float* __restrict__ part_ml) {
+  extern __shared__ __align__(16) unsigned char dm_smem[];
+  __shared__ float sml[4][G][2];
+  const int split = blockIdx.x, kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int len = pos[0] + 1;
+  const int a = active_splits(len, ns);
+  if (split >= a) return;
+  const int chunk = (len + a - 1) / a;
+  const int j0 = split * chunk, j1 = min(len, j0 + chunk);
+  const unsigned char* kb = k_cache + i64(kvh) * max_ctx * D * 2;
+  const unsigned char* vb = v_cache + i64(kvh) * max_ctx * D * 2;
+  unsigned char* dm_qhi = dm_smem;                 // [16][DM_PITCH]
+  unsigned char* dm_qlo = dm_qhi + 16 * DM_PITCH;  // [16][DM_PITCH]
+  unsigned char* wbuf = dm_qlo + 16 * DM_PITCH + warp * DM_WARP_BYTES;
+
+  // This warp's tiles: starts j0 + 16·(warp + 4·i) below j1.
+  const int ntiles = (j1 - j0 + DM_BN - 1) / DM_BN;
+  const int my_tiles = ntiles > warp ? (ntiles - warp + 3) / 4 : 0;
+  auto load_tile = [&](int stage, int js) {
+    constexpr int ROW16 = D * 2 / 16;
+    const u32 base = smem_addr(wbuf + stage * 2 * DM_BN * DM_PITCH);
+    for (int ci = lane; ci < 2 * DM_BN * ROW16; ci += 32) {
+      const int which = ci / (DM_BN * ROW16), cj = ci % (DM_BN * ROW16), r = cj / ROW16, c16 = cj % ROW16;
+      const bool ok = js + r < j1;
+      const unsigned char* src = (which ? vb : kb) + (ok ? (i64(js + r) * ROW16 + c16) * 16 : 0);
+      cp_async16(base + u32((which * DM_BN + r) * DM_PITCH + c16 * 16), src, ok);
+    }
+  };
+  if (my_tiles > 0) load_tile(0, j0 + DM_BN * warp);
+  cp_async_commit();
+
+  // Q (rows = heads, rows >= G zero) as two bf16 halves in shared memory, read by ldmatrix as A fragments.
+  const int r0 = lane >> 2, r1 = r0 + 8, c2 = (lane & 3) * 2;
+  const float* qh = q + i64(kvh) * G * D;
+  for (int idx = threadIdx.x; idx < 16 * D / 2; idx += blockDim.x) {
+    const int r = idx / (D / 2), e = (idx % (D / 2)) * 2;
+    const float x0 = r < G ? qh[r * D + e] : 0.f, x1 = r < G ? qh[r * D + e + 1] : 0.f;
+    u32 hi, lo;
+    split2(x0, x1, hi, lo);
+    *reinterpret_cast<u32*>(dm_qhi + r * DM_PITCH + e * 2) = hi;
+    *reinterpret_cast<u32*>(dm_qlo + r * DM_PITCH + e * 2) = lo;
+  }
+  __syncthreads();
+  const int arow = ((lane >> 3) & 1) * 8 + (lane & 7), acol = (lane >> 4) * 8;
+
+  float o[DM_NT][4];
+#pragma unroll
+  for (int n = 0; n < DM_NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float mA = NEG_INF, mB = NEG_INF, lA = 0.f, lB = 0.f;
+  const int brow = (lane >> 4) * 8 + (lane & 7), bcol = ((lane >> 3) & 1) * 8;
+  const int vrow = ((lane >> 3) & 1) * 8 + (lane & 7), vcol = (lane >> 4) * 8;
+  for (int i = 0; i < my_tiles; ++i) {
+    const int js = j0 + DM_BN * (warp + 4 * i);
+    if (i + 1 < my_tiles) {
+      load_tile((i + 1) & 1, js + 4 * DM_BN);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncwarp();
+    const unsigned char* ks = wbuf + (i & 1) * 2 * DM_BN * DM_PITCH;
+    const unsigned char* vs = ks + DM_BN * DM_PITCH;
+    float sh[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}}, sl[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      u32 ah[4], al[4], b[4];
+      ldsm_x4(ah, smem_addr(dm_qhi + arow * DM_PITCH + (kk * 16 + acol) * 2));
+      ldsm_x4(al, smem_addr(dm_qlo + arow * DM_PITCH + (kk * 16 + acol) * 2));
+      ldsm_x4(b, smem_addr(ks + brow * DM_PITCH + (kk * 16 + bcol) * 2));
+      mma_bf16(sh[0], ah, b[0], b[1]);
+      mma_bf16(sh[1], ah, b[2], b[3]);
+      mma_bf16(sl[0], al, b[0], b[1]);
+      mma_bf16(sl[1], al, b[2], b[3]);
+    }
+    float mxA = NEG_INF, mxB = NEG_INF;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int j = js + n * 8 + c2 + (c & 1);
+        const float v = j < j1 ? (sh[n][c] + sl[n][c]) * scale : NEG_INF;
+        sh[n][c] = v;
+        if (c < 2) mxA = fmaxf(mxA, v); else mxB = fmaxf(mxB, v);
+      }
+    mxA = fmaxf(mxA, __shfl_xor_sync(FULL_MASK, mxA, 1));
+    mxA = fmaxf(mxA, __shfl_xor_sync(FULL_MASK, mxA, 2));
+    mxB = fmaxf(mxB, __shfl_xor_sync(FULL_MASK, mxB, 1));
+    mxB = fmaxf(mxB, __shfl_xor_sync(FULL_MASK, mxB, 2));
+    const float nA = fmaxf(mA, mxA), nB = fmaxf(mB, mxB);  // finite: key js < j1 is in every tile
+    const float cA = expf(mA - nA), cB = expf(mB - nB);
+    mA = nA;
+    mB = nB;
+    float psA = 0.f, psB = 0.f;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float p = expf(sh[n][c] - (c < 2 ? nA : nB));
+        sh[n][c] = p;
+        if (c < 2) psA += p; else psB += p;
+      }
+    lA = lA * cA + psA;
+    lB = lB * cB + psB;
+#pragma unroll
+    for (int n = 0; n < DM_NT; ++n) {
+      o[n][0] *= cA;
+      o[n][1] *= cA;
+      o[n][2] *= cB;
+      o[n][3] *= cB;
+    }
+    u32 ph[4], pl[4];
+    split2(sh[0][0], sh[0][1], ph[0], pl[0]);
+    split2(sh[0][2], sh[0][3], ph[1], pl[1]);
+    split2(sh[1][0], sh[1][1], ph[2], pl[2]);
+    split2(sh[1][2], sh[1][3], ph[3], pl[3]);
+#pragma unroll
+    for (int np = 0; np < D / 16; ++np) {
+      u32 b[4];
+      ldsm_x4_t(b, smem_addr(vs + vrow * DM_PITCH + (np * 16 + vcol) * 2));
+      mma_bf16(o[2 * np], ph, b[0], b[1]);
+      mma_bf16(o[2 * np + 1], ph, b[2], b[3]);
+      mma_bf16(o[2 * np], pl, b[0], b[1]);
+      mma_bf16(o[2 * np + 1], pl, b[2], b[3]);
+    }
+    __syncwarp();  // the stage is refilled by the next iteration's load
+  }
+  lA += __shfl_xor_sync(FULL_MASK, lA, 1);
+  lA += __shfl_xor_sync(FULL_MASK, lA, 2);
+  lB += __shfl_xor_sync(FULL_MASK, lB, 1);
+  lB += __shfl_xor_sync(FULL_MASK, lB, 2);
+
+  // Merge the block's warps (the stage buffers are reused for the accumulators).
+  __syncthreads();
+  float* so = reinterpret_cast<float*>(dm_smem);  // [4][G][D]
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = half ? r1 : r0;
+    if (r < G) {
+#pragma unroll
+      for (int n = 0; n < DM_NT; ++n) {
+        so[(warp * G + r) * D + n * 8 + c2] = o[n][half * 2];
+        so[(warp * G + r) * D + n * 8 + c2 + 1] = o[n][half * 2 + 1];
+      }
+      if ((lane & 3) == 0) {
+        sml[warp][r][0] = half ? mB : mA;
+        sml[warp][r][1] = half ? lB : lA;
+      }
+    }
+  }
+  __syncthreads();
+  const i64 base = i64(kvh) * ns + split;
+  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    const int g = idx / D, e = idx % D;
+    float M = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) M = fmaxf(M, sml[w][g][0]);
+    float acc = 0.f, L = 0.f;
+    if (M != NEG_INF) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float f = expf(sml[w][g][0] - M);
+        acc = fmaf(f, so[(w * G + g) * D + e], acc);
+        L = fmaf(f, sml[w][g][1], L);
+      }
+    }
+    part_o[(base * G + g) * D + e] = acc;
+    if (e == 0) {
+      part_ml[(base * G + g) * 2] = M;
+      part_ml[(base * G + g) * 2 + 1] = L;
+    }
   }
 }
 #endif
