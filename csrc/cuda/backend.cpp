@@ -338,8 +338,9 @@ void CudaOps::place_weights(const std::vector<Weight*>& weights) {
   };
   std::vector<Placed> placed;
   {
+    mappings_.reserve(mappings_.size() + merged.size());
     for (const Part& p : merged) {
-      const Mapping& src = mappings_.at(size_t(p.mapping));
+      const Mapping src = mappings_.at(size_t(p.mapping));  // a copy: mappings_ grows below
       if (p.end > src.bytes)
         throw std::invalid_argument("weight bytes [" + std::to_string(p.begin) + ", " + std::to_string(p.end) +
                                     ") lie outside '" + src.label + "' (" + std::to_string(src.bytes) + " bytes)");
