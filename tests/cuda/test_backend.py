@@ -156,7 +156,8 @@ def test_decode_graphs_and_one_read_per_token(checkpoints):
         out = list(s.generate(24, lily.SamplingParams(temperature=0), stop_token_ids=[]))
         assert len(out) == 24
         g = gpu.report()["cuda"]["graphs"]
-        assert g["captured"] <= 3 and g["replayed"] >= 18, g
+        # first sample of the call, the two alternating steps, and the report's probe step
+        assert g["captured"] <= 4 and g["replayed"] >= 18, g
         assert g["launches_per_decode_step"] > 0 and g["graph_nodes_per_decode_step"] >= g["launches_per_decode_step"]
         st = s.stats()
         assert st["generate_transfers"]["downloads"] == st["generate_transfers"]["steps"], st
