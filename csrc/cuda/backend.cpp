@@ -489,10 +489,16 @@ void CudaOps::record_launch(Launch& l) {
     return;
   }
   l.stage = stage_;
+  l.op = op_;
   launches_.push_back(l);
 }
 
 void CudaOps::on_stage_boundary() { ++stage_; }
+
+void CudaOps::execute(OpKind kind, const OpRun& run) {
+  ++op_;  // launches recorded by this op's *_impl carry this number (they run in order, on one lane)
+  run();
+}
 
 void CudaOps::issue(const Launch& l, CUstream s) {
   size_t size = l.args_len;
@@ -609,14 +615,17 @@ void CudaOps::issue_staged() {
   while (i < launches_.size()) {
     size_t j = i + 1;
     while (j < launches_.size() && launches_[j].stage == launches_[i].stage) ++j;
-    const size_t n = j - i, lanes = std::min(n, side_streams_.size() + 1);
+    // Ops of the stage are independent; the launches of one op (a kernel and its reduce, say) are not, so
+    // each op stays on one lane, in order.
+    const size_t ops = size_t(launches_[j - 1].op - launches_[i].op) + 1;
+    const size_t lanes = std::min(ops, side_streams_.size() + 1);
     if (!opt_.branches || lanes < 2) {
       for (size_t k = i; k < j; ++k) issue(launches_[k], stream_);
     } else {
       check(d.cuEventRecord(fork_event_, stream_), "cuEventRecord (fork)");
       for (size_t s = 1; s < lanes; ++s) check(d.cuStreamWaitEvent(side_streams_[s - 1], fork_event_, 0), "cuStreamWaitEvent");
       for (size_t k = i; k < j; ++k) {
-        const size_t lane = (k - i) % lanes;
+        const size_t lane = size_t(launches_[k].op - launches_[i].op) % lanes;
         issue(launches_[k], lane == 0 ? stream_ : side_streams_[lane - 1]);
       }
       for (size_t s = 1; s < lanes; ++s) {

@@ -144,6 +144,7 @@ class CudaOps final : public Ops {
   uint64_t submit_impl() override;
   void abandon_impl() override;
   void on_stage_boundary() override;
+  void execute(OpKind kind, const OpRun& run) override;
 
   void embed_impl(const Tensor& ids, const Weight& table, const Tensor& out) override;
   void rms_norm_impl(const Tensor& x, const Tensor& w, const Tensor& out, float eps) override;
@@ -187,6 +188,7 @@ class CudaOps final : public Ops {
     uint32_t smem = 0;
     size_t args_at = 0, args_len = 0;  // in args_
     int64_t stage = 0;
+    int64_t op = 0;  // which op recorded it (ops of one stage are independent; one op's launches are not)
   };
   template <class T>
   void pack(const T& v) {
@@ -238,6 +240,7 @@ class CudaOps final : public Ops {
   std::vector<unsigned char> args_;
   size_t args_base_ = 0;  // start of the launch being packed (arguments align relative to it)
   int64_t stage_ = 0;
+  int64_t op_ = 0;
   int64_t steps_launches_ = 0;  // launches of the last submitted step
 
   // Fences: event per submitted step, recycled once waited for.
