@@ -74,7 +74,6 @@ void validate(const Weight& w) {
   if (!w.valid()) fail("has no mapping");
   if (w.rows <= 0 || w.cols <= 0) fail("empty shape");
   if (w.rows > INT_MAX) fail("more than 2^31 - 1 rows");
-  if (w.experts > 1) fail("is a stack of " + std::to_string(w.experts) + " experts (matmul takes one matrix)");
   if (w.quantized()) {
     if (w.bits != 2 && w.bits != 4 && w.bits != 8) fail("affine bits must be 2, 4 or 8");
     if (w.group <= 0 || w.cols % w.group != 0 || w.group % (32 / w.bits) != 0)
@@ -154,9 +153,15 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
 
 }  // namespace
 
-std::string CudaOps::matmul_variant(const Weight& w, Phase phase) const { return select_matmul(*this, w, phase).name; }
+// For a stacked weight (engine.report() asks about the routed experts) the variant of one expert's matrix.
+std::string CudaOps::matmul_variant(const Weight& w, Phase phase) const {
+  return select_matmul(*this, w.experts > 1 ? w.expert(0) : w, phase).name;
+}
 
 void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
+  if (w.experts > 1)
+    throw std::invalid_argument("cuda matmul: weight " + describe(w) + " is a stack of " + std::to_string(w.experts) +
+                                " experts (matmul takes one matrix)");
   const MatmulVariant v = select_matmul(*this, w, phase());
   const int64_t T = x.rows, K = w.cols, N = w.rows;
   if (x.dtype != DType::F32 || out.dtype != DType::F32)
