@@ -3,7 +3,11 @@
 // Variants (select_matmul is the one place that decides; matmul_impl launches what it returns and
 // matmul_variant reports the same name):
 // - phase Decode: matmul_gemv for T <= 16 (x in registers, W streamed once with 16-byte loads; more than 16
-//   rows in a decode step is refused). Prefill: matmul_gemm for every T (tensor cores, W dequantized into
+//   rows in a decode step is refused). Weights of 32 MiB and more in q4 (group 64 or a multiple of 128,
+//   K % 128 == 0: the lm_head) take matmul_gemv_mma for T <= 8: the CUDA-core GEMV spends ~3.8
+//   instructions per code, which puts its issue ceiling near the HBM rate; the tensor-core form spends
+//   ~2.4. Smaller weights keep the CUDA-core GEMV: the mma form walks K sequentially per warp, which is
+//   latency bound when each warp has only a few rows. Prefill: matmul_gemm for every T (tensor cores, W dequantized into
 //   shared memory tile by tile), never the GEMV, so a prefill in chunks of any size gives the same bits as
 //   one prefill (STYLE.md §5: select by phase and weight, not by T).
 // - Alignment (checkpoints map tensors at any byte offset): the code loads are 16-byte (AL 16) when data(w)
@@ -36,6 +40,9 @@ constexpr int kGemmBM = 64, kGemmBN = 128;  // BM, BN
 constexpr int kGemmBK = 64;            // BK
 constexpr int kXSplit = 2;             // XS
 constexpr int64_t kMaxDecodeRows = 16;
+constexpr int64_t kMmaMaxRows = 8;                // matmul_gemv_mma: tokens are the n8 of the MMA
+constexpr size_t kMmaMinBytes = size_t(32) << 20;  // below this the mma GEMV's per-warp K walk is latency bound
+constexpr int kMmaBlocksPerSm = 2;                 // __launch_bounds__(NT, 2) of matmul_gemv_mma
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int pow2ceil(int64_t v) {
@@ -67,7 +74,6 @@ void validate(const Weight& w) {
   if (!w.valid()) fail("has no mapping");
   if (w.rows <= 0 || w.cols <= 0) fail("empty shape");
   if (w.rows > INT_MAX) fail("more than 2^31 - 1 rows");
-  if (w.experts > 1) fail("is a stack of " + std::to_string(w.experts) + " experts (matmul takes one matrix)");
   if (w.quantized()) {
     if (w.bits != 2 && w.bits != 4 && w.bits != 8) fail("affine bits must be 2, 4 or 8");
     if (w.group <= 0 || w.cols % w.group != 0 || w.group % (32 / w.bits) != 0)
@@ -83,8 +89,18 @@ int alignment_of(uint64_t addr, uint64_t stride) {
   return a % 16 == 0 ? 16 : a % 4 == 0 ? 4 : 1;
 }
 
+// matmul_gemv_mma's format conditions (MV_OK in matmul.cu) and weight size.
+bool gemv_mma_fits(const Weight& w) {
+  return w.quantized() && w.bits == 4 && (w.group == 64 || w.group % 128 == 0) && w.cols % 128 == 0 &&
+         w.bytes() >= kMmaMinBytes;
+}
+// Shared memory of matmul_gemv_mma for T tokens: x fragments + Σx (matmul.cu's layout).
+int gemv_mma_smem(const Weight& w, int64_t T) {
+  return int((w.cols / 128) * 8 * T * 4 * 16 + T * (w.cols / w.group) * 4);
+}
+
 struct MatmulVariant {
-  bool gemm = false;
+  bool gemm = false, mma = false;
   std::string name, reason;
   Defines defines;
 };
@@ -110,7 +126,13 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
   const std::string ld_suffix = al == 16 ? "" : al == 4 ? "_ld4" : "_ldfunnel";
   const std::string sc_suffix = sal ? "" : "_scalebytes";
   const std::string sc_reason = sal ? "" : ", scales/biases read byte-wise (not aligned to their dtype)";
-  if (!v.gemm) {
+  if (!v.gemm && gemv_mma_fits(w) && gemv_mma_smem(w, kMmaMaxRows) <= ops.info().max_smem_optin) {
+    v.mma = true;
+    v.name = "gemv_" + kind + "_mma_" + fmt + ld_suffix + sc_suffix;
+    v.reason = "tensor-core GEMV for T <= 8 (codes as bf16 A operand, x as bf16 hi+lo B operand, fp32 per-group "
+               "scale/bias), warps own balanced row ranges, 2 tiles of 16 rows per pass, " + loads + sc_reason +
+               "; T > 8 takes the CUDA-core GEMV";
+  } else if (!v.gemm) {
     v.name = "gemv_" + kind + "_cuda" + (fmt.empty() ? "" : "_" + fmt) + ld_suffix + sc_suffix;
     const int64_t chunks = ceil_div(int64_t(w.row_bytes()), 16);
     const int tpr = std::min(pow2ceil(chunks), kThreads);
@@ -131,9 +153,15 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
 
 }  // namespace
 
-std::string CudaOps::matmul_variant(const Weight& w, Phase phase) const { return select_matmul(*this, w, phase).name; }
+// For a stacked weight (engine.report() asks about the routed experts) the variant of one expert's matrix.
+std::string CudaOps::matmul_variant(const Weight& w, Phase phase) const {
+  return select_matmul(*this, w.experts > 1 ? w.expert(0) : w, phase).name;
+}
 
 void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
+  if (w.experts > 1)
+    throw std::invalid_argument("cuda matmul: weight " + describe(w) + " is a stack of " + std::to_string(w.experts) +
+                                " experts (matmul takes one matrix)");
   const MatmulVariant v = select_matmul(*this, w, phase());
   const int64_t T = x.rows, K = w.cols, N = w.rows;
   if (x.dtype != DType::F32 || out.dtype != DType::F32)
@@ -156,6 +184,16 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
     if (T > kMaxDecodeRows)
       throw std::invalid_argument("cuda matmul: decode GEMV takes at most " + std::to_string(kMaxDecodeRows) +
                                   " rows, got " + std::to_string(T) + " (weight " + describe(w) + ")");
+    if (v.mma && T <= kMmaMaxRows) {
+      const Kernel& k = kernel("matmul", "matmul_gemv_mma", v.defines);
+      const int smem = gemv_mma_smem(w, T);
+      if (smem > 48 * 1024 && k.max_dynamic_smem < smem) set_dynamic_smem(k, smem);
+      const int64_t blocks = std::min<int64_t>(int64_t(kMmaBlocksPerSm) * std::max(1, info().sms),
+                                               ceil_div(N, 32 * (kThreads / 32)));
+      launch(k, Dim3{unsigned(blocks), 1, 1}, Dim3{unsigned(kThreads), 1, 1}, uint32_t(smem), ptr(x), Ti, ldx,
+             data(w), S, B, ptr(out), ldy, Ni);
+      return;
+    }
     const Kernel& k = kernel("matmul", "matmul_gemv", v.defines);
     // Geometry as matmul.cu derives it (TPR, RPP, RB): must match.
     const int64_t chunks = ceil_div(int64_t(w.row_bytes()), 16);

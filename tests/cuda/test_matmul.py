@@ -6,7 +6,8 @@ come from `empty` (poisoned), so an unwritten element fails the comparison.
 
 Tolerances (relative error ‖gpu − cpu‖ / ‖cpu‖):
   * decode (GEMV): fp32 FMAs on the CUDA cores, another summation order than the CPU: 1e-5 (a host
-    emulation of the kernel measured 0.5-2e-7 against a float64 reference).
+    emulation of the kernel measured 0.5-2e-7 against a float64 reference). Weights of 32 MiB and more
+    (the lm_head) take the tensor-core GEMV, x as bf16 hi + lo: emulated 1.3-4e-6, also under 1e-5.
   * prefill (GEMM): tensor cores with x as two bf16 terms (hi + lo: x to ~16 bits) and W exact (codes, or
     bf16 as stored) or as hi + lo: 5e-5 (the emulation measured 1-7e-6; plain bf16 x would give ~1.5e-3,
     so a lost lo term fails this bound).
@@ -157,6 +158,22 @@ def test_lm_head_decode(benches):
             "biases": _bf16_bits(biases), "scale_dtype": "bf16", "shape": (n, k)}
     x = make_x(rng, 1, k)
     _check(benches, desc, x, "decode", "lm_head")
+    notes = [v for key, v in _variants(benches[1].report()).items() if "[248320, 2048]" in key]
+    assert notes and notes[0].startswith("gemv_q4_mma_g64_bf16s:"), notes
+
+
+@pytest.mark.parametrize("n,k,spec", [(65537, 2048, "q4g64-bf16"), (50001, 1536, "q4g128-f16")])
+def test_large_q4_decode_tensor_core_gemv(benches, n, k, spec):
+    """Weights of 32 MiB and more take matmul_gemv_mma for T <= 8 (x as bf16 hi + lo: within 1e-5), the
+    CUDA-core GEMV for T = 9..16; odd N leaves a partial 16-row tile in some warp's range."""
+    _, gpu = benches
+    rng = np.random.default_rng(n)
+    desc, _ = make_weight(rng, spec, n, k)
+    x = make_x(rng, 9, k)
+    for t in (1, 3, 8, 9):
+        _check(benches, desc, x[:t], "decode", f"{spec} [{n}, {k}] T={t}")
+    notes = [v for key, v in _variants(gpu.report()).items() if key.startswith("matmul.decode.") and f"[{n}, {k}]" in key]
+    assert notes and notes[0].startswith("gemv_q4_mma_"), notes
 
 
 def test_rows_do_not_depend_on_t(benches):

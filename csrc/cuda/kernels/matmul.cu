@@ -32,6 +32,10 @@
 // Floor: W.bytes() per call (q4g64: 0.5625 B/weight; lm_head 248320 × 2048 q4g64 = 286 MB = 72 µs at
 // 4 TB/s); instruction floor ~3 per code (q4: ~10 codes/clk/SMSP, above the 7.1 T codes/s HBM feeds).
 //
+// matmul_gemv_mma (decode, T <= 8, q4 weights of 32 MiB and more, i.e. the lm_head): the same product on
+// the tensor cores, W codes exact, x as bf16 hi + lo; see its section at the end of the file. Floor as
+// above: 286 MB for the lm_head; ~2.4 instructions per code instead of ~3.8.
+//
 // matmul_gemm (prefill, any T): mma.sync m16n8k16 bf16 → f32. Block 256 threads = 8 warps (2 along T × 4
 // along N), tile BM 64 (T) × BN 128 (N) × BK 64 (K), warp tile 32 × 32; grid (ceil(T/64), ceil(N/128)), T
 // fastest so the T-blocks sharing a W tile run together and W is read from DRAM about once. Per K block:
@@ -500,4 +504,165 @@ extern "C" __global__ void __launch_bounds__(NT)
         const i64 t = t0 + wm * 32 + mi * 16 + (lane >> 2) + (e >> 1) * 8;
         if (t < T && n < N) y[t * ldy + n] = acc[mi][ni][e];
       }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// GEMV on the tensor cores (decode, q4 with GROUP 64 or a multiple of 128, K % 128 == 0, T <= 8)
+//
+// Why: the CUDA-core GEMV spends 3 instructions per code (LOP3, FADD, FFMA), which puts its issue ceiling
+// near the HBM rate. Here W is the A operand of mma.m16n8k16 (16 rows × 16 k) holding the integer codes,
+// made two at a time by one LOP3 ((w >> 4i) & 0x000F000F | 0x43004300 = bf16 pair 128 + q) and one exact
+// bf16x2 fma (−128); x is the B operand (k16 × 8 tokens, columns ≥ T zero) as bf16 hi + lo, staged once per
+// block in shared memory already in fragment order. ~2.4 instructions per code instead of ~3.8.
+// Warp w owns rows [N·w/W, N·(w+1)/W) (W = all warps of the grid; balanced to a row), two 16-row tiles
+// at a time; lane (g, c) loads 16 bytes of rows g, g+8, g+16, g+24 per 128-code span (a quad reads 64 contiguous bytes of a
+// row), the next span's codes and scales in flight while this span is multiplied. With GROUP 64 a span
+// holds two groups: one xor-2 exchange of two words inside each quad makes every k16 step one group
+// (lane c then holds span words SWB[c] + {0, 1, 8, 9}; x is staged in that order). At each group's end
+// acc += s·D + b·Σx (Σx of the group in f32, shared memory). Reduction order: fixed by K and GROUP.
+// Shared memory: x fragments [K/128][8][T][4] × 16 bytes + Σx [T][K/GROUP] f32 (matmul.cpp must match).
+
+constexpr bool MV_OK = BITS == 4 && GROUP > 0 && (GROUP == 64 || GROUP % 128 == 0) && K % 128 == 0;
+constexpr bool MV_EXCH = GROUP == 64;
+constexpr int MV_SPANS = K / 128;
+
+__device__ __forceinline__ u32 mv_pair(u32 w, int i) {  // bf16 pair (q_i, q_{i+4}) of a q4 word, exact
+  const u32 p = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;  // 128 + q
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
+  return r;
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 2)
+    matmul_gemv_mma(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
+                    const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+  if (!MV_OK) return;
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint4* xf = reinterpret_cast<uint4*>(smem);
+  float* sx = reinterpret_cast<float*>(smem + i64(MV_SPANS) * 8 * T * 4 * 16);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+
+  // ---- stage x: fragments (hi, lo) and Σx per (token, group)
+  const int nfrag = MV_SPANS * 8 * T * 4;
+  for (int e = tid; e < nfrag; e += NT) {
+    const int ec = e & 3, eg = (e >> 2) % T, es = (e / (4 * T)) % 8, sp = e / (32 * T);
+    const int wi = es >> 1, h = es & 1;
+    const int sw = MV_EXCH ? ((ec == 0 ? 0 : ec == 1 ? 4 : ec == 2 ? 2 : 6) + (wi < 2 ? wi : wi + 6)) : 4 * ec + wi;
+    const i64 base = i64(sp) * 128 + 8 * sw + 2 * h;
+    const float* xr = x + i64(eg) * ldx;
+    u16 hi[4], lo[4];
+    split_bf16(xr[base], hi[0], lo[0]);
+    split_bf16(xr[base + 4], hi[1], lo[1]);
+    split_bf16(xr[base + 1], hi[2], lo[2]);
+    split_bf16(xr[base + 5], hi[3], lo[3]);
+    xf[e] = make_uint4(pack_bf16(hi[0], hi[1]), pack_bf16(hi[2], hi[3]), pack_bf16(lo[0], lo[1]), pack_bf16(lo[2], lo[3]));
+  }
+  for (int e = tid; e < T * NG; e += NT) {
+    const int et = e / NG, eg = e % NG;
+    const float* xr = x + i64(et) * ldx + i64(eg) * GROUP;
+    float s = 0.f;
+    for (int k = 0; k < GROUP; ++k) s += xr[k];
+    sx[e] = s;
+  }
+  __syncthreads();
+
+  const i64 nw = i64(gridDim.x) * (NT / 32), gw = i64(blockIdx.x) * (NT / 32) + warp;
+  const i64 r0 = i64(N) * gw / nw, r1 = i64(N) * (gw + 1) / nw;
+  constexpr int NSC = MV_EXCH ? 2 : 1;  // groups whose scales one span needs
+  // Two 16-row tiles per pass: lane rows rt + g + 8·j, j = 0..3 (tile j / 2), so a lane has 4 × 16 bytes
+  // of codes in flight for the next span while it multiplies this one.
+  for (i64 rt = r0; rt < r1; rt += 32) {
+    i64 row[4];
+    bool live[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) row[j] = rt + g + 8 * j, live[j] = row[j] < r1;
+    u32 w[4][4];
+    float sc[4][NSC], bi[4][NSC];
+    auto load_span = [&](int sp, u32 (&q)[4][4], float (&ss)[4][NSC], float (&bb)[4][NSC]) {
+      const i64 off = i64(sp) * 64 + 16 * c;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (live[j]) mm_load16<AL>(W + row[j] * RBYTES + off, 16, q[j]);
+        else q[j][0] = q[j][1] = q[j][2] = q[j][3] = 0u;
+#pragma unroll
+        for (int e = 0; e < NSC; ++e) {
+          const i64 grp = MV_EXCH ? 2 * sp + e : (i64(sp) * 128) / (GROUP ? GROUP : 1);
+          ss[j][e] = live[j] ? mm_scalar<DT, SAL>(S, row[j] * NG + grp) : 0.f;
+          bb[j][e] = live[j] ? mm_scalar<DT, SAL>(B, row[j] * NG + grp) : 0.f;
+        }
+      }
+    };
+    load_span(0, w, sc, bi);
+    float acc[2][4], dg[2][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][e] = dg[m][e] = 0.f;
+    for (int sp = 0; sp < MV_SPANS; ++sp) {
+      u32 nw4[4][4];
+      float nsc[4][NSC], nbi[4][NSC];
+      const bool more = sp + 1 < MV_SPANS;
+      if (more) load_span(sp + 1, nw4, nsc, nbi);
+      if (MV_EXCH) {  // lanes 0,1 keep words 0,1 and take the partner's 0,1; lanes 2,3 keep 2,3
+        const bool low = c < 2;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const u32 e0 = __shfl_xor_sync(0xffffffffu, low ? w[j][2] : w[j][0], 2);
+          const u32 e1 = __shfl_xor_sync(0xffffffffu, low ? w[j][3] : w[j][1], 2);
+          if (low) {
+            w[j][2] = e0, w[j][3] = e1;
+          } else {
+            w[j][0] = e0, w[j][1] = e1;
+          }
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        const int wi = s >> 1, h = s & 1;
+        uint4 f = make_uint4(0u, 0u, 0u, 0u);
+        if (g < T) f = xf[((sp * 8 + s) * T + g) * 4 + c];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          const u32 a[4] = {mv_pair(w[2 * m][wi], 2 * h), mv_pair(w[2 * m + 1][wi], 2 * h),
+                            mv_pair(w[2 * m][wi], 2 * h + 1), mv_pair(w[2 * m + 1][wi], 2 * h + 1)};
+          mma_bf16(dg[m], a, f.x, f.y);
+          if (XS == 2) mma_bf16(dg[m], a, f.z, f.w);
+        }
+        const bool gend = MV_EXCH ? (s == 3 || s == 7) : (s == 7 && ((sp + 1) * 128) % (GROUP ? GROUP : 1) == 0);
+        if (gend) {
+          const int q = MV_EXCH ? (s == 7 ? 1 : 0) : 0;
+          const i64 grp = MV_EXCH ? 2 * sp + q : (i64(sp) * 128) / (GROUP ? GROUP : 1);
+          const int t0 = 2 * c, t1 = 2 * c + 1;
+          const float x0 = t0 < T ? sx[t0 * NG + grp] : 0.f, x1 = t1 < T ? sx[t1 * NG + grp] : 0.f;
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            // C fragment: e 0,1 = row g of the tile (tokens 2c, 2c+1), e 2,3 = row g + 8
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int j = 2 * m + (e >> 1);
+              acc[m][e] = fmaf(sc[j][q], dg[m][e], acc[m][e]);
+              acc[m][e] = fmaf(bi[j][q], (e & 1) ? x1 : x0, acc[m][e]);
+              dg[m][e] = 0.f;
+            }
+          }
+        }
+      }
+      if (more) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) w[j][i] = nw4[j][i];
+#pragma unroll
+          for (int e = 0; e < NSC; ++e) sc[j][e] = nsc[j][e], bi[j][e] = nbi[j][e];
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = 2 * m + (e >> 1), t = 2 * c + (e & 1);
+        if (live[j] && t < T) y[i64(t) * ldy + row[j]] = acc[m][e];
+      }
+  }
 }
