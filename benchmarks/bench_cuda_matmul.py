@@ -1,7 +1,8 @@
 """CUDA decode GEMV (kernels/matmul.cu matmul_gemv) on Qwen3.6-35B-A3B's decode shapes, and the prefill GEMM.
 
 Timing: through the op harness (lily._core.OpBench("cuda")). If the bench has a `time` method it is used
-(device time of the op); otherwise each case runs `b.run(...)` --repeats times in a row and divides the
+("in-step": `repeats` copies of the op in one step, a CUDA graph when the phase is decode, wall time of the
+whole step / repeats, so launch gaps count as they do in a decode step); otherwise each case runs `b.run(...)` --repeats times in a row and divides the
 wall time, which includes the per-step submit + wait overhead (a few µs): the "wall/op" column says which.
 Bandwidth: weight bytes (codes + scales + biases, read once per GEMV call) / time, against a measured device
 copy: `copy` of a 1 GiB f32 tensor (read + write bytes), timed the same way. Prefill: 2·T·N·K FLOP / time.
@@ -59,7 +60,7 @@ def timed(b, repeats: int, op: str, **kw) -> tuple[float, str]:
     b.run(op, **kw)  # compile / warm
     if hasattr(b, "time"):
         try:
-            return float(b.time(op, repeats=repeats, **kw)), "device"
+            return float(b.time(op, repeats=repeats, **kw)), "in-step"
         except TypeError:
             pass
     t0 = time.perf_counter()

@@ -6,6 +6,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -182,7 +184,23 @@ class OpBench {
     return nb::cast(nb::ndarray<nb::numpy, float, nb::ndim<2>>(buf, {size_t(t.rows), size_t(t.cols)}, owner));
   }
 
-  void run(const std::string& op, const std::string& phase, const nb::kwargs& kw) {
+  void run(const std::string& op, const std::string& phase, const nb::kwargs& kw) { encode_and_run(op, phase, kw, 1); }
+
+  // Seconds per op: one step holding `repeats` copies of the op, run `runs` times (a decode step is a CUDA
+  // graph on the CUDA backend: the first run captures it, later ones replay), median of the later runs'
+  // wall time / repeats. Launch gaps inside the step count (they are what a decode step pays).
+  double time(const std::string& op, const std::string& phase, int64_t repeats, int runs, const nb::kwargs& kw) {
+    std::vector<double> t;
+    for (int r = 0; r < runs + 1; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      encode_and_run(op, phase, kw, repeats);
+      if (r) t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2] / double(repeats);
+  }
+
+  void encode_and_run(const std::string& op, const std::string& phase, const nb::kwargs& kw, int64_t repeats) {
     auto T = [&](const char* k) -> Tensor {
       if (!kw.contains(k)) throw std::invalid_argument("op '" + op + "' needs tensor '" + k + "'");
       return get(nb::cast<int>(kw[k]));
@@ -204,9 +222,11 @@ class OpBench {
       return DeltaShape{I("k_heads"), I("v_heads"), I("k_dim"), I("v_dim"), I("conv_kernel"), float(F("eps", 1e-6))};
     };
     if (phase != "prefill" && phase != "decode") throw std::invalid_argument("phase must be prefill or decode");
+    if (repeats < 1) throw std::invalid_argument("repeats must be >= 1");
     Ops& o = *ops_;
     o.begin(phase == "decode" ? Phase::Decode : Phase::Prefill);
     try {
+     for (int64_t rep = 0; rep < repeats; ++rep) {
       if (op == "embed") o.embed(T("ids"), W("table"), T("out"));
       else if (op == "rms_norm") o.rms_norm(T("x"), T("w"), T("out"), float(F("eps", 1e-6)));
       else if (op == "matmul") o.matmul(T("x"), W("w"), T("out"));
@@ -249,6 +269,7 @@ class OpBench {
       } else {
         throw std::invalid_argument("unknown op '" + op + "'");
       }
+     }
     } catch (...) {
       o.abandon();
       throw;
@@ -301,6 +322,8 @@ void bind_ops_bench(nb::module_& m) {
       .def("weight", &OpBench::weight, "desc"_a)
       .def("read", &OpBench::read, "tensor"_a)
       .def("run", &OpBench::run, "op"_a, "phase"_a = "prefill", "kwargs"_a)
+      .def("time", &OpBench::time, "op"_a, "phase"_a = "decode", "repeats"_a = 20, "runs"_a = 5, "kwargs"_a,
+           "Seconds per op over `repeats` copies in one step, median of `runs` runs (after one warm-up).")
       .def("stats", &OpBench::stats)
       .def("report", [](OpBench& b) { return report_for_bench(b.ops()); });
 }
