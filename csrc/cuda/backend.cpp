@@ -712,6 +712,8 @@ void CudaOps::download_impl(const Tensor& src, void* dst) {
 // ---- the backend's own ops (kernels/backend.cu) ----
 
 namespace {
+// grid.y is limited to 65535: the row kernels loop over rows with a grid-sized stride.
+unsigned grid_rows(int64_t rows) { return unsigned(std::max<int64_t>(1, std::min<int64_t>(rows, 65535))); }
 unsigned blocks_for(int64_t n, int64_t per_block, unsigned cap = 65535) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>(cap, (n + per_block - 1) / per_block)));
 }
@@ -726,8 +728,8 @@ void CudaOps::copy_impl(const Tensor& src, const Tensor& dst) {
     const int64_t ss = src.stride * es, ds = dst.stride * es;
     const int align16 = ((s | d) % 16 == 0) && ss % 16 == 0 && ds % 16 == 0 && row % 16 == 0;
     const Kernel& k = kernel("backend", "copy_rows");
-    launch(k, Dim3{blocks_for(align16 ? row / 16 : row, 256, 1024), unsigned(src.rows), 1}, Dim3{256, 1, 1}, 0, d,
-           ds, s, ss, row, align16);
+    launch(k, Dim3{blocks_for(align16 ? row / 16 : row, 256, 1024), grid_rows(src.rows), 1}, Dim3{256, 1, 1}, 0, d,
+           ds, s, ss, row, align16, src.rows);
     return;
   }
   int to_bf16;
@@ -738,8 +740,8 @@ void CudaOps::copy_impl(const Tensor& src, const Tensor& dst) {
   else
     throw std::logic_error("copy: unsupported dtype conversion");
   const Kernel& k = kernel("backend", "convert_rows");
-  launch(k, Dim3{blocks_for(src.cols, 256, 1024), unsigned(src.rows), 1}, Dim3{256, 1, 1}, 0, ptr(dst), dst.stride,
-         ptr(src), src.stride, src.cols, to_bf16);
+  launch(k, Dim3{blocks_for(src.cols, 256, 1024), grid_rows(src.rows), 1}, Dim3{256, 1, 1}, 0, ptr(dst), dst.stride,
+         ptr(src), src.stride, src.cols, to_bf16, src.rows);
 }
 
 void CudaOps::fill_impl(const Tensor& dst, double value) {
@@ -759,8 +761,8 @@ void CudaOps::fill_impl(const Tensor& dst, double value) {
     elem = 2;
   }
   const Kernel& k = kernel("backend", "fill_rows");
-  launch(k, Dim3{blocks_for(dst.cols, 256, 1024), unsigned(dst.rows), 1}, Dim3{256, 1, 1}, 0, ptr(dst), dst.stride,
-         dst.cols, elem, bits);
+  launch(k, Dim3{blocks_for(dst.cols, 256, 1024), grid_rows(dst.rows), 1}, Dim3{256, 1, 1}, 0, ptr(dst), dst.stride,
+         dst.cols, elem, bits, dst.rows);
 }
 
 void CudaOps::advance_position_impl(const Tensor& pos_in, const Tensor& pos_out, int64_t T) {
@@ -769,17 +771,17 @@ void CudaOps::advance_position_impl(const Tensor& pos_in, const Tensor& pos_out,
 
 void CudaOps::add_impl(const Tensor& a, const Tensor& b, const Tensor& out) {
   if (out.rows == 0) return;
-  launch(kernel("backend", "add_rows"), Dim3{blocks_for(out.cols, 256, 1024), unsigned(out.rows), 1},
-         Dim3{256, 1, 1}, 0, ptr(out), out.stride, ptr(a), a.stride, ptr(b), b.stride, out.cols);
+  launch(kernel("backend", "add_rows"), Dim3{blocks_for(out.cols, 256, 1024), grid_rows(out.rows), 1},
+         Dim3{256, 1, 1}, 0, ptr(out), out.stride, ptr(a), a.stride, ptr(b), b.stride, out.cols, out.rows);
 }
 
 void CudaOps::embed_impl(const Tensor& ids, const Weight& table, const Tensor& out) {
   if (out.rows == 0) return;
   const bool q = table.quantized();
-  launch(kernel("backend", "embed_rows"), Dim3{blocks_for(out.cols, 256, 1024), unsigned(out.rows), 1},
+  launch(kernel("backend", "embed_rows"), Dim3{blocks_for(out.cols, 256, 1024), grid_rows(out.rows), 1},
          Dim3{256, 1, 1}, 0, ptr(out), out.stride, ptr(ids), ids.stride, data(table),
          q ? scales(table) : CUdeviceptr(0), q ? biases(table) : CUdeviceptr(0), table.rows, table.cols,
-         int(table.dtype), q ? table.bits : 0, q ? table.group : 0, int(table.scale_dtype));
+         int(table.dtype), q ? table.bits : 0, q ? table.group : 0, int(table.scale_dtype), out.rows);
 }
 
 // ---- report ----

@@ -21,7 +21,7 @@ def both(benches, fn):
 
 def test_copy_fill_add_advance(benches):
     rng = np.random.default_rng(1)
-    for rows, cols in ((1, 1), (3, 5), (7, 1000), (130, 2048)):
+    for rows, cols in ((1, 1), (3, 5), (7, 1000), (130, 2048), (70000, 8)):  # rows past grid.y's 65535
         a = rng.normal(size=(rows, cols)).astype(np.float32)
         b = rng.normal(size=(rows, cols)).astype(np.float32)
         outs = []

@@ -1,7 +1,7 @@
 // The backend's own small ops: copy, fill, advance_position, add, embed (row gather).
 //
 // copy_rows:   dst[r, :] = src[r, :] for `rows` rows of `row_bytes` bytes (strides in bytes); same dtype.
-//              grid (ceil(row_bytes / (16·256)), rows), 256 threads; 16-byte accesses when ALIGN16 (all
+//              grid (ceil(row_bytes / (16·256)), min(rows, 65535)) (rows loop over grid.y), 256 threads; 16-byte accesses when ALIGN16 (all
 //              addresses and strides multiples of 16), else bytes. Floor: 2·rows·row_bytes moved.
 // convert_rows: dst = src between f32 and bf16 rows (KV snapshots restored across dtypes).
 // fill_rows:   every 32-bit (or 16-bit) element of a [rows, cols] view = value bits.
@@ -12,8 +12,8 @@
 #include "common.cuh"
 
 extern "C" __global__ void copy_rows(unsigned char* dst, i64 dst_stride, const unsigned char* src, i64 src_stride,
-                                     i64 row_bytes, int align16) {
-  const i64 r = blockIdx.y;
+                                     i64 row_bytes, int align16, i64 rows) {
+  for (i64 r = blockIdx.y; r < rows; r += gridDim.y) {
   unsigned char* d = dst + r * dst_stride;
   const unsigned char* s = src + r * src_stride;
   if (align16) {
@@ -24,12 +24,13 @@ extern "C" __global__ void copy_rows(unsigned char* dst, i64 dst_stride, const u
     for (i64 i = i64(blockIdx.x) * blockDim.x + threadIdx.x; i < row_bytes; i += i64(gridDim.x) * blockDim.x)
       d[i] = s[i];
   }
+  }
 }
 
 // to_bf16 = 1: f32 -> bf16; 0: bf16 -> f32. Strides in elements.
 extern "C" __global__ void convert_rows(void* dst, i64 dst_stride, const void* src, i64 src_stride, i64 cols,
-                                        int to_bf16) {
-  const i64 r = blockIdx.y;
+                                        int to_bf16, i64 rows) {
+  for (i64 r = blockIdx.y; r < rows; r += gridDim.y)
   for (i64 c = i64(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += i64(gridDim.x) * blockDim.x) {
     if (to_bf16)
       static_cast<u16*>(dst)[r * dst_stride + c] = f32_to_bf16(static_cast<const float*>(src)[r * src_stride + c]);
@@ -39,8 +40,8 @@ extern "C" __global__ void convert_rows(void* dst, i64 dst_stride, const void* s
 }
 
 // elem_bytes 4 or 2; bits holds the element's bit pattern.
-extern "C" __global__ void fill_rows(void* dst, i64 stride, i64 cols, int elem_bytes, u32 bits) {
-  const i64 r = blockIdx.y;
+extern "C" __global__ void fill_rows(void* dst, i64 stride, i64 cols, int elem_bytes, u32 bits, i64 rows) {
+  for (i64 r = blockIdx.y; r < rows; r += gridDim.y)
   for (i64 c = i64(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += i64(gridDim.x) * blockDim.x) {
     if (elem_bytes == 4)
       static_cast<u32*>(dst)[r * stride + c] = bits;
@@ -53,8 +54,9 @@ extern "C" __global__ void advance_position(const int* pos_in, int* pos_out, int
   if (threadIdx.x == 0 && blockIdx.x == 0) pos_out[0] = pos_in[0] + T;
 }
 
-extern "C" __global__ void add_rows(float* out, i64 os, const float* a, i64 as, const float* b, i64 bs, i64 cols) {
-  const i64 r = blockIdx.y;
+extern "C" __global__ void add_rows(float* out, i64 os, const float* a, i64 as, const float* b, i64 bs, i64 cols,
+                                    i64 rows) {
+  for (i64 r = blockIdx.y; r < rows; r += gridDim.y)
   for (i64 c = i64(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += i64(gridDim.x) * blockDim.x)
     out[r * os + c] = a[r * as + c] + b[r * bs + c];
 }
@@ -63,8 +65,8 @@ extern "C" __global__ void add_rows(float* out, i64 os, const float* a, i64 as, 
 // (LSB first), scales/biases [rows, cols/group] of scale_dtype; value = fma(code, scale, bias) as the CPU.
 extern "C" __global__ void embed_rows(float* out, i64 os, const int* ids, i64 ids_stride, const void* data,
                                       const void* scales, const void* biases, i64 rows, i64 cols, int dtype,
-                                      int bits, int group, int scale_dtype) {
-  const int t = blockIdx.y;
+                                      int bits, int group, int scale_dtype, i64 T) {
+  for (i64 t = blockIdx.y; t < T; t += gridDim.y) {
   const int id = ids[t * ids_stride];
   for (i64 c = i64(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += i64(gridDim.x) * blockDim.x) {
     float v;
@@ -80,6 +82,7 @@ extern "C" __global__ void embed_rows(float* out, i64 os, const int* ids, i64 id
       const i64 g = i64(id) * (cols / group) + c / group;
       v = fmaf(q, load_as_f32(scales, scale_dtype, g), load_as_f32(biases, scale_dtype, g));
     }
-    out[i64(t) * os + c] = v;
+    out[t * os + c] = v;
+  }
   }
 }
