@@ -39,6 +39,7 @@ constexpr int64_t kMaxTopk = 16;
 constexpr int kDecodeRowsDown = 8;    // ROWS_D: output rows per moe_down_decode block
 constexpr int kMmaBlockN = 64;        // moe_gate_up_mma columns of gate (and of up) per block
 constexpr int kMmaBlockNDown = 128;   // moe_down_mma columns per block
+constexpr unsigned kMmaThreads = 256;  // MMA_NT in kernels/moe.cu: threads of a GEMM block
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
@@ -156,9 +157,12 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
              std::to_string(lpr) + " lanes per expert row, " + std::to_string(kDecodeRowsDown) +
              " rows per block), " + fmt;
   else
-    v.text = "moe_group + moe_gate_up_mma / moe_down_mma (mma.sync m16n8k16 f16, " + std::to_string(v.bm) +
-             "-row tiles" + (v.bm == 64 ? ", T·k/E ≥ 32" : ", T·k/E < 32") +
-             ", weights dequantized in shared memory) + moe_expert_sum, " + fmt;
+    v.text = "moe_group + moe_gate_up_mma / moe_down_mma (mma.sync m16n8k16 bf16, x as hi + lo bf16, " +
+             std::string(gate.quantized() ? "exact codes with fp32 per-group scale/bias"
+                         : gate.dtype == DType::BF16 ? "exact bf16 weights"
+                                                     : "weights as hi + lo bf16") +
+             ", " + std::to_string(v.bm) + "-row tiles" + (v.bm == 64 ? ", T·k/E ≥ 32" : ", T·k/E < 32") +
+             ") + moe_expert_sum, " + fmt;
   return v;
 }
 
@@ -258,9 +262,10 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   const Kernel& k2 = kernel("moe", "moe_down_mma", v.defines);
   const Kernel& k3 = kernel("moe", "moe_expert_sum", v.defines);
   launch(kg, Dim3{1, 1, 1}, Dim3{1024, 1, 1}, 0, a);
-  launch(k1, Dim3{unsigned(a.max_tiles), unsigned((I + kMmaBlockN - 1) / kMmaBlockN), 1}, Dim3{128, 1, 1}, 0, a);
-  launch(k2, Dim3{unsigned(a.max_tiles), unsigned((H + kMmaBlockNDown - 1) / kMmaBlockNDown), 1}, Dim3{128, 1, 1},
-         0, a);
+  launch(k1, Dim3{unsigned(a.max_tiles), unsigned((I + kMmaBlockN - 1) / kMmaBlockN), 1}, Dim3{kMmaThreads, 1, 1}, 0,
+         a);
+  launch(k2, Dim3{unsigned(a.max_tiles), unsigned((H + kMmaBlockNDown - 1) / kMmaBlockNDown), 1},
+         Dim3{kMmaThreads, 1, 1}, 0, a);
   launch(k3, Dim3{unsigned(T), 1, 1}, Dim3{256, 1, 1}, 0, a);
 }
 

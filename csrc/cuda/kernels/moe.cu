@@ -37,12 +37,15 @@
 //       and a stable scatter of the (token, slot) pairs into expert-sorted order (tokens ascending per
 //       expert, the CPU's counting sort): per 1024-pair chunk, warp peers from __match_any_sync, per-warp
 //       counts in shared memory, a prefix over warps.
-//     moe_gate_up_mma: grid (max_tiles, ⌈I/64⌉), block 128 (4 warps). Tile = BM gathered rows of one
-//       expert × 64 columns of gate and the same 64 of up; K (= H) in steps of 64. Per step the x rows are
-//       loaded (float4, f32 -> f16) and each weight vector (16 B) dequantized in registers to f16, both
-//       stored to shared memory (row pitch 72 halves: fragment loads conflict-free); the next step's global
-//       loads are issued before this step's MMAs. mma.sync m16n8k16 f16×f16 -> f32. Epilogue: act =
-//       silu(g)·u to the workspace (sorted rows). Tiles past the map's count exit at once.
+//     moe_gate_up_mma: grid (max_tiles, ⌈I/64⌉), block 256 (8 warps). Tile = BM gathered rows of one
+//       expert × 64 columns of gate and the same 64 of up; K (= H) in steps of BK = 64 (32 for dense f16/f32
+//       weights). Per step the x rows are loaded (float4) and split into bf16 hi + lo, the weight vectors
+//       (16 B) converted in registers (affine: the integer codes, exact; dense bf16: as stored; dense
+//       f16/f32: hi + lo bf16), all stored to shared memory (row pitch BK + 8 halves: fragment loads
+//       conflict-free); the next step's global loads are issued before this step's MMAs. mma.sync m16n8k16
+//       bf16×bf16 -> f32: x_hi·W + x_lo·W (+ x_hi·W_lo for f16/f32). Affine: Σ x·q per group in its own
+//       fp32 fragments, folded in as acc += s·D at the group's end, plus acc += b·Σx (Σx from the f32 x).
+//       Epilogue: act = silu(g)·u to the workspace (sorted rows). Tiles past the map's count exit at once.
 //     moe_down_mma: the same kernel shape on act (sorted rows, K = I) × down (N = H, 128 columns per
 //       block) -> y (sorted rows, fp32).
 //     moe_expert_sum: grid T, block 256: out[t] = Σ_s w[t,s]·y[pair_pos[t,s]] in (id, slot) order.
@@ -53,14 +56,17 @@
 //   element accumulates its K steps in the same order whatever BM is).
 //   Floors (Qwen3.6 q4g64): decode streams the k = 8 hit experts' 3·512·2048 weights at 0.5625 B each,
 //   4.7 MB per layer per token (plus T·k·(H+I)·4 B of activations); prefill reads every hit expert's
-//   weights once per BM-row tile (at most 453 MB per layer when all 256 are hit) and does 6·T·k·I·H FLOPs.
-//   Tensor-core prefill rounds x, act and the dequantized weights to f16 (|x| must stay below 65504):
-//   relative error ~1e-3 against the fp32 CPU, while decode is fp32 throughout (~1e-6).
+//   weights once per BM-row tile (at most 453 MB per layer when all 256 are hit) and does 6·T·k·I·H FLOPs
+//   (twice over on the tensor cores: x hi and x lo; three times for f16/f32 weights).
+//   Prefill precision: the weights enter the MMAs exactly (codes, bf16) or as hi + lo (f16/f32), scales and
+//   biases in fp32, the activations as hi + lo bf16 (residual ≤ 2^-17 relative, bf16's range: no overflow
+//   short of fp32's): ~3e-6 relative against the fp32 CPU per GEMM (~5e-6 for the whole block), while
+//   decode is fp32 throughout (~1e-6). Cost: 2 MMAs per k16 step (3 for f16/f32 weights).
 //
 // MOE_PART 3, elementwise.  swiglu: out = silu(gate) ⊙ up; moe_combine: h += routed + σ(sg[t])·shared.
 //   f32 [T, C] views with strides; grid (⌈C / (256·VEC)⌉, T), block 256, VEC = 4 (float4) when every
 //   address and stride allows it, else 1. Floor: 3 (resp. 4) · T·C·4 bytes.
-#include "common.cuh"
+#include "quant.cuh"  // common.cuh, and the code/element helpers shared with the matmul family
 
 #ifndef MOE_PART
 #define MOE_PART 0
@@ -504,35 +510,92 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const MoeArgs a) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Prefill 2/3: grouped GEMM on tensor cores.
+// Prefill 2/3: grouped GEMM on tensor cores, mma.sync m16n8k16 bf16 × bf16 -> f32 (the matmul family's
+// operand scheme, kernels/matmul.cu matmul_gemm).
+//   A = the activation rows (x gathered, or act), f32 split into two bf16 terms hi = bf16(v), lo =
+//       bf16(v − hi): |v − hi − lo| ≤ 2^-17·|v|; two MMAs per step, x_hi·W and x_lo·W.
+//   B = the weights, by MMA_WM:
+//     0 (affine): the integer codes, exact in bf16 (q ≤ 255). D_g = Σ_{k ∈ g} x·q accumulates in its own
+//       fp32 fragment set, folded in at the group's end as acc += s_g·D_g; acc += b_g·Σx at the end of each
+//       group part (a group's part inside one K block; Σx from the f32 x). Scales/biases stay fp32 and the
+//       weight itself is never rounded.
+//     1 (dense bf16): the stored elements, exact.
+//     2 (dense f16 / f32): hi + lo bf16 of the element, a third MMA x_hi·W_lo (x_lo·W_lo, ≤ 2^-18 relative,
+//       is dropped); BK 32 so the four shared tiles stay within 48 KB.
+//   Error per product ≲ 2^-17 relative, in random directions: ~3e-6 relative per GEMM against the fp32 CPU.
 
-__device__ __forceinline__ u32 moe_half2(float lo, float hi) {
-  u16 l, h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(l) : "f"(lo));
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(hi));
-  return u32(l) | (u32(h) << 16);
+#define MMA_NT 256  // threads of a GEMM block (8 warps; moe.cpp kMmaThreads must match)
+
+#if WKIND == 1
+#define MMA_WM 0
+#elif WDT == LILY_BF16
+#define MMA_WM 1
+#else
+#define MMA_WM 2
+#endif
+
+// bf16 pair (lo half = rn(lo), hi half = rn(hi)); round to nearest even, as f32_to_bf16.
+__device__ __forceinline__ u32 moe_bf16x2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
 }
 
-__device__ __forceinline__ void moe_mma16816(float* c, const u32* a, const u32* b) {
+// hi = bf16 pair of (a, b), lo = bf16 pair of the residuals (exact in f32: v − bf16(v) is representable).
+__device__ __forceinline__ void moe_split2(float a, float b, u32& hi, u32& lo) {
+  hi = moe_bf16x2(a, b);
+  lo = moe_bf16x2(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
+}
+
+__device__ __forceinline__ void moe_mma_bf16(float* c, const u32* a, const u32* b) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+#if MMA_WM == 0
+static_assert(GROUP % 16 == 0, "prefill: affine groups are multiples of 16 (one k16 MMA step)");
+#if BITS == 4
+// The 8 codes of a q4 word as 4 exact bf16 pairs (codes 2j, 2j+1 in pair j): bytes of the even and odd
+// codes, one PRMT + one LOP3 per pair giving the bf16 of 128 + q, and one exact bf16x2 fma subtracting 128.
+__device__ __forceinline__ void moe_q4_bf16(u32 w, u32* out) {
+  const u32 ev = w & 0x0F0F0F0Fu, od = (w >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    u32 p;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(ev), "r"(od), "r"(u32(j | ((4 + j) << 8))));
+    p = (p & 0x00FF00FFu) | 0x43004300u;  // bf16 (128 + q_2j, 128 + q_2j+1)
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out[j]) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
+  }
+}
+#endif
+#endif
+
 // One block: BM sorted rows of one expert × BN columns of NMAT weight matrices (mat0, mat0 + 1, ...).
 // A rows: GATHER ? x[pair_token[row]] : act[row]; K = KDIM; weights [N = NDIM, KDIM] per expert.
 template <int NMAT, int BN, int KDIM, int NDIM, bool GATHER>
 __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
-  constexpr int BK = 64, PITCH = BK + 8;  // halves; 36 words per row: fragment loads conflict-free
-  constexpr int WARPS_M = BM >= 32 ? 2 : 1, WARPS_N = 4 / WARPS_M;
+  constexpr int BK = MMA_WM == 2 ? 32 : 64;
+  constexpr int PITCH = BK + 8;  // halves; 36 (20) words per row: fragment loads conflict-free
+  constexpr int WARPS_M = BM >= 32 ? 2 : 1, WARPS_N = MMA_NT / 32 / WARPS_M;
   constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N, MT = WTM / 16, NT = WTN / 8;
-  constexpr int A_CH = BM * BK / 4, A_PER = (A_CH + 127) / 128;
-  constexpr int BROWS = NMAT * BN, B_CH = BROWS * BK / CPV, B_PER = (B_CH + 127) / 128;
+  constexpr int A_CH = BM * BK / 4, A_PER = (A_CH + MMA_NT - 1) / MMA_NT;
+  constexpr int BROWS = NMAT * BN, B_CH = BROWS * BK / CPV, B_PER = (B_CH + MMA_NT - 1) / MMA_NT;
   constexpr int KT = (KDIM + BK - 1) / BK;
-  __shared__ __align__(16) u16 As[BM * PITCH];
-  __shared__ __align__(16) u16 Bs[BROWS * PITCH];
+  __shared__ __align__(16) u16 Ah[BM * PITCH];
+  __shared__ __align__(16) u16 Al[BM * PITCH];
+  __shared__ __align__(16) u16 Bh[BROWS * PITCH];
+#if MMA_WM == 2
+  __shared__ __align__(16) u16 Bl[BROWS * PITCH];
+#endif
+#if MMA_WM == 0
+  // Group parts: GP inputs of one group inside one K block (a group tiles BK or BK tiles it; else 16).
+  constexpr int GP = (GROUP % BK == 0 || BK % GROUP == 0) ? (GROUP < BK ? GROUP : BK) : 16;
+  constexpr int NP = BK / GP, S_CH = BROWS * NP, S_PER = (S_CH + MMA_NT - 1) / MMA_NT, LP = GP / 4;
+  __shared__ float sxs[BM * NP], ss[BROWS * NP], bs[BROWS * NP];
+#endif
   __shared__ int rowsrc[BM];
 
   const int* tiles = reinterpret_cast<const int*>(a.tiles);
@@ -549,28 +612,31 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
   const float* asrc = reinterpret_cast<const float*>(GATHER ? a.x : a.act);
   const i64 astride = GATHER ? a.x_stride : i64(KDIM);
   const unsigned char* wbase[NMAT];
-#if WKIND == 1
+#if MMA_WM == 0
   const unsigned char* sbase[NMAT];
   const unsigned char* bbase[NMAT];
 #endif
 #pragma unroll
   for (int m = 0; m < NMAT; ++m) {
     wbase[m] = reinterpret_cast<const unsigned char*>(a.data[mat0 + m]) + i64(e) * i64(a.data_stride[mat0 + m]);
-#if WKIND == 1
+#if MMA_WM == 0
     sbase[m] = reinterpret_cast<const unsigned char*>(a.scales[mat0 + m]) + i64(e) * i64(a.scale_stride[mat0 + m]);
     bbase[m] = reinterpret_cast<const unsigned char*>(a.biases[mat0 + m]) + i64(e) * i64(a.bias_stride[mat0 + m]);
 #endif
   }
 
+  // Register staging of one K block (issued before the previous block's MMAs).
   float4 ra[A_PER];
   uint4 rb[B_PER];
-  float rs[B_PER], rz[B_PER];
+#if MMA_WM == 0
+  float rs[S_PER], rz[S_PER];
+#endif
   auto load = [&](int kt) {
 #pragma unroll
     for (int i = 0; i < A_PER; ++i) {
-      const int c = tid + 128 * i, row = c / (BK / 4), k = kt * BK + (c % (BK / 4)) * 4;
+      const int c = tid + MMA_NT * i, row = c / (BK / 4), k = kt * BK + (c % (BK / 4)) * 4;
       ra[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (c < A_CH && k < KDIM) {
+      if (c < A_CH && k < KDIM) {  // KDIM % 4 == 0
         const int src = rowsrc[row];
         if (src >= 0) {
 #if ALIGNED
@@ -584,54 +650,109 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
     }
 #pragma unroll
     for (int i = 0; i < B_PER; ++i) {
-      const int c = tid + 128 * i, row = c / (BK / CPV), k = kt * BK + (c % (BK / CPV)) * CPV;
+      const int c = tid + MMA_NT * i, row = c / (BK / CPV), k = kt * BK + (c % (BK / CPV)) * CPV;
       const int m = row / BN, n = n0 + row % BN;
       rb[i] = make_uint4(0, 0, 0, 0);
-      rs[i] = 0.f;
-      rz[i] = 0.f;
-      if (c < B_CH && n < NDIM && k < KDIM) {
+      if (c < B_CH && n < NDIM && k < KDIM) {  // KDIM % CPV == 0
         // NMAT ≤ 2: select, not index (a dynamic index would put the pointer arrays in local memory)
         const bool m1 = NMAT > 1 && m > 0;
         rb[i] = moe_ld16((m1 ? wbase[NMAT - 1] : wbase[0]) + i64(n) * ROW_BYTES(KDIM) + VEC_BYTES_AT(k));
-#if WKIND == 1
-        const i64 gi = i64(n) * (KDIM / GROUP) + k / GROUP;
-        rs[i] = moe_scalar(m1 ? sbase[NMAT - 1] : sbase[0], gi);
-        rz[i] = moe_scalar(m1 ? bbase[NMAT - 1] : bbase[0], gi);
-#endif
       }
     }
+#if MMA_WM == 0
+#pragma unroll
+    for (int i = 0; i < S_PER; ++i) {
+      const int idx = tid + MMA_NT * i, row = idx / NP, p = idx % NP;
+      const int m = row / BN, n = n0 + row % BN, k0 = kt * BK + p * GP;
+      rs[i] = 0.f;
+      rz[i] = 0.f;
+      if (idx < S_CH && n < NDIM && k0 < KDIM) {
+        const bool m1 = NMAT > 1 && m > 0;
+        const i64 gi = i64(n) * (KDIM / GROUP) + k0 / GROUP;
+        rs[i] = moe_scalar(m1 ? sbase[NMAT - 1] : sbase[0], gi);
+        rz[i] = moe_scalar(m1 ? bbase[NMAT - 1] : bbase[0], gi);
+      }
+    }
+#endif
   };
   auto store = [&]() {
 #pragma unroll
     for (int i = 0; i < A_PER; ++i) {
-      const int c = tid + 128 * i, row = c / (BK / 4), col = (c % (BK / 4)) * 4;
-      if (c < A_CH)
-        *reinterpret_cast<uint2*>(&As[row * PITCH + col]) =
-            make_uint2(moe_half2(ra[i].x, ra[i].y), moe_half2(ra[i].z, ra[i].w));
+      const int c = tid + MMA_NT * i, row = c / (BK / 4), col = (c % (BK / 4)) * 4;
+      u32 h0, l0, h1, l1;
+      moe_split2(ra[i].x, ra[i].y, h0, l0);
+      moe_split2(ra[i].z, ra[i].w, h1, l1);
+      if (c < A_CH) {
+        *reinterpret_cast<uint2*>(&Ah[row * PITCH + col]) = make_uint2(h0, h1);
+        *reinterpret_cast<uint2*>(&Al[row * PITCH + col]) = make_uint2(l0, l1);
+      }
+#if MMA_WM == 0
+      // Σx over each group part of the row: LP neighbouring lanes (a row's BK/4 chunks are consecutive
+      // threads), a fixed xor tree. Every lane takes part (the loop bounds are uniform).
+      float ps = (ra[i].x + ra[i].y) + (ra[i].z + ra[i].w);
+#pragma unroll
+      for (int o = LP / 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+      const int q = c % (BK / 4);
+      if (c < A_CH && q % LP == 0) sxs[row * NP + q / LP] = ps;
+#endif
     }
 #pragma unroll
     for (int i = 0; i < B_PER; ++i) {
-      const int c = tid + 128 * i, row = c / (BK / CPV), col = (c % (BK / CPV)) * CPV;
-      if (c < B_CH) {
-        float w[CPV];
-        moe_unpack(rb[i], w);
-        u32 h[CPV / 2];
+      const int c = tid + MMA_NT * i, row = c / (BK / CPV), col = (c % (BK / CPV)) * CPV;
+      if (c >= B_CH) continue;
+      const u32 wd[4] = {rb[i].x, rb[i].y, rb[i].z, rb[i].w};
+      uint4* dh = reinterpret_cast<uint4*>(&Bh[row * PITCH + col]);
+#if MMA_WM == 0 && BITS == 4
+      u32 q[16];
 #pragma unroll
-        for (int j = 0; j < CPV / 2; ++j) {
-#if WKIND == 1
-          h[j] = moe_half2(fmaf(rs[i], w[2 * j], rz[i]), fmaf(rs[i], w[2 * j + 1], rz[i]));
+      for (int w = 0; w < 4; ++w) moe_q4_bf16(wd[w], q + 4 * w);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) dh[v] = make_uint4(q[4 * v], q[4 * v + 1], q[4 * v + 2], q[4 * v + 3]);
+#elif MMA_WM == 0
+      u32 q[8];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        q[2 * w] = moe_bf16x2(q_code<8>(wd[w], 0), q_code<8>(wd[w], 1));  // exact: q ≤ 255
+        q[2 * w + 1] = moe_bf16x2(q_code<8>(wd[w], 2), q_code<8>(wd[w], 3));
+      }
+      dh[0] = make_uint4(q[0], q[1], q[2], q[3]);
+      dh[1] = make_uint4(q[4], q[5], q[6], q[7]);
+#elif MMA_WM == 1
+      dh[0] = rb[i];
 #else
-          h[j] = moe_half2(w[2 * j], w[2 * j + 1]);
-#endif
-        }
+      uint4* dl = reinterpret_cast<uint4*>(&Bl[row * PITCH + col]);
+#if WDT == LILY_F32
+      u32 h[2], l[2];
+      moe_split2(__uint_as_float(wd[0]), __uint_as_float(wd[1]), h[0], l[0]);
+      moe_split2(__uint_as_float(wd[2]), __uint_as_float(wd[3]), h[1], l[1]);
+      *reinterpret_cast<uint2*>(dh) = make_uint2(h[0], h[1]);
+      *reinterpret_cast<uint2*>(dl) = make_uint2(l[0], l[1]);
+#else
+      u32 h[4], l[4];
 #pragma unroll
-        for (int j = 0; j < CPV / 2; j += 2)
-          *reinterpret_cast<uint2*>(&Bs[row * PITCH + col + 2 * j]) = make_uint2(h[j], h[j + 1]);
+      for (int w = 0; w < 4; ++w)
+        moe_split2(dense_elem<LILY_F16>(wd, 2 * w), dense_elem<LILY_F16>(wd, 2 * w + 1), h[w], l[w]);
+      dh[0] = make_uint4(h[0], h[1], h[2], h[3]);
+      dl[0] = make_uint4(l[0], l[1], l[2], l[3]);
+#endif
+#endif
+    }
+#if MMA_WM == 0
+#pragma unroll
+    for (int i = 0; i < S_PER; ++i) {
+      const int idx = tid + MMA_NT * i;
+      if (idx < S_CH) {
+        ss[idx] = rs[i];
+        bs[idx] = rz[i];
       }
     }
+#endif
   };
 
   float acc[NMAT][MT][NT][4];
+#if MMA_WM == 0
+  float accg[NMAT][MT][NT][4];  // Σ x·q of the current group
+#endif
 #pragma unroll
   for (int m = 0; m < NMAT; ++m)
 #pragma unroll
@@ -639,10 +760,19 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) acc[m][i][j][q] = 0.f;
+        for (int q = 0; q < 4; ++q) {
+          acc[m][i][j][q] = 0.f;
+#if MMA_WM == 0
+          accg[m][i][j][q] = 0.f;
+#endif
+        }
 
-  const u32* As32 = reinterpret_cast<const u32*>(As);
-  const u32* Bs32 = reinterpret_cast<const u32*>(Bs);
+  const u32* Ah32 = reinterpret_cast<const u32*>(Ah);
+  const u32* Al32 = reinterpret_cast<const u32*>(Al);
+  const u32* Bh32 = reinterpret_cast<const u32*>(Bh);
+#if MMA_WM == 2
+  const u32* Bl32 = reinterpret_cast<const u32*>(Bl);
+#endif
   load(0);
 #pragma unroll 1
   for (int kt = 0; kt < KT; ++kt) {
@@ -651,24 +781,67 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
     if (kt + 1 < KT) load(kt + 1);  // in flight during this step's MMAs
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-      u32 af[MT][4];
+      const int k = kt * BK + kk * 16;
+      if (k >= KDIM) break;  // uniform; the K tail of a block holds zeros
+      u32 ah[MT][4], al[MT][4];
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-        const int rb0 = wm * WTM + i * 16 + g, w0 = kk * 8 + t4;  // words: (row, col) -> row·36 + col/2
-        af[i][0] = As32[rb0 * (PITCH / 2) + w0];
-        af[i][1] = As32[(rb0 + 8) * (PITCH / 2) + w0];
-        af[i][2] = As32[rb0 * (PITCH / 2) + w0 + 4];
-        af[i][3] = As32[(rb0 + 8) * (PITCH / 2) + w0 + 4];
+        const int rb0 = wm * WTM + i * 16 + g, w0 = kk * 8 + t4;  // words: (row, col) -> row·PITCH/2 + col/2
+        ah[i][0] = Ah32[rb0 * (PITCH / 2) + w0];
+        ah[i][1] = Ah32[(rb0 + 8) * (PITCH / 2) + w0];
+        ah[i][2] = Ah32[rb0 * (PITCH / 2) + w0 + 4];
+        ah[i][3] = Ah32[(rb0 + 8) * (PITCH / 2) + w0 + 4];
+        al[i][0] = Al32[rb0 * (PITCH / 2) + w0];
+        al[i][1] = Al32[(rb0 + 8) * (PITCH / 2) + w0];
+        al[i][2] = Al32[rb0 * (PITCH / 2) + w0 + 4];
+        al[i][3] = Al32[(rb0 + 8) * (PITCH / 2) + w0 + 4];
       }
 #pragma unroll
       for (int m = 0; m < NMAT; ++m)
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           const int nr = m * BN + wn * WTN + j * 8 + g, w0 = kk * 8 + t4;
-          const u32 bf[2] = {Bs32[nr * (PITCH / 2) + w0], Bs32[nr * (PITCH / 2) + w0 + 4]};
+          const u32 bh[2] = {Bh32[nr * (PITCH / 2) + w0], Bh32[nr * (PITCH / 2) + w0 + 4]};
+#if MMA_WM == 2
+          const u32 bl[2] = {Bl32[nr * (PITCH / 2) + w0], Bl32[nr * (PITCH / 2) + w0 + 4]};
+#endif
 #pragma unroll
-          for (int i = 0; i < MT; ++i) moe_mma16816(acc[m][i][j], af[i], bf);
+          for (int i = 0; i < MT; ++i) {
+#if MMA_WM == 0
+            float* c = accg[m][i][j];
+#else
+            float* c = acc[m][i][j];
+#endif
+            moe_mma_bf16(c, ah[i], bh);
+            moe_mma_bf16(c, al[i], bh);
+#if MMA_WM == 2
+            moe_mma_bf16(c, ah[i], bl);
+#endif
+          }
         }
+#if MMA_WM == 0
+      const int p = (kk * 16) / GP;
+      const bool part_end = (kk * 16 + 16) % GP == 0;  // compile time
+      const bool group_end = (k + 16) % GROUP == 0;
+      if (group_end || part_end) {
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+          for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+              for (int q = 0; q < 4; ++q) {
+                const int col = m * BN + wn * WTN + j * 8 + 2 * t4 + (q & 1);
+                const int row = wm * WTM + i * 16 + g + 8 * (q >> 1);
+                if (group_end) {
+                  acc[m][i][j][q] = fmaf(ss[col * NP + p], accg[m][i][j][q], acc[m][i][j][q]);
+                  accg[m][i][j][q] = 0.f;
+                }
+                if (part_end) acc[m][i][j][q] = fmaf(bs[col * NP + p], sxs[row * NP + p], acc[m][i][j][q]);
+              }
+      }
+#endif
     }
     __syncthreads();
   }
@@ -695,11 +868,11 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
       }
 }
 
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_mma(const MoeArgs a) {
+extern "C" __global__ void __launch_bounds__(MMA_NT, 1) moe_gate_up_mma(const MoeArgs a) {
   moe_mma_block<2, 64, HID, INTER, true>(a, 0);
 }
 
-extern "C" __global__ void __launch_bounds__(128) moe_down_mma(const MoeArgs a) {
+extern "C" __global__ void __launch_bounds__(MMA_NT, 1) moe_down_mma(const MoeArgs a) {
   moe_mma_block<1, 128, INTER, HID, false>(a, 2);
 }
 
