@@ -199,7 +199,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("cache_dir").is_none()) o.cache_dir = nb::cast<std::string>(opt("cache_dir"));
     if (!opt("dry_arch").is_none()) o.dry_arch = nb::cast<int>(opt("dry_arch"));
     if (o.dry_arch == 0 && !nb::cast<bool>(b["usable"]))
-      throw std::invalid_argument("backend 'cuda' is not usable: " + nb::cast<std::string>(b["status"]));
+      throw std::invalid_argument("backend 'cuda' is " + nb::cast<std::string>(b["status"]));
     if (o.dry_arch != 0 && o.dry_arch < 80) throw std::invalid_argument("dry_arch must be 80 or newer");
     nb::gil_scoped_release nogil;  // the driver's initialisation can take a while
     return std::make_unique<cuda::CudaOps>(o);

@@ -29,15 +29,21 @@ std::string gib(double bytes) {  // snprintf, not iostreams (see compile.cpp)
 }  // namespace
 
 Availability availability() {
+  Availability a = availability_detail();
+  if (!a.usable) a.status = "built, but not usable here: " + a.status;
+  return a;
+}
+
+Availability availability_detail() {
   Availability a;
   const Driver& d = drv();
   if (!d.loaded) {
-    a.status = "no usable NVIDIA GPU: " + d.error;
+    a.status = d.error;
     return a;
   }
   int n = 0;
   if (d.cuDeviceGetCount(&n) != CUDA_SUCCESS || n == 0) {
-    a.status = "no usable NVIDIA GPU: the driver sees no device";
+    a.status = "the NVIDIA driver sees no GPU";
     return a;
   }
   CUdevice dev = 0;
@@ -92,7 +98,7 @@ CudaOps::CudaOps(const CudaOptions& opt) : opt_(opt) {
     info_.total_mem = size_t(141) << 30;
     return;
   }
-  const Availability a = availability();
+  const Availability a = availability_detail();
   if (!a.usable) throw std::runtime_error("the CUDA backend is not usable here: " + a.status);
   const Driver& d = drv();
   int n = 0;

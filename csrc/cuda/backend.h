@@ -66,7 +66,8 @@ struct Availability {
   bool usable = false;
   std::string status;
 };
-Availability availability();
+Availability availability();         // status reads after "backend 'cuda' is ..."
+Availability availability_detail();  // the same without the "built, but not usable here: " prefix
 
 class CudaOps final : public Ops {
  public:
