@@ -3,6 +3,8 @@
 // over V) + sample_select (one 1024-thread block). Nothing here depends on device data, so the same launches
 // replay in a decode graph.
 // Workspace: keys [V] u32, weights [V] f32, one partial maximum per prep block.
+#include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -28,9 +30,18 @@ struct SelectArgs {
   CUdeviceptr keys, wts, rng;
   FinishArgs fa;
   int V, n;
-  float top_p, min_p;
+  float top_p, inv_t, min_x;
+  int has_min_p;
+  double fix;
 };
-static_assert(sizeof(SelectArgs) == 3 * 8 + 7 * 8 + 16, "SelectArgs layout must match kernels/sample.cu");
+static_assert(sizeof(SelectArgs) == 3 * 8 + 7 * 8 + 24 + 8, "SelectArgs layout must match kernels/sample.cu");
+
+// csrc/cpu/sample.cpp's fixed-point scale 2^F, F = min(44, 62 - bit_length(vocab)).
+double fix_scale(int64_t vocab) {
+  int bits = 0;
+  while (bits < 63 && (vocab >> bits) != 0) ++bits;
+  return std::ldexp(1.0, std::min(44, 62 - bits));
+}
 
 [[noreturn]] void bad(const std::string& why) { throw std::invalid_argument("sample (cuda): " + why); }
 
@@ -74,12 +85,15 @@ void CudaOps::sample_impl(const Tensor& logits, const SamplerState& st, const Sa
   launch(w, Dim3{unsigned(G), 1, 1}, Dim3{256, 1, 1}, 0, keys, partials, G, wts, int(V), inv_t);
   const Kernel& sel = kernel("sample", "sample_select");
   set_dynamic_smem(sel, kSelectSmem);
-  const SelectArgs sa{keys, wts, ptr(st.rng), fa, int(V), n, p.top_p, p.min_p};
+  // min-p's bound on x = fmaf(work, 1/T, -top): the CPU's min_p_cut computes the same float on the host.
+  const float min_x = p.min_p > 0.f ? float(std::log(double(p.min_p))) : 0.f;
+  const SelectArgs sa{keys, wts, ptr(st.rng), fa, int(V), n, p.top_p, inv_t, min_x, p.min_p > 0.f ? 1 : 0,
+                      fix_scale(V)};
   launch(sel, Dim3{1, 1, 1}, Dim3{1024, 1, 1}, kSelectSmem, sa);
   note_variant("sample.draw", "prep + weights over " + std::to_string(G) + " blocks, one 1024-thread block: radix " +
                                   "descent to the first " + std::to_string(kCap) +
-                                  " candidates, bitonic sort, the CPU's sequential walk; whole-vocabulary " +
-                                  "descents where top-p/min-p/top-k reach past them");
+                                  " candidates, bitonic sort, the CPU's walk in exact fixed-point sums; " +
+                                  "whole-vocabulary descents where top-p/min-p/top-k reach past them");
 }
 
 }  // namespace lily::cuda

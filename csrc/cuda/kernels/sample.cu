@@ -10,13 +10,15 @@
 //                             block reducing the partials for top itself (no inter-block counter: ws is shared).
 //            sample_select    1 × 1024 threads: the draw (see below), the id and state.
 // sample_select: the twister's number first (whole block regenerates the 312-word state in two parallel
-// halves when due), then the exact CPU walk over a sorted prefix of up to CAP candidates (the first
-// min(n, CAP) in candidate order, found by a radix descent over D and collected, then bitonic sorted in
-// shared memory): total (top-k), top-p, min-p, mass and the draw in the CPU's sequential double order. Where
-// that walk would leave the prefix (no top-k and a flat distribution, top_k > CAP) the same quantities come
-// from radix descents over all V with 2^-44 fixed-point weight sums (deterministic, order-free), equal to the
-// CPU's sequential double sums up to rounding (~1e-12 relative), so the id matches unless the draw lands that
-// close to a boundary.
+// halves when due), then the CPU's walk over a sorted prefix of up to CAP candidates (the first min(n, CAP)
+// in candidate order, found by a radix descent over D and collected, then bitonic sorted in shared memory):
+// total (top-k), top-p, min-p, mass and the draw. Where that walk would leave the prefix (no top-k and a flat
+// distribution, top_k > CAP) the same quantities come from radix descents over all V.
+// The definition is csrc/cpu/sample.cpp's, bit for bit: weights w = weight_exp(fmaf(work, 1/T, -top)) (the
+// same explicit double sequence on both), every sum an exact integer sum of q = round(w * 2^F) (order-free,
+// so the prefix walk, the descents and the CPU's loops agree exactly), top-p against round(top_p * Q), min-p
+// on x = fmaf(work, 1/T, -top) >= float(log(min_p)) (monotone in the key, so a whole-V count is the CPU's
+// prefix), the draw at R = min(round(u * M), M - 1).
 // Floors: prep reads 12·V bytes (logits, seen, counts) and writes 4·V (3 MB + 1 MB at V = 248320: ~1 µs at
 // 4 TB/s); weights 8·V; select 4·V per count-only pass, 8·V per weighted pass (L2-resident).
 #include "common.cuh"
@@ -29,7 +31,6 @@
 #define CAP 2048  // sorted prefix size (a power of two); must match kCap in csrc/cuda/sample.cpp
 #endif
 #define NBINS 2048  // radix descent: 11 + 11 + 10 bits of D
-#define FIX_SCALE 17592186044416.0  // 2^44: weight (≤ ~1) in fixed point; V·2^44 < 2^63
 
 #define MT_N 312
 #define MT_M 156
@@ -142,11 +143,33 @@ extern "C" __global__ void __launch_bounds__(PREP_THREADS)
   if (threadIdx.x == 0) finish(bi == 0x7fffffff ? 0 : bi, fa);
 }
 
-// The CPU's weight: exp(fma(work, 1/T, -top)) in float (its expf of the contracted argument). Here exp in
-// double rounded to float: the correctly rounded value, which glibc's expf (< 0.502 ulp) nearly always gives.
-__device__ __forceinline__ float weight_of(float work, float inv_t, float top) {
-  return float(exp(double(fmaf(work, inv_t, -top))));
+// csrc/cpu/sample.cpp's weight_exp, operation for operation (explicit roundings: nothing to contract).
+__device__ __forceinline__ float weight_exp(float xf) {
+  if (xf != xf) return xf;
+  if (xf < -104.f) return 0.f;
+  if (xf > 89.f) return __int_as_float(0x7f800000);
+  const double x = xf;
+  const i64 ki = __double2ll_rn(__dmul_rn(x, 1.4426950408889634));
+  const double k = double(ki);
+  double r = __fma_rn(-k, 0.6931471805599453, x);
+  r = __fma_rn(-k, 2.3190468138462996e-17, r);
+  double e = 1.6059043836821613e-10;
+  e = __fma_rn(e, r, 2.08767569878681e-09);
+  e = __fma_rn(e, r, 2.505210838544172e-08);
+  e = __fma_rn(e, r, 2.755731922398589e-07);
+  e = __fma_rn(e, r, 2.7557319223985893e-06);
+  e = __fma_rn(e, r, 2.48015873015873e-05);
+  e = __fma_rn(e, r, 0.0001984126984126984);
+  e = __fma_rn(e, r, 0.001388888888888889);
+  e = __fma_rn(e, r, 0.008333333333333333);
+  e = __fma_rn(e, r, 0.041666666666666664);
+  e = __fma_rn(e, r, 0.16666666666666666);
+  e = __fma_rn(e, r, 0.5);
+  e = __fma_rn(e, r, 1.0);
+  e = __fma_rn(e, r, 1.0);
+  return __double2float_rn(__dmul_rn(e, __longlong_as_double((ki + 1023) << 52)));  // 2^k: k in [-151, 129]
 }
+__device__ __forceinline__ float x_of(float work, float inv_t, float top) { return fmaf(work, inv_t, -top); }
 
 extern "C" __global__ void __launch_bounds__(PREP_THREADS)
     sample_weights(const u32* __restrict__ keys, const Partial* __restrict__ partials, int G,
@@ -160,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(PREP_THREADS)
 #pragma unroll
   for (int j = 0; j < PREP_PER_THREAD; ++j) {
     const int i = base + j * PREP_THREADS + threadIdx.x;
-    if (i < V) wts[i] = weight_of(work_of(keys[i]), inv_t, top);
+    if (i < V) wts[i] = weight_exp(x_of(work_of(keys[i]), inv_t, top));
   }
 }
 
@@ -171,10 +194,16 @@ struct SelectArgs {
   u64 keys, wts, rng;
   FinishArgs fa;
   int V, n;  // n: the top-k cut (V when off)
-  float top_p, min_p;
+  float top_p, inv_t, min_x;  // min_x: float(log(min_p)), the min-p bound on x
+  int has_min_p;
+  double fix;  // 2^F, F = min(44, 62 - bit_length(V)): V * 2^F * 2 <= 2^63
 };
 
-__device__ __forceinline__ u64 fixw(float w) { return __double2ull_rn(double(w) * FIX_SCALE); }
+// q: a weight in fixed point (the CPU's Candidates::q).
+__device__ __forceinline__ u64 fixq(float w, double fix) {
+  return w > 0.f && w <= 2.f ? __double2ull_rn(__dmul_rn(double(w), fix)) : 0ull;
+}
+__device__ __forceinline__ u64 round_u64(double v) { return __double2ull_rn(v); }
 
 struct Sel {  // result of a radix descent
   int found;
@@ -191,7 +220,6 @@ struct Smem {
   u32 mt[2 * MT_N + 2];
   u32 wc[32];
   u64 ww[32];
-  double wd[32];
   Sel sel;
   int ncand, flag, id;
   double u;  // the canonical draw
@@ -276,24 +304,26 @@ __device__ void block_scan2(u32 c, u64 w, u32& ec, u64& ew, Smem& s) {
   ew = s.ww[warp] + iw - w;
 }
 
-__device__ double block_sum_d(double v, Smem& s) {
+__device__ u64 block_sum_u64(u64 v, Smem& s) {  // every thread gets the sum
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   __syncthreads();
-  if (lane == 0) s.wd[warp] = v;
+  if (lane == 0) s.ww[warp] = v;
   __syncthreads();
-  v = lane < warps ? s.wd[lane] : 0.0;
+  v = lane < warps ? s.ww[lane] : 0ull;
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();  // s.ww is reused by the next scan
   return v;
 }
 
 // Radix descent over the keys to the group where a prefix condition over candidate order first holds:
 //   mode 0 (rank):   tokens before + in ≥ target + 1 (the group holding rank `target`)
 //   mode 1 (weight): weight before + in ≥ target          mode 2: weight before + in > target
+// Weights are q sums; a rank descent sums them too when `weighed` (s.sel.bw, s.sel.gw are 0 otherwise).
 // Returns s.sel (found = 0 when no group satisfies it: the target lies past every token).
 __device__ void descend(const u32* __restrict__ keys, const float* __restrict__ wts, int V, int mode, u64 target,
-                        Smem& s) {
-  const bool with_w = mode != 0;
+                        bool weighed, double fix, Smem& s) {
+  const bool with_w = mode != 0 || weighed;
   u32 prefix = 0, mask = 0, bc = 0;
   u64 bw = 0;
   for (int level = 0; level < 3; ++level) {  // digits: bits 31..21, 20..10, 9..0
@@ -311,7 +341,7 @@ __device__ void descend(const u32* __restrict__ keys, const float* __restrict__ 
       if (in) {
         const u32 peers = __match_any_sync(act, b);
         if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&s.hist_c[b], u32(__popc(peers)));
-        if (with_w) atomicAdd(&s.hist_w[b], fixw(wts[i]));
+        if (with_w) atomicAdd(&s.hist_w[b], fixq(wts[i], fix));
       }
     }
     __syncthreads();
@@ -380,7 +410,7 @@ __device__ void nth_of_group(const u32* __restrict__ keys, int V, u32 D, u32 t, 
 // Id of the token at candidate rank r (the whole block).
 __device__ int id_at_rank(const u32* keys, const float* wts, int V, u32 r, Smem& s) {
   if (r < u32(s.ncand)) return int(u32(s.cand[r]));
-  descend(keys, wts, V, 0, r, s);
+  descend(keys, wts, V, 0, r, false, 0.0, s);
   nth_of_group(keys, V, s.sel.D, r - s.sel.bc, s);
   return s.id;
 }
@@ -400,7 +430,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) sample_select(SelectAr
   int gid = 0;
   bool all = m >= V;
   if (!all) {
-    descend(keys, wts, V, 0, u32(m), s);  // the group holding rank m (the first token left out)
+    descend(keys, wts, V, 0, u32(m), false, 0.0, s);  // the group holding rank m (the first token left out)
     gD = s.sel.D;
     gt = u32(m) - s.sel.bc;
     if (gt > 0) {
@@ -411,7 +441,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) sample_select(SelectAr
   if (threadIdx.x == 0) s.ncand = 0;
   for (int j = threadIdx.x; j < CAP; j += blockDim.x) s.cand[j] = ~0ull;
   __syncthreads();
-  double rest = 0.0;  // weight of the tokens left out (the CPU's unsorted tail, in another order)
+  u64 rest = 0;  // q sum of the tokens left out (no top-k: part of the total)
   for (int i = threadIdx.x; i < V; i += blockDim.x) {
     const u32 d = keys[i];
     const bool in = all || d < gD || (d == gD && gt > 0 && i < gid);
@@ -419,11 +449,10 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) sample_select(SelectAr
       const int slot = atomicAdd(&s.ncand, 1);
       if (slot < CAP) s.cand[slot] = (u64(d) << 32) | u32(i);  // exactly min(m, V) arrive
     } else if (n >= V) {
-      rest += double(wts[i]);
+      rest += fixq(wts[i], a.fix);
     }
   }
-  rest = block_sum_d(rest, s);
-  __syncthreads();
+  rest = block_sum_u64(rest, s);
   // Bitonic sort of CAP composite keys (unique, so the order is the CPU's total order).
   for (int k = 2; k <= CAP; k <<= 1)
     for (int j = k >> 1; j > 0; j >>= 1) {
@@ -439,63 +468,55 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) sample_select(SelectAr
   const int mc = min(s.ncand, CAP);  // == min(m, V)
   for (int j = threadIdx.x; j < mc; j += blockDim.x) s.cw[j] = wts[u32(s.cand[j])];
   __syncthreads();
+  // top: the CPU's work[idx[0]] * (1/T) (sample_weights' top up to the sign of a zero, which x ignores)
+  const float top = __fmul_rn(work_of(u32(s.cand[0] >> 32)), a.inv_t);
+  const double fix = a.fix;
 
-  // 2. The CPU's walk (thread 0), falling back to whole-vocabulary descents where it leaves the prefix.
-  __shared__ double sh_total;
+  // 2. The CPU's walk (thread 0), with whole-vocabulary descents where it leaves the prefix. Every flag a
+  // thread 0 section sets is read by all after a barrier, and the next section starts after another.
+  __shared__ u64 sh_total, sh_mass;
   __shared__ int sh_keep_p, sh_keep, sh_need;
   if (threadIdx.x == 0) {
-    double total = 0.0;
-    if (n < V) {  // a top-k cut is sorted exactly: its total is over the first n in order
-      for (int j = 0; j < mc; ++j) total += double(s.cw[j]);
-    } else {
-      const int head = min(mc, 1024);
-      for (int j = 0; j < head; ++j) total += double(s.cw[j]);
-      for (int j = head; j < mc; ++j) total += double(s.cw[j]);
-      total += rest;
-    }
+    u64 total = n >= V ? rest : 0ull;  // a top-k cut: the first n in order; else every token
+    for (int j = 0; j < mc; ++j) total += fixq(s.cw[j], fix);
     sh_total = total;
-    sh_need = n < V && n > mc;  // top_k > CAP: total from a descent
+    sh_need = n < V && n > mc;  // top_k > CAP: the total from a descent
   }
   __syncthreads();
-  if (const int need = sh_need; __syncthreads_or(need)) {  // read by all before thread 0 reuses sh_need
-    descend(keys, wts, V, 0, u32(n), s);  // group holding rank n
-    if (threadIdx.x == 0) {
-      const u64 fg = s.sel.gw / s.sel.gc;
-      sh_total = double(s.sel.bw + u64(u32(n) - s.sel.bc) * fg) / FIX_SCALE;
-    }
+  if (__syncthreads_or(sh_need)) {
+    descend(keys, wts, V, 0, u32(n), true, fix, s);  // the group holding rank n (the first token cut)
+    if (threadIdx.x == 0) sh_total = s.sel.bw + u64(u32(n) - s.sel.bc) * (s.sel.gw / s.sel.gc);
     __syncthreads();
   }
-  const double total = sh_total;
-  __syncthreads();  // every thread has read sh_total and sh_need before thread 0 writes them again
-  // top-p
+  const u64 total = sh_total;
+  // top-p: the least keep >= 1 whose q sum reaches round(top_p * Q)
+  const u64 target_p = a.top_p > 0.f ? round_u64(double(a.top_p) * __ull2double_rn(total)) : 0ull;
   if (threadIdx.x == 0) {
     sh_need = 0;
     if (a.top_p >= 1.f) {
       sh_keep_p = n;
     } else {
-      double cum = 0.0;
+      u64 cum = 0;
       int keep = 0;
       for (;;) {
         if (keep == mc && mc < n) {
           sh_need = 1;
           break;
         }
-        cum += double(s.cw[keep]) / total;
+        cum += fixq(s.cw[keep], fix);
         ++keep;
-        if (cum >= double(a.top_p) || keep == n) break;
+        if (cum >= target_p || keep == n) break;
       }
       sh_keep_p = keep;
     }
   }
   __syncthreads();
-  if (const int need = sh_need; __syncthreads_or(need)) {  // read by all before thread 0 reuses sh_need
-    u64 target = __double2ull_rn(double(a.top_p) * total * FIX_SCALE);
-    if (target == 0) target = 1;
-    descend(keys, wts, V, 1, target, s);
+  if (__syncthreads_or(sh_need)) {  // target_p > the prefix's sum >= 0
+    descend(keys, wts, V, 1, target_p, false, fix, s);
     if (threadIdx.x == 0) {
       int keep = n;
       if (s.sel.found) {
-        const u64 fg = s.sel.gw / s.sel.gc, need = target - s.sel.bw;
+        const u64 fg = s.sel.gw / s.sel.gc, need = target_p - s.sel.bw;  // bw < target <= bw + gw: fg > 0
         u64 t = (need + fg - 1) / fg - 1;
         if (t >= s.sel.gc) t = s.sel.gc - 1;
         keep = min(n, int(s.sel.bc + u32(t)) + 1);
@@ -504,22 +525,22 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) sample_select(SelectAr
     }
     __syncthreads();
   }
-  // min-p: weights fall along candidate order, so the tokens at or above min_p are a prefix
+  // min-p: x falls along candidate order, so the tokens with x >= min_x are a prefix
   if (threadIdx.x == 0) {
     sh_need = 0;
     const int keep_p = sh_keep_p;
     int k = keep_p;
-    if (a.min_p > 0.f) {
+    if (a.has_min_p) {
       k = 1;
-      while (k < keep_p && k < mc && s.cw[k] >= a.min_p) ++k;
+      while (k < keep_p && k < mc && x_of(work_of(u32(s.cand[k] >> 32)), a.inv_t, top) >= a.min_x) ++k;
       if (k < keep_p && k == mc) sh_need = 1;
     }
     sh_keep = k;
   }
   __syncthreads();
-  if (const int need = sh_need; __syncthreads_or(need)) {  // read by all before thread 0 reuses sh_need
+  if (__syncthreads_or(sh_need)) {
     u32 c = 0;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) c += wts[i] >= a.min_p;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) c += x_of(work_of(keys[i]), a.inv_t, top) >= a.min_x;
     u32 ec;
     u64 ew;
     block_scan2(c, 0ull, ec, ew, s);
@@ -527,41 +548,47 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) sample_select(SelectAr
     __syncthreads();
   }
   const int keep = sh_keep;
-  // mass and the draw
+  // mass M and the draw: the first candidate whose running q sum exceeds R = min(round(u * M), M - 1)
   if (keep <= mc) {
     if (threadIdx.x == 0) {
-      double mass = 0.0;
-      for (int i = 0; i < keep; ++i) mass += double(s.cw[i]);
-      double r = s.u * mass;
-      int choice = int(u32(s.cand[keep - 1]));
-      for (int i = 0; i < keep; ++i) {
-        r -= double(s.cw[i]);
-        if (r < 0.0) {
-          choice = int(u32(s.cand[i]));
-          break;
+      u64 mass = 0;
+      for (int i = 0; i < keep; ++i) mass += fixq(s.cw[i], fix);
+      int choice = int(u32(s.cand[0]));
+      if (mass > 0) {
+        u64 r = round_u64(s.u * __ull2double_rn(mass));
+        if (r >= mass) r = mass - 1;
+        u64 cum = 0;
+        for (int i = 0; i < keep; ++i) {
+          cum += fixq(s.cw[i], fix);
+          if (cum > r) {
+            choice = int(u32(s.cand[i]));
+            break;
+          }
         }
       }
       finish(choice, a.fa);
     }
     return;
   }
-  double mass;
-  if (keep == V) {
-    mass = total;
-  } else if (keep == n) {
-    mass = total;
-  } else {
-    descend(keys, wts, V, 0, u32(keep), s);
-    const u64 fg = s.sel.gw / s.sel.gc;
-    mass = double(s.sel.bw + u64(u32(keep) - s.sel.bc) * fg) / FIX_SCALE;
+  if (keep < n) {  // uniform: keep and n are the same in every thread
+    descend(keys, wts, V, 0, u32(keep), true, fix, s);  // the group holding rank keep (the first token cut)
+    if (threadIdx.x == 0) sh_mass = s.sel.bw + u64(u32(keep) - s.sel.bc) * (s.sel.gw / s.sel.gc);
+  } else if (threadIdx.x == 0) {
+    sh_mass = total;  // keep == n: the total is the q sum of the first n
   }
-  const double r = s.u * mass;
-  const u64 target = __double2ull_rn(r * FIX_SCALE);
-  descend(keys, wts, V, 2, target, s);
+  __syncthreads();
+  const u64 mass = sh_mass;
+  if (mass == 0) {
+    if (threadIdx.x == 0) finish(int(u32(s.cand[0])), a.fa);
+    return;
+  }
+  u64 r = round_u64(s.u * __ull2double_rn(mass));
+  if (r >= mass) r = mass - 1;
+  descend(keys, wts, V, 2, r, false, fix, s);  // found: the q sum of the first keep is mass > r
   u32 rank = u32(keep - 1);
   if (s.sel.found) {
-    const u64 fg = s.sel.gw / s.sel.gc;
-    u64 t = (target - s.sel.bw) / fg;
+    const u64 fg = s.sel.gw / s.sel.gc;  // bw <= r < bw + gw: fg > 0
+    u64 t = (r - s.sel.bw) / fg;
     if (t >= s.sel.gc) t = s.sel.gc - 1;
     rank = min(rank, s.sel.bc + u32(t));
   }
