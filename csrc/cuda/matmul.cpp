@@ -99,6 +99,17 @@ int gemv_mma_smem(const Weight& w, int64_t T) {
   return int((w.cols / 128) * 8 * T * 4 * 16 + T * (w.cols / w.group) * 4);
 }
 
+// Rows one pass of a matmul_gemv block covers (RPP in matmul.cu).
+int64_t gemv_rows_per_pass(const Weight& w) {
+  const int64_t chunks = ceil_div(int64_t(w.row_bytes()), 16);
+  return kThreads / std::min<int64_t>(pow2ceil(chunks), kThreads);
+}
+// matmul_gemv_u1 (one row per thread) when every row fits in one pass of the grid; from N alone (never T),
+// so a row's bits do not depend on T.
+bool gemv_one_row(const CudaOps& ops, const Weight& w) {
+  return ceil_div(w.rows, gemv_rows_per_pass(w)) <= int64_t(kGemvBlocksPerSm) * std::max(1, ops.info().sms);
+}
+
 struct MatmulVariant {
   bool gemm = false, mma = false;
   std::string name, reason;
@@ -134,10 +145,12 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
                "; T > 8 takes the CUDA-core GEMV";
   } else if (!v.gemm) {
     v.name = "gemv_" + kind + "_cuda" + (fmt.empty() ? "" : "_" + fmt) + ld_suffix + sc_suffix;
-    const int64_t chunks = ceil_div(int64_t(w.row_bytes()), 16);
-    const int tpr = std::min(pow2ceil(chunks), kThreads);
-    v.reason = "x in registers, " + std::to_string(tpr) + " threads per row, " +
-               std::to_string(kThreads / tpr * kGemvRows) + " rows per block batch, " + loads + sc_reason;
+    const int64_t rpp = gemv_rows_per_pass(w);
+    const bool u1 = gemv_one_row(ops, w);
+    v.reason = "x staged through shared memory into registers, " + std::to_string(kThreads / rpp) +
+               " threads per row, " + std::to_string(rpp * (u1 ? 1 : kGemvRows)) + " rows per block batch (" +
+               (u1 ? "1 row per thread: every row in one pass of the grid" : "4 rows per thread, persistent grid") +
+               "), " + loads + sc_reason;
   } else {
     const bool codes = w.quantized() && w.group % 16 == 0 && (w.group % kGemmBK == 0 || kGemmBK % w.group == 0);
     const std::string mode = codes ? "codes" : (!w.quantized() && w.dtype == DType::BF16) ? "bf16" : "split";
@@ -194,11 +207,11 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
              data(w), S, B, ptr(out), ldy, Ni);
       return;
     }
-    const Kernel& k = kernel("matmul", "matmul_gemv", v.defines);
     // Geometry as matmul.cu derives it (TPR, RPP, RB): must match.
-    const int64_t chunks = ceil_div(int64_t(w.row_bytes()), 16);
-    const int64_t tpr = std::min<int64_t>(pow2ceil(chunks), kThreads);
-    const int64_t rb = (kThreads / tpr) * kGemvRows;
+    const int64_t rpp = gemv_rows_per_pass(w);
+    const bool u1 = gemv_one_row(*this, w);
+    const Kernel& k = kernel("matmul", u1 ? "matmul_gemv_u1" : "matmul_gemv", v.defines);
+    const int64_t rb = rpp * (u1 ? 1 : kGemvRows);
     const int64_t batches = ceil_div(N, rb);
     const int64_t slots = std::max<int64_t>(1, int64_t(kGemvBlocksPerSm) * std::max(1, info().sms) / T);
     const int64_t nb = std::min(batches, slots);

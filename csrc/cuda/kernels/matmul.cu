@@ -101,44 +101,37 @@ static_assert(BITS != 0 || DT == LILY_F32 || DT == LILY_F16 || DT == LILY_BF16, 
 constexpr int TPR = imin(pow2ceil(C), NT);        // threads per row (matmul.cpp gemv_geometry must match)
 constexpr int J = (C + TPR - 1) / TPR;            // chunks per thread
 constexpr int RPP = NT / TPR;                     // rows per pass
-constexpr int RB = RPP * GEMV_U;                  // rows per block batch
 constexpr int SG = BITS ? imin(GROUP, EPC) : EPC;  // elements of one (sub)group inside a chunk
 constexpr int NSG = EPC / SG;
 constexpr int WPS = BITS ? SG * BITS / 32 : 0;     // words per subgroup
 constexpr int WPR = TPR > 32 ? TPR / 32 : 1;       // warps per row
 
-extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
-    matmul_gemv(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
-                const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
-  __shared__ float red[GEMV_U][RPP][WPR];
+// x is staged in shared memory (coalesced global reads; the old per-thread reads of 32 consecutive floats
+// touched 32 cache lines per warp instruction: ~8k L1 wavefronts per block, ~4 us per block). Chunk c's EPC
+// inputs sit at c·XLD (4 floats of padding per chunk: the 16-byte reads of lanes one chunk apart fall on
+// distinct bank quads). Static shared memory is capped: past the cap threads read x from global directly.
+constexpr int XLD = EPC + 4;
+constexpr bool XSH = i64(C) * XLD * 4 <= 36 * 1024;
+
+template <int U>
+__device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
+                                          const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y,
+                                          i64 ldy, int N) {
+  constexpr int RB = RPP * U;  // rows per block batch
+  __shared__ float red[U][RPP][WPR];
+  __shared__ __align__(16) float xsh[XSH ? C * XLD : 4];
   const int tid = threadIdx.x, tr = tid % TPR, rg = tid / TPR, lane = tid & 31;
   const int t = blockIdx.x % T, b0 = blockIdx.x / T, bstep = gridDim.x / T;
   const float* xr = x + i64(t) * ldx;
 
-  // This thread's inputs, once: xs (prescaled for affine codes), sx = Σx per subgroup.
-  float xs[J][EPC], sx[J][NSG];
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int c = tr + j * TPR;
-#pragma unroll
-    for (int s = 0; s < NSG; ++s) sx[j][s] = 0.f;
-#pragma unroll
-    for (int e = 0; e < EPC; ++e) {
-      const i64 k = i64(c) * EPC + e;
-      const float v = (c < C && k < K) ? xr[k] : 0.f;
-      sx[j][e / SG] += v;
-      xs[j][e] = BITS ? v * q_prescale<BITS ? BITS : 4>(e) : v;
-    }
-  }
-
   // Batch loads: codes (and, affine, the converted scales/biases) of the U rows of batch bt. The next
   // batch's loads are issued before this batch's arithmetic (register double buffer), so a warp always
   // has U·J 16-byte loads in flight and no batch waits for its scales separately.
-  u32 v[GEMV_U][J][4];
-  float sc[GEMV_U][J][NSG], bi[GEMV_U][J][NSG];
-  auto load_batch = [&](i64 bt, u32 (&vv)[GEMV_U][J][4], float (&ss)[GEMV_U][J][NSG], float (&bb)[GEMV_U][J][NSG]) {
+  u32 v[U][J][4];
+  float sc[U][J][NSG], bi[U][J][NSG];
+  auto load_batch = [&](i64 bt, u32 (&vv)[U][J][4], float (&ss)[U][J][NSG], float (&bb)[U][J][NSG]) {
 #pragma unroll
-    for (int u = 0; u < GEMV_U; ++u) {
+    for (int u = 0; u < U; ++u) {
       const i64 n = bt * RB + u * RPP + rg;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
@@ -163,19 +156,50 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
       }
     }
   };
+  // The first batch's W loads go out before x is staged: the two latencies overlap.
   if (i64(b0) * RB < N) load_batch(b0, v, sc, bi);
 
+  // This thread's inputs, once: xs (prescaled for affine codes), sx = Σx per subgroup (e ascending).
+  if (XSH) {
+    for (int k = tid; k < K; k += NT) xsh[(k / EPC) * XLD + k % EPC] = xr[k];
+    __syncthreads();
+  }
+  float xs[J][EPC], sx[J][NSG];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int c = tr + j * TPR;
+#pragma unroll
+    for (int s = 0; s < NSG; ++s) sx[j][s] = 0.f;
+    float xv[EPC];
+#pragma unroll
+    for (int e = 0; e < EPC; ++e) xv[e] = 0.f;
+    if (XSH && c < C) {
+#pragma unroll
+      for (int e = 0; e < EPC; e += 4) {
+        const float4 q = *reinterpret_cast<const float4*>(&xsh[c * XLD + e]);
+        xv[e] = q.x, xv[e + 1] = q.y, xv[e + 2] = q.z, xv[e + 3] = q.w;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < EPC; ++e) {
+      const i64 k = i64(c) * EPC + e;
+      const float v = (c < C && k < K) ? (XSH ? xv[e] : xr[k]) : 0.f;
+      sx[j][e / SG] += v;
+      xs[j][e] = BITS ? v * q_prescale<BITS ? BITS : 4>(e) : v;
+    }
+  }
+
   constexpr int WL = imin(TPR, 32);  // lanes of one row inside a warp
-  constexpr bool BFLY = GEMV_U == 4 && WL >= 8;
+  constexpr bool BFLY = U == 4 && WL >= 8;
   for (i64 bt = b0; bt * RB < N; bt += bstep) {
-    u32 vn[GEMV_U][J][4];
-    float scn[GEMV_U][J][NSG], bin[GEMV_U][J][NSG];
+    u32 vn[U][J][4];
+    float scn[U][J][NSG], bin[U][J][NSG];
     const bool more = (bt + bstep) * RB < N;
     if (more) load_batch(bt + bstep, vn, scn, bin);
 
-    float acc[GEMV_U];
+    float acc[U];
 #pragma unroll
-    for (int u = 0; u < GEMV_U; ++u) {
+    for (int u = 0; u < U; ++u) {
       acc[u] = 0.f;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
@@ -208,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
       uq = (h ? 2 : 0) + (q ? 1 : 0);
     } else {
 #pragma unroll
-      for (int u = 0; u < GEMV_U; ++u) {
+      for (int u = 0; u < U; ++u) {
 #pragma unroll
         for (int o = WL / 2; o > 0; o >>= 1) acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], o);
       }
@@ -219,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
         if ((tr & (WL / 4 - 1)) == 0 && n < N) y[i64(t) * ldy + n] = red1;
       } else if (tr == 0) {
 #pragma unroll
-        for (int u = 0; u < GEMV_U; ++u) {
+        for (int u = 0; u < U; ++u) {
           const i64 n = bt * RB + u * RPP + rg;
           if (n < N) y[i64(t) * ldy + n] = acc[u];
         }
@@ -229,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
         if ((lane & (WL / 4 - 1)) == 0) red[uq][rg][tr / 32] = red1;
       } else if (lane == 0) {
 #pragma unroll
-        for (int u = 0; u < GEMV_U; ++u) red[u][rg][tr / 32] = acc[u];
+        for (int u = 0; u < U; ++u) red[u][rg][tr / 32] = acc[u];
       }
       __syncthreads();
       if (tid < RB) {
@@ -244,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
     }
     if (more) {
 #pragma unroll
-      for (int u = 0; u < GEMV_U; ++u)
+      for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int j = 0; j < J; ++j) {
 #pragma unroll
@@ -254,6 +278,20 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
         }
     }
   }
+}
+
+extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
+    matmul_gemv(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
+                const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+  gemv_body<GEMV_U>(x, T, ldx, W, S, B, y, ldy, N);
+}
+// One row per thread per batch (U = 1): weights whose rows all fit in one pass of the grid
+// (ceil(N / RPP) <= MINB·SMs; matmul.cpp decides from N alone, never from T). The U = 4 form would leave
+// most SMs idle and make each thread walk 4 rows in series.
+extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
+    matmul_gemv_u1(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
+                   const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+  gemv_body<1>(x, T, ldx, W, S, B, y, ldy, N);
 }
 
 // ------------------------------------------------------------------------------------------------------
