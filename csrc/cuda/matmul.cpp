@@ -94,9 +94,11 @@ bool gemv_mma_fits(const Weight& w) {
   return w.quantized() && w.bits == 4 && (w.group == 64 || w.group % 128 == 0) && w.cols % 128 == 0 &&
          w.bytes() >= kMmaMinBytes;
 }
-// Shared memory of matmul_gemv_mma for T tokens: x fragments + Σx (matmul.cu's layout).
+// Shared memory of matmul_gemv_mma for T tokens: x fragments + per-warp scale/bias tiles (MV_SWB: 2 arrays
+// × groups × MV_SRS rows × element size) + Σx (matmul.cu's layout).
 int gemv_mma_smem(const Weight& w, int64_t T) {
-  return int((w.cols / 128) * 8 * T * 4 * 16 + T * (w.cols / w.group) * 4);
+  const int64_t ng = w.cols / w.group, es = dtype_size(w.scale_dtype), srs = es == 2 ? 34 : 33;
+  return int((w.cols / 128) * 8 * T * 4 * 16 + (kThreads / 32) * 2 * ng * srs * es + T * ng * 4);
 }
 
 // Rows one pass of a matmul_gemv block covers (RPP in matmul.cu).
@@ -141,7 +143,8 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
     v.mma = true;
     v.name = "gemv_" + kind + "_mma_" + fmt + ld_suffix + sc_suffix;
     v.reason = "tensor-core GEMV for T <= 8 (codes as bf16 A operand, x as bf16 hi+lo B operand, fp32 per-group "
-               "scale/bias), warps own balanced row ranges, 2 tiles of 16 rows per pass, " + loads + sc_reason +
+               "scale/bias staged per 32-row tile in shared memory), warps own balanced row ranges, 2 tiles of 16 "
+               "rows per pass, 2 spans of codes in flight, " + loads + sc_reason +
                "; T > 8 takes the CUDA-core GEMV";
   } else if (!v.gemm) {
     v.name = "gemv_" + kind + "_cuda" + (fmt.empty() ? "" : "_" + fmt) + ld_suffix + sc_suffix;
