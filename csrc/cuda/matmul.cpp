@@ -94,9 +94,22 @@ bool gemv_mma_fits(const Weight& w) {
   return w.quantized() && w.bits == 4 && (w.group == 64 || w.group % 128 == 0) && w.cols % 128 == 0 &&
          w.bytes() >= kMmaMinBytes;
 }
-// Shared memory of matmul_gemv_mma for T tokens: x fragments + Σx (matmul.cu's layout).
+// Shared memory of matmul_gemv_mma for T tokens: x fragments + per-warp scale/bias tiles (MV_SWB: 2 arrays
+// × groups × MV_SRS rows × element size) + Σx (matmul.cu's layout).
 int gemv_mma_smem(const Weight& w, int64_t T) {
-  return int((w.cols / 128) * 8 * T * 4 * 16 + T * (w.cols / w.group) * 4);
+  const int64_t ng = w.cols / w.group, es = dtype_size(w.scale_dtype), srs = es == 2 ? 34 : 33;
+  return int((w.cols / 128) * 8 * T * 4 * 16 + (kThreads / 32) * 2 * ng * srs * es + T * ng * 4);
+}
+
+// Rows one pass of a matmul_gemv block covers (RPP in matmul.cu).
+int64_t gemv_rows_per_pass(const Weight& w) {
+  const int64_t chunks = ceil_div(int64_t(w.row_bytes()), 16);
+  return kThreads / std::min<int64_t>(pow2ceil(chunks), kThreads);
+}
+// matmul_gemv_u1 (one row per thread) when every row fits in one pass of the grid; from N alone (never T),
+// so a row's bits do not depend on T.
+bool gemv_one_row(const CudaOps& ops, const Weight& w) {
+  return ceil_div(w.rows, gemv_rows_per_pass(w)) <= int64_t(kGemvBlocksPerSm) * std::max(1, ops.info().sms);
 }
 
 struct MatmulVariant {
@@ -130,14 +143,17 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
     v.mma = true;
     v.name = "gemv_" + kind + "_mma_" + fmt + ld_suffix + sc_suffix;
     v.reason = "tensor-core GEMV for T <= 8 (codes as bf16 A operand, x as bf16 hi+lo B operand, fp32 per-group "
-               "scale/bias), warps own balanced row ranges, 2 tiles of 16 rows per pass, " + loads + sc_reason +
+               "scale/bias staged per 32-row tile in shared memory), warps own balanced row ranges, 2 tiles of 16 "
+               "rows per pass, 2 spans of codes in flight, " + loads + sc_reason +
                "; T > 8 takes the CUDA-core GEMV";
   } else if (!v.gemm) {
     v.name = "gemv_" + kind + "_cuda" + (fmt.empty() ? "" : "_" + fmt) + ld_suffix + sc_suffix;
-    const int64_t chunks = ceil_div(int64_t(w.row_bytes()), 16);
-    const int tpr = std::min(pow2ceil(chunks), kThreads);
-    v.reason = "x in registers, " + std::to_string(tpr) + " threads per row, " +
-               std::to_string(kThreads / tpr * kGemvRows) + " rows per block batch, " + loads + sc_reason;
+    const int64_t rpp = gemv_rows_per_pass(w);
+    const bool u1 = gemv_one_row(ops, w);
+    v.reason = "x staged through shared memory into registers, " + std::to_string(kThreads / rpp) +
+               " threads per row, " + std::to_string(rpp * (u1 ? 1 : kGemvRows)) + " rows per block batch (" +
+               (u1 ? "1 row per thread: every row in one pass of the grid" : "4 rows per thread, persistent grid") +
+               "), " + loads + sc_reason;
   } else {
     const bool codes = w.quantized() && w.group % 16 == 0 && (w.group % kGemmBK == 0 || kGemmBK % w.group == 0);
     const std::string mode = codes ? "codes" : (!w.quantized() && w.dtype == DType::BF16) ? "bf16" : "split";
@@ -194,11 +210,11 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
              data(w), S, B, ptr(out), ldy, Ni);
       return;
     }
-    const Kernel& k = kernel("matmul", "matmul_gemv", v.defines);
     // Geometry as matmul.cu derives it (TPR, RPP, RB): must match.
-    const int64_t chunks = ceil_div(int64_t(w.row_bytes()), 16);
-    const int64_t tpr = std::min<int64_t>(pow2ceil(chunks), kThreads);
-    const int64_t rb = (kThreads / tpr) * kGemvRows;
+    const int64_t rpp = gemv_rows_per_pass(w);
+    const bool u1 = gemv_one_row(*this, w);
+    const Kernel& k = kernel("matmul", u1 ? "matmul_gemv_u1" : "matmul_gemv", v.defines);
+    const int64_t rb = rpp * (u1 ? 1 : kGemvRows);
     const int64_t batches = ceil_div(N, rb);
     const int64_t slots = std::max<int64_t>(1, int64_t(kGemvBlocksPerSm) * std::max(1, info().sms) / T);
     const int64_t nb = std::min(batches, slots);

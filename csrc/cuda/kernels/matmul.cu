@@ -21,19 +21,22 @@
 // matmul_gemv (decode, T <= 16): block of NT = 256 threads; a row's 16-byte chunks are spread over TPR
 // threads (TPR = next power of two of the chunk count C, at most 256; J = ceil(C / TPR) chunks per thread),
 // RPP = 256 / TPR rows per pass, U = 4 rows per thread per batch (RB = RPP·U rows per block batch, all their
-// 16-byte loads issued before any use). x stays in registers for the whole kernel: a thread only ever
+// 16-byte loads issued before any use; matmul_gemv_u1: U = 1, for weights whose rows all fit in one pass
+// of the grid). x is staged once through shared memory (coalesced; the first batch's W loads are issued
+// before it) and then stays in registers for the whole kernel: a thread only ever
 // touches its own J·EPC inputs (prescaled for the 3-instruction code decode, quant.cuh), with per-subgroup
 // Σx for the bias term, so no shared-memory traffic per weight. Row sums: xor shuffles within TPR lanes,
 // then (TPR > 32) TPR/32 warp partials through shared memory, summed in warp order. Grid: T · nb blocks,
 // block b serves x row b % T and batches b / T, b / T + nb, ... (persistent: nb = min(batches,
-// MINB·SMs / T) with MINB = 3 blocks per SM guaranteed by __launch_bounds__; consecutive blocks read the
+// MINB·SMs / T) with MINB = 2 blocks per SM guaranteed by __launch_bounds__; consecutive blocks read the
 // same rows for different t, so for T > 1 W comes from L2 after the first). Small N (1, 32): one batch,
 // every thread one 16-byte load: the kernel is one DRAM round trip, which splitting K further cannot shorten.
 // Floor: W.bytes() per call (q4g64: 0.5625 B/weight; lm_head 248320 × 2048 q4g64 = 286 MB = 72 µs at
 // 4 TB/s); instruction floor ~3 per code (q4: ~10 codes/clk/SMSP, above the 7.1 T codes/s HBM feeds).
 //
 // matmul_gemv_mma (decode, T <= 8, q4 weights of 32 MiB and more, i.e. the lm_head): the same product on
-// the tensor cores, W codes exact, x as bf16 hi + lo; see its section at the end of the file. Floor as
+// the tensor cores, W codes exact, x as bf16 hi + lo; scales/biases staged per 32-row tile in shared memory
+// with coalesced loads, two spans of codes in flight per warp; see its section at the end of the file. Floor as
 // above: 286 MB for the lm_head; ~2.4 instructions per code instead of ~3.8.
 //
 // matmul_gemm (prefill, any T): mma.sync m16n8k16 bf16 → f32. Block 256 threads = 8 warps (2 along T × 4
@@ -101,44 +104,37 @@ static_assert(BITS != 0 || DT == LILY_F32 || DT == LILY_F16 || DT == LILY_BF16, 
 constexpr int TPR = imin(pow2ceil(C), NT);        // threads per row (matmul.cpp gemv_geometry must match)
 constexpr int J = (C + TPR - 1) / TPR;            // chunks per thread
 constexpr int RPP = NT / TPR;                     // rows per pass
-constexpr int RB = RPP * GEMV_U;                  // rows per block batch
 constexpr int SG = BITS ? imin(GROUP, EPC) : EPC;  // elements of one (sub)group inside a chunk
 constexpr int NSG = EPC / SG;
 constexpr int WPS = BITS ? SG * BITS / 32 : 0;     // words per subgroup
 constexpr int WPR = TPR > 32 ? TPR / 32 : 1;       // warps per row
 
-extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
-    matmul_gemv(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
-                const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
-  __shared__ float red[GEMV_U][RPP][WPR];
+// x is staged in shared memory (coalesced global reads; the old per-thread reads of 32 consecutive floats
+// touched 32 cache lines per warp instruction: ~8k L1 wavefronts per block, ~4 us per block). Chunk c's EPC
+// inputs sit at c·XLD (4 floats of padding per chunk: the 16-byte reads of lanes one chunk apart fall on
+// distinct bank quads). Static shared memory is capped: past the cap threads read x from global directly.
+constexpr int XLD = EPC + 4;
+constexpr bool XSH = i64(C) * XLD * 4 <= 36 * 1024;
+
+template <int U>
+__device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
+                                          const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y,
+                                          i64 ldy, int N) {
+  constexpr int RB = RPP * U;  // rows per block batch
+  __shared__ float red[U][RPP][WPR];
+  __shared__ __align__(16) float xsh[XSH ? C * XLD : 4];
   const int tid = threadIdx.x, tr = tid % TPR, rg = tid / TPR, lane = tid & 31;
   const int t = blockIdx.x % T, b0 = blockIdx.x / T, bstep = gridDim.x / T;
   const float* xr = x + i64(t) * ldx;
 
-  // This thread's inputs, once: xs (prescaled for affine codes), sx = Σx per subgroup.
-  float xs[J][EPC], sx[J][NSG];
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int c = tr + j * TPR;
-#pragma unroll
-    for (int s = 0; s < NSG; ++s) sx[j][s] = 0.f;
-#pragma unroll
-    for (int e = 0; e < EPC; ++e) {
-      const i64 k = i64(c) * EPC + e;
-      const float v = (c < C && k < K) ? xr[k] : 0.f;
-      sx[j][e / SG] += v;
-      xs[j][e] = BITS ? v * q_prescale<BITS ? BITS : 4>(e) : v;
-    }
-  }
-
   // Batch loads: codes (and, affine, the converted scales/biases) of the U rows of batch bt. The next
   // batch's loads are issued before this batch's arithmetic (register double buffer), so a warp always
   // has U·J 16-byte loads in flight and no batch waits for its scales separately.
-  u32 v[GEMV_U][J][4];
-  float sc[GEMV_U][J][NSG], bi[GEMV_U][J][NSG];
-  auto load_batch = [&](i64 bt, u32 (&vv)[GEMV_U][J][4], float (&ss)[GEMV_U][J][NSG], float (&bb)[GEMV_U][J][NSG]) {
+  u32 v[U][J][4];
+  float sc[U][J][NSG], bi[U][J][NSG];
+  auto load_batch = [&](i64 bt, u32 (&vv)[U][J][4], float (&ss)[U][J][NSG], float (&bb)[U][J][NSG]) {
 #pragma unroll
-    for (int u = 0; u < GEMV_U; ++u) {
+    for (int u = 0; u < U; ++u) {
       const i64 n = bt * RB + u * RPP + rg;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
@@ -163,19 +159,50 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
       }
     }
   };
+  // The first batch's W loads go out before x is staged: the two latencies overlap.
   if (i64(b0) * RB < N) load_batch(b0, v, sc, bi);
 
+  // This thread's inputs, once: xs (prescaled for affine codes), sx = Σx per subgroup (e ascending).
+  if (XSH) {
+    for (int k = tid; k < K; k += NT) xsh[(k / EPC) * XLD + k % EPC] = xr[k];
+    __syncthreads();
+  }
+  float xs[J][EPC], sx[J][NSG];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int c = tr + j * TPR;
+#pragma unroll
+    for (int s = 0; s < NSG; ++s) sx[j][s] = 0.f;
+    float xv[EPC];
+#pragma unroll
+    for (int e = 0; e < EPC; ++e) xv[e] = 0.f;
+    if (XSH && c < C) {
+#pragma unroll
+      for (int e = 0; e < EPC; e += 4) {
+        const float4 q = *reinterpret_cast<const float4*>(&xsh[c * XLD + e]);
+        xv[e] = q.x, xv[e + 1] = q.y, xv[e + 2] = q.z, xv[e + 3] = q.w;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < EPC; ++e) {
+      const i64 k = i64(c) * EPC + e;
+      const float v = (c < C && k < K) ? (XSH ? xv[e] : xr[k]) : 0.f;
+      sx[j][e / SG] += v;
+      xs[j][e] = BITS ? v * q_prescale<BITS ? BITS : 4>(e) : v;
+    }
+  }
+
   constexpr int WL = imin(TPR, 32);  // lanes of one row inside a warp
-  constexpr bool BFLY = GEMV_U == 4 && WL >= 8;
+  constexpr bool BFLY = U == 4 && WL >= 8;
   for (i64 bt = b0; bt * RB < N; bt += bstep) {
-    u32 vn[GEMV_U][J][4];
-    float scn[GEMV_U][J][NSG], bin[GEMV_U][J][NSG];
+    u32 vn[U][J][4];
+    float scn[U][J][NSG], bin[U][J][NSG];
     const bool more = (bt + bstep) * RB < N;
     if (more) load_batch(bt + bstep, vn, scn, bin);
 
-    float acc[GEMV_U];
+    float acc[U];
 #pragma unroll
-    for (int u = 0; u < GEMV_U; ++u) {
+    for (int u = 0; u < U; ++u) {
       acc[u] = 0.f;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
@@ -208,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
       uq = (h ? 2 : 0) + (q ? 1 : 0);
     } else {
 #pragma unroll
-      for (int u = 0; u < GEMV_U; ++u) {
+      for (int u = 0; u < U; ++u) {
 #pragma unroll
         for (int o = WL / 2; o > 0; o >>= 1) acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], o);
       }
@@ -219,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
         if ((tr & (WL / 4 - 1)) == 0 && n < N) y[i64(t) * ldy + n] = red1;
       } else if (tr == 0) {
 #pragma unroll
-        for (int u = 0; u < GEMV_U; ++u) {
+        for (int u = 0; u < U; ++u) {
           const i64 n = bt * RB + u * RPP + rg;
           if (n < N) y[i64(t) * ldy + n] = acc[u];
         }
@@ -229,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
         if ((lane & (WL / 4 - 1)) == 0) red[uq][rg][tr / 32] = red1;
       } else if (lane == 0) {
 #pragma unroll
-        for (int u = 0; u < GEMV_U; ++u) red[u][rg][tr / 32] = acc[u];
+        for (int u = 0; u < U; ++u) red[u][rg][tr / 32] = acc[u];
       }
       __syncthreads();
       if (tid < RB) {
@@ -244,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
     }
     if (more) {
 #pragma unroll
-      for (int u = 0; u < GEMV_U; ++u)
+      for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int j = 0; j < J; ++j) {
 #pragma unroll
@@ -254,6 +281,20 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
         }
     }
   }
+}
+
+extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
+    matmul_gemv(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
+                const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+  gemv_body<GEMV_U>(x, T, ldx, W, S, B, y, ldy, N);
+}
+// One row per thread per batch (U = 1): weights whose rows all fit in one pass of the grid
+// (ceil(N / RPP) <= MINB·SMs; matmul.cpp decides from N alone, never from T). The U = 4 form would leave
+// most SMs idle and make each thread walk 4 rows in series.
+extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
+    matmul_gemv_u1(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
+                   const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+  gemv_body<1>(x, T, ldx, W, S, B, y, ldy, N);
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -520,11 +561,34 @@ extern "C" __global__ void __launch_bounds__(NT)
 // holds two groups: one xor-2 exchange of two words inside each quad makes every k16 step one group
 // (lane c then holds span words SWB[c] + {0, 1, 8, 9}; x is staged in that order). At each group's end
 // acc += s·D + b·Σx (Σx of the group in f32, shared memory). Reduction order: fixed by K and GROUP.
-// Shared memory: x fragments [K/128][8][T][4] × 16 bytes + Σx [T][K/GROUP] f32 (matmul.cpp must match).
+// Shared memory: x fragments [K/128][8][T][4] × 16 bytes + 8 warps × MV_SWB (scale/bias tile) + Σx
+// [T][K/GROUP] f32 (matmul.cpp gemv_mma_smem must match).
 
 constexpr bool MV_OK = BITS == 4 && GROUP > 0 && (GROUP == 64 || GROUP % 128 == 0) && K % 128 == 0;
 constexpr bool MV_EXCH = GROUP == 64;
 constexpr int MV_SPANS = K / 128;
+
+// Per-warp staging of a 32-row tile's scales and biases in shared memory, as raw elements [group][row] with a
+// row stride MV_SRS that puts the 32 lanes' writes (one group each) on distinct banks: 34 u16 or 33 u32.
+constexpr int MV_ES = DT == LILY_F32 ? 4 : 2;
+constexpr int MV_SRS = MV_ES == 2 ? 34 : 33;
+constexpr int MV_SWB = 2 * NG * MV_SRS * MV_ES;  // bytes per warp, scales then biases (matmul.cpp must match)
+__device__ __forceinline__ u32 mv_raw(const void* p, i64 i) {  // element i of a scale/bias array, raw bits
+  const unsigned char* b = static_cast<const unsigned char*>(p) + i * MV_ES;
+  if (SAL) return MV_ES == 4 ? *reinterpret_cast<const u32*>(b) : u32(*reinterpret_cast<const u16*>(b));
+  u32 v = u32(b[0]) | (u32(b[1]) << 8);
+  if (MV_ES == 4) v |= (u32(b[2]) << 16) | (u32(b[3]) << 24);
+  return v;
+}
+__device__ __forceinline__ void mv_put(unsigned char* p, int i, u32 v) {
+  if (MV_ES == 4) reinterpret_cast<u32*>(p)[i] = v;
+  else reinterpret_cast<u16*>(p)[i] = u16(v);
+}
+__device__ __forceinline__ float mv_get(const unsigned char* p, int i) {
+  if (DT == LILY_F32) return __uint_as_float(reinterpret_cast<const u32*>(p)[i]);
+  const u16 h = reinterpret_cast<const u16*>(p)[i];
+  return DT == LILY_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
 
 __device__ __forceinline__ u32 mv_pair(u32 w, int i) {  // bf16 pair (q_i, q_{i+4}) of a q4 word, exact
   const u32 p = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;  // 128 + q
@@ -539,7 +603,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2)
   if (!MV_OK) return;
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* xf = reinterpret_cast<uint4*>(smem);
-  float* sx = reinterpret_cast<float*>(smem + i64(MV_SPANS) * 8 * T * 4 * 16);
+  float* sx = reinterpret_cast<float*>(smem + i64(MV_SPANS) * 8 * T * 4 * 16 + (NT / 32) * MV_SWB);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
 
   // ---- stage x: fragments (hi, lo) and Σx per (token, group)
@@ -568,51 +632,58 @@ extern "C" __global__ void __launch_bounds__(NT, 2)
 
   const i64 nw = i64(gridDim.x) * (NT / 32), gw = i64(blockIdx.x) * (NT / 32) + warp;
   const i64 r0 = i64(N) * gw / nw, r1 = i64(N) * (gw + 1) / nw;
-  constexpr int NSC = MV_EXCH ? 2 : 1;  // groups whose scales one span needs
-  // Two 16-row tiles per pass: lane rows rt + g + 8·j, j = 0..3 (tile j / 2), so a lane has 4 × 16 bytes
-  // of codes in flight for the next span while it multiplies this one.
+  unsigned char* ssw = smem + i64(MV_SPANS) * 8 * T * 4 * 16 + warp * MV_SWB;  // this warp's scales, biases
+  unsigned char* bsw = ssw + MV_SWB / 2;
+  // Two 16-row tiles per pass: lane rows rt + g + 8·j, j = 0..3 (tile j / 2). Codes: 4 × 16 bytes per lane
+  // per span, two spans in flight ahead of the one being multiplied (~8 MB across the GPU).
   for (i64 rt = r0; rt < r1; rt += 32) {
     i64 row[4];
     bool live[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) row[j] = rt + g + 8 * j, live[j] = row[j] < r1;
-    u32 w[4][4];
-    float sc[4][NSC], bi[4][NSC];
-    auto load_span = [&](int sp, u32 (&q)[4][4], float (&ss)[4][NSC], float (&bb)[4][NSC]) {
+    auto load_span = [&](int sp, u32 (&q)[4][4]) {
       const i64 off = i64(sp) * 64 + 16 * c;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (live[j]) mm_load16<AL>(W + row[j] * RBYTES + off, 16, q[j]);
         else q[j][0] = q[j][1] = q[j][2] = q[j][3] = 0u;
-#pragma unroll
-        for (int e = 0; e < NSC; ++e) {
-          const i64 grp = MV_EXCH ? 2 * sp + e : (i64(sp) * 128) / (GROUP ? GROUP : 1);
-          ss[j][e] = live[j] ? mm_scalar<DT, SAL>(S, row[j] * NG + grp) : 0.f;
-          bb[j][e] = live[j] ? mm_scalar<DT, SAL>(B, row[j] * NG + grp) : 0.f;
-        }
       }
     };
-    load_span(0, w, sc, bi);
+    u32 w0[4][4], w1[4][4], w2[4][4];
+    load_span(0, w0);
+    if (MV_SPANS > 1) load_span(1, w1);
+    // The tile's scales and biases (rows rt .. rt+31 are contiguous in memory: coalesced element loads, ~3
+    // lines per warp instruction) into this warp's shared slice as [group][row]; per-span loads of them
+    // touched 8 lines per instruction, 16 instructions per span: the L1 wavefronts capped the kernel.
+    __syncwarp();
+#pragma unroll 8
+    for (int e = lane; e < 32 * NG; e += 32) {
+      const int rl = e / NG, grp = e % NG;
+      const bool ok = rt + rl < r1;
+      const i64 gi = rt * NG + e;
+      const u32 sv = ok ? mv_raw(S, gi) : 0u, bv = ok ? mv_raw(B, gi) : 0u;
+      mv_put(ssw, grp * MV_SRS + rl, sv);
+      mv_put(bsw, grp * MV_SRS + rl, bv);
+    }
+    __syncwarp();
     float acc[2][4], dg[2][4];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[m][e] = dg[m][e] = 0.f;
+#pragma unroll 3  // three code buffers rotate: no copies
     for (int sp = 0; sp < MV_SPANS; ++sp) {
-      u32 nw4[4][4];
-      float nsc[4][NSC], nbi[4][NSC];
-      const bool more = sp + 1 < MV_SPANS;
-      if (more) load_span(sp + 1, nw4, nsc, nbi);
+      if (sp + 2 < MV_SPANS) load_span(sp + 2, w2);
       if (MV_EXCH) {  // lanes 0,1 keep words 0,1 and take the partner's 0,1; lanes 2,3 keep 2,3
         const bool low = c < 2;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const u32 e0 = __shfl_xor_sync(0xffffffffu, low ? w[j][2] : w[j][0], 2);
-          const u32 e1 = __shfl_xor_sync(0xffffffffu, low ? w[j][3] : w[j][1], 2);
+          const u32 e0 = __shfl_xor_sync(0xffffffffu, low ? w0[j][2] : w0[j][0], 2);
+          const u32 e1 = __shfl_xor_sync(0xffffffffu, low ? w0[j][3] : w0[j][1], 2);
           if (low) {
-            w[j][2] = e0, w[j][3] = e1;
+            w0[j][2] = e0, w0[j][3] = e1;
           } else {
-            w[j][0] = e0, w[j][1] = e1;
+            w0[j][0] = e0, w0[j][1] = e1;
           }
         }
       }
@@ -623,39 +694,37 @@ extern "C" __global__ void __launch_bounds__(NT, 2)
         if (g < T) f = xf[((sp * 8 + s) * T + g) * 4 + c];
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
-          const u32 a[4] = {mv_pair(w[2 * m][wi], 2 * h), mv_pair(w[2 * m + 1][wi], 2 * h),
-                            mv_pair(w[2 * m][wi], 2 * h + 1), mv_pair(w[2 * m + 1][wi], 2 * h + 1)};
+          const u32 a[4] = {mv_pair(w0[2 * m][wi], 2 * h), mv_pair(w0[2 * m + 1][wi], 2 * h),
+                            mv_pair(w0[2 * m][wi], 2 * h + 1), mv_pair(w0[2 * m + 1][wi], 2 * h + 1)};
           mma_bf16(dg[m], a, f.x, f.y);
           if (XS == 2) mma_bf16(dg[m], a, f.z, f.w);
         }
         const bool gend = MV_EXCH ? (s == 3 || s == 7) : (s == 7 && ((sp + 1) * 128) % (GROUP ? GROUP : 1) == 0);
         if (gend) {
           const int q = MV_EXCH ? (s == 7 ? 1 : 0) : 0;
-          const i64 grp = MV_EXCH ? 2 * sp + q : (i64(sp) * 128) / (GROUP ? GROUP : 1);
+          const int grp = MV_EXCH ? 2 * sp + q : (sp * 128) / (GROUP ? GROUP : 1);
           const int t0 = 2 * c, t1 = 2 * c + 1;
           const float x0 = t0 < T ? sx[t0 * NG + grp] : 0.f, x1 = t1 < T ? sx[t1 * NG + grp] : 0.f;
+          float scj[4], bij[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) scj[j] = mv_get(ssw, grp * MV_SRS + g + 8 * j), bij[j] = mv_get(bsw, grp * MV_SRS + g + 8 * j);
 #pragma unroll
           for (int m = 0; m < 2; ++m) {
             // C fragment: e 0,1 = row g of the tile (tokens 2c, 2c+1), e 2,3 = row g + 8
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int j = 2 * m + (e >> 1);
-              acc[m][e] = fmaf(sc[j][q], dg[m][e], acc[m][e]);
-              acc[m][e] = fmaf(bi[j][q], (e & 1) ? x1 : x0, acc[m][e]);
+              acc[m][e] = fmaf(scj[j], dg[m][e], acc[m][e]);
+              acc[m][e] = fmaf(bij[j], (e & 1) ? x1 : x0, acc[m][e]);
               dg[m][e] = 0.f;
             }
           }
         }
       }
-      if (more) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) w[j][i] = nw4[j][i];
-#pragma unroll
-          for (int e = 0; e < NSC; ++e) sc[j][e] = nsc[j][e], bi[j][e] = nbi[j][e];
-        }
-      }
+        for (int i = 0; i < 4; ++i) w0[j][i] = w1[j][i], w1[j][i] = w2[j][i];
     }
 #pragma unroll
     for (int m = 0; m < 2; ++m)
