@@ -7,8 +7,9 @@
 //   for the tensor-core kernel, 2 for the fp32 one), fixed at encode time so the captured graph fits every
 //   position; the live length pos[0] + 1 is cut on the device into a = min(ns, ceil(len / 64)) chunks
 //   (blocks past a exit) and the reduce merges those a partials. So a short context costs a few blocks and
-//   a 128K one fills the machine in one wave. bf16 caches: attn_decode_mma (tensor cores, q and p as two
-//   bf16 halves); f32 caches or LILY_CUDA_ATTENTION_DECODE=fp32: attn_decode_split (fp32 FMA).
+//   a 128K one fills the machine in one wave. bf16 caches: attn_decode_mma (tensor cores, q as three bf16
+//   parts for G <= 8 (two above), p as two); f32 caches or LILY_CUDA_ATTENTION_DECODE=fp32:
+//   attn_decode_split (fp32 FMA).
 // - attention, prefill (any other call), bf16 caches and G dividing 64: attn_prefill_mma, flash attention
 //   on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulation) with q and p split into two bf16 halves so
 //   the result stays within ~1e-5 of fp32. f32 caches (or LILY_CUDA_ATTENTION_PREFILL=fp32): the fp32
@@ -135,8 +136,9 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
                                ", >= 64 rows each, live length cut on device)";
     note_variant("attention.decode",
                  mma ? "split-KV mma.sync bf16: " + splits +
-                           ", 4 warps × 16-key tiles via cp.async, G heads as mma rows, q and p as bf16 hi + lo; "
-                           "then the reduce"
+                           ", 4 warps × 16-key tiles via cp.async, G heads as mma rows, " +
+                           (G <= 8 ? "q as three bf16 parts (the third in the padding rows)" : "q as bf16 hi + lo") +
+                           ", p as bf16 hi + lo; then the reduce"
                      : "split-KV fp32: " + splits + ", " + std::to_string(kDecodeWarps) + " warps × " +
                            (code == 2 ? "4 bf16" : "2 f32") +
                            " rows in flight, all G heads per KV row, fp32 FMA; then the reduce" +

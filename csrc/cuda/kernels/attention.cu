@@ -432,6 +432,16 @@ __device__ __forceinline__ void split2(float x0, float x1, u32& hi, u32& lo) {
   hi = pack_bf16(h0, h1);
   lo = pack_bf16(f32_to_bf16(x0 - bf16_to_f32(h0)), f32_to_bf16(x1 - bf16_to_f32(h1)));
 }
+// x = hi + lo + lo2 + O(2^-24 |x|): each part the nearest bf16 of what the previous parts leave (the
+// differences are exact in fp32).
+__device__ __forceinline__ void split3(float x0, float x1, u32& hi, u32& lo, u32& lo2) {
+  const u16 h0 = f32_to_bf16(x0), h1 = f32_to_bf16(x1);
+  const float r0 = x0 - bf16_to_f32(h0), r1 = x1 - bf16_to_f32(h1);
+  const u16 l0 = f32_to_bf16(r0), l1 = f32_to_bf16(r1);
+  hi = pack_bf16(h0, h1);
+  lo = pack_bf16(l0, l1);
+  lo2 = pack_bf16(f32_to_bf16(r0 - bf16_to_f32(l0)), f32_to_bf16(r1 - bf16_to_f32(l1)));
+}
 
 
 // Stages rows [j0, j0 + PF_R) of K and V (rows >= len zero filled) into `stage`.
@@ -710,9 +720,14 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
 // decode on tensor cores (bf16 caches): the split-KV partials of attn_decode_split, computed by mma.sync
 // ---------------------------------------------------------------------------------------------------
 // Same grid, chunking and partial format as attn_decode_split (the same attn_decode_reduce follows). The
-// G query heads of the kv head are the 16 rows of the mma A operand (rows >= G are zero); each warp takes
-// 16-key tiles of the block's chunk (tile warp, warp + 4, ...), staged by cp.async in its own two-stage
-// shared buffer (Q's two halves are staged once per block), and computes S = Q_hi·Kᵀ + Q_lo·Kᵀ and O += P_hi·V + P_lo·V like attn_prefill_mma. Per 16
+// G query heads of the kv head are the 16 rows of the mma A operand (rows >= G are zero, or for G <= 8
+// rows 8..15 carry q's third bf16 part); each warp takes 16-key tiles of the block's chunk (tile warp,
+// warp + 4, ...), staged by cp.async in its own two-stage shared buffer (Q's parts are staged once per
+// block), and computes S = Q_hi·Kᵀ + Q_lo·Kᵀ (+ lo2·Kᵀ) and O += P_hi·V + P_lo·V like attn_prefill_mma.
+// Error: q carried to ~2^-24 (G <= 8; 2^-16 per element otherwise), p to 2^-16 per key (rms ~2^-18),
+// products exact, fp32 sums over <= chunk/4 keys per warp: 1.7e-6 of the exact result at 32K keys on a
+// host emulation with round-to-nearest sums (the tensor cores' truncating accumulation not modelled; see
+// test_attention_decode_32k). Per 16
 // keys a warp issues 128 mma + 64 ldmatrix instead of ~3400 fp32 instructions, so the kernel streams the
 // cache at the memory's pace. Shared memory: Q (2 × 16 rows) + 4 warps × 2 stages × 32 rows, each of
 // D·2 + 16 bytes (152 KB at D = 256), the start reused for the block merge. One block (4 warps) per SM.
@@ -721,6 +736,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
 constexpr int DM_PITCH = D * 2 + 16;
 constexpr int DM_WARP_BYTES = 2 * 2 * DM_BN * DM_PITCH;  // 2 stages of [K tile | V tile]
 constexpr int DM_NT = D / 8;
+constexpr bool DM_Q3 = G <= 8;  // the padding rows 8..15 carry q's third bf16 part
 
 extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
     const float* __restrict__ q, const unsigned char* __restrict__ k_cache,
@@ -756,16 +772,23 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
   if (my_tiles > 0) load_tile(0, j0 + DM_BN * warp);
   cp_async_commit();
 
-  // Q (rows = heads, rows >= G zero) as two bf16 halves in shared memory, read by ldmatrix as A fragments.
+  // Q (rows = heads, rows >= G zero) as bf16 parts in shared memory, read by ldmatrix as A fragments:
+  // Q_hi rows 0..G-1 hold hi, Q_lo rows 0..G-1 hold lo. For G <= 8 the padding rows 8..8+G-1 of Q_lo hold
+  // the third part lo2 = bf16(q - hi - lo) of head row - 8 (Q_hi zero there), so S row r + 8 of the lo
+  // product is lo2·Kᵀ for head r, added to row r's score below: q is then carried to ~2^-24 (the two-part
+  // form leaves up to 2^-16 |q| per element, an absolute score error ∝ |q|·|k|·scale that dominated the
+  // 32K test's error), for no extra mma.
   const int r0 = lane >> 2, r1 = r0 + 8, c2 = (lane & 3) * 2;
   const float* qh = q + i64(kvh) * G * D;
   for (int idx = threadIdx.x; idx < 16 * D / 2; idx += blockDim.x) {
     const int r = idx / (D / 2), e = (idx % (D / 2)) * 2;
-    const float x0 = r < G ? qh[r * D + e] : 0.f, x1 = r < G ? qh[r * D + e + 1] : 0.f;
-    u32 hi, lo;
-    split2(x0, x1, hi, lo);
-    *reinterpret_cast<u32*>(dm_qhi + r * DM_PITCH + e * 2) = hi;
-    *reinterpret_cast<u32*>(dm_qlo + r * DM_PITCH + e * 2) = lo;
+    const bool third = DM_Q3 && r >= 8;
+    const int hr = third ? r - 8 : r;  // the head this row carries
+    const float x0 = hr < G ? qh[hr * D + e] : 0.f, x1 = hr < G ? qh[hr * D + e + 1] : 0.f;
+    u32 hi, lo, lo2;
+    split3(x0, x1, hi, lo, lo2);
+    *reinterpret_cast<u32*>(dm_qhi + r * DM_PITCH + e * 2) = third ? 0u : hi;
+    *reinterpret_cast<u32*>(dm_qlo + r * DM_PITCH + e * 2) = third ? lo2 : lo;
   }
   __syncthreads();
   const int arow = ((lane >> 3) & 1) * 8 + (lane & 7), acol = (lane >> 4) * 8;
@@ -806,7 +829,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int j = js + n * 8 + c2 + (c & 1);
-        const float v = j < j1 ? (sh[n][c] + sl[n][c]) * scale : NEG_INF;
+        float t = sl[n][c];
+        if (DM_Q3 && c < 2) t += sl[n][c + 2];  // lo2·Kᵀ from padding row B (row B's own score: unused)
+        const float v = j < j1 ? (sh[n][c] + t) * scale : NEG_INF;
         sh[n][c] = v;
         if (c < 2) mxA = fmaxf(mxA, v); else mxB = fmaxf(mxB, v);
       }
