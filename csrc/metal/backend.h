@@ -154,6 +154,7 @@ class MetalOps final : public Ops {
   std::condition_variable cv_;
   std::shared_ptr<struct FenceState> fences_;
   Counters counters_;
+  bool drop_barriers_ = false;  // LILY_METAL_DROP_BARRIERS=1: the planted bug of the harness tests
 };
 
 }  // namespace lily::metal
