@@ -260,3 +260,204 @@ inline float mm_lane_dot(device const uchar* data, device const ushort* scales, 
   for (uint r = 0; r < 4; ++r)
     if (lane == 0 && row0 + r < w.N) out[ulong(t) * s.ldy + row0 + r] = o[r];
 }
+
+// ------------------------------------------------------------------------------------------------------------
+// Prefill experts, grouped on the GPU (GPU-resident routing: the host never sees ids, counts or offsets).
+//   moe_group:        one threadgroup, thread e owns expert e (E ≤ 1024): its histogram count over the T·k (token,
+//                     slot) pairs, an exclusive prefix scan of counts and of tiles (⌈count / 8⌉ tiles of 8 rows),
+//                     the scatter of its pairs in ascending pair (so token) order, and its tile map entries.
+//                     Writes, in the workspace (I32): offsets [E + 1], pair_of [T·k] (grouped position -> pair),
+//                     position_of [T·k] (pair -> grouped position), tiles [max_tiles, 2] (expert, first position),
+//                     tile_count [1].
+//   moe_gate_up_tiles: act[g, i] = silu(gate_e(x)) ⊙ up_e(x) for the ≤ 8 grouped rows g of one tile: each weight
+//                     word is dequantized once per tile and used for all its rows (the weight traffic of a prefill
+//                     chunk falls by the tile's row count). Grid (⌈I/8⌉, max_tiles), 2 simdgroups × 4 rows.
+//   moe_down_tiles:   y[g, c] = down_e(act[g])[c], same geometry over H.
+//   moe_gather_sum:   out[t, c] = Σ_s w[t, s] · y[position_of[t·k + s], c], slots in ascending expert id.
+//                     Grid (⌈H/64⌉, T), 64 threads.
+// Each (row, output) sum is built lane by lane exactly as mm_lane_dot builds it, so the grouped path gives the
+// same bits as the per-pair kernels above; tiles past tile_count return at once (the grid is the upper bound
+// ⌈T·k/8⌉ + E).
+
+struct GroupShape {
+  uint T, k, E, max_tiles;
+};
+
+constant constexpr uint kTileRows = 8;  // must match kTileRows in csrc/metal/matmul.cpp
+
+[[kernel]] void moe_group(device const int* ids [[buffer(0)]],
+                          device int* offsets [[buffer(1)]],
+                          device int* pair_of [[buffer(2)]],
+                          device int* position_of [[buffer(3)]],
+                          device int* tiles [[buffer(4)]],
+                          device int* tile_count [[buffer(5)]],
+                          constant GroupShape& s [[buffer(6)]],
+                          threadgroup int* counts [[threadgroup(0)]],
+                          uint e [[thread_position_in_threadgroup]],
+                          uint threads [[threads_per_threadgroup]]) {
+  // counts: [2 · (E + 1)] ints: pair offsets, then tile offsets (exclusive scans).
+  const uint pairs = s.T * s.k;
+  uint n = 0;
+  if (e < s.E)
+    for (uint p = 0; p < pairs; ++p) n += uint(ids[p]) == e;
+  if (e < s.E) counts[e] = int(n);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (e == 0) {
+    int run = 0, tile_run = 0;
+    for (uint x = 0; x < s.E; ++x) {
+      const int c = counts[x];
+      counts[x] = run;
+      counts[s.E + 1 + x] = tile_run;
+      run += c;
+      tile_run += (c + int(kTileRows) - 1) / int(kTileRows);
+    }
+    counts[s.E] = run;
+    counts[2 * s.E + 1] = tile_run;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint x = e; x <= s.E; x += threads) offsets[x] = counts[x];
+  if (e == 0) tile_count[0] = counts[2 * s.E + 1];
+  if (e >= s.E) return;
+  const int first = counts[e];
+  int at = first;
+  for (uint p = 0; p < pairs; ++p)
+    if (uint(ids[p]) == e) {
+      pair_of[at] = int(p);
+      position_of[p] = at;
+      ++at;
+    }
+  const int tile0 = counts[s.E + 1 + e];
+  for (int r = first, i = 0; r < at; r += int(kTileRows), ++i) {
+    tiles[2 * (tile0 + i)] = int(e);
+    tiles[2 * (tile0 + i) + 1] = r;
+  }
+}
+
+// This lane's parts of row·x_j for the tile's rows j < rows (x_j = x + xoff[j]); the same order as mm_lane_dot.
+inline void mm_lane_dot_tile(device const uchar* data, device const ushort* scales, device const ushort* biases,
+                             constant WeightRef& w, uint e, uint row, device const float* x, thread const ulong* xoff,
+                             uint rows, uint lane, thread float* acc) {
+  for (uint j = 0; j < kTileRows; ++j) acc[j] = 0.0f;
+  const ulong base = ulong(w.data_off) + ulong(e) * w.data_stride;
+  if (mm_format < 4) {
+    for (uint c = lane; c < w.K; c += 32) {
+      const ulong i = base + ulong(row) * w.K + c;
+      const float v = mm_format == 0 ? ((device const float*)data)[i]
+                      : mm_format == 1 ? mm_half_bits(((device const ushort*)data)[i])
+                                       : mm_bf16_bits(((device const ushort*)data)[i]);
+      for (uint j = 0; j < rows; ++j) acc[j] += v * x[xoff[j] + c];
+    }
+    return;
+  }
+  const uint per_word = 32 / mm_format, words = w.K / per_word, groups = w.K / mm_group;
+  const uint mask = (1u << mm_format) - 1u;
+  device const uint* codes = (device const uint*)data + base + ulong(row) * words;
+  const ulong srow = ulong(w.scale_off) + ulong(e) * w.scale_stride + ulong(row) * groups;
+  const ulong brow = ulong(w.bias_off) + ulong(e) * w.bias_stride + ulong(row) * groups;
+  for (uint k = lane; k < words; k += 32) {
+    const uint word = codes[k];
+    const uint g = k * per_word / mm_group;
+    const float sc = mm_scale_value(scales, srow + g), bi = mm_scale_value(biases, brow + g);
+    for (uint j = 0; j < rows; ++j) {
+      float qx = 0.0f, xs = 0.0f;
+      for (uint q = 0; q < per_word; ++q) {
+        const float xv = x[xoff[j] + k * per_word + q];
+        qx += float((word >> (mm_format * q)) & mask) * xv;
+        xs += xv;
+      }
+      acc[j] += sc * qx + bi * xs;
+    }
+  }
+}
+
+[[kernel]] void moe_gate_up_tiles(device const uchar* g_data [[buffer(0)]],
+                                  device const ushort* g_scales [[buffer(1)]],
+                                  device const ushort* g_biases [[buffer(2)]],
+                                  constant WeightRef& gw [[buffer(3)]],
+                                  device const uchar* u_data [[buffer(4)]],
+                                  device const ushort* u_scales [[buffer(5)]],
+                                  device const ushort* u_biases [[buffer(6)]],
+                                  constant WeightRef& uw [[buffer(7)]],
+                                  device const float* x [[buffer(8)]],
+                                  device const int* offsets [[buffer(9)]],
+                                  device const int* pair_of [[buffer(10)]],
+                                  device const int* tiles [[buffer(11)]],
+                                  device const int* tile_count [[buffer(12)]],
+                                  device float* act [[buffer(13)]],
+                                  constant MatmulShape& s [[buffer(14)]],
+                                  uint2 tg [[threadgroup_position_in_grid]],
+                                  uint simdgroup [[simdgroup_index_in_threadgroup]],
+                                  uint lane [[thread_index_in_simdgroup]]) {
+  if (int(tg.y) >= tile_count[0]) return;  // uniform over the threadgroup: no collective is skipped by part of it
+  const uint e = uint(tiles[2 * tg.y]), first = uint(tiles[2 * tg.y + 1]);
+  const uint rows = min(kTileRows, uint(offsets[e + 1]) - first);
+  ulong xoff[kTileRows];
+  for (uint j = 0; j < kTileRows; ++j) xoff[j] = ulong(uint(pair_of[first + min(j, rows - 1)]) / s.k) * s.ldx;
+  const uint row0 = (tg.x * 2 + simdgroup) * 4;
+  float ga[kTileRows], ua[kTileRows];
+  for (uint r = 0; r < 4; ++r) {
+    const uint row = min(row0 + r, gw.N - 1);
+    mm_lane_dot_tile(g_data, g_scales, g_biases, gw, e, row, x, xoff, rows, lane, ga);
+    mm_lane_dot_tile(u_data, u_scales, u_biases, uw, e, row, x, xoff, rows, lane, ua);
+    for (uint j = 0; j < kTileRows; ++j) {
+      const float g = simd_sum(ga[j]), u = simd_sum(ua[j]);
+      if (lane == 0 && j < rows && row0 + r < gw.N) act[ulong(first + j) * gw.N + row0 + r] = g / (1.0f + exp(-g)) * u;
+    }
+  }
+}
+
+[[kernel]] void moe_down_tiles(device const uchar* data [[buffer(0)]],
+                               device const ushort* scales [[buffer(1)]],
+                               device const ushort* biases [[buffer(2)]],
+                               constant WeightRef& w [[buffer(3)]],
+                               device const float* act [[buffer(4)]],
+                               device const int* offsets [[buffer(5)]],
+                               device const int* tiles [[buffer(6)]],
+                               device const int* tile_count [[buffer(7)]],
+                               device float* y [[buffer(8)]],
+                               uint2 tg [[threadgroup_position_in_grid]],
+                               uint simdgroup [[simdgroup_index_in_threadgroup]],
+                               uint lane [[thread_index_in_simdgroup]]) {
+  if (int(tg.y) >= tile_count[0]) return;  // uniform over the threadgroup
+  const uint e = uint(tiles[2 * tg.y]), first = uint(tiles[2 * tg.y + 1]);
+  const uint rows = min(kTileRows, uint(offsets[e + 1]) - first);
+  ulong xoff[kTileRows];
+  for (uint j = 0; j < kTileRows; ++j) xoff[j] = ulong(first + min(j, rows - 1)) * w.K;
+  const uint row0 = (tg.x * 2 + simdgroup) * 4;
+  float acc[kTileRows];
+  for (uint r = 0; r < 4; ++r) {
+    const uint row = min(row0 + r, w.N - 1);
+    mm_lane_dot_tile(data, scales, biases, w, e, row, act, xoff, rows, lane, acc);
+    for (uint j = 0; j < kTileRows; ++j) {
+      const float v = simd_sum(acc[j]);
+      if (lane == 0 && j < rows && row0 + r < w.N) y[ulong(first + j) * w.N + row0 + r] = v;
+    }
+  }
+}
+
+[[kernel]] void moe_gather_sum(device const float* y [[buffer(0)]],
+                               device const int* ids [[buffer(1)]],
+                               device const float* weights [[buffer(2)]],
+                               device const int* position_of [[buffer(3)]],
+                               device float* out [[buffer(4)]],
+                               constant MatmulShape& s [[buffer(5)]],
+                               constant uint& H [[buffer(6)]],
+                               uint2 tg [[threadgroup_position_in_grid]],
+                               uint i_in [[thread_index_in_threadgroup]]) {
+  const uint c = tg.x * 64 + i_in, t = tg.y;
+  if (c >= H) return;
+  float o = 0.0f;
+  int last = -1;
+  for (uint n = 0; n < s.k; ++n) {
+    uint slot = 0;
+    int best = 0x7fffffff;
+    for (uint j = 0; j < s.k; ++j) {
+      const int id = ids[ulong(t) * s.k + j];
+      if (id > last && id < best) best = id, slot = j;
+    }
+    last = best;
+    const uint p = t * s.k + slot;
+    o += weights[p] * y[ulong(position_of[p]) * H + c];
+  }
+  out[ulong(t) * s.ldy + c] = o;
+}

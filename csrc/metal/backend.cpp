@@ -179,8 +179,10 @@ BoundPart MetalOps::part(int32_t mapping, uint64_t offset, size_t bytes, size_t 
 }
 
 size_t MetalOps::workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t) const {
-  // moe_experts: the SwiGLU activations of every (token, expert) pair, [rows · k, moe_inter] f32.
-  return std::max<size_t>(64, size_t(rows) * size_t(cfg.topk) * size_t(cfg.moe_inter) * 4);
+  // moe_experts: the SwiGLU activations of every (token, expert) pair, [rows · k, moe_inter] f32, and for prefill
+  // the grouping, the tile map and the grouped outputs (moe_workspace). Nothing else takes scratch.
+  return std::max<size_t>({64, size_t(rows) * size_t(cfg.topk) * size_t(cfg.moe_inter) * 4,
+                           moe_workspace(rows, cfg.topk, cfg.experts, cfg.moe_inter, cfg.hidden).bytes});
 }
 
 // ---- steps ----

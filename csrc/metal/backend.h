@@ -38,6 +38,13 @@ struct BoundPart {
   size_t elem_size = 1;
 };
 
+// Byte offsets of the grouped prefill experts' scratch inside the workspace (csrc/metal/matmul.cpp).
+struct MoeWorkspace {
+  int64_t max_tiles = 0;
+  size_t offsets = 0, pair_of = 0, position_of = 0, tiles = 0, tile_count = 0, act = 0, y = 0, bytes = 0;
+};
+MoeWorkspace moe_workspace(int64_t T, int64_t k, int64_t E, int64_t I, int64_t H);
+
 class MetalOps final : public Ops {
  public:
   // msl: the kernel library's source (metal/*.metal concatenated; default: the one embedded at build time).
@@ -122,6 +129,10 @@ class MetalOps final : public Ops {
   void dispatch(const std::string& kernel, const std::vector<FunctionConstant>& constants, const std::vector<Arg>& args,
                 MTL::Size groups, MTL::Size threads, const std::vector<size_t>& threadgroup_bytes = {});
   void barrier_in_op();  // between two dependent kernels of one op
+  bool grouped_experts(int64_t T, int64_t E) const;  // prefill rows: experts grouped on the GPU
+  void moe_experts_grouped(const Tensor& x, const Tensor& ids, const Tensor& weights, const WeightBinding& g,
+                           const WeightBinding& u, const WeightBinding& d, int64_t E, const Tensor& ws,
+                           const Tensor& out);
   void check_contiguous(const Tensor& t, const char* op, const char* what) const;
 
   Device dev_;

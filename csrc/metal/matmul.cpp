@@ -49,6 +49,11 @@ struct MatmulShape {  // metal/matmul.metal
 };
 static_assert(sizeof(MatmulShape) == 16, "MatmulShape must match metal/matmul.metal");
 constexpr int64_t kRowsPerGroup = 8;  // matmul_rows / moe_*: 2 simdgroups × 4 rows (metal/matmul.metal)
+constexpr int64_t kTileRows = 8;      // grouped expert tiles: must match kTileRows in metal/matmul.metal
+struct GroupShape {                   // metal/matmul.metal
+  uint32_t T, k, E, max_tiles;
+};
+static_assert(sizeof(GroupShape) == 16, "GroupShape must match metal/matmul.metal");
 
 uint32_t format_code(const WeightFormat& f) {
   if (f.quantized()) {
@@ -147,12 +152,32 @@ void MetalOps::embed_impl(const Tensor& ids, const Weight& table, const Tensor& 
            MTL::Size(NS::UInteger((table.cols + 63) / 64), NS::UInteger(out.rows), 1), MTL::Size(64, 1, 1));
 }
 
+MoeWorkspace moe_workspace(int64_t T, int64_t k, int64_t E, int64_t I, int64_t H) {
+  auto r16 = [](size_t n) { return (n + 15) / 16 * 16; };
+  MoeWorkspace w;
+  w.max_tiles = (T * k + kTileRows - 1) / kTileRows + E;
+  w.offsets = 0;
+  w.pair_of = w.offsets + r16(size_t(E + 1) * 4);
+  w.position_of = w.pair_of + r16(size_t(T * k) * 4);
+  w.tiles = w.position_of + r16(size_t(T * k) * 4);
+  w.tile_count = w.tiles + r16(size_t(w.max_tiles) * 8);
+  w.act = w.tile_count + 16;
+  w.y = w.act + r16(size_t(T * k * I) * 4);
+  w.bytes = w.y + r16(size_t(T * k * H) * 4);
+  return w;
+}
+
+bool MetalOps::grouped_experts(int64_t T, int64_t E) const { return phase() == Phase::Prefill && T > 1 && E <= 1024; }
+
 void MetalOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
                                 const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) {
   const int64_t T = x.rows, k = ids.cols, I = gate.rows, H = x.cols;
   if (ids.stride != k || weights.stride != k) throw MetalError("metal moe_experts: ids and weights must be contiguous");
-  if (size_t(T * k * I) * 4 > ws.bytes()) throw std::logic_error("workspace too small for moe_experts");
+  if (format_code(gate) != format_code(up) || gate.group != up.group || gate.scale_dtype != up.scale_dtype)
+    throw MetalError("metal moe_experts: gate and up projections differ in format");
   const WeightBinding g = bind_weight(gate), u = bind_weight(up), d = bind_weight(down);
+  if (grouped_experts(T, gate.experts)) return moe_experts_grouped(x, ids, weights, g, u, d, gate.experts, ws, out);
+  if (size_t(T * k * I) * 4 > ws.bytes()) throw std::logic_error("workspace too small for moe_experts");
   // Stage 1: act[t·k + s] = silu(gate_e(x_t)) ⊙ up_e(x_t) into the workspace.
   const MatmulShape s1{uint32_t(T), uint32_t(x.stride), uint32_t(I), uint32_t(k)};
   std::vector<Arg> a1 = g.args();
@@ -163,8 +188,6 @@ void MetalOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor
   a1.push_back(arg(ids));
   a1.push_back(arg(ws));
   a1.push_back(Arg::value(s1));
-  if (format_code(gate) != format_code(up) || gate.group != up.group || gate.scale_dtype != up.scale_dtype)
-    throw MetalError("metal moe_experts: gate and up projections differ in format");
   dispatch("moe_gate_up", g.constants, a1,
            MTL::Size(NS::UInteger((I + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(T * k), 1), MTL::Size(64, 1, 1));
   barrier_in_op();  // moe_down reads every act row
@@ -179,6 +202,47 @@ void MetalOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor
   a2.push_back(Arg::value(s2));
   dispatch("moe_down", d.constants, a2,
            MTL::Size(NS::UInteger((H + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(T), 1), MTL::Size(64, 1, 1));
+}
+
+// Prefill: group the (token, slot) pairs by expert on the GPU, then tiles of up to 8 rows of one expert, each weight
+// word dequantized once per tile, then the per-token sums in ascending expert id (metal/matmul.metal).
+void MetalOps::moe_experts_grouped(const Tensor& x, const Tensor& ids, const Tensor& weights, const WeightBinding& g,
+                                   const WeightBinding& u, const WeightBinding& d, int64_t E, const Tensor& ws,
+                                   const Tensor& out) {
+  const int64_t T = x.rows, k = ids.cols, I = g.ref.N, H = x.cols;
+  const MoeWorkspace w = moe_workspace(T, k, E, I, H);
+  if (w.bytes > ws.bytes()) throw std::logic_error("workspace too small for moe_experts (grouped)");
+  const Arg base = arg(ws);
+  auto at = [&](size_t off) { return Arg::buf(base.buffer, base.offset + off); };
+  const GroupShape gs{uint32_t(T), uint32_t(k), uint32_t(E), uint32_t(w.max_tiles)};
+  const int64_t threads = (E + 31) / 32 * 32;
+  dispatch("moe_group", {},
+           {arg(ids), at(w.offsets), at(w.pair_of), at(w.position_of), at(w.tiles), at(w.tile_count), Arg::value(gs)},
+           MTL::Size(1, 1, 1), MTL::Size(NS::UInteger(threads), 1, 1), {size_t(2 * (E + 1)) * 4});
+  barrier_in_op();
+  const MatmulShape s1{uint32_t(T), uint32_t(x.stride), uint32_t(I), uint32_t(k)};
+  std::vector<Arg> a1 = g.args();
+  a1.push_back(Arg::value(g.ref));
+  for (const Arg& a : u.args()) a1.push_back(a);
+  a1.push_back(Arg::value(u.ref));
+  for (const Arg& a : {arg(x), at(w.offsets), at(w.pair_of), at(w.tiles), at(w.tile_count), at(w.act)}) a1.push_back(a);
+  a1.push_back(Arg::value(s1));
+  dispatch("moe_gate_up_tiles", g.constants, a1,
+           MTL::Size(NS::UInteger((I + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(w.max_tiles), 1),
+           MTL::Size(64, 1, 1));
+  barrier_in_op();
+  std::vector<Arg> a2 = d.args();
+  a2.push_back(Arg::value(d.ref));
+  for (const Arg& a : {at(w.act), at(w.offsets), at(w.tiles), at(w.tile_count), at(w.y)}) a2.push_back(a);
+  dispatch("moe_down_tiles", d.constants, a2,
+           MTL::Size(NS::UInteger((H + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(w.max_tiles), 1),
+           MTL::Size(64, 1, 1));
+  barrier_in_op();
+  const MatmulShape s3{uint32_t(T), 0, uint32_t(out.stride), uint32_t(k)};
+  const uint32_t h32 = uint32_t(H);
+  dispatch("moe_gather_sum", {},
+           {at(w.y), arg(ids), arg(weights), at(w.position_of), arg(out), Arg::value(s3), Arg::value(h32)},
+           MTL::Size(NS::UInteger((H + 63) / 64), NS::UInteger(T), 1), MTL::Size(64, 1, 1));
 }
 
 std::string MetalOps::matmul_variant(const Weight& w, Phase phase) const {

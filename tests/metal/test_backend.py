@@ -116,7 +116,12 @@ MUTATIONS = [
     ("gated_delta.metal", "kh = j / (s.v_heads / s.k_heads)", "kh = j % s.k_heads", "gated_delta"),  # §12.6
     ("moe.metal", "weights[ulong(t) * s.ld_w + r] = prob[r] / total;", "weights[ulong(t) * s.ld_w + r] = prob[r];",
      "moe_route"),  # §12.13
+    # The grouped prefill experts lose every partial tile (an expert's last rows when its count is not a multiple of 8).
+    ("matmul.metal", "tile_run += (c + int(kTileRows) - 1) / int(kTileRows);", "tile_run += c / int(kTileRows);",
+     "moe_experts"),
 ]
+# The other kernel files each op's run needs besides the mutated one.
+NEEDS = {"moe_experts": ["moe.metal"]}
 
 
 @pytest.mark.parametrize("name,old,new,op", MUTATIONS, ids=[f"{m[3]}-{i}" for i, m in enumerate(MUTATIONS)])
@@ -125,7 +130,8 @@ def test_planted_kernel_bug_fails_its_op(program, tmp_path, name, old, new, op):
     assert text.count(old) == 1, f"{old!r} not found once in {name}"
     mutated = tmp_path / name
     mutated.write_text(text.replace(old, new))
-    clean = run(program, ["ops", "--only", op], files=[METAL / name])
+    others = [METAL / f for f in NEEDS.get(op, [])]
+    clean = run(program, ["ops", "--only", op], files=[METAL / name, *others])
     assert passed(clean), clean.stdout + clean.stderr
-    r = run(program, ["ops", "--only", op], files=[mutated])
+    r = run(program, ["ops", "--only", op], files=[mutated, *others])
     assert r.returncode == 1 and f"op {op} " in r.stdout and "FAIL" in r.stdout, r.stdout + r.stderr

@@ -388,7 +388,8 @@ int run_ops(const std::string& msl) {
   // ---- MoE: routing and the experts ----
   struct MoeCase { int64_t T, E, k, H, I; std::string fmt; Phase ph; };
   for (const auto& c : std::vector<MoeCase>{{5, 6, 3, 96, 48, "bf16", Phase::Prefill}, {1, 40, 8, 128, 64, "q4g64-bf16", Phase::Decode},
-                                            {7, 16, 4, 128, 64, "q4g64-f16", Phase::Prefill}, {2, 8, 2, 64, 64, "q8g64-bf16", Phase::Decode}}) {
+                                            {7, 16, 4, 128, 64, "q4g64-f16", Phase::Prefill}, {2, 8, 2, 64, 64, "q8g64-bf16", Phase::Decode},
+                                            {20, 4, 2, 64, 64, "q4g64-bf16", Phase::Prefill}}) {
     const std::string name = "T=" + std::to_string(c.T) + " E=" + std::to_string(c.E) + " k=" + std::to_string(c.k) +
                              " H=" + std::to_string(c.H) + " I=" + std::to_string(c.I) + " " + c.fmt;
     if (!wanted("moe_route") && !wanted("moe_experts")) continue;
@@ -407,7 +408,18 @@ int run_ops(const std::string& msl) {
     b.run(c.ph, [&](Ops& o, bool m) {
       o.moe_experts(m ? x.m : x.c, m ? ids.m : ids.c, m ? wts.m : wts.c, g, u, d, m ? ws.m : ws.c, m ? out.m : out.c);
     });
-    check_f32(b, "moe_experts", name, out, 2e-5);
+    check_f32(b, "moe_experts", name + (c.ph == Phase::Prefill ? " grouped" : " per-pair"), out, 2e-5);
+    if (c.ph == Phase::Prefill) {
+      // The grouped prefill path and the per-pair (decode) kernels build every sum in the same order: same bits.
+      auto again = b.alloc(DType::F32, c.T, c.H);
+      b.mtl.begin(Phase::Decode);
+      b.mtl.moe_experts(x.m, ids.m, wts.m, g, u, d, ws.m, again.m);
+      b.mtl.wait(b.mtl.submit());
+      const auto grouped = b.get<float>(b.mtl, out.m), pairs = b.get<float>(b.mtl, again.m);
+      const bool same = std::memcmp(grouped.data(), pairs.data(), grouped.size() * 4) == 0;
+      printf("op moe_experts %s grouped == per-pair: %s\n", name.c_str(), same ? "bitwise ok" : "DIFFER FAIL");
+      g_failures += !same;
+    }
   }
 
   // ---- copies, fills, the position, sampling ----
