@@ -160,3 +160,63 @@ inline float attn_cache(device const uchar* cache, ulong i) {
     out[ulong(t) * s.ld_out + h * D + e] = (acc[m] / run_sum) / (1.0f + exp(-g));
   }
 }
+
+// attention_gqa: the same result as attention_rows, GQA-packed with coalesced cache reads: one simdgroup takes up to
+// 4 query heads that share a kv head, lane l holds dims l, l + 32, ... of each cached K and V row (adjacent lanes read
+// adjacent words), so every cached row is read once for its 4 heads instead of once per head. Per row: 4 partial
+// dot products, 4 simd_sums, an online softmax per head, 4 accumulations from the one V row. Grid
+// (kv_heads · ⌈group/4⌉, T), 32 threads. Decode reads 2 · kv · (pos + 1) · D · (4 | 2) · ⌈group/4⌉ bytes of cache
+// (2× the floor with the real model's group of 8; the split path for ≥ 32K contexts is not written yet).
+[[kernel]] void attention_gqa(device const float* q [[buffer(0)]],
+                              device const float* gate [[buffer(1)]],
+                              device const uchar* k_cache [[buffer(2)]],
+                              device const uchar* v_cache [[buffer(3)]],
+                              device const int* pos [[buffer(4)]],
+                              device float* out [[buffer(5)]],
+                              constant AttnShape& s [[buffer(6)]],
+                              uint2 tg [[threadgroup_position_in_grid]],
+                              uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint kHeads = 4, kMaxDimsPerLane = 16;  // D <= 512
+  const uint group = s.heads / s.kv_heads, packs = (group + kHeads - 1) / kHeads;
+  const uint kvh = tg.x / packs, h0 = kvh * group + (tg.x % packs) * kHeads, t = tg.y, D = s.D;
+  const uint nh = min(kHeads, kvh * group + group - h0);
+  const uint n = min(uint(pos[0]) + t + 1, s.max_ctx);
+  const uint dims = (D + 31) / 32;
+  float qv[kHeads][kMaxDimsPerLane], acc[kHeads][kMaxDimsPerLane];
+  float run_max[kHeads], run_sum[kHeads];
+  for (uint h = 0; h < kHeads; ++h) {
+    run_max[h] = -INFINITY;
+    run_sum[h] = 0.0f;
+    for (uint m = 0; m < kMaxDimsPerLane; ++m) {
+      const uint e = m * 32 + lane;
+      qv[h][m] = h < nh && m < dims && e < D ? q[ulong(t) * s.ld_q + (h0 + h) * D + e] : 0.0f;
+      acc[h][m] = 0.0f;
+    }
+  }
+  const ulong cache0 = ulong(kvh) * s.max_ctx * D;
+  for (uint j = 0; j < n; ++j) {
+    float kv[kMaxDimsPerLane], vv[kMaxDimsPerLane];
+    for (uint m = 0; m < dims; ++m) {
+      const uint e = m * 32 + lane;
+      kv[m] = e < D ? attn_cache(k_cache, cache0 + ulong(j) * D + e) : 0.0f;
+      vv[m] = e < D ? attn_cache(v_cache, cache0 + ulong(j) * D + e) : 0.0f;
+    }
+    for (uint h = 0; h < nh; ++h) {
+      float d = 0.0f;
+      for (uint m = 0; m < dims; ++m) d += qv[h][m] * kv[m];
+      const float score = simd_sum(d) * s.scale;
+      const float new_max = max(run_max[h], score);
+      const float corr = exp(run_max[h] - new_max), p = exp(score - new_max);
+      run_sum[h] = run_sum[h] * corr + p;
+      run_max[h] = new_max;
+      for (uint m = 0; m < dims; ++m) acc[h][m] = acc[h][m] * corr + p * vv[m];
+    }
+  }
+  for (uint h = 0; h < nh; ++h)
+    for (uint m = 0; m < dims; ++m) {
+      const uint e = m * 32 + lane;
+      if (e >= D) continue;
+      const float g = gate[ulong(t) * s.ld_gate + (h0 + h) * D + e];
+      out[ulong(t) * s.ld_out + (h0 + h) * D + e] = (acc[h][m] / run_sum[h]) / (1.0f + exp(-g));
+    }
+}

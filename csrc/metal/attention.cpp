@@ -59,9 +59,24 @@ void MetalOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor&
   const AttnShape sh{uint32_t(s.heads), uint32_t(s.kv_heads), uint32_t(s.head_dim), uint32_t(max_ctx),
                      uint32_t(q.stride), uint32_t(gate.stride), uint32_t(out.stride),
                      1.f / std::sqrt(float(s.head_dim))};
-  dispatch("attention_rows", {FunctionConstant::boolean(10, k_cache.dtype == DType::BF16)},
-           {arg(q), arg(gate), arg(k_cache), arg(v_cache), arg(pos), arg(out), Arg::value(sh)},
-           MTL::Size(NS::UInteger(s.heads), NS::UInteger(q.rows), 1), MTL::Size(32, 1, 1));
+  const std::vector<FunctionConstant> fc = {FunctionConstant::boolean(10, k_cache.dtype == DType::BF16)};
+  const std::vector<Arg> args = {arg(q), arg(gate), arg(k_cache), arg(v_cache), arg(pos), arg(out), Arg::value(sh)};
+  // Decode: GQA-packed with coalesced rows (4 query heads per cached row read). Prefill rows: one simdgroup per
+  // (row, head), scoring 32 cached rows at once (the longer causal rows keep every lane busy).
+  const bool gqa = attention_variant_ == "gqa" || (attention_variant_ == "auto" && phase() == Phase::Decode);
+  if (gqa) {
+    const int64_t packs = (s.heads / s.kv_heads + 3) / 4;
+    dispatch("attention_gqa", fc, args, MTL::Size(NS::UInteger(s.kv_heads * packs), NS::UInteger(q.rows), 1),
+             MTL::Size(32, 1, 1));
+    return;
+  }
+  dispatch("attention_rows", fc, args, MTL::Size(NS::UInteger(s.heads), NS::UInteger(q.rows), 1), MTL::Size(32, 1, 1));
+}
+
+void MetalOps::set_attention_variant(const std::string& v) {
+  if (v != "auto" && v != "rows" && v != "gqa")
+    throw std::invalid_argument("attention variant must be 'auto', 'rows' or 'gqa', got '" + v + "'");
+  attention_variant_ = v;
 }
 
 }  // namespace lily::metal

@@ -72,6 +72,9 @@ class MetalOps final : public Ops {
   };
   const Counters& counters() const { return counters_; }
   Device& metal_device() { return dev_; }
+  // Which attention kernel: "auto" (attention_gqa for decode, attention_rows for prefill), or one for every call
+  // (the tests compare each variant with the CPU on every shape).
+  void set_attention_variant(const std::string& v);
 
  protected:
   Tensor alloc_impl(const std::string& label, DType dtype, int64_t rows, int64_t cols) override;
@@ -165,7 +168,8 @@ class MetalOps final : public Ops {
   std::condition_variable cv_;
   std::shared_ptr<struct FenceState> fences_;
   Counters counters_;
-  bool drop_barriers_ = false;  // LILY_METAL_DROP_BARRIERS=1: the planted bug of the harness tests
+  bool drop_barriers_ = false;
+  std::string attention_variant_ = "auto";  // LILY_METAL_DROP_BARRIERS=1: the planted bug of the harness tests
 };
 
 }  // namespace lily::metal

@@ -300,7 +300,9 @@ int run_ops(const std::string& msl) {
                                              {4, 1, 64, 16, 1, 64, 70, false, Phase::Decode},
                                              {6, 2, 16, 8, 3, 100000, 100010, false, Phase::Prefill},
                                              {8, 2, 32, 8, 1, 40, 48, true, Phase::Decode},
-                                             {3, 3, 48, 48, 2, 0, 8, false, Phase::Prefill}}) {
+                                             {3, 3, 48, 48, 2, 0, 8, false, Phase::Prefill},
+                                             // the real model's attention: 16 heads over 2, D 256, rotary 64
+                                             {16, 2, 256, 64, 1, 300, 320, true, Phase::Decode}}) {
     const std::string name = "heads=" + std::to_string(c.heads) + "/" + std::to_string(c.kv) + " D=" +
                              std::to_string(c.D) + " rd=" + std::to_string(c.rd) + " T=" + std::to_string(c.T) +
                              " pos=" + std::to_string(c.pos) + (c.bf16 ? " bf16-cache" : "");
@@ -344,12 +346,18 @@ int run_ops(const std::string& msl) {
     auto ws = b.alloc(DType::F32, 1, int64_t(cpu::attention_workspace_bytes(cfg, c.T, c.max_ctx, 1) / 4 + 16));
     b.run(c.ph, [&](Ops& o, bool m) {
       o.kv_append(m ? kr.m : kr.c, m ? v.m : v.c, m ? pos.m : pos.c, m ? kc.m : kc.c, m ? vc.m : vc.c, c.max_ctx, s);
-      o.attention(m ? q.m : q.c, m ? gate.m : gate.c, m ? kc.m : kc.c, m ? vc.m : vc.c, m ? pos.m : pos.c, c.max_ctx, s,
-                  m ? ws.m : ws.c, m ? out.m : out.c);
     });
     if (c.bf16) check_u16(b, "kv_append", name + " k", kc), check_u16(b, "kv_append", name + " v", vc);
     else check_f32(b, "kv_append", name + " k", kc, 0), check_f32(b, "kv_append", name + " v", vc, 0);
-    check_f32(b, "attention", name, out, 1e-5);
+    for (const char* variant : {"rows", "gqa"}) {  // each Metal variant against the CPU, whatever the selector picks
+      b.mtl.set_attention_variant(variant);
+      b.run(c.ph, [&](Ops& o, bool m) {
+        o.attention(m ? q.m : q.c, m ? gate.m : gate.c, m ? kc.m : kc.c, m ? vc.m : vc.c, m ? pos.m : pos.c, c.max_ctx,
+                    s, m ? ws.m : ws.c, m ? out.m : out.c);
+      });
+      check_f32(b, "attention", name + " attention_" + variant, out, 1e-5);
+    }
+    b.mtl.set_attention_variant("auto");
   }
 
   // ---- DeltaNet: conv, the scan (in and out of place) ----
