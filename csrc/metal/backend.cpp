@@ -133,24 +133,39 @@ int32_t MetalOps::register_mapping(const void* base, size_t bytes, const std::st
   m.bytes = bytes;
   m.label = label;
   const size_t page = size_t(getpagesize());
-  const size_t wrapped = (bytes + page - 1) / page * page;  // the mapping's whole pages
-  if (wrapped > size_t(dev_.device()->maxBufferLength()))
-    throw MetalError("metal: mapping '" + label + "' (" + std::to_string(bytes) +
-                     " bytes) exceeds the device's maxBufferLength; splitting a mapping is not implemented yet");
-  if (reinterpret_cast<uintptr_t>(base) % kNoCopyAlignment == 0 && bytes > 0) {
-    // The checkpoint's pages become the GPU's: no copy. Lily never writes weights, and the engine keeps the mapping
-    // alive as long as the model (so no deallocator).
-    m.mtl = Ref<MTL::Buffer>(dev_.device()->newBuffer(const_cast<void*>(base), NS::UInteger(wrapped),
-                                                       MTL::ResourceStorageModeShared, nullptr));
-    if (!m.mtl) throw MetalError("metal: wrapping mapping '" + label + "' without a copy failed");
+  const size_t max_len = size_t(dev_.device()->maxBufferLength()) / page * page;
+  const bool aligned = reinterpret_cast<uintptr_t>(base) % kNoCopyAlignment == 0 && bytes > 0;
+  // A mapping larger than maxBufferLength becomes windows of max_len bytes every max_len / 2 bytes (each byte in
+  // two windows), so every weight part up to max_len / 2 bytes lies whole inside one of them (the window starting
+  // at or before it by less than max_len / 2). Wrapped windows are views of the same pages; copied ones cost
+  // twice the mapping.
+  const size_t window = std::min(max_len, (bytes + page - 1) / page * page);
+  // (Window starts stay 16 KB aligned, so wrapped windows start on a page.)
+  m.step = bytes <= window ? window : window / 2 / kNoCopyAlignment * kNoCopyAlignment;
+  if (m.step == 0) throw MetalError("metal: maxBufferLength is too small to map '" + label + "'");
+  for (size_t off = 0; off == 0 || off < bytes; off += m.step) {
+    const size_t len = std::min(window, (bytes - off + page - 1) / page * page);
+    Ref<MTL::Buffer> b;
+    if (aligned) {
+      // The checkpoint's pages become the GPU's: no copy. Lily never writes weights, and the engine keeps the
+      // mapping alive as long as the model (so no deallocator).
+      b = Ref<MTL::Buffer>(dev_.device()->newBuffer(const_cast<char*>(m.base) + off, NS::UInteger(len),
+                                                   MTL::ResourceStorageModeShared, nullptr));
+      if (!b) throw MetalError("metal: wrapping mapping '" + label + "' without a copy failed");
+    } else {
+      b = dev_.new_buffer(m.base + off, std::min(len, bytes - off));
+    }
+    m.windows.push_back(std::move(b));
+  }
+  m.copied = !aligned;
+  if (aligned) {
     ++counters_.mappings_wrapped;
     counters_.wrapped_bytes += bytes;
   } else {
-    m.mtl = dev_.new_buffer(base, bytes);
-    m.copied = true;
     ++counters_.mappings_copied;
     counters_.copied_bytes += bytes;
   }
+  counters_.mapping_windows += int64_t(m.windows.size());
   mappings_.push_back(std::move(m));
   return int32_t(mappings_.size() - 1);
 }
@@ -160,13 +175,19 @@ BoundPart MetalOps::part(int32_t mapping, uint64_t offset, size_t bytes, size_t 
   if (offset + bytes > m.bytes) throw std::logic_error("metal: weight lies outside its mapping '" + m.label + "'");
   BoundPart p;
   p.elem_size = elem_size;
-  if ((offset % 16) % elem_size == 0) {
-    p.buffer = m.mtl.get();
-    p.bind_offset = size_t(offset) / 16 * 16;
-    p.element = uint32_t((offset % 16) / elem_size);
+  const size_t w = std::min(size_t(offset) / m.step, m.windows.size() - 1);
+  const size_t in_window = size_t(offset) - w * m.step;
+  if ((offset % 16) % elem_size == 0 && in_window + bytes <= m.windows[w]->length()) {
+    p.buffer = m.windows[w].get();
+    p.bind_offset = in_window / 16 * 16;
+    p.element = uint32_t((in_window % 16) / elem_size);
     return p;
   }
-  // A part not aligned to its own element size (a safetensors header of odd length): copied once, reported.
+  if (in_window + bytes > m.windows[w]->length() && bytes > size_t(dev_.device()->maxBufferLength()))
+    throw MetalError("metal: a weight of " + std::to_string(bytes) + " bytes in '" + m.label +
+                     "' exceeds the device's maxBufferLength");
+  // A part not aligned to its own element size (a safetensors header of odd length), or larger than half a window:
+  // copied once, reported.
   auto key = std::make_tuple(mapping, offset, bytes);
   auto it = part_copies_.find(key);
   if (it == part_copies_.end()) {
@@ -323,7 +344,9 @@ std::vector<std::string> MetalOps::optimizations() const {
       "active: checkpoint mappings wrapped without a copy where 16 KB aligned (" +
           std::to_string(counters_.mappings_wrapped) + " wrapped, " + std::to_string(counters_.wrapped_bytes) +
           " bytes; " + std::to_string(counters_.mappings_copied) + " copied at load, " +
-          std::to_string(counters_.copied_bytes) + " bytes; " + std::to_string(counters_.parts_copied) +
+          std::to_string(counters_.copied_bytes) + " bytes; " + std::to_string(counters_.mapping_windows) +
+          " buffers in all (mappings over maxBufferLength split into overlapping windows); " +
+          std::to_string(counters_.parts_copied) +
           " misaligned weight parts copied, " + std::to_string(counters_.part_copied_bytes) + " bytes)",
       "active: pipelines specialised by function constants and cached",
       "active: concurrent dispatch (one concurrent compute pass per step; memory barriers only where the hazard "

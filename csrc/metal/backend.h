@@ -2,7 +2,8 @@
 // (the CPU backend, csrc/cpu, is its oracle). Host model (docs/ARCHITECTURE.md, "Writing a backend"):
 //   * buffers: one shared-storage MTL::Buffer per tensor (CPU and GPU see the same memory), zeroed;
 //   * weights: each registered checkpoint mapping is wrapped with newBufferWithBytesNoCopy where its base is
-//     16 KB aligned (Apple silicon's page), else copied once at load; report() says which and how many bytes;
+//     16 KB aligned (Apple silicon's page), else copied once at load, and split into overlapping windows when it
+//     is larger than maxBufferLength; optimizations() says which and how many bytes;
 //   * pipelines: specialised by function constants (weight format, group size, cache dtype) and cached by the
 //     Device; one concurrent compute encoder per step (per command buffer), a memory barrier exactly where the
 //     HazardTracker starts a stage (on_stage_boundary) and inside the few ops that run two dependent kernels;
@@ -69,6 +70,7 @@ class MetalOps final : public Ops {
     int64_t mappings_wrapped = 0, mappings_copied = 0, parts_copied = 0;
     size_t wrapped_bytes = 0, copied_bytes = 0, part_copied_bytes = 0;
     int64_t max_in_flight = 0;
+    int64_t mapping_windows = 0;  // Metal buffers the mappings became
   };
   const Counters& counters() const { return counters_; }
   Device& metal_device() { return dev_; }
@@ -148,7 +150,8 @@ class MetalOps final : public Ops {
   std::vector<int32_t> free_ids_;
   size_t allocated_ = 0;
   struct Mapping {
-    Ref<MTL::Buffer> mtl;
+    std::vector<Ref<MTL::Buffer>> windows;  // one, or overlapping windows every `step` bytes (maxBufferLength)
+    size_t step = 0;
     const char* base = nullptr;
     size_t bytes = 0;
     std::string label;

@@ -84,11 +84,14 @@ def test_every_op_matches_cpu_backend(program, order):
 
 
 def test_ops_within_small_device_limits(program):
-    # 256 threads per threadgroup, 16 KB of threadgroup memory and 2 GB buffers: every kernel still fits.
+    # 256 threads per threadgroup, 16 KB of threadgroup memory and buffers of at most 1 MiB: every kernel still
+    # fits, and the 4 MiB weight mapping becomes overlapping windows (each weight inside one of them).
     r = run(program, ["ops"], {"LILY_METALSIM_MAX_THREADS_PER_THREADGROUP": "256",
                                "LILY_METALSIM_MAX_THREADGROUP_MEMORY": "16384",
-                               "LILY_METALSIM_MAX_BUFFER_LENGTH": str(2 << 30)})
+                               "LILY_METALSIM_MAX_BUFFER_LENGTH": str(1 << 20)})
     assert passed(r), r.stdout + r.stderr
+    assert re.search(r"mapping buffers (\d+)", r.stdout) and int(re.search(r"mapping buffers (\d+)", r.stdout)[1]) > 2, \
+        r.stdout
 
 
 @pytest.mark.parametrize("spec,order", [("mixed", "recorded"), ("mixed", "reversed"), ("wide", "seeded-shuffled-lanes")])

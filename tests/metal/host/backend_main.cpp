@@ -491,9 +491,10 @@ int run_ops(const std::string& msl) {
     }
   }
   const auto& k = b.mtl.counters();
-  printf("metal: %lld command buffers, %lld dispatches, %lld barriers; mappings wrapped %lld copied %lld; parts copied %lld\n",
-         (long long)k.command_buffers, (long long)k.dispatches, (long long)k.barriers, (long long)k.mappings_wrapped,
-         (long long)k.mappings_copied, (long long)k.parts_copied);
+  printf("metal: %lld command buffers, %lld dispatches, %lld barriers; mappings wrapped %lld copied %lld; parts copied "
+         "%lld; mapping buffers %lld\n", (long long)k.command_buffers, (long long)k.dispatches, (long long)k.barriers,
+         (long long)k.mappings_wrapped, (long long)k.mappings_copied, (long long)k.parts_copied,
+         (long long)k.mapping_windows);
   printf("%s: %d failures\n", g_failures ? "FAILED" : "PASSED", g_failures);
   return g_failures ? 1 : 0;
 }
