@@ -10,7 +10,8 @@
 //                registers from the first token to the last), so m[e] and o[e] are per-thread sums (ascending i,
 //                the CPU's order) and no barrier or threadgroup memory is needed; every thread recomputes the
 //                head's norms and gates (Dk reads each, from cache). State read once from state_in and written
-//                once to state_out per call. Grid Hv, Dv threads (Dv ≤ 1024, Dk ≤ 256).
+//                once to state_out per call. Grid Hv, Dv threads (Dv ≤ 1024, Dk ≤ 256). Instantiated per register
+//                budget: gated_delta_scan_{32,64,128,256} hold that many floats of S per thread.
 // Buffers: qkv f32 [T, 2·Hk·Dk + Hv·Dv] (after conv1d_silu), b, a f32 [T, Hv], A_log, dt_bias f32 [Hv],
 //          S f32 [Hv·Dk, Dv] (Lily's layout, csrc/model/qwen36.h), out f32 [T, Hv·Dv].
 // Floor (real model, decode): the state crosses memory once each way, 2 · 32 · 128 · 128 · 4 B = 4 MiB per layer;
@@ -71,6 +72,7 @@ inline float delta_sum_squares(device const float* a, uint n) {
   for (uint r = 0; r < S; ++r) state_out[ulong(r) * s.ld_state_out + c] = hist[r];
 }
 
+template <uint MaxDk>
 [[kernel]] void gated_delta_scan(device const float* qkv [[buffer(0)]],
                                  device const float* b [[buffer(1)]],
                                  device const float* a [[buffer(2)]],
@@ -82,10 +84,9 @@ inline float delta_sum_squares(device const float* a, uint n) {
                                  constant DeltaScanShape& s [[buffer(8)]],
                                  uint j [[threadgroup_position_in_grid]],
                                  uint e [[thread_position_in_threadgroup]]) {
-  constexpr uint kMaxDk = 256;
   if (e >= s.Dv) return;
   const uint Dk = s.Dk, kh = j / (s.v_heads / s.k_heads), key_dim = s.k_heads * Dk;
-  float S[kMaxDk];
+  float S[MaxDk];
   for (uint i = 0; i < Dk; ++i) S[i] = state_in[(ulong(j) * Dk + i) * s.ld_state_in + e];
   const float neg_A = -exp(A_log[j]);
   const float q_scale = 1.0f / sqrt(float(Dk));
@@ -114,3 +115,10 @@ inline float delta_sum_squares(device const float* a, uint n) {
   }
   for (uint i = 0; i < Dk; ++i) state_out[(ulong(j) * Dk + i) * s.ld_state_out + e] = S[i];
 }
+
+// The state column's registers sized by the key head dim (the host picks the smallest MaxDk >= Dk; the real
+// model's Dk = 128 keeps 128 floats per thread).
+template [[host_name("gated_delta_scan_32")]] [[kernel]] decltype(gated_delta_scan<32>) gated_delta_scan<32>;
+template [[host_name("gated_delta_scan_64")]] [[kernel]] decltype(gated_delta_scan<64>) gated_delta_scan<64>;
+template [[host_name("gated_delta_scan_128")]] [[kernel]] decltype(gated_delta_scan<128>) gated_delta_scan<128>;
+template [[host_name("gated_delta_scan_256")]] [[kernel]] decltype(gated_delta_scan<256>) gated_delta_scan<256>;

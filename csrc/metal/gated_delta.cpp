@@ -1,4 +1,6 @@
 // MetalOps: conv1d_silu and gated_delta (metal/gated_delta.metal; oracle csrc/cpu/gated_delta.cpp).
+#include <string>
+
 #include "metal/backend.h"
 
 namespace lily::metal {
@@ -33,7 +35,8 @@ void MetalOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor
                           uint32_t(s.v_dim), uint32_t(qkv.stride), uint32_t(b.stride), uint32_t(a.stride),
                           uint32_t(out.stride), uint32_t(state_in.stride), uint32_t(state_out.stride)};
   const int64_t threads = (s.v_dim + 31) / 32 * 32;
-  dispatch("gated_delta_scan", {},
+  const int64_t regs = s.k_dim <= 32 ? 32 : s.k_dim <= 64 ? 64 : s.k_dim <= 128 ? 128 : 256;
+  dispatch("gated_delta_scan_" + std::to_string(regs), {},
            {arg(qkv), arg(b), arg(a), arg(A_log), arg(dt_bias), arg(state_in), arg(state_out), arg(out), Arg::value(sh)},
            MTL::Size(NS::UInteger(s.v_heads), 1, 1), MTL::Size(NS::UInteger(threads), 1, 1));
 }

@@ -117,6 +117,8 @@ MUTATIONS = [
     ("attention.metal", "kvh = h / (s.heads / s.kv_heads)", "kvh = h % s.kv_heads", "attention"),  # §12.6
     ("attention.metal", "const int at = pos[0] + int(t);", "const int at = pos[0] + int(t) + 1;", "attention"),
     ("gated_delta.metal", "kh = j / (s.v_heads / s.k_heads)", "kh = j % s.k_heads", "gated_delta"),  # §12.6
+    ("gated_delta.metal", "S[i] = S[i] * alpha;\n      m += (k[i] * rk) * S[i];",
+     "m += (k[i] * rk) * S[i];\n      S[i] = S[i] * alpha;", "gated_delta"),  # §12.9: decay after the read
     ("moe.metal", "weights[ulong(t) * s.ld_w + r] = prob[r] / total;", "weights[ulong(t) * s.ld_w + r] = prob[r];",
      "moe_route"),  # §12.13
     # The grouped prefill experts lose every partial tile (an expert's last rows when its count is not a multiple of 8).

@@ -368,7 +368,7 @@ int run_ops(const std::string& msl) {
   // ---- DeltaNet: conv, the scan (in and out of place) ----
   struct DeltaCase { int64_t Hk, Hv, Dk, Dv, T; bool in_place; };
   for (const auto& c : std::vector<DeltaCase>{{2, 4, 16, 24, 1, false}, {2, 4, 16, 24, 6, true}, {3, 3, 32, 32, 3, false},
-                                              {1, 2, 128, 128, 2, true}}) {
+                                              {1, 2, 128, 128, 2, true}, {1, 1, 48, 40, 3, false}}) {
     const std::string name = "Hk=" + std::to_string(c.Hk) + " Hv=" + std::to_string(c.Hv) + " Dk=" + std::to_string(c.Dk) +
                              " Dv=" + std::to_string(c.Dv) + " T=" + std::to_string(c.T) + (c.in_place ? " in-place" : "");
     const int64_t C = 2 * c.Hk * c.Dk + c.Hv * c.Dv, K = 4;
