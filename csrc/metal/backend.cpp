@@ -203,7 +203,8 @@ size_t MetalOps::workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t) 
   // moe_experts: the SwiGLU activations of every (token, expert) pair, [rows · k, moe_inter] f32, and for prefill
   // the grouping, the tile map and the grouped outputs (moe_workspace). Nothing else takes scratch.
   return std::max<size_t>({64, size_t(rows) * size_t(cfg.topk) * size_t(cfg.moe_inter) * 4,
-                           moe_workspace(rows, cfg.topk, cfg.experts, cfg.moe_inter, cfg.hidden).bytes});
+                           moe_workspace(rows, cfg.topk, cfg.experts, cfg.moe_inter, cfg.hidden).bytes,
+                           sample_workspace_bytes(cfg.vocab)});
 }
 
 // ---- steps ----
@@ -357,10 +358,9 @@ std::vector<std::string> MetalOps::optimizations() const {
       "active: fused expert gate/up + SiLU·mul; fused expert down + routing weight",
       "active: fused q/k RMSNorm + RoPE prep; register-resident DeltaNet scan (one state column per thread)",
       "active: GPU-resident routing (top-k on the GPU; ids never read by the host)",
-      "active: greedy sampling on the GPU (the id goes straight into the next step's slot)",
+      "active: sampling on the GPU, greedy and seeded (the id goes straight into the next step's slot)",
       "inactive: grouped expert GEMM with simdgroup matrices for prefill (experts run per (token, expert) pair)",
       "inactive: GQA packing and coalesced KV reads in attention; split attention for long contexts",
-      "inactive: seeded (temperature > 0) sampling on the GPU (not implemented: the op raises)",
       "inactive: Metal 4 tensor-op GEMM",
   };
   return v;

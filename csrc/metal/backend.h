@@ -45,6 +45,7 @@ struct MoeWorkspace {
   size_t offsets = 0, pair_of = 0, position_of = 0, tiles = 0, tile_count = 0, act = 0, y = 0, bytes = 0;
 };
 MoeWorkspace moe_workspace(int64_t T, int64_t k, int64_t E, int64_t I, int64_t H);
+size_t sample_workspace_bytes(int64_t vocab);  // the seeded sampler's sort keys (csrc/metal/sample.cpp)
 
 class MetalOps final : public Ops {
  public:

@@ -99,6 +99,7 @@ def test_tiny_model_matches_cpu_backend_end_to_end(program, spec, order):
     r = run(program, ["model", "--spec", spec], {**ORDERS[order], "FAKEMETAL_LEAKS_FATAL": "1"})
     assert passed(r), r.stdout + r.stderr
     assert re.search(r"greedy tokens: .* same", r.stdout), r.stdout
+    assert re.search(r"seeded tokens: .* same", r.stdout), r.stdout
     assert "continuation identical" in r.stdout, r.stdout
     # The decode loop kept two command buffers in flight (the CPU encodes step n+1 while step n runs).
     assert "max in flight 2" in r.stdout, r.stdout

@@ -29,6 +29,7 @@
 #include "model/config.h"
 #include "model/loader.h"
 #include "model/qwen36.h"
+#include "runtime/mt19937.h"
 #include "runtime/session.h"
 
 #include <fcntl.h>
@@ -467,27 +468,57 @@ int run_ops(const std::string& msl) {
     check_i32(b, "advance_position", "in place", p);
   }
   if (wanted("sample")) {
-    for (int penalties = 0; penalties < 2; ++penalties) {
+    // Greedy, then seeded draws: temperature alone, top-k, top-p, min-p, everything with penalties. Five draws each
+    // from one seeded stream; ids, penalty state, ring and the mt19937_64 words must equal the CPU's.
+    std::vector<std::pair<std::string, SamplingParams>> cases;
+    SamplingParams g;
+    cases.push_back({"greedy", g});
+    g.repetition_penalty = 1.3f, g.presence_penalty = 0.5f, g.frequency_penalty = 0.7f;
+    cases.push_back({"greedy+penalties", g});
+    SamplingParams t;
+    t.temperature = 0.8f;
+    cases.push_back({"T=0.8", t});
+    SamplingParams tk = t;
+    tk.temperature = 1.5f, tk.top_k = 20;
+    cases.push_back({"T=1.5 top_k=20", tk});
+    SamplingParams tp = t;
+    tp.top_p = 0.9f;
+    cases.push_back({"T=0.8 top_p=0.9", tp});
+    SamplingParams mp = t;
+    mp.temperature = 1.0f, mp.min_p = 0.05f;
+    cases.push_back({"T=1 min_p=0.05", mp});
+    SamplingParams all = t;
+    all.top_k = 50, all.top_p = 0.95f, all.min_p = 0.01f, all.repetition_penalty = 1.2f, all.frequency_penalty = 0.3f;
+    cases.push_back({"T=0.8 top_k=50 top_p=0.95 min_p=0.01 penalties", all});
+    for (const auto& [name, p] : cases) {
       const int64_t V = 1000, R = 4;
       auto logits = b.f32(1, V, 5.f);
-      std::vector<int32_t> cnt(V), seen(V);
-      for (int64_t t = 0; t < V; ++t) cnt[size_t(t)] = int32_t(g_rng() % 3), seen[size_t(t)] = int32_t(g_rng() % 2);
+      std::vector<int32_t> cnt(V), seen(V), words(SamplerState::kRngWords);
+      for (int64_t i = 0; i < V; ++i) cnt[size_t(i)] = int32_t(g_rng() % 3), seen[size_t(i)] = int32_t(g_rng() % 2);
+      mt::seed(reinterpret_cast<uint32_t*>(words.data()), g_rng());
       SamplerState st[2];
-      auto counts = b.i32(1, V, cnt), sn = b.i32(1, V, seen), rng = b.alloc(DType::I32, 1, SamplerState::kRngWords);
+      auto counts = b.i32(1, V, cnt), sn = b.i32(1, V, seen), rng = b.i32(1, SamplerState::kRngWords, words);
       auto ring = b.i32(R, 1, {9, 9, 9, 9}), rc = b.i32(1, 1, {6}), next = b.alloc(DType::I32, 1, 1);
       st[0] = {counts.c, sn.c, rng.c, ring.c, rc.c};
       st[1] = {counts.m, sn.m, rng.m, ring.m, rc.m};
-      SamplingParams p;
-      if (penalties) p.repetition_penalty = 1.3f, p.presence_penalty = 0.5f, p.frequency_penalty = 0.7f;
-      auto ws = b.alloc(DType::F32, 1, int64_t(cpu::sample_workspace_bytes(V) / 4 + 16));
-      for (int step = 0; step < 3; ++step)
+      const size_t wsb = std::max(cpu::sample_workspace_bytes(V), metal::sample_workspace_bytes(V));
+      auto ws = b.alloc(DType::F32, 1, int64_t(wsb / 4 + 16));
+      std::vector<int32_t> ids_c, ids_m;
+      for (int step = 0; step < 5; ++step) {
         b.run(Phase::Decode, [&](Ops& o, bool m) { o.sample(m ? logits.m : logits.c, st[m], p, m ? ws.m : ws.c, m ? next.m : next.c); });
-      const std::string name = penalties ? "greedy+penalties" : "greedy";
-      check_i32(b, "sample", name + " next", next);
+        ids_c.push_back(b.get<int32_t>(b.cpu, next.c)[0]);
+        ids_m.push_back(b.get<int32_t>(b.mtl, next.m)[0]);
+      }
+      const bool same = ids_c == ids_m;
+      printf("op sample %s ids:", name.c_str());
+      for (size_t i = 0; i < ids_m.size(); ++i) printf(" %d/%d", ids_c[i], ids_m[i]);
+      printf(" %s\n", same ? "ok" : "FAIL");
+      g_failures += !same;
       check_i32(b, "sample", name + " counts", counts);
       check_i32(b, "sample", name + " seen", sn);
       check_i32(b, "sample", name + " ring", ring);
       check_i32(b, "sample", name + " ring_count", rc);
+      check_i32(b, "sample", name + " rng words", rng);
     }
   }
   const auto& k = b.mtl.counters();
@@ -688,6 +719,18 @@ int run_model(const std::string& msl, const std::string& spec) {
   std::vector<float> c4l;
   gen(cs, 4, c4, c4l);
   report("decode logits after the snapshot", max_rel(c4l, al));
+  // Seeded sampling through the decode loop: the same stream of ids from both samplers.
+  SamplingParams sp;
+  sp.temperature = 0.9f, sp.top_p = 0.95f, sp.top_k = 40, sp.has_seed = true, sp.seed = 42;
+  std::vector<int32_t> sc, sm;
+  cs.generate(8, sp, {}, [&](int32_t id, const float*) { return sc.push_back(id), 1; });
+  ms.generate(8, sp, {}, [&](int32_t id, const float*) { return sm.push_back(id), 1; });
+  printf("model %s seeded tokens: cpu", spec.c_str());
+  for (int32_t i : sc) printf(" %d", i);
+  printf(" | metal");
+  for (int32_t i : sm) printf(" %d", i);
+  printf(" %s\n", sc == sm ? "same" : "DIFFERENT");
+  fails += sc != sm;
   printf("%s: %d failures\n", fails ? "FAILED" : "PASSED", fails);
   return fails ? 1 : 0;
 }
