@@ -490,7 +490,9 @@ int run_ops(const std::string& msl) {
     SamplingParams all = t;
     all.top_k = 50, all.top_p = 0.95f, all.min_p = 0.01f, all.repetition_penalty = 1.2f, all.frequency_penalty = 0.3f;
     cases.push_back({"T=0.8 top_k=50 top_p=0.95 min_p=0.01 penalties", all});
-    for (const auto& [name, p] : cases) {
+    for (const auto& named : cases) {
+      const std::string& name = named.first;
+      const SamplingParams& p = named.second;
       const int64_t V = 1000, R = 4;
       auto logits = b.f32(1, V, 5.f);
       std::vector<int32_t> cnt(V), seen(V), words(SamplerState::kRngWords);
