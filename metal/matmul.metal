@@ -63,3 +63,401 @@ template <typename S>
 
 template [[host_name("qmv4_bf16")]] [[kernel]] decltype(qmv4<bfloat>) qmv4<bfloat>;
 template [[host_name("qmv4_f16")]] [[kernel]] decltype(qmv4<half>) qmv4<half>;
+
+// ------------------------------------------------------------------------------------------------------------
+// Every weight format, any number of rows: the general products of the Metal backend (csrc/metal/matmul.cpp).
+// A weight is dense f32 / f16 / bf16 [N, K] or MLX affine (4 or 8 bits, LSB first, one scale and bias per group
+// of inputs, f16 or bf16). Its parts are bound at a 16-byte aligned byte offset and located by the element
+// offsets of WeightRef (codes in uint32 words, scales and biases in 2-byte elements, dense in elements); stacked
+// experts add element strides. Function constants 1-3: mm_format (0 f32, 1 f16, 2 bf16, 4 / 8 affine bits),
+// mm_group (affine group size), mm_scale_bf16 (affine scales: bf16, else f16).
+//
+//   embed_rows:   out[t, i] = W[ids[t], i]                       grid (⌈K/64⌉, T), 64 threads, one element each
+//   matmul_rows:  y[t, n] = Σ_k x[t, k] · W[n, k]                grid (⌈N/8⌉, T), 2 simdgroups × 4 rows; lane l
+//                 takes words (affine) or elements (dense) l, l + 32, ...; one simd_sum per row. The sum order
+//                 depends on K and the format only, never on T (prefill chunks agree bitwise).
+//   moe_gate_up:  act[p, i] = silu(gate_e(x_t)[i]) · up_e(x_t)[i], p = t·k + s, e = ids[t, s]   (decode fusion a)
+//                 grid (⌈I/8⌉, T·k), same geometry; the act rows live in the workspace [T·k, I]
+//   moe_down:     out[t, c] = Σ_s w[t, s] · down_e(act[t·k + s])[c], slots in ascending expert id (the CPU's order,
+//                 csrc/cpu/moe.cpp), routing weight applied in registers                    (decode fusion b)
+//                 grid (⌈H/8⌉, T), same geometry
+// Floor (decode, the real model, MODEL.md §10): each active expert's gate/up/down codes once (3 · 512 · 2048 / 2 B
+// = 1.5 MiB per expert, 8 experts per layer) plus scales and biases; x and act stay in cache.
+// Oracle: csrc/cpu/matmul.cpp (matmul, dequant_row), csrc/cpu/moe.cpp (moe_experts); tests/metal/test_ops.py.
+
+constant uint mm_format [[function_constant(1)]];
+constant uint mm_group [[function_constant(2)]];
+constant bool mm_scale_bf16 [[function_constant(3)]];
+
+// Shared with csrc/metal/matmul.cpp.
+struct WeightRef {
+  uint N;            // rows (outputs) of one matrix
+  uint K;            // columns (inputs)
+  uint data_off;     // element offset of row 0 from the data binding (uint32 words when affine)
+  uint scale_off;    // element offsets of the scales and biases (affine)
+  uint bias_off;
+  uint data_stride;  // stacked experts: elements (words) between experts, and for scales / biases
+  uint scale_stride;
+  uint bias_stride;
+};
+
+struct MatmulShape {
+  uint T;
+  uint ldx;  // x row stride (elements)
+  uint ldy;  // y row stride
+  uint k;    // experts per token (moe kernels)
+};
+
+inline float mm_half_bits(ushort b) { return float(as_type<half>(b)); }
+inline float mm_bf16_bits(ushort b) { return as_type<float>(uint(b) << 16); }
+inline float mm_scale_value(device const ushort* p, ulong i) {
+  return mm_scale_bf16 ? mm_bf16_bits(p[i]) : mm_half_bits(p[i]);
+}
+
+// Element (row, col) of one matrix (expert `e` of a stacked weight).
+inline float mm_element(device const uchar* data, device const ushort* scales, device const ushort* biases,
+                        constant WeightRef& w, uint e, uint row, uint col) {
+  const ulong base = ulong(w.data_off) + ulong(e) * w.data_stride;
+  if (mm_format == 0) return ((device const float*)data)[base + ulong(row) * w.K + col];
+  if (mm_format == 1) return mm_half_bits(((device const ushort*)data)[base + ulong(row) * w.K + col]);
+  if (mm_format == 2) return mm_bf16_bits(((device const ushort*)data)[base + ulong(row) * w.K + col]);
+  const uint per_word = 32 / mm_format;
+  const uint word = ((device const uint*)data)[base + ulong(row) * (w.K / per_word) + col / per_word];
+  const uint q = (word >> (mm_format * (col % per_word))) & ((1u << mm_format) - 1u);
+  const ulong g = ulong(row) * (w.K / mm_group) + col / mm_group;
+  const float s = mm_scale_value(scales, w.scale_off + ulong(e) * w.scale_stride + g);
+  const float b = mm_scale_value(biases, w.bias_off + ulong(e) * w.bias_stride + g);
+  return s * float(q) + b;
+}
+
+// This lane's part of row·x (lane l: words or elements l, l + 32, ...); the caller simd_sums it.
+inline float mm_lane_dot(device const uchar* data, device const ushort* scales, device const ushort* biases,
+                         constant WeightRef& w, uint e, uint row, device const float* x, uint lane) {
+  float acc = 0.0f;
+  const ulong base = ulong(w.data_off) + ulong(e) * w.data_stride;
+  if (mm_format < 4) {
+    for (uint c = lane; c < w.K; c += 32) {
+      const ulong i = base + ulong(row) * w.K + c;
+      const float v = mm_format == 0 ? ((device const float*)data)[i]
+                      : mm_format == 1 ? mm_half_bits(((device const ushort*)data)[i])
+                                       : mm_bf16_bits(((device const ushort*)data)[i]);
+      acc += v * x[c];
+    }
+    return acc;
+  }
+  const uint per_word = 32 / mm_format, words = w.K / per_word, groups = w.K / mm_group;
+  const uint mask = (1u << mm_format) - 1u;
+  device const uint* codes = (device const uint*)data + base + ulong(row) * words;
+  const ulong srow = ulong(w.scale_off) + ulong(e) * w.scale_stride + ulong(row) * groups;
+  const ulong brow = ulong(w.bias_off) + ulong(e) * w.bias_stride + ulong(row) * groups;
+  for (uint k = lane; k < words; k += 32) {
+    const uint word = codes[k];
+    const uint g = k * per_word / mm_group;
+    float qx = 0.0f, xs = 0.0f;
+    for (uint j = 0; j < per_word; ++j) {
+      const float xv = x[k * per_word + j];
+      qx += float((word >> (mm_format * j)) & mask) * xv;
+      xs += xv;
+    }
+    acc += mm_scale_value(scales, srow + g) * qx + mm_scale_value(biases, brow + g) * xs;
+  }
+  return acc;
+}
+
+[[kernel]] void embed_rows(device const int* ids [[buffer(0)]],
+                           device const uchar* data [[buffer(1)]],
+                           device const ushort* scales [[buffer(2)]],
+                           device const ushort* biases [[buffer(3)]],
+                           constant WeightRef& w [[buffer(4)]],
+                           device float* out [[buffer(5)]],
+                           constant MatmulShape& s [[buffer(6)]],
+                           uint2 tg [[threadgroup_position_in_grid]],
+                           uint i_in [[thread_index_in_threadgroup]]) {
+  const uint i = tg.x * 64 + i_in, t = tg.y;
+  if (i >= w.K) return;
+  const int id = ids[ulong(t) * s.ldx];
+  if (id < 0 || uint(id) >= w.N) return;  // the session checks ids; never read outside the table
+  out[ulong(t) * s.ldy + i] = mm_element(data, scales, biases, w, 0, uint(id), i);
+}
+
+[[kernel]] void matmul_rows(device const uchar* data [[buffer(0)]],
+                            device const ushort* scales [[buffer(1)]],
+                            device const ushort* biases [[buffer(2)]],
+                            constant WeightRef& w [[buffer(3)]],
+                            device const float* x [[buffer(4)]],
+                            device float* y [[buffer(5)]],
+                            constant MatmulShape& s [[buffer(6)]],
+                            uint2 tg [[threadgroup_position_in_grid]],
+                            uint simdgroup [[simdgroup_index_in_threadgroup]],
+                            uint lane [[thread_index_in_simdgroup]]) {
+  const uint t = tg.y, row0 = (tg.x * 2 + simdgroup) * 4;
+  device const float* xt = x + ulong(t) * s.ldx;
+  for (uint r = 0; r < 4; ++r) {
+    const uint row = min(row0 + r, w.N - 1);  // past the end: redo the last row (uniform simd_sum), never store
+    const float total = simd_sum(mm_lane_dot(data, scales, biases, w, 0, row, xt, lane));
+    if (lane == 0 && row0 + r < w.N) y[ulong(t) * s.ldy + row0 + r] = total;
+  }
+}
+
+[[kernel]] void moe_gate_up(device const uchar* g_data [[buffer(0)]],
+                            device const ushort* g_scales [[buffer(1)]],
+                            device const ushort* g_biases [[buffer(2)]],
+                            constant WeightRef& gw [[buffer(3)]],
+                            device const uchar* u_data [[buffer(4)]],
+                            device const ushort* u_scales [[buffer(5)]],
+                            device const ushort* u_biases [[buffer(6)]],
+                            constant WeightRef& uw [[buffer(7)]],
+                            device const float* x [[buffer(8)]],
+                            device const int* ids [[buffer(9)]],
+                            device float* act [[buffer(10)]],
+                            constant MatmulShape& s [[buffer(11)]],
+                            uint2 tg [[threadgroup_position_in_grid]],
+                            uint simdgroup [[simdgroup_index_in_threadgroup]],
+                            uint lane [[thread_index_in_simdgroup]]) {
+  const uint p = tg.y, t = p / s.k, row0 = (tg.x * 2 + simdgroup) * 4;
+  const uint e = uint(ids[p]);  // ids [T, k] contiguous (ld = k)
+  device const float* xt = x + ulong(t) * s.ldx;
+  for (uint r = 0; r < 4; ++r) {
+    const uint row = min(row0 + r, gw.N - 1);
+    const float g = simd_sum(mm_lane_dot(g_data, g_scales, g_biases, gw, e, row, xt, lane));
+    const float u = simd_sum(mm_lane_dot(u_data, u_scales, u_biases, uw, e, row, xt, lane));
+    if (lane == 0 && row0 + r < gw.N) act[ulong(p) * gw.N + row0 + r] = g / (1.0f + exp(-g)) * u;
+  }
+}
+
+[[kernel]] void moe_down(device const uchar* data [[buffer(0)]],
+                         device const ushort* scales [[buffer(1)]],
+                         device const ushort* biases [[buffer(2)]],
+                         constant WeightRef& w [[buffer(3)]],
+                         device const float* act [[buffer(4)]],
+                         device const int* ids [[buffer(5)]],
+                         device const float* weights [[buffer(6)]],
+                         device float* out [[buffer(7)]],
+                         constant MatmulShape& s [[buffer(8)]],
+                         uint2 tg [[threadgroup_position_in_grid]],
+                         uint simdgroup [[simdgroup_index_in_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]]) {
+  const uint t = tg.y, row0 = (tg.x * 2 + simdgroup) * 4;
+  float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  int last = -1;
+  for (uint n = 0; n < s.k; ++n) {
+    // The next slot in ascending expert id (a token's k ids are distinct).
+    uint slot = 0;
+    int best = 0x7fffffff;
+    for (uint j = 0; j < s.k; ++j) {
+      const int id = ids[ulong(t) * s.k + j];
+      if (id > last && id < best) best = id, slot = j;
+    }
+    last = best;
+    const uint p = t * s.k + slot;
+    const float wt = weights[p];
+    for (uint r = 0; r < 4; ++r) {
+      const uint row = min(row0 + r, w.N - 1);
+      const float y = simd_sum(mm_lane_dot(data, scales, biases, w, uint(best), row, act + ulong(p) * w.K, lane));
+      o[r] += wt * y;
+    }
+  }
+  for (uint r = 0; r < 4; ++r)
+    if (lane == 0 && row0 + r < w.N) out[ulong(t) * s.ldy + row0 + r] = o[r];
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Prefill experts, grouped on the GPU (GPU-resident routing: the host never sees ids, counts or offsets).
+//   moe_group:        one threadgroup, thread e owns expert e (E ≤ 1024): its histogram count over the T·k (token,
+//                     slot) pairs, an exclusive prefix scan of counts and of tiles (⌈count / 8⌉ tiles of 8 rows),
+//                     the scatter of its pairs in ascending pair (so token) order, and its tile map entries.
+//                     Writes, in the workspace (I32): offsets [E + 1], pair_of [T·k] (grouped position -> pair),
+//                     position_of [T·k] (pair -> grouped position), tiles [max_tiles, 2] (expert, first position),
+//                     tile_count [1].
+//   moe_gate_up_tiles: act[g, i] = silu(gate_e(x)) ⊙ up_e(x) for the ≤ 8 grouped rows g of one tile: each weight
+//                     word is dequantized once per tile and used for all its rows (the weight traffic of a prefill
+//                     chunk falls by the tile's row count). Grid (⌈I/8⌉, max_tiles), 2 simdgroups × 4 rows.
+//   moe_down_tiles:   y[g, c] = down_e(act[g])[c], same geometry over H.
+//   moe_gather_sum:   out[t, c] = Σ_s w[t, s] · y[position_of[t·k + s], c], slots in ascending expert id.
+//                     Grid (⌈H/64⌉, T), 64 threads.
+// Each (row, output) sum is built lane by lane exactly as mm_lane_dot builds it, so the grouped path gives the
+// same bits as the per-pair kernels above; tiles past tile_count return at once (the grid is the upper bound
+// ⌈T·k/8⌉ + E).
+
+struct GroupShape {
+  uint T, k, E, max_tiles;
+};
+
+constant constexpr uint kTileRows = 8;  // must match kTileRows in csrc/metal/matmul.cpp
+
+[[kernel]] void moe_group(device const int* ids [[buffer(0)]],
+                          device int* offsets [[buffer(1)]],
+                          device int* pair_of [[buffer(2)]],
+                          device int* position_of [[buffer(3)]],
+                          device int* tiles [[buffer(4)]],
+                          device int* tile_count [[buffer(5)]],
+                          constant GroupShape& s [[buffer(6)]],
+                          threadgroup int* counts [[threadgroup(0)]],
+                          uint e [[thread_position_in_threadgroup]],
+                          uint threads [[threads_per_threadgroup]]) {
+  // counts: [2 · (E + 1)] ints: pair offsets, then tile offsets (exclusive scans).
+  const uint pairs = s.T * s.k;
+  uint n = 0;
+  if (e < s.E)
+    for (uint p = 0; p < pairs; ++p) n += uint(ids[p]) == e;
+  if (e < s.E) counts[e] = int(n);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (e == 0) {
+    int run = 0, tile_run = 0;
+    for (uint x = 0; x < s.E; ++x) {
+      const int c = counts[x];
+      counts[x] = run;
+      counts[s.E + 1 + x] = tile_run;
+      run += c;
+      tile_run += (c + int(kTileRows) - 1) / int(kTileRows);
+    }
+    counts[s.E] = run;
+    counts[2 * s.E + 1] = tile_run;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint x = e; x <= s.E; x += threads) offsets[x] = counts[x];
+  if (e == 0) tile_count[0] = counts[2 * s.E + 1];
+  if (e >= s.E) return;
+  const int first = counts[e];
+  int at = first;
+  for (uint p = 0; p < pairs; ++p)
+    if (uint(ids[p]) == e) {
+      pair_of[at] = int(p);
+      position_of[p] = at;
+      ++at;
+    }
+  const int tile0 = counts[s.E + 1 + e];
+  for (int r = first, i = 0; r < at; r += int(kTileRows), ++i) {
+    tiles[2 * (tile0 + i)] = int(e);
+    tiles[2 * (tile0 + i) + 1] = r;
+  }
+}
+
+// This lane's parts of row·x_j for the tile's rows j < rows (x_j = x + xoff[j]); the same order as mm_lane_dot.
+inline void mm_lane_dot_tile(device const uchar* data, device const ushort* scales, device const ushort* biases,
+                             constant WeightRef& w, uint e, uint row, device const float* x, thread const ulong* xoff,
+                             uint rows, uint lane, thread float* acc) {
+  for (uint j = 0; j < kTileRows; ++j) acc[j] = 0.0f;
+  const ulong base = ulong(w.data_off) + ulong(e) * w.data_stride;
+  if (mm_format < 4) {
+    for (uint c = lane; c < w.K; c += 32) {
+      const ulong i = base + ulong(row) * w.K + c;
+      const float v = mm_format == 0 ? ((device const float*)data)[i]
+                      : mm_format == 1 ? mm_half_bits(((device const ushort*)data)[i])
+                                       : mm_bf16_bits(((device const ushort*)data)[i]);
+      for (uint j = 0; j < rows; ++j) acc[j] += v * x[xoff[j] + c];
+    }
+    return;
+  }
+  const uint per_word = 32 / mm_format, words = w.K / per_word, groups = w.K / mm_group;
+  const uint mask = (1u << mm_format) - 1u;
+  device const uint* codes = (device const uint*)data + base + ulong(row) * words;
+  const ulong srow = ulong(w.scale_off) + ulong(e) * w.scale_stride + ulong(row) * groups;
+  const ulong brow = ulong(w.bias_off) + ulong(e) * w.bias_stride + ulong(row) * groups;
+  for (uint k = lane; k < words; k += 32) {
+    const uint word = codes[k];
+    const uint g = k * per_word / mm_group;
+    const float sc = mm_scale_value(scales, srow + g), bi = mm_scale_value(biases, brow + g);
+    for (uint j = 0; j < rows; ++j) {
+      float qx = 0.0f, xs = 0.0f;
+      for (uint q = 0; q < per_word; ++q) {
+        const float xv = x[xoff[j] + k * per_word + q];
+        qx += float((word >> (mm_format * q)) & mask) * xv;
+        xs += xv;
+      }
+      acc[j] += sc * qx + bi * xs;
+    }
+  }
+}
+
+[[kernel]] void moe_gate_up_tiles(device const uchar* g_data [[buffer(0)]],
+                                  device const ushort* g_scales [[buffer(1)]],
+                                  device const ushort* g_biases [[buffer(2)]],
+                                  constant WeightRef& gw [[buffer(3)]],
+                                  device const uchar* u_data [[buffer(4)]],
+                                  device const ushort* u_scales [[buffer(5)]],
+                                  device const ushort* u_biases [[buffer(6)]],
+                                  constant WeightRef& uw [[buffer(7)]],
+                                  device const float* x [[buffer(8)]],
+                                  device const int* offsets [[buffer(9)]],
+                                  device const int* pair_of [[buffer(10)]],
+                                  device const int* tiles [[buffer(11)]],
+                                  device const int* tile_count [[buffer(12)]],
+                                  device float* act [[buffer(13)]],
+                                  constant MatmulShape& s [[buffer(14)]],
+                                  uint2 tg [[threadgroup_position_in_grid]],
+                                  uint simdgroup [[simdgroup_index_in_threadgroup]],
+                                  uint lane [[thread_index_in_simdgroup]]) {
+  if (int(tg.y) >= tile_count[0]) return;  // uniform over the threadgroup: no collective is skipped by part of it
+  const uint e = uint(tiles[2 * tg.y]), first = uint(tiles[2 * tg.y + 1]);
+  const uint rows = min(kTileRows, uint(offsets[e + 1]) - first);
+  ulong xoff[kTileRows];
+  for (uint j = 0; j < kTileRows; ++j) xoff[j] = ulong(uint(pair_of[first + min(j, rows - 1)]) / s.k) * s.ldx;
+  const uint row0 = (tg.x * 2 + simdgroup) * 4;
+  float ga[kTileRows], ua[kTileRows];
+  for (uint r = 0; r < 4; ++r) {
+    const uint row = min(row0 + r, gw.N - 1);
+    mm_lane_dot_tile(g_data, g_scales, g_biases, gw, e, row, x, xoff, rows, lane, ga);
+    mm_lane_dot_tile(u_data, u_scales, u_biases, uw, e, row, x, xoff, rows, lane, ua);
+    for (uint j = 0; j < kTileRows; ++j) {
+      const float g = simd_sum(ga[j]), u = simd_sum(ua[j]);
+      if (lane == 0 && j < rows && row0 + r < gw.N) act[ulong(first + j) * gw.N + row0 + r] = g / (1.0f + exp(-g)) * u;
+    }
+  }
+}
+
+[[kernel]] void moe_down_tiles(device const uchar* data [[buffer(0)]],
+                               device const ushort* scales [[buffer(1)]],
+                               device const ushort* biases [[buffer(2)]],
+                               constant WeightRef& w [[buffer(3)]],
+                               device const float* act [[buffer(4)]],
+                               device const int* offsets [[buffer(5)]],
+                               device const int* tiles [[buffer(6)]],
+                               device const int* tile_count [[buffer(7)]],
+                               device float* y [[buffer(8)]],
+                               uint2 tg [[threadgroup_position_in_grid]],
+                               uint simdgroup [[simdgroup_index_in_threadgroup]],
+                               uint lane [[thread_index_in_simdgroup]]) {
+  if (int(tg.y) >= tile_count[0]) return;  // uniform over the threadgroup
+  const uint e = uint(tiles[2 * tg.y]), first = uint(tiles[2 * tg.y + 1]);
+  const uint rows = min(kTileRows, uint(offsets[e + 1]) - first);
+  ulong xoff[kTileRows];
+  for (uint j = 0; j < kTileRows; ++j) xoff[j] = ulong(first + min(j, rows - 1)) * w.K;
+  const uint row0 = (tg.x * 2 + simdgroup) * 4;
+  float acc[kTileRows];
+  for (uint r = 0; r < 4; ++r) {
+    const uint row = min(row0 + r, w.N - 1);
+    mm_lane_dot_tile(data, scales, biases, w, e, row, act, xoff, rows, lane, acc);
+    for (uint j = 0; j < kTileRows; ++j) {
+      const float v = simd_sum(acc[j]);
+      if (lane == 0 && j < rows && row0 + r < w.N) y[ulong(first + j) * w.N + row0 + r] = v;
+    }
+  }
+}
+
+[[kernel]] void moe_gather_sum(device const float* y [[buffer(0)]],
+                               device const int* ids [[buffer(1)]],
+                               device const float* weights [[buffer(2)]],
+                               device const int* position_of [[buffer(3)]],
+                               device float* out [[buffer(4)]],
+                               constant MatmulShape& s [[buffer(5)]],
+                               constant uint& H [[buffer(6)]],
+                               uint2 tg [[threadgroup_position_in_grid]],
+                               uint i_in [[thread_index_in_threadgroup]]) {
+  const uint c = tg.x * 64 + i_in, t = tg.y;
+  if (c >= H) return;
+  float o = 0.0f;
+  int last = -1;
+  for (uint n = 0; n < s.k; ++n) {
+    uint slot = 0;
+    int best = 0x7fffffff;
+    for (uint j = 0; j < s.k; ++j) {
+      const int id = ids[ulong(t) * s.k + j];
+      if (id > last && id < best) best = id, slot = j;
+    }
+    last = best;
+    const uint p = t * s.k + slot;
+    o += weights[p] * y[ulong(position_of[p]) * H + c];
+  }
+  out[ulong(t) * s.ldy + c] = o;
+}

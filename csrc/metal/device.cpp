@@ -187,3 +187,28 @@ void Pass::submit() {
 }
 
 }  // namespace lily::metal
+
+namespace lily::metal {
+
+void Pass::commit(std::function<void(const std::string& error)> done) {
+  if (submitted_) throw MetalError("Pass::commit called twice");
+  submitted_ = true;
+  encoder_->endEncoding();
+  // The handler owns `done`; metal-cpp copies the std::function into the block it registers.
+  const MTL::HandlerFunction handler = [done = std::move(done)](MTL::CommandBuffer* cb) {
+    PoolScope pool;
+    std::string error;
+    if (cb->status() == MTL::CommandBufferStatusError)
+      error = "Metal command buffer failed: " + describe(cb->error());
+    done(error);
+  };
+  command_buffer_->addCompletedHandler(handler);
+  command_buffer_->commit();
+}
+
+void Pass::wait_completed() {
+  if (!submitted_) throw MetalError("Pass::wait_completed before commit");
+  command_buffer_->waitUntilCompleted();
+}
+
+}  // namespace lily::metal

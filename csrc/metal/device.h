@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -97,6 +98,7 @@ struct Arg {
   size_t size = 0;
 
   static Arg buf(MTL::Buffer* b, size_t offset = 0) { return {b, offset, nullptr, 0}; }
+  static Arg raw(const void* data, size_t size) { return {nullptr, 0, data, size}; }  // setBytes (<= 4 KB)
   template <class T>
   static Arg value(const T& v) {
     return {nullptr, 0, &v, sizeof(T)};
@@ -105,7 +107,8 @@ struct Arg {
 
 // One command buffer with one concurrent compute encoder. Dispatches recorded between two barrier() calls
 // form a stage and may run in any order or overlap on the GPU; barrier() makes the next stage see every
-// write of the stages before it. submit() commits and waits; a Pass is used once.
+// write of the stages before it. submit() commits and waits (or commit() with a completion callback); a Pass is
+// used once.
 class Pass {
  public:
   explicit Pass(Device& device);
@@ -118,6 +121,11 @@ class Pass {
                 MTL::Size threads_per_threadgroup, const std::vector<size_t>& threadgroup_bytes = {});
   void barrier();
   void submit();  // throws MetalError when the command buffer reports an error
+  // Ends encoding and commits without waiting; `done` runs on Metal's completion thread with "" or the
+  // command buffer's error (a completed handler: the fences of MetalOps).
+  void commit(std::function<void(const std::string& error)> done);
+  // After commit: blocks until the command buffer completed (waitUntilCompleted).
+  void wait_completed();
 
   Device& device() const { return device_; }
   int dispatches() const { return dispatches_; }

@@ -31,3 +31,226 @@ void encode_qmv4(Pass& pass, const QuantMatrix& w, Arg x, Arg y) {
 }
 
 }  // namespace lily::metal
+
+// ------------------------------------------------------------------------------------------------------------
+// MetalOps: matmul, embed and the routed experts (metal/matmul.metal: matmul_rows, embed_rows, moe_gate_up,
+// moe_down; qmv4 for aligned 4-bit decode rows).
+#include "metal/backend.h"
+
+namespace lily::metal {
+
+namespace {
+struct WeightRef {  // metal/matmul.metal
+  uint32_t N, K, data_off, scale_off, bias_off, data_stride, scale_stride, bias_stride;
+};
+static_assert(sizeof(WeightRef) == 32, "WeightRef must match metal/matmul.metal");
+struct MatmulShape {  // metal/matmul.metal
+  uint32_t T, ldx, ldy, k;
+};
+static_assert(sizeof(MatmulShape) == 16, "MatmulShape must match metal/matmul.metal");
+constexpr int64_t kRowsPerGroup = 8;  // matmul_rows / moe_*: 2 simdgroups × 4 rows (metal/matmul.metal)
+constexpr int64_t kTileRows = 8;      // grouped expert tiles: must match kTileRows in metal/matmul.metal
+struct GroupShape {                   // metal/matmul.metal
+  uint32_t T, k, E, max_tiles;
+};
+static_assert(sizeof(GroupShape) == 16, "GroupShape must match metal/matmul.metal");
+
+uint32_t format_code(const WeightFormat& f) {
+  if (f.quantized()) {
+    if (f.bits != 4 && f.bits != 8) throw MetalError("metal matmul: " + std::to_string(f.bits) + "-bit weights are not supported");
+    return uint32_t(f.bits);
+  }
+  return f.dtype == DType::F32 ? 0 : f.dtype == DType::F16 ? 1 : 2;
+}
+}  // namespace
+
+struct MetalOps::WeightBinding {
+  BoundPart data, scales, biases;
+  WeightRef ref{};
+  std::vector<FunctionConstant> constants;
+  std::vector<Arg> args() const {
+    return {Arg::buf(data.buffer, data.bind_offset), Arg::buf(scales.buffer, scales.bind_offset),
+            Arg::buf(biases.buffer, biases.bind_offset)};
+  }
+};
+
+MetalOps::WeightBinding MetalOps::bind_weight(const Weight& w) {
+  WeightBinding b;
+  const int64_t E = w.experts ? w.experts : 1;
+  const size_t de = w.quantized() ? 4 : dtype_size(w.dtype);
+  const size_t data_bytes = size_t(w.data_stride) * size_t(E - 1) + w.row_bytes() * size_t(w.rows);
+  b.data = part(w.mapping, w.data, data_bytes, de);
+  b.ref.N = uint32_t(w.rows);
+  b.ref.K = uint32_t(w.cols);
+  b.ref.data_off = b.data.element;
+  if (w.data_stride % de) throw MetalError("metal: expert stride is not a whole number of elements");
+  b.ref.data_stride = uint32_t(w.data_stride / de);
+  if (w.quantized()) {
+    if (w.cols % w.group || w.group % (32 / w.bits)) throw MetalError("metal: group size does not divide the row");
+    const size_t sb = size_t(w.scale_stride) * size_t(E - 1) + w.scale_bytes();
+    b.scales = part(w.scale_mapping, w.scales, sb, 2);
+    b.biases = part(w.bias_mapping, w.biases, size_t(w.bias_stride) * size_t(E - 1) + w.scale_bytes(), 2);
+    b.ref.scale_off = b.scales.element;
+    b.ref.bias_off = b.biases.element;
+    b.ref.scale_stride = uint32_t(w.scale_stride / 2);
+    b.ref.bias_stride = uint32_t(w.bias_stride / 2);
+    if (w.scale_dtype != DType::BF16 && w.scale_dtype != DType::F16)
+      throw MetalError("metal: affine scales must be bf16 or f16");
+  } else {
+    b.scales = b.biases = b.data;  // unused by dense kernels, bound so every argument slot is valid
+  }
+  b.constants = {FunctionConstant::u32(1, format_code(w)), FunctionConstant::u32(2, uint32_t(w.quantized() ? w.group : 1)),
+                 FunctionConstant::boolean(3, w.scale_dtype == DType::BF16)};
+  return b;
+}
+
+namespace {
+bool qmv4_fits(const Weight& w, int64_t rows, size_t x_offset) {
+  return w.quantized() && w.bits == 4 && rows == 1 && !w.experts && (w.group == 32 || w.group == 64 || w.group == 128) &&
+         x_offset % 16 == 0 && w.data % 4 == 0 && w.scales % 4 == 0 && w.biases % 4 == 0;
+}
+}  // namespace
+
+void MetalOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
+  if (x.cols != w.cols || out.cols != w.rows || x.rows != out.rows) throw std::logic_error("matmul: shape mismatch");
+  const Arg xa = arg(x), ya = arg(out);
+  if (qmv4_fits(w, x.rows, xa.offset)) {
+    QuantMatrix q;
+    const WeightBinding b = bind_weight(w);
+    q.codes = Arg::buf(b.data.buffer, b.data.exact_offset());
+    q.scales = Arg::buf(b.scales.buffer, b.scales.exact_offset());
+    q.biases = Arg::buf(b.biases.buffer, b.biases.exact_offset());
+    q.rows = w.rows;
+    q.cols = w.cols;
+    q.group = w.group;
+    q.scale_type = w.scale_dtype == DType::BF16 ? QuantMatrix::ScaleType::BF16 : QuantMatrix::ScaleType::F16;
+    encode_qmv4(pass(), q, xa, ya);
+    ++step_dispatches_;
+    return;
+  }
+  const WeightBinding b = bind_weight(w);
+  const MatmulShape s{uint32_t(x.rows), uint32_t(x.stride), uint32_t(out.stride), 1};
+  std::vector<Arg> args = b.args();
+  args.push_back(Arg::value(b.ref));
+  args.push_back(xa);
+  args.push_back(ya);
+  args.push_back(Arg::value(s));
+  dispatch("matmul_rows", b.constants, args,
+           MTL::Size(NS::UInteger((w.rows + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(x.rows), 1),
+           MTL::Size(64, 1, 1));
+}
+
+void MetalOps::embed_impl(const Tensor& ids, const Weight& table, const Tensor& out) {
+  const WeightBinding b = bind_weight(table);
+  const MatmulShape s{uint32_t(out.rows), uint32_t(ids.stride), uint32_t(out.stride), 1};
+  std::vector<Arg> args = {arg(ids)};
+  for (const Arg& a : b.args()) args.push_back(a);
+  args.push_back(Arg::value(b.ref));
+  args.push_back(arg(out));
+  args.push_back(Arg::value(s));
+  dispatch("embed_rows", b.constants, args,
+           MTL::Size(NS::UInteger((table.cols + 63) / 64), NS::UInteger(out.rows), 1), MTL::Size(64, 1, 1));
+}
+
+MoeWorkspace moe_workspace(int64_t T, int64_t k, int64_t E, int64_t I, int64_t H) {
+  auto r16 = [](size_t n) { return (n + 15) / 16 * 16; };
+  MoeWorkspace w;
+  w.max_tiles = (T * k + kTileRows - 1) / kTileRows + E;
+  w.offsets = 0;
+  w.pair_of = w.offsets + r16(size_t(E + 1) * 4);
+  w.position_of = w.pair_of + r16(size_t(T * k) * 4);
+  w.tiles = w.position_of + r16(size_t(T * k) * 4);
+  w.tile_count = w.tiles + r16(size_t(w.max_tiles) * 8);
+  w.act = w.tile_count + 16;
+  w.y = w.act + r16(size_t(T * k * I) * 4);
+  w.bytes = w.y + r16(size_t(T * k * H) * 4);
+  return w;
+}
+
+bool MetalOps::grouped_experts(int64_t T, int64_t E) const { return phase() == Phase::Prefill && T > 1 && E <= 1024; }
+
+void MetalOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
+                                const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) {
+  const int64_t T = x.rows, k = ids.cols, I = gate.rows, H = x.cols;
+  if (ids.stride != k || weights.stride != k) throw MetalError("metal moe_experts: ids and weights must be contiguous");
+  if (format_code(gate) != format_code(up) || gate.group != up.group || gate.scale_dtype != up.scale_dtype)
+    throw MetalError("metal moe_experts: gate and up projections differ in format");
+  const WeightBinding g = bind_weight(gate), u = bind_weight(up), d = bind_weight(down);
+  if (grouped_experts(T, gate.experts)) return moe_experts_grouped(x, ids, weights, g, u, d, gate.experts, ws, out);
+  if (size_t(T * k * I) * 4 > ws.bytes()) throw std::logic_error("workspace too small for moe_experts");
+  // Stage 1: act[t·k + s] = silu(gate_e(x_t)) ⊙ up_e(x_t) into the workspace.
+  const MatmulShape s1{uint32_t(T), uint32_t(x.stride), uint32_t(I), uint32_t(k)};
+  std::vector<Arg> a1 = g.args();
+  a1.push_back(Arg::value(g.ref));
+  for (const Arg& a : u.args()) a1.push_back(a);
+  a1.push_back(Arg::value(u.ref));
+  a1.push_back(arg(x));
+  a1.push_back(arg(ids));
+  a1.push_back(arg(ws));
+  a1.push_back(Arg::value(s1));
+  dispatch("moe_gate_up", g.constants, a1,
+           MTL::Size(NS::UInteger((I + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(T * k), 1), MTL::Size(64, 1, 1));
+  barrier_in_op();  // moe_down reads every act row
+  // Stage 2: out[t] = Σ_s w[t, s] · down_e(act[t·k + s]), ascending expert id.
+  const MatmulShape s2{uint32_t(T), uint32_t(I), uint32_t(out.stride), uint32_t(k)};
+  std::vector<Arg> a2 = d.args();
+  a2.push_back(Arg::value(d.ref));
+  a2.push_back(arg(ws));
+  a2.push_back(arg(ids));
+  a2.push_back(arg(weights));
+  a2.push_back(arg(out));
+  a2.push_back(Arg::value(s2));
+  dispatch("moe_down", d.constants, a2,
+           MTL::Size(NS::UInteger((H + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(T), 1), MTL::Size(64, 1, 1));
+}
+
+// Prefill: group the (token, slot) pairs by expert on the GPU, then tiles of up to 8 rows of one expert, each weight
+// word dequantized once per tile, then the per-token sums in ascending expert id (metal/matmul.metal).
+void MetalOps::moe_experts_grouped(const Tensor& x, const Tensor& ids, const Tensor& weights, const WeightBinding& g,
+                                   const WeightBinding& u, const WeightBinding& d, int64_t E, const Tensor& ws,
+                                   const Tensor& out) {
+  const int64_t T = x.rows, k = ids.cols, I = g.ref.N, H = x.cols;
+  const MoeWorkspace w = moe_workspace(T, k, E, I, H);
+  if (w.bytes > ws.bytes()) throw std::logic_error("workspace too small for moe_experts (grouped)");
+  const Arg base = arg(ws);
+  auto at = [&](size_t off) { return Arg::buf(base.buffer, base.offset + off); };
+  const GroupShape gs{uint32_t(T), uint32_t(k), uint32_t(E), uint32_t(w.max_tiles)};
+  const int64_t threads = (E + 31) / 32 * 32;
+  dispatch("moe_group", {},
+           {arg(ids), at(w.offsets), at(w.pair_of), at(w.position_of), at(w.tiles), at(w.tile_count), Arg::value(gs)},
+           MTL::Size(1, 1, 1), MTL::Size(NS::UInteger(threads), 1, 1), {size_t(2 * (E + 1)) * 4});
+  barrier_in_op();
+  const MatmulShape s1{uint32_t(T), uint32_t(x.stride), uint32_t(I), uint32_t(k)};
+  std::vector<Arg> a1 = g.args();
+  a1.push_back(Arg::value(g.ref));
+  for (const Arg& a : u.args()) a1.push_back(a);
+  a1.push_back(Arg::value(u.ref));
+  for (const Arg& a : {arg(x), at(w.offsets), at(w.pair_of), at(w.tiles), at(w.tile_count), at(w.act)}) a1.push_back(a);
+  a1.push_back(Arg::value(s1));
+  dispatch("moe_gate_up_tiles", g.constants, a1,
+           MTL::Size(NS::UInteger((I + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(w.max_tiles), 1),
+           MTL::Size(64, 1, 1));
+  barrier_in_op();
+  std::vector<Arg> a2 = d.args();
+  a2.push_back(Arg::value(d.ref));
+  for (const Arg& a : {at(w.act), at(w.offsets), at(w.tiles), at(w.tile_count), at(w.y)}) a2.push_back(a);
+  dispatch("moe_down_tiles", d.constants, a2,
+           MTL::Size(NS::UInteger((H + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(w.max_tiles), 1),
+           MTL::Size(64, 1, 1));
+  barrier_in_op();
+  const MatmulShape s3{uint32_t(T), 0, uint32_t(out.stride), uint32_t(k)};
+  const uint32_t h32 = uint32_t(H);
+  dispatch("moe_gather_sum", {},
+           {at(w.y), arg(ids), arg(weights), at(w.position_of), arg(out), Arg::value(s3), Arg::value(h32)},
+           MTL::Size(NS::UInteger((H + 63) / 64), NS::UInteger(T), 1), MTL::Size(64, 1, 1));
+}
+
+std::string MetalOps::matmul_variant(const Weight& w, Phase phase) const {
+  const std::string fmt = w.describe();
+  if (phase == Phase::Decode && w.quantized() && w.bits == 4 && (w.group == 32 || w.group == 64 || w.group == 128) &&
+      w.data % 4 == 0 && w.scales % 4 == 0 && w.biases % 4 == 0)
+    return std::string(w.scale_dtype == DType::BF16 ? "qmv4_bf16" : "qmv4_f16") + " (" + fmt + ")";
+  return "matmul_rows (" + fmt + ")";
+}
+
+}  // namespace lily::metal

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 MODES = ("typed", "asan")
-SHIM_VERSION = "1"
+SHIM_VERSION = "2"  # 2: the PCH carries no timestamps
 
 _HERE = Path(__file__).resolve().parent
 _SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-shared-libsan"]
@@ -232,8 +232,10 @@ def _build_runtime(mode: str, d: Path) -> None:
         )
         os.replace(tmp / "runner", d / "mslsim-runner")
         _run(
-            [clang, *_kernel_flags(mode), "-x", "c++-header", str(include_dir() / "metal_stdlib"),
-             "-o", str(tmp / "pch")],
+            # No timestamps in the PCH: its folder is keyed by the shim's content, and a checkout or rebase that
+            # rewrites the same bytes must not make every later kernel compile fail with "has been modified".
+            [clang, *_kernel_flags(mode), "-Xclang", "-fno-pch-timestamp", "-x", "c++-header",
+             str(include_dir() / "metal_stdlib"), "-o", str(tmp / "pch")],
             "precompiling the metal_stdlib shim",
         )
         os.replace(tmp / "pch", d / "metal_stdlib.pch")

@@ -34,7 +34,8 @@ try:  # the emulator's build module: clang, per-mode flags, libmslsim, cache roo
 except ImportError:  # L1 needs only clang; L3 reports the missing module when it is used
     build = None
 
-__all__ = ["HOST_FLAGS", "REPO", "find_clang", "compile_check", "host_sources", "build_fakemetal", "build_program",
+__all__ = ["HOST_FLAGS", "REPO", "find_clang", "compile_check", "host_sources", "backend_dependencies", "build_fakemetal",
+           "build_program",
            "build_python_module", "msl_source_cpp"]
 
 HERE = Path(__file__).resolve().parent
@@ -44,14 +45,27 @@ STUBS = HERE / "stubs"
 FAKEMETAL = HERE / "fakemetal"
 CSRC = REPO / "csrc"
 
-# The language and warning level of Metal host code (metal-cpp needs C++17 and clang's Blocks extension).
-HOST_FLAGS = ("-std=c++17", "-fblocks", "-Wall", "-Wextra", "-Werror")
+# The language and warning level of Metal host code (metal-cpp needs C++17 and clang's Blocks extension;
+# unused parameters allowed, as CMakeLists.txt builds _core: the Ops interface names its unused defaults).
+HOST_FLAGS = ("-std=c++17", "-fblocks", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror")  # as CMakeLists.txt
 _FAKEMETAL_SOURCES = ("objc.cpp", "metal.cpp", "msgsend_x86_64.S")
 
 
 def host_sources() -> list[Path]:
     """The Metal backend's host sources, csrc/metal/*.cpp, sorted."""
     return sorted((CSRC / "metal").glob("*.cpp"))
+
+
+def backend_dependencies() -> list[Path]:
+    """The core sources MetalOps (csrc/metal/backend.cpp) links against besides csrc/metal: the Ops base class and
+    hazard tracker, weight formats, and SamplingParams."""
+    return [CSRC / "backend" / "ops.cpp", CSRC / "backend" / "hazard.cpp", CSRC / "model" / "weight.cpp",
+            CSRC / "runtime" / "sampler.cpp"]
+
+
+def _core_headers_digest() -> str:
+    """The headers of csrc/ that MetalOps includes (its own folder, the Ops interface, the model, the runtime)."""
+    return _digest(*(_headers_digest(CSRC / d) for d in ("metal", "backend", "model", "runtime")))
 
 
 def find_clang() -> Path:
@@ -198,13 +212,13 @@ def build_fakemetal(mode: str) -> Path:
 
 def build_program(sources: Iterable[str | os.PathLike], mode: str, out_name: str) -> Path:
     """Links a host program: the given sources + csrc/metal/*.cpp (metal_cpp.cpp holds metal-cpp's private
-    implementation) + libfakemetal + libmslsim (cached)."""
+    implementation) and the core files MetalOps needs (backend_dependencies) + libfakemetal + libmslsim (cached)."""
     own = [Path(s).resolve() for s in sources]
-    srcs = own + [s for s in host_sources() if s not in own]
+    srcs = own + [s for s in host_sources() + backend_dependencies() if s not in own]
     fake = build_fakemetal(mode)
     runtime = Path(_build().runtime_library(mode))
     flags = [*_mode_flags(mode), "-O1", "-Wall", "-Wextra", *_include_flags()]
-    key = _digest(str(find_clang()), *flags, _headers_digest(CSRC / "metal", STUBS),
+    key = _digest(str(find_clang()), *flags, _headers_digest(STUBS), _core_headers_digest(),
                   *(_headers_digest(p.parent) for p in own))
     objs = _compile_objects(srcs, flags, key)
     link_key = _digest(*map(str, objs), str(fake), str(runtime), *_link_flags(mode))
@@ -247,10 +261,11 @@ def build_python_module(mode: str = "typed") -> Path:
                                [*_mode_flags(mode), "-O1", "-fvisibility=hidden", *nb_flags],
                                _digest(str(find_clang()), nanobind.__version__, mode))
     module_init = HERE / "lily_metal_emu.cpp"
-    srcs = [module_init, REPO / "python" / "bindings_metal.cpp", msl_source_cpp(), *host_sources()]
+    srcs = [module_init, REPO / "python" / "bindings_metal.cpp", msl_source_cpp(), *host_sources(),
+            *backend_dependencies()]
     flags = [*_mode_flags(mode), "-O1", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden",
              "-DLILY_WITH_METAL=1", *_include_flags(), *nb_flags]
-    key = _digest(str(find_clang()), *flags, _headers_digest(CSRC / "metal", STUBS), nanobind.__version__)
+    key = _digest(str(find_clang()), *flags, _headers_digest(STUBS), _core_headers_digest(), nanobind.__version__)
     objs = _compile_objects(srcs, flags, key)
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     link_key = _digest(*map(str, objs), *map(str, nb_objs), str(fake), str(runtime), *_link_flags(mode), suffix)

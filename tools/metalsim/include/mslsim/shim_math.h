@@ -4,6 +4,20 @@
 // builtins are used, so no libc declaration leaks into the global namespace of kernel code.
 #pragma once
 
+// The float constants MSL defines as macros (MSL specification, "Math Functions").
+#ifndef INFINITY
+#define INFINITY __builtin_inff()
+#endif
+#ifndef NAN
+#define NAN __builtin_nanf("")
+#endif
+#ifndef MAXFLOAT
+#define MAXFLOAT 0x1.fffffep+127f
+#endif
+#ifndef HUGE_VALF
+#define HUGE_VALF __builtin_huge_valf()
+#endif
+
 namespace metal {
 namespace __m {
 #define MSLSIM_LIBM1(fn)                                                 \

@@ -1,0 +1,179 @@
+// The Metal backend: MetalOps implements every op of csrc/backend/ops.h with the kernels of metal/*.metal
+// (the CPU backend, csrc/cpu, is its oracle). Host model (docs/ARCHITECTURE.md, "Writing a backend"):
+//   * buffers: one shared-storage MTL::Buffer per tensor (CPU and GPU see the same memory), zeroed;
+//   * weights: each registered checkpoint mapping is wrapped with newBufferWithBytesNoCopy where its base is
+//     16 KB aligned (Apple silicon's page), else copied once at load, and split into overlapping windows when it
+//     is larger than maxBufferLength; optimizations() says which and how many bytes;
+//   * pipelines: specialised by function constants (weight format, group size, cache dtype) and cached by the
+//     Device; one concurrent compute encoder per step (per command buffer), a memory barrier exactly where the
+//     HazardTracker starts a stage (on_stage_boundary) and inside the few ops that run two dependent kernels;
+//   * submission: submit() commits the step's command buffer without waiting and returns its fence; a completed
+//     handler marks the fence done, wait(fence) blocks on it. At most two command buffers are in flight (the decode
+//     loop's two alternating steps); opening a third waits for the oldest.
+// File map (one op family per file, as csrc/cpu): backend.cpp (buffers, mappings, steps, embed, add, copy, fill,
+// advance_position), matmul.cpp (matmul, moe_experts), norm.cpp, attention.cpp, gated_delta.cpp, moe.cpp
+// (moe_route, swiglu, moe_combine), sample.cpp.
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "backend/ops.h"
+#include "metal/device.h"
+
+namespace lily::metal {
+
+// One bound part of a weight: the buffer holding it, bound at a 16-byte aligned offset, and the element offset
+// of the part's first element from there (the kernels' WeightRef).
+struct BoundPart {
+  MTL::Buffer* buffer = nullptr;
+  size_t bind_offset = 0;
+  uint32_t element = 0;
+  size_t exact_offset() const;  // byte offset of the part itself
+  size_t elem_size = 1;
+};
+
+// Byte offsets of the grouped prefill experts' scratch inside the workspace (csrc/metal/matmul.cpp).
+struct MoeWorkspace {
+  int64_t max_tiles = 0;
+  size_t offsets = 0, pair_of = 0, position_of = 0, tiles = 0, tile_count = 0, act = 0, y = 0, bytes = 0;
+};
+MoeWorkspace moe_workspace(int64_t T, int64_t k, int64_t E, int64_t I, int64_t H);
+size_t sample_workspace_bytes(int64_t vocab);  // the seeded sampler's sort keys (csrc/metal/sample.cpp)
+
+class MetalOps final : public Ops {
+ public:
+  // msl: the kernel library's source (metal/*.metal concatenated; default: the one embedded at build time).
+  explicit MetalOps(const std::string& msl);
+  ~MetalOps() override;
+  const char* name() const override { return "metal"; }
+  std::string device() const override;
+
+  void release(Tensor& t) override;
+  size_t allocated_bytes() const override { return allocated_; }
+  int32_t register_mapping(const void* base, size_t bytes, const std::string& label) override;
+  size_t workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const override;
+  void wait(uint64_t fence) override;
+
+  std::string matmul_variant(const Weight& w, Phase phase) const override;
+  std::vector<std::string> optimizations() const override;
+
+  // What the host did (the report and the tests).
+  struct Counters {
+    int64_t command_buffers = 0, dispatches = 0, barriers = 0;  // since construction
+    int64_t last_dispatches = 0, last_barriers = 0;             // of the last submitted step
+    int64_t mappings_wrapped = 0, mappings_copied = 0, parts_copied = 0;
+    size_t wrapped_bytes = 0, copied_bytes = 0, part_copied_bytes = 0;
+    int64_t max_in_flight = 0;
+    int64_t mapping_windows = 0;  // Metal buffers the mappings became
+  };
+  const Counters& counters() const { return counters_; }
+  Device& metal_device() { return dev_; }
+  // Which attention kernel: "auto" (attention_gqa for decode, attention_rows for prefill), or one for every call
+  // (the tests compare each variant with the CPU on every shape).
+  void set_attention_variant(const std::string& v);
+
+ protected:
+  Tensor alloc_impl(const std::string& label, DType dtype, int64_t rows, int64_t cols) override;
+  void upload_impl(const Tensor& dst, const void* src) override;
+  void download_impl(const Tensor& src, void* dst) override;
+  void execute(OpKind kind, const OpRun& run) override;
+  void on_stage_boundary() override;
+  uint64_t submit_impl() override;
+  void abandon_impl() override;
+
+  void embed_impl(const Tensor& ids, const Weight& table, const Tensor& out) override;
+  void rms_norm_impl(const Tensor& x, const Tensor& w, const Tensor& out, float eps) override;
+  void matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) override;
+  void add_impl(const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void add_rms_norm_impl(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
+                         const Tensor& normed) override;
+  void attn_qk_prep_impl(const Tensor& qg, const Tensor& k, const Tensor& q_norm, const Tensor& k_norm,
+                         const Tensor& pos, const AttentionShape& s, const Tensor& q_out,
+                         const Tensor& gate_out, const Tensor& k_out) override;
+  void kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& pos, const Tensor& k_cache,
+                      const Tensor& v_cache, int64_t max_ctx, const AttentionShape& s) override;
+  void attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache, const Tensor& v_cache,
+                      const Tensor& pos, int64_t max_ctx, const AttentionShape& s, const Tensor& ws,
+                      const Tensor& out) override;
+  void conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in, const Tensor& state_out,
+                        const Tensor& out) override;
+  void gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
+                        const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out, const DeltaShape& s,
+                        const Tensor& ws, const Tensor& out) override;
+  void gated_rms_norm_impl(const Tensor& o, const Tensor& z, const Tensor& w, float eps,
+                           const Tensor& out) override;
+  void moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids,
+                      const Tensor& weights) override;
+  void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
+                        const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) override;
+  void swiglu_impl(const Tensor& gate, const Tensor& up, const Tensor& out) override;
+  void moe_combine_impl(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
+                        const Tensor& h) override;
+  void copy_impl(const Tensor& src, const Tensor& dst) override;
+  void fill_impl(const Tensor& dst, double value) override;
+  void advance_position_impl(const Tensor& pos_in, const Tensor& pos_out, int64_t T) override;
+  void sample_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p, const Tensor& ws,
+                   const Tensor& next_id) override;
+
+ private:
+  // ---- encoding (matmul.cpp and the family files use these) ----
+  Arg arg(const Tensor& t) const;  // the tensor's buffer at its byte offset
+  MTL::Buffer* buffer_of(const Tensor& t) const;
+  // A weight part (mapping id, byte offset, bytes, element size) ready to bind; misaligned parts are copied once.
+  BoundPart part(int32_t mapping, uint64_t offset, size_t bytes, size_t elem_size);
+  struct WeightBinding;
+  WeightBinding bind_weight(const Weight& w);
+  // Opens the step's command buffer and encoder when the first dispatch needs them.
+  Pass& pass();
+  void dispatch(const std::string& kernel, const std::vector<FunctionConstant>& constants, const std::vector<Arg>& args,
+                MTL::Size groups, MTL::Size threads, const std::vector<size_t>& threadgroup_bytes = {});
+  void barrier_in_op();  // between two dependent kernels of one op
+  bool grouped_experts(int64_t T, int64_t E) const;  // prefill rows: experts grouped on the GPU
+  void moe_experts_grouped(const Tensor& x, const Tensor& ids, const Tensor& weights, const WeightBinding& g,
+                           const WeightBinding& u, const WeightBinding& d, int64_t E, const Tensor& ws,
+                           const Tensor& out);
+  void check_contiguous(const Tensor& t, const char* op, const char* what) const;
+
+  Device dev_;
+  struct Buf {
+    Ref<MTL::Buffer> mtl;
+    size_t bytes = 0;
+    std::string label;
+  };
+  std::vector<Buf> bufs_;
+  std::vector<int32_t> free_ids_;
+  size_t allocated_ = 0;
+  struct Mapping {
+    std::vector<Ref<MTL::Buffer>> windows;  // one, or overlapping windows every `step` bytes (maxBufferLength)
+    size_t step = 0;
+    const char* base = nullptr;
+    size_t bytes = 0;
+    std::string label;
+    bool copied = false;
+  };
+  std::vector<Mapping> mappings_;
+  std::map<std::tuple<int32_t, uint64_t, size_t>, Ref<MTL::Buffer>> part_copies_;
+
+  std::unique_ptr<Pass> open_;  // the step being encoded
+  int64_t step_dispatches_ = 0, step_barriers_ = 0;  // of the step being encoded
+  struct InFlight {
+    uint64_t fence;
+    std::unique_ptr<Pass> pass;
+  };
+  std::deque<InFlight> flight_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::shared_ptr<struct FenceState> fences_;
+  Counters counters_;
+  bool drop_barriers_ = false;
+  std::string attention_variant_ = "auto";  // LILY_METAL_DROP_BARRIERS=1: the planted bug of the harness tests
+};
+
+}  // namespace lily::metal

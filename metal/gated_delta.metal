@@ -1,0 +1,124 @@
+// Gated DeltaNet (MODEL.md §5; oracle csrc/cpu/gated_delta.cpp; host csrc/metal/gated_delta.cpp).
+//   conv1d_silu: out[t, c] = silu(Σ_j w[c, j] · x[t - (K-1) + j, c]), rows before the chunk from the conv state
+//                [K-1, C] (oldest first); the state advances to the last K-1 pre-conv rows. Thread c owns channel c
+//                of input, state and output (in place when state_in = state_out). Grid ⌈C/64⌉, 64 threads.
+//                Taps summed j = 0..K-1 in order, as the CPU does. K ≤ 16.
+//   gated_delta_scan: the gated delta rule per value head j (key head j / (Hv/Hk), §12.6), in the order of §12.9:
+//                S ← α·S;  m = Sᵀk̂;  δ = β·(v − m);  S ← S + k̂ ⊗ δ;  o = Sᵀq̂;   q̂ = q / ‖q‖ / √Dk, k̂ = k / ‖k‖
+//                (eps 1e-6 on the sum of squares), β = σ(b), α = exp(−exp(A_log) · softplus(a + dt_bias)), all fp32.
+//                Register-resident: one threadgroup per value head, thread e owns column e of S (Dk floats held in
+//                registers from the first token to the last), so m[e] and o[e] are per-thread sums (ascending i,
+//                the CPU's order) and no barrier or threadgroup memory is needed; every thread recomputes the
+//                head's norms and gates (Dk reads each, from cache). State read once from state_in and written
+//                once to state_out per call. Grid Hv, Dv threads (Dv ≤ 1024, Dk ≤ 256). Instantiated per register
+//                budget: gated_delta_scan_{32,64,128,256} hold that many floats of S per thread.
+// Buffers: qkv f32 [T, 2·Hk·Dk + Hv·Dv] (after conv1d_silu), b, a f32 [T, Hv], A_log, dt_bias f32 [Hv],
+//          S f32 [Hv·Dk, Dv] (Lily's layout, csrc/model/qwen36.h), out f32 [T, Hv·Dv].
+// Floor (real model, decode): the state crosses memory once each way, 2 · 32 · 128 · 128 · 4 B = 4 MiB per layer;
+//          T · Hv · Dk · Dv · 8 FLOPs. No function constants.
+#include <metal_stdlib>
+using namespace metal;
+
+// Shared with csrc/metal/gated_delta.cpp.
+struct ConvShape {
+  uint T, C, K;
+  uint ld_x, ld_out, ld_state_in, ld_state_out;
+};
+
+struct DeltaScanShape {
+  uint T, k_heads, v_heads, Dk, Dv;
+  uint ld_qkv, ld_b, ld_a, ld_out, ld_state_in, ld_state_out;
+};
+
+inline float delta_silu(float x) { return x / (1.0f + exp(-x)); }
+inline float delta_sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
+inline float delta_softplus(float x) { return x > 20.0f ? x : log(1.0f + exp(x)); }
+
+// Σ a[i]² in the CPU's order (csrc/cpu/reduce.h: sixteen partial sums, a pairwise tree, then the tail).
+inline float delta_sum_squares(device const float* a, uint n) {
+  float part[16];
+  for (uint l = 0; l < 16; ++l) part[l] = 0.0f;
+  uint i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (uint l = 0; l < 16; ++l) part[l] += a[i + l] * a[i + l];
+  for (uint w = 8; w >= 1; w /= 2)
+    for (uint l = 0; l < w; ++l) part[l] += part[l + w];
+  float s = part[0];
+  for (; i < n; ++i) s += a[i] * a[i];
+  return s;
+}
+
+[[kernel]] void conv1d_silu(device const float* x [[buffer(0)]],
+                            device const float* w [[buffer(1)]],
+                            device const float* state_in [[buffer(2)]],
+                            device float* state_out [[buffer(3)]],
+                            device float* out [[buffer(4)]],
+                            constant ConvShape& s [[buffer(5)]],
+                            uint c [[thread_position_in_grid]]) {
+  constexpr uint kMaxTaps = 16;
+  if (c >= s.C) return;
+  const uint S = s.K - 1;
+  float hist[kMaxTaps];  // the last S pre-conv values of this channel, oldest first
+  for (uint r = 0; r < S; ++r) hist[r] = state_in[ulong(r) * s.ld_state_in + c];
+  for (uint t = 0; t < s.T; ++t) {
+    const float cur = x[ulong(t) * s.ld_x + c];
+    float acc = 0.0f;
+    for (uint j = 0; j < S; ++j) acc += w[ulong(c) * s.K + j] * hist[j];
+    acc += w[ulong(c) * s.K + S] * cur;
+    out[ulong(t) * s.ld_out + c] = delta_silu(acc);
+    for (uint r = 0; r + 1 < S; ++r) hist[r] = hist[r + 1];
+    if (S > 0) hist[S - 1] = cur;
+  }
+  for (uint r = 0; r < S; ++r) state_out[ulong(r) * s.ld_state_out + c] = hist[r];
+}
+
+template <uint MaxDk>
+[[kernel]] void gated_delta_scan(device const float* qkv [[buffer(0)]],
+                                 device const float* b [[buffer(1)]],
+                                 device const float* a [[buffer(2)]],
+                                 device const float* A_log [[buffer(3)]],
+                                 device const float* dt_bias [[buffer(4)]],
+                                 device const float* state_in [[buffer(5)]],
+                                 device float* state_out [[buffer(6)]],
+                                 device float* out [[buffer(7)]],
+                                 constant DeltaScanShape& s [[buffer(8)]],
+                                 uint j [[threadgroup_position_in_grid]],
+                                 uint e [[thread_position_in_threadgroup]]) {
+  if (e >= s.Dv) return;
+  const uint Dk = s.Dk, kh = j / (s.v_heads / s.k_heads), key_dim = s.k_heads * Dk;
+  float S[MaxDk];
+  for (uint i = 0; i < Dk; ++i) S[i] = state_in[(ulong(j) * Dk + i) * s.ld_state_in + e];
+  const float neg_A = -exp(A_log[j]);
+  const float q_scale = 1.0f / sqrt(float(Dk));
+  for (uint t = 0; t < s.T; ++t) {
+    device const float* row = qkv + ulong(t) * s.ld_qkv;
+    device const float* q = row + kh * Dk;
+    device const float* k = row + key_dim + kh * Dk;
+    const float v = row[2 * key_dim + j * s.Dv + e];
+    const float rq = q_scale / sqrt(delta_sum_squares(q, Dk) + 1e-6f);
+    const float rk = 1.0f / sqrt(delta_sum_squares(k, Dk) + 1e-6f);
+    const float beta = delta_sigmoid(b[ulong(t) * s.ld_b + j]);
+    const float alpha = exp(neg_A * delta_softplus(a[ulong(t) * s.ld_a + j] + dt_bias[j]));
+    // §5.4: decay first, then read with the decayed state.
+    float m = 0.0f;
+    for (uint i = 0; i < Dk; ++i) {
+      S[i] = S[i] * alpha;
+      m += (k[i] * rk) * S[i];
+    }
+    const float delta = beta * (v - m);
+    float o = 0.0f;
+    for (uint i = 0; i < Dk; ++i) {
+      S[i] += (k[i] * rk) * delta;
+      o += (q[i] * rq) * S[i];
+    }
+    out[ulong(t) * s.ld_out + j * s.Dv + e] = o;
+  }
+  for (uint i = 0; i < Dk; ++i) state_out[(ulong(j) * Dk + i) * s.ld_state_out + e] = S[i];
+}
+
+// The state column's registers sized by the key head dim (the host picks the smallest MaxDk >= Dk; the real
+// model's Dk = 128 keeps 128 floats per thread).
+template [[host_name("gated_delta_scan_32")]] [[kernel]] decltype(gated_delta_scan<32>) gated_delta_scan<32>;
+template [[host_name("gated_delta_scan_64")]] [[kernel]] decltype(gated_delta_scan<64>) gated_delta_scan<64>;
+template [[host_name("gated_delta_scan_128")]] [[kernel]] decltype(gated_delta_scan<128>) gated_delta_scan<128>;
+template [[host_name("gated_delta_scan_256")]] [[kernel]] decltype(gated_delta_scan<256>) gated_delta_scan<256>;

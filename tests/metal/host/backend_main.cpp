@@ -1,0 +1,912 @@
+// The Metal backend (csrc/metal, MetalOps) against the CPU backend (csrc/cpu, CpuOps, the oracle), op by op and
+// end to end, on the fake Metal runtime with the real kernels (metal/*.metal) in the MSL emulator.
+// tests/metal/test_backend.py runs it.
+//
+// usage: backend_main ops [--only NAME] METAL_FILE...
+//        backend_main model [--layers-spec NAME] METAL_FILE...
+// ops:   every op of csrc/backend/ops.h on fresh random inputs (never zeros), at real-model-like and awkward
+//        shapes, each in its own step on both backends; prints "op <name> <case>: max_err <e> tol <t> ok|FAIL" and
+//        exits 1 when any case fails. Integer outputs (ids, positions, sampler state) must match exactly.
+// model: a tiny random Qwen3.6 (DeltaNet and attention layers, 4-bit and dense weights, stacked experts) loaded
+//        into both backends through csrc/model/loader.cpp and driven by the real Session (chunked prefill, the
+//        decode loop with two alternating command buffers, snapshot/restore): logits and greedy tokens compared.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cpu/backend.h"
+#include "metal/backend.h"
+#include "model/config.h"
+#include "model/loader.h"
+#include "model/qwen36.h"
+#include "runtime/mt19937.h"
+#include "runtime/session.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+using namespace lily;
+
+namespace {
+
+std::string read_all(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot read " + path);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+std::mt19937_64 g_rng(1234);
+float signed_uniform() {  // magnitudes in [0.1, 1), both signs: zeros hide indexing mistakes
+  std::uniform_real_distribution<float> u(0.1f, 1.f);
+  return (g_rng() & 1 ? -1.f : 1.f) * u(g_rng);
+}
+std::vector<float> randv(size_t n, float scale = 1.f) {
+  std::vector<float> v(n);
+  for (auto& x : v) x = signed_uniform() * scale;
+  return v;
+}
+
+// ---- weights in one host blob (a "checkpoint mapping"), 16 KB aligned so Metal wraps it without a copy ----
+struct Blob {
+  size_t cap, used = 0;
+  uint8_t* p;
+  explicit Blob(size_t bytes, size_t misalign = 0) : cap(bytes) {
+    p = static_cast<uint8_t*>(std::aligned_alloc(16384, (bytes + misalign + 16383) / 16384 * 16384));
+    std::memset(p, 0, (bytes + misalign + 16383) / 16384 * 16384);
+    p += misalign;
+    base_misalign = misalign;
+  }
+  ~Blob() { std::free(p - base_misalign); }
+  size_t base_misalign;
+  uint64_t take(size_t n, size_t align = 64) {
+    used = (used + align - 1) / align * align;
+    const uint64_t off = used;
+    used += n;
+    if (used > cap) throw std::runtime_error("blob too small");
+    return off;
+  }
+};
+
+uint16_t f32_bf16(float f) { return f32_to_bf16(f); }
+uint16_t f32_f16(float f) {  // round to nearest even (values here are small normals)
+  _Float16 h = _Float16(f);
+  uint16_t b;
+  std::memcpy(&b, &h, 2);
+  return b;
+}
+
+// A random weight [rows, cols] (E stacked experts) of the given format written into the blob.
+Weight make_weight(Blob& blob, int32_t mapping, const std::string& fmt, int64_t rows, int64_t cols, int64_t E = 0,
+                   size_t extra_offset = 0) {
+  Weight w;
+  w.rows = rows;
+  w.cols = cols;
+  w.mapping = w.scale_mapping = w.bias_mapping = mapping;
+  w.experts = E;
+  const int64_t n = E ? E : 1;
+  const float scale = 1.f / std::sqrt(float(cols));
+  if (fmt == "f32" || fmt == "bf16" || fmt == "f16") {
+    w.kind = WeightFormat::Kind::Dense;
+    w.dtype = fmt == "f32" ? DType::F32 : fmt == "bf16" ? DType::BF16 : DType::F16;
+    const size_t per = w.row_bytes() * size_t(rows);
+    w.data = blob.take(per * size_t(n) + extra_offset) + extra_offset;
+    w.data_stride = E ? per : 0;
+    for (int64_t i = 0; i < n * rows * cols; ++i) {
+      const float v = signed_uniform() * scale;
+      uint8_t* d = blob.p + w.data;
+      if (w.dtype == DType::F32) std::memcpy(d + i * 4, &v, 4);
+      else {
+        const uint16_t b = w.dtype == DType::BF16 ? f32_bf16(v) : f32_f16(v);
+        std::memcpy(d + i * 2, &b, 2);
+      }
+    }
+    return w;
+  }
+  // "q4g64-bf16", "q8g32-f16", ...
+  w.kind = WeightFormat::Kind::Affine;
+  w.bits = fmt[1] - '0';
+  w.group = std::stoi(fmt.substr(3, fmt.find('-') - 3));
+  w.scale_dtype = fmt.substr(fmt.find('-') + 1) == "bf16" ? DType::BF16 : DType::F16;
+  const size_t cb = w.row_bytes() * size_t(rows), sb = w.scale_bytes();
+  w.data = blob.take(cb * size_t(n));
+  w.scales = blob.take(sb * size_t(n));
+  w.biases = blob.take(sb * size_t(n));
+  if (E) w.data_stride = cb, w.scale_stride = sb, w.bias_stride = sb;
+  for (size_t i = 0; i < cb * size_t(n); ++i) blob.p[w.data + i] = uint8_t(g_rng());
+  const float qmax = float((1 << w.bits) - 1);
+  for (size_t i = 0; i < sb / 2 * size_t(n); ++i) {
+    const float s = scale * 2.f / qmax * (0.5f + 0.5f * std::fabs(signed_uniform()));
+    const float b = -s * qmax / 2.f + 0.1f * scale * signed_uniform();
+    const uint16_t sv = w.scale_dtype == DType::BF16 ? f32_bf16(s) : f32_f16(s);
+    const uint16_t bv = w.scale_dtype == DType::BF16 ? f32_bf16(b) : f32_f16(b);
+    std::memcpy(blob.p + w.scales + i * 2, &sv, 2);
+    std::memcpy(blob.p + w.biases + i * 2, &bv, 2);
+  }
+  return w;
+}
+
+// ---- the two backends side by side ----
+struct Both {
+  cpu::CpuOps cpu{cpu::CpuOptions{1}};
+  metal::MetalOps mtl;
+  explicit Both(const std::string& msl) : mtl(msl) {}
+  struct T2 {
+    Tensor c, m;
+  };
+  T2 alloc(DType dt, int64_t rows, int64_t cols, const void* data = nullptr) {
+    T2 t{cpu.alloc("t", dt, rows, cols), mtl.alloc("t", dt, rows, cols)};
+    if (data) cpu.upload(t.c, data), mtl.upload(t.m, data);
+    return t;
+  }
+  T2 f32(int64_t rows, int64_t cols, float scale = 1.f) {
+    auto v = randv(size_t(rows * cols), scale);
+    return alloc(DType::F32, rows, cols, v.data());
+  }
+  T2 i32(int64_t rows, int64_t cols, const std::vector<int32_t>& v) { return alloc(DType::I32, rows, cols, v.data()); }
+  void run(Phase ph, const std::function<void(Ops&, bool metal)>& f) {
+    for (int which = 0; which < 2; ++which) {
+      Ops& o = which ? static_cast<Ops&>(mtl) : static_cast<Ops&>(cpu);
+      o.begin(ph);
+      try {
+        f(o, which == 1);
+      } catch (...) {
+        o.abandon();
+        throw;
+      }
+      o.wait(o.submit());
+    }
+  }
+  template <class V>
+  std::vector<V> get(Ops& o, const Tensor& t) {
+    std::vector<V> v(size_t(t.rows * t.cols) * dtype_size(t.dtype) / sizeof(V));
+    o.download(t, v.data());
+    return v;
+  }
+};
+
+int g_failures = 0;
+std::string g_only;
+
+bool wanted(const std::string& op) { return g_only.empty() || g_only == op; }
+
+// Worst |metal − cpu| relative to the largest |cpu| of the output (fp32 reordering error is ~1e-6 of it).
+void check_f32(Both& b, const std::string& op, const std::string& name, const Both::T2& t, double tol = 2e-5) {
+  auto c = b.get<float>(b.cpu, t.c);
+  auto m = b.get<float>(b.mtl, t.m);
+  double scale = 1e-30, err = 0;
+  size_t bad = 0;
+  for (float x : c) scale = std::max(scale, double(std::fabs(x)));
+  for (size_t i = 0; i < c.size(); ++i) {
+    const double e = std::isfinite(m[i]) ? std::fabs(double(m[i]) - c[i]) / scale : INFINITY;
+    if (e > err) err = e, bad = i;
+  }
+  const bool ok = err <= tol;
+  printf("op %s %s: max_err %.3g tol %.3g %s", op.c_str(), name.c_str(), err, tol, ok ? "ok\n" : "FAIL");
+  if (!ok) printf(" (element %zu: cpu %.9g metal %.9g)\n", bad, c[bad], m[bad]), ++g_failures;
+}
+
+void check_i32(Both& b, const std::string& op, const std::string& name, const Both::T2& t) {
+  auto c = b.get<int32_t>(b.cpu, t.c);
+  auto m = b.get<int32_t>(b.mtl, t.m);
+  size_t diff = 0;
+  for (size_t i = 0; i < c.size(); ++i) diff += c[i] != m[i];
+  printf("op %s %s: %zu of %zu differ %s\n", op.c_str(), name.c_str(), diff, c.size(), diff ? "FAIL" : "ok");
+  g_failures += diff != 0;
+}
+
+void check_u16(Both& b, const std::string& op, const std::string& name, const Both::T2& t) {
+  auto c = b.get<uint16_t>(b.cpu, t.c);
+  auto m = b.get<uint16_t>(b.mtl, t.m);
+  size_t diff = 0;
+  for (size_t i = 0; i < c.size(); ++i) diff += c[i] != m[i];
+  printf("op %s %s: %zu of %zu differ %s\n", op.c_str(), name.c_str(), diff, c.size(), diff ? "FAIL" : "ok");
+  g_failures += diff != 0;
+}
+
+int run_ops(const std::string& msl) {
+  Both b(msl);
+  Blob blob(4 << 20);
+  const int32_t mc = b.cpu.register_mapping(blob.p, blob.cap, "weights");
+  const int32_t mm = b.mtl.register_mapping(blob.p, blob.cap, "weights");
+  if (mc != mm) throw std::runtime_error("mapping ids differ");
+  // A mapping that is not 16 KB aligned: copied at load (so its weights are written before it is registered).
+  Blob odd(1 << 20, 4096);
+  const int32_t modd = mc + 1;
+  const Weight odd_weight = make_weight(odd, modd, "q8g32-f16", 11, 96);
+  b.cpu.register_mapping(odd.p, odd.cap, "odd");
+  if (b.mtl.register_mapping(odd.p, odd.cap, "odd") != modd) throw std::runtime_error("mapping ids differ");
+
+  // ---- matmul and embed: every format, decode (GEMV, qmv4 for 4-bit) and prefill rows ----
+  struct MatCase { std::string fmt; int64_t N, K, T; Phase ph; bool odd_map; size_t misalign; };
+  const std::vector<MatCase> mats = {
+      {"q4g64-bf16", 37, 192, 1, Phase::Decode, false, 0},  {"q4g64-bf16", 37, 192, 5, Phase::Prefill, false, 0},
+      {"q4g32-f16", 13, 320, 1, Phase::Decode, false, 0},   {"q4g128-bf16", 9, 256, 3, Phase::Prefill, false, 0},
+      {"q8g64-bf16", 40, 128, 1, Phase::Decode, false, 0},  {"q8g32-f16", 11, 96, 4, Phase::Prefill, true, 0},
+      {"f32", 21, 70, 3, Phase::Prefill, false, 0},        {"bf16", 33, 96, 1, Phase::Decode, false, 0},
+      {"f16", 7, 48, 2, Phase::Prefill, false, 0},         {"bf16", 5, 64, 2, Phase::Decode, false, 1},
+  };
+  if (wanted("matmul") || wanted("embed"))
+    for (const auto& c : mats) {
+      const size_t misalign_bytes = c.misalign;  // a dense part at an odd byte offset: copied once, reported
+      Weight w = c.odd_map ? odd_weight : make_weight(blob, mc, c.fmt, c.N, c.K, 0, misalign_bytes);
+      const std::string name = c.fmt + " [" + std::to_string(c.N) + "x" + std::to_string(c.K) + "] T=" +
+                               std::to_string(c.T) + (c.ph == Phase::Decode ? " decode" : " prefill") +
+                               (c.odd_map ? " copied-mapping" : "") + (c.misalign ? " misaligned-part" : "");
+      if (wanted("matmul")) {
+        auto x = b.f32(c.T, c.K);
+        auto y = b.alloc(DType::F32, c.T, c.N);
+        b.run(c.ph, [&](Ops& o, bool m) { o.matmul(m ? x.m : x.c, w, m ? y.m : y.c); });
+        check_f32(b, "matmul", name + " " + b.mtl.matmul_variant(w, c.ph), y);
+      }
+      if (wanted("embed")) {
+        std::vector<int32_t> idv;
+        for (int64_t t = 0; t < c.T + 2; ++t) idv.push_back(int32_t(g_rng() % uint64_t(c.N)));
+        auto ids = b.i32(c.T + 2, 1, idv);
+        auto out = b.alloc(DType::F32, c.T + 2, c.K);
+        b.run(c.ph, [&](Ops& o, bool m) { o.embed(m ? ids.m : ids.c, w, m ? out.m : out.c); });
+        check_f32(b, "embed", name, out, 0);
+      }
+    }
+
+  // ---- norms, add ----
+  for (auto [T, D, seg] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{1, 96, 96}, {5, 2048, 2048}, {3, 64, 16}}) {
+    const std::string name = "T=" + std::to_string(T) + " D=" + std::to_string(D) + " seg=" + std::to_string(seg);
+    auto x = b.f32(T, D, 3.f), y = b.f32(T, D), w = b.f32(1, seg), out = b.alloc(DType::F32, T, D);
+    if (wanted("rms_norm")) {
+      b.run(Phase::Prefill, [&](Ops& o, bool m) { o.rms_norm(m ? x.m : x.c, m ? w.m : w.c, m ? out.m : out.c, 1e-6f); });
+      check_f32(b, "rms_norm", name, out);
+    }
+    if (wanted("add")) {
+      b.run(Phase::Prefill, [&](Ops& o, bool m) { o.add(m ? x.m : x.c, m ? y.m : y.c, m ? out.m : out.c); });
+      check_f32(b, "add", name, out, 0);
+    }
+    if (wanted("add_rms_norm")) {  // sum aliases a, as the graph uses it
+      auto a = b.f32(T, D), n = b.alloc(DType::F32, T, D);
+      b.run(Phase::Prefill, [&](Ops& o, bool m) {
+        o.add_rms_norm(m ? a.m : a.c, m ? y.m : y.c, m ? w.m : w.c, 1e-6f, m ? a.m : a.c, m ? n.m : n.c);
+      });
+      check_f32(b, "add_rms_norm", name + " sum", a, 0);
+      check_f32(b, "add_rms_norm", name + " normed", n);
+    }
+    if (wanted("gated_rms_norm")) {
+      auto z = b.f32(T, D, 2.f);
+      b.run(Phase::Prefill, [&](Ops& o, bool m) {
+        o.gated_rms_norm(m ? x.m : x.c, m ? z.m : z.c, m ? w.m : w.c, 1e-6f, m ? out.m : out.c);
+      });
+      check_f32(b, "gated_rms_norm", name, out);
+    }
+    if (wanted("swiglu")) {
+      b.run(Phase::Prefill, [&](Ops& o, bool m) { o.swiglu(m ? x.m : x.c, m ? y.m : y.c, m ? out.m : out.c); });
+      check_f32(b, "swiglu", name, out, 1e-6);
+    }
+    if (wanted("moe_combine")) {
+      auto h = b.f32(T, D), sg = b.f32(T, 1, 2.f);
+      b.run(Phase::Prefill, [&](Ops& o, bool m) { o.moe_combine(m ? x.m : x.c, m ? y.m : y.c, m ? sg.m : sg.c, m ? h.m : h.c); });
+      check_f32(b, "moe_combine", name, h, 1e-6);
+    }
+  }
+
+  // ---- attention: q/k prep (RoPE at small and large positions), the cache, attention ----
+  struct AttnCase { int64_t heads, kv, D, rd, T, pos, max_ctx; bool bf16; Phase ph; };
+  for (const auto& c : std::vector<AttnCase>{{6, 2, 32, 8, 5, 33, 70, false, Phase::Prefill},
+                                             {4, 1, 64, 16, 1, 64, 70, false, Phase::Decode},
+                                             {6, 2, 16, 8, 3, 100000, 100010, false, Phase::Prefill},
+                                             {8, 2, 32, 8, 1, 40, 48, true, Phase::Decode},
+                                             {3, 3, 48, 48, 2, 0, 8, false, Phase::Prefill},
+                                             // the real model's attention: 16 heads over 2, D 256, rotary 64
+                                             {16, 2, 256, 64, 1, 300, 320, true, Phase::Decode}}) {
+    const std::string name = "heads=" + std::to_string(c.heads) + "/" + std::to_string(c.kv) + " D=" +
+                             std::to_string(c.D) + " rd=" + std::to_string(c.rd) + " T=" + std::to_string(c.T) +
+                             " pos=" + std::to_string(c.pos) + (c.bf16 ? " bf16-cache" : "");
+    AttentionShape s{c.heads, c.kv, c.D, c.rd, 1e7, 1e-6f};
+    auto pos = b.i32(1, 1, {int32_t(c.pos)});
+    auto qg = b.f32(c.T, 2 * c.heads * c.D, 2.f), k = b.f32(c.T, c.kv * c.D, 2.f), v = b.f32(c.T, c.kv * c.D);
+    auto qn = b.f32(1, c.D), kn = b.f32(1, c.D);
+    auto q = b.alloc(DType::F32, c.T, c.heads * c.D), gate = b.alloc(DType::F32, c.T, c.heads * c.D);
+    auto kr = b.alloc(DType::F32, c.T, c.kv * c.D);
+    if (wanted("attn_qk_prep") || wanted("attention")) {
+      b.run(c.ph, [&](Ops& o, bool m) {
+        o.attn_qk_prep(m ? qg.m : qg.c, m ? k.m : k.c, m ? qn.m : qn.c, m ? kn.m : kn.c, m ? pos.m : pos.c, s,
+                       m ? q.m : q.c, m ? gate.m : gate.c, m ? kr.m : kr.c);
+      });
+      check_f32(b, "attn_qk_prep", name + " q", q, 2e-6);
+      check_f32(b, "attn_qk_prep", name + " gate", gate, 0);
+      check_f32(b, "attn_qk_prep", name + " k", kr, 2e-6);
+      // The cache and attention below get the CPU's prepared q, gate and k on both backends.
+      for (auto* t : {&q, &gate, &kr}) {
+        auto v = b.get<float>(b.cpu, t->c);
+        b.mtl.upload(t->m, v.data());
+      }
+    }
+    if (!wanted("attention") || c.max_ctx > 1000) continue;
+    // A cache already holding random rows before pos (the context), then this step's rows appended.
+    const DType cd = c.bf16 ? DType::BF16 : DType::F32;
+    const int64_t rows = c.kv * c.max_ctx;
+    Both::T2 kc, vc;
+    if (c.bf16) {
+      std::vector<uint16_t> kb(size_t(rows * c.D)), vb(kb.size());
+      for (auto& x : kb) x = f32_bf16(signed_uniform());
+      for (auto& x : vb) x = f32_bf16(signed_uniform());
+      kc = b.alloc(cd, rows, c.D, kb.data()), vc = b.alloc(cd, rows, c.D, vb.data());
+    } else {
+      kc = b.f32(rows, c.D), vc = b.f32(rows, c.D);
+    }
+    auto out = b.alloc(DType::F32, c.T, c.heads * c.D);
+    // CPU workspace sized as the CPU wants it (the Metal kernel needs none).
+    ModelConfig cfg;
+    cfg.heads = c.heads, cfg.kv_heads = c.kv, cfg.head_dim = c.D;
+    auto ws = b.alloc(DType::F32, 1, int64_t(cpu::attention_workspace_bytes(cfg, c.T, c.max_ctx, 1) / 4 + 16));
+    b.run(c.ph, [&](Ops& o, bool m) {
+      o.kv_append(m ? kr.m : kr.c, m ? v.m : v.c, m ? pos.m : pos.c, m ? kc.m : kc.c, m ? vc.m : vc.c, c.max_ctx, s);
+    });
+    if (c.bf16) check_u16(b, "kv_append", name + " k", kc), check_u16(b, "kv_append", name + " v", vc);
+    else check_f32(b, "kv_append", name + " k", kc, 0), check_f32(b, "kv_append", name + " v", vc, 0);
+    for (const char* variant : {"rows", "gqa"}) {  // each Metal variant against the CPU, whatever the selector picks
+      b.mtl.set_attention_variant(variant);
+      b.run(c.ph, [&](Ops& o, bool m) {
+        o.attention(m ? q.m : q.c, m ? gate.m : gate.c, m ? kc.m : kc.c, m ? vc.m : vc.c, m ? pos.m : pos.c, c.max_ctx,
+                    s, m ? ws.m : ws.c, m ? out.m : out.c);
+      });
+      check_f32(b, "attention", name + " attention_" + variant, out, 1e-5);
+    }
+    b.mtl.set_attention_variant("auto");
+  }
+
+  // ---- DeltaNet: conv, the scan (in and out of place) ----
+  struct DeltaCase { int64_t Hk, Hv, Dk, Dv, T; bool in_place; };
+  for (const auto& c : std::vector<DeltaCase>{{2, 4, 16, 24, 1, false}, {2, 4, 16, 24, 6, true}, {3, 3, 32, 32, 3, false},
+                                              {1, 2, 128, 128, 2, true}, {1, 1, 48, 40, 3, false}}) {
+    const std::string name = "Hk=" + std::to_string(c.Hk) + " Hv=" + std::to_string(c.Hv) + " Dk=" + std::to_string(c.Dk) +
+                             " Dv=" + std::to_string(c.Dv) + " T=" + std::to_string(c.T) + (c.in_place ? " in-place" : "");
+    const int64_t C = 2 * c.Hk * c.Dk + c.Hv * c.Dv, K = 4;
+    auto mixed = b.f32(c.T, C), cw = b.f32(C, K, 0.5f), cs = b.f32(K - 1, C), qkv = b.alloc(DType::F32, c.T, C);
+    auto cs2 = c.in_place ? cs : b.alloc(DType::F32, K - 1, C);
+    if (wanted("conv1d_silu")) {
+      b.run(Phase::Prefill, [&](Ops& o, bool m) {
+        o.conv1d_silu(m ? mixed.m : mixed.c, m ? cw.m : cw.c, m ? cs.m : cs.c, m ? cs2.m : cs2.c, m ? qkv.m : qkv.c);
+      });
+      check_f32(b, "conv1d_silu", name + " out", qkv, 1e-6);
+      check_f32(b, "conv1d_silu", name + " state", cs2, 0);
+    }
+    if (!wanted("gated_delta")) continue;
+    auto x = b.f32(c.T, C), bb = b.f32(c.T, c.Hv, 2.f), aa = b.f32(c.T, c.Hv, 2.f), Al = b.f32(1, c.Hv),
+         dt = b.f32(1, c.Hv), S = b.f32(c.Hv * c.Dk, c.Dv, 0.5f);
+    auto S2 = c.in_place ? S : b.alloc(DType::F32, c.Hv * c.Dk, c.Dv);
+    auto out = b.alloc(DType::F32, c.T, c.Hv * c.Dv);
+    ModelConfig cfg;
+    cfg.lin_k_dim = c.Dk, cfg.lin_v_dim = c.Dv;
+    auto ws = b.alloc(DType::F32, 1, int64_t(cpu::delta_workspace_bytes(cfg, 1) / 4 + 16));
+    DeltaShape ds{c.Hk, c.Hv, c.Dk, c.Dv, K, 1e-6f};
+    b.run(Phase::Prefill, [&](Ops& o, bool m) {
+      o.gated_delta(m ? x.m : x.c, m ? bb.m : bb.c, m ? aa.m : aa.c, m ? Al.m : Al.c, m ? dt.m : dt.c, m ? S.m : S.c,
+                    m ? S2.m : S2.c, ds, m ? ws.m : ws.c, m ? out.m : out.c);
+    });
+    check_f32(b, "gated_delta", name + " out", out, 1e-5);
+    check_f32(b, "gated_delta", name + " state", S2, 1e-5);
+  }
+
+  // ---- MoE: routing and the experts ----
+  struct MoeCase { int64_t T, E, k, H, I; std::string fmt; Phase ph; };
+  for (const auto& c : std::vector<MoeCase>{{5, 6, 3, 96, 48, "bf16", Phase::Prefill}, {1, 40, 8, 128, 64, "q4g64-bf16", Phase::Decode},
+                                            {7, 16, 4, 128, 64, "q4g64-f16", Phase::Prefill}, {2, 8, 2, 64, 64, "q8g64-bf16", Phase::Decode},
+                                            {20, 4, 2, 64, 64, "q4g64-bf16", Phase::Prefill}}) {
+    const std::string name = "T=" + std::to_string(c.T) + " E=" + std::to_string(c.E) + " k=" + std::to_string(c.k) +
+                             " H=" + std::to_string(c.H) + " I=" + std::to_string(c.I) + " " + c.fmt;
+    if (!wanted("moe_route") && !wanted("moe_experts")) continue;
+    auto logits = b.f32(c.T, c.E, 3.f);
+    auto ids = b.alloc(DType::I32, c.T, c.k), wts = b.alloc(DType::F32, c.T, c.k);
+    ModelConfig cfg;
+    cfg.experts = c.E, cfg.topk = c.k, cfg.hidden = c.H, cfg.moe_inter = c.I;
+    const size_t wsb = std::max(cpu::moe_workspace_bytes(cfg, c.T, 1), b.mtl.workspace_bytes(cfg, c.T, 1));
+    auto ws = b.alloc(DType::F32, 1, int64_t(wsb / 4 + 16));
+    b.run(c.ph, [&](Ops& o, bool m) { o.moe_route(m ? logits.m : logits.c, c.k, m ? ws.m : ws.c, m ? ids.m : ids.c, m ? wts.m : wts.c); });
+    if (wanted("moe_route")) check_i32(b, "moe_route", name + " ids", ids), check_f32(b, "moe_route", name + " weights", wts, 1e-6);
+    if (!wanted("moe_experts")) continue;
+    Weight g = make_weight(blob, mc, c.fmt, c.I, c.H, c.E), u = make_weight(blob, mc, c.fmt, c.I, c.H, c.E),
+           d = make_weight(blob, mc, c.fmt, c.H, c.I, c.E);
+    auto x = b.f32(c.T, c.H), out = b.f32(c.T, c.H);
+    b.run(c.ph, [&](Ops& o, bool m) {
+      o.moe_experts(m ? x.m : x.c, m ? ids.m : ids.c, m ? wts.m : wts.c, g, u, d, m ? ws.m : ws.c, m ? out.m : out.c);
+    });
+    check_f32(b, "moe_experts", name + (c.ph == Phase::Prefill ? " grouped" : " per-pair"), out, 2e-5);
+    if (c.ph == Phase::Prefill) {
+      // The grouped prefill path and the per-pair (decode) kernels build every sum in the same order: same bits.
+      auto again = b.alloc(DType::F32, c.T, c.H);
+      b.mtl.begin(Phase::Decode);
+      b.mtl.moe_experts(x.m, ids.m, wts.m, g, u, d, ws.m, again.m);
+      b.mtl.wait(b.mtl.submit());
+      const auto grouped = b.get<float>(b.mtl, out.m), pairs = b.get<float>(b.mtl, again.m);
+      const bool same = std::memcmp(grouped.data(), pairs.data(), grouped.size() * 4) == 0;
+      printf("op moe_experts %s grouped == per-pair: %s\n", name.c_str(), same ? "bitwise ok" : "DIFFER FAIL");
+      g_failures += !same;
+    }
+  }
+
+  // ---- copies, fills, the position, sampling ----
+  if (wanted("copy")) {
+    auto a = b.f32(5, 33), a16 = b.alloc(DType::BF16, 5, 33), back = b.alloc(DType::F32, 5, 33);
+    auto iv = b.i32(2, 3, {1, -2, 3, 4, 5, 1 << 30}), io = b.alloc(DType::I32, 2, 3);
+    b.run(Phase::Prefill, [&](Ops& o, bool m) {
+      o.copy(m ? a.m : a.c, m ? a16.m : a16.c);
+      o.copy(m ? iv.m : iv.c, m ? io.m : io.c);
+    });
+    b.run(Phase::Prefill, [&](Ops& o, bool m) { o.copy((m ? a16.m : a16.c).rows_view(1, 3), (m ? back.m : back.c).rows_view(2, 3)); });
+    check_u16(b, "copy", "f32->bf16", a16);
+    check_f32(b, "copy", "bf16->f32 rows", back, 0);
+    check_i32(b, "copy", "i32", io);
+  }
+  if (wanted("fill")) {
+    auto f = b.f32(3, 7), i = b.alloc(DType::I32, 4, 5), h = b.alloc(DType::BF16, 2, 9);
+    b.run(Phase::Prefill, [&](Ops& o, bool m) {
+      o.fill((m ? f.m : f.c).rows_view(1, 2), -2.5);
+      o.fill(m ? i.m : i.c, 7);
+      o.fill(m ? h.m : h.c, 0.3);
+    });
+    check_f32(b, "fill", "f32 rows", f, 0);
+    check_i32(b, "fill", "i32", i);
+    check_u16(b, "fill", "bf16", h);
+  }
+  if (wanted("advance_position")) {
+    auto p = b.i32(1, 1, {41}), q = b.alloc(DType::I32, 1, 1);
+    b.run(Phase::Decode, [&](Ops& o, bool m) { o.advance_position(m ? p.m : p.c, m ? q.m : q.c, 7); });
+    b.run(Phase::Decode, [&](Ops& o, bool m) { o.advance_position(m ? p.m : p.c, m ? p.m : p.c, 1); });
+    check_i32(b, "advance_position", "out of place", q);
+    check_i32(b, "advance_position", "in place", p);
+  }
+  if (wanted("sample")) {
+    // Greedy, then seeded draws: temperature alone, top-k, top-p, min-p, everything with penalties. Five draws each
+    // from one seeded stream; ids, penalty state, ring and the mt19937_64 words must equal the CPU's.
+    std::vector<std::pair<std::string, SamplingParams>> cases;
+    SamplingParams g;
+    cases.push_back({"greedy", g});
+    g.repetition_penalty = 1.3f, g.presence_penalty = 0.5f, g.frequency_penalty = 0.7f;
+    cases.push_back({"greedy+penalties", g});
+    SamplingParams t;
+    t.temperature = 0.8f;
+    cases.push_back({"T=0.8", t});
+    SamplingParams tk = t;
+    tk.temperature = 1.5f, tk.top_k = 20;
+    cases.push_back({"T=1.5 top_k=20", tk});
+    SamplingParams tp = t;
+    tp.top_p = 0.9f;
+    cases.push_back({"T=0.8 top_p=0.9", tp});
+    SamplingParams mp = t;
+    mp.temperature = 1.0f, mp.min_p = 0.05f;
+    cases.push_back({"T=1 min_p=0.05", mp});
+    SamplingParams all = t;
+    all.top_k = 50, all.top_p = 0.95f, all.min_p = 0.01f, all.repetition_penalty = 1.2f, all.frequency_penalty = 0.3f;
+    cases.push_back({"T=0.8 top_k=50 top_p=0.95 min_p=0.01 penalties", all});
+    for (const auto& named : cases) {
+      const std::string& name = named.first;
+      const SamplingParams& p = named.second;
+      const int64_t V = 1000, R = 4;
+      auto logits = b.f32(1, V, 5.f);
+      std::vector<int32_t> cnt(V), seen(V), words(SamplerState::kRngWords);
+      for (int64_t i = 0; i < V; ++i) cnt[size_t(i)] = int32_t(g_rng() % 3), seen[size_t(i)] = int32_t(g_rng() % 2);
+      mt::seed(reinterpret_cast<uint32_t*>(words.data()), g_rng());
+      SamplerState st[2];
+      auto counts = b.i32(1, V, cnt), sn = b.i32(1, V, seen), rng = b.i32(1, SamplerState::kRngWords, words);
+      auto ring = b.i32(R, 1, {9, 9, 9, 9}), rc = b.i32(1, 1, {6}), next = b.alloc(DType::I32, 1, 1);
+      st[0] = {counts.c, sn.c, rng.c, ring.c, rc.c};
+      st[1] = {counts.m, sn.m, rng.m, ring.m, rc.m};
+      const size_t wsb = std::max(cpu::sample_workspace_bytes(V), metal::sample_workspace_bytes(V));
+      auto ws = b.alloc(DType::F32, 1, int64_t(wsb / 4 + 16));
+      std::vector<int32_t> ids_c, ids_m;
+      for (int step = 0; step < 5; ++step) {
+        b.run(Phase::Decode, [&](Ops& o, bool m) { o.sample(m ? logits.m : logits.c, st[m], p, m ? ws.m : ws.c, m ? next.m : next.c); });
+        ids_c.push_back(b.get<int32_t>(b.cpu, next.c)[0]);
+        ids_m.push_back(b.get<int32_t>(b.mtl, next.m)[0]);
+      }
+      const bool same = ids_c == ids_m;
+      printf("op sample %s ids:", name.c_str());
+      for (size_t i = 0; i < ids_m.size(); ++i) printf(" %d/%d", ids_c[i], ids_m[i]);
+      printf(" %s\n", same ? "ok" : "FAIL");
+      g_failures += !same;
+      check_i32(b, "sample", name + " counts", counts);
+      check_i32(b, "sample", name + " seen", sn);
+      check_i32(b, "sample", name + " ring", ring);
+      check_i32(b, "sample", name + " ring_count", rc);
+      check_i32(b, "sample", name + " rng words", rng);
+    }
+  }
+  const auto& k = b.mtl.counters();
+  printf("metal: %lld command buffers, %lld dispatches, %lld barriers; mappings wrapped %lld copied %lld; parts copied "
+         "%lld; mapping buffers %lld\n", (long long)k.command_buffers, (long long)k.dispatches, (long long)k.barriers,
+         (long long)k.mappings_wrapped, (long long)k.mappings_copied, (long long)k.parts_copied,
+         (long long)k.mapping_windows);
+  printf("%s: %d failures\n", g_failures ? "FAILED" : "PASSED", g_failures);
+  return g_failures ? 1 : 0;
+}
+
+}  // namespace
+
+int run_model(const std::string& msl, const std::string& spec);
+int run_checkpoint(const std::string& msl, const std::string& dir);
+std::string g_dir;
+
+int main(int argc, char** argv) {
+  try {
+    if (argc < 3) throw std::runtime_error("usage: backend_main ops|model [--only NAME] METAL_FILE...");
+    const std::string mode = argv[1];
+    std::string msl, spec = "mixed";
+    for (int i = 2; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--only" && i + 1 < argc) g_only = argv[++i];
+      else if (a == "--spec" && i + 1 < argc) spec = argv[++i];
+      else if (a == "--dir" && i + 1 < argc) g_dir = argv[++i];
+      else msl += "// ---- " + a + "\n" + read_all(a) + "\n";
+    }
+    if (mode == "ops") return run_ops(msl);
+    if (mode == "model") return run_model(msl, spec);
+    if (mode == "checkpoint") return run_checkpoint(msl, g_dir);
+    throw std::runtime_error("unknown mode " + mode);
+  } catch (const std::exception& e) {
+    fprintf(stderr, "backend_main: error: %s\n", e.what());
+    return 2;
+  }
+}
+
+// ---- the end-to-end model ----
+namespace {
+
+// Random canonical tensors in one 16 KB aligned blob (one "checkpoint file"): 4-bit affine where the input dim
+// allows group 64, the router 8-bit (as MLX converts it), the rest bf16; experts laid out at a uniform stride.
+class RandomSource final : public WeightSource {
+ public:
+  explicit RandomSource(size_t bytes) : blob_(bytes) {}
+  HostMatrix matrix(const std::string& name, int64_t rows, int64_t cols) override {
+    auto it = mats_.find(name);
+    if (it != mats_.end()) return it->second;
+    const bool router = name.find("moe.router") != std::string::npos;
+    const std::string fmt = cols % 64 ? "bf16" : router ? "q8g64-bf16" : "q4g64-bf16";
+    Weight w = make_weight(blob_, 0, fmt, rows, cols);
+    HostMatrix h;
+    h.fmt = w;
+    h.data = blob_.p + w.data;
+    if (w.quantized()) h.scales = blob_.p + w.scales, h.biases = blob_.p + w.biases;
+    return mats_[name] = h;
+  }
+  const float* vector(const std::string& name, int64_t count) override {
+    auto it = vecs_.find(name);
+    if (it != vecs_.end()) return it->second.data();
+    std::vector<float> v(static_cast<size_t>(count));
+    for (auto& x : v) {
+      const float u = signed_uniform();
+      if (name.find("norm") != std::string::npos) x = 1.f + 0.2f * u;
+      else if (name.find("A_log") != std::string::npos) x = 0.5f * u;
+      else if (name.find("dt_bias") != std::string::npos) x = 0.5f * u;
+      else x = 0.5f * u;  // conv taps
+    }
+    return (vecs_[name] = std::move(v)).data();
+  }
+  MappedRegion region() const { return {blob_.p, blob_.used, "random checkpoint"}; }
+
+ private:
+  Blob blob_;
+  std::map<std::string, HostMatrix> mats_;
+  std::map<std::string, std::vector<float>> vecs_;
+};
+
+ModelConfig model_config(const std::string& spec) {
+  ModelConfig c;
+  // "mixed": hidden 128 (two quantization groups per row), GQA group 3, DeltaNet ratio 2 with Dk != Dv, 8 experts
+  // top 2, attention in the first and last layer. "wide": head dim 64, 16 experts top 4, ratio 1.
+  const bool wide = spec == "wide";
+  c.hidden = 128;
+  c.layers = wide ? 3 : 4;
+  c.vocab = 320;
+  c.eps = 1e-6f;
+  c.heads = wide ? 4 : 6;
+  c.kv_heads = 2;
+  c.head_dim = wide ? 64 : 32;
+  c.rotary_dim = wide ? 16 : 8;
+  c.rope_theta = 1e7;
+  c.lin_k_heads = wide ? 3 : 2;
+  c.lin_v_heads = wide ? 3 : 4;
+  c.lin_k_dim = wide ? 32 : 16;
+  c.lin_v_dim = wide ? 32 : 24;
+  c.conv_kernel = 4;
+  c.experts = wide ? 16 : 8;
+  c.topk = wide ? 4 : 2;
+  c.moe_inter = 64;
+  c.shared_inter = wide ? 64 : 96;
+  c.full_attention = wide ? std::vector<bool>{false, true, false} : std::vector<bool>{true, false, false, true};
+  c.validate();
+  return c;
+}
+
+double max_rel(const std::vector<float>& ref, const std::vector<float>& got) {
+  double scale = 1e-30, err = 0;
+  for (float x : ref) scale = std::max(scale, double(std::fabs(x)));
+  for (size_t i = 0; i < ref.size(); ++i)
+    err = std::max(err, std::isfinite(got[i]) ? std::fabs(double(got[i]) - ref[i]) / scale : INFINITY);
+  return err;
+}
+
+}  // namespace
+
+// Logits are compared relative to the largest |logit| of the reference: fp32 reordering through a few layers
+// stays below 1e-5 of it; a wrong stride, head mapping or missing barrier moves them by 1e-2 and more.
+int run_model(const std::string& msl, const std::string& spec) {
+  const ModelConfig cfg = model_config(spec);
+  RandomSource src(8 << 20);
+  cpu::CpuOps cpu_ops(cpu::CpuOptions{1});
+  metal::MetalOps mtl_ops(msl);
+  Qwen36 cpu_model(cfg, cpu_ops), mtl_model(cfg, mtl_ops);
+  // Generate every tensor first (the loader asks by name), then register the blob: the region must cover them all.
+  {
+    cpu::CpuOps probe(cpu::CpuOptions{1});
+    Qwen36 m(cfg, probe);
+    load_weights(m, src, {});
+  }
+  load_weights(cpu_model, src, {src.region()});
+  load_weights(mtl_model, src, {src.region()});
+  std::mutex cpu_lock, mtl_lock;
+  const int64_t max_ctx = 48, chunk = 5;
+  Session cs(cpu_model, cpu_lock, max_ctx, chunk), ms(mtl_model, mtl_lock, max_ctx, chunk);
+  const double tol = 2e-5;
+  int fails = 0;
+  auto report = [&](const std::string& what, double err) {
+    const bool ok = err <= tol;
+    printf("model %s %s: max_err %.3g tol %.3g %s\n", spec.c_str(), what.c_str(), err, tol, ok ? "ok" : "FAIL");
+    fails += !ok;
+  };
+  // Chunked prefill (3 chunks of at most 5 tokens), logits of every position.
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 12; ++i) prompt.push_back(int32_t(g_rng() % uint64_t(cfg.vocab)));
+  std::vector<float> cl(prompt.size() * size_t(cfg.vocab)), ml(cl.size());
+  cs.prefill(prompt.data(), int64_t(prompt.size()), true, cl.data(), nullptr);
+  ms.prefill(prompt.data(), int64_t(prompt.size()), true, ml.data(), nullptr);
+  report("prefill logits (12 tokens in chunks of 5)", max_rel(cl, ml));
+  int top1 = 0;
+  for (size_t t = 0; t < prompt.size(); ++t) {
+    auto row = [&](const std::vector<float>& v) {
+      return std::max_element(v.begin() + long(t) * cfg.vocab, v.begin() + long(t + 1) * cfg.vocab) - v.begin();
+    };
+    top1 += row(cl) == row(ml);
+  }
+  printf("model %s prefill top-1 agreement: %d of %zu\n", spec.c_str(), top1, prompt.size());
+  fails += top1 != int(prompt.size());
+  // Greedy decode through the real loop (two slots, one-step-behind id reads), logits of every step.
+  auto gen = [&](Session& s, int n, std::vector<int32_t>& ids, std::vector<float>& logits) {
+    SamplingParams p;
+    return s.generate(n, p, {}, [&](int32_t id, const float* l) {
+      ids.push_back(id);
+      logits.insert(logits.end(), l, l + cfg.vocab);
+      return 1;
+    }, true);
+  };
+  std::vector<int32_t> cid, mid;
+  std::vector<float> cgl, mgl;
+  gen(cs, 10, cid, cgl);
+  gen(ms, 10, mid, mgl);
+  report("decode logits (10 greedy steps)", max_rel(cgl, mgl));
+  printf("model %s greedy tokens: cpu", spec.c_str());
+  for (int32_t i : cid) printf(" %d", i);
+  printf(" | metal");
+  for (int32_t i : mid) printf(" %d", i);
+  printf(" %s\n", cid == mid ? "same" : "DIFFERENT");
+  fails += cid != mid;
+  const StepStats ds = ms.last_decode_stats(), ps = ms.last_prefill_stats();
+  const auto& k = mtl_ops.counters();
+  printf("model %s metal decode step: %lld ops, %lld stages; last command buffer: %lld dispatches, %lld barriers; "
+         "max in flight %lld\n", spec.c_str(), (long long)ds.ops, (long long)ds.stages, (long long)k.last_dispatches,
+         (long long)k.last_barriers, (long long)k.max_in_flight);
+  printf("model %s metal prefill chunk: %lld ops, %lld stages\n", spec.c_str(), (long long)ps.ops, (long long)ps.stages);
+  // Snapshot, run on, restore: the same continuation again, on Metal and equal to the CPU's.
+  auto snap = ms.snapshot();
+  std::vector<int32_t> a, b2;
+  std::vector<float> al, bl;
+  gen(ms, 4, a, al);
+  ms.restore(*snap);
+  gen(ms, 4, b2, bl);
+  const bool same = a == b2 && max_rel(al, bl) == 0.0;
+  printf("model %s snapshot/restore: continuation %s\n", spec.c_str(), same ? "identical" : "DIFFERENT");
+  fails += !same;
+  std::vector<int32_t> c4;
+  std::vector<float> c4l;
+  gen(cs, 4, c4, c4l);
+  report("decode logits after the snapshot", max_rel(c4l, al));
+  // Seeded sampling through the decode loop: the same stream of ids from both samplers.
+  SamplingParams sp;
+  sp.temperature = 0.9f, sp.top_p = 0.95f, sp.top_k = 40, sp.has_seed = true, sp.seed = 42;
+  std::vector<int32_t> sc, sm;
+  cs.generate(8, sp, {}, [&](int32_t id, const float*) { return sc.push_back(id), 1; });
+  ms.generate(8, sp, {}, [&](int32_t id, const float*) { return sm.push_back(id), 1; });
+  printf("model %s seeded tokens: cpu", spec.c_str());
+  for (int32_t i : sc) printf(" %d", i);
+  printf(" | metal");
+  for (int32_t i : sm) printf(" %d", i);
+  printf(" %s\n", sc == sm ? "same" : "DIFFERENT");
+  fails += sc != sm;
+  printf("%s: %d failures\n", fails ? "FAILED" : "PASSED", fails);
+  return fails ? 1 : 0;
+}
+
+// ---- a real checkpoint (lily-tiny), as tests/metal/test_backend.py lays it out ----
+// dir/manifest.txt: "config KEY VALUE", "full_attention 0 1 ...", "file PATH", "matrix NAME FILE affine BITS GROUP
+// SCALE ROWS COLS DATA SCALES BIASES" or "matrix NAME FILE dense DTYPE ROWS COLS DATA", "vector NAME COUNT OFFSET"
+// (floats into dir/vectors.f32); dir/teacher.i32 and dir/prompt.i32: token ids. Each checkpoint file is mapped
+// read-only at a 16 KB aligned address, as macOS maps it, so Metal wraps it without a copy.
+namespace {
+
+struct MappedFile {
+  const uint8_t* base = nullptr;
+  size_t bytes = 0;
+  void* reserve = nullptr;
+  size_t reserved = 0;
+  explicit MappedFile(const std::string& path) {
+    const int fd = open(path.c_str(), O_RDONLY);
+    if (fd < 0) throw std::runtime_error("cannot open " + path);
+    struct stat st;
+    fstat(fd, &st);
+    bytes = size_t(st.st_size);
+    reserved = bytes + 16384;
+    reserve = mmap(nullptr, reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    const uintptr_t aligned = (reinterpret_cast<uintptr_t>(reserve) + 16383) / 16384 * 16384;
+    void* p = mmap(reinterpret_cast<void*>(aligned), bytes, PROT_READ, MAP_PRIVATE | MAP_FIXED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) throw std::runtime_error("cannot map " + path);
+    base = static_cast<const uint8_t*>(p);
+  }
+  ~MappedFile() { munmap(reserve, reserved); }
+};
+
+class ManifestSource final : public WeightSource {
+ public:
+  ManifestSource(const std::string& dir, ModelConfig& cfg) {
+    std::ifstream f(dir + "/manifest.txt");
+    if (!f) throw std::runtime_error("no manifest in " + dir);
+    const std::string vbytes = read_all(dir + "/vectors.f32");
+    vectors_.resize(vbytes.size() / 4);
+    std::memcpy(vectors_.data(), vbytes.data(), vbytes.size());
+    std::string line;
+    while (std::getline(f, line)) {
+      std::istringstream in(line);
+      std::string kind;
+      in >> kind;
+      if (kind == "config") {
+        std::string key;
+        double v;
+        in >> key >> v;
+#define LILY_SET_FIELD(member, type, k, field) \
+  if (key == k) cfg.member = type(v);
+        LILY_CONFIG_FIELDS(LILY_SET_FIELD)
+#undef LILY_SET_FIELD
+      } else if (kind == "full_attention") {
+        int b;
+        while (in >> b) cfg.full_attention.push_back(b != 0);
+      } else if (kind == "file") {
+        std::string path;
+        in >> path;
+        files_.push_back(std::make_unique<MappedFile>(path));
+      } else if (kind == "matrix") {
+        std::string name, fmt;
+        size_t file;
+        in >> name >> file >> fmt;
+        HostMatrix h;
+        const uint8_t* base = files_.at(file)->base;
+        uint64_t d = 0, sc = 0, bi = 0;
+        if (fmt == "affine") {
+          std::string sd;
+          h.fmt.kind = WeightFormat::Kind::Affine;
+          in >> h.fmt.bits >> h.fmt.group >> sd >> h.fmt.rows >> h.fmt.cols >> d >> sc >> bi;
+          h.fmt.scale_dtype = sd == "bf16" ? DType::BF16 : DType::F16;
+          h.scales = base + sc;
+          h.biases = base + bi;
+        } else {
+          std::string dt;
+          in >> dt >> h.fmt.rows >> h.fmt.cols >> d;
+          h.fmt.dtype = dt == "f32" ? DType::F32 : dt == "bf16" ? DType::BF16 : DType::F16;
+        }
+        h.data = base + d;
+        mats_[name] = h;
+      } else if (kind == "vector") {
+        std::string name;
+        size_t count, off;
+        in >> name >> count >> off;
+        vecs_[name] = {off, count};
+      }
+    }
+  }
+  HostMatrix matrix(const std::string& name, int64_t rows, int64_t cols) override {
+    auto it = mats_.find(name);
+    if (it == mats_.end() || it->second.fmt.rows != rows || it->second.fmt.cols != cols)
+      throw std::invalid_argument("manifest: no matrix '" + name + "' of that shape");
+    return it->second;
+  }
+  const float* vector(const std::string& name, int64_t count) override {
+    auto it = vecs_.find(name);
+    if (it == vecs_.end() || int64_t(it->second.second) != count) throw std::invalid_argument("manifest: no vector " + name);
+    return vectors_.data() + it->second.first;
+  }
+  std::vector<MappedRegion> regions() const {
+    std::vector<MappedRegion> r;
+    for (const auto& f : files_) r.push_back({f->base, f->bytes, "checkpoint file"});
+    return r;
+  }
+
+ private:
+  std::vector<std::unique_ptr<MappedFile>> files_;
+  std::map<std::string, HostMatrix> mats_;
+  std::map<std::string, std::pair<size_t, size_t>> vecs_;
+  std::vector<float> vectors_;
+};
+
+std::vector<int32_t> read_ids(const std::string& path) {
+  const std::string b = read_all(path);
+  std::vector<int32_t> v(b.size() / 4);
+  std::memcpy(v.data(), b.data(), b.size());
+  return v;
+}
+
+}  // namespace
+
+// Teacher-forced top-1 agreement over the held-out text (chunked prefill, every position's logits) and greedy
+// decoding from a prompt: Metal against the CPU on the same mapped bytes.
+int run_checkpoint(const std::string& msl, const std::string& dir) {
+  ModelConfig cfg;
+  ManifestSource src(dir, cfg);
+  cfg.validate();
+  cpu::CpuOps cpu_ops(cpu::CpuOptions{2});
+  metal::MetalOps mtl_ops(msl);
+  Qwen36 cpu_model(cfg, cpu_ops), mtl_model(cfg, mtl_ops);
+  load_weights(cpu_model, src, src.regions());
+  load_weights(mtl_model, src, src.regions());
+  std::mutex l1, l2;
+  const std::vector<int32_t> teacher = read_ids(dir + "/teacher.i32"), prompt = read_ids(dir + "/prompt.i32");
+  const int64_t max_ctx = int64_t(teacher.size() + prompt.size() + 64), chunk = 32;
+  int fails = 0;
+  {
+    Session cs(cpu_model, l1, max_ctx, chunk), ms(mtl_model, l2, max_ctx, chunk);
+    std::vector<float> cl(teacher.size() * size_t(cfg.vocab)), ml(cl.size());
+    cs.prefill(teacher.data(), int64_t(teacher.size()), true, cl.data(), nullptr);
+    ms.prefill(teacher.data(), int64_t(teacher.size()), true, ml.data(), nullptr);
+    int same = 0;
+    for (size_t t = 0; t < teacher.size(); ++t) {
+      auto arg = [&](const std::vector<float>& v) {
+        return std::max_element(v.begin() + long(t) * cfg.vocab, v.begin() + long(t + 1) * cfg.vocab) - v.begin();
+      };
+      same += arg(cl) == arg(ml);
+    }
+    const double err = max_rel(cl, ml), agree = double(same) / double(teacher.size());
+    printf("checkpoint teacher-forced top-1 agreement: %d of %zu (%.2f%%), logits max_err %.3g\n", same,
+           teacher.size(), 100.0 * agree, err);
+    fails += agree < 0.99 || err > 1e-4;
+  }
+  {
+    Session cs(cpu_model, l1, max_ctx, chunk), ms(mtl_model, l2, max_ctx, chunk);
+    std::vector<float> tmp(size_t(cfg.vocab));
+    cs.prefill(prompt.data(), int64_t(prompt.size()), false, tmp.data(), nullptr);
+    ms.prefill(prompt.data(), int64_t(prompt.size()), false, tmp.data(), nullptr);
+    std::vector<int32_t> a, b;
+    SamplingParams p;
+    cs.generate(32, p, {}, [&](int32_t id, const float*) { return a.push_back(id), 1; });
+    ms.generate(32, p, {}, [&](int32_t id, const float*) { return b.push_back(id), 1; });
+    printf("checkpoint greedy 32 tokens: %s (", a == b ? "identical" : "DIFFERENT");
+    for (int32_t i : b) printf(" %d", i);
+    printf(" )\n");
+    fails += a != b;
+    const StepStats ds = ms.last_decode_stats();
+    const auto& k = mtl_ops.counters();
+    printf("checkpoint metal decode step: %lld ops, %lld stages, %lld dispatches, %lld barriers; mappings wrapped %lld "
+           "(%zu bytes), copied %lld\n", (long long)ds.ops, (long long)ds.stages, (long long)k.last_dispatches,
+           (long long)k.last_barriers, (long long)k.mappings_wrapped, k.wrapped_bytes, (long long)k.mappings_copied);
+  }
+  printf("%s: %d failures\n", fails ? "FAILED" : "PASSED", fails);
+  return fails ? 1 : 0;
+}
