@@ -304,6 +304,34 @@ def test_three_turns_hit_the_prefix_cache_and_match_a_cold_run(live, engine):
     assert 0 < after["bytes"] <= after["max_bytes"]
 
 
+def test_a_restarted_server_finds_the_spilled_prefix_cache(engine, tmp_path):
+    # A memory budget of about one checkpoint: each new conversation evicts the last one to the disk tier.
+    # A second server on the same folder then answers the first conversation's next turn from a file.
+    cfg = dict(max_context=512, chat_template=TEMPLATE, prefix_cache_bytes=4 << 20, prefix_cache_dir=str(tmp_path))
+    first = [{"role": "user", "content": "def spill_me(path):"}]
+    srv = Live(engine, **cfg)
+    try:
+        client = srv.openai()
+        for content in (first[0]["content"], "class Other:", "import zlib"):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                           max_tokens=4, temperature=0)
+        assert srv.metrics()["prefix_cache"]["spilled"] >= 1
+    finally:
+        srv.stop()
+    again = Live(engine, **cfg)
+    try:
+        messages = first + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "more?"}]
+        ids = prompt_ids(engine, messages)
+        expected, _ = library_text(engine, ids, 8)
+        r = again.openai().chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        shared = engine.tokenizer.encode(render_chat(TEMPLATE, first, add_generation_prompt=False))
+        assert r.usage.prompt_tokens_details.cached_tokens >= len(shared) > 0
+        assert r.choices[0].message.content == expected  # exactly a cold run's answer
+        assert again.metrics()["prefix_cache"]["disk_hits"] == 1
+    finally:
+        again.stop()
+
+
 # ---------------------------------------------------------------------------------------------------
 # reasoning and tool calls
 # ---------------------------------------------------------------------------------------------------

@@ -203,7 +203,10 @@ class ServerConfig:
     request_timeout: float = 600.0  # seconds from arrival to the last token; then 503
     default_max_tokens: int = 4096  # when a request gives none (capped by the room left in max_context)
     chat_template: str | None = None  # overrides the checkpoint's chat template
-    prefix_cache_bytes: int = 1 << 30  # budget of the prefix cache's checkpoints (copies: see lily.prefix_cache); 0: off
+    prefix_cache_bytes: int = 1 << 30  # budget of the prefix cache's checkpoints in memory (see lily.prefix_cache); 0: off
+    prefix_cache_dir: str | None = None  # the disk tier: evicted checkpoints spill here (a restarted server finds them)
+    prefix_cache_disk_bytes: int = 4 << 30  # budget of the files in prefix_cache_dir
+    prefix_cache_interval: int = 4096  # also checkpoint every this many tokens of a long prefill; 0: off
 
 
 def _rss_bytes() -> int:
@@ -291,7 +294,10 @@ class LilyServer:
         self.metrics = Metrics()
         from .prefix_cache import PrefixCache
 
-        self.cache = PrefixCache(engine, self.config.prefix_cache_bytes) if self.config.prefix_cache_bytes else None
+        c = self.config
+        self.cache = (PrefixCache(engine, c.prefix_cache_bytes, disk_dir=c.prefix_cache_dir,
+                                  disk_bytes=c.prefix_cache_disk_bytes, checkpoint_interval=c.prefix_cache_interval)
+                      if c.prefix_cache_bytes else None)
         self.active = 0
         self.waiting = 0
         self._slots: asyncio.Semaphore | None = None
@@ -1132,6 +1138,13 @@ def _prometheus(m: dict) -> str:
         metric("prefix_cache_evictions_total", "counter", "checkpoints evicted", [("", cache["evictions"])])
         metric("prefix_cache_bytes", "gauge", "bytes held by checkpoints", [("", cache["bytes"])])
         metric("prefix_cache_entries", "gauge", "checkpoints held", [("", cache["entries"])])
+        metric("prefix_cache_disk_hits_total", "counter", "prompts restored from a spilled checkpoint",
+               [("", cache["disk_hits"])])
+        metric("prefix_cache_disk_errors_total", "counter", "spilled checkpoints unreadable (a miss)",
+               [("", cache["disk_errors"])])
+        metric("prefix_cache_spilled_total", "counter", "checkpoints written to the disk tier", [("", cache["spilled"])])
+        metric("prefix_cache_disk_bytes", "gauge", "bytes of spilled checkpoint files", [("", cache["disk_bytes"])])
+        metric("prefix_cache_disk_entries", "gauge", "spilled checkpoint files", [("", cache["disk_entries"])])
     return "\n".join(lines) + "\n"
 
 
