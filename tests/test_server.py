@@ -379,8 +379,11 @@ def test_reasoning_and_tool_calls_openai(live, engine, script):
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
     assert reasoning == "Plan: check weather.\n" and content == "Checking."
-    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
-        [(0, "get_weather", {"city": "Paris", "days": 3})]
+    # announced with its name and id, then the arguments in pieces as each parameter completes
+    assert calls[0].id and calls[0].function.name == "get_weather" and calls[0].function.arguments == ""
+    assert all(tc.index == 0 and tc.id is None and tc.function.name is None for tc in calls[1:])
+    pieces = [tc.function.arguments for tc in calls[1:]]
+    assert len(pieces) == 3 and json.loads("".join(pieces)) == {"city": "Paris", "days": 3}  # city, days, "}"
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     # the call and its result go back in: the template renders them (arguments as a JSON string)
@@ -408,7 +411,8 @@ def test_tool_calls_anthropic_and_malformed_markup(live, script):
     with client.messages.stream(model=MODEL, max_tokens=200, tools=tools, messages=msgs) as st:
         events = list(st)
         final = st.get_final_message()
-    assert any(e.type == "content_block_delta" and e.delta.type == "input_json_delta" for e in events)
+    partial = [e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    assert len(partial) == 3 and json.loads("".join(partial)) == {"city": "Paris", "days": 3}  # in pieces
     assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[1].input == m.content[1].input
     # malformed markup comes back as text, not lost, and nothing claims a tool call
     r = live.openai().chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=200)

@@ -711,7 +711,8 @@ async def chat_completions(server: LilyServer, f: Fields, arrived: float):
     opts = f.obj("stream_options") or {}
     include_usage = bool(opts.get("include_usage", False))
     job = await server.submit(cj.req, arrived)
-    parser = OutputParser(in_reasoning=cj.in_reasoning, tools=cj.tools)
+    # A stream announces a call and sends its arguments while the model writes them.
+    parser = OutputParser(in_reasoning=cj.in_reasoning, tools=cj.tools, stream_arguments=stream)
     rid, created, model = _new_id("chatcmpl-"), int(time.time()), server.config.model_name
     prompt_n = len(cj.req.ids)
 
@@ -750,6 +751,7 @@ async def chat_completions(server: LilyServer, f: Fields, arrived: float):
         return _sse(data)
 
     calls_sent = [0]
+    announced = [False]  # the current call's name and id have gone out (tool_call_begin)
 
     def deltas(events: list) -> list[dict]:
         out = []
@@ -758,7 +760,16 @@ async def chat_completions(server: LilyServer, f: Fields, arrived: float):
                 out.append({"content": value})
             elif kind == "reasoning":
                 out.append({"reasoning_content": value})
-            else:  # a whole call in one delta: its arguments are known only once the block has closed
+            elif kind == "tool_call_begin":  # the name and id first; arguments follow in pieces
+                out.append({"tool_calls": [{"index": value[0], "id": _new_id("call_"), "type": "function",
+                                            "function": {"name": value[1], "arguments": ""}}]})
+                announced[0] = True
+            elif kind == "tool_call_args":
+                out.append({"tool_calls": [{"index": value[0], "function": {"arguments": value[1]}}]})
+            elif announced[0]:  # the end of an announced call: everything has been sent
+                announced[0] = False
+                calls_sent[0] += 1
+            else:  # a whole call in one delta (the JSON form is decided only when its block closes)
                 out.append({"tool_calls": [_openai_tool_call(value, calls_sent[0])]})
                 calls_sent[0] += 1
         return out
@@ -992,7 +1003,7 @@ async def messages_endpoint(server: LilyServer, f: Fields, arrived: float):
     req = GenRequest(ids, max_tokens, sampling, stop, 0, f.boolean("ignore_eos", False), cuts)
     stream = f.boolean("stream", False)
     job = await server.submit(req, arrived)
-    parser = OutputParser(in_reasoning=in_reasoning, tools=tools)
+    parser = OutputParser(in_reasoning=in_reasoning, tools=tools, stream_arguments=stream)
     mid, model = _new_id("msg_"), server.config.model_name
 
     def stop_reason(fin: Finish) -> tuple[str, str | None]:
@@ -1057,6 +1068,21 @@ async def messages_endpoint(server: LilyServer, f: Fields, arrived: float):
             nonlocal index, open_kind
             out: list[str] = []
             for kind, value in events:
+                if kind == "tool_call_begin":  # a tool_use block opens with the name; input follows in pieces
+                    out += close()
+                    index += 1
+                    open_kind = "tool_use"
+                    out.append(_sse({"type": "content_block_start", "index": index, "content_block": {
+                        "type": "tool_use", "id": _new_id("toolu_"), "name": value[1], "input": {}}},
+                        "content_block_start"))
+                    continue
+                if kind == "tool_call_args":
+                    out.append(_sse({"type": "content_block_delta", "index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": value[1]}}, "content_block_delta"))
+                    continue
+                if kind == "tool_call" and open_kind == "tool_use":  # the announced call is complete
+                    out += close()
+                    continue
                 if kind == "tool_call":
                     out += close()
                     index += 1
