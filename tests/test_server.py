@@ -685,9 +685,10 @@ def test_soak_400_requests_rss_bounded(live):
     print(f"\nsoak: 400 requests in {seconds:.1f} s; RSS {start['rss_bytes'] / 2**20:.1f} MiB at start, "
           f"{end['rss_bytes'] / 2**20:.1f} MiB at end")
     assert ok == 400
-    # Bounded, not flat: sessions created and closed on 8 threads at once grow RSS by a few MiB per few
-    # hundred (the library alone, without the server, does the same; one thread at a time stays flat).
-    assert end["rss_bytes"] - start["rss_bytes"] < 64 * 2**20
+    # Bounded: +5 MiB over these 400 (2026-12-01) since the CPU backend maps its large buffers; through
+    # malloc, sessions closed on many threads left their KV caches in per-thread arenas (benchmarks/NOTES.md,
+    # "RSS creep"; benchmarks/rss_sessions.py measures it without the server).
+    assert end["rss_bytes"] - start["rss_bytes"] < 32 * 2**20
 
 
 def test_cli_serve(tmp_path):
