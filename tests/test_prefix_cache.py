@@ -243,10 +243,11 @@ def test_disk_tier_spills_reloads_and_survives_a_restart(engine, tmp_path, ckpt_
     # another model's cache files and unrelated files are left alone
     (tmp_path / "notes.txt").write_text("mine")
     with lily.Engine.from_pretrained(str(ckpt_small.path)) as other_model:
-        foreign = PrefixCache(other_model, max_bytes=0, disk_dir=tmp_path)
         v = other_model.session(max_context=16)
         v.prefill([1, 2, 3])
-        foreign._spill([type("E", (), {"tokens": (1, 2, 3), "snapshot": v.snapshot()})()])
+        foreign = PrefixCache(other_model, max_bytes=int(v.snapshot().nbytes * 1.5), disk_dir=tmp_path)
+        foreign.prefill(v, [1, 2, 3])
+        foreign.prefill(v, [4, 5, 6])  # evicts [1, 2, 3]: spilled
         assert foreign.stats()["disk_entries"] == 1
     mine = PrefixCache(engine, disk_dir=tmp_path)
     assert mine.stats()["disk_entries"] == 1 and len(os.listdir(tmp_path)) == 3
@@ -283,3 +284,42 @@ def test_disk_tier_corrupt_or_missing_file_is_a_miss(engine, tmp_path):
     (path,) = [tmp_path / f for f in os.listdir(tmp_path)]
     path.write_bytes(path.read_bytes()[:5])
     assert PrefixCache(engine, disk_dir=tmp_path).stats()["disk_entries"] == 0 and not path.exists()
+
+
+def test_threads_sharing_one_cache_keep_it_consistent(engine, tmp_path):
+    import threading
+
+    system = engine.tokenize(TEXT)
+    probe = engine.session(max_context=256)
+    probe.prefill(system)
+    cache = PrefixCache(engine, max_bytes=int(probe.snapshot().nbytes * 3), disk_dir=tmp_path, disk_bytes=64 << 20)
+    prompts = {k: [system + engine.tokenize(f"# worker {k} turn {t}\n") * (t + 1) for t in range(3)] for k in range(4)}
+    got: dict = {}
+    errors: list = []
+
+    def worker(k: int) -> None:
+        try:
+            for t, ids in enumerate(prompts[k]):
+                s = engine.session(max_context=len(ids) + 8)
+                cache.prefill(s, ids, checkpoints=[len(system)])
+                got[k, t] = greedy(s, 8)
+                cache.store(s, ids + got[k, t])
+                s.close()
+        except BaseException as exc:  # re-raised below, in the test's thread
+            errors.append(exc)
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+    for (k, t), out in got.items():
+        assert out == cold(engine, prompts[k][t], 8)[1], (k, t)
+    # the index: bytes are the entries' own bytes, every parent is held, children counts match
+    entries = list(cache._entries.values())
+    st = cache.stats()
+    assert st["bytes"] == sum(e.nbytes for e in entries) <= st["max_bytes"]
+    assert all(e.parent is None or cache._entries.get(e.parent.tokens) is e.parent for e in entries)
+    assert all(e.children == sum(c.parent is e for c in entries) for e in entries)
+    assert st["evictions"] > 0 and st["spilled"] > 0 and st["hits"] > 0
