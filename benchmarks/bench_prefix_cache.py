@@ -17,7 +17,8 @@ back to back. Medians are printed, with the cache's bytes (checkpoints sharing K
 the same checkpoints would hold as independent copies.
 
     python benchmarks/bench_prefix_cache.py [--model lily-tiny | PATH | REPO]
-        [--prefix-tokens 2048] [--turns 10] [--reply-tokens 16] [--repeats 3] [--threads N] [--json out.json]
+        [--prefix-tokens 2048] [--turns 10] [--reply-tokens 16] [--repeats 3] [--threads N] [--backend B]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--reply-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--backend", default="auto", help="auto, cpu, cuda or metal")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -83,7 +85,7 @@ def main() -> None:
     from lily.prefix_cache import PrefixCache
 
     # A checkpoint with a tokenizer and chat template (lily.synthetic's random checkpoints have neither).
-    engine = lily.Engine.from_pretrained(args.model, threads=args.threads)
+    engine = lily.Engine.from_pretrained(args.model, threads=args.threads, backend=args.backend)
     rep = engine.report()
     system = system_prompt(engine, args.prefix_tokens)
 
