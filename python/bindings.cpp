@@ -815,6 +815,10 @@ NB_MODULE(_core, m) {
   nb::class_<PySnapshot>(m, "Snapshot")
       .def_prop_ro("position", [](const PySnapshot& s) { return s.s->position(); })
       .def_prop_ro("nbytes", [](const PySnapshot& s) { return s.s->bytes(); })
+      .def_prop_ro("own_nbytes", [](const PySnapshot& s) { return s.s->own_bytes(); })
+      .def_prop_ro("base_position", [](const PySnapshot& s) { return s.s->base_position(); })
+      .def_prop_ro("kv_segments", [](const PySnapshot& s) { return s.s->kv_segments(); })
+      .def_prop_ro("kv_dtype", [](const PySnapshot& s) { return std::string(dtype_name(s.s->kv_dtype())); })
       .def("to_arrays", [](const PySnapshot& s) {
         HostSnapshot h = without_gil([&] { return s.s->to_host(); });
         return host_snapshot_arrays(h);
@@ -917,11 +921,11 @@ NB_MODULE(_core, m) {
            },
            "max_tokens"_a, "params"_a, "stop_ids"_a, "on_token"_a, "with_logits"_a = false)
       .def("snapshot",
-           [](PySession& s) {
-             auto snap = without_gil([&] { return s.s->snapshot(); });
+           [](PySession& s, const PySnapshot* base) {
+             auto snap = without_gil([&] { return s.s->snapshot(base ? base->s.get() : nullptr); });
              return new PySnapshot{std::move(snap)};
            },
-           nb::rv_policy::take_ownership, nb::keep_alive<0, 1>())
+           "base"_a = nb::none(), nb::rv_policy::take_ownership, nb::keep_alive<0, 1>())
       .def("restore",
            [](PySession& s, const PySnapshot& snap) { without_gil([&] { s.s->restore(*snap.s); }); })
       .def("restore", [](PySession& s, const HostSnapshot& snap) { without_gil([&] { s.s->restore(snap); }); })

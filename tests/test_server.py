@@ -304,6 +304,34 @@ def test_three_turns_hit_the_prefix_cache_and_match_a_cold_run(live, engine):
     assert 0 < after["bytes"] <= after["max_bytes"]
 
 
+def test_a_restarted_server_finds_the_spilled_prefix_cache(engine, tmp_path):
+    # A memory budget of about one checkpoint: each new conversation evicts the last one to the disk tier.
+    # A second server on the same folder then answers the first conversation's next turn from a file.
+    cfg = dict(max_context=512, chat_template=TEMPLATE, prefix_cache_bytes=4 << 20, prefix_cache_dir=str(tmp_path))
+    first = [{"role": "user", "content": "def spill_me(path):"}]
+    srv = Live(engine, **cfg)
+    try:
+        client = srv.openai()
+        for content in (first[0]["content"], "class Other:", "import zlib"):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                           max_tokens=4, temperature=0)
+        assert srv.metrics()["prefix_cache"]["spilled"] >= 1
+    finally:
+        srv.stop()
+    again = Live(engine, **cfg)
+    try:
+        messages = first + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "more?"}]
+        ids = prompt_ids(engine, messages)
+        expected, _ = library_text(engine, ids, 8)
+        r = again.openai().chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        shared = engine.tokenizer.encode(render_chat(TEMPLATE, first, add_generation_prompt=False))
+        assert r.usage.prompt_tokens_details.cached_tokens >= len(shared) > 0
+        assert r.choices[0].message.content == expected  # exactly a cold run's answer
+        assert again.metrics()["prefix_cache"]["disk_hits"] == 1
+    finally:
+        again.stop()
+
+
 # ---------------------------------------------------------------------------------------------------
 # reasoning and tool calls
 # ---------------------------------------------------------------------------------------------------
@@ -351,8 +379,11 @@ def test_reasoning_and_tool_calls_openai(live, engine, script):
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
     assert reasoning == "Plan: check weather.\n" and content == "Checking."
-    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
-        [(0, "get_weather", {"city": "Paris", "days": 3})]
+    # announced with its name and id, then the arguments in pieces as each parameter completes
+    assert calls[0].id and calls[0].function.name == "get_weather" and calls[0].function.arguments == ""
+    assert all(tc.index == 0 and tc.id is None and tc.function.name is None for tc in calls[1:])
+    pieces = [tc.function.arguments for tc in calls[1:]]
+    assert len(pieces) == 3 and json.loads("".join(pieces)) == {"city": "Paris", "days": 3}  # city, days, "}"
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     # the call and its result go back in: the template renders them (arguments as a JSON string)
@@ -380,7 +411,8 @@ def test_tool_calls_anthropic_and_malformed_markup(live, script):
     with client.messages.stream(model=MODEL, max_tokens=200, tools=tools, messages=msgs) as st:
         events = list(st)
         final = st.get_final_message()
-    assert any(e.type == "content_block_delta" and e.delta.type == "input_json_delta" for e in events)
+    partial = [e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    assert len(partial) == 3 and json.loads("".join(partial)) == {"city": "Paris", "days": 3}  # in pieces
     assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[1].input == m.content[1].input
     # malformed markup comes back as text, not lost, and nothing claims a tool call
     r = live.openai().chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=200)
@@ -653,9 +685,10 @@ def test_soak_400_requests_rss_bounded(live):
     print(f"\nsoak: 400 requests in {seconds:.1f} s; RSS {start['rss_bytes'] / 2**20:.1f} MiB at start, "
           f"{end['rss_bytes'] / 2**20:.1f} MiB at end")
     assert ok == 400
-    # Bounded, not flat: sessions created and closed on 8 threads at once grow RSS by a few MiB per few
-    # hundred (the library alone, without the server, does the same; one thread at a time stays flat).
-    assert end["rss_bytes"] - start["rss_bytes"] < 64 * 2**20
+    # Bounded: +5 MiB over these 400 (2026-12-01) since the CPU backend maps its large buffers; through
+    # malloc, sessions closed on many threads left their KV caches in per-thread arenas (benchmarks/NOTES.md,
+    # "RSS creep"; benchmarks/rss_sessions.py measures it without the server).
+    assert end["rss_bytes"] - start["rss_bytes"] < 32 * 2**20
 
 
 def test_cli_serve(tmp_path):

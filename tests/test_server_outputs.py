@@ -1,5 +1,6 @@
 """lily.outputs: the reasoning split and qwen3_coder tool-call parsing, whole and piece by piece."""
 
+import json
 import random
 
 import pytest
@@ -115,3 +116,49 @@ def test_tags_are_held_back_until_decided():
     assert p.feed("ink>Hi <tool") == [("text", "Hi")]  # the space waits: it may separate text from a call
     assert p.feed("_call>\n<function=f>\n</function>\n</tool_call>") == [("tool_call", ToolCall("f", {}))]
     assert p.finish() == []
+
+
+# ---- stream_arguments: a call announced while it is written ----
+
+def announced(text: str, pieces: list[str] | None = None, **kw) -> tuple[list, dict[int, str], list]:
+    """(events without the announcements, {index: concatenated argument fragments}, [(feed no., event)])."""
+    p = OutputParser(stream_arguments=True, **kw)
+    plain, frags, timeline = [], {}, []
+    for n, piece in enumerate((pieces if pieces is not None else [text]) + [None]):
+        for kind, value in p.feed(piece) if piece is not None else p.finish():
+            timeline.append((n, kind))
+            if kind == "tool_call_begin":
+                frags[value[0]] = ""
+            elif kind == "tool_call_args":
+                frags[value[0]] += value[1]
+            elif plain and kind != "tool_call" and plain[-1][0] == kind:
+                plain[-1] = (kind, plain[-1][1] + value)
+            else:
+                plain.append((kind, value))
+    return plain, frags, timeline
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_streamed_arguments_concatenate_to_the_call_and_come_before_its_end(seed):
+    text = "Sure. " + CALL + "\n" + CALL.replace("Paris", "Oslo") + ' <tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    plain, frags, timeline = announced(text, list(text) if seed == 0 else splits(text, seed), tools=TOOLS)
+    assert plain == run(text, tools=TOOLS)  # the same calls and text as without the option
+    calls = [v for k, v in plain if k == "tool_call"]
+    assert frags == {0: json.dumps(calls[0].arguments), 1: json.dumps(calls[1].arguments)}  # JSON form: not announced
+    if seed == 0:  # one character at a time: the first parameter goes out before the block's end arrives
+        begin = next(n for n, k in timeline if k == "tool_call_begin")
+        args = [n for n, k in timeline if k == "tool_call_args"]
+        end = next(n for n, k in timeline if k == "tool_call")
+        assert begin < args[0] < args[1] < end and len(set(args[:2])) == 2
+        assert text.index("<function=get_weather>") < begin <= text.index("<parameter=city>")
+        assert args[0] == text.index("</parameter>") + len("</parameter>") - 1
+
+
+def test_an_announced_call_that_turns_out_malformed_keeps_its_text():
+    bad = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\nstray\n</tool_call>"
+    plain, frags, _ = announced("Try: " + bad, list("Try: " + bad), tools=TOOLS)
+    assert plain == [("text", "Try:"), ("tool_call", ToolCall("get_weather", {"city": "Paris"})), ("text", bad)]
+    assert frags == {0: '{"city": "Paris"}'}
+    unclosed = "<tool_call>\n<function=f>\n<parameter=x>\n1"
+    plain, frags, _ = announced(unclosed, tools=TOOLS)
+    assert plain == [("tool_call", ToolCall("f", {})), ("text", unclosed)] and frags == {0: "{}"}

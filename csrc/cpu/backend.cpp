@@ -10,10 +10,54 @@
 #include <stdexcept>
 #include <thread>
 
+#include <sys/mman.h>
+
 #include "cpu/alloc_guard.h"
 #include "model/config.h"
 
 namespace lily::cpu {
+
+namespace {
+// Buffers of at least kMapBytes are mapped straight from the kernel and unmapped on release. Through
+// malloc, a freed multi-MiB buffer (a KV cache) stays in the arena of the thread that freed it (glibc raises
+// its mmap threshold after the first such free, so later ones come from the arenas), and sessions created
+// and closed on many threads piled freed memory up: benchmarks/rss_sessions.py, 2026-12-01, +146 MiB RSS
+// over 100 sessions on 4 threads while malloc's in-use bytes stayed flat (benchmarks/NOTES.md). Mapped
+// pages are zero already and become resident only when first written (a KV cache row by row).
+// Sanitizer builds keep malloc, whose bounds ASan checks.
+constexpr size_t kMapBytes = size_t(64) << 10;
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kMapLarge = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool kMapLarge = false;
+#else
+constexpr bool kMapLarge = true;
+#endif
+#else
+constexpr bool kMapLarge = true;
+#endif
+
+// Zeroed memory of `bytes` (a multiple of 64), 64-byte aligned; nullptr when the system has none.
+void* buffer_alloc(size_t bytes, bool& mapped) {
+  mapped = kMapLarge && bytes >= kMapBytes;
+  if (mapped) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : p;  // page-aligned, zero-filled on first touch
+  }
+  void* p = std::aligned_alloc(64, bytes);
+  if (p) std::memset(p, 0, bytes);
+  return p;
+}
+
+void buffer_free(void* p, size_t bytes, bool mapped) {
+  if (!p) return;
+  if (mapped)
+    munmap(p, bytes);
+  else
+    std::free(p);
+}
+}  // namespace
 
 CpuOps::CpuOps(const CpuOptions& opt)
     : chunks_(new std::atomic<Buffer*>[kChunks]),
@@ -40,7 +84,7 @@ CpuOps::~CpuOps() {
   for (int32_t c = 0; c < kChunks; ++c) {
     Buffer* chunk = chunks_[c].load(std::memory_order_acquire);
     if (!chunk) continue;
-    for (int32_t i = 0; i < kChunk; ++i) std::free(chunk[i].data);
+    for (int32_t i = 0; i < kChunk; ++i) buffer_free(chunk[i].data, chunk[i].bytes, chunk[i].mapped);
     delete[] chunk;
   }
 }
@@ -72,10 +116,10 @@ Tensor CpuOps::alloc_impl(const std::string& label, DType dtype, int64_t rows, i
                                 "] is larger than any addressable memory");
   const size_t bytes = r * size_t(cols) * es;
   const size_t rounded = (bytes + 63) / 64 * 64;  // 64-byte aligned rows of SIMD loads never leave the block
-  void* p = std::aligned_alloc(64, rounded);
+  bool mapped = false;
+  void* p = buffer_alloc(rounded, mapped);
   if (!p)
     throw std::bad_alloc();
-  std::memset(p, 0, rounded);
   std::lock_guard<std::mutex> lk(mu_);
   int32_t id;
   if (!free_ids_.empty()) {
@@ -83,14 +127,14 @@ Tensor CpuOps::alloc_impl(const std::string& label, DType dtype, int64_t rows, i
     free_ids_.pop_back();
   } else {
     if (next_id_ >= kChunk * kChunks) {
-      std::free(p);
+      buffer_free(p, rounded, mapped);
       throw std::runtime_error("cpu backend: too many buffers");
     }
     id = next_id_++;
     if (!chunks_[id / kChunk].load(std::memory_order_acquire))
       chunks_[id / kChunk].store(new Buffer[kChunk], std::memory_order_release);
   }
-  buffer(id) = {p, rounded, label};
+  buffer(id) = {p, rounded, label, mapped};
   allocated_ += rounded;
   Tensor t;
   t.buf = id;
@@ -108,7 +152,7 @@ void CpuOps::release(Tensor& t) {
     if (std::count(s->reads.begin(), s->reads.end(), t.buf) || std::count(s->writes.begin(), s->writes.end(), t.buf))
       throw std::logic_error("release of buffer '" + buffer(t.buf).label + "' while a submitted step uses it");
   Buffer& b = buffer(t.buf);
-  std::free(b.data);
+  buffer_free(b.data, b.bytes, b.mapped);
   allocated_ -= b.bytes;
   b = {};
   free_ids_.push_back(t.buf);

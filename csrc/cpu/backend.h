@@ -139,6 +139,7 @@ class CpuOps final : public Ops {
     void* data = nullptr;
     size_t bytes = 0;
     std::string label;
+    bool mapped = false;  // from mmap (large buffers, backend.cpp buffer_alloc), else from malloc
   };
   // Buffers live in fixed chunks so an entry never moves: the deferred executor reads entries while
   // the host thread allocates new ones.

@@ -37,20 +37,54 @@ size_t HostSnapshot::bytes() const {
   return b;
 }
 
+KvSegment::~KvSegment() {
+  std::lock_guard<std::mutex> lk(lock_);
+  Ops& ops = model_.ops();
+  for (auto* list : {&k, &v})
+    for (Tensor& t : *list) ops.release(t);
+}  // the parent reference drops after the lock is released (a chain unwinds one lock at a time)
+
+size_t KvSegment::bytes() const {
+  size_t b = 0;
+  for (auto* list : {&k, &v})
+    for (const Tensor& t : *list) b += t.bytes();
+  return b;
+}
+
+namespace {
+// The segments holding rows [0, tail->end), root first.
+std::vector<const KvSegment*> chain(const std::shared_ptr<const KvSegment>& tail) {
+  std::vector<const KvSegment*> segs;
+  for (const KvSegment* s = tail.get(); s; s = s->parent.get()) segs.push_back(s);
+  std::reverse(segs.begin(), segs.end());
+  return segs;
+}
+}  // namespace
+
 DeviceSnapshot::~DeviceSnapshot() {
   std::lock_guard<std::mutex> lk(lock_);
   Ops& ops = model_.ops();
-  for (auto* v : {&k_, &v_, &conv_, &recurrent_})
+  for (auto* v : {&conv_, &recurrent_})
     for (Tensor& t : *v) ops.release(t);
   ops.release(logits_);
-}
+}  // kv_ drops after the lock is released: a segment's destructor takes it
 
-size_t DeviceSnapshot::bytes() const {
+size_t DeviceSnapshot::state_bytes() const {
   size_t b = tokens_.size() * 4 + logits_.bytes();
-  for (auto* v : {&k_, &v_, &conv_, &recurrent_})
+  for (auto* v : {&conv_, &recurrent_})
     for (const Tensor& t : *v) b += t.bytes();
   return b;
 }
+
+size_t DeviceSnapshot::bytes() const {
+  size_t b = state_bytes();
+  for (const KvSegment* seg : chain(kv_)) b += seg->bytes();
+  return b;
+}
+
+size_t DeviceSnapshot::own_bytes() const { return state_bytes() + (owns_tail_ ? kv_->bytes() : 0); }
+
+size_t DeviceSnapshot::kv_segments() const { return chain(kv_).size(); }
 
 HostSnapshot DeviceSnapshot::to_host() const {
   std::lock_guard<std::mutex> lk(lock_);
@@ -64,18 +98,31 @@ HostSnapshot DeviceSnapshot::to_host() const {
     h.logits.resize(size_t(c.vocab));
     ops.download(logits_, h.logits.data());
   }
-  auto as_f32 = [&](const Tensor& t, float* dst) {
-    if (t.rows == 0) return;
-    if (t.dtype == DType::F32) return ops.download(t, dst);
-    std::vector<uint16_t> raw(size_t(t.rows * t.cols));
-    ops.download(t, raw.data());
-    for (size_t i = 0; i < raw.size(); ++i) dst[i] = bf16_to_f32(raw[i]);
-  };
-  for (size_t i = 0; i < k_.size(); ++i) {
-    std::vector<float> kv(size_t(2 * k_[i].rows * k_[i].cols));
-    as_f32(k_[i], kv.data());
-    as_f32(v_[i], kv.data() + k_[i].rows * k_[i].cols);
-    h.kv.push_back(std::move(kv));
+  // Session files hold per layer K then V as [kv_heads, position, head_dim]; a segment holds its rows
+  // [begin, end) as [kv_heads, end - begin, head_dim], so each head's rows land at begin.
+  const int64_t pos = position_, hd = c.head_dim;
+  const size_t n_full = size_t(c.n_full());
+  for (size_t i = 0; i < n_full; ++i) h.kv.emplace_back(size_t(2 * c.kv_heads * pos * hd));
+  std::vector<float> rows;
+  std::vector<uint16_t> raw;
+  for (const KvSegment* seg : chain(kv_)) {
+    const int64_t n = seg->end - seg->begin;
+    for (size_t i = 0; i < n_full && n > 0; ++i) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const Tensor& t = kv == 0 ? seg->k[i] : seg->v[i];
+        rows.resize(size_t(t.rows * t.cols));
+        if (t.dtype == DType::F32) {
+          ops.download(t, rows.data());
+        } else {
+          raw.resize(rows.size());
+          ops.download(t, raw.data());
+          for (size_t j = 0; j < raw.size(); ++j) rows[j] = bf16_to_f32(raw[j]);
+        }
+        float* dst = h.kv[i].data() + size_t(kv) * size_t(c.kv_heads * pos * hd);
+        for (int64_t hh = 0; hh < c.kv_heads; ++hh)
+          std::copy(rows.begin() + hh * n * hd, rows.begin() + (hh + 1) * n * hd, dst + (hh * pos + seg->begin) * hd);
+      }
+    }
   }
   for (size_t i = 0; i < conv_.size(); ++i) {
     h.conv.emplace_back(size_t(conv_[i].rows * conv_[i].cols));
@@ -366,13 +413,15 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
   }
 }
 
-std::unique_ptr<DeviceSnapshot> Session::snapshot() {
+std::unique_ptr<DeviceSnapshot> Session::snapshot(const DeviceSnapshot* base) {
   BusyGuard busy(busy_);
   const ModelConfig& c = model_.config();
+  // Declared before the engine lock is taken, so that on an exception they are destroyed after it is
+  // released (their destructors take it).
   auto snap = std::make_unique<DeviceSnapshot>(model_, model_lock_);
-  std::lock_guard<std::mutex> lk(model_lock_);
+  std::shared_ptr<KvSegment> seg;
   {
-    std::lock_guard<std::mutex> slk(state_mu_);
+    std::lock_guard<std::mutex> slk(state_mu_);  // tokens_ changes only under busy_, which this call holds
     snap->position_ = int64_t(tokens_.size());
     snap->tokens_ = tokens_;
     snap->pending_ = pending_;
@@ -380,25 +429,46 @@ std::unique_ptr<DeviceSnapshot> Session::snapshot() {
   }
   snap->kv_dtype_ = st_.kv_dtype;
   const int64_t pos = snap->position_;
-  for (size_t li = 0; li < size_t(c.layers); ++li) {
-    if (c.full_attention[li]) {
-      snap->k_.push_back(ops_.alloc("snapshot_k", st_.kv_dtype, c.kv_heads * pos, c.head_dim));
-      snap->v_.push_back(ops_.alloc("snapshot_v", st_.kv_dtype, c.kv_heads * pos, c.head_dim));
-    } else {
-      const StepState& now = st_.now();
-      snap->conv_.push_back(ops_.alloc("snapshot_conv", DType::F32, now.conv[li].rows, now.conv[li].cols));
-      snap->recurrent_.push_back(
-          ops_.alloc("snapshot_recurrent", DType::F32, now.recurrent[li].rows, now.recurrent[li].cols));
+  if (base) {
+    if (base->backend() != &ops_) throw std::invalid_argument("snapshot: base is a snapshot of another engine");
+    if (base->kv_dtype_ != st_.kv_dtype)
+      throw std::invalid_argument(std::string("snapshot: base holds a ") + dtype_name(base->kv_dtype_) +
+                                  " KV cache, this session a " + dtype_name(st_.kv_dtype) + " one");
+    if (base->position_ > pos || !std::equal(base->tokens_.begin(), base->tokens_.end(), snap->tokens_.begin()))
+      throw std::invalid_argument("snapshot: base's " + std::to_string(base->position_) +
+                                  " tokens are not a prefix of this session's " + std::to_string(pos));
+    snap->kv_ = base->kv_;
+    snap->base_position_ = base->position_;
+  }
+  const int64_t from = snap->base_position_, n = pos - from;
+  if (n > 0) seg = std::make_shared<KvSegment>(model_, model_lock_);
+  std::lock_guard<std::mutex> lk(model_lock_);
+  if (seg) {
+    seg->parent = snap->kv_;
+    seg->begin = from;
+    seg->end = pos;
+    for (size_t li = 0; li < size_t(c.layers); ++li) {
+      if (!c.full_attention[li]) continue;
+      seg->k.push_back(ops_.alloc("snapshot_k", st_.kv_dtype, c.kv_heads * n, c.head_dim));
+      seg->v.push_back(ops_.alloc("snapshot_v", st_.kv_dtype, c.kv_heads * n, c.head_dim));
     }
+  }
+  for (size_t li = 0; li < size_t(c.layers); ++li) {
+    if (c.full_attention[li]) continue;
+    const StepState& now = st_.now();
+    snap->conv_.push_back(ops_.alloc("snapshot_conv", DType::F32, now.conv[li].rows, now.conv[li].cols));
+    snap->recurrent_.push_back(
+        ops_.alloc("snapshot_recurrent", DType::F32, now.recurrent[li].rows, now.recurrent[li].cols));
   }
   snap->logits_ = ops_.alloc("snapshot_logits", DType::F32, 1, c.vocab);
   Step step(ops_, Phase::Prefill);
   size_t fi = 0, di = 0;
   for (size_t li = 0; li < size_t(c.layers); ++li) {
     if (c.full_attention[li]) {
-      for (int64_t h = 0; h < c.kv_heads && pos > 0; ++h) {
-        ops_.copy(st_.k_cache[li].rows_view(h * st_.max_ctx, pos), snap->k_[fi].rows_view(h * pos, pos));
-        ops_.copy(st_.v_cache[li].rows_view(h * st_.max_ctx, pos), snap->v_[fi].rows_view(h * pos, pos));
+      // Only rows [from, pos): rows before them are the base's, which holds the same tokens.
+      for (int64_t h = 0; h < c.kv_heads && seg; ++h) {
+        ops_.copy(st_.k_cache[li].rows_view(h * st_.max_ctx + from, n), seg->k[fi].rows_view(h * n, n));
+        ops_.copy(st_.v_cache[li].rows_view(h * st_.max_ctx + from, n), seg->v[fi].rows_view(h * n, n));
       }
       ++fi;
     } else {
@@ -409,6 +479,10 @@ std::unique_ptr<DeviceSnapshot> Session::snapshot() {
   }
   ops_.copy(st_.now().logits, snap->logits_);
   ops_.wait(step.submit());
+  if (seg) {
+    snap->kv_ = std::move(seg);
+    snap->owns_tail_ = true;
+  }
   return snap;
 }
 
@@ -424,14 +498,17 @@ void Session::check_restorable(int64_t position, int32_t pending, const std::vec
 
 void Session::restore_locked(const DeviceSnapshot& s) {
   const ModelConfig& c = model_.config();
-  const int64_t pos = s.position_;
+  const std::vector<const KvSegment*> segs = chain(s.kv_);
   Step step(ops_, Phase::Prefill);
   size_t fi = 0, di = 0;
   for (size_t li = 0; li < size_t(c.layers); ++li) {
     if (c.full_attention[li]) {
-      for (int64_t h = 0; h < c.kv_heads && pos > 0; ++h) {
-        ops_.copy(s.k_[fi].rows_view(h * pos, pos), st_.k_cache[li].rows_view(h * st_.max_ctx, pos));
-        ops_.copy(s.v_[fi].rows_view(h * pos, pos), st_.v_cache[li].rows_view(h * st_.max_ctx, pos));
+      for (const KvSegment* seg : segs) {  // rows [seg->begin, seg->end) of each head
+        const int64_t n = seg->end - seg->begin;
+        for (int64_t h = 0; h < c.kv_heads && n > 0; ++h) {
+          ops_.copy(seg->k[fi].rows_view(h * n, n), st_.k_cache[li].rows_view(h * st_.max_ctx + seg->begin, n));
+          ops_.copy(seg->v[fi].rows_view(h * n, n), st_.v_cache[li].rows_view(h * st_.max_ctx + seg->begin, n));
+        }
       }
       ++fi;
     } else {
@@ -441,7 +518,7 @@ void Session::restore_locked(const DeviceSnapshot& s) {
     }
   }
   ops_.copy(s.logits_, st_.now().logits);
-  ops_.fill(st_.now().pos, double(pos));
+  ops_.fill(st_.now().pos, double(s.position_));
   ops_.wait(step.submit());
 }
 
@@ -477,23 +554,26 @@ void Session::restore(const HostSnapshot& s) {
         int64_t(s.recurrent[i].size()) != c.lin_v_heads * c.lin_k_dim * c.lin_v_dim)
       throw std::invalid_argument("snapshot: recurrent state size does not match this model");
 
-  // Stage the host copy in fp32 device tensors, then restore it like any snapshot.
+  // Stage the host copy in fp32 device tensors (one KV segment), then restore it like any snapshot.
+  // Both are declared before the engine lock: their destructors take it.
   DeviceSnapshot d(model_, model_lock_);
   d.position_ = s.position;
   d.tokens_ = s.tokens;
   d.pending_ = s.pending;
   d.has_logits_ = !s.logits.empty();
+  auto seg = s.position > 0 ? std::make_shared<KvSegment>(model_, model_lock_) : nullptr;
   {
     std::lock_guard<std::mutex> lk(model_lock_);
     const int64_t rows = c.kv_heads * s.position;
     for (const auto& kv : s.kv) {
-      d.k_.push_back(ops_.alloc("staged_k", DType::F32, rows, c.head_dim));
-      d.v_.push_back(ops_.alloc("staged_v", DType::F32, rows, c.head_dim));
-      if (rows) {
-        ops_.upload(d.k_.back(), kv.data());
-        ops_.upload(d.v_.back(), kv.data() + rows * c.head_dim);
-      }
+      if (!seg) break;
+      seg->end = s.position;
+      seg->k.push_back(ops_.alloc("staged_k", DType::F32, rows, c.head_dim));
+      seg->v.push_back(ops_.alloc("staged_v", DType::F32, rows, c.head_dim));
+      ops_.upload(seg->k.back(), kv.data());
+      ops_.upload(seg->v.back(), kv.data() + rows * c.head_dim);
     }
+    d.kv_ = seg;
     for (size_t i = 0; i < n_lin; ++i) {
       d.conv_.push_back(ops_.alloc("staged_conv", DType::F32, c.conv_kernel - 1, c.conv_dim()));
       d.recurrent_.push_back(ops_.alloc("staged_recurrent", DType::F32, c.lin_v_heads * c.lin_k_dim, c.lin_v_dim));

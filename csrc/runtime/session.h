@@ -41,8 +41,30 @@ struct HostSnapshot {
   size_t bytes() const;
 };
 
+// KV rows [begin, end) of every full-attention layer, on top of a parent's rows [0, begin): written once
+// by the snapshot that created it, then immutable and shared (shared_ptr) by that snapshot, by snapshots
+// taken on top of it and by their segments. A conversation's checkpoints form a tree of segments, so each
+// KV row is held once however many checkpoints need it; rows are freed with the last reference.
+// Releases its tensors under the engine lock when destroyed (after that, its parent reference drops).
+struct KvSegment {
+  KvSegment(Qwen36& model, std::mutex& model_lock) : model_(model), lock_(model_lock) {}
+  ~KvSegment();
+  KvSegment(const KvSegment&) = delete;
+  KvSegment& operator=(const KvSegment&) = delete;
+
+  std::shared_ptr<const KvSegment> parent;  // rows [0, begin); null when begin == 0
+  int64_t begin = 0, end = 0;
+  std::vector<Tensor> k, v;  // per full layer: [kv_heads * (end - begin), head_dim], head-major
+  size_t bytes() const;      // this segment's rows only
+
+ private:
+  Qwen36& model_;
+  std::mutex& lock_;
+};
+
 // A session's state copied into backend tensors by recorded copies (snapshot, restore and fork never
-// leave the device). Releases its tensors under the engine lock when destroyed.
+// leave the device): its own conv/recurrent state and logits, and a reference to the KV segments
+// holding rows [0, position). Releases its tensors under the engine lock when destroyed.
 class DeviceSnapshot {
  public:
   DeviceSnapshot(Qwen36& model, std::mutex& model_lock) : model_(model), lock_(model_lock) {}
@@ -51,20 +73,30 @@ class DeviceSnapshot {
   DeviceSnapshot& operator=(const DeviceSnapshot&) = delete;
 
   int64_t position() const { return position_ + (pending_ >= 0); }
+  // Bytes this snapshot keeps alive: its state plus every KV segment it reaches (shared ones included).
   size_t bytes() const;
+  // Bytes only this snapshot added: its state plus the KV rows [base_position(), position) it copied.
+  size_t own_bytes() const;
+  // Where the KV rows this snapshot copied begin: its base's position, 0 without a base.
+  int64_t base_position() const { return base_position_; }
+  size_t kv_segments() const;  // segments from rows 0 to position (restore issues copies for each)
+  DType kv_dtype() const { return kv_dtype_; }
   const Ops* backend() const { return &model_.ops(); }
   HostSnapshot to_host() const;  // downloads (session files)
 
  private:
   friend class Session;
+  size_t state_bytes() const;  // conv, recurrent, logits, tokens
   Qwen36& model_;
   std::mutex& lock_;
   int64_t position_ = 0;
+  int64_t base_position_ = 0;
   std::vector<int32_t> tokens_;
   int32_t pending_ = -1;
   bool has_logits_ = false;
   DType kv_dtype_ = DType::F32;
-  std::vector<Tensor> k_, v_;  // per full layer: [kv_heads * position, head_dim]
+  std::shared_ptr<const KvSegment> kv_;  // rows [0, position_); null at position 0
+  bool owns_tail_ = false;               // kv_ was written by this snapshot (rows [base_position_, position_))
   std::vector<Tensor> conv_, recurrent_;
   Tensor logits_;
 };
@@ -104,8 +136,13 @@ class Session {
   std::string generate(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
                        const std::function<int(int32_t, const float*)>& on_token, bool with_logits = false);
 
-  std::unique_ptr<DeviceSnapshot> snapshot();
-  void restore(const DeviceSnapshot& s);  // a snapshot of another engine goes through host memory
+  // Copies the state into a new snapshot. With `base` (a snapshot of this engine whose tokens are a
+  // prefix of this session's, same KV dtype), the KV rows [0, base position) are shared with it and only
+  // rows [base position, position) are copied; throws std::invalid_argument (naming base) otherwise.
+  std::unique_ptr<DeviceSnapshot> snapshot(const DeviceSnapshot* base = nullptr);
+  // Copies each of the snapshot's KV segments into rows [begin, end) of the cache (rows [0, position) in
+  // all), then its state. A snapshot of another engine goes through host memory.
+  void restore(const DeviceSnapshot& s);
   void restore(const HostSnapshot& s);
   void reset();
 

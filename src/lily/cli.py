@@ -140,12 +140,17 @@ def cmd_serve(args) -> int:
     config = ServerConfig(model_name=name, max_context=args.max_context, max_concurrency=args.max_concurrency,
                           max_queue=args.max_queue, request_timeout=args.request_timeout,
                           default_max_tokens=args.default_max_tokens, chat_template=template,
-                          prefix_cache_bytes=args.prefix_cache_bytes)
+                          prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
+                          prefix_cache_disk_bytes=args.prefix_cache_disk_bytes,
+                          prefix_cache_interval=args.prefix_cache_interval)
     for field in ("max_context", "max_concurrency", "default_max_tokens"):
         if getattr(config, field) < 1:
             raise LilyError(f"--{field.replace('_', '-')} must be >= 1")
-    if config.max_queue < 0 or config.prefix_cache_bytes < 0 or not config.request_timeout > 0:
-        raise LilyError("--max-queue and --prefix-cache-bytes must be >= 0 and --request-timeout > 0")
+    for field in ("max_queue", "prefix_cache_bytes", "prefix_cache_disk_bytes", "prefix_cache_interval"):
+        if getattr(config, field) < 0:
+            raise LilyError(f"--{field.replace('_', '-')} must be >= 0")
+    if not config.request_timeout > 0:
+        raise LilyError("--request-timeout must be > 0")
     print(f"Lily serving '{name}' on http://{args.host}:{args.port}/v1 ({engine.backend})", file=sys.stderr)
     serve(engine, host=args.host, port=args.port, config=config, log_level=args.log_level)
     return 0
@@ -218,7 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--default-max-tokens", type=int, default=4096, help="when a request gives no max_tokens")
     s.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the model's")
     s.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
-                   help="budget of the prefix cache's checkpoints (default 1 GiB; 0 turns it off)")
+                   help="budget of the prefix cache's checkpoints in memory (default 1 GiB; 0 turns it off)")
+    s.add_argument("--prefix-cache-dir", default=None,
+                   help="folder for the prefix cache's disk tier: evicted checkpoints spill there and a restarted "
+                        "server finds them (default: no disk tier)")
+    s.add_argument("--prefix-cache-disk-bytes", type=int, default=4 << 30,
+                   help="budget of the files in --prefix-cache-dir (default 4 GiB)")
+    s.add_argument("--prefix-cache-interval", type=int, default=4096,
+                   help="also checkpoint every this many tokens of a long prompt (default 4096; 0: off)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(fn=cmd_serve)
 

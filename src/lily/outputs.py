@@ -6,6 +6,14 @@ start of a tag is held back until the next pieces decide it, so a tag is never s
 never shown. A tool-call block is parsed when its closing tag arrives; a block that does not parse (or is
 never closed) is returned as text, so nothing the model wrote is lost.
 
+With ``stream_arguments=True`` a call in the XML form is also announced while it is written:
+``("tool_call_begin", (index, name))`` once ``<function=NAME>`` is complete, then
+``("tool_call_args", (index, fragment))`` as each ``</parameter>`` arrives (the fragments concatenate to
+``json.dumps(arguments)``: ``{"city": "Paris"``, ``, "days": 3``, ``}``), then the ``("tool_call", ToolCall)``
+event. The JSON form is decided only at its closing tag (one whole event, as without the option). A call
+announced this way is committed: if the rest of its block turns out malformed (or is never closed), the call
+ends with the parameters complete so far and the whole block is returned as text too, so nothing is lost.
+
 Tool calls use the qwen3_coder XML form that Qwen3.6 is trained on::
 
     <tool_call>
@@ -35,6 +43,8 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 _FUNCTION = re.compile(r"\A\s*<function=([^>\n]+)>(.*)</function>\s*\Z", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+_FUNCTION_OPEN = re.compile(r"\A\s*<function=([^>\n]+)>")
+_PARAMETER_AT = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.S)  # whitespace before it only
 
 
 @dataclass(frozen=True)
@@ -117,18 +127,38 @@ def parse_tool_call(body: str, types: dict[str, dict[str, str]] | None = None) -
         if inner[end:p.start()].strip():  # stray text between parameters: not the format
             return None
         end = p.end()
-        pname = p.group(1).strip()
-        value = p.group(2)
-        # The format puts each value on its own lines: one newline after the opening tag and one
-        # before the closing tag belong to the markup.
-        if value.startswith("\n"):
-            value = value[1:]
-        if value.endswith("\n"):
-            value = value[:-1]
-        args[pname] = _convert(value, kinds.get(pname))
+        pname, value = _parameter(p, kinds)
+        args[pname] = value
     if inner[end:].strip():
         return None
     return ToolCall(name, args, raw)
+
+
+def _parameter(p: re.Match, kinds: dict[str, str]) -> tuple[str, Any]:
+    pname, value = p.group(1).strip(), p.group(2)
+    # The format puts each value on its own lines: one newline after the opening tag and one before the
+    # closing tag belong to the markup.
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return pname, _convert(value, kinds.get(pname))
+
+
+def _json_member(first: bool, name: str, value: Any) -> str:
+    # json.dumps(dict)'s own separators, so the fragments of a call concatenate to json.dumps(arguments)
+    return ("{" if first else ", ") + json.dumps(name, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+
+
+@dataclass
+class _OpenCall:
+    """A tool call announced while its block is still being written (stream_arguments)."""
+
+    index: int
+    name: str
+    pos: int  # where the next parameter may begin in the block's text
+    arguments: dict[str, Any] = field(default_factory=dict)
+    sent: int = 0  # parameters sent as fragments
 
 
 def _partial_tag(buf: str, tags: tuple[str, ...]) -> int:
@@ -151,9 +181,12 @@ class OutputParser:
     a list of OpenAI-style tool definitions also gives the parameter types.
     """
 
-    def __init__(self, *, in_reasoning: bool = False, tools: list[dict] | bool | None = None):
+    def __init__(self, *, in_reasoning: bool = False, tools: list[dict] | bool | None = None,
+                 stream_arguments: bool = False):
         self._state = "reasoning" if in_reasoning else "start"
         self._tools = bool(tools)
+        self._stream = bool(stream_arguments)
+        self._call: _OpenCall | None = None  # the call being announced (stream_arguments)
         self._types = parameter_types(tools if isinstance(tools, list) else None)
         self._buf = ""  # undecided text of the current state
         self._ws = ""  # whitespace held in text: dropped if a tool call follows (the markup's separator)
@@ -179,6 +212,7 @@ class OutputParser:
             if (self._state, len(self._buf)) == before:
                 break
         if self._state == "tool":  # never closed: the model's text, as written
+            self._end_open_call(events, None)
             self._ws = self._pre_ws
             self._text(events, TOOL_OPEN + self._buf, final=True)
         elif self._buf:
@@ -246,11 +280,18 @@ class OutputParser:
             return
         if self._state == "tool":
             i = buf.find(TOOL_CLOSE)
+            if self._stream:
+                self._announce(events, buf if i < 0 else buf[:i])
             if i < 0:
                 return
             body = buf[:i]
             call = parse_tool_call(body, self._types)
-            if call is None:
+            if self._call is not None:  # announced: committed whatever the rest of the block is
+                self._end_open_call(events, call)
+                if call is None:
+                    self._ws = self._pre_ws
+                    self._text(events, TOOL_OPEN + body + TOOL_CLOSE, final=False)
+            elif call is None:
                 self._ws = self._pre_ws
                 self._text(events, TOOL_OPEN + body + TOOL_CLOSE, final=False)
             else:
@@ -260,6 +301,41 @@ class OutputParser:
                 events.append(("tool_call", call))
             self._buf = buf[i + len(TOOL_CLOSE):]
             self._state = "text"
+
+    def _announce(self, events: list, body: str) -> None:
+        """Begin a call once <function=NAME> is complete, then send each parameter as it completes."""
+        if self._call is None:
+            m = _FUNCTION_OPEN.match(body)
+            if m is None or not m.group(1).strip():
+                return
+            self._call = _OpenCall(self.tool_calls, m.group(1).strip(), m.end())
+            events.append(("tool_call_begin", (self._call.index, self._call.name)))
+        c = self._call
+        kinds = self._types.get(c.name, {})
+        while (p := _PARAMETER_AT.match(body, c.pos)) is not None:
+            pname, value = _parameter(p, kinds)
+            events.append(("tool_call_args", (c.index, _json_member(c.sent == 0, pname, value))))
+            c.arguments[pname] = value
+            c.sent += 1
+            c.pos = p.end()
+
+    def _end_open_call(self, events: list, call: ToolCall | None) -> None:
+        """Close the announced call: with the parsed block's arguments, or (malformed: call is None) with
+        the parameters sent so far."""
+        c, self._call = self._call, None
+        if c is None:
+            return
+        if call is not None:  # the block parsed: the same parameters, in order (one regex for both)
+            for pname, value in list(call.arguments.items())[c.sent:]:
+                events.append(("tool_call_args", (c.index, _json_member(c.sent == 0, pname, value))))
+                c.sent += 1
+        else:
+            call = ToolCall(c.name, dict(c.arguments), "")
+        events.append(("tool_call_args", (c.index, "}" if c.sent else "{}")))
+        self._ws = ""
+        self._after_call = True
+        self.tool_calls += 1
+        events.append(("tool_call", call))
 
     def _emit_plain(self, events: list, text: str, final: bool) -> None:
         if self._state == "reasoning":

@@ -203,7 +203,10 @@ class ServerConfig:
     request_timeout: float = 600.0  # seconds from arrival to the last token; then 503
     default_max_tokens: int = 4096  # when a request gives none (capped by the room left in max_context)
     chat_template: str | None = None  # overrides the checkpoint's chat template
-    prefix_cache_bytes: int = 1 << 30  # budget of the prefix cache's checkpoints (copies: see lily.prefix_cache); 0: off
+    prefix_cache_bytes: int = 1 << 30  # budget of the prefix cache's checkpoints in memory (see lily.prefix_cache); 0: off
+    prefix_cache_dir: str | None = None  # the disk tier: evicted checkpoints spill here (a restarted server finds them)
+    prefix_cache_disk_bytes: int = 4 << 30  # budget of the files in prefix_cache_dir
+    prefix_cache_interval: int = 4096  # also checkpoint every this many tokens of a long prefill; 0: off
 
 
 def _rss_bytes() -> int:
@@ -291,7 +294,10 @@ class LilyServer:
         self.metrics = Metrics()
         from .prefix_cache import PrefixCache
 
-        self.cache = PrefixCache(engine, self.config.prefix_cache_bytes) if self.config.prefix_cache_bytes else None
+        c = self.config
+        self.cache = (PrefixCache(engine, c.prefix_cache_bytes, disk_dir=c.prefix_cache_dir,
+                                  disk_bytes=c.prefix_cache_disk_bytes, checkpoint_interval=c.prefix_cache_interval)
+                      if c.prefix_cache_bytes else None)
         self.active = 0
         self.waiting = 0
         self._slots: asyncio.Semaphore | None = None
@@ -705,7 +711,8 @@ async def chat_completions(server: LilyServer, f: Fields, arrived: float):
     opts = f.obj("stream_options") or {}
     include_usage = bool(opts.get("include_usage", False))
     job = await server.submit(cj.req, arrived)
-    parser = OutputParser(in_reasoning=cj.in_reasoning, tools=cj.tools)
+    # A stream announces a call and sends its arguments while the model writes them.
+    parser = OutputParser(in_reasoning=cj.in_reasoning, tools=cj.tools, stream_arguments=stream)
     rid, created, model = _new_id("chatcmpl-"), int(time.time()), server.config.model_name
     prompt_n = len(cj.req.ids)
 
@@ -744,6 +751,7 @@ async def chat_completions(server: LilyServer, f: Fields, arrived: float):
         return _sse(data)
 
     calls_sent = [0]
+    announced = [False]  # the current call's name and id have gone out (tool_call_begin)
 
     def deltas(events: list) -> list[dict]:
         out = []
@@ -752,7 +760,16 @@ async def chat_completions(server: LilyServer, f: Fields, arrived: float):
                 out.append({"content": value})
             elif kind == "reasoning":
                 out.append({"reasoning_content": value})
-            else:  # a whole call in one delta: its arguments are known only once the block has closed
+            elif kind == "tool_call_begin":  # the name and id first; arguments follow in pieces
+                out.append({"tool_calls": [{"index": value[0], "id": _new_id("call_"), "type": "function",
+                                            "function": {"name": value[1], "arguments": ""}}]})
+                announced[0] = True
+            elif kind == "tool_call_args":
+                out.append({"tool_calls": [{"index": value[0], "function": {"arguments": value[1]}}]})
+            elif announced[0]:  # the end of an announced call: everything has been sent
+                announced[0] = False
+                calls_sent[0] += 1
+            else:  # a whole call in one delta (the JSON form is decided only when its block closes)
                 out.append({"tool_calls": [_openai_tool_call(value, calls_sent[0])]})
                 calls_sent[0] += 1
         return out
@@ -986,7 +1003,7 @@ async def messages_endpoint(server: LilyServer, f: Fields, arrived: float):
     req = GenRequest(ids, max_tokens, sampling, stop, 0, f.boolean("ignore_eos", False), cuts)
     stream = f.boolean("stream", False)
     job = await server.submit(req, arrived)
-    parser = OutputParser(in_reasoning=in_reasoning, tools=tools)
+    parser = OutputParser(in_reasoning=in_reasoning, tools=tools, stream_arguments=stream)
     mid, model = _new_id("msg_"), server.config.model_name
 
     def stop_reason(fin: Finish) -> tuple[str, str | None]:
@@ -1051,6 +1068,21 @@ async def messages_endpoint(server: LilyServer, f: Fields, arrived: float):
             nonlocal index, open_kind
             out: list[str] = []
             for kind, value in events:
+                if kind == "tool_call_begin":  # a tool_use block opens with the name; input follows in pieces
+                    out += close()
+                    index += 1
+                    open_kind = "tool_use"
+                    out.append(_sse({"type": "content_block_start", "index": index, "content_block": {
+                        "type": "tool_use", "id": _new_id("toolu_"), "name": value[1], "input": {}}},
+                        "content_block_start"))
+                    continue
+                if kind == "tool_call_args":
+                    out.append(_sse({"type": "content_block_delta", "index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": value[1]}}, "content_block_delta"))
+                    continue
+                if kind == "tool_call" and open_kind == "tool_use":  # the announced call is complete
+                    out += close()
+                    continue
                 if kind == "tool_call":
                     out += close()
                     index += 1
@@ -1132,6 +1164,13 @@ def _prometheus(m: dict) -> str:
         metric("prefix_cache_evictions_total", "counter", "checkpoints evicted", [("", cache["evictions"])])
         metric("prefix_cache_bytes", "gauge", "bytes held by checkpoints", [("", cache["bytes"])])
         metric("prefix_cache_entries", "gauge", "checkpoints held", [("", cache["entries"])])
+        metric("prefix_cache_disk_hits_total", "counter", "prompts restored from a spilled checkpoint",
+               [("", cache["disk_hits"])])
+        metric("prefix_cache_disk_errors_total", "counter", "spilled checkpoints unreadable (a miss)",
+               [("", cache["disk_errors"])])
+        metric("prefix_cache_spilled_total", "counter", "checkpoints written to the disk tier", [("", cache["spilled"])])
+        metric("prefix_cache_disk_bytes", "gauge", "bytes of spilled checkpoint files", [("", cache["disk_bytes"])])
+        metric("prefix_cache_disk_entries", "gauge", "spilled checkpoint files", [("", cache["disk_entries"])])
     return "\n".join(lines) + "\n"
 
 

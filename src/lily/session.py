@@ -58,7 +58,11 @@ def closed_handle(what: str) -> _ClosedHandle:
 
 class Snapshot:
     """A copy of a session's state, held by the backend (restoring it never leaves the device); restore
-    it into any session of the same model. Snapshots read from session files are host copies."""
+    it into any session of the same model. Snapshots read from session files are host copies.
+
+    A snapshot taken with ``base=`` shares the KV rows of the base's positions with it (and with the base's
+    own base, and so on) and holds only its own conv/recurrent state, logits and the KV rows after the
+    base: ``own_nbytes`` of them; ``nbytes`` counts everything it keeps alive, shared rows included."""
 
     def __init__(self, core_snapshot, fingerprint: str):
         self._core = core_snapshot
@@ -70,10 +74,27 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
+        """Bytes this snapshot keeps alive: its state and all the KV rows up to its position."""
         return self._core.nbytes
 
+    @property
+    def own_nbytes(self) -> int:
+        """Bytes only this snapshot added: its conv/recurrent state, logits and tokens, and the KV rows from
+        ``base_position`` to its position (all of them for a snapshot without a base or a host copy)."""
+        return getattr(self._core, "own_nbytes", self._core.nbytes)
+
+    @property
+    def base_position(self) -> int:
+        """Position of the base whose KV rows it shares (0: none shared)."""
+        return getattr(self._core, "base_position", 0)
+
+    @property
+    def on_device(self) -> bool:
+        """True for a backend snapshot (Session.snapshot), False for a host copy read from a file."""
+        return hasattr(self._core, "own_nbytes")
+
     def __repr__(self) -> str:
-        return f"Snapshot(position={self.position}, nbytes={self.nbytes})"
+        return f"Snapshot(position={self.position}, nbytes={self.nbytes}, own_nbytes={self.own_nbytes})"
 
 
 class Session:
@@ -339,8 +360,26 @@ class Session:
                                  skip_special_tokens=skip_special_tokens))
 
     # ---- state handles ----
-    def snapshot(self) -> Snapshot:
-        return Snapshot(self._core.snapshot(), self._engine.fingerprint)
+    def snapshot(self, *, base: Snapshot | None = None) -> Snapshot:
+        """A copy of this session's state (device tensors). With ``base``, an earlier snapshot of this
+        model whose tokens are a prefix of this session's context, the KV rows of the base's positions are
+        shared with it rather than copied (only the rows after them are): a conversation's checkpoints then
+        hold each KV row once. Raises TypeError / ValueError naming ``base`` when it cannot be shared (a
+        host copy, another model or engine, another KV dtype, or tokens that are not a prefix)."""
+        if base is None:
+            return Snapshot(self._core.snapshot(), self._engine.fingerprint)
+        if not isinstance(base, Snapshot):
+            raise TypeError(f"Session.snapshot: base must be a Snapshot, got {type(base).__name__}")
+        if not base.on_device:
+            raise ValueError("Session.snapshot: base is a host copy (read from a file); only a snapshot taken "
+                             "by Session.snapshot can share its KV rows")
+        if base.fingerprint != self._engine.fingerprint:
+            raise ValueError("Session.snapshot: base was taken on a different model")
+        try:
+            core = self._core.snapshot(base._core)
+        except ValueError as exc:
+            raise ValueError(f"Session.snapshot: {exc}") from None
+        return Snapshot(core, self._engine.fingerprint)
 
     def restore(self, snapshot: Snapshot) -> None:
         if not isinstance(snapshot, Snapshot):
@@ -375,28 +414,33 @@ class Session:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the session state to a safetensors file (load it with Engine.load_session or load)."""
-        from .checkpoint import SafetensorsWriter
-
         snap = self._core.snapshot()
-        arrays = {k: np.ascontiguousarray(v) for k, v in snap.to_arrays().items()}
-        specs = [(name, _session_dtype(name, a), a.shape) for name, a in arrays.items()]
-        meta = {
-            "format": _SESSION_FORMAT,
-            "fingerprint": self._engine.fingerprint,
-            "max_context": str(self.max_context),
-            "position": str(snap.position),
-        }
-        meta["checksum"] = _session_checksum(meta, ((n, dt, shp, arrays[n]) for n, dt, shp in specs))
-        tmp = f"{os.fspath(path)}.tmp"
-        try:
-            with SafetensorsWriter(tmp, specs, metadata=meta) as w:
-                for name, a in arrays.items():
-                    w.write(name, a)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        os.replace(tmp, path)  # never leaves a half-written file under the real name
+        write_session_file(path, snap.to_arrays(), fingerprint=self._engine.fingerprint,
+                           max_context=self.max_context, position=snap.position)
+
+
+def write_session_file(path: str | os.PathLike, arrays: dict, *, fingerprint: str, max_context: int, position: int,
+                       extra: dict[str, str] | None = None) -> None:
+    """Write a snapshot's host arrays (``to_arrays()``) as a session file: safetensors, metadata ``format``,
+    ``fingerprint``, ``max_context``, ``position`` (and ``extra``), and a sha256 ``checksum`` over all of it.
+    Written to a temporary name and renamed, so a half-written file never appears under ``path``."""
+    from .checkpoint import SafetensorsWriter
+
+    arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    specs = [(name, _session_dtype(name, a), a.shape) for name, a in arrays.items()]
+    meta = {**(extra or {}), "format": _SESSION_FORMAT, "fingerprint": fingerprint,
+            "max_context": str(max_context), "position": str(position)}
+    meta["checksum"] = _session_checksum(meta, ((n, dt, shp, arrays[n]) for n, dt, shp in specs))
+    tmp = f"{os.fspath(path)}.{os.getpid()}.{threading.get_ident()}.tmp"  # one per writer thread
+    try:
+        with SafetensorsWriter(tmp, specs, metadata=meta) as w:
+            for name, a in arrays.items():
+                w.write(name, a)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    os.replace(tmp, path)  # never leaves a half-written file under the real name
 
 
 # A session file's own max_context claim is bounded before Engine.load_session allocates a KV cache for
