@@ -4,6 +4,8 @@ decode loop's CUDA graphs and its one id read per token, and bad input."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -190,9 +192,10 @@ def test_context_overflow_and_oom_are_clear(checkpoints):
         assert s.step(3).shape == (TINY_CONFIG["vocab_size"],)
 
 
-TEXT = ("The quick brown fox jumps over the lazy dog. Once upon a time, in a small village by the sea, there "
-        "lived an old fisherman who told stories to the children every evening. They listened and laughed, and "
-        "the waves kept time with his voice while the sun went down behind the hills.")
+# lily-tiny's held-out text (docs/lily-tiny/heldout.txt): 2048 tokens, so that the few positions where the
+# router's top-k has a near-tie (and the GPU's and CPU's rounding pick different experts, a legitimate
+# difference) do not dominate the perplexity as they do on a 300-token text.
+HELDOUT = Path(__file__).resolve().parents[2] / "docs" / "lily-tiny" / "heldout.txt"
 
 
 def _perplexity(logits: np.ndarray, targets: list[int]) -> float:
@@ -205,7 +208,7 @@ def _perplexity(logits: np.ndarray, targets: list[int]) -> float:
 def test_lily_tiny_teacher_forced_agreement():
     """The issue's bar on the shipped model: top-1 agreement with the CPU >= 99%, perplexity within 0.1%."""
     with lily.Engine.from_pretrained(backend="cpu") as cpu, lily.Engine.from_pretrained(backend="cuda") as gpu:
-        ids = cpu.tokenize(TEXT * 3)
+        ids = cpu.tokenize(HELDOUT.read_text())[:2048]
         lc = cpu.session().prefill(ids, all_logits=True)[:-1]
         lg = gpu.session().prefill(ids, all_logits=True)[:-1]
         agree = float((lc.argmax(axis=1) == lg.argmax(axis=1)).mean())
