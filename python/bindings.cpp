@@ -198,6 +198,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("device").is_none()) o.device = nb::cast<int>(opt("device"));
     if (!opt("graphs").is_none()) o.graphs = nb::cast<bool>(opt("graphs"));
     if (!opt("branches").is_none()) o.branches = nb::cast<bool>(opt("branches"));
+    if (!opt("pdl").is_none()) o.pdl = nb::cast<bool>(opt("pdl"));
     if (!opt("cache_dir").is_none()) o.cache_dir = nb::cast<std::string>(opt("cache_dir"));
     if (!opt("dry_arch").is_none()) o.dry_arch = nb::cast<int>(opt("dry_arch"));
     if (o.dry_arch == 0 && !nb::cast<bool>(b["usable"]))

@@ -127,6 +127,7 @@ CudaOps::CudaOps(const CudaOptions& opt) : opt_(opt) {
   info_.peak_bandwidth = 2.0 * attr(CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE) * 1e3 *
                          attr(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH) / 8.0;
   check(d.cuDeviceTotalMem_v2(&info_.total_mem, dev), "cuDeviceTotalMem");
+  pdl_active_ = opt_.pdl && info_.cc_major >= 9 && d.cuLaunchKernelEx != nullptr;
   check(d.cuDevicePrimaryCtxRetain(&ctx_, dev), "cuDevicePrimaryCtxRetain");
   try {
     check(d.cuCtxSetCurrent(ctx_), "cuCtxSetCurrent");
@@ -510,8 +511,17 @@ void CudaOps::issue(const Launch& l, CUstream s) {
   size_t size = l.args_len;
   void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, const_cast<unsigned char*>(args_.data() + l.args_at),
                    CU_LAUNCH_PARAM_BUFFER_SIZE, &size, CU_LAUNCH_PARAM_END};
-  const CUresult r = drv().cuLaunchKernel(l.fn, l.grid.x, l.grid.y, l.grid.z, l.block.x, l.block.y, l.block.z,
-                                          l.smem, s, nullptr, extra);
+  CUresult r;
+  if (pdl_active_) {
+    CUlaunchAttribute attr{};
+    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    CUlaunchConfig cfg{l.grid.x, l.grid.y, l.grid.z, l.block.x, l.block.y, l.block.z, l.smem, s, &attr, 1};
+    r = drv().cuLaunchKernelEx(&cfg, l.fn, nullptr, extra);
+  } else {
+    r = drv().cuLaunchKernel(l.fn, l.grid.x, l.grid.y, l.grid.z, l.block.x, l.block.y, l.block.z, l.smem, s, nullptr,
+                             extra);
+  }
   if (r != CUDA_SUCCESS)
     throw CudaError("launch of '" + l.kernel->name + "' (kernels/" + l.kernel->family + ".cu) failed: " +
                         error_text(r),
@@ -805,7 +815,13 @@ std::vector<std::string> CudaOps::optimizations() const {
   o.push_back(opt_.branches ? "graph branches: the launches of one hazard stage run side by side (up to 4 streams "
                               "forked and joined per stage)"
                             : "graph branches off (branches=False): launches run one after another");
-  o.push_back("not active: programmatic dependent launch (each launch waits for the previous one to finish)");
+  if (pdl_active_)
+    o.push_back("programmatic dependent launch: each kernel is scheduled while the one before it runs and waits "
+                "for it on the device (griddepcontrol), so launch latency overlaps work");
+  else
+    o.push_back(std::string("not active: programmatic dependent launch (") +
+                (!opt_.pdl ? "pdl=False" : info_.cc_major < 9 ? "needs sm_90 or newer" : "the driver lacks cuLaunchKernelEx") +
+                "): each launch starts after the previous one finished");
   for (const auto& [k, v] : variants_) o.push_back(k + ": " + v);
   return o;
 }

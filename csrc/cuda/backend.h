@@ -47,6 +47,7 @@ struct CudaOptions {
   int device = 0;
   bool graphs = true;                // decode steps replayed as CUDA graphs
   bool branches = true;              // independent launches of a stage on parallel streams / graph branches
+  bool pdl = true;                   // programmatic dependent launch where the device has it (sm_90+)
   std::string cache_dir;             // kernel cache ("" = LILY_CACHE_DIR, else ~/.cache/lily/cuda)
   int dry_arch = 0;                  // > 0: no device; compile for sm_<dry_arch> and record only (CI)
 };
@@ -228,6 +229,7 @@ class CudaOps final : public Ops {
   std::vector<CUstream> side_streams_;
   std::vector<CUevent> join_events_;
   CUevent fork_event_ = nullptr;
+  bool pdl_active_ = false;  // opt_.pdl, the device is sm_90+ and the driver has cuLaunchKernelEx
   void* staging_ = nullptr;  // pinned host memory for small transfers
   size_t staging_bytes_ = 0;
   std::vector<Buffer> buffers_;

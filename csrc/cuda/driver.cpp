@@ -44,7 +44,10 @@ Driver load_driver() {
     d.error = "the NVIDIA driver is too old for Lily (CUDA 12 or newer needed): it lacks " + missing;
     return d;
   }
-  if (!bind(lib, "cuEventElapsedTime_v2", d.cuEventElapsedTime, missing)) bind(lib, "cuEventElapsedTime", d.cuEventElapsedTime, missing);
+  std::string optional;  // absent optional entry points only switch their feature off
+  if (!bind(lib, "cuEventElapsedTime_v2", d.cuEventElapsedTime, optional))
+    bind(lib, "cuEventElapsedTime", d.cuEventElapsedTime, optional);
+  bind(lib, "cuLaunchKernelEx", d.cuLaunchKernelEx, optional);
   const CUresult r = d.cuInit(0);
   if (r != CUDA_SUCCESS) {
     const char* s = nullptr;

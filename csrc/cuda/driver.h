@@ -45,6 +45,25 @@ inline void* const CU_LAUNCH_PARAM_END = reinterpret_cast<void*>(0x00);
 inline void* const CU_LAUNCH_PARAM_BUFFER_POINTER = reinterpret_cast<void*>(0x01);
 inline void* const CU_LAUNCH_PARAM_BUFFER_SIZE = reinterpret_cast<void*>(0x02);
 
+// cuLaunchKernelEx's configuration (cuda.h: CUlaunchConfig, CUlaunchAttribute; CUDA 12+).
+constexpr int CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6;
+struct CUlaunchAttribute {
+  int id;
+  char pad[4];
+  union {
+    char bytes[64];
+    int programmaticStreamSerializationAllowed;
+    void* align;  // the union holds pointers in cuda.h: 8-byte aligned
+  } value;
+};
+struct CUlaunchConfig {
+  unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+  CUstream hStream;
+  CUlaunchAttribute* attrs;
+  unsigned numAttrs;
+};
+static_assert(sizeof(CUlaunchAttribute) == 72, "CUlaunchAttribute layout");
+
 // A failed CUDA or NVRTC call. `sticky` marks errors after which the context is unusable (device faults:
 // an illegal address, a launch failure): the engine must be reloaded.
 class CudaError : public std::runtime_error {
@@ -113,8 +132,9 @@ struct Driver {
 #define LILY_DECLARE_CU(name, ret, args) ret(*name) args = nullptr;
   LILY_CU_FUNCS(LILY_DECLARE_CU)
 #undef LILY_DECLARE_CU
-  // Optional: timing events (the name changed in CUDA 12.8 / 13).
+  // Optional: timing events (the name changed in CUDA 12.8 / 13); launches with attributes (PDL).
   CUresult (*cuEventElapsedTime)(float*, CUevent, CUevent) = nullptr;
+  CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;
 };
 
 struct Nvrtc {

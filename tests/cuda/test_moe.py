@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import lily._core as core
-from conftest import rel_err, requires_cuda
+from cuda_util import rel_err, requires_cuda
 
 pytestmark = requires_cuda
 

@@ -218,6 +218,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_qk_prep(
     float* __restrict__ q_out, i64 q_stride, float* __restrict__ gate_out, i64 g_stride,
     float* __restrict__ k_out, i64 ko_stride, int heads, int kv_heads, int rotary_dim, double theta,
     float eps) {
+  LILY_PDL_PROLOGUE();
   __shared__ float row[4][D];
   const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int hh = blockIdx.y * 4 + warp;
@@ -263,6 +264,7 @@ extern "C" __global__ void __launch_bounds__(64) attn_kv_append(
     const float* __restrict__ k, i64 k_stride, const float* __restrict__ v, i64 v_stride,
     const int* __restrict__ pos, void* __restrict__ k_cache, void* __restrict__ v_cache, i64 max_ctx,
     int cache_dtype) {
+  LILY_PDL_PROLOGUE();
   const int t = blockIdx.x, h = blockIdx.y;
   const i64 p = i64(pos[0]) + t;
   if (pos[0] < 0 || p >= max_ctx) return;  // a corrupted position: write nothing (the CPU throws)
@@ -288,6 +290,7 @@ extern "C" __global__ void __launch_bounds__(DEC_NW * 32) attn_decode_split(
     const float* __restrict__ q, const unsigned char* __restrict__ k_cache,
     const unsigned char* __restrict__ v_cache, const int* __restrict__ pos, i64 max_ctx, int ns, float scale,
     float* __restrict__ part_o, float* __restrict__ part_ml) {
+  LILY_PDL_PROLOGUE();
   extern __shared__ float dec_so[];  // [DEC_NW][G][D], dynamic (64 KB at G 16, D 256)
   __shared__ float sml[DEC_NW][G][2];
   const int split = blockIdx.x, kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -363,6 +366,7 @@ extern "C" __global__ void __launch_bounds__(DEC_NW * 32) attn_decode_split(
 extern "C" __global__ void __launch_bounds__(128) attn_decode_reduce(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* __restrict__ pos, int ns,
     const float* __restrict__ gate, float* __restrict__ out) {
+  LILY_PDL_PROLOGUE();
   extern __shared__ float wsplit[];  // [ns]
   __shared__ float scratch[32];
   const int h = blockIdx.x, kvh = h / G, g = h % G;
@@ -461,6 +465,7 @@ extern "C" __global__ void __launch_bounds__(PF_QT * 32) attn_prefill(
     const float* __restrict__ q, i64 q_stride, const float* __restrict__ gate, i64 g_stride,
     const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
     const int* __restrict__ pos, i64 max_ctx, int T, float scale, float* __restrict__ out, i64 o_stride) {
+  LILY_PDL_PROLOGUE();
   extern __shared__ __align__(16) unsigned char pf_smem[];  // 2 stages of [K tile | V tile]
   const int kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.x * PF_QT + warp;
@@ -546,6 +551,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
     const float* __restrict__ q, i64 q_stride, const float* __restrict__ gate, i64 g_stride,
     const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
     const int* __restrict__ pos, i64 max_ctx, int T, float scale, float* __restrict__ out, i64 o_stride) {
+  LILY_PDL_PROLOGUE();
   extern __shared__ __align__(16) unsigned char mm_smem[];
   unsigned char* qhi = mm_smem;
   unsigned char* qlo = qhi + MM_BM * MM_PITCH;
@@ -742,6 +748,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
     const float* __restrict__ q, const unsigned char* __restrict__ k_cache,
     const unsigned char* __restrict__ v_cache, const int* __restrict__ pos, i64 max_ctx, int ns, float scale,
     float* __restrict__ part_o, float* __restrict__ part_ml) {
+  LILY_PDL_PROLOGUE();
   extern __shared__ __align__(16) unsigned char dm_smem[];
   __shared__ float sml[4][G][2];
   const int split = blockIdx.x, kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

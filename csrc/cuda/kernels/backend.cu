@@ -13,6 +13,7 @@
 
 extern "C" __global__ void copy_rows(unsigned char* dst, i64 dst_stride, const unsigned char* src, i64 src_stride,
                                      i64 row_bytes, int align16, i64 rows) {
+  LILY_PDL_PROLOGUE();
   for (i64 r = blockIdx.y; r < rows; r += gridDim.y) {
   unsigned char* d = dst + r * dst_stride;
   const unsigned char* s = src + r * src_stride;
@@ -30,6 +31,7 @@ extern "C" __global__ void copy_rows(unsigned char* dst, i64 dst_stride, const u
 // to_bf16 = 1: f32 -> bf16; 0: bf16 -> f32. Strides in elements.
 extern "C" __global__ void convert_rows(void* dst, i64 dst_stride, const void* src, i64 src_stride, i64 cols,
                                         int to_bf16, i64 rows) {
+  LILY_PDL_PROLOGUE();
   for (i64 r = blockIdx.y; r < rows; r += gridDim.y)
   for (i64 c = i64(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += i64(gridDim.x) * blockDim.x) {
     if (to_bf16)
@@ -41,6 +43,7 @@ extern "C" __global__ void convert_rows(void* dst, i64 dst_stride, const void* s
 
 // elem_bytes 4 or 2; bits holds the element's bit pattern.
 extern "C" __global__ void fill_rows(void* dst, i64 stride, i64 cols, int elem_bytes, u32 bits, i64 rows) {
+  LILY_PDL_PROLOGUE();
   for (i64 r = blockIdx.y; r < rows; r += gridDim.y)
   for (i64 c = i64(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += i64(gridDim.x) * blockDim.x) {
     if (elem_bytes == 4)
@@ -51,11 +54,13 @@ extern "C" __global__ void fill_rows(void* dst, i64 stride, i64 cols, int elem_b
 }
 
 extern "C" __global__ void advance_position(const int* pos_in, int* pos_out, int T) {
+  LILY_PDL_PROLOGUE();
   if (threadIdx.x == 0 && blockIdx.x == 0) pos_out[0] = pos_in[0] + T;
 }
 
 extern "C" __global__ void add_rows(float* out, i64 os, const float* a, i64 as, const float* b, i64 bs, i64 cols,
                                     i64 rows) {
+  LILY_PDL_PROLOGUE();
   for (i64 r = blockIdx.y; r < rows; r += gridDim.y)
   for (i64 c = i64(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += i64(gridDim.x) * blockDim.x)
     out[r * os + c] = a[r * as + c] + b[r * bs + c];
@@ -66,6 +71,7 @@ extern "C" __global__ void add_rows(float* out, i64 os, const float* a, i64 as, 
 extern "C" __global__ void embed_rows(float* out, i64 os, const int* ids, i64 ids_stride, const void* data,
                                       const void* scales, const void* biases, i64 rows, i64 cols, int dtype,
                                       int bits, int group, int scale_dtype, i64 T) {
+  LILY_PDL_PROLOGUE();
   for (i64 t = blockIdx.y; t < T; t += gridDim.y) {
   const int id = ids[t * ids_stride];
   for (i64 c = i64(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += i64(gridDim.x) * blockDim.x) {

@@ -14,6 +14,22 @@ typedef unsigned long long u64;
 #define LILY_BF16 2
 #define LILY_I32 3
 
+// Programmatic dependent launch (sm_90+; the backend launches every kernel with it there): a kernel first
+// waits until the kernel before it in the stream has finished and its writes are visible, then lets the
+// next one be scheduled, so the next launch's latency overlaps this kernel instead of following it. Every
+// extern "C" kernel opens with this, before any global memory access. Elsewhere it is empty.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define LILY_PDL_PROLOGUE()                                 \
+  do {                                                      \
+    asm volatile("griddepcontrol.wait;" ::: "memory");      \
+    asm volatile("griddepcontrol.launch_dependents;" :::);  \
+  } while (0)
+#else
+#define LILY_PDL_PROLOGUE() \
+  do {                      \
+  } while (0)
+#endif
+
 __device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(u32(v) << 16); }
 // Round to nearest even; NaN stays a quiet NaN (the CPU's f32_to_bf16).
 __device__ __forceinline__ u16 f32_to_bf16(float f) {

@@ -52,6 +52,7 @@ extern "C" __global__ void __launch_bounds__(128)
     conv1d_silu(const float* __restrict__ mixed, i64 mixed_stride, const float* __restrict__ w, i64 w_stride,
                 const float* state_in, i64 in_stride, float* state_out, i64 st_stride, float* __restrict__ out,
                 i64 out_stride, int T, int C, int tpb) {
+  LILY_PDL_PROLOGUE();
   constexpr int S = KTAPS - 1;
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
@@ -136,6 +137,7 @@ extern "C" __global__ void __launch_bounds__(128)
                      const float* __restrict__ a, i64 a_stride, const float* __restrict__ A_log,
                      const float* __restrict__ dt_bias, float* __restrict__ qn, float* __restrict__ kn,
                      float* __restrict__ alpha, float* __restrict__ beta, int Hk, int Hv) {
+  LILY_PDL_PROLOGUE();
   const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kh = blockIdx.y * 4 + warp;
   const i64 key_dim = i64(Hk) * DK;
@@ -310,12 +312,14 @@ __device__ __forceinline__ void gated_delta_scan(const float* __restrict__ qkv, 
   const float *S_in, i64 in_stride, float *S_out, i64 st_stride, float *__restrict__ out, i64 out_stride, int T, int Hk, int Hv
 
 extern "C" __global__ void __launch_bounds__(64) gated_delta(GD_PARAMS, GD_STATE_PARAMS) {
+  LILY_PDL_PROLOGUE();
   gated_delta_scan<false>(qkv, qkv_stride, b, b_stride, a, a_stride, A_log, dt_bias, nullptr, nullptr, nullptr,
                           nullptr, S_in, in_stride, S_out, st_stride, out, out_stride, T, Hk, Hv);
 }
 extern "C" __global__ void __launch_bounds__(64)
     gated_delta_prepped(GD_PARAMS, const float* __restrict__ qn, const float* __restrict__ kn,
                         const float* __restrict__ alpha, const float* __restrict__ beta, GD_STATE_PARAMS) {
+  LILY_PDL_PROLOGUE();
   gated_delta_scan<true>(qkv, qkv_stride, b, b_stride, a, a_stride, A_log, dt_bias, qn, kn, alpha, beta, S_in,
                          in_stride, S_out, st_stride, out, out_stride, T, Hk, Hv);
 }

@@ -286,6 +286,7 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
 extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
     matmul_gemv(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
                 const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+  LILY_PDL_PROLOGUE();
   gemv_body<GEMV_U>(x, T, ldx, W, S, B, y, ldy, N);
 }
 // One row per thread per batch (U = 1): weights whose rows all fit in one pass of the grid
@@ -294,6 +295,7 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
 extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
     matmul_gemv_u1(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
                    const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+  LILY_PDL_PROLOGUE();
   gemv_body<1>(x, T, ldx, W, S, B, y, ldy, N);
 }
 
@@ -352,6 +354,7 @@ __device__ __forceinline__ void split_bf16(float v, u16& h, u16& l) {
 extern "C" __global__ void __launch_bounds__(NT)
     matmul_gemm(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
                 const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+  LILY_PDL_PROLOGUE();
   extern __shared__ __align__(16) unsigned char smem[];
   u16* xh = reinterpret_cast<u16*>(smem + SM_XH);
   u16* xl = reinterpret_cast<u16*>(smem + SM_XL);
@@ -600,6 +603,7 @@ __device__ __forceinline__ u32 mv_pair(u32 w, int i) {  // bf16 pair (q_i, q_{i+
 extern "C" __global__ void __launch_bounds__(NT, 2)
     matmul_gemv_mma(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
                     const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+  LILY_PDL_PROLOGUE();
   if (!MV_OK) return;
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* xf = reinterpret_cast<uint4*>(smem);

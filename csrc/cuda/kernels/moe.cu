@@ -78,6 +78,7 @@
 extern "C" __global__ void __launch_bounds__(128)
     moe_route(const float* __restrict__ logits, i64 ls, int T, int* __restrict__ ids, i64 is,
               float* __restrict__ w, i64 wstride) {
+  LILY_PDL_PROLOGUE();
   constexpr int NJ = (NEXP + 31) / 32;
   const int lane = threadIdx.x & 31, t = blockIdx.x * 4 + (threadIdx.x >> 5);
   if (t >= T) return;  // whole warps leave; nothing below synchronises the block
@@ -254,6 +255,7 @@ __device__ __forceinline__ float moe_vec_dot(const uint4 wv, const float4* xs, i
 }
 
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeArgs a) {
+  LILY_PDL_PROLOGUE();
   constexpr int NV = HID / CPV;          // vectors per gate/up row
   constexpr int NIT = (NV + 31) / 32;    // per lane
   constexpr int XF4 = (HID / 4 + 7) / 8 * 8;
@@ -333,6 +335,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
 // Decode 2: grouped down + routing weights, summed per output row in (id, slot) order.
 
 extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs a) {
+  LILY_PDL_PROLOGUE();
   constexpr int NVI = INTER / CPV;                 // vectors per down row
   constexpr int NITD = (NVI + LPR - 1) / LPR;      // per lane of a group
   constexpr int NGRP = 256 / LPR;                  // (row, slot) items in flight per pass
@@ -422,6 +425,7 @@ __device__ __forceinline__ int moe_pair_expert(const MoeArgs& a, int p) {
 }
 
 extern "C" __global__ void __launch_bounds__(1024) moe_group(const MoeArgs a) {
+  LILY_PDL_PROLOGUE();
   constexpr int EPL = (NEXP + 31) / 32;  // experts per lane in the scans
   __shared__ int hist[NEXP], cursor[NEXP], tstart[NEXP];
   __shared__ u16 wcnt[32][NEXP + (NEXP & 1)];  // pairs of expert e in warp w of the current chunk
@@ -869,10 +873,12 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_NT, 1) moe_gate_up_mma(const MoeArgs a) {
+  LILY_PDL_PROLOGUE();
   moe_mma_block<2, 64, HID, INTER, true>(a, 0);
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_NT, 1) moe_down_mma(const MoeArgs a) {
+  LILY_PDL_PROLOGUE();
   moe_mma_block<1, 128, INTER, HID, false>(a, 2);
 }
 
@@ -880,6 +886,7 @@ extern "C" __global__ void __launch_bounds__(MMA_NT, 1) moe_down_mma(const MoeAr
 // Prefill 4: out[t] = Σ_s w[t,s] · y[pair_pos[t,s]] in (expert id, slot) order.
 
 extern "C" __global__ void __launch_bounds__(256) moe_expert_sum(const MoeArgs a) {
+  LILY_PDL_PROLOGUE();
   __shared__ int pos[TOPK], ord[TOPK], eid[TOPK];
   __shared__ float ew[TOPK];
   const int t = blockIdx.x, tid = threadIdx.x;
@@ -926,6 +933,7 @@ __device__ __forceinline__ float4 moe_swiglu4(float4 g, float4 u) {
 extern "C" __global__ void __launch_bounds__(256)
     swiglu(const float* __restrict__ gate, i64 gs, const float* __restrict__ up, i64 us, float* __restrict__ out,
            i64 os, int cols) {
+  LILY_PDL_PROLOGUE();
   const i64 t = blockIdx.y;
   const int c = (blockIdx.x * 256 + threadIdx.x) * VEC;
   if (c >= cols) return;
@@ -941,6 +949,7 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(256)
     moe_combine(const float* __restrict__ routed, i64 rs, const float* __restrict__ shared, i64 ss,
                 const float* __restrict__ sg, i64 gs, float* h, i64 hs, int cols) {
+  LILY_PDL_PROLOGUE();
   const i64 t = blockIdx.y;
   const int c = (blockIdx.x * 256 + threadIdx.x) * VEC;
   if (c >= cols) return;

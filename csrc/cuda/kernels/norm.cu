@@ -62,6 +62,7 @@ __device__ __forceinline__ int segment(int nseg) {
 
 extern "C" __global__ void rms_norm(const float* __restrict__ x, i64 sx, const float* __restrict__ w,
                                     float* __restrict__ out, i64 so, int nseg, float eps) {
+  LILY_PDL_PROLOGUE();
   __shared__ float scratch[32];
   const int s = segment(nseg);
   if (s < 0) return;  // SPB > 1 only with NT == 32 (no block-wide barrier), so an early exit is safe
@@ -88,6 +89,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, i64 sx, const f
 extern "C" __global__ void add_rms_norm(const float* a, i64 sa, const float* __restrict__ b, i64 sb,
                                         const float* __restrict__ w, float* sum, i64 ss_, float* __restrict__ normed,
                                         i64 sn, int nseg, float eps) {
+  LILY_PDL_PROLOGUE();
   __shared__ float scratch[32];
   const int s = segment(nseg);
   if (s < 0) return;
@@ -118,6 +120,7 @@ extern "C" __global__ void add_rms_norm(const float* a, i64 sa, const float* __r
 extern "C" __global__ void gated_rms_norm(const float* __restrict__ o, i64 so, const float* __restrict__ z, i64 sz,
                                           const float* __restrict__ w, float* __restrict__ out, i64 sout, int nseg,
                                           float eps) {
+  LILY_PDL_PROLOGUE();
   __shared__ float scratch[32];
   const int s = segment(nseg);
   if (s < 0) return;

@@ -88,6 +88,7 @@ extern "C" __global__ void __launch_bounds__(PREP_THREADS)
     sample_prep(const float* __restrict__ logits, const int* __restrict__ seen, const int* __restrict__ counts,
                 u32* __restrict__ keys, Partial* __restrict__ partials, int V, float rep, float pres, float freq,
                 int has_rep, int has_pf) {
+  LILY_PDL_PROLOGUE();
   __shared__ Partial scratch[32];
   float bv = -__int_as_float(0x7f800000);
   int bi = 0x7fffffff;
@@ -136,6 +137,7 @@ __device__ void reduce_partials(const Partial* __restrict__ partials, int G, flo
 
 extern "C" __global__ void __launch_bounds__(PREP_THREADS)
     sample_greedy(const Partial* __restrict__ partials, int G, FinishArgs fa) {
+  LILY_PDL_PROLOGUE();
   __shared__ Partial scratch[32];
   float bv;
   int bi;
@@ -174,6 +176,7 @@ __device__ __forceinline__ float x_of(float work, float inv_t, float top) { retu
 extern "C" __global__ void __launch_bounds__(PREP_THREADS)
     sample_weights(const u32* __restrict__ keys, const Partial* __restrict__ partials, int G,
                    float* __restrict__ wts, int V, float inv_t) {
+  LILY_PDL_PROLOGUE();
   __shared__ Partial scratch[32];
   float bv;
   int bi;
@@ -416,6 +419,7 @@ __device__ int id_at_rank(const u32* keys, const float* wts, int V, u32 r, Smem&
 }
 
 extern "C" __global__ void __launch_bounds__(SEL_THREADS) sample_select(SelectArgs a) {
+  LILY_PDL_PROLOGUE();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem& s = *reinterpret_cast<Smem*>(smem_raw);
   const u32* keys = reinterpret_cast<const u32*>(a.keys);

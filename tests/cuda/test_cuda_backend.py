@@ -12,7 +12,7 @@ import pytest
 import lily
 from lily.synthetic import TINY_CONFIG, write_synthetic_checkpoint
 
-from conftest import rel_err, requires_cuda
+from cuda_util import rel_err, requires_cuda
 
 pytestmark = requires_cuda
 
@@ -216,3 +216,26 @@ def test_lily_tiny_teacher_forced_agreement():
         print(f"lily-tiny: {len(ids)} tokens, top-1 agreement {agree:.4f}, perplexity cpu {pc:.5f} cuda {pg:.5f}")
         assert agree >= 0.99
         assert abs(pg - pc) / pc < 1e-3
+
+
+def test_launch_modes_give_the_same_bits(checkpoints):
+    """Graphs, stage branches and programmatic dependent launch change when kernels start, never what they
+    compute: the same logits bit for bit with each switched off (a missing dependency would show here)."""
+    path = checkpoints["mlx4"]
+    ids = _ids(TINY_CONFIG["vocab_size"], 40, 16)
+    runs = {}
+    for name, opts in (("all", {}), ("no_pdl", {"pdl": False}), ("no_branches", {"branches": False}),
+                       ("plain", {"graphs": False, "branches": False, "pdl": False})):
+        with lily.Engine.from_pretrained(path, backend="cuda", backend_options=opts) as gpu:
+            s = gpu.session()
+            out = [s.prefill(ids, all_logits=True)]
+            out += [s.step(t) for t in _ids(TINY_CONFIG["vocab_size"], 8, 17)]
+            runs[name] = out
+            opt = " ".join(gpu.report()["optimizations"])
+            if name == "all" and gpu.report()["cuda"]["device"]["arch"] >= "sm_90":
+                assert "programmatic dependent launch:" in opt
+            if name == "no_pdl":
+                assert "not active: programmatic dependent launch (pdl=False)" in opt
+    for name in ("no_pdl", "no_branches", "plain"):
+        for a, b in zip(runs["all"], runs[name]):
+            np.testing.assert_array_equal(a, b, err_msg=name)
