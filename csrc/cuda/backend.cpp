@@ -820,7 +820,9 @@ std::vector<std::string> CudaOps::optimizations() const {
                 "for it on the device (griddepcontrol), so launch latency overlaps work");
   else
     o.push_back(std::string("not active: programmatic dependent launch (") +
-                (!opt_.pdl ? "pdl=False" : info_.cc_major < 9 ? "needs sm_90 or newer" : "the driver lacks cuLaunchKernelEx") +
+                (!opt_.pdl ? "off by default, pdl=True turns it on: measured slower on the H200, decode -4% and "
+                             "prefill at 4K -39%, see benchmarks/NOTES.md"
+                 : info_.cc_major < 9 ? "needs sm_90 or newer" : "the driver lacks cuLaunchKernelEx") +
                 "): each launch starts after the previous one finished");
   for (const auto& [k, v] : variants_) o.push_back(k + ": " + v);
   return o;

@@ -47,7 +47,9 @@ struct CudaOptions {
   int device = 0;
   bool graphs = true;                // decode steps replayed as CUDA graphs
   bool branches = true;              // independent launches of a stage on parallel streams / graph branches
-  bool pdl = true;                   // programmatic dependent launch where the device has it (sm_90+)
+  // Programmatic dependent launch (sm_90+). Off by default: measured slower on the H200 (benchmarks/NOTES.md,
+  // decode -4%, prefill at 4K -39%: the early-scheduled blocks of the next kernel sit on SM resources).
+  bool pdl = false;
   std::string cache_dir;             // kernel cache ("" = LILY_CACHE_DIR, else ~/.cache/lily/cuda)
   int dry_arch = 0;                  // > 0: no device; compile for sm_<dry_arch> and record only (CI)
 };

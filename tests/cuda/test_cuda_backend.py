@@ -224,7 +224,7 @@ def test_launch_modes_give_the_same_bits(checkpoints):
     path = checkpoints["mlx4"]
     ids = _ids(TINY_CONFIG["vocab_size"], 40, 16)
     runs = {}
-    for name, opts in (("all", {}), ("no_pdl", {"pdl": False}), ("no_branches", {"branches": False}),
+    for name, opts in (("all", {"pdl": True}), ("no_pdl", {}), ("no_branches", {"branches": False, "pdl": True}),
                        ("plain", {"graphs": False, "branches": False, "pdl": False})):
         with lily.Engine.from_pretrained(path, backend="cuda", backend_options=opts) as gpu:
             s = gpu.session()
@@ -235,7 +235,7 @@ def test_launch_modes_give_the_same_bits(checkpoints):
             if name == "all" and gpu.report()["cuda"]["device"]["arch"] >= "sm_90":
                 assert "programmatic dependent launch:" in opt
             if name == "no_pdl":
-                assert "not active: programmatic dependent launch (pdl=False)" in opt
+                assert "not active: programmatic dependent launch (off by default" in opt
     for name in ("no_pdl", "no_branches", "plain"):
         for a, b in zip(runs["all"], runs[name]):
             np.testing.assert_array_equal(a, b, err_msg=name)

@@ -14,7 +14,7 @@ typedef unsigned long long u64;
 #define LILY_BF16 2
 #define LILY_I32 3
 
-// Programmatic dependent launch (sm_90+; the backend launches every kernel with it there): a kernel first
+// Programmatic dependent launch (sm_90+, when the backend's pdl option launches kernels with it): a kernel first
 // waits until the kernel before it in the stream has finished and its writes are visible, then lets the
 // next one be scheduled, so the next launch's latency overlaps this kernel instead of following it. Every
 // extern "C" kernel opens with this, before any global memory access. Elsewhere it is empty.
