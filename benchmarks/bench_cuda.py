@@ -92,6 +92,10 @@ def prefill_flops_per_token(c: dict, n: int) -> float:
     return 2 * active + attn
 
 
+def c_vocab() -> int:
+    return FULL_CONFIG["vocab_size"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", default=None, help="folder of the synthetic checkpoint (default: temp dir)")
@@ -116,6 +120,12 @@ def main() -> int:
     peak = bf16_peak()
     print(f"loaded in {load_s:.1f}s; device copy bandwidth {bw / 1e12:.2f} TB/s; bf16 peak {peak / 1e12:.0f} TFLOP/s",
           flush=True)
+    # Warm-up: the first forward at a new length can compile kernel modules (NVRTC, then the disk cache).
+    for n in bench.parse_lengths(a.prefill, "--prefill"):
+        engine.session(max_context=n).prefill(np.random.default_rng(1).integers(0, c_vocab(), n, dtype=np.int32))
+    w = engine.session(max_context=64)
+    w.prefill([1, 2, 3])
+    list(w.generate(4, stop_token_ids=[]))
     res = bench.run_sweep(engine, bench.parse_lengths(a.prefill, "--prefill"), bench.parse_lengths(a.decode, "--decode"),
                           repeats=a.repeats, decode_tokens=a.decode_tokens, log=lambda s: print(s, flush=True))
     c = FULL_CONFIG
