@@ -228,8 +228,27 @@ def _build_hf_checkpoint(
             continue
         sd[k] = x.contiguous()
     if extra:
-        sd["mtp.fc.weight"] = torch.randn(128, 256).to(tdtype)
-        sd["mtp.layers.0.mlp.experts.0.up_proj.weight"] = torch.randn(64, 128).to(tdtype)
+        # An MTP block as the release stores it (MODEL.md 7): top-level mtp.*, one full-attention layer
+        # with per-expert experts; shapes from the model's own full-attention layer.
+        H = cfg.hidden_size
+        sd["mtp.fc.weight"] = (torch.randn(H, 2 * H) * 0.05).to(tdtype)
+        for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+            sd[f"mtp.{n}.weight"] = (torch.randn(H) * 0.05).to(tdtype)
+        full = cfg.layer_types.index("full_attention")
+        for k, v in model.state_dict().items():
+            if not k.startswith(f"model.layers.{full}."):
+                continue
+            name = "mtp.layers.0." + k[len(f"model.layers.{full}."):]
+            x = (torch.randn(v.shape) * 0.05).to(tdtype)
+            if name.endswith("mlp.experts.gate_up_proj"):
+                for e in range(x.shape[0]):
+                    sd[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = x[e, : x.shape[1] // 2].contiguous()
+                    sd[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = x[e, x.shape[1] // 2:].contiguous()
+            elif name.endswith("mlp.experts.down_proj"):
+                for e in range(x.shape[0]):
+                    sd[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = x[e].contiguous()
+            else:
+                sd[name] = x.contiguous()
         if nested:
             sd["model.visual.blocks.0.attn.qkv.weight"] = torch.randn(12, 4).to(tdtype)
     folder.mkdir(parents=True)
@@ -310,11 +329,20 @@ def hf_tiny(tmp_path_factory) -> Path:
 
 
 def test_convert_matches_mlx_lm(hf_tiny, tmp_path):
-    """Multimodal config, bf16, fused experts, mtp + vision tensors dropped."""
+    """Multimodal config, bf16, fused experts, vision tensors dropped; the MTP block dropped with
+    mtp=False (as mlx-lm does) and kept by default, the rest unchanged."""
     _mlx_lm_convert(hf_tiny, tmp_path / "ref")
-    out = convert(hf_tiny, tmp_path / "ours", progress=False)
+    out = convert(hf_tiny, tmp_path / "ours", progress=False, mtp=False)
     assert out == tmp_path / "ours"
     _assert_same_mlx_checkpoint(tmp_path / "ref", out)
+    kept = convert(hf_tiny, tmp_path / "kept", progress=False)
+    ref, ours = _read_all(tmp_path / "ref"), _read_all(kept)
+    assert {k: v for k, v in ours.items() if not k.startswith("language_model.mtp.")} == ref
+    assert any(k.startswith("language_model.mtp.layers.0.mlp.switch_mlp.") for k in ours)
+    qr = json.loads((tmp_path / "ref" / "config.json").read_text())["quantization"]
+    qk = json.loads((kept / "config.json").read_text())["quantization"]
+    assert {k: v for k, v in qk.items() if not k.startswith("language_model.mtp.")} == qr
+    assert load_checkpoint(kept).mtp_layers == 1
     cfg = json.loads((out / "config.json").read_text())
     assert "vision_config" not in cfg and "_name_or_path" not in cfg
     assert cfg["eos_token_id"] == [3, 5]
@@ -336,7 +364,7 @@ def test_convert_flat_fp32_tied_unquantizable(tmp_path):
     src = _build_hf_checkpoint(tmp_path / "hf", nested=False, dtype="float32", tie=True,
                                moe_intermediate_size=96, shared_expert_intermediate_size=96)
     _mlx_lm_convert(src, tmp_path / "ref")
-    out = convert(src, tmp_path / "ours", progress=False)
+    out = convert(src, tmp_path / "ours", progress=False, mtp=False)
     _assert_same_mlx_checkpoint(tmp_path / "ref", out)
     hdr = _header(out / "model.safetensors")
     assert "language_model.lm_head.weight" not in hdr
@@ -360,7 +388,7 @@ def test_convert_sharded_matches_mlx_lm(hf_tiny, tmp_path, monkeypatch):
 
     monkeypatch.setattr(mu.make_shards, "__defaults__", (_TinyGB(1),))
     _mlx_lm_convert(hf_tiny, tmp_path / "ref")
-    out = convert(hf_tiny, tmp_path / "ours", progress=False, max_shard_bytes=limit)
+    out = convert(hf_tiny, tmp_path / "ours", progress=False, max_shard_bytes=limit, mtp=False)
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     _assert_same_mlx_checkpoint(tmp_path / "ref", out)
@@ -419,9 +447,12 @@ def test_mlx_checkpoint_matches_hf_weights(hf_tiny, tmp_path):
     h = load_checkpoint(hf_tiny)
     m = load_checkpoint(tmp_path / "ref")
     assert h.format == "hf" and m.format == "mlx"
-    assert h.skipped == {"mtp": 2, "vision": 1}
-    assert set(h.tensors) == set(m.tensors)
+    assert h.skipped == {"vision": 1}
+    assert h.mtp_layers == 1 and m.mtp_layers == 0  # mlx-lm drops the MTP block
+    assert {n for n in h.tensors if not n.startswith("mtp.")} == set(m.tensors)
     for name, hv in h.tensors.items():
+        if name.startswith("mtp."):
+            continue
         mv = m.tensors[name]
         if isinstance(hv, np.ndarray):
             np.testing.assert_allclose(mv, hv, rtol=2**-8, atol=0, err_msg=name)

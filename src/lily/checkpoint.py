@@ -9,6 +9,11 @@ Canonical names (the contract with ``lily._core``)::
     layers.{i}.attn.{q,k,v,o,q_norm,k_norm}                          (full-attention layers)
     layers.{i}.moe.{router,shared_gate}, layers.{i}.moe.shared.{gate,up,down}
     layers.{i}.moe.experts.{e}.{gate,up,down}
+    mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.norm      (the MTP block, MODEL.md 7)
+    mtp.layers.{j}.*                  (full-attention decoder layers: the names of layers.{i} above)
+
+The MTP block is optional: a checkpoint without ``mtp.*`` tensors has none (``Checkpoint.mtp_layers``
+is 0; mlx-lm conversions drop them), one with some must hold all of them.
 
 Matrices are descriptors (dicts) whose arrays are read-only views into the memory-mapped files; vectors
 are small float32 arrays (RMSNorm1p weights already turned into their effective multiplier ``1 + w``).
@@ -374,11 +379,18 @@ class SafetensorsWriter:
 _SKIP_VISION = ("model.visual.", "vision_tower.", "model.vision_tower", "language_model.vision_tower", "visual.")
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 _LEGACY = re.compile(r"layers\.\d+\.linear_attn\.in_proj_(qkvz|ba)\.")
+# The MTP block: top-level ``mtp.`` in Hugging Face checkpoints (multimodal and text-only alike, MODEL.md 7);
+# ``language_model.mtp.`` in Lily's MLX output (mlx-lm's renaming rule, MODEL.md 8b step 2, applied to it).
+_MTP = re.compile(r"^((?:model\.|language_model\.){0,2})mtp\.")
 
 
 def _classify(name: str) -> tuple[str, str]:
-    """('skip', reason) | ('rel', decoder-relative name) | ('unknown', name)."""
-    if name.startswith("mtp.") or ".mtp." in name:
+    """('skip', reason) | ('rel', decoder-relative name) | ('mtp', 'mtp.' + name in the block) |
+    ('unknown', name)."""
+    m = _MTP.match(name)
+    if m:
+        return "mtp", name[len(m.group(1)):]
+    if ".mtp." in name:
         return "skip", "mtp"
     if name.startswith(_SKIP_VISION):
         return "skip", "vision"
@@ -415,6 +427,10 @@ class Checkpoint:
     # decoder-relative name (e.g. "layers.0.mlp.gate.weight", "lm_head.weight") -> (file, stored tensor
     # name) for every tensor that was not skipped; convert.py reads the raw stored values through it.
     raw: dict[str, tuple[SafetensorsFile, str]] = field(default_factory=dict)
+    # The MTP block (MODEL.md section 7): decoder layers it holds (0: the checkpoint has none) and the
+    # bytes of its tensors (part of weight_bytes).
+    mtp_layers: int = 0
+    mtp_bytes: int = 0
 
     def close(self) -> None:
         """Drop the descriptors and unmap the files (maps still viewed elsewhere close when freed)."""
@@ -737,6 +753,7 @@ def _build(folder: Path, cfg: ModelConfig, files: list[SafetensorsFile], located
     skipped: Counter = Counter()
     srcs: dict[str, _Src] = {}
     prefixes: Counter = Counter()
+    mtp_prefixes: Counter = Counter()
     for tname, f in located.items():
         kind, rel = _classify(tname)
         if kind == "skip":
@@ -751,7 +768,9 @@ def _build(folder: Path, cfg: ModelConfig, files: list[SafetensorsFile], located
                 "under two names"
             )
         srcs[rel] = _Src(tname, f)
-        if not rel.startswith("lm_head."):
+        if kind == "mtp":
+            mtp_prefixes[tname[: len(tname) - len(rel)]] += 1
+        elif not rel.startswith("lm_head."):
             prefixes[tname[: len(tname) - len(rel)]] += 1
 
     for rel, s in srcs.items():
@@ -777,49 +796,9 @@ def _build(folder: Path, cfg: ModelConfig, files: list[SafetensorsFile], located
     H = cfg.hidden_size
     V = cfg.vocab_size
 
-    def mat(canonical: str, rel_base: str, rows: int, cols: int, role: str) -> None:
-        if b.get(rel_base + ".weight") is None:
-            raise b.missing(canonical, [rel_base + ".weight"])
-        b.matrices([canonical], rel_base, (), rows, cols, role)
-
-    mat("embed", "embed_tokens", V, H, "embed")
-
-    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    E, I, SI = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    _mat(b, "embed", "embed_tokens", V, H, "embed")
     for i in range(cfg.num_hidden_layers):
-        L = f"layers.{i}"
-        c = f"layers.{i}"
-        b.vector(f"{c}.input_norm", f"{L}.input_layernorm.weight", (H,), norm1p=True)
-        b.vector(f"{c}.post_norm", f"{L}.post_attention_layernorm.weight", (H,), norm1p=True)
-        if cfg.is_full_attention(i):
-            A = f"{L}.self_attn"
-            mat(f"{c}.attn.q", f"{A}.q_proj", nh * 2 * hd, H, "attn")
-            mat(f"{c}.attn.k", f"{A}.k_proj", nkv * hd, H, "attn")
-            mat(f"{c}.attn.v", f"{A}.v_proj", nkv * hd, H, "attn")
-            mat(f"{c}.attn.o", f"{A}.o_proj", H, nh * hd, "attn")
-            b.vector(f"{c}.attn.q_norm", f"{A}.q_norm.weight", (hd,), norm1p=True)
-            b.vector(f"{c}.attn.k_norm", f"{A}.k_norm.weight", (hd,), norm1p=True)
-        else:
-            D = f"{L}.linear_attn"
-            mat(f"{c}.delta.qkv", f"{D}.in_proj_qkv", 2 * Hk * Dk + Hv * Dv, H, "delta")
-            mat(f"{c}.delta.z", f"{D}.in_proj_z", Hv * Dv, H, "delta")
-            mat(f"{c}.delta.b", f"{D}.in_proj_b", Hv, H, "delta")
-            mat(f"{c}.delta.a", f"{D}.in_proj_a", Hv, H, "delta")
-            mat(f"{c}.delta.out", f"{D}.out_proj", H, Hv * Dv, "delta")
-            b.conv(f"{c}.delta.conv", f"{D}.conv1d.weight", cfg.conv_dim, K)
-            b.vector(f"{c}.delta.dt_bias", f"{D}.dt_bias", (Hv,), norm1p=False)
-            b.vector(f"{c}.delta.A_log", f"{D}.A_log", (Hv,), norm1p=False)
-            b.vector(f"{c}.delta.norm", f"{D}.norm.weight", (Dv,), norm1p=False)  # plain w, never 1 + w
-        M = f"{L}.mlp"
-        mat(f"{c}.moe.router", f"{M}.gate", E, H, "router")
-        mat(f"{c}.moe.shared_gate", f"{M}.shared_expert_gate", 1, H, "shared_gate")
-        mat(f"{c}.moe.shared.gate", f"{M}.shared_expert.gate_proj", SI, H, "shared")
-        mat(f"{c}.moe.shared.up", f"{M}.shared_expert.up_proj", SI, H, "shared")
-        mat(f"{c}.moe.shared.down", f"{M}.shared_expert.down_proj", H, SI, "shared")
-        _experts(b, c, M, E, I, H)
-
+        _layer(b, f"layers.{i}", f"layers.{i}", cfg.is_full_attention(i))
     b.vector("final_norm", "norm.weight", (H,), norm1p=True)
     if cfg.tie_word_embeddings:
         b.tensors["lm_head"] = b.tensors["embed"]
@@ -834,6 +813,7 @@ def _build(folder: Path, cfg: ModelConfig, files: list[SafetensorsFile], located
                 "'language_model.lm_head.weight' (tie_word_embeddings is false)"
             )
         b.matrices(["lm_head"], "lm_head", (), V, H, "lm_head")
+    mtp_layers = _mtp(b, mtp_prefixes)
 
     leftovers = [r for r in srcs if r not in b.used]
     if leftovers:
@@ -842,6 +822,10 @@ def _build(folder: Path, cfg: ModelConfig, files: list[SafetensorsFile], located
         m = re.match(r"layers\.(\d{1,9})\.(self_attn|linear_attn)\.", leftovers[0])
         if m and int(m.group(1)) < cfg.num_hidden_layers:
             hint = f" (layer {m.group(1)} is {cfg.layer_types[int(m.group(1))]} per config.json)"
+        if leftovers[0].startswith("mtp."):
+            hint = f" (the MTP block has {mtp_layers} decoder layer{'s' if mtp_layers != 1 else ''}" + (
+                f": config.json says mtp_num_hidden_layers={cfg.mtp_num_hidden_layers})"
+                if cfg.mtp_num_hidden_layers is not None else ")")
         more = f" and {len(leftovers) - 1} more" if len(leftovers) > 1 else ""
         raise CheckpointError(f"unexpected tensor '{s.name}' in '{s.file.name}'{hint}{more}")
 
@@ -849,14 +833,95 @@ def _build(folder: Path, cfg: ModelConfig, files: list[SafetensorsFile], located
         path=folder,
         config=cfg,
         format=fmt,
-        tensors=b.tensors,  # already in canonical order: embed, layers in order, final_norm, lm_head
+        tensors=b.tensors,  # canonical order: embed, layers in order, final_norm, lm_head, the MTP block
         skipped=dict(skipped),
         quantization=_summary(b.roles),
         weight_bytes=sum(b.used_bytes.values()),
         files=files,
         notes=list(cfg.notes) + b.notes,
         raw={rel: (src.file, src.name) for rel, src in srcs.items()},
+        mtp_layers=mtp_layers,
+        mtp_bytes=sum(srcs[r].info.nbytes for r in b.used if r.startswith("mtp.")),
     )
+
+
+def _mat(b: _Builder, canonical: str, rel_base: str, rows: int, cols: int, role: str) -> None:
+    if b.get(rel_base + ".weight") is None:
+        raise b.missing(canonical, [rel_base + ".weight"])
+    b.matrices([canonical], rel_base, (), rows, cols, role)
+
+
+def _layer(b: _Builder, c: str, L: str, full: bool) -> None:
+    """One decoder layer (MODEL.md section 2): canonical names under ``c``, stored ones under ``L``."""
+    cfg = b.cfg
+    H, K = cfg.hidden_size, cfg.linear_conv_kernel_dim
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    E, I, SI = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    b.vector(f"{c}.input_norm", f"{L}.input_layernorm.weight", (H,), norm1p=True)
+    b.vector(f"{c}.post_norm", f"{L}.post_attention_layernorm.weight", (H,), norm1p=True)
+    if full:
+        A = f"{L}.self_attn"
+        _mat(b, f"{c}.attn.q", f"{A}.q_proj", nh * 2 * hd, H, "attn")
+        _mat(b, f"{c}.attn.k", f"{A}.k_proj", nkv * hd, H, "attn")
+        _mat(b, f"{c}.attn.v", f"{A}.v_proj", nkv * hd, H, "attn")
+        _mat(b, f"{c}.attn.o", f"{A}.o_proj", H, nh * hd, "attn")
+        b.vector(f"{c}.attn.q_norm", f"{A}.q_norm.weight", (hd,), norm1p=True)
+        b.vector(f"{c}.attn.k_norm", f"{A}.k_norm.weight", (hd,), norm1p=True)
+    else:
+        D = f"{L}.linear_attn"
+        _mat(b, f"{c}.delta.qkv", f"{D}.in_proj_qkv", 2 * Hk * Dk + Hv * Dv, H, "delta")
+        _mat(b, f"{c}.delta.z", f"{D}.in_proj_z", Hv * Dv, H, "delta")
+        _mat(b, f"{c}.delta.b", f"{D}.in_proj_b", Hv, H, "delta")
+        _mat(b, f"{c}.delta.a", f"{D}.in_proj_a", Hv, H, "delta")
+        _mat(b, f"{c}.delta.out", f"{D}.out_proj", H, Hv * Dv, "delta")
+        b.conv(f"{c}.delta.conv", f"{D}.conv1d.weight", cfg.conv_dim, K)
+        b.vector(f"{c}.delta.dt_bias", f"{D}.dt_bias", (Hv,), norm1p=False)
+        b.vector(f"{c}.delta.A_log", f"{D}.A_log", (Hv,), norm1p=False)
+        b.vector(f"{c}.delta.norm", f"{D}.norm.weight", (Dv,), norm1p=False)  # plain w, never 1 + w
+    M = f"{L}.mlp"
+    _mat(b, f"{c}.moe.router", f"{M}.gate", E, H, "router")
+    _mat(b, f"{c}.moe.shared_gate", f"{M}.shared_expert_gate", 1, H, "shared_gate")
+    _mat(b, f"{c}.moe.shared.gate", f"{M}.shared_expert.gate_proj", SI, H, "shared")
+    _mat(b, f"{c}.moe.shared.up", f"{M}.shared_expert.up_proj", SI, H, "shared")
+    _mat(b, f"{c}.moe.shared.down", f"{M}.shared_expert.down_proj", H, SI, "shared")
+    _experts(b, c, M, E, I, H)
+
+
+def _mtp(b: _Builder, prefixes: Counter) -> int:
+    """The MTP block (MODEL.md section 7), when the checkpoint has any ``mtp.*`` tensor; returns its number
+    of decoder layers (0: none). Every tensor of the block must be there: a partial block names the first
+    one missing. Norms follow the checkpoint's convention (stored w in HF files, 1 + w in MLX ones), like
+    the decoder's; experts may be fused, per expert or MLX stacks, independently of the decoder's."""
+    cfg = b.cfg
+    rels = [r for r in b.srcs if r.startswith("mtp.")]
+    if not rels:
+        if cfg.mtp_num_hidden_layers:
+            b.notes.append(f"config.json announces mtp_num_hidden_layers={cfg.mtp_num_hidden_layers} but the "
+                           "checkpoint has no mtp.* tensors (mlx-lm drops them): no MTP block")
+        return 0
+    n = cfg.mtp_num_hidden_layers
+    if n is None:  # no config field: the layers the names mention (at least one: an MTP block has a layer)
+        found = [int(m.group(1)) for r in rels if (m := re.match(r"mtp\.layers\.(\d{1,9})\.", r))]
+        n = max(found, default=0) + 1
+        b.notes.append(f"MTP block with {n} decoder layer(s) (counted from the tensor names; config.json has "
+                       "no mtp_num_hidden_layers)")
+    if n == 0:
+        return 0  # config.json says none: every mtp.* tensor is reported as unexpected
+    H = cfg.hidden_size
+    saved = b.prefix
+    b.prefix = prefixes.most_common(1)[0][0]  # names the missing tensors as this checkpoint stores mtp.*
+    try:
+        _mat(b, "mtp.fc", "mtp.fc", H, 2 * H, "mtp")  # [e | hn] -> hidden: embedding half first
+        b.vector("mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_embedding.weight", (H,), norm1p=True)
+        b.vector("mtp.pre_fc_norm_hidden", "mtp.pre_fc_norm_hidden.weight", (H,), norm1p=True)
+        for j in range(n):
+            _layer(b, f"mtp.layers.{j}", f"mtp.layers.{j}", full=True)
+        b.vector("mtp.norm", "mtp.norm.weight", (H,), norm1p=True)
+    finally:
+        b.prefix = saved
+    return n
 
 
 def _experts(b: _Builder, c: str, M: str, E: int, I: int, H: int) -> None:

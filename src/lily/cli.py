@@ -165,7 +165,7 @@ def cmd_info(args) -> int:
 def cmd_convert(args) -> int:
     from .convert import convert
 
-    convert(args.src, args.dst, group_size=args.group_size, bits=args.bits, progress=True)
+    convert(args.src, args.dst, group_size=args.group_size, bits=args.bits, progress=True, mtp=args.mtp)
     print(f"wrote {args.dst}")
     return 0
 
@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dst")
     v.add_argument("--bits", type=int, default=4, choices=(4, 8))
     v.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    v.add_argument("--no-mtp", dest="mtp", action="store_false",
+                   help="drop the MTP block, as mlx-lm does (default: keep it as language_model.mtp.*)")
     v.set_defaults(fn=cmd_convert)
 
     from . import bench

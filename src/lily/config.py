@@ -46,8 +46,10 @@ INT_LIMITS: dict[str, int] = {
     "shared_expert_intermediate_size": 1 << 20,
     "max_position_embeddings": (1 << 31) - 1,
     "full_attention_interval": 4096,
+    "mtp_num_hidden_layers": 64,
 }
-_REQUIRED_INTS = tuple(k for k in INT_LIMITS if k not in ("max_position_embeddings", "full_attention_interval"))
+_REQUIRED_INTS = tuple(k for k in INT_LIMITS
+                       if k not in ("max_position_embeddings", "full_attention_interval", "mtp_num_hidden_layers"))
 # Sizes derived from the counts above (matrix rows, per-session state) must fit a C++ int32 index; the
 # real model's largest is 2*16*128 + 32*128 = 8192 (conv_dim) rows and 32*128*128 = 524288 state floats.
 _MAX_DERIVED = (1 << 31) - 1
@@ -147,6 +149,9 @@ class ModelConfig:
     model_type: str = "qwen3_5_moe"
     # The `quantization` (or `quantization_config`) block of an MLX checkpoint, else None.
     quantization: dict | None = None
+    # MTP blocks config.json announces (MODEL.md section 7; the release says 1), None when it says nothing.
+    # What the checkpoint holds is Checkpoint.mtp_layers: mlx-lm keeps this field but drops the tensors.
+    mtp_num_hidden_layers: int | None = None
     # Where each defaulted or derived value came from (e.g. the rope_theta source).
     notes: list[str] = field(default_factory=list)
     source: str = "config.json"
@@ -246,6 +251,13 @@ class ModelConfig:
             notes.append("rms_norm_eps missing; using 1e-6")
 
         max_pos = get_int("max_position_embeddings", default=32768, required=False)
+        mtp_layers = tc.get("mtp_num_hidden_layers")
+        if mtp_layers is not None:  # 0 is allowed (no MTP block), unlike the counts above
+            if isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int) or mtp_layers < 0:
+                raise err(name("mtp_num_hidden_layers"), f"must be a non-negative integer, got {brief(mtp_layers)}")
+            if mtp_layers > INT_LIMITS["mtp_num_hidden_layers"]:
+                raise err(name("mtp_num_hidden_layers"), f"is {brief(mtp_layers)}, more than Lily's bound of "
+                                                         f"{INT_LIMITS['mtp_num_hidden_layers']}")
 
         # ---- RoPE ----
         rope_params = tc.get("rope_parameters")
@@ -383,6 +395,7 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             model_type=model_type,
             quantization=quant,
+            mtp_num_hidden_layers=mtp_layers,
             notes=notes,
             source=source,
         )

@@ -3,7 +3,12 @@ for qwen3_5_moe (MODEL.md 8b), in numpy and streamed tensor by tensor.
 
 What mlx-lm 0.32.2 does, and what this module reproduces:
 
-* drop ``mtp.*`` and vision tensors; rename to ``language_model.model.*`` / ``language_model.lm_head.*``;
+* drop vision tensors; rename to ``language_model.model.*`` / ``language_model.lm_head.*``;
+* mlx-lm also drops ``mtp.*`` (the MTP block, MODEL.md 7). Lily keeps it by default, as
+  ``language_model.mtp.*`` (mlx-lm's renaming rule), converted like a decoder layer (norms ``+ 1.0``,
+  experts stacked into ``switch_mlp``, 8-bit ``mlp.gate`` / ``shared_expert_gate``, 4-bit elsewhere) and
+  written after every decoder tensor; mlx-lm loads such a checkpoint (its sanitize drops the block), and
+  ``convert(..., mtp=False)`` writes exactly what mlx-lm writes;
 * split fused experts (``gate_up_proj`` rows ``:I`` gate, ``I:`` up) into ``mlp.switch_mlp.*`` stacks
   (per-expert HF tensors are stacked; mlx-lm itself only handles the fused form for this model);
 * conv1d ``[C, 1, K]`` -> ``[C, K, 1]``; RMSNorm1p weights ``+ 1.0`` in the checkpoint dtype (bf16 rounding);
@@ -65,9 +70,10 @@ class WeightSource(Protocol):
 
     def dtype(self, rel: str) -> str: ...
 
-    def experts(self, layer: int, proj: str) -> tuple[np.ndarray, str]: ...  # [E, rows, cols]
+    # [E, rows, cols] of one layer, named by its decoder-relative base ("layers.3", "mtp.layers.0")
+    def experts(self, layer: str, proj: str) -> tuple[np.ndarray, str]: ...
 
-    def experts_dtype(self, layer: int) -> str: ...
+    def experts_dtype(self, layer: str) -> str: ...
 
 
 @dataclass
@@ -153,61 +159,76 @@ def add_one(arr: np.ndarray, dtype: str) -> np.ndarray:
     return cast(to_f32(arr, dtype) + np.float32(1.0), "F32", dtype)
 
 
-def plan_mlx_modules(cfg: ModelConfig, src: WeightSource) -> list[MlxModule]:
-    """The MLX model's parameters in mlx-lm's ``tree_flatten(model.parameters())`` order (decides shards)."""
+def plan_mlx_modules(cfg: ModelConfig, src: WeightSource, mtp_layers: int = 0) -> list[MlxModule]:
+    """The MLX model's parameters in mlx-lm's ``tree_flatten(model.parameters())`` order (decides shards),
+    then, with ``mtp_layers``, the MTP block under ``language_model.mtp.`` (mlx-lm has no such module:
+    it drops ``mtp.*``; the block follows the decoder's conventions, MODEL.md 8b)."""
     H, V = cfg.hidden_size, cfg.vocab_size
-    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    E, I, SI, K = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.linear_conv_kernel_dim
     out: list[MlxModule] = []
 
     def add(path: str, kind: str, shape: tuple[int, ...], rel: str, gate8: bool = False) -> None:
         out.append(MlxModule(path, kind, shape, src.dtype(rel), lambda rel=rel: src.tensor(rel), gate8))
 
-    def add_experts(path: str, shape: tuple[int, ...], layer: int, proj: str) -> None:
-        out.append(MlxModule(path, "linear", shape, src.experts_dtype(layer),
-                             lambda: src.experts(layer, proj)))
-
     P = "language_model.model"
     add(f"{P}.embed_tokens", "linear", (V, H), "embed_tokens.weight")
     for i in range(cfg.num_hidden_layers):
-        L, R = f"{P}.layers.{i}", f"layers.{i}"
-        if cfg.is_full_attention(i):
-            A, RA = f"{L}.self_attn", f"{R}.self_attn"
-            add(f"{A}.q_proj", "linear", (nh * 2 * hd, H), f"{RA}.q_proj.weight")
-            add(f"{A}.k_proj", "linear", (nkv * hd, H), f"{RA}.k_proj.weight")
-            add(f"{A}.v_proj", "linear", (nkv * hd, H), f"{RA}.v_proj.weight")
-            add(f"{A}.o_proj", "linear", (H, nh * hd), f"{RA}.o_proj.weight")
-            add(f"{A}.q_norm.weight", "norm1p", (hd,), f"{RA}.q_norm.weight")
-            add(f"{A}.k_norm.weight", "norm1p", (hd,), f"{RA}.k_norm.weight")
-        else:
-            D, RD = f"{L}.linear_attn", f"{R}.linear_attn"
-            C = 2 * Hk * Dk + Hv * Dv
-            add(f"{D}.conv1d.weight", "conv", (C, K, 1), f"{RD}.conv1d.weight")
-            add(f"{D}.in_proj_qkv", "linear", (C, H), f"{RD}.in_proj_qkv.weight")
-            add(f"{D}.in_proj_z", "linear", (Hv * Dv, H), f"{RD}.in_proj_z.weight")
-            add(f"{D}.in_proj_b", "linear", (Hv, H), f"{RD}.in_proj_b.weight")
-            add(f"{D}.in_proj_a", "linear", (Hv, H), f"{RD}.in_proj_a.weight")
-            add(f"{D}.dt_bias", "vector", (Hv,), f"{RD}.dt_bias")
-            add(f"{D}.A_log", "A_log", (Hv,), f"{RD}.A_log")
-            add(f"{D}.norm.weight", "vector", (Dv,), f"{RD}.norm.weight")  # gated norm: never shifted
-            add(f"{D}.out_proj", "linear", (H, Hv * Dv), f"{RD}.out_proj.weight")
-        add(f"{L}.input_layernorm.weight", "norm1p", (H,), f"{R}.input_layernorm.weight")
-        add(f"{L}.post_attention_layernorm.weight", "norm1p", (H,), f"{R}.post_attention_layernorm.weight")
-        M, RM = f"{L}.mlp", f"{R}.mlp"
-        add(f"{M}.gate", "linear", (E, H), f"{RM}.gate.weight", gate8=True)
-        add_experts(f"{M}.switch_mlp.gate_proj", (E, I, H), i, "gate")
-        add_experts(f"{M}.switch_mlp.up_proj", (E, I, H), i, "up")
-        add_experts(f"{M}.switch_mlp.down_proj", (E, H, I), i, "down")
-        # Qwen3NextMLP registers gate_proj, down_proj, up_proj in this order.
-        add(f"{M}.shared_expert.gate_proj", "linear", (SI, H), f"{RM}.shared_expert.gate_proj.weight")
-        add(f"{M}.shared_expert.down_proj", "linear", (H, SI), f"{RM}.shared_expert.down_proj.weight")
-        add(f"{M}.shared_expert.up_proj", "linear", (SI, H), f"{RM}.shared_expert.up_proj.weight")
-        add(f"{M}.shared_expert_gate", "linear", (1, H), f"{RM}.shared_expert_gate.weight", gate8=True)
+        _plan_layer(cfg, src, out, add, f"{P}.layers.{i}", f"layers.{i}", cfg.is_full_attention(i))
     add(f"{P}.norm.weight", "norm1p", (H,), "norm.weight")
     if not cfg.tie_word_embeddings:
         add("language_model.lm_head", "linear", (V, H), "lm_head.weight")
+    if mtp_layers:
+        T = "language_model.mtp"
+        # vLLM's Qwen3_5MultiTokenPredictor registers fc, layers, norm, pre_fc_norm_embedding, pre_fc_norm_hidden.
+        add(f"{T}.fc", "linear", (H, 2 * H), "mtp.fc.weight")
+        for j in range(mtp_layers):
+            _plan_layer(cfg, src, out, add, f"{T}.layers.{j}", f"mtp.layers.{j}", full=True)
+        for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+            add(f"{T}.{n}.weight", "norm1p", (H,), f"mtp.{n}.weight")
     return out
+
+
+def _plan_layer(cfg: ModelConfig, src: WeightSource, out: list[MlxModule], add, L: str, R: str, full: bool) -> None:
+    """One decoder layer's modules: MLX paths under ``L``, decoder-relative HF names under ``R``."""
+    H = cfg.hidden_size
+    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    E, I, SI, K = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.linear_conv_kernel_dim
+
+    def add_experts(path: str, shape: tuple[int, ...], proj: str) -> None:
+        out.append(MlxModule(path, "linear", shape, src.experts_dtype(R), lambda: src.experts(R, proj)))
+
+    if full:
+        A, RA = f"{L}.self_attn", f"{R}.self_attn"
+        add(f"{A}.q_proj", "linear", (nh * 2 * hd, H), f"{RA}.q_proj.weight")
+        add(f"{A}.k_proj", "linear", (nkv * hd, H), f"{RA}.k_proj.weight")
+        add(f"{A}.v_proj", "linear", (nkv * hd, H), f"{RA}.v_proj.weight")
+        add(f"{A}.o_proj", "linear", (H, nh * hd), f"{RA}.o_proj.weight")
+        add(f"{A}.q_norm.weight", "norm1p", (hd,), f"{RA}.q_norm.weight")
+        add(f"{A}.k_norm.weight", "norm1p", (hd,), f"{RA}.k_norm.weight")
+    else:
+        D, RD = f"{L}.linear_attn", f"{R}.linear_attn"
+        C = 2 * Hk * Dk + Hv * Dv
+        add(f"{D}.conv1d.weight", "conv", (C, K, 1), f"{RD}.conv1d.weight")
+        add(f"{D}.in_proj_qkv", "linear", (C, H), f"{RD}.in_proj_qkv.weight")
+        add(f"{D}.in_proj_z", "linear", (Hv * Dv, H), f"{RD}.in_proj_z.weight")
+        add(f"{D}.in_proj_b", "linear", (Hv, H), f"{RD}.in_proj_b.weight")
+        add(f"{D}.in_proj_a", "linear", (Hv, H), f"{RD}.in_proj_a.weight")
+        add(f"{D}.dt_bias", "vector", (Hv,), f"{RD}.dt_bias")
+        add(f"{D}.A_log", "A_log", (Hv,), f"{RD}.A_log")
+        add(f"{D}.norm.weight", "vector", (Dv,), f"{RD}.norm.weight")  # gated norm: never shifted
+        add(f"{D}.out_proj", "linear", (H, Hv * Dv), f"{RD}.out_proj.weight")
+    add(f"{L}.input_layernorm.weight", "norm1p", (H,), f"{R}.input_layernorm.weight")
+    add(f"{L}.post_attention_layernorm.weight", "norm1p", (H,), f"{R}.post_attention_layernorm.weight")
+    M, RM = f"{L}.mlp", f"{R}.mlp"
+    add(f"{M}.gate", "linear", (E, H), f"{RM}.gate.weight", gate8=True)
+    add_experts(f"{M}.switch_mlp.gate_proj", (E, I, H), "gate")
+    add_experts(f"{M}.switch_mlp.up_proj", (E, I, H), "up")
+    add_experts(f"{M}.switch_mlp.down_proj", (E, H, I), "down")
+    # Qwen3NextMLP registers gate_proj, down_proj, up_proj in this order.
+    add(f"{M}.shared_expert.gate_proj", "linear", (SI, H), f"{RM}.shared_expert.gate_proj.weight")
+    add(f"{M}.shared_expert.down_proj", "linear", (H, SI), f"{RM}.shared_expert.down_proj.weight")
+    add(f"{M}.shared_expert.up_proj", "linear", (SI, H), f"{RM}.shared_expert.up_proj.weight")
+    add(f"{M}.shared_expert_gate", "linear", (1, H), f"{RM}.shared_expert_gate.weight", gate8=True)
 
 
 def quantization_block(modules: list[MlxModule], group_size: int, bits: int) -> dict:
@@ -372,26 +393,26 @@ class _CheckpointSource:
         f, name = self.raw[rel]
         return f.tensors[name].dtype
 
-    def _fused(self, layer: int) -> bool:
-        return f"layers.{layer}.mlp.experts.gate_up_proj" in self.raw
+    def _fused(self, layer: str) -> bool:
+        return f"{layer}.mlp.experts.gate_up_proj" in self.raw
 
-    def experts_dtype(self, layer: int) -> str:
+    def experts_dtype(self, layer: str) -> str:
         if self._fused(layer):
-            return self.dtype(f"layers.{layer}.mlp.experts.gate_up_proj")
-        dts = {self.dtype(f"layers.{layer}.mlp.experts.{e}.{p}_proj.weight")
+            return self.dtype(f"{layer}.mlp.experts.gate_up_proj")
+        dts = {self.dtype(f"{layer}.mlp.experts.{e}.{p}_proj.weight")
                for e in range(self.E) for p in ("gate", "up", "down")}
         if len(dts) != 1:
-            raise CheckpointError(f"layer {layer}: expert weights mix dtypes {sorted(dts)}")
+            raise CheckpointError(f"{layer}: expert weights mix dtypes {sorted(dts)}")
         return dts.pop()
 
-    def experts(self, layer: int, proj: str) -> tuple[np.ndarray, str]:
+    def experts(self, layer: str, proj: str) -> tuple[np.ndarray, str]:
         if self._fused(layer):
             if proj == "down":
-                return self.tensor(f"layers.{layer}.mlp.experts.down_proj")
-            gu, dt = self.tensor(f"layers.{layer}.mlp.experts.gate_up_proj")
+                return self.tensor(f"{layer}.mlp.experts.down_proj")
+            gu, dt = self.tensor(f"{layer}.mlp.experts.gate_up_proj")
             mid = gu.shape[-2] // 2
             return (gu[:, :mid, :] if proj == "gate" else gu[:, mid:, :]), dt
-        parts = [self.tensor(f"layers.{layer}.mlp.experts.{e}.{proj}_proj.weight") for e in range(self.E)]
+        parts = [self.tensor(f"{layer}.mlp.experts.{e}.{proj}_proj.weight") for e in range(self.E)]
         return np.stack([p[0] for p in parts]), parts[0][1]
 
 
@@ -405,12 +426,15 @@ def convert(
     dtype: str | None = None,
     revision: str | None = None,
     max_shard_bytes: int = MLX_MAX_SHARD_BYTES,
+    mtp: bool = True,
 ) -> Path:
     """Convert a Hugging Face qwen3_5_moe checkpoint (local folder or Hub id) to an MLX affine checkpoint.
 
     ``dtype`` ("bfloat16" | "float16" | "float32") overrides the cast target; by default it follows
     mlx-lm (config ``torch_dtype``, else ``text_config.dtype``, else no cast). ``max_shard_bytes`` is
-    mlx-lm's 5 GiB shard limit. Returns the output folder.
+    mlx-lm's 5 GiB shard limit. ``mtp``: keep the checkpoint's MTP block (``language_model.mtp.*``,
+    quantized like the decoder layers, after every decoder tensor); mlx-lm drops it, so ``mtp=False``
+    gives mlx-lm's output byte for byte. Returns the output folder.
     """
     if bits not in (4, 8):
         raise ValueError(f"bits={bits}: Lily supports 4 and 8")
@@ -434,7 +458,7 @@ def convert(
             if dtype not in _CONFIG_DTYPES:
                 raise ValueError(f"dtype must be one of {sorted(_CONFIG_DTYPES)}, got {dtype!r}")
             target = _CONFIG_DTYPES[dtype]
-        modules = plan_mlx_modules(ck.config, _CheckpointSource(ck))
+        modules = plan_mlx_modules(ck.config, _CheckpointSource(ck), ck.mtp_layers if mtp else 0)
         for m in modules:
             q = m.quant(group_size, bits)
             if q is not None and m.shape[-1] % q[0]:

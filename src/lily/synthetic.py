@@ -95,6 +95,9 @@ _TEXT_DEFAULTS = {
     },
 }
 
+# RMSNorm1p weights outside the decoder layers: the final norm and the MTP block's three (MODEL.md 7).
+_NORM1P_TOP = ("norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
+
 _CHUNK = 1 << 22  # elements per random-generation work item
 _TABLE = 1 << 16  # normal samples per tensor table (indexed by random uint16)
 _SYNTH_MAX_SHARD = 2 << 30
@@ -172,7 +175,7 @@ class _Generator:
             out = self._normal(rel, shape, cfg.hidden_size ** -0.25)
         elif rel == "lm_head.weight":
             out = self._normal(rel, shape, 2.0 / np.sqrt(cfg.hidden_size))
-        elif rel.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or rel == "norm.weight":
+        elif rel.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or rel in _NORM1P_TOP:
             out = self._normal(rel, shape, 0.1)  # HF RMSNorm1p stores w; the multiplier is 1 + w
         elif rel.endswith("linear_attn.norm.weight"):
             out = self._normal(rel, shape, 0.1, mean=1.0)
@@ -190,51 +193,61 @@ class _Generator:
         return out
 
 
-def _hf_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """HF decoder-relative names and shapes (experts fused), in transformers' state_dict order."""
+def _hf_specs(cfg: ModelConfig, mtp_layers: int = 0) -> list[tuple[str, tuple[int, ...]]]:
+    """HF decoder-relative names and shapes (experts fused), in transformers' state_dict order, then the
+    MTP block's (top-level ``mtp.*`` names, MODEL.md 7) when ``mtp_layers`` > 0."""
     H, V = cfg.hidden_size, cfg.vocab_size
-    Hv, Dv, C, K = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim, cfg.linear_conv_kernel_dim
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    E, I, SI = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     out = [("embed_tokens.weight", (V, H))]
     for i in range(cfg.num_hidden_layers):
-        L = f"layers.{i}"
-        if cfg.is_full_attention(i):
-            out += [
-                (f"{L}.self_attn.q_proj.weight", (nh * 2 * hd, H)),
-                (f"{L}.self_attn.k_proj.weight", (nkv * hd, H)),
-                (f"{L}.self_attn.v_proj.weight", (nkv * hd, H)),
-                (f"{L}.self_attn.o_proj.weight", (H, nh * hd)),
-                (f"{L}.self_attn.q_norm.weight", (hd,)),
-                (f"{L}.self_attn.k_norm.weight", (hd,)),
-            ]
-        else:
-            out += [
-                (f"{L}.linear_attn.dt_bias", (Hv,)),
-                (f"{L}.linear_attn.A_log", (Hv,)),
-                (f"{L}.linear_attn.conv1d.weight", (C, 1, K)),
-                (f"{L}.linear_attn.norm.weight", (Dv,)),
-                (f"{L}.linear_attn.out_proj.weight", (H, Hv * Dv)),
-                (f"{L}.linear_attn.in_proj_qkv.weight", (C, H)),
-                (f"{L}.linear_attn.in_proj_z.weight", (Hv * Dv, H)),
-                (f"{L}.linear_attn.in_proj_b.weight", (Hv, H)),
-                (f"{L}.linear_attn.in_proj_a.weight", (Hv, H)),
-            ]
-        out += [
-            (f"{L}.mlp.gate.weight", (E, H)),
-            (f"{L}.mlp.experts.gate_up_proj", (E, 2 * I, H)),
-            (f"{L}.mlp.experts.down_proj", (E, H, I)),
-            (f"{L}.mlp.shared_expert.gate_proj.weight", (SI, H)),
-            (f"{L}.mlp.shared_expert.up_proj.weight", (SI, H)),
-            (f"{L}.mlp.shared_expert.down_proj.weight", (H, SI)),
-            (f"{L}.mlp.shared_expert_gate.weight", (1, H)),
-            (f"{L}.input_layernorm.weight", (H,)),
-            (f"{L}.post_attention_layernorm.weight", (H,)),
-        ]
+        out += _hf_layer_specs(cfg, f"layers.{i}", cfg.is_full_attention(i))
     out.append(("norm.weight", (H,)))
     if not cfg.tie_word_embeddings:
         out.append(("lm_head.weight", (V, H)))
+    if mtp_layers:
+        out.append(("mtp.fc.weight", (H, 2 * H)))
+        for j in range(mtp_layers):
+            out += _hf_layer_specs(cfg, f"mtp.layers.{j}", True)
+        out += [(f"mtp.{n}.weight", (H,)) for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden")]
     return out
+
+
+def _hf_layer_specs(cfg: ModelConfig, L: str, full: bool) -> list[tuple[str, tuple[int, ...]]]:
+    H = cfg.hidden_size
+    Hv, Dv, C, K = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim, cfg.linear_conv_kernel_dim
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    E, I, SI = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    if full:
+        out = [
+            (f"{L}.self_attn.q_proj.weight", (nh * 2 * hd, H)),
+            (f"{L}.self_attn.k_proj.weight", (nkv * hd, H)),
+            (f"{L}.self_attn.v_proj.weight", (nkv * hd, H)),
+            (f"{L}.self_attn.o_proj.weight", (H, nh * hd)),
+            (f"{L}.self_attn.q_norm.weight", (hd,)),
+            (f"{L}.self_attn.k_norm.weight", (hd,)),
+        ]
+    else:
+        out = [
+            (f"{L}.linear_attn.dt_bias", (Hv,)),
+            (f"{L}.linear_attn.A_log", (Hv,)),
+            (f"{L}.linear_attn.conv1d.weight", (C, 1, K)),
+            (f"{L}.linear_attn.norm.weight", (Dv,)),
+            (f"{L}.linear_attn.out_proj.weight", (H, Hv * Dv)),
+            (f"{L}.linear_attn.in_proj_qkv.weight", (C, H)),
+            (f"{L}.linear_attn.in_proj_z.weight", (Hv * Dv, H)),
+            (f"{L}.linear_attn.in_proj_b.weight", (Hv, H)),
+            (f"{L}.linear_attn.in_proj_a.weight", (Hv, H)),
+        ]
+    return out + [
+        (f"{L}.mlp.gate.weight", (E, H)),
+        (f"{L}.mlp.experts.gate_up_proj", (E, 2 * I, H)),
+        (f"{L}.mlp.experts.down_proj", (E, H, I)),
+        (f"{L}.mlp.shared_expert.gate_proj.weight", (SI, H)),
+        (f"{L}.mlp.shared_expert.up_proj.weight", (SI, H)),
+        (f"{L}.mlp.shared_expert.down_proj.weight", (H, SI)),
+        (f"{L}.mlp.shared_expert_gate.weight", (1, H)),
+        (f"{L}.input_layernorm.weight", (H,)),
+        (f"{L}.post_attention_layernorm.weight", (H,)),
+    ]
 
 
 class _SyntheticSource:
@@ -250,13 +263,13 @@ class _SyntheticSource:
     def dtype(self, rel: str) -> str:
         return self.gen.st_dtype
 
-    def experts_dtype(self, layer: int) -> str:
+    def experts_dtype(self, layer: str) -> str:
         return self.gen.st_dtype
 
-    def experts(self, layer: int, proj: str):
+    def experts(self, layer: str, proj: str):
         if proj == "down":
-            return self.tensor(f"layers.{layer}.mlp.experts.down_proj")
-        gu, dt = self.tensor(f"layers.{layer}.mlp.experts.gate_up_proj")
+            return self.tensor(f"{layer}.mlp.experts.down_proj")
+        gu, dt = self.tensor(f"{layer}.mlp.experts.gate_up_proj")
         mid = gu.shape[-2] // 2
         return (gu[:, :mid] if proj == "gate" else gu[:, mid:]), dt
 
@@ -274,22 +287,25 @@ def _shard_plan(specs, max_bytes):
 
 
 def _write_hf(folder: Path, cfg: ModelConfig, gen: _Generator, *, layout: str, experts: str,
-              max_shard_bytes: int, extra: dict, progress: bool) -> None:
+              max_shard_bytes: int, extra: dict, progress: bool, mtp_layers: int = 0,
+              mtp_experts: str = "per_expert") -> None:
     prefix = "model.language_model." if layout == "multimodal" else "model."
     dt = gen.st_dtype
     E = cfg.num_experts
     I = cfg.moe_intermediate_size
     # (stored name, dtype, shape, producer)
     entries = []
-    for rel, shape in _hf_specs(cfg):
-        name = "lm_head.weight" if rel == "lm_head.weight" else prefix + rel
-        if experts == "per_expert" and rel.endswith("mlp.experts.gate_up_proj"):
+    for rel, shape in _hf_specs(cfg, mtp_layers):
+        top = rel == "lm_head.weight" or rel.startswith("mtp.")  # top-level names in both layouts
+        name = rel if top else prefix + rel
+        per = (mtp_experts if rel.startswith("mtp.") else experts) == "per_expert"
+        if per and rel.endswith("mlp.experts.gate_up_proj"):
             base = name[: -len("gate_up_proj")]
             for e in range(E):
                 for k, proj in enumerate(("gate", "up")):
                     entries.append((f"{base}{e}.{proj}_proj.weight", dt, (I, shape[-1]),
                                     lambda rel=rel, shape=shape, e=e, k=k: gen.tensor(rel, shape)[e, k * I:(k + 1) * I]))
-        elif experts == "per_expert" and rel.endswith("mlp.experts.down_proj"):
+        elif per and rel.endswith("mlp.experts.down_proj"):
             base = name[: -len("down_proj")]
             for e in range(E):
                 entries.append((f"{base}{e}.down_proj.weight", dt, shape[1:],
@@ -378,6 +394,8 @@ def write_synthetic_checkpoint(
     max_shard_bytes: int = _SYNTH_MAX_SHARD,
     extra_tensors: dict[str, np.ndarray] | None = None,
     threads: int | None = None,
+    mtp_layers: int = 0,
+    mtp_experts: str = "per_expert",
 ) -> Path:
     """Write a random-weight checkpoint (config.json + safetensors) to folder ``path``; returns it.
 
@@ -388,8 +406,11 @@ def write_synthetic_checkpoint(
     (``model.*``, flat config); ``experts`` "fused" or "per_expert".
     MLX only: ``quant`` "exact" (quantize the HF weights: the result equals converting the HF checkpoint
     of the same seed), "fast" (random codes, for big benchmark models) or "auto" (fast above 100 M params).
-    ``extra_tensors``: extra stored tensors (name -> numpy array; uint16 means BF16), e.g. mtp.* to test
-    skipping. Sharded (index file) when larger than ``max_shard_bytes``.
+    ``extra_tensors``: extra stored tensors (name -> numpy array; uint16 means BF16), e.g. vision ones to
+    test skipping. Sharded (index file) when larger than ``max_shard_bytes``.
+    ``mtp_layers``: write an MTP block (MODEL.md 7) of that many decoder layers and say so in the config
+    (``mtp_num_hidden_layers``); HF: top-level ``mtp.*`` with ``mtp_experts`` "per_expert" (as the Qwen
+    release stores them) or "fused"; MLX: ``language_model.mtp.*`` as ``lily.convert`` writes it.
     """
     if fmt not in ("mlx", "hf"):
         raise ValueError(f"fmt must be 'mlx' or 'hf', got {fmt!r}")
@@ -399,9 +420,16 @@ def write_synthetic_checkpoint(
         raise ValueError("layout must be 'multimodal'|'text' and experts 'fused'|'per_expert'")
     if quant not in ("auto", "exact", "fast"):
         raise ValueError(f"quant must be 'auto', 'exact' or 'fast', got {quant!r}")
+    if isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int) or mtp_layers < 0:
+        raise ValueError(f"mtp_layers must be a non-negative int, got {mtp_layers!r}")
+    if mtp_experts not in ("fused", "per_expert"):
+        raise ValueError(f"mtp_experts must be 'fused' or 'per_expert', got {mtp_experts!r}")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     tc = text_config(config, dtype)
+    if mtp_layers:
+        tc["mtp_num_hidden_layers"] = mtp_layers
+        tc["mtp_use_dedicated_embeddings"] = False
     tie = bool(tc.get("tie_word_embeddings", False))
     if fmt == "hf" and layout == "text":
         raw = dict(tc, architectures=["Qwen3_5MoeForCausalLM"])
@@ -420,12 +448,12 @@ def write_synthetic_checkpoint(
 
     if fmt == "hf":
         _write_hf(folder, cfg, gen, layout=layout, experts=experts, max_shard_bytes=max_shard_bytes,
-                  extra=extra, progress=progress)
+                  extra=extra, progress=progress, mtp_layers=mtp_layers, mtp_experts=mtp_experts)
         (folder / "config.json").write_text(json.dumps(raw, indent=2))
         return folder
 
-    shapes = dict(_hf_specs(cfg))
-    modules = plan_mlx_modules(cfg, _SyntheticSource(gen, shapes))
+    shapes = dict(_hf_specs(cfg, mtp_layers))
+    modules = plan_mlx_modules(cfg, _SyntheticSource(gen, shapes), mtp_layers)
     n_params = sum(int(np.prod(m.shape, dtype=np.int64)) for m in modules)
     fast = quant == "fast" or (quant == "auto" and n_params > _AUTO_FAST_PARAMS)
     if fast:
