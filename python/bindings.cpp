@@ -148,6 +148,7 @@ ModelConfig parse_config(const nb::dict& cfg) {
   LILY_CONFIG_FIELDS(LILY_PARSE_FIELD)
 #undef LILY_PARSE_FIELD
   c.full_attention = nb::cast<std::vector<bool>>(get("full_attention"));
+  if (cfg.contains("mtp_layers")) c.mtp_layers = nb::cast<int64_t>(cfg["mtp_layers"]);  // optional: 0 = none
   c.validate();
   return c;
 }
@@ -354,6 +355,14 @@ struct PyEngine {
     r["kernels"] = variants;
     r["optimizations"] = ops->optimizations();
     r["tied_embeddings"] = W.tied;
+    nb::dict mtp;  // the MTP block (MODEL.md section 7): loaded, not read by the graph yet
+    mtp["present"] = W.mtp.has_value();
+    mtp["layers"] = W.mtp ? int64_t(W.mtp->layers.size()) : int64_t(0);
+    mtp["bytes"] = info.mtp_bytes;
+    mtp["repacked_expert_projections"] = info.mtp_repacked_projections;
+    mtp["repacked_expert_bytes"] = info.mtp_repacked_bytes;
+    mtp["format"] = W.mtp ? W.mtp->fc.describe() : std::string("none");
+    r["mtp"] = mtp;
     nb::dict extra = backend_report(*ops);
     if (extra.size()) r[ops->name()] = extra;
     return r;

@@ -31,6 +31,7 @@ void ModelConfig::validate() const {
   dim(moe_inter, 1 << 20, "moe_intermediate_size");
   dim(shared_inter, 1 << 20, "shared_expert_intermediate_size");
   need(eps > 0, "rms_norm_eps");
+  need(mtp_layers >= 0 && mtp_layers <= 64, "mtp_num_hidden_layers");
 }
 
 }  // namespace lily

@@ -33,6 +33,10 @@ struct ModelConfig {
   LILY_CONFIG_FIELDS(LILY_DECLARE_FIELD)
 #undef LILY_DECLARE_FIELD
   std::vector<bool> full_attention;  // per layer ("full_attention" key, from layer_types)
+  // Decoder layers of the checkpoint's MTP block (MODEL.md section 7; optional "mtp_layers" key, 0 = no
+  // block). What the checkpoint holds, counted by lily/checkpoint.py: mlx-lm keeps config.json's
+  // mtp_num_hidden_layers but drops the tensors.
+  int64_t mtp_layers = 0;
 
   int64_t key_dim() const { return lin_k_heads * lin_k_dim; }
   int64_t value_dim() const { return lin_v_heads * lin_v_dim; }

@@ -40,9 +40,12 @@ class Loader {
     return w;
   }
 
+  // While set, bytes and repacks count as the MTP block's (LoadInfo::mtp_*), not the decoder's.
+  void count_as_mtp(bool on) { mtp_ = on; }
+
   Weight mat(const std::string& name, int64_t rows, int64_t cols, const char* component) {
     Weight w = place(src_.matrix(name, rows, cols), name);
-    info_.weight_bytes[component] += w.bytes();
+    bytes(component) += w.bytes();
     return w;
   }
 
@@ -66,7 +69,7 @@ class Loader {
     }
     const WeightFormat& f = hs[0].fmt;
     const std::string label = prefix + "*." + proj;
-    info_.weight_bytes["experts"] += f.bytes() * size_t(E);
+    bytes("experts") += f.bytes() * size_t(E);
     auto stride_of = [&](const void* HostMatrix::*part, int64_t& stride) {
       if (E < 2) return (stride = 0, true);
       auto at = [&](int64_t e) { return static_cast<const char*>(hs[size_t(e)].*part); };
@@ -115,13 +118,15 @@ class Loader {
     w.experts = E;
     w.data_stride = db;
     w.scale_stride = w.bias_stride = sb;
-    ++info_.repacked_projections;
-    info_.repacked_bytes += total;
+    ++(mtp_ ? info_.mtp_repacked_projections : info_.repacked_projections);
+    (mtp_ ? info_.mtp_repacked_bytes : info_.repacked_bytes) += total;
     info_.owned.push_back(std::move(buf));
     return w;
   }
 
  private:
+  size_t& bytes(const char* component) { return mtp_ ? info_.mtp_bytes : info_.weight_bytes[component]; }
+
   struct Region {
     const void* base;
     size_t bytes;
@@ -132,7 +137,59 @@ class Loader {
   WeightSource& src_;
   LoadInfo& info_;
   std::vector<Region> regions_;
+  bool mtp_ = false;
 };
+
+// One decoder layer (MODEL.md section 2) under canonical prefix `p` ("layers.3.", "mtp.layers.0.").
+LayerWeights load_layer(Loader& ld, const ModelConfig& c, const std::string& p, bool full) {
+  LayerWeights L;
+  const int64_t QD = c.heads * c.head_dim, KD = c.kv_heads * c.head_dim, VD = c.value_dim();
+  L.full = full;
+  L.input_norm = ld.vec(p + "input_norm", 1, c.hidden);
+  L.post_norm = ld.vec(p + "post_norm", 1, c.hidden);
+  if (L.full) {
+    L.q = ld.mat(p + "attn.q", 2 * QD, c.hidden, "attention");
+    L.k = ld.mat(p + "attn.k", KD, c.hidden, "attention");
+    L.v = ld.mat(p + "attn.v", KD, c.hidden, "attention");
+    L.o = ld.mat(p + "attn.o", c.hidden, QD, "attention");
+    L.q_norm = ld.vec(p + "attn.q_norm", 1, c.head_dim);
+    L.k_norm = ld.vec(p + "attn.k_norm", 1, c.head_dim);
+  } else {
+    L.qkv = ld.mat(p + "delta.qkv", c.conv_dim(), c.hidden, "deltanet");
+    L.z = ld.mat(p + "delta.z", VD, c.hidden, "deltanet");
+    L.b = ld.mat(p + "delta.b", c.lin_v_heads, c.hidden, "deltanet");
+    L.a = ld.mat(p + "delta.a", c.lin_v_heads, c.hidden, "deltanet");
+    L.out = ld.mat(p + "delta.out", c.hidden, VD, "deltanet");
+    L.conv = ld.vec(p + "delta.conv", c.conv_dim(), c.conv_kernel);
+    L.A_log = ld.vec(p + "delta.A_log", 1, c.lin_v_heads);
+    L.dt_bias = ld.vec(p + "delta.dt_bias", 1, c.lin_v_heads);
+    L.delta_norm = ld.vec(p + "delta.norm", 1, c.lin_v_dim);
+  }
+  L.router = ld.mat(p + "moe.router", c.experts, c.hidden, "router");
+  L.shared_gate = ld.mat(p + "moe.shared_gate", 1, c.hidden, "router");
+  L.shared_gate_proj = ld.mat(p + "moe.shared.gate", c.shared_inter, c.hidden, "shared_expert");
+  L.shared_up = ld.mat(p + "moe.shared.up", c.shared_inter, c.hidden, "shared_expert");
+  L.shared_down = ld.mat(p + "moe.shared.down", c.hidden, c.shared_inter, "shared_expert");
+  const std::string e = p + "moe.experts.";
+  L.experts_gate = ld.experts(e, "gate", c.experts, c.moe_inter, c.hidden);
+  L.experts_up = ld.experts(e, "up", c.experts, c.moe_inter, c.hidden);
+  L.experts_down = ld.experts(e, "down", c.experts, c.hidden, c.moe_inter);
+  return L;
+}
+
+// The MTP block (MODEL.md section 7): fc, its two input norms, the decoder layers and the output norm.
+MtpWeights load_mtp(Loader& ld, const ModelConfig& c) {
+  MtpWeights M;
+  ld.count_as_mtp(true);
+  M.fc = ld.mat("mtp.fc", c.hidden, 2 * c.hidden, "mtp");
+  M.pre_fc_norm_embedding = ld.vec("mtp.pre_fc_norm_embedding", 1, c.hidden);
+  M.pre_fc_norm_hidden = ld.vec("mtp.pre_fc_norm_hidden", 1, c.hidden);
+  for (int64_t j = 0; j < c.mtp_layers; ++j)
+    M.layers.push_back(load_layer(ld, c, "mtp.layers." + std::to_string(j) + ".", true));
+  M.norm = ld.vec("mtp.norm", 1, c.hidden);
+  ld.count_as_mtp(false);
+  return M;
+}
 
 }  // namespace
 
@@ -147,48 +204,18 @@ LoadInfo load_weights(Qwen36& model, WeightSource& src, const std::vector<Mapped
   W.tied = W.lm_head.mapping == W.embed.mapping && W.lm_head.data == W.embed.data;
   if (W.tied) info.weight_bytes["lm_head"] -= W.lm_head.bytes();
   W.final_norm = ld.vec("final_norm", 1, c.hidden);
-  W.layers.resize(size_t(c.layers));
-  const int64_t QD = c.heads * c.head_dim, KD = c.kv_heads * c.head_dim, VD = c.value_dim();
-  for (int64_t i = 0; i < c.layers; ++i) {
-    LayerWeights& L = W.layers[size_t(i)];
-    const std::string p = "layers." + std::to_string(i) + ".";
-    L.full = c.full_attention[size_t(i)];
-    L.input_norm = ld.vec(p + "input_norm", 1, c.hidden);
-    L.post_norm = ld.vec(p + "post_norm", 1, c.hidden);
-    if (L.full) {
-      L.q = ld.mat(p + "attn.q", 2 * QD, c.hidden, "attention");
-      L.k = ld.mat(p + "attn.k", KD, c.hidden, "attention");
-      L.v = ld.mat(p + "attn.v", KD, c.hidden, "attention");
-      L.o = ld.mat(p + "attn.o", c.hidden, QD, "attention");
-      L.q_norm = ld.vec(p + "attn.q_norm", 1, c.head_dim);
-      L.k_norm = ld.vec(p + "attn.k_norm", 1, c.head_dim);
-    } else {
-      L.qkv = ld.mat(p + "delta.qkv", c.conv_dim(), c.hidden, "deltanet");
-      L.z = ld.mat(p + "delta.z", VD, c.hidden, "deltanet");
-      L.b = ld.mat(p + "delta.b", c.lin_v_heads, c.hidden, "deltanet");
-      L.a = ld.mat(p + "delta.a", c.lin_v_heads, c.hidden, "deltanet");
-      L.out = ld.mat(p + "delta.out", c.hidden, VD, "deltanet");
-      L.conv = ld.vec(p + "delta.conv", c.conv_dim(), c.conv_kernel);
-      L.A_log = ld.vec(p + "delta.A_log", 1, c.lin_v_heads);
-      L.dt_bias = ld.vec(p + "delta.dt_bias", 1, c.lin_v_heads);
-      L.delta_norm = ld.vec(p + "delta.norm", 1, c.lin_v_dim);
-    }
-    L.router = ld.mat(p + "moe.router", c.experts, c.hidden, "router");
-    L.shared_gate = ld.mat(p + "moe.shared_gate", 1, c.hidden, "router");
-    L.shared_gate_proj = ld.mat(p + "moe.shared.gate", c.shared_inter, c.hidden, "shared_expert");
-    L.shared_up = ld.mat(p + "moe.shared.up", c.shared_inter, c.hidden, "shared_expert");
-    L.shared_down = ld.mat(p + "moe.shared.down", c.hidden, c.shared_inter, "shared_expert");
-    const std::string e = p + "moe.experts.";
-    L.experts_gate = ld.experts(e, "gate", c.experts, c.moe_inter, c.hidden);
-    L.experts_up = ld.experts(e, "up", c.experts, c.moe_inter, c.hidden);
-    L.experts_down = ld.experts(e, "down", c.experts, c.hidden, c.moe_inter);
-  }
+  W.layers.reserve(size_t(c.layers));
+  for (int64_t i = 0; i < c.layers; ++i)
+    W.layers.push_back(load_layer(ld, c, "layers." + std::to_string(i) + ".", c.full_attention[size_t(i)]));
+  if (c.mtp_layers > 0) W.mtp = load_mtp(ld, c);
   std::vector<Weight*> all = {&W.embed, &W.lm_head};
   for (LayerWeights& L : W.layers)
     for (Weight* w : {&L.qkv, &L.z, &L.b, &L.a, &L.out, &L.q, &L.k, &L.v, &L.o, &L.router, &L.shared_gate,
                       &L.shared_gate_proj, &L.shared_up, &L.shared_down, &L.experts_gate, &L.experts_up,
                       &L.experts_down})
       if (w->valid()) all.push_back(w);
+  // Not W.mtp: nothing reads it yet, and the CUDA backend copies every weight it is given to the GPU.
+  // MTP decoding (issue 14) adds its weights here together with the graph that reads them.
   model.ops().place_weights(all);
   return info;
 }

@@ -31,10 +31,14 @@ class WeightSource {
 };
 
 struct LoadInfo {
-  std::map<std::string, size_t> weight_bytes;  // per component, as read from the checkpoint
+  std::map<std::string, size_t> weight_bytes;  // per component of the decoder, as read from the checkpoint
   int64_t mappings = 0;                        // regions registered with the backend
-  int64_t repacked_projections = 0;            // expert projections copied into a stacked buffer
+  int64_t repacked_projections = 0;            // decoder expert projections copied into a stacked buffer
   size_t repacked_bytes = 0;
+  // The MTP block (ModelConfig::mtp_layers > 0), counted apart: the graph does not read it yet.
+  size_t mtp_bytes = 0;
+  int64_t mtp_repacked_projections = 0;
+  size_t mtp_repacked_bytes = 0;
   std::vector<std::unique_ptr<uint8_t[]>> owned;  // the repacked buffers (alive as long as the model)
 };
 
@@ -44,7 +48,9 @@ struct MappedRegion {
   std::string label;
 };
 
-// Registers `files` (whole mapped checkpoint files) with the model's backend and loads every weight.
+// Registers `files` (whole mapped checkpoint files) with the model's backend and loads every weight: the
+// decoder's, and the MTP block's when config().mtp_layers > 0 (canonical names "mtp.fc",
+// "mtp.pre_fc_norm_{embedding,hidden}", "mtp.norm", "mtp.layers.{j}.*" like "layers.{i}.*").
 LoadInfo load_weights(Qwen36& model, WeightSource& src, const std::vector<MappedRegion>& files);
 
 }  // namespace lily

@@ -3,6 +3,7 @@
 // the position from device tensors and leaves logits in device tensors; the Session submits and reads.
 #pragma once
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,11 +27,23 @@ struct LayerWeights {
   Weight experts_gate, experts_up, experts_down;
 };
 
+// The multi-token-prediction block (MODEL.md section 7): x = [RMSNorm1p(E[t+1]) | RMSNorm1p(h_t)] · fcᵀ,
+// then full-attention decoder layers, then RMSNorm1p(x, norm) into the model's lm_head (it has no
+// embedding or head of its own). Loaded when the checkpoint has one; the graph does not read it yet
+// (MTP decoding is issue 14), so its weights are not handed to place_weights: a GPU backend would copy
+// them to device memory for nothing.
+struct MtpWeights {
+  Weight fc;                                                  // [hidden, 2 * hidden]: embedding half first
+  Tensor pre_fc_norm_embedding, pre_fc_norm_hidden, norm;     // effective RMSNorm multipliers [1, hidden]
+  std::vector<LayerWeights> layers;                           // full attention (full == true)
+};
+
 struct ModelWeights {
   Weight embed, lm_head;
   Tensor final_norm;
   std::vector<LayerWeights> layers;
   bool tied = false;
+  std::optional<MtpWeights> mtp;  // the checkpoint's MTP block, if it has one (ModelConfig::mtp_layers)
 };
 
 // What a step changes besides the KV cache, held twice: a decode step reads one set and writes the

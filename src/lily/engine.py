@@ -156,7 +156,9 @@ class Engine:
         # Each mapped file is handed over whole: the backend registers it once and weights are offsets in it.
         files = [(np.frombuffer(f._mm, dtype=np.uint8), f.name) for f in checkpoint.files if f._mm is not None]
         try:
-            self._core = _core.Engine(self.config.to_core(), checkpoint.tensors, files, backend, options)
+            # mtp_layers: what the checkpoint holds (not to_core(), which is the model's fingerprint).
+            core_config = dict(self.config.to_core(), mtp_layers=checkpoint.mtp_layers)
+            self._core = _core.Engine(core_config, checkpoint.tensors, files, backend, options)
         except ValueError as exc:
             raise CheckpointError(f"{checkpoint.path}: {exc}") from exc
         self._fingerprint: str | None = None
@@ -418,6 +420,7 @@ class Engine:
             "ops_per_step": self._probe_stats,
             "optimizations": list(core["optimizations"]),
             "tied_embeddings": core["tied_embeddings"],
+            "mtp": _mtp_report(core["mtp"], self.checkpoint.mtp_bytes),
             "skipped_tensors": dict(self.checkpoint.skipped),
             "tokenizer": "none" if tok is None else f"{tok.vocab_size} tokens, stop ids {tok.stop_token_ids}",
             "backends": {name: b["status"] for name, b in backends().items()},
@@ -427,3 +430,20 @@ class Engine:
             # launches per decode step, memory by kind).
             **({core["backend"]: dict(core[core["backend"]])} if core["backend"] in core else {}),
         })
+
+
+def _mtp_report(core: dict, stored_bytes: int) -> dict:
+    """report()["mtp"]: whether the checkpoint has an MTP head (MODEL.md section 7) and what it costs
+    (``bytes``: every tensor of the block as stored in the checkpoint, norms included)."""
+    if not core["present"]:
+        return {"present": False, "layers": 0, "bytes": 0,
+                "status": "none in this checkpoint (mlx-lm conversions drop it; lily convert keeps it)"}
+    out = {"present": True, "layers": core["layers"], "bytes": stored_bytes, "format": core["format"],
+           "status": "loaded, not used until MTP decoding lands (host memory; not placed on a GPU backend)"}
+    if core["repacked_expert_projections"]:
+        out["repacked_expert_bytes"] = core["repacked_expert_bytes"]
+        out["experts_layout"] = (f"repacked at load: {core['repacked_expert_projections']} expert projections "
+                                 "stored one tensor per expert were copied into stacked buffers")
+    else:
+        out["experts_layout"] = "stacked in place (one base + a stride per projection)"
+    return out
