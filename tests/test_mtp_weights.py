@@ -332,3 +332,38 @@ def test_mlx_lm_loads_lilys_output_with_an_mtp_block(tmp_path):
     lp = np.array(mu.load_model(p, strict=True)[0](ids).astype(mx.float32))
     lq = np.array(mu.load_model(q, strict=True)[0](ids).astype(mx.float32))
     assert np.isfinite(lp).all() and np.array_equal(lp, lq)
+
+
+def _cuda_dry_status() -> str:
+    import lily._core as core
+
+    if not getattr(core, "has_cuda", False):
+        return "the extension was built without the CUDA backend"
+    try:
+        core.OpBench("cuda", {"dry_arch": 90})
+    except Exception as e:  # NVRTC missing: the message says which
+        return str(e)
+    return ""
+
+
+def test_cuda_backend_leaves_the_mtp_block_on_the_host(tmp_path):
+    """The CUDA backend (dry mode: compile and record, no GPU) loads a checkpoint with an MTP block and
+    copies none of it to device weight memory: place_weights is not given the block (its norm vectors,
+    a few KB, are ordinary backend tensors). Same weight bytes as the checkpoint without the block."""
+    why = _cuda_dry_status()
+    if why:
+        pytest.skip(f"CUDA dry mode unavailable: {why}")
+    import lily.engine  # noqa: F401  (NVRTC search paths)
+
+    a = write_synthetic_checkpoint(tmp_path / "a", CFG16, fmt="hf", mtp_layers=1, seed=4)
+    b = write_synthetic_checkpoint(tmp_path / "b", CFG16, fmt="hf", seed=4)
+    mem = {}
+    for name, p in (("with", a), ("without", b)):
+        with lily.Engine(load_checkpoint(p), backend="cuda", prefill_chunk=16,
+                         backend_options={"dry_arch": 90, "cache_dir": str(tmp_path / "cache")}) as e:
+            e.session(max_context=16).prefill([1, 2, 3])
+            r = e.report()
+            assert r["mtp"]["present"] is (name == "with")
+            mem[name] = r["cuda"]["memory_bytes"]
+    assert mem["with"]["weights"] == mem["without"]["weights"] > 0
+    assert mem["with"]["weights_small"] == mem["without"]["weights_small"]
