@@ -10,7 +10,7 @@ namespace {
 
 class Loader {
  public:
-  Loader(Qwen36& model, WeightSource& src, LoadInfo& info) : m_(model), ops_(model.ops()), src_(src), info_(info) {}
+  Loader(Qwen36& model, WeightSource& src, LoadInfo& info) : ops_(model.ops()), src_(src), info_(info) {}
 
   void add_region(const MappedRegion& r) {
     regions_.push_back({r.base, r.bytes, ops_.register_mapping(r.base, r.bytes, r.label)});
@@ -132,7 +132,6 @@ class Loader {
     size_t bytes;
     int32_t id;
   };
-  Qwen36& m_;
   Ops& ops_;
   WeightSource& src_;
   LoadInfo& info_;
