@@ -39,7 +39,9 @@ __all__ = [
     "unavailable_reason",
 ]
 
-MODES = ("typed", "asan")
+# typed: MSL address spaces kept; asan: erased, under ASan/UBSan; traffic: typed, and every load and store of the
+# kernels reported to libmslsim (device-memory traffic per dispatch, mslsim_dispatch::traffic).
+MODES = ("typed", "asan", "traffic")
 SHIM_VERSION = "2"  # 2: the PCH carries no timestamps
 
 _HERE = Path(__file__).resolve().parent
@@ -153,6 +155,12 @@ def _kernel_flags(mode: str) -> list[str]:
     ]
     if mode == "asan":
         flags += ["-O1", "-DMSLSIM_ERASE_ADDRESS_SPACES=1", *_SANITIZE]
+    elif mode == "traffic":
+        # A call before every load and store, with its address (libmslsim keeps those inside bound buffers).
+        # The callbacks exist for 1, 2, 4, 8 and 16 bytes only, so no vectorizer may form wider accesses; what
+        # the kernels still do otherwise (a struct copied from device memory, an atomic read-modify-write) is
+        # found in the IR and refused (_check_traffic_ir).
+        flags += ["-O2", "-fno-vectorize", "-fno-slp-vectorize", "-fsanitize-coverage=edge,trace-loads,trace-stores"]
     else:
         flags += ["-O2"]
     return flags
@@ -321,6 +329,16 @@ def compile_library(source, mode: str, name: str | None = None, include_dirs=())
             ]
             if mode == "asan" and asan_runtime():
                 cmd.append(f"-Wl,-rpath,{asan_runtime().parent}")
+            if mode == "traffic":
+                # Optimised and instrumented IR first, checked, then machine code from it.
+                ll = Path(tmp) / f"{name}.ll"
+                r = subprocess.run([*cmd[:cmd.index("-shared")], "-S", "-emit-llvm", "-o", str(ll)],
+                                   capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise CompileError(_clean_diagnostics(r.stderr, display))
+                _check_traffic_ir(ll.read_text(), display)
+                cmd = [clang, "-O2", "-fPIC", "-gline-tables-only", "-ffp-contract=off", *_cpu_flags(), "-x", "ir",
+                       str(ll), *cmd[cmd.index("-shared"):]]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise CompileError(_clean_diagnostics(r.stderr, display))
@@ -330,6 +348,39 @@ def compile_library(source, mode: str, name: str | None = None, include_dirs=())
             os.replace(Path(tmp) / f"{name}.json", d / f"{name}.json")
             os.replace(Path(tmp) / so.name, so)
     return so
+
+
+_IR_ACCESS = re.compile(r"^\s*(?:%[\w.]+ = )?(load|store)\b.*?, ptr(?: addrspace\((\d+)\))? (%[\w.]+|@[\w.$]+)")
+_IR_UNCOUNTED = re.compile(r"\b(atomicrmw|cmpxchg)\b|@llvm\.mem(?:cpy|move|set)(?:\.inline)?\.p[12]|"
+                           r"@llvm\.mem(?:cpy|move)(?:\.inline)?\.p\d+\.p[12]|addrspacecast \(?ptr addrspace\([12]\)")
+
+
+def _check_traffic_ir(ll: str, display: str) -> None:
+    """Traffic mode counts what the trace-loads/trace-stores callbacks report, so every memory access the kernels
+    make must have one: each load and store outside threadgroup memory (address space 3) directly preceded by its
+    __sanitizer_cov_<load|store><bytes> call on the same pointer (sizes other than 1, 2, 4, 8 and 16 bytes have no
+    callback), and no atomic read-modify-write, memcpy/memset or address-space cast touching device or constant
+    memory (none has a callback). Raises CompileError naming the first few accesses that would go uncounted."""
+    lines = ll.splitlines()
+    missed: list[str] = []
+    prev = ""
+    for ln in lines:
+        s = ln.strip()
+        if not s or s.startswith("#dbg_") or "@llvm.dbg." in s:
+            continue
+        m = _IR_ACCESS.match(ln)
+        if m and m.group(2) != "3":
+            space = f"ptr addrspace({m.group(2)})" if m.group(2) else "ptr"
+            if not re.search(rf"call void @__sanitizer_cov_{m.group(1)}\d+\({re.escape(space)} {re.escape(m.group(3))}\)",
+                             prev):
+                missed.append(s)
+        elif _IR_UNCOUNTED.search(s) and not s.startswith(("declare ", ";")):
+            missed.append(s)
+        prev = s
+    if missed:
+        shown = "\n  ".join(x[:200] for x in missed[:5])
+        raise CompileError(f"compiling {display} for the traffic emulator: {len(missed)} memory accesses would go "
+                           f"uncounted (no trace-loads/trace-stores callback):\n  {shown}")
 
 
 def _clean_diagnostics(stderr: str, display: str) -> str:

@@ -40,6 +40,8 @@
 //   FAKEMETAL_SYNC=1              command buffers run inside commit (no threads, no in-flight protection)
 //   FAKEMETAL_GPU_DELAY_MS=<n>    a committed command buffer starts when waited on, or after n ms (default 50)
 //   FAKEMETAL_ALLOW_FAST_MATH=1   accept libraries compiled with fast or relaxed math
+//   FAKEMETAL_TRAFFIC=<file>      (traffic-mode builds) append each dispatch's device-memory traffic and each
+//                                 command buffer's totals to <file> as JSON lines (see "device-memory traffic")
 //   LILY_METALSIM_MAX_THREADS_PER_THREADGROUP, LILY_METALSIM_MAX_THREADGROUP_MEMORY,
 //   LILY_METALSIM_MAX_BUFFER_LENGTH, LILY_METALSIM_WORKING_SET_SIZE   the device's limits
 //   LILY_METALSIM_TOOLS=<dir>     the folder holding the metalsim package (default: fixed at build time)
@@ -589,8 +591,96 @@ bool constant_enabled(const Function* fn, int index) {
   return false;
 }
 
+// ---- device-memory traffic (FAKEMETAL_TRAFFIC=<file>) ----------------------------------------------------------
+// In a traffic-mode build every load and store of the kernels reaches libmslsim, which reports per dispatch the
+// distinct bytes of the bound buffers read and written (mslsim_dispatch::traffic). Here each byte is credited to
+// one buffer binding (the one bound at the greatest offset at or below it: two bindings of one buffer do not count
+// a byte twice), setBytes data (the argument table, not device memory) is left out, and each command buffer keeps
+// the union over its dispatches per buffer. Written bytes are checked against what changed: a byte whose value
+// changed but that no counted store wrote fails the command buffer (an access the instrumentation missed).
+// Output, one JSON object per line:
+//   {"type": "dispatch", "cb": N, "label": L, "stage": S, "command": C, "kernel": K, "read": R, "written": W,
+//    "accessed_read": AR, "accessed_written": AW, "bindings": [{"index": I, "buffer": B, "id": ID, "read": r,
+//    "written": w}, ...]}                       R, W: distinct bytes; AR, AW: bytes of all accesses (re-reads too)
+//   {"type": "command_buffer", "cb": N, "label": L, "dispatches": D, "stages": S,
+//    "buffers": [{"buffer": B, "id": ID, "length": len, "read": [[begin, end], ...], "written": [...]}, ...]}
+//                                               the union of the dispatches' bytes, as buffer-relative ranges
+const char* traffic_path() {
+  static const char* p = [] {
+    const char* v = getenv("FAKEMETAL_TRAFFIC");
+    if (v && *v && strcmp(FAKEMETAL_MODE, "traffic") != 0)
+      die("FAKEMETAL_TRAFFIC needs the traffic build of the fake runtime (metalsim.host.build_program(..., "
+          "\"traffic\", ...)); this one is %s", FAKEMETAL_MODE);
+    return v && *v ? v : nullptr;
+  }();
+  return p;
+}
+
+struct TrafficRuns {
+  std::vector<std::pair<uintptr_t, uintptr_t>> runs[2];  // [write]: [begin, end) absolute, in address order
+  uint64_t accessed[2] = {0, 0};
+};
+void on_traffic(void* ctx, const void* a, size_t n, int write) {
+  auto* t = static_cast<TrafficRuns*>(ctx);
+  if (!a)
+    t->accessed[write] += n;
+  else
+    t->runs[write].push_back({uintptr_t(a), uintptr_t(a) + n});
+}
+
+// Buffer-relative byte ranges, kept merged.
+struct IntervalSet {
+  std::map<size_t, size_t> r;  // begin -> end
+  void add(size_t b, size_t e) {
+    auto it = r.upper_bound(b);
+    if (it != r.begin() && std::prev(it)->second >= b) {
+      --it;
+      b = it->first;
+      e = std::max(e, it->second);
+      it = r.erase(it);
+    }
+    while (it != r.end() && it->first <= e) {
+      e = std::max(e, it->second);
+      it = r.erase(it);
+    }
+    r[b] = e;
+  }
+};
+
+struct BufferTraffic {
+  std::string label;
+  size_t length = 0;
+  IntervalSet ranges[2];
+};
+
+struct CbTraffic {
+  std::map<const Buffer*, BufferTraffic> buffers;
+  std::string lines;
+  int dispatches = 0;
+};
+
+std::string json_string(const std::string& v) {
+  std::string o = "\"";
+  for (char ch : v) {
+    if (ch == '"' || ch == '\\') o += '\\';
+    if (uint8_t(ch) < 0x20) continue;
+    o += ch;
+  }
+  return o + "\"";
+}
+std::string buffer_id(const Buffer* b) {
+  char buf[32];
+  snprintf(buf, sizeof buf, "\"%p\"", static_cast<const void*>(b));
+  return buf;
+}
+
+// Credits the dispatch's runs to its buffer bindings, checks its writes, and records it. False: a changed byte
+// was not counted (the command buffer fails).
+bool account_traffic(CommandBuffer* cb, const std::string& where, const Command& c, size_t stage,
+                     const TrafficRuns& t, const std::vector<std::vector<uint8_t>>& before, CbTraffic& out);
+
 bool run_dispatch(CommandBuffer* cb, const std::string& where, const Command& c, bool reverse, uint64_t seed,
-                  uint64_t order_seed) {
+                  uint64_t order_seed, TrafficRuns* traffic = nullptr) {
   if (!c.pipeline) return fail(cb, MTL::CommandBufferErrorInvalidResource, where + ": no compute pipeline state set");
   const Function* fn = c.pipeline->function;
   const mslsim_kernel* k = fn->kernel;
@@ -672,6 +762,10 @@ bool run_dispatch(CommandBuffer* cb, const std::string& where, const Command& c,
   d.threadgroup_order_seed = order_seed;
   d.max_threads_per_threadgroup = uint32_t(limits().max_threads);
   d.max_threadgroup_memory = limits().max_tg_memory;
+  if (traffic) {
+    d.traffic = &on_traffic;
+    d.traffic_ctx = traffic;
+  }
   char err[2048] = {0};
   if (mslsim_run(&d, err, sizeof err) != 0)
     return fail(cb, MTL::CommandBufferErrorInternal, where + ": " + (err[0] ? err : "kernel failed"));
@@ -839,6 +933,112 @@ Access observe(const Command& c, const std::vector<std::vector<uint8_t>>& before
   return a;
 }
 
+bool account_traffic(CommandBuffer* cb, const std::string& where, const Command& c, size_t stage,
+                     const TrafficRuns& t, const std::vector<std::vector<uint8_t>>& before, CbTraffic& out) {
+  struct Bound {
+    int index;
+    const Buffer* b;
+    uintptr_t begin, end;
+  };
+  std::vector<Bound> bound_to;
+  std::vector<uintptr_t> cuts;
+  for (int i = 0; i < kMaxBindings; ++i) {
+    const Binding& x = c.bind[i];
+    if (!x.set || x.bytes || !x.buffer) continue;
+    const uintptr_t base = uintptr_t(x.buffer->gpu_data());
+    bound_to.push_back({i, x.buffer, base + x.offset, base + x.buffer->length});
+    cuts.push_back(base + x.offset);
+    cuts.push_back(base + x.buffer->length);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  uint64_t per[kMaxBindings][2] = {};
+  uint64_t total[2] = {0, 0};
+  for (int k = 0; k < 2; ++k)
+    for (auto [a, e] : t.runs[k])
+      for (uintptr_t x = a; x < e;) {
+        const auto next = std::upper_bound(cuts.begin(), cuts.end(), x);
+        const uintptr_t y = next == cuts.end() ? e : std::min(e, *next);
+        const Bound* best = nullptr;
+        for (const Bound& bd : bound_to)
+          if (bd.begin <= x && x < bd.end && (!best || bd.begin > best->begin)) best = &bd;
+        if (best) {  // else: setBytes data (the argument table)
+          per[best->index][k] += y - x;
+          total[k] += y - x;
+          BufferTraffic& bt = out.buffers[best->b];
+          if (bt.label.empty()) bt.label = string_value(best->b->label), bt.length = best->b->length;
+          const uintptr_t base = uintptr_t(best->b->gpu_data());
+          bt.ranges[k].add(x - base, y - base);
+        }
+        x = y;
+      }
+  // Every byte that changed must lie in a counted write.
+  const auto& w = t.runs[1];
+  const mslsim_kernel* kern = c.pipeline->function->kernel;
+  for (int a = 0; a < kern->n_args; ++a) {
+    const mslsim_arg& arg = kern->args[a];
+    if (arg.kind != MSLSIM_ARG_BUFFER || !arg.writes || arg.index < 0 || arg.index >= kMaxBindings) continue;
+    const Buffer* b = bound(c, arg.index);
+    if (!b || before[arg.index].empty()) continue;
+    const uint8_t* now = reinterpret_cast<const uint8_t*>(b->gpu_data() + c.bind[arg.index].offset);
+    const uintptr_t base = uintptr_t(now);
+    for (size_t i = 0; i < before[arg.index].size(); ++i) {
+      if (now[i] == before[arg.index][i]) continue;
+      const uintptr_t x = base + i;
+      auto it = std::upper_bound(w.begin(), w.end(), std::make_pair(x, ~uintptr_t(0)));
+      if (it == w.begin() || std::prev(it)->second <= x)
+        return fail(cb, MTL::CommandBufferErrorInternal,
+                    where + ": traffic: byte " + std::to_string(c.bind[arg.index].offset + i) + " of buffer " +
+                        describe_buffer(b) + " changed through buffer(" + std::to_string(arg.index) +
+                        ") but no counted store wrote it (an access the instrumentation missed)");
+    }
+  }
+  std::ostringstream o;
+  o << "{\"type\": \"dispatch\", \"cb\": " << cb->seq << ", \"label\": " << json_string(string_value(cb->label))
+    << ", \"stage\": " << stage << ", \"command\": " << c.ordinal << ", \"kernel\": " << json_string(kern->name)
+    << ", \"read\": " << total[0] << ", \"written\": " << total[1] << ", \"accessed_read\": " << t.accessed[0]
+    << ", \"accessed_written\": " << t.accessed[1] << ", \"bindings\": [";
+  bool first = true;
+  for (const Bound& bd : bound_to) {
+    o << (first ? "" : ", ") << "{\"index\": " << bd.index << ", \"buffer\": " << json_string(string_value(bd.b->label))
+      << ", \"id\": " << buffer_id(bd.b) << ", \"read\": " << per[bd.index][0] << ", \"written\": " << per[bd.index][1]
+      << "}";
+    first = false;
+  }
+  o << "]}\n";
+  out.lines += o.str();
+  ++out.dispatches;
+  return true;
+}
+
+void write_traffic(CommandBuffer* cb, const Recording* enc_unused, size_t stages, CbTraffic& t) {
+  (void)enc_unused;
+  std::ostringstream o;
+  o << "{\"type\": \"command_buffer\", \"cb\": " << cb->seq << ", \"label\": " << json_string(string_value(cb->label))
+    << ", \"dispatches\": " << t.dispatches << ", \"stages\": " << stages << ", \"buffers\": [";
+  bool first = true;
+  for (auto& [b, bt] : t.buffers) {
+    o << (first ? "" : ", ") << "{\"buffer\": " << json_string(bt.label) << ", \"id\": " << buffer_id(b)
+      << ", \"length\": " << bt.length;
+    for (int k = 0; k < 2; ++k) {
+      o << (k ? ", \"written\": [" : ", \"read\": [");
+      bool f2 = true;
+      for (auto [x, y] : bt.ranges[k].r) {
+        o << (f2 ? "" : ", ") << "[" << x << ", " << y << "]";
+        f2 = false;
+      }
+      o << "]";
+    }
+    o << "}";
+    first = false;
+  }
+  o << "]}\n";
+  t.lines += o.str();
+  FILE* f = fopen(traffic_path(), "a");
+  if (!f) die("FAKEMETAL_TRAFFIC: cannot open %s: %s", traffic_path(), strerror(errno));
+  fwrite(t.lines.data(), 1, t.lines.size(), f);
+  fclose(f);
+}
+
 std::string describe_range(const Command& c, const Range& r, const char* how) {
   std::ostringstream s;
   s << "command " << c.ordinal;
@@ -890,6 +1090,9 @@ void execute(CommandBuffer* cb) {
   call_handlers(cb, cb->scheduled_handlers);
   cb->start_time = now_seconds();
   bool ok = true;
+  const bool traffic = traffic_path() != nullptr;
+  CbTraffic cb_traffic;
+  size_t stages_run = 0;  // stages holding at least one command (the traffic record)
   for (size_t e = 0; ok && e < cb->encoders.size(); ++e) {
     Recording* enc = cb->encoders[e].get();
     for (size_t s = 0; ok && s < enc->stages.size(); ++s) {
@@ -897,22 +1100,29 @@ void execute(CommandBuffer* cb) {
       const std::vector<size_t> order = stage_order(stage, reverse, order_seed ? mix(order_seed ^ (e << 40) ^ s) : 0);
       const bool check = hazards && stage.size() > 1;
       std::vector<Access> access(check ? stage.size() : 0);
+      bool any = false;
       for (size_t i : order) {
         const Command& c = stage[i];
         if (c.kind == Command::Barrier) continue;
+        any = true;
         const std::string where = describe_command(enc, e, s, c);
         const uint64_t tg_seed = order_seed ? mix(order_seed ^ (e << 40) ^ (s << 20) ^ i) | 1 : 0;
         std::vector<std::vector<uint8_t>> before;
-        if (check) before = snapshot(c);
-        ok = c.kind == Command::Dispatch ? run_dispatch(cb, where, c, reverse, seed, tg_seed)
+        const bool count = traffic && c.kind == Command::Dispatch;
+        if (check || count) before = snapshot(c);
+        TrafficRuns runs;
+        ok = c.kind == Command::Dispatch ? run_dispatch(cb, where, c, reverse, seed, tg_seed, count ? &runs : nullptr)
              : c.kind == Command::Copy   ? run_copy(cb, where, c)
                                          : run_fill(cb, where, c);
+        if (ok && count) ok = account_traffic(cb, where, c, stages_run, runs, before, cb_traffic);
         if (!ok) break;
         if (check) access[i] = observe(c, before);
       }
+      stages_run += any ? 1 : 0;
       if (ok && check) ok = check_hazards(cb, enc, e, s, stage, access);
     }
   }
+  if (ok && traffic) write_traffic(cb, nullptr, stages_run, cb_traffic);
   // Work is done: the command buffer lets go of the resources it referenced.
   for (auto& enc : cb->encoders) {
     for (auto& stage : enc->stages)

@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdarg>
@@ -20,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 // The asan build defines MSLSIM_ASAN=1: libmslsim itself is not instrumented (its frames, left behind on
@@ -144,6 +146,48 @@ struct TgBlock {
   uint64_t stamp;
 };
 
+// Device-memory traffic of one dispatch on one worker (mslsim_dispatch::traffic): which bytes of the bound
+// buffers its lanes read and wrote (a bit per byte and kind, in 4 KiB pages), and the bytes of all accesses.
+struct TrafficPage {
+  uint64_t bits[2][64];  // [write][4096 bits]
+};
+struct Traffic {
+  const mslsim_dispatch* d = nullptr;  // null: not recording
+  std::unordered_map<uintptr_t, TrafficPage*> pages;
+  uintptr_t last_index = ~uintptr_t(0);
+  TrafficPage* last = nullptr;
+  uint64_t accessed[2] = {0, 0};
+
+  void clear() {
+    for (auto& [i, pg] : pages) delete pg;
+    pages.clear();
+    last_index = ~uintptr_t(0);
+    last = nullptr;
+    accessed[0] = accessed[1] = 0;
+  }
+  TrafficPage* page(uintptr_t index) {
+    if (index == last_index) return last;
+    TrafficPage*& pg = pages[index];
+    if (!pg) pg = new TrafficPage();  // zeroed
+    last_index = index;
+    return last = pg;
+  }
+  void record(uintptr_t a, size_t size, int write) {
+    bool inside = false;
+    for (int i = 0; i < MSLSIM_MAX_BINDINGS && !inside; ++i) {
+      const uintptr_t lo = uintptr_t(d->buffers[i]);
+      inside = lo && a >= lo && a < lo + d->buffer_bytes[i];
+    }
+    if (!inside) return;  // thread-private or threadgroup memory, or the argument table itself
+    accessed[write] += size;
+    for (uintptr_t b = a; b < a + size; ++b) {
+      TrafficPage* pg = page(b >> 12);
+      const uintptr_t bit = b & 4095;
+      pg->bits[write][bit >> 6] |= uint64_t(1) << (bit & 63);
+    }
+  }
+};
+
 struct Worker {
   std::thread thread;
   std::vector<Stack> stacks;
@@ -171,9 +215,11 @@ struct Worker {
   size_t tg_param_size[MSLSIM_MAX_BINDINGS] = {};
   std::vector<TgBlock> blocks;
   size_t last_block = 0;
+  Traffic traffic;
 };
 
 thread_local Worker* t_worker = nullptr;
+thread_local Traffic* t_traffic = nullptr;  // this worker's record while a dispatch with traffic runs
 thread_local Lane* t_lane = nullptr;
 std::atomic<uint64_t> g_serial{1};
 
@@ -529,17 +575,62 @@ void worker_main(Worker* w) {
         w->args[a] = threadgroup_block(w->tg_param_mem[arg.index], w->tg_param_size[arg.index],
                                        j->d->threadgroup_bytes[arg.index]);
     }
+    w->traffic.clear();
+    w->traffic.d = j->d->traffic ? j->d : nullptr;
+    t_traffic = w->traffic.d ? &w->traffic : nullptr;
     for (;;) {
       if (j->failed.load(std::memory_order_relaxed)) break;
       uint64_t i = j->next.fetch_add(1);
       if (i >= j->total) break;
       run_threadgroup(w, j, i);
     }
+    t_traffic = nullptr;
     {
       std::lock_guard<std::mutex> lock(p.mu);
       if (--p.busy == 0) p.done_cv.notify_all();
     }
   }
+}
+
+// The workers' records merged: distinct bytes per kind as maximal runs in address order, then the access sums.
+void report_traffic(const mslsim_dispatch* d, const std::vector<Worker*>& workers) {
+  std::unordered_map<uintptr_t, TrafficPage> merged;
+  uint64_t accessed[2] = {0, 0};
+  for (Worker* w : workers) {
+    for (auto& [index, pg] : w->traffic.pages) {
+      TrafficPage& m = merged[index];
+      for (int k = 0; k < 2; ++k)
+        for (int i = 0; i < 64; ++i) m.bits[k][i] |= pg->bits[k][i];
+    }
+    accessed[0] += w->traffic.accessed[0];
+    accessed[1] += w->traffic.accessed[1];
+  }
+  std::vector<uintptr_t> order;
+  order.reserve(merged.size());
+  for (auto& [index, pg] : merged) order.push_back(index);
+  std::sort(order.begin(), order.end());
+  for (int k = 0; k < 2; ++k) {
+    uintptr_t start = 0, end = 0;  // the pending run [start, end)
+    for (uintptr_t index : order) {
+      const TrafficPage& pg = merged[index];
+      for (uintptr_t bit = 0; bit < 4096; ++bit) {
+        if (!pg.bits[k][bit >> 6]) {
+          bit |= 63;  // an empty word: skip it
+          continue;
+        }
+        if (!(pg.bits[k][bit >> 6] >> (bit & 63) & 1)) continue;
+        const uintptr_t a = (index << 12) | bit;
+        if (end != a) {
+          if (end != start) d->traffic(d->traffic_ctx, (const void*)start, end - start, k);
+          start = a;
+        }
+        end = a + 1;
+      }
+    }
+    if (end != start) d->traffic(d->traffic_ctx, (const void*)start, end - start, k);
+  }
+  d->traffic(d->traffic_ctx, nullptr, accessed[0], 0);
+  d->traffic(d->traffic_ctx, nullptr, accessed[1], 1);
 }
 
 void ensure_workers() {
@@ -891,9 +982,30 @@ int mslsim_run(const mslsim_dispatch* d, char* err, size_t err_size) {
   }
   int rc = 0;
   if (j->failed.load()) rc = fail(err, err_size, j->err);
+  else if (d->traffic) report_traffic(d, p.workers);
+  for (Worker* w : p.workers) w->traffic.clear();
   delete j;
   return rc;
 }
+
+// Traffic mode: clang's -fsanitize-coverage=trace-loads,trace-stores calls these before every load and store of
+// 1, 2, 4, 8 or 16 bytes of the kernel code (accesses of other sizes are not reported: metalsim.build's traffic
+// mode checks the library's IR for them and refuses it). Outside a dispatch that records traffic they return.
+#define MSLSIM_TRAFFIC_HOOK(kind, n, write)                                   \
+  void __sanitizer_cov_##kind##n(const void* p) {                           \
+    if (Traffic* t = t_traffic) t->record(uintptr_t(p), n, write);           \
+  }
+MSLSIM_TRAFFIC_HOOK(load, 1, 0)
+MSLSIM_TRAFFIC_HOOK(load, 2, 0)
+MSLSIM_TRAFFIC_HOOK(load, 4, 0)
+MSLSIM_TRAFFIC_HOOK(load, 8, 0)
+MSLSIM_TRAFFIC_HOOK(load, 16, 0)
+MSLSIM_TRAFFIC_HOOK(store, 1, 1)
+MSLSIM_TRAFFIC_HOOK(store, 2, 1)
+MSLSIM_TRAFFIC_HOOK(store, 4, 1)
+MSLSIM_TRAFFIC_HOOK(store, 8, 1)
+MSLSIM_TRAFFIC_HOOK(store, 16, 1)
+#undef MSLSIM_TRAFFIC_HOOK
 
 // libgcc 12 has no float/double -> bfloat conversions; clang emits calls to these for __bf16.
 // Round to nearest, ties to even; NaN stays a quiet NaN.

@@ -101,6 +101,14 @@ typedef struct mslsim_dispatch {
   // threadgroup, 32 KiB of threadgroup memory). Static plus dynamic threadgroup memory must fit the limit.
   uint32_t max_threads_per_threadgroup;
   size_t max_threadgroup_memory;
+  // Added by the emulator (compatible extension; NULL: off). Device-memory traffic of the dispatch: a library
+  // built in traffic mode (metalsim.build, -fsanitize-coverage=trace-loads,trace-stores) reports every load and
+  // store it executes; those that fall inside a bound buffer (buffers[i] .. + buffer_bytes[i]) are recorded, and
+  // after the dispatch mslsim_run calls traffic(ctx, address, bytes, write) once for every maximal run of
+  // distinct bytes read (write 0) or written (write 1), in address order, then once per kind with address NULL
+  // and bytes = the sum of the sizes of all accesses of that kind (each re-read counted again).
+  void (*traffic)(void* ctx, const void* address, size_t bytes, int write);
+  void* traffic_ctx;
 } mslsim_dispatch;
 
 // Runs one dispatch to completion. Returns 0 on success; otherwise nonzero with a one-line message in err
