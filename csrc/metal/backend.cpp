@@ -73,6 +73,7 @@ Tensor MetalOps::alloc_impl(const std::string& label, DType dtype, int64_t rows,
   if (bytes > size_t(dev_.device()->maxBufferLength()))
     throw MetalError("alloc('" + label + "'): " + std::to_string(bytes) + " bytes exceed the device's maxBufferLength");
   Ref<MTL::Buffer> b = dev_.new_buffer(bytes);
+  Device::set_label(b.get(), label);
   std::memset(b->contents(), 0, bytes);
   int32_t id;
   if (!free_ids_.empty()) {
@@ -155,6 +156,8 @@ int32_t MetalOps::register_mapping(const void* base, size_t bytes, const std::st
     } else {
       b = dev_.new_buffer(m.base + off, std::min(len, bytes - off));
     }
+    // "<mapping label>@<byte offset of the window in the mapping>": which weight bytes a dispatch reads.
+    Device::set_label(b.get(), label + "@" + std::to_string(off));
     m.windows.push_back(std::move(b));
   }
   m.copied = !aligned;
@@ -192,6 +195,7 @@ BoundPart MetalOps::part(int32_t mapping, uint64_t offset, size_t bytes, size_t 
   auto it = part_copies_.find(key);
   if (it == part_copies_.end()) {
     it = part_copies_.emplace(key, dev_.new_buffer(m.base + offset, bytes)).first;
+    Device::set_label(it->second.get(), m.label + "@" + std::to_string(offset) + " (copied part)");
     ++counters_.parts_copied;
     counters_.part_copied_bytes += bytes;
   }
@@ -215,6 +219,7 @@ Pass& MetalOps::pass() {
     // waited for yet) so the queue never grows without bound.
     while (flight_.size() >= kMaxInFlight) wait(flight_.front().fence);
     open_ = std::make_unique<Pass>(dev_);
+    open_->set_label(phase() == Phase::Decode ? "lily decode step" : "lily prefill chunk");
   }
   return *open_;
 }
@@ -248,6 +253,10 @@ uint64_t MetalOps::submit_impl() {
   counters_.last_barriers = step_barriers_;
   counters_.dispatches += step_dispatches_;
   counters_.barriers += step_barriers_;
+  const bool decode = phase() == Phase::Decode;
+  (decode ? counters_.decode_dispatches : counters_.prefill_dispatches) = step_dispatches_;
+  (decode ? counters_.decode_stages : counters_.prefill_stages) = step_dispatches_ ? step_barriers_ + 1 : 0;
+  ++(decode ? counters_.decode_steps : counters_.prefill_steps);
   step_dispatches_ = step_barriers_ = 0;
   std::unique_ptr<Pass> p = std::move(open_);
   if (!p) p = std::make_unique<Pass>(dev_);  // an empty step still gets its fence from the GPU's order

@@ -68,6 +68,10 @@ class MetalOps final : public Ops {
   struct Counters {
     int64_t command_buffers = 0, dispatches = 0, barriers = 0;  // since construction
     int64_t last_dispatches = 0, last_barriers = 0;             // of the last submitted step
+    // The last submitted step of each phase (engine.report()): dispatches, and the stages memory barriers
+    // separate (barriers + 1; 0 for an empty step); steps: how many of each phase were submitted.
+    int64_t decode_dispatches = 0, decode_stages = 0, decode_steps = 0;
+    int64_t prefill_dispatches = 0, prefill_stages = 0, prefill_steps = 0;
     int64_t mappings_wrapped = 0, mappings_copied = 0, parts_copied = 0;
     size_t wrapped_bytes = 0, copied_bytes = 0, part_copied_bytes = 0;
     int64_t max_in_flight = 0;

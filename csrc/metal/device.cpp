@@ -123,6 +123,16 @@ MTL::ComputePipelineState* Device::pipeline(const std::string& kernel,
   return pipelines_.emplace(key, std::move(state)).first->second.get();
 }
 
+void Device::set_label(MTL::Buffer* buffer, const std::string& label) {
+  PoolScope pool;
+  buffer->setLabel(ns_string(label));
+}
+
+void Pass::set_label(const std::string& label) {
+  PoolScope pool;
+  command_buffer_->setLabel(ns_string(label));
+}
+
 Pass::Pass(Device& device) : device_(device) {
   PoolScope pool;
   command_buffer_ = device_.queue()->commandBuffer();

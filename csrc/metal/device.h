@@ -78,6 +78,8 @@ class Device {
   // Shared-storage buffers (CPU and GPU see the same memory on Apple silicon).
   Ref<MTL::Buffer> new_buffer(size_t bytes);
   Ref<MTL::Buffer> new_buffer(const void* data, size_t bytes);
+  // Names a buffer (GPU captures, and the traffic record of the verification harness).
+  static void set_label(MTL::Buffer* buffer, const std::string& label);
 
   // The pipeline for one kernel specialised by constants; built once, then cached (the device owns it).
   MTL::ComputePipelineState* pipeline(const std::string& kernel,
@@ -120,6 +122,7 @@ class Pass {
   void dispatch(MTL::ComputePipelineState* pipeline, const std::vector<Arg>& args, MTL::Size threadgroups,
                 MTL::Size threads_per_threadgroup, const std::vector<size_t>& threadgroup_bytes = {});
   void barrier();
+  void set_label(const std::string& label);  // the command buffer's label ("lily decode step", ...)
   void submit();  // throws MetalError when the command buffer reports an error
   // Ends encoding and commits without waiting; `done` runs on Metal's completion thread with "" or the
   // command buffer's error (a completed handler: the fences of MetalOps).
