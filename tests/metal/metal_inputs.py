@@ -32,3 +32,47 @@ def abs_scale_qmv(x: np.ndarray, w: dict) -> np.ndarray:
     rows, cols = w["shape"]
     row = np.stack([core.cpu_dequant_row(w, r) for r in range(rows)]).astype(np.float64)
     return np.abs(row) @ np.abs(x.astype(np.float64))
+
+
+def write_checkpoint_manifest(ck, out) -> None:
+    """A loaded checkpoint (lily.checkpoint.load_checkpoint) as tests/metal/host/backend_main.cpp reads it: the
+    canonical weights as byte offsets into its safetensors files (the program maps the files itself), the small
+    float vectors (out/vectors.f32) and the config (manifest format: ManifestSource in backend_main.cpp)."""
+    from pathlib import Path
+
+    out = Path(out)
+    bases = [np.frombuffer(f._mm, dtype=np.uint8).ctypes.data for f in ck.files]
+    sizes = [len(f._mm) for f in ck.files]
+
+    def where(a: np.ndarray) -> tuple[int, int]:
+        p = a.__array_interface__["data"][0]
+        for i, (b, n) in enumerate(zip(bases, sizes)):
+            if b <= p < b + n:
+                return i, p - b
+        raise AssertionError("a weight lies outside the checkpoint's files")
+
+    core_cfg = ck.config.to_core()
+    lines = [f"config {k} {v}" for k, v in core_cfg.items() if k != "full_attention"]
+    lines.append("full_attention " + " ".join(str(int(b)) for b in core_cfg["full_attention"]))
+    lines += [f"file {f.path}" for f in ck.files]
+    vectors: list[np.ndarray] = []
+    offset = 0
+    for name, t in ck.tensors.items():
+        if isinstance(t, dict):
+            rows, cols = t["shape"]
+            fi, d = where(t["data"])
+            if t["kind"] == "affine":
+                _, sc = where(t["scales"])
+                _, bi = where(t["biases"])
+                lines.append(f"matrix {name} {fi} affine {t['bits']} {t['group']} {t['scale_dtype']} {rows} {cols} "
+                             f"{d} {sc} {bi}")
+            else:
+                lines.append(f"matrix {name} {fi} dense {t['dtype']} {rows} {cols} {d}")
+        else:
+            v = np.ascontiguousarray(t, dtype=np.float32).ravel()
+            lines.append(f"vector {name} {v.size} {offset}")
+            vectors.append(v)
+            offset += v.size
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.txt").write_text("\n".join(lines) + "\n")
+    np.concatenate(vectors).tofile(out / "vectors.f32")

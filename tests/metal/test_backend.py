@@ -176,45 +176,13 @@ def write_manifest(out: Path) -> None:
     itself), the small float vectors, the config and the token ids of the held-out text (manifest format:
     run_checkpoint in tests/metal/host/backend_main.cpp)."""
     import numpy as np
+    from metal_inputs import write_checkpoint_manifest
     from tokenizers import Tokenizer
 
     from lily.checkpoint import load_checkpoint
 
     ck = load_checkpoint(LILY_TINY)
-    bases = [np.frombuffer(f._mm, dtype=np.uint8).ctypes.data for f in ck.files]
-    sizes = [len(f._mm) for f in ck.files]
-
-    def where(a: np.ndarray) -> tuple[int, int]:
-        p = a.__array_interface__["data"][0]
-        for i, (b, n) in enumerate(zip(bases, sizes)):
-            if b <= p < b + n:
-                return i, p - b
-        raise AssertionError("a weight lies outside the checkpoint's files")
-
-    lines = [f"config {k} {v}" for k, v in ck.config.to_core().items() if k != "full_attention"]
-    lines.append("full_attention " + " ".join(str(int(b)) for b in ck.config.to_core()["full_attention"]))
-    lines += [f"file {f.path}" for f in ck.files]
-    vectors: list[np.ndarray] = []
-    offset = 0
-    for name, t in ck.tensors.items():
-        if isinstance(t, dict):
-            rows, cols = t["shape"]
-            fi, d = where(t["data"])
-            if t["kind"] == "affine":
-                _, sc = where(t["scales"])
-                _, bi = where(t["biases"])
-                lines.append(f"matrix {name} {fi} affine {t['bits']} {t['group']} {t['scale_dtype']} {rows} {cols} "
-                             f"{d} {sc} {bi}")
-            else:
-                lines.append(f"matrix {name} {fi} dense {t['dtype']} {rows} {cols} {d}")
-        else:
-            v = np.ascontiguousarray(t, dtype=np.float32).ravel()
-            lines.append(f"vector {name} {v.size} {offset}")
-            vectors.append(v)
-            offset += v.size
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "manifest.txt").write_text("\n".join(lines) + "\n")
-    np.concatenate(vectors).tofile(out / "vectors.f32")
+    write_checkpoint_manifest(ck, out)
     tok = Tokenizer.from_file(str(LILY_TINY / "tokenizer.json"))
     ids = tok.encode((LILY_TINY / "heldout.txt").read_text()).ids
     assert len(ids) >= TEACHER_TOKENS + 16, len(ids)
