@@ -264,6 +264,25 @@ nb::dict backend_report(Ops& ops) {
     d["memory_bytes"] = mem;
   }
 #endif
+#ifdef LILY_WITH_METAL
+  if (auto* m = dynamic_cast<metal::MetalOps*>(&ops)) {
+    // The last submitted step of each phase: compute dispatches, and the stages the memory barriers separate
+    // (dispatches within one stage may run concurrently on the GPU).
+    const metal::MetalOps::Counters& k = m->counters();
+    auto step = [](int64_t dispatches, int64_t stages, int64_t steps) {
+      nb::dict s;
+      s["dispatches"] = dispatches;
+      s["stages"] = stages;
+      s["barriers"] = stages > 0 ? stages - 1 : 0;
+      s["submitted"] = steps;
+      return s;
+    };
+    d["decode_step"] = step(k.decode_dispatches, k.decode_stages, k.decode_steps);
+    d["prefill_chunk"] = step(k.prefill_dispatches, k.prefill_stages, k.prefill_steps);
+    d["command_buffers"] = k.command_buffers;
+    d["max_command_buffers_in_flight"] = k.max_in_flight;
+  }
+#endif
   return d;
 }
 

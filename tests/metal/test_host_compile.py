@@ -100,6 +100,19 @@ def test_metal_bindings_compile_with_werror(host):
     assert ok, diagnostics
 
 
+def test_extension_bindings_compile_with_metal(host):
+    """python/bindings.cpp as the macOS build compiles it (LILY_WITH_METAL: engine.report()'s Metal section reads
+    MetalOps::counters()), against nanobind, Python, metal-cpp and the stubs."""
+    nanobind = pytest.importorskip("nanobind")
+    import sysconfig
+
+    ok, diagnostics = host.compile_check(
+        [REPO / "python" / "bindings.cpp"],
+        ["-DLILY_WITH_METAL=1", "-Wno-unused-parameter", "-isystem", nanobind.include_dir(),
+         "-isystem", sysconfig.get_paths()["include"], "-I", str(REPO / "csrc")])
+    assert ok, diagnostics
+
+
 def test_test_programs_compile_with_werror(host):
     ok, diagnostics = host.compile_check(sorted(HOST_TESTS.glob("*.cpp")))
     assert ok, diagnostics
