@@ -23,7 +23,7 @@ SKIP_REASON = build.unavailable_reason() or ""
 REQUIRE = os.environ.get("LILY_METALSIM_REQUIRE", "") not in ("", "0")
 # Test files that need the harness's toolchain; the lint and the real-GPU tests do not.
 NEEDS_HARNESS = {"test_emulator.py", "test_kernels.py", "test_host_compile.py", "test_fake_runtime.py",
-                 "test_harness.py", "test_fake_async.py", "test_backend.py"}
+                 "test_harness.py", "test_fake_async.py", "test_backend.py", "test_traffic.py"}
 
 
 def unavailable(reason: str):
