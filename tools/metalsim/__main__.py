@@ -19,14 +19,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m metalsim", description="MSL emulator builds")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compile", help="compile an MSL file into a kernel library")
-    c.add_argument("--mode", choices=build.MODES, default="typed")
+    c.add_argument("--mode", choices=build.ALL_MODES, default="typed")
     c.add_argument("-o", "--output", help="copy the library here (default: print the cached path)")
     c.add_argument("-I", dest="include", action="append", default=[], help="extra include folder")
     c.add_argument("--name", help="library name (default: the file's stem)")
     c.add_argument("input")
     for name, text in (("runtime", "print the path of libmslsim"), ("flags", "print host compile flags")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--mode", choices=build.MODES, default="typed")
+        p.add_argument("--mode", choices=build.ALL_MODES, default="typed")
     args = ap.parse_args(argv)
 
     if build.find_clang() is None:

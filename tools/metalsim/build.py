@@ -26,6 +26,7 @@ from pathlib import Path
 from . import msl2cpp
 
 __all__ = [
+    "ALL_MODES",
     "MODES",
     "CompileError",
     "cache_root",
@@ -39,9 +40,12 @@ __all__ = [
     "unavailable_reason",
 ]
 
-# typed: MSL address spaces kept; asan: erased, under ASan/UBSan; traffic: typed, and every load and store of the
-# kernels reported to libmslsim (device-memory traffic per dispatch, mslsim_dispatch::traffic).
-MODES = ("typed", "asan", "traffic")
+# The checking builds (every kernel test runs in both): typed keeps MSL address spaces; asan erases them, under
+# ASan/UBSan.
+MODES = ("typed", "asan")
+# Every build: traffic is typed with every load and store of the kernels reported to libmslsim (device-memory
+# traffic per dispatch, mslsim_dispatch::traffic; benchmarks/bench_metal_traffic.py).
+ALL_MODES = (*MODES, "traffic")
 SHIM_VERSION = "2"  # 2: the PCH carries no timestamps
 
 _HERE = Path(__file__).resolve().parent
@@ -109,8 +113,8 @@ def _clang_id(clang: str) -> str:
 
 
 def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode not in ALL_MODES:
+        raise ValueError(f"mode must be one of {ALL_MODES}, got {mode!r}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -139,8 +139,8 @@ class Emulator:
     }
 
     def __init__(self, mode: str = "typed", workers: int = 2, timeout: float = 300.0, limits: dict | None = None):
-        if mode not in build.MODES:
-            raise ValueError(f"mode must be one of {build.MODES}, got {mode!r}")
+        if mode not in build.ALL_MODES:
+            raise ValueError(f"mode must be one of {build.ALL_MODES}, got {mode!r}")
         unknown = set(limits or {}) - set(self.LIMITS)
         if unknown:
             raise ValueError(f"unknown device limits {sorted(unknown)}; known: {sorted(self.LIMITS)}")

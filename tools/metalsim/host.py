@@ -135,8 +135,8 @@ def _headers_digest(*dirs: Path) -> str:
 
 def _mode_flags(mode: str) -> list[str]:
     build = _build()
-    if mode not in build.MODES:
-        raise ValueError(f"mode must be one of {build.MODES}, got {mode!r}")
+    if mode not in build.ALL_MODES:
+        raise ValueError(f"mode must be one of {build.ALL_MODES}, got {mode!r}")
     # The emulator's flags for code that links libmslsim (sanitizers in asan mode), then the host language:
     # later flags win, so C++17 and Blocks apply whatever standard the emulator uses for kernels.
     return [*build.compile_flags(mode), "-std=c++17", "-fblocks", "-fPIC", "-g"]
