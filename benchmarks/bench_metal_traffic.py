@@ -224,12 +224,52 @@ def analyse(record: list[dict], label: str, w: Weights, position: int, rows_read
             if c == "weights":
                 k["weights"] += b["read"]
     moved = sum(d["read"] + d["written"] for d in dispatches)
-    return {"label": label, "position": position, "dispatches": cb["dispatches"], "stages": cb["stages"],
+    layers = per_layer(dispatches, full)
+    return {"layers": layers, "label": label, "position": position, "dispatches": cb["dispatches"], "stages": cb["stages"],
             "moved": moved, "floor": floor, "ratio": moved / floor,
             "floor_parts": {"weights": weights, "state": state, "kv": kv, "kv_bytes_per_element": es},
             "routed": routed, "by_category": dict(per_category),
             "accessed": sum(d["accessed_read"] + d["accessed_written"] for d in dispatches),
             "kernels": {k: dict(v) for k, v in sorted(per_kernel.items(), key=lambda kv: -(kv[1]["read"] + kv[1]["written"]))}}
+
+
+def per_layer(dispatches: list[dict], full: list[bool]) -> dict:
+    """Dispatches and stages per layer, by kind of layer, in recorded order: a layer runs from the dispatch after the
+    previous layer's moe_combine (the first: after the embedding) to its own moe_combine, and its stages are those
+    it opens. The rest (embedding, final norm, LM head, sampling, position) is "fixed"."""
+    order = sorted(dispatches, key=lambda d: d["command"])
+    ends = [i for i, d in enumerate(order) if d["kernel"] == "moe_combine"]
+    if len(ends) != len(full):
+        return {}
+    kinds: dict[str, set[tuple[int, int]]] = defaultdict(set)
+    first = next((i for i, d in enumerate(order) if d["kernel"] == "embed_rows"), None)
+    if first is None:
+        return {}
+    start, stage0 = first + 1, order[first]["stage"]  # the first layer starts after the embedding
+    for layer, end in enumerate(ends):
+        stage = order[end]["stage"]
+        kinds["attention" if full[layer] else "deltanet"].add((end + 1 - start, stage - stage0))
+        start, stage0 = end + 1, stage
+    out = {k: {"dispatches": v[0], "stages": v[1]} for k, (v,) in ((k, tuple(v)) for k, v in kinds.items() if len(v) == 1)}
+    if len(out) != len(kinds):
+        return {}  # layers of one kind differ: no per-kind figure
+    n_attn = sum(full)
+    out["fixed"] = {"dispatches": len(order) - sum(out[k]["dispatches"] * n for k, n in
+                                                 (("attention", n_attn), ("deltanet", len(full) - n_attn)) if k in out),
+                    "stages": order[-1]["stage"] + 1 - sum(out[k]["stages"] * n for k, n in
+                                                           (("attention", n_attn), ("deltanet", len(full) - n_attn))
+                                                           if k in out)}
+    return out
+
+
+def extrapolate(step: dict, layers: int, attention_layers: int) -> dict | None:
+    """Dispatches and stages of the same step with `layers` layers of which `attention_layers` full attention,
+    from the per-layer counts (an extrapolation: it assumes each kind of layer runs the same kernels at that size)."""
+    per = step.get("layers")
+    if not per or "attention" not in per or "deltanet" not in per:
+        return None
+    n = {"attention": attention_layers, "deltanet": layers - attention_layers, "fixed": 1}
+    return {k: sum(per[kind][k] * n[kind] for kind in n) for k in ("dispatches", "stages")}
 
 
 def report(step: dict, out=sys.stdout) -> None:
@@ -243,6 +283,9 @@ def report(step: dict, out=sys.stdout) -> None:
     cats = ", ".join(f"{k} {v / mb:.2f} MB" for k, v in sorted(step["by_category"].items()))
     print(f"  moved by kind of buffer: {cats}; bytes of all accesses (cache-level) {step['accessed'] / mb:.1f} MB",
           file=out)
+    if step.get("layers"):
+        per = ", ".join(f"{k} {v['dispatches']} dispatches / {v['stages']} stages" for k, v in step["layers"].items())
+        print(f"  per layer: {per}", file=out)
     print(f"  {'kernel':<28}{'disp':>6}{'read MB':>10}{'write MB':>10}{'weights MB':>12}{'÷ floor':>9}"
           f"{'access/distinct':>17}", file=out)
     for name, k in step["kernels"].items():
@@ -276,6 +319,16 @@ def main() -> None:
             print("  " + ln)
     report(prefill)
     report(decode)
+    from lily.synthetic import FULL_CONFIG
+
+    L, every = FULL_CONFIG["num_hidden_layers"], FULL_CONFIG["full_attention_interval"]
+    for step in (prefill, decode):
+        x = extrapolate(step, L, L // every)
+        if x:
+            step["full_size_extrapolation"] = x
+            print(f"\nEXTRAPOLATED (not run) to the full model's {L} layers ({L // every} full attention): "
+                  f"{step['label']}: {x['dispatches']} dispatches, {x['stages']} stages "
+                  f"(= fixed + {L - L // every} x deltanet + {L // every} x attention, per-layer counts above)")
     if args.json:
         Path(args.json).write_text(json.dumps({"size": args.size, "prompt": args.prompt, "prefill": prefill,
                                                "decode": decode}, indent=1))
