@@ -111,3 +111,16 @@ def test_metal_counters_match_what_ran(tiny):
     m = re.search(r"traffic decode step: .* (\d+) dispatches, (\d+) stages \(metal\)", out)
     assert m and (int(m[1]), int(m[2])) == (tiny["decode"]["dispatches"], tiny["decode"]["stages"]), out
     assert tiny["decode"]["stages"] < tiny["decode"]["dispatches"], tiny["decode"]
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_per_layer_counts_rebuild_the_step(tiny, phase):
+    # The full-size extrapolation in benchmarks/NOTES.md multiplies these per-layer counts: applied to the tiny
+    # model's own layers they must give back exactly what ran.
+    import bench_metal_traffic as bench
+
+    cfg = tiny["w"].config.to_core()
+    s = tiny[phase]
+    assert set(s["layers"]) == {"deltanet", "attention", "fixed"}, s["layers"]
+    assert bench.extrapolate(s, cfg["layers"], sum(cfg["full_attention"])) == \
+        {"dispatches": s["dispatches"], "stages": s["stages"]}, s["layers"]
