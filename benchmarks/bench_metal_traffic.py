@@ -113,6 +113,8 @@ class Weights:
         self.vector_bytes = 0
         self.vector_names: set[str] = set()
         for name, t in ck.tensors.items():
+            if name.startswith("mtp."):
+                continue  # the MTP block (MODEL.md 7): no prefill chunk or decode step reads it
             if isinstance(t, dict):
                 arrays = [t["data"]] + ([t["scales"], t["biases"]] if t["kind"] == "affine" else [])
                 self.parts[name] = [where(a) for a in arrays]
