@@ -40,6 +40,16 @@ struct Tensor {
   int64_t stride = 0;  // elements between rows
 
   bool valid() const { return buf >= 0; }
+  // A whole buffer of [rows, cols] row-major elements (what every backend's alloc_impl returns).
+  static Tensor whole(int32_t buf, DType dtype, int64_t rows, int64_t cols) {
+    Tensor t;
+    t.buf = buf;
+    t.dtype = dtype;
+    t.rows = rows;
+    t.cols = cols;
+    t.stride = cols;
+    return t;
+  }
   Tensor rows_view(int64_t r0, int64_t n) const {
     Tensor t = *this;
     t.offset += r0 * stride;

@@ -136,13 +136,7 @@ Tensor CpuOps::alloc_impl(const std::string& label, DType dtype, int64_t rows, i
   }
   buffer(id) = {p, rounded, label, mapped};
   allocated_ += rounded;
-  Tensor t;
-  t.buf = id;
-  t.dtype = dtype;
-  t.rows = rows;
-  t.cols = cols;
-  t.stride = cols;
-  return t;
+  return Tensor::whole(id, dtype, rows, cols);
 }
 
 void CpuOps::release(Tensor& t) {

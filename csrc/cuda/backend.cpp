@@ -250,13 +250,7 @@ Tensor CudaOps::alloc_impl(const std::string& label, DType dtype, int64_t rows, 
     buffers_.push_back(b);
   }
   allocated_ += bytes;
-  Tensor t;
-  t.buf = id;
-  t.dtype = dtype;
-  t.rows = rows;
-  t.cols = cols;
-  t.stride = cols;
-  return t;
+  return Tensor::whole(id, dtype, rows, cols);
 }
 
 void CudaOps::release(Tensor& t) {

@@ -85,13 +85,7 @@ Tensor MetalOps::alloc_impl(const std::string& label, DType dtype, int64_t rows,
   }
   bufs_[size_t(id)] = {std::move(b), bytes, label};
   allocated_ += bytes;
-  Tensor t;
-  t.buf = id;
-  t.dtype = dtype;
-  t.rows = rows;
-  t.cols = cols;
-  t.stride = cols;
-  return t;
+  return Tensor::whole(id, dtype, rows, cols);
 }
 
 void MetalOps::release(Tensor& t) {
