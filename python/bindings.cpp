@@ -255,6 +255,7 @@ nb::dict backend_report(Ops& ops) {
     gr["direct_steps"] = g.direct_steps;
     gr["launches_per_decode_step"] = g.last_decode_launches;
     gr["graph_nodes_per_decode_step"] = g.last_decode_nodes;
+    gr["host_us_per_decode_step"] = g.last_decode_host_us;
     d["graphs"] = gr;
     nb::dict v;
     for (const auto& [k, s] : c->variants()) v[k.c_str()] = s;

@@ -230,6 +230,17 @@ class OpBench {
       if (op == "embed") o.embed(T("ids"), W("table"), T("out"));
       else if (op == "rms_norm") o.rms_norm(T("x"), T("w"), T("out"), float(F("eps", 1e-6)));
       else if (op == "matmul") o.matmul(T("x"), W("w"), T("out"));
+      else if (op == "matmuls") {  // w0/out0 .. w3/out3, the first n present
+        MatmulGroup g;
+        static const char* const names[4][2] = {{"w0", "out0"}, {"w1", "out1"}, {"w2", "out2"}, {"w3", "out3"}};
+        for (const auto& nm : names)
+          if (kw.contains(nm[0])) g.add(W(nm[0]), T(nm[1]));
+        o.matmuls(T("x"), g);
+      } else if (op == "moe") {
+        const MoeWeights mw{W("gate"), W("up"), W("down"), W("shared_gate_proj"), W("shared_up"), W("shared_down")};
+        const MoeScratch ms{T("ids"), T("weights"), T("routed"), T("shared_g"), T("shared_u"), T("shared_act"), T("shared")};
+        o.moe(T("x"), T("router_logits"), T("shared_gate_logit"), I("k"), mw, ms, T("ws"), T("h"));
+      }
       else if (op == "add") o.add(T("a"), T("b"), T("out"));
       else if (op == "add_rms_norm") o.add_rms_norm(T("a"), T("b"), T("w"), float(F("eps", 1e-6)), T("sum"), T("normed"));
       else if (op == "attn_qk_prep")

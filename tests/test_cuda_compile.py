@@ -138,6 +138,19 @@ def test_full_model_shapes_compile_dry(arch, cache):
             ids, wts = b.empty(T, K, "i32"), b.empty(T, K)
             b.run("moe_route", phase, logits=b.empty(T, E), k=K, ws=ws, ids=ids, weights=wts)
             b.run("moe_experts", phase, x=x, ids=ids, weights=wts, gate=g, up=u, down=d, ws=ws, out=b.empty(T, H))
+            sgp, su, sd = (b.weight(_zeros_weight(I, H, fmt)), b.weight(_zeros_weight(I, H, fmt)),
+                           b.weight(_zeros_weight(H, I, fmt)))
+            b.run("moe", phase, x=x, router_logits=b.empty(T, E), shared_gate_logit=b.empty(T, 1), k=K, gate=g, up=u,
+                  down=d, shared_gate_proj=sgp, shared_up=su, shared_down=sd, ids=ids, weights=wts,
+                  routed=b.empty(T, H), shared_g=b.empty(T, I), shared_u=b.empty(T, I), shared_act=b.empty(T, I),
+                  shared=b.empty(T, H), ws=ws, h=x)
+        for fmt in ("q4", "q8"):  # the grouped input projections and the router with the shared gate
+            parts = ((c["lin_k_heads"] * c["lin_k_dim"] * 2 + c["lin_v_heads"] * c["lin_v_dim"], 4096, 32, 32)
+                     if fmt == "q4" else (E, 1))
+            kw = {}
+            for i, n in enumerate(parts):
+                kw[f"w{i}"], kw[f"out{i}"] = b.weight(_zeros_weight(n, H, fmt)), b.empty(T, n)
+            b.run("matmuls", phase, x=x, **kw)
         shape = dict(heads=c["heads"], kv_heads=c["kv_heads"], head_dim=c["head_dim"], rotary_dim=c["rotary_dim"],
                      rope_theta=c["rope_theta"], eps=1e-6)
         hd, qh, kvh = c["head_dim"], c["heads"], c["kv_heads"]

@@ -33,7 +33,10 @@ def test_report_lists_backend_memory_kernels_and_optimizations(eng):
     assert "q4" in r["kernels"]["experts.gate_proj"]["decode"]
     step = r["ops_per_step"]["decode_step"]
     assert 0 < step["stages"] <= step["ops"]
-    assert step["op_counts"]["moe_experts"] == eng.config.num_hidden_layers
+    layers = eng.config.num_hidden_layers
+    assert step["op_counts"]["moe"] == layers
+    # Per layer: the mixer's input projections as one op, and the router with the shared gate as another.
+    assert step["op_counts"]["matmuls"] == 2 * layers
     assert any(o.startswith("active:") for o in r["optimizations"])
     assert any(o.startswith("inactive:") for o in r["optimizations"])
     assert "backend: cpu" in str(r)

@@ -41,6 +41,26 @@ uint64_t Ops::submit() {
   return submit_impl();
 }
 
+void Ops::matmuls_impl(const Tensor& x, const MatmulGroup& g) {
+  for (int i = 0; i < g.n; ++i) matmul_impl(x, g.w[size_t(i)], g.out[size_t(i)]);
+}
+
+// The MoE as its parts, in four dependent groups: routing and the shared expert's gate/up (all read x or the
+// logits only); the routed experts and the shared activation; the shared down projection; the combine.
+void Ops::moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
+                   const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h) {
+  moe_route_impl(router_logits, k, ws, sc.ids, sc.weights);
+  matmul_impl(x, w.shared_gate_proj, sc.shared_g);
+  matmul_impl(x, w.shared_up, sc.shared_u);
+  barrier_in_op();
+  swiglu_impl(sc.shared_g, sc.shared_u, sc.shared_act);
+  moe_experts_impl(x, sc.ids, sc.weights, w.gate, w.up, w.down, ws, sc.routed);
+  barrier_in_op();
+  matmul_impl(sc.shared_act, w.shared_down, sc.shared);
+  barrier_in_op();
+  moe_combine_impl(sc.routed, sc.shared, shared_gate_logit, h);
+}
+
 void Ops::set_profiling(bool on) {
   profiling_ = on;
   profile_.fill(0.0);

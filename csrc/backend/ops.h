@@ -77,6 +77,36 @@ struct DeltaShape {
 //   seen   [1, vocab]  1 where the token occurs in the context (repetition penalty)
 //   rng    [1, kRngWords]  the Mersenne Twister (mt19937_64) state and its index
 //   ring   [R, 1]      ids generated in this call, id i at row i % R; ring_count [1, 1] = ids so far
+// Up to four products of one input, recorded as one op (Ops::matmuls): out[i] = x · w[i]ᵀ.
+struct MatmulGroup {
+  static constexpr int kMax = 4;
+  int n = 0;
+  std::array<Weight, kMax> w;
+  std::array<Tensor, kMax> out;
+  MatmulGroup& add(const Weight& weight, const Tensor& o) {
+    if (n == kMax) throw std::logic_error("MatmulGroup: more than 4 products");
+    w[size_t(n)] = weight;
+    out[size_t(n)] = o;
+    ++n;
+    return *this;
+  }
+  int32_t out_buf(int i) const { return out[size_t(i < n ? i : 0)].buf; }  // repeats the first past n
+};
+
+// One layer's sparse-MoE weights after the router product (Ops::moe): the routed experts, stacked
+// [experts, out, in], and the shared expert's three projections.
+struct MoeWeights {
+  Weight gate, up, down;
+  Weight shared_gate_proj, shared_up, shared_down;
+};
+
+// The intermediates of Ops::moe as the composed form (every backend's default) materialises them:
+// ids I32 / weights F32 [T, k] (the routing), routed [T, H], shared_g / shared_u / shared_act [T, I_shared],
+// shared [T, H]. A fused backend may leave any of them unwritten except ids and weights.
+struct MoeScratch {
+  Tensor ids, weights, routed, shared_g, shared_u, shared_act, shared;
+};
+
 struct SamplerState {
   static constexpr int64_t kRngWords = 2 * 312 + 2;
   Tensor counts, seen, rng, ring, ring_count;
@@ -144,6 +174,13 @@ class Ops {
   // out[T, N] = x[T, K] · Wᵀ; kernel family picked from the phase (GEMV for decode, GEMM for prefill).
   void matmul(const Tensor& x, const Weight& w, const Tensor& out) {
     record(OpKind::Matmul, {x.buf}, {out.buf}, [=] { matmul_impl(x, w, out); });
+  }
+  // Products of one input with up to four weights, as one op (out[i] = x · w[i]ᵀ; the outputs do not
+  // alias x or each other). A GPU backend runs them as one launch; the default runs matmul for each.
+  void matmuls(const Tensor& x, const MatmulGroup& g) {
+    if (g.n < 1) throw std::logic_error("matmuls: an empty group");
+    record(OpKind::Matmuls, {x.buf}, {g.out_buf(0), g.out_buf(1), g.out_buf(2), g.out_buf(3)},
+           [=] { matmuls_impl(x, g); });
   }
   // out = a + b (out may alias a)
   void add(const Tensor& a, const Tensor& b, const Tensor& out) {
@@ -225,6 +262,18 @@ class Ops {
     record(OpKind::MoeCombine, {routed.buf, shared.buf, shared_gate_logit.buf, h.buf}, {h.buf},
            [=] { moe_combine_impl(routed, shared, shared_gate_logit, h); });
   }
+  // The whole sparse MoE block after the router product, added into the residual (MODEL.md section 6):
+  //   ids, weights = top-k of softmax(router_logits), renormalised (moe_route)
+  //   h += Σ_s weights[s] · expert_ids[s](x) + sigmoid(shared_gate_logit) · shared_expert(x)
+  // where an expert is down(silu(gate(x)) ⊙ up(x)). The default composes moe_route, moe_experts, the shared
+  // expert's matmuls, swiglu and moe_combine through `sc`; a GPU backend fuses them into a few launches.
+  void moe(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
+           const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h) {
+    record(OpKind::Moe, {x.buf, router_logits.buf, shared_gate_logit.buf, h.buf},
+           {h.buf, ws.buf, sc.ids.buf, sc.weights.buf, sc.routed.buf, sc.shared_g.buf, sc.shared_u.buf,
+            sc.shared_act.buf, sc.shared.buf},
+           [=] { moe_impl(x, router_logits, shared_gate_logit, k, w, sc, ws, h); });
+  }
   // dst = src (same shape and dtype; state handles and the logits hand-over).
   void copy(const Tensor& src, const Tensor& dst) {
     record(OpKind::Copy, {src.buf}, {dst.buf}, [=] { copy_impl(src, dst); });
@@ -271,6 +320,9 @@ class Ops {
     std::function<void()> own() const { return clone(fn); }
   };
   virtual void execute(OpKind kind, const OpRun& run) { run(); }
+  // Orders the work of one op that runs dependent kernels (a Metal memory barrier); the CPU runs in order
+  // and the CUDA backend keeps one op's launches in order on one stream.
+  virtual void barrier_in_op() {}
   // Called when the hazard tracker starts a new stage (a recording backend inserts its barrier).
   virtual void on_stage_boundary() {}
   // Deferred backends return a fence for the work recorded since begin(); immediate ones the next number.
@@ -306,6 +358,10 @@ class Ops {
                                 const Weight& up, const Weight& down, const Tensor& ws,
                                 const Tensor& out) = 0;
   virtual void swiglu_impl(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
+  // Defaults (ops.cpp): matmul for each product; the MoE composed from its parts.
+  virtual void matmuls_impl(const Tensor& x, const MatmulGroup& g);
+  virtual void moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
+                        const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h);
   virtual void moe_combine_impl(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
                                 const Tensor& h) = 0;
   virtual void copy_impl(const Tensor& src, const Tensor& dst) = 0;

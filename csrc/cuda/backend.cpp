@@ -491,6 +491,7 @@ void CudaOps::record_launch(Launch& l) {
   }
   l.stage = stage_;
   l.op = op_;
+  if (launches_.empty()) encode_t0_ = std::chrono::steady_clock::now();
   launches_.push_back(l);
 }
 
@@ -586,6 +587,8 @@ uint64_t CudaOps::submit_impl() {
         ++graph_stats_.replayed;
       }
       check(drv().cuGraphLaunch(graphs_.front()->exec, stream_), "cuGraphLaunch");
+      graph_stats_.last_decode_host_us =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - encode_t0_).count();
       graph_stats_.last_decode_launches = int64_t(launches_.size());
       graph_stats_.last_decode_nodes = int64_t(graphs_.front()->nodes);
     } else {

@@ -17,6 +17,7 @@
 // Threads: a CudaOps is used by one thread at a time (the engine lock); nothing here is shared between
 // engines except the loaded driver tables (driver.h) and the on-disk kernel cache (written atomically).
 #pragma once
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -133,6 +134,9 @@ class CudaOps final : public Ops {
   struct GraphStats {
     int64_t captured = 0, replayed = 0, direct_steps = 0;
     int64_t last_decode_launches = 0, last_decode_nodes = 0;
+    // Host time of the last decode step from its first recorded launch to the graph launch returning (the
+    // encode, the key compare, the replay call): the step is host bound if this exceeds its GPU time.
+    double last_decode_host_us = 0;
   };
   const GraphStats& graph_stats() const { return graph_stats_; }
   const std::map<std::string, std::string>& variants() const { return variants_; }
@@ -176,6 +180,9 @@ class CudaOps final : public Ops {
   void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
                         const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) override;
   void swiglu_impl(const Tensor& gate, const Tensor& up, const Tensor& out) override;
+  void matmuls_impl(const Tensor& x, const MatmulGroup& g) override;
+  void moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
+                const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h) override;
   void moe_combine_impl(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
                         const Tensor& h) override;
   void copy_impl(const Tensor& src, const Tensor& dst) override;
@@ -203,6 +210,10 @@ class CudaOps final : public Ops {
     std::memcpy(args_.data() + at, &v, sizeof(T));
   }
   void record_launch(Launch& l);
+  void launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, int n, const Defines& defines);
+  struct MoeArgs experts_args(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
+                              const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out,
+                              const std::string& what, bool& aligned);
   void issue(const Launch& l, CUstream s);
   void issue_staged();
   void ensure_usable() const;  // throws after a device fault
@@ -247,6 +258,7 @@ class CudaOps final : public Ops {
   int64_t stage_ = 0;
   int64_t op_ = 0;
   int64_t steps_launches_ = 0;  // launches of the last submitted step
+  std::chrono::steady_clock::time_point encode_t0_;  // the current step's first launch
 
   // Fences: event per submitted step, recycled once waited for.
   std::vector<std::pair<uint64_t, CUevent>> pending_;

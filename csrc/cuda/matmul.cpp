@@ -108,9 +108,21 @@ int64_t gemv_rows_per_pass(const Weight& w) {
 }
 // matmul_gemv_u1 (one row per thread) when every row fits in one pass of the grid; from N alone (never T),
 // so a row's bits do not depend on T.
-bool gemv_one_row(const CudaOps& ops, const Weight& w) {
-  return ceil_div(w.rows, gemv_rows_per_pass(w)) <= int64_t(kGemvBlocksPerSm) * std::max(1, ops.info().sms);
+bool gemv_one_row(const CudaOps& ops, const Weight& w, int64_t rows) {
+  return ceil_div(rows, gemv_rows_per_pass(w)) <= int64_t(kGemvBlocksPerSm) * std::max(1, ops.info().sms);
 }
+bool gemv_one_row(const CudaOps& ops, const Weight& w) { return gemv_one_row(ops, w, w.rows); }
+
+// Must match struct GemvParts in kernels/matmul.cu.
+constexpr int kGemvParts = 4;
+struct GemvParts {
+  uint64_t W[kGemvParts], S[kGemvParts], B[kGemvParts], y[kGemvParts];
+  int64_t ldy[kGemvParts];
+  int32_t N[kGemvParts];
+  int32_t bstart[kGemvParts + 1];
+  int32_t np;
+};
+static_assert(sizeof(GemvParts) == 4 * 8 * 4 + 8 * 4 + 4 * 4 + 4 * 5 + 4, "must match kernels/matmul.cu");
 
 struct MatmulVariant {
   bool gemm = false, mma = false;
@@ -210,16 +222,7 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
              data(w), S, B, ptr(out), ldy, Ni);
       return;
     }
-    // Geometry as matmul.cu derives it (TPR, RPP, RB): must match.
-    const int64_t rpp = gemv_rows_per_pass(w);
-    const bool u1 = gemv_one_row(*this, w);
-    const Kernel& k = kernel("matmul", u1 ? "matmul_gemv_u1" : "matmul_gemv", v.defines);
-    const int64_t rb = rpp * (u1 ? 1 : kGemvRows);
-    const int64_t batches = ceil_div(N, rb);
-    const int64_t slots = std::max<int64_t>(1, int64_t(kGemvBlocksPerSm) * std::max(1, info().sms) / T);
-    const int64_t nb = std::min(batches, slots);
-    launch(k, Dim3{unsigned(nb * T), 1, 1}, Dim3{unsigned(kThreads), 1, 1}, 0, ptr(x), Ti, ldx, data(w), S, B,
-           ptr(out), ldy, Ni);
+    launch_gemv(x, &w, &out, 1, v.defines);
     return;
   }
   const Kernel& k = kernel("matmul", "matmul_gemm", v.defines);
@@ -228,6 +231,67 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
   if (gy > 65535) throw std::invalid_argument("cuda matmul: weight " + describe(w) + " has too many rows for the GEMM grid");
   launch(k, Dim3{unsigned(ceil_div(T, kGemmBM)), unsigned(gy), 1}, Dim3{unsigned(kThreads), 1, 1}, kGemmSmem,
          ptr(x), Ti, ldx, data(w), S, B, ptr(out), ldy, Ni);
+}
+
+// The CUDA-core GEMV over n parts (one weight format, the same x): each part's rows start on a block batch.
+void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, int n, const Defines& defines) {
+  const int64_t T = x.rows;
+  int64_t rows = 0;
+  for (int i = 0; i < n; ++i) rows += w[i].rows;
+  // Geometry as matmul.cu derives it (TPR, RPP, RB): must match. U from all the parts' rows, never from T.
+  const int64_t rpp = gemv_rows_per_pass(w[0]);
+  const bool u1 = gemv_one_row(*this, w[0], rows);
+  const Kernel& k = kernel("matmul", u1 ? "matmul_gemv_u1" : "matmul_gemv", defines);
+  const int64_t rb = rpp * (u1 ? 1 : kGemvRows);
+  GemvParts P{};
+  P.np = n;
+  int64_t batches = 0;
+  for (int i = 0; i < n; ++i) {
+    P.W[i] = data(w[i]);
+    P.S[i] = w[i].quantized() ? scales(w[i]) : 0;
+    P.B[i] = w[i].quantized() ? biases(w[i]) : 0;
+    P.y[i] = ptr(out[i]);
+    P.ldy[i] = out[i].stride;
+    P.N[i] = int32_t(w[i].rows);
+    P.bstart[i] = int32_t(batches);
+    batches += ceil_div(w[i].rows, rb);
+  }
+  if (batches > INT_MAX) throw std::invalid_argument("cuda matmul: too many rows in one GEMV launch");
+  for (int i = n; i <= kGemvParts; ++i) P.bstart[i] = int32_t(batches);
+  const int64_t slots = std::max<int64_t>(1, int64_t(kGemvBlocksPerSm) * std::max(1, info().sms) / T);
+  const int64_t nb = std::min(batches, slots);
+  launch(k, Dim3{unsigned(nb * T), 1, 1}, Dim3{unsigned(kThreads), 1, 1}, 0, ptr(x), int(T), int64_t(x.stride), P);
+}
+
+// Decode: the products whose weights share one CUDA-core GEMV module run as one launch (the real model's
+// groups all do: 4-bit input projections, the 8-bit router with the 8-bit shared gate); any other group is
+// one matmul per product, and the report says why. Prefill: one GEMM per product.
+void CudaOps::matmuls_impl(const Tensor& x, const MatmulGroup& g) {
+  if (phase() == Phase::Prefill || g.n == 1) return Ops::matmuls_impl(x, g);
+  std::string why;
+  const MatmulVariant v0 = select_matmul(*this, g.w[0], phase());
+  for (int i = 0; i < g.n && why.empty(); ++i) {
+    const Weight& w = g.w[size_t(i)];
+    const Tensor& out = g.out[size_t(i)];
+    if (w.experts > 1) why = "a stacked weight";
+    const MatmulVariant v = select_matmul(*this, w, phase());
+    if (v.mma) why = "a tensor-core GEMV part (" + describe(w) + ")";
+    else if (v.defines != v0.defines) why = "weights of different formats or alignment";
+    if (x.dtype != DType::F32 || out.dtype != DType::F32 || x.cols != w.cols || out.cols != w.rows ||
+        out.rows != x.rows || x.stride < w.cols || out.stride < w.rows)
+      why = "shapes checked per product";  // matmul_impl names the mismatch
+  }
+  if (x.rows > kMaxDecodeRows) why = "more rows than the decode GEMV takes";
+  std::string names;
+  for (int i = 0; i < g.n; ++i) names += (i ? " + " : "") + describe(g.w[size_t(i)]);
+  if (!why.empty()) {
+    note_variant("matmuls.decode." + names, std::to_string(g.n) + " launches, one per product: " + why);
+    return Ops::matmuls_impl(x, g);
+  }
+  if (x.rows <= 0) return;
+  note_variant("matmuls.decode." + names, "one launch: " + v0.name + " over " + std::to_string(g.n) +
+                                              " weights, each part's rows starting on a block batch");
+  launch_gemv(x, g.w.data(), g.out.data(), g.n, v0.defines);
 }
 
 }  // namespace lily::cuda

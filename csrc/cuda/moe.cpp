@@ -15,8 +15,6 @@
 
 namespace lily::cuda {
 
-namespace {
-
 // Must match struct MoeArgs in kernels/moe.cu (MOE_PART 2).
 struct MoeArgs {
   uint64_t x;
@@ -31,8 +29,18 @@ struct MoeArgs {
   uint64_t data_stride[3], scale_stride[3], bias_stride[3];
   uint64_t act, y, tiles, pair_token, pair_pos;
   int32_t T, k, max_tiles, pad;
+  uint64_t sdata[3], sscales[3], sbiases[3];  // fused decode: the shared expert
+  uint64_t logits;
+  int64_t logits_stride;
+  uint64_t sgate;
+  int64_t sgate_stride;
 };
-static_assert(sizeof(MoeArgs) == 8 * 8 + 18 * 8 + 5 * 8 + 16, "must match struct MoeArgs in kernels/moe.cu");
+static_assert(sizeof(MoeArgs) == 8 * 8 + 18 * 8 + 5 * 8 + 16 + 9 * 8 + 4 * 8,
+              "must match struct MoeArgs in kernels/moe.cu");
+
+namespace {
+
+
 
 constexpr int64_t kMaxExperts = 512;  // moe_route keeps 16 logits per lane; moe_group's tables are [32][E]
 constexpr int64_t kMaxTopk = 16;
@@ -57,7 +65,7 @@ Layout layout(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
   const size_t P = size_t(T * k);
   Layout l;
   l.act = 0;
-  l.y = l.act + align256(P * size_t(I) * 4);
+  l.y = l.act + align256((P + size_t(T)) * size_t(I) * 4);  // the fused decode adds the shared expert's row
   l.tiles = l.y + align256(P * size_t(H) * 4);
   l.pair_token = l.tiles + align256(size_t(1 + 3 * max_tiles(T, k, E, 16)) * 4);  // bm = 16: the most tiles
   l.pair_pos = l.pair_token + align256(P * 4);
@@ -170,10 +178,12 @@ bool aligned16(uint64_t v) { return v % 16 == 0; }
 
 }  // namespace
 
-void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
-                               const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) {
+// Checks moe_experts' arguments and fills the kernels' MoeArgs (the routed part); `aligned` says whether
+// every address and stride allows 16-byte loads.
+MoeArgs CudaOps::experts_args(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
+                              const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out,
+                              const std::string& what, bool& aligned) {
   const int64_t T = x.rows, H = x.cols, k = ids.cols, E = gate.experts, I = gate.rows;
-  const std::string what = "moe_experts (cuda, " + shape_text(gate) + ")";
   if (x.dtype != DType::F32 || out.dtype != DType::F32 || weights.dtype != DType::F32 || ids.dtype != DType::I32)
     throw std::invalid_argument(what + ": x, weights and out must be f32, ids i32");
   if (E < 1 || E > kMaxExperts || up.experts != E || down.experts != E)
@@ -198,7 +208,6 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   if (ws.bytes() < L.total)
     throw std::invalid_argument(what + ": workspace too small for moe_experts (" + std::to_string(ws.bytes()) +
                                 " < " + std::to_string(L.total) + " bytes)");
-  if (T == 0) return;
 
   MoeArgs a{};
   a.x = ptr(x);
@@ -213,7 +222,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   // The workspace carve-up is 256-byte aligned from the workspace start; the kernels' float2/float4
   // workspace accesses need that start 16-byte aligned (a backend allocation always is).
   if (!aligned16(ptr(ws))) throw std::invalid_argument(what + ": workspace not 16-byte aligned");
-  bool aligned = aligned16(a.x) && x.stride % 4 == 0;
+  aligned = aligned16(a.x) && x.stride % 4 == 0;
   const size_t sbytes = dtype_size(gate.scale_dtype);
   for (int m = 0; m < 3; ++m) {
     const Weight& w = *mats[m];
@@ -237,7 +246,16 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   a.pair_pos = base + L.pair_pos;
   a.T = int32_t(T);
   a.k = int32_t(k);
+  return a;
+}
 
+void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
+                               const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) {
+  const int64_t T = x.rows, H = x.cols, k = ids.cols, E = gate.experts, I = gate.rows;
+  const std::string what = "moe_experts (cuda, " + shape_text(gate) + ")";
+  bool aligned = false;
+  MoeArgs a = experts_args(x, ids, weights, gate, up, down, ws, out, what, aligned);
+  if (T == 0) return;
   const Phase ph = phase();
   const ExpertsVariant v = select_experts(gate, T, k, ph, aligned);
   if (ph == Phase::Decode) {
@@ -267,6 +285,76 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   launch(k2, Dim3{unsigned(a.max_tiles), unsigned((H + kMmaBlockNDown - 1) / kMmaBlockNDown), 1},
          Dim3{kMmaThreads, 1, 1}, 0, a);
   launch(k3, Dim3{unsigned(T), 1, 1}, Dim3{256, 1, 1}, 0, a);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// moe: the whole block after the router product
+
+// Decode, when the shared expert has the routed experts' format and shape (the real model's does): two
+// launches. moe_gate_up_decode (FUSED) routes each token in every block from the router logits (one warp)
+// and runs the k routed experts' and the shared expert's gate/up rows as k + 1 slots; moe_down_decode
+// (FUSED) sums the routed rows in (id, slot) order with their weights, adds σ(shared gate) · shared and
+// adds the result into h. Otherwise, and in prefill, the composed form (Ops::moe_impl), reported.
+void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
+                       const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h) {
+  const int64_t T = x.rows, H = x.cols, E = w.gate.experts, I = w.gate.rows;
+  std::string why;
+  if (phase() != Phase::Decode) why = "prefill";
+  else if (w.shared_gate_proj.experts > 1 || w.shared_up.experts > 1 || w.shared_down.experts > 1)
+    why = "stacked shared-expert weights";
+  else if (!same_format(w.gate, w.shared_gate_proj) || !same_format(w.gate, w.shared_up) ||
+           !same_format(w.gate, w.shared_down))
+    why = "the shared expert's format (" + w.shared_gate_proj.describe() + ") differs from the experts' (" +
+          w.gate.describe() + ")";
+  else if (w.shared_gate_proj.rows != I || w.shared_up.rows != I || w.shared_gate_proj.cols != H ||
+           w.shared_up.cols != H || w.shared_down.rows != H || w.shared_down.cols != I)
+    why = "the shared expert's width (" + std::to_string(w.shared_gate_proj.rows) + ") differs from the experts' (" +
+          std::to_string(I) + ")";
+  else if (router_logits.dtype != DType::F32 || router_logits.cols != E || router_logits.rows != T ||
+           shared_gate_logit.dtype != DType::F32 || shared_gate_logit.rows != T || shared_gate_logit.cols < 1 ||
+           h.dtype != DType::F32 || h.rows != T || h.cols != H)
+    why = "logits or h of other shapes than the block's";
+  else if (E > kMaxExperts || k < 1 || k > std::min<int64_t>(E, kMaxTopk))
+    why = "an expert count or top-k the fused router does not take";
+  if (!why.empty()) {
+    note_variant(std::string("moe.block.") + (phase() == Phase::Decode ? "decode" : "prefill"),
+                 "composed: moe_route + moe_experts + shared-expert matmuls + swiglu + moe_combine (" + why + ")");
+    return Ops::moe_impl(x, router_logits, shared_gate_logit, k, w, sc, ws, h);
+  }
+  const std::string what = "moe (cuda, " + shape_text(w.gate) + ")";
+  bool aligned = false;
+  MoeArgs a = experts_args(x, sc.ids, sc.weights, w.gate, w.up, w.down, ws, h, what, aligned);
+  if (T == 0) return;
+  const Weight* sm[3] = {&w.shared_gate_proj, &w.shared_up, &w.shared_down};
+  const size_t sbytes = dtype_size(w.gate.scale_dtype);
+  for (int m = 0; m < 3; ++m) {
+    const Weight& sw = *sm[m];
+    a.sdata[m] = data(sw);
+    aligned = aligned && aligned16(a.sdata[m]) && aligned16(sw.row_bytes());
+    if (sw.quantized()) {
+      a.sscales[m] = scales(sw);
+      a.sbiases[m] = biases(sw);
+      aligned = aligned && a.sscales[m] % sbytes == 0 && a.sbiases[m] % sbytes == 0;
+    }
+  }
+  a.logits = ptr(router_logits);
+  a.logits_stride = router_logits.stride;
+  a.sgate = ptr(shared_gate_logit);
+  a.sgate_stride = shared_gate_logit.stride;
+  ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned);
+  v.defines.push_back({"FUSED", 1});
+  note_variant("moe.block.decode", "fused, 2 launches: routing in every block + the shared expert as slot k of " +
+                                       v.text + ", the down pass adding σ(gate)·shared and the residual");
+  const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
+  const Kernel& k2 = kernel("moe", "moe_down_decode", v.defines);
+  const int smem1 = int((H / 4 + 7) / 8 * 8 * 16), smem2 = int((k + 1) * ((I / 4 + 7) / 8 * 8) * 16);
+  if (smem1 > 48 * 1024) set_dynamic_smem(k1, smem1);
+  if (smem2 > 48 * 1024) set_dynamic_smem(k2, smem2);
+  if (T * (k + 1) > 65535) throw std::invalid_argument(what + ": decode supports T·(k + 1) ≤ 65535");
+  launch(k1, Dim3{unsigned((I + 8 * v.rows_g - 1) / (8 * v.rows_g)), unsigned(T * (k + 1)), 1}, Dim3{256, 1, 1},
+         uint32_t(smem1), a);
+  launch(k2, Dim3{unsigned((H + kDecodeRowsDown - 1) / kDecodeRowsDown), unsigned(T), 1}, Dim3{256, 1, 1},
+         uint32_t(smem2), a);
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ class MetalOps final : public Ops {
   Pass& pass();
   void dispatch(const std::string& kernel, const std::vector<FunctionConstant>& constants, const std::vector<Arg>& args,
                 MTL::Size groups, MTL::Size threads, const std::vector<size_t>& threadgroup_bytes = {});
-  void barrier_in_op();  // between two dependent kernels of one op
+  void barrier_in_op() override;  // between two dependent kernels of one op
   bool grouped_experts(int64_t T, int64_t E) const;  // prefill rows: experts grouped on the GPU
   void moe_experts_grouped(const Tensor& x, const Tensor& ids, const Tensor& weights, const WeightBinding& g,
                            const WeightBinding& u, const WeightBinding& d, int64_t E, const Tensor& ws,

@@ -16,10 +16,7 @@ namespace lily {
 void Qwen36::delta_layer(const LayerWeights& L, const StepState& in, const StepState& out, size_t li, Scratch& sc,
                          int64_t T) {
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
-  ops_.matmul(r(sc.u), L.qkv, r(sc.qkv));
-  ops_.matmul(r(sc.u), L.z, r(sc.z));
-  ops_.matmul(r(sc.u), L.b, r(sc.b));
-  ops_.matmul(r(sc.u), L.a, r(sc.a));
+  ops_.matmuls(r(sc.u), MatmulGroup().add(L.qkv, r(sc.qkv)).add(L.z, r(sc.z)).add(L.b, r(sc.b)).add(L.a, r(sc.a)));
   ops_.conv1d_silu(r(sc.qkv), L.conv, in.conv[li], out.conv[li], r(sc.mixed));
   ops_.gated_delta(r(sc.mixed), r(sc.b), r(sc.a), L.A_log, L.dt_bias, in.recurrent[li], out.recurrent[li],
                    delta_shape(), sc.ws, r(sc.delta_o));
@@ -33,30 +30,21 @@ void Qwen36::attention_layer(const LayerWeights& L, SessionState& st, const Tens
                              int64_t T) {
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
   const AttentionShape s = attn_shape();
-  ops_.matmul(r(sc.u), L.q, r(sc.qg));
-  ops_.matmul(r(sc.u), L.k, r(sc.k));
-  ops_.matmul(r(sc.u), L.v, r(sc.v));
+  ops_.matmuls(r(sc.u), MatmulGroup().add(L.q, r(sc.qg)).add(L.k, r(sc.k)).add(L.v, r(sc.v)));
   ops_.attn_qk_prep(r(sc.qg), r(sc.k), L.q_norm, L.k_norm, pos, s, r(sc.q), r(sc.gate), r(sc.kr));
   ops_.kv_append(r(sc.kr), r(sc.v), pos, st.k_cache[li], st.v_cache[li], st.max_ctx, s);
   ops_.attention(r(sc.q), r(sc.gate), st.k_cache[li], st.v_cache[li], pos, st.max_ctx, s, sc.ws, r(sc.attn_o));
   ops_.matmul(r(sc.attn_o), L.o, r(sc.mixer_out));
 }
 
-// Sparse MoE (MODEL.md section 6), added into the residual stream. The shared expert's products and
-// the router read the same normed rows, so they are issued together and share a stage; the shared
-// expert's down projection runs beside the routed experts.
+// Sparse MoE (MODEL.md section 6), added into the residual stream: the router and the shared expert's
+// sigmoid gate read the same normed rows (one op), then the rest of the block as one op.
 void Qwen36::moe_block(const LayerWeights& L, Scratch& sc, int64_t T) {
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
-  ops_.matmul(r(sc.u), L.router, r(sc.router_logits));
-  ops_.matmul(r(sc.u), L.shared_gate_proj, r(sc.sh_g));
-  ops_.matmul(r(sc.u), L.shared_up, r(sc.sh_u));
-  ops_.matmul(r(sc.u), L.shared_gate, r(sc.sh_gate));
-  ops_.moe_route(r(sc.router_logits), cfg_.topk, sc.ws, r(sc.topk_ids), r(sc.topk_w));
-  ops_.swiglu(r(sc.sh_g), r(sc.sh_u), r(sc.sh_act));
-  ops_.moe_experts(r(sc.u), r(sc.topk_ids), r(sc.topk_w), L.experts_gate, L.experts_up, L.experts_down, sc.ws,
-                   r(sc.routed));
-  ops_.matmul(r(sc.sh_act), L.shared_down, r(sc.shared));
-  ops_.moe_combine(r(sc.routed), r(sc.shared), r(sc.sh_gate), r(sc.h));
+  ops_.matmuls(r(sc.u), MatmulGroup().add(L.router, r(sc.router_logits)).add(L.shared_gate, r(sc.sh_gate)));
+  const MoeWeights w{L.experts_gate, L.experts_up, L.experts_down, L.shared_gate_proj, L.shared_up, L.shared_down};
+  const MoeScratch ms{r(sc.topk_ids), r(sc.topk_w), r(sc.routed), r(sc.sh_g), r(sc.sh_u), r(sc.sh_act), r(sc.shared)};
+  ops_.moe(r(sc.u), r(sc.router_logits), r(sc.sh_gate), cfg_.topk, w, ms, sc.ws, r(sc.h));
 }
 
 void Qwen36::encode_layers(SessionState& st, const StepState& in, const StepState& out, Scratch& sc,

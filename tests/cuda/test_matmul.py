@@ -217,3 +217,63 @@ def test_variants_pinned_for_real_shapes(benches):
         pre = [v for key, v in variants.items() if key.startswith("matmul.prefill.") and f"[{n}, {k}]" in key]
         assert dec and dec[0].startswith(f"gemv_{kind}_cuda_g64_bf16s:"), f"decode [{n}, {k}]: {text}"
         assert pre and pre[0].startswith(f"gemm_{kind}_mma_codes_g64_bf16s_x2:"), f"prefill [{n}, {k}]: {text}"
+
+
+# ------------------------------------------------------------------------------------------------
+# matmuls: products of one x with up to four weights, one launch in decode when they share a format
+# ------------------------------------------------------------------------------------------------
+
+GROUPS = [
+    # (what, [(spec, n)], k): the real model's groups, then awkward ones (parts of 1, 3, 33 rows: every part
+    # must start on a block batch and end inside one), and a mixed-format group (one launch per product).
+    ("deltanet in_proj qkv|z|b|a", [("q4g64-bf16", 8192), ("q4g64-bf16", 4096), ("q4g64-bf16", 32), ("q4g64-bf16", 32)], 2048),
+    ("attention q|k|v", [("q4g64-bf16", 8192), ("q4g64-bf16", 512), ("q4g64-bf16", 512)], 2048),
+    ("router|shared gate", [("q8g64-bf16", 256), ("q8g64-bf16", 1)], 2048),
+    ("awkward", [("q4g64-f16", 3), ("q4g64-f16", 1), ("q4g64-f16", 33), ("q4g64-f16", 100)], 64 * 3),
+    ("dense", [("bf16", 7), ("bf16", 130)], 100),
+    ("mixed formats", [("q4g64-bf16", 40), ("q8g64-bf16", 9)], 192),
+]
+
+
+def _run_group(b, descs, x, phase):
+    kw = {}
+    outs = []
+    for i, d in enumerate(descs):
+        out = b.empty(x.shape[0] + 2, d["shape"][0], dtype="f32")
+        outs.append(out)
+        kw[f"w{i}"] = b.weight(d)
+        kw[f"out{i}"] = b.view(out, 1, x.shape[0])
+    b.run("matmuls", phase=phase, x=b.tensor(x, dtype="f32"), **kw)
+    return [b.read(o) for o in outs]
+
+
+@pytest.mark.parametrize("what,parts,k", GROUPS, ids=[g[0] for g in GROUPS])
+def test_matmuls_group(benches, what, parts, k):
+    """Each part equals the CPU's product (its own output, guard rows on both sides untouched); decode runs
+    a same-format group as one launch and says so, a mixed one as one launch per product."""
+    rng = np.random.default_rng(zlib.crc32(what.encode()))
+    descs = [make_weight(rng, spec, n, k)[0] for spec, n in parts]
+    x = make_x(rng, 33, k)
+    for phase, ts in (("decode", (1, 3)), ("prefill", (1, 33))):
+        for t in ts:
+            ref = _run_group(benches[0], descs, x[:t], phase)
+            got = _run_group(benches[1], descs, x[:t], phase)
+            for i, (r, g) in enumerate(zip(ref, got)):
+                assert np.isnan(g[0]).all() and np.isnan(g[-1]).all(), f"{what} part {i}: wrote outside its view"
+                rel = _rel(g[1:-1], r[1:-1])
+                assert np.isfinite(g[1:-1]).all() and rel <= TOL[phase], f"{what} part {i} {phase} T={t}: {rel:.3g}"
+    notes = {k: v for k, v in _variants(benches[1].report()).items() if k.startswith("matmuls.decode.")}
+    assert notes, "matmuls left no variant note"
+    mixed = what == "mixed formats"
+    assert any(("one launch" in v) != mixed and ("launches, one per product" in v) == mixed for v in notes.values()), notes
+
+
+def test_matmuls_decode_rows_match_plain_matmul_across_T(benches):
+    """A grouped decode row does not depend on T (rows 0..2 of T = 3 equal T = 1 bit for bit)."""
+    rng = np.random.default_rng(5)
+    descs = [make_weight(rng, "q4g64-bf16", n, 2048)[0] for n in (8192, 4096, 32, 32)]
+    x = make_x(rng, 3, 2048)
+    one = _run_group(benches[1], descs, x[:1], "decode")
+    three = _run_group(benches[1], descs, x, "decode")
+    for a, b in zip(one, three):
+        np.testing.assert_array_equal(a[1].view(np.uint32), b[1].view(np.uint32))

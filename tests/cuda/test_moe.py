@@ -281,3 +281,76 @@ def test_moe_combine(benches, T, C):
     np.testing.assert_array_equal(gpu[0], h0[0])
     np.testing.assert_array_equal(gpu[-1], h0[-1])
     assert rel_err(gpu, cpu) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------
+# moe: the whole block after the router product (fused in decode: routing in-kernel, the shared expert as
+# one more slot, the combine and the residual in the down pass)
+# ------------------------------------------------------------------------------------------------
+
+
+def run_block(benches, handles, shared_handles, phase, x, logits, sg, h0, E, k, H, I, Ish):
+    T = x.shape[0]
+    res = []
+    for b, (g, u, d), (sgp, su, sd) in zip(benches, handles, shared_handles):
+        h = b.tensor(h0)
+        ids, wts = b.empty(T, k, "i32"), b.empty(T, k)
+        b.run("moe", phase=phase, x=b.tensor(x), router_logits=b.tensor(logits), shared_gate_logit=b.tensor(sg), k=k,
+              gate=g, up=u, down=d, shared_gate_proj=sgp, shared_up=su, shared_down=sd,
+              ids=ids, weights=wts, routed=b.empty(T, H), shared_g=b.empty(T, Ish), shared_u=b.empty(T, Ish),
+              shared_act=b.empty(T, Ish), shared=b.empty(T, H), ws=b.workspace(config(E, k, H, I), T, 16),
+              h=b.view(h, 1, T))
+        res.append((b.read(h), b.read(ids), b.read(wts)))
+    return res
+
+
+BLOCK_CASES = [
+    # (spec, E, k, H, I, shared inter): the real shapes (fused in decode), awkward fused ones, and a shared
+    # expert wider than the routed ones (composed in decode too, reported).
+    ("q4g64-bf16", 256, 8, 2048, 512, 512),
+    ("q4g64-bf16", 5, 3, 192, 320, 320),
+    ("q8g64-f16", 7, 3, 448, 192, 192),
+    ("bf16", 12, 4, 192, 96, 96),
+    ("q4g64-bf16", 12, 3, 256, 128, 192),
+]
+
+
+@pytest.mark.parametrize("spec,E,k,H,I,Ish", BLOCK_CASES)
+def test_moe_block(benches, spec, E, k, H, I, Ish):
+    handles = weights_for(benches, spec, E, k, H, I)
+    rng = np.random.default_rng(zlib.crc32(f"block {spec} {E} {Ish}".encode()))
+    sdescs = (stacked(rng, spec, 1, Ish, H), stacked(rng, spec, 1, Ish, H), stacked(rng, spec, 1, H, Ish))
+    for dsc in sdescs:
+        dsc.pop("experts")
+    shared = [tuple(b.weight(dsc) for dsc in sdescs) for b in benches]
+    for phase, ts in (("decode", (1, 2)), ("prefill", (1, 33))):
+        for T in ts:
+            x = signed(rng, T, H)
+            step = 12.0 / (E - 1)  # distinct logits, well separated (see test_route_random)
+            grid = np.linspace(-6.0, 6.0, E) + rng.uniform(-0.2, 0.2, size=(T, E)) * step
+            logits = np.stack([rng.permutation(row) for row in grid]).astype(np.float32)
+            sg = rng.normal(0.0, 2.0, size=(T, 1)).astype(np.float32)
+            h0 = signed(rng, T + 2, H)
+            (ch, ci, cw), (gh, gi, gw) = run_block(benches, handles, shared, phase, x, logits, sg, h0, E, k, H, I, Ish)
+            np.testing.assert_array_equal(gh[0], h0[0])
+            np.testing.assert_array_equal(gh[-1], h0[-1])
+            np.testing.assert_array_equal(gi, ci, err_msg="routing differs from the CPU")
+            assert rel_err(gw, cw) < 2e-6
+            tol = 1e-5 if phase == "decode" else PREFILL_TOL
+            # The block's own contribution (h - h0), not h: the residual would hide an error in it.
+            err = rel_err(gh[1:-1] - h0[1:-1], ch[1:-1] - h0[1:-1])
+            assert err < tol, f"moe {phase} {spec} E={E} T={T}: relative error {err:.3g}"
+    rep = {k: v for k, v in str_variants(benches[1].report()).items() if k.startswith("moe.block.decode")}
+    fused = Ish == I
+    assert rep and ("fused, 2 launches" in rep["moe.block.decode"]) == fused, rep
+
+
+def str_variants(report) -> dict:
+    if isinstance(report, dict):
+        if "moe.block.decode" in report or "moe.block.prefill" in report:
+            return report
+        for v in report.values():
+            found = str_variants(v)
+            if found:
+                return found
+    return {}

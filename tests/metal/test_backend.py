@@ -88,7 +88,7 @@ def test_every_op_matches_cpu_backend(program, order):
     ops = set(re.findall(r"^op (\w+) ", r.stdout, re.M))
     assert ops == {"matmul", "embed", "rms_norm", "add", "add_rms_norm", "gated_rms_norm", "swiglu", "moe_combine",
                    "attn_qk_prep", "kv_append", "attention", "conv1d_silu", "gated_delta", "moe_route", "moe_experts",
-                   "copy", "fill", "advance_position", "sample"}, ops
+                   "copy", "fill", "advance_position", "sample", "matmuls", "moe"}, ops
     # The no-copy path, the copied mapping and the misaligned part were each taken.
     assert "mappings wrapped 1 copied 1; parts copied 1" in r.stdout, r.stdout
     assert "leaked" not in r.stderr, r.stderr

@@ -18,7 +18,8 @@
 //   XS     GEMM only: x as 2 bf16 terms (hi + lo, error ~1e-5) or 1 (bf16 x, error ~1.5e-3)
 // One module per (K, format, alignment) serves both phases: ~6 modules for the real model.
 //
-// matmul_gemv (decode, T <= 16): block of NT = 256 threads; a row's 16-byte chunks are spread over TPR
+// matmul_gemv (decode, T <= 16; Ops::matmul and Ops::matmuls: up to GEMV_PARTS weights of one format read
+// the same x in one launch, each part's rows starting on a block batch): block of NT = 256 threads; a row's 16-byte chunks are spread over TPR
 // threads (TPR = next power of two of the chunk count C, at most 256; J = ceil(C / TPR) chunks per thread),
 // RPP = 256 / TPR rows per pass, U = 4 rows per thread per batch (RB = RPP·U rows per block batch, all their
 // 16-byte loads issued before any use; matmul_gemv_u1: U = 1, for weights whose rows all fit in one pass
@@ -116,15 +117,47 @@ constexpr int WPR = TPR > 32 ? TPR / 32 : 1;       // warps per row
 constexpr int XLD = EPC + 4;
 constexpr bool XSH = i64(C) * XLD * 4 <= 36 * 1024;
 
+// The weights of one launch: GEMV_PARTS products of the same x with weights of this module's format
+// (Ops::matmuls; a plain matmul is one part). Part p owns the block batches [bstart[p], bstart[p + 1]): its
+// rows start on a batch boundary, so every batch reads one weight and writes one output. matmul.cpp's
+// GemvParts must match.
+#define GEMV_PARTS 4
+struct GemvParts {
+  const unsigned char* W[GEMV_PARTS];
+  const void* S[GEMV_PARTS];
+  const void* B[GEMV_PARTS];
+  float* y[GEMV_PARTS];
+  i64 ldy[GEMV_PARTS];
+  int N[GEMV_PARTS];
+  int bstart[GEMV_PARTS + 1];
+  int np;
+};
+// The part batch bt belongs to, found with constant indices only (a dynamically indexed kernel parameter
+// would be copied to local memory).
+__device__ __forceinline__ int gemv_part_of(const GemvParts& P, i64 bt) {
+  int p = 0;
+#pragma unroll
+  for (int q = 1; q < GEMV_PARTS; ++q)
+    if (q < P.np && bt >= P.bstart[q]) p = q;
+  return p;
+}
+template <class V, int L>
+__device__ __forceinline__ V gemv_pick(V const (&a)[L], int p) {
+  V v = a[0];
+#pragma unroll
+  for (int q = 1; q < L; ++q)
+    if (q == p) v = a[q];
+  return v;
+}
+
 template <int U>
-__device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
-                                          const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y,
-                                          i64 ldy, int N) {
+__device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i64 ldx, const GemvParts& P) {
   constexpr int RB = RPP * U;  // rows per block batch
   __shared__ float red[U][RPP][WPR];
   __shared__ __align__(16) float xsh[XSH ? C * XLD : 4];
   const int tid = threadIdx.x, tr = tid % TPR, rg = tid / TPR, lane = tid & 31;
   const int t = blockIdx.x % T, b0 = blockIdx.x / T, bstep = gridDim.x / T;
+  const i64 nbatches = gemv_pick(P.bstart, P.np);
   const float* xr = x + i64(t) * ldx;
 
   // Batch loads: codes (and, affine, the converted scales/biases) of the U rows of batch bt. The next
@@ -133,9 +166,15 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
   u32 v[U][J][4];
   float sc[U][J][NSG], bi[U][J][NSG];
   auto load_batch = [&](i64 bt, u32 (&vv)[U][J][4], float (&ss)[U][J][NSG], float (&bb)[U][J][NSG]) {
+    const int p = gemv_part_of(P, bt);
+    const unsigned char* __restrict__ W = gemv_pick(P.W, p);
+    const void* __restrict__ S = gemv_pick(P.S, p);
+    const void* __restrict__ B = gemv_pick(P.B, p);
+    const int N = gemv_pick(P.N, p);
+    const i64 lb = bt - gemv_pick(P.bstart, p);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const i64 n = bt * RB + u * RPP + rg;
+      const i64 n = lb * RB + u * RPP + rg;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
         const int c = tr + j * TPR;
@@ -160,7 +199,7 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
     }
   };
   // The first batch's W loads go out before x is staged: the two latencies overlap.
-  if (i64(b0) * RB < N) load_batch(b0, v, sc, bi);
+  if (b0 < nbatches) load_batch(b0, v, sc, bi);
 
   // This thread's inputs, once: xs (prescaled for affine codes), sx = Σx per subgroup (e ascending).
   if (XSH) {
@@ -194,11 +233,16 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
 
   constexpr int WL = imin(TPR, 32);  // lanes of one row inside a warp
   constexpr bool BFLY = U == 4 && WL >= 8;
-  for (i64 bt = b0; bt * RB < N; bt += bstep) {
+  for (i64 bt = b0; bt < nbatches; bt += bstep) {
     u32 vn[U][J][4];
     float scn[U][J][NSG], bin[U][J][NSG];
-    const bool more = (bt + bstep) * RB < N;
+    const bool more = bt + bstep < nbatches;
     if (more) load_batch(bt + bstep, vn, scn, bin);
+    const int p = gemv_part_of(P, bt);
+    float* __restrict__ y = gemv_pick(P.y, p);
+    const i64 ldy = gemv_pick(P.ldy, p);
+    const int N = gemv_pick(P.N, p);
+    const i64 lb = bt - gemv_pick(P.bstart, p);  // the batch within its part
 
     float acc[U];
 #pragma unroll
@@ -242,12 +286,12 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
     }
     if (TPR <= 32) {
       if (BFLY) {
-        const i64 n = bt * RB + uq * RPP + rg;
+        const i64 n = lb * RB + uq * RPP + rg;
         if ((tr & (WL / 4 - 1)) == 0 && n < N) y[i64(t) * ldy + n] = red1;
       } else if (tr == 0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          const i64 n = bt * RB + u * RPP + rg;
+          const i64 n = lb * RB + u * RPP + rg;
           if (n < N) y[i64(t) * ldy + n] = acc[u];
         }
       }
@@ -261,7 +305,7 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
       __syncthreads();
       if (tid < RB) {
         const int u = tid / RPP, r = tid % RPP;
-        const i64 n = bt * RB + u * RPP + r;
+        const i64 n = lb * RB + u * RPP + r;
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < WPR; ++w) s += red[u][r][w];
@@ -284,19 +328,17 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
 }
 
 extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
-    matmul_gemv(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
-                const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+    matmul_gemv(const float* __restrict__ x, int T, i64 ldx, const GemvParts P) {
   LILY_PDL_PROLOGUE();
-  gemv_body<GEMV_U>(x, T, ldx, W, S, B, y, ldy, N);
+  gemv_body<GEMV_U>(x, T, ldx, P);
 }
 // One row per thread per batch (U = 1): weights whose rows all fit in one pass of the grid
 // (ceil(N / RPP) <= MINB·SMs; matmul.cpp decides from N alone, never from T). The U = 4 form would leave
 // most SMs idle and make each thread walk 4 rows in series.
 extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
-    matmul_gemv_u1(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
-                   const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+    matmul_gemv_u1(const float* __restrict__ x, int T, i64 ldx, const GemvParts P) {
   LILY_PDL_PROLOGUE();
-  gemv_body<1>(x, T, ldx, W, S, B, y, ldy, N);
+  gemv_body<1>(x, T, ldx, P);
 }
 
 // ------------------------------------------------------------------------------------------------------

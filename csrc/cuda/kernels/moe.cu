@@ -73,16 +73,12 @@
 #endif
 
 // ================================================================================================
-#if MOE_PART == 1
+#if MOE_PART == 1 || MOE_PART == 2
 
-extern "C" __global__ void __launch_bounds__(128)
-    moe_route(const float* __restrict__ logits, i64 ls, int T, int* __restrict__ ids, i64 is,
-              float* __restrict__ w, i64 wstride) {
-  LILY_PDL_PROLOGUE();
+// One warp routes one token: softmax over the NEXP logits at l, top-TOPK; lane s < TOPK gets slot s's id
+// and its renormalised weight (the rule above). Used by moe_route and by the fused decode MoE.
+__device__ __forceinline__ void route_warp(const float* __restrict__ l, int lane, int& my_id, float& my_w) {
   constexpr int NJ = (NEXP + 31) / 32;
-  const int lane = threadIdx.x & 31, t = blockIdx.x * 4 + (threadIdx.x >> 5);
-  if (t >= T) return;  // whole warps leave; nothing below synchronises the block
-  const float* l = logits + i64(t) * ls;
   float v[NJ];
   float mx = -3.402823466e38f;
 #pragma unroll
@@ -104,7 +100,7 @@ extern "C" __global__ void __launch_bounds__(128)
   for (int j = 0; j < NJ; ++j) v[j] = lane + 32 * j < NEXP ? v[j] / sum : -1.f;  // -1: not selectable
 
   // k rounds: the lane's best (higher p, then lower id), then the warp's best.
-  int my_id = 0;
+  my_id = 0;
   float my_p = 0.f, top = 0.f;
 #pragma unroll 1
   for (int s = 0; s < TOPK; ++s) {
@@ -134,9 +130,24 @@ extern "C" __global__ void __launch_bounds__(128)
       my_p = bp;
     }
   }
+  my_w = my_p / top;
+}
+#endif
+
+#if MOE_PART == 1
+
+extern "C" __global__ void __launch_bounds__(128)
+    moe_route(const float* __restrict__ logits, i64 ls, int T, int* __restrict__ ids, i64 is,
+              float* __restrict__ w, i64 wstride) {
+  LILY_PDL_PROLOGUE();
+  const int lane = threadIdx.x & 31, t = blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (t >= T) return;  // whole warps leave; nothing below synchronises the block
+  int id;
+  float wt;
+  route_warp(logits + i64(t) * ls, lane, id, wt);
   if (lane < TOPK) {
-    ids[i64(t) * is + lane] = my_id;
-    w[i64(t) * wstride + lane] = my_p / top;
+    ids[i64(t) * is + lane] = id;
+    w[i64(t) * wstride + lane] = wt;
   }
 }
 
@@ -159,7 +170,18 @@ struct MoeArgs {
   u64 data_stride[3], scale_stride[3], bias_stride[3];  // bytes per expert
   u64 act, y, tiles, pair_token, pair_pos;  // workspace
   int T, k, max_tiles, pad;
+  // FUSED decode only: the shared expert's gate_proj, up, down (one matrix each), the router logits [T, NEXP]
+  // the routing is computed from, and the shared expert's gate logit [T, 1]; out is then h, added into.
+  u64 sdata[3], sscales[3], sbiases[3];
+  u64 logits;
+  i64 logits_stride;
+  u64 sgate;
+  i64 sgate_stride;
 };
+#ifndef FUSED
+#define FUSED 0
+#endif
+#define SLOTS (TOPK + FUSED)  // act rows per token in decode: the routed experts, then the shared expert
 
 // ---- weight format ----
 #if WKIND == 1
@@ -262,8 +284,28 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
   extern __shared__ float4 moe_smem[];
   float4* xs = moe_smem;  // [XF4], swizzled
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int slot = blockIdx.y, t = slot / a.k, s = slot - t * a.k;
-  const int e = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + s];
+  const int slot = blockIdx.y, t = slot / SLOTS, s = slot - t * SLOTS;
+#if FUSED
+  // Every routed block routes its token itself (one warp, NEXP logits: cheaper than a launch); block
+  // (0, token's slot 0) also stores the routing for moe_down_decode and the caller.
+  __shared__ int route_id[TOPK];
+  if (s < TOPK && warp == 0) {
+    int id;
+    float wt;
+    route_warp(reinterpret_cast<const float*>(a.logits) + i64(t) * a.logits_stride, lane, id, wt);
+    if (lane < TOPK) {
+      route_id[lane] = id;
+      if (blockIdx.x == 0 && s == 0) {
+        reinterpret_cast<int*>(a.ids)[i64(t) * a.ids_stride + lane] = id;
+        reinterpret_cast<float*>(a.wts)[i64(t) * a.wts_stride + lane] = wt;
+      }
+    }
+  }
+  const bool shared_slot = s == TOPK;
+#else
+  const int e_routed = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + s];
+  constexpr bool shared_slot = false;
+#endif
   const float* x = reinterpret_cast<const float*>(a.x) + i64(t) * a.x_stride;
   for (int f = tid; f < XF4; f += 256) {
     float4 v;
@@ -274,6 +316,11 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
     xs[moe_swz(f)] = v;
   }
   __syncthreads();
+#if FUSED
+  const int e = shared_slot ? 0 : route_id[s];
+#else
+  const int e = e_routed;
+#endif
   float* act = reinterpret_cast<float*>(a.act) + i64(slot) * INTER;
   const int row0 = (blockIdx.x * 8 + warp) * ROWS_G;
   if (!moe_valid_expert(e)) {
@@ -287,10 +334,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
 #endif
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
-    base[m] = reinterpret_cast<const unsigned char*>(a.data[m]) + i64(e) * i64(a.data_stride[m]);
+    base[m] = shared_slot ? reinterpret_cast<const unsigned char*>(a.sdata[m])
+                          : reinterpret_cast<const unsigned char*>(a.data[m]) + i64(e) * i64(a.data_stride[m]);
 #if WKIND == 1
-    sbase[m] = reinterpret_cast<const unsigned char*>(a.scales[m]) + i64(e) * i64(a.scale_stride[m]);
-    bbase[m] = reinterpret_cast<const unsigned char*>(a.biases[m]) + i64(e) * i64(a.bias_stride[m]);
+    sbase[m] = shared_slot ? reinterpret_cast<const unsigned char*>(a.sscales[m])
+                           : reinterpret_cast<const unsigned char*>(a.scales[m]) + i64(e) * i64(a.scale_stride[m]);
+    bbase[m] = shared_slot ? reinterpret_cast<const unsigned char*>(a.sbiases[m])
+                           : reinterpret_cast<const unsigned char*>(a.biases[m]) + i64(e) * i64(a.bias_stride[m]);
 #endif
   }
   // All loads first (ROWS_G·2·NIT 16-byte vectors per lane in flight), then the arithmetic.
@@ -339,21 +389,22 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs 
   constexpr int NVI = INTER / CPV;                 // vectors per down row
   constexpr int NITD = (NVI + LPR - 1) / LPR;      // per lane of a group
   constexpr int NGRP = 256 / LPR;                  // (row, slot) items in flight per pass
-  constexpr int ITEMS = ROWS_D * TOPK;
+  constexpr int ITEMS = ROWS_D * SLOTS;
   constexpr int PASSES = (ITEMS + NGRP - 1) / NGRP;
   constexpr int AF4 = (INTER / 4 + 7) / 8 * 8;     // float4 per act row (padded for the swizzle)
   extern __shared__ float4 moe_smem[];
-  float4* acts = moe_smem;  // [TOPK][AF4], swizzled per row
+  float4* acts = moe_smem;  // [SLOTS][AF4], swizzled per row
   __shared__ float part[ITEMS];
-  __shared__ int eid[TOPK], ord[TOPK];
+  __shared__ int eid[SLOTS], ord[TOPK];
   __shared__ float ew[TOPK];
   const int tid = threadIdx.x, t = blockIdx.y, n0 = blockIdx.x * ROWS_D;
   if (tid < TOPK) {
     eid[tid] = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + tid];
     ew[tid] = reinterpret_cast<const float*>(a.wts)[i64(t) * a.wts_stride + tid];
   }
-  const float* act = reinterpret_cast<const float*>(a.act) + i64(t) * TOPK * INTER;
-  for (int i = tid; i < TOPK * AF4; i += 256) {
+  if (FUSED && tid == TOPK) eid[tid] = 0;  // the shared expert's slot: one matrix, always present
+  const float* act = reinterpret_cast<const float*>(a.act) + i64(t) * SLOTS * INTER;
+  for (int i = tid; i < SLOTS * AF4; i += 256) {
     const int s = i / AF4, f = i - s * AF4;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     if (4 * f < INTER) v = *reinterpret_cast<const float4*>(act + i64(s) * INTER + 4 * f);  // INTER % 4 == 0
@@ -371,9 +422,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs 
   float sc[PASSES][NITD], bi[PASSES][NITD];
 #pragma unroll
   for (int p = 0; p < PASSES; ++p) {
-    const int item = grp + NGRP * p, r = item / TOPK, s = item - r * TOPK, n = n0 + r;
+    const int item = grp + NGRP * p, r = item / SLOTS, s = item - r * SLOTS, n = n0 + r;
     const int e = item < ITEMS ? eid[s] : -1;
     const bool ok = item < ITEMS && n < HID && moe_valid_expert(e);
+    const bool sh = FUSED && s == TOPK;
 #pragma unroll
     for (int j = 0; j < NITD; ++j) {
       const int c = gl + LPR * j;
@@ -381,19 +433,24 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs 
       sc[p][j] = 0.f;
       bi[p][j] = 0.f;
       if (ok && c < NVI) {
-        const unsigned char* base = reinterpret_cast<const unsigned char*>(a.data[2]) + i64(e) * i64(a.data_stride[2]);
+        const unsigned char* base = sh ? reinterpret_cast<const unsigned char*>(a.sdata[2])
+                                       : reinterpret_cast<const unsigned char*>(a.data[2]) + i64(e) * i64(a.data_stride[2]);
         wv[p][j] = moe_ld16(base + i64(n) * ROW_BYTES(INTER) + VEC_BYTES_AT(c * CPV));
 #if WKIND == 1
         const i64 gi = i64(n) * (INTER / GROUP) + (c * CPV) / GROUP;
-        sc[p][j] = moe_scalar(reinterpret_cast<const unsigned char*>(a.scales[2]) + i64(e) * i64(a.scale_stride[2]), gi);
-        bi[p][j] = moe_scalar(reinterpret_cast<const unsigned char*>(a.biases[2]) + i64(e) * i64(a.bias_stride[2]), gi);
+        const unsigned char* sb = sh ? reinterpret_cast<const unsigned char*>(a.sscales[2])
+                                     : reinterpret_cast<const unsigned char*>(a.scales[2]) + i64(e) * i64(a.scale_stride[2]);
+        const unsigned char* bb = sh ? reinterpret_cast<const unsigned char*>(a.sbiases[2])
+                                     : reinterpret_cast<const unsigned char*>(a.biases[2]) + i64(e) * i64(a.bias_stride[2]);
+        sc[p][j] = moe_scalar(sb, gi);
+        bi[p][j] = moe_scalar(bb, gi);
 #endif
       }
     }
   }
 #pragma unroll
   for (int p = 0; p < PASSES; ++p) {
-    const int item = grp + NGRP * p, r = item / TOPK, s = item - r * TOPK;
+    const int item = grp + NGRP * p, r = item / SLOTS, s = item - r * SLOTS;
     float d = 0.f;
 #pragma unroll
     for (int j = 0; j < NITD; ++j) {
@@ -409,9 +466,16 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs 
     float o = 0.f;
     for (int j = 0; j < TOPK; ++j) {
       const int s = ord[j];
-      if (moe_valid_expert(eid[s])) o += ew[s] * part[tid * TOPK + s];
+      if (moe_valid_expert(eid[s])) o += ew[s] * part[tid * SLOTS + s];
     }
-    reinterpret_cast<float*>(a.out)[i64(t) * a.out_stride + n0 + tid] = o;
+    float* out = reinterpret_cast<float*>(a.out) + i64(t) * a.out_stride + n0 + tid;
+#if FUSED
+    // moe_combine's expression: h += routed + σ(shared gate logit) · shared.
+    const float g = sigmoid(reinterpret_cast<const float*>(a.sgate)[i64(t) * a.sgate_stride]);
+    *out += o + g * part[tid * SLOTS + TOPK];
+#else
+    *out = o;
+#endif
   }
 }
 

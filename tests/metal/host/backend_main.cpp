@@ -262,6 +262,23 @@ int run_ops(const std::string& msl) {
       }
     }
 
+  // ---- matmuls: one x, several weights (the Metal backend runs the composed form: one dispatch each) ----
+  if (wanted("matmuls"))
+    for (Phase ph : {Phase::Decode, Phase::Prefill}) {
+      const int64_t T = ph == Phase::Decode ? 1 : 5, K = 192;
+      const Weight w0 = make_weight(blob, mc, "q4g64-bf16", 37, K), w1 = make_weight(blob, mc, "q4g64-bf16", 5, K),
+                   w2 = make_weight(blob, mc, "q4g64-bf16", 1, K);
+      auto x = b.f32(T, K);
+      auto y0 = b.alloc(DType::F32, T, 37), y1 = b.alloc(DType::F32, T, 5), y2 = b.alloc(DType::F32, T, 1);
+      b.run(ph, [&](Ops& o, bool m) {
+        o.matmuls(m ? x.m : x.c, MatmulGroup().add(w0, m ? y0.m : y0.c).add(w1, m ? y1.m : y1.c).add(w2, m ? y2.m : y2.c));
+      });
+      const std::string name = std::string("q4g64-bf16 [37|5|1 x 192] ") + (ph == Phase::Decode ? "decode" : "prefill");
+      check_f32(b, "matmuls", name + " part 0", y0);
+      check_f32(b, "matmuls", name + " part 1", y1);
+      check_f32(b, "matmuls", name + " part 2", y2);
+    }
+
   // ---- norms, add ----
   for (auto [T, D, seg] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{1, 96, 96}, {5, 2048, 2048}, {3, 64, 16}}) {
     const std::string name = "T=" + std::to_string(T) + " D=" + std::to_string(D) + " seg=" + std::to_string(seg);
@@ -435,6 +452,32 @@ int run_ops(const std::string& msl) {
       g_failures += !same;
     }
   }
+
+  // ---- moe: the whole block after the router product (composed on Metal) ----
+  if (wanted("moe"))
+    for (const auto& c : std::vector<MoeCase>{{1, 40, 8, 128, 64, "q4g64-bf16", Phase::Decode},
+                                              {7, 16, 4, 128, 64, "q4g64-f16", Phase::Prefill}}) {
+      const std::string name = "T=" + std::to_string(c.T) + " E=" + std::to_string(c.E) + " k=" + std::to_string(c.k) +
+                               " " + c.fmt + (c.ph == Phase::Decode ? " decode" : " prefill");
+      ModelConfig cfg;
+      cfg.experts = c.E, cfg.topk = c.k, cfg.hidden = c.H, cfg.moe_inter = c.I;
+      const size_t wsb = std::max(cpu::moe_workspace_bytes(cfg, c.T, 1), b.mtl.workspace_bytes(cfg, c.T, 1));
+      auto ws = b.alloc(DType::F32, 1, int64_t(wsb / 4 + 16));
+      const MoeWeights w{make_weight(blob, mc, c.fmt, c.I, c.H, c.E), make_weight(blob, mc, c.fmt, c.I, c.H, c.E),
+                         make_weight(blob, mc, c.fmt, c.H, c.I, c.E), make_weight(blob, mc, c.fmt, c.I, c.H),
+                         make_weight(blob, mc, c.fmt, c.I, c.H), make_weight(blob, mc, c.fmt, c.H, c.I)};
+      auto x = b.f32(c.T, c.H), logits = b.f32(c.T, c.E, 3.f), sg = b.f32(c.T, 1, 2.f), h = b.f32(c.T, c.H);
+      auto ids = b.alloc(DType::I32, c.T, c.k), wts = b.alloc(DType::F32, c.T, c.k);
+      auto routed = b.alloc(DType::F32, c.T, c.H), shared = b.alloc(DType::F32, c.T, c.H);
+      auto sgp = b.alloc(DType::F32, c.T, c.I), su = b.alloc(DType::F32, c.T, c.I), sa = b.alloc(DType::F32, c.T, c.I);
+      b.run(c.ph, [&](Ops& o, bool m) {
+        const MoeScratch sc{m ? ids.m : ids.c,       m ? wts.m : wts.c, m ? routed.m : routed.c, m ? sgp.m : sgp.c,
+                            m ? su.m : su.c,         m ? sa.m : sa.c,   m ? shared.m : shared.c};
+        o.moe(m ? x.m : x.c, m ? logits.m : logits.c, m ? sg.m : sg.c, c.k, w, sc, m ? ws.m : ws.c, m ? h.m : h.c);
+      });
+      check_i32(b, "moe", name + " ids", ids);
+      check_f32(b, "moe", name + " h", h, 2e-5);
+    }
 
   // ---- copies, fills, the position, sampling ----
   if (wanted("copy")) {
