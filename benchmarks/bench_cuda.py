@@ -151,7 +151,8 @@ def main() -> int:
     res["bf16_peak"] = peak
     print("\nlaunches per decode step:", res["cuda"].get("graphs", {}).get("launches_per_decode_step"),
           "graph nodes:", res["cuda"].get("graphs", {}).get("graph_nodes_per_decode_step"),
-          "host µs per decode step:", res["cuda"].get("graphs", {}).get("host_us_per_decode_step"))
+          "host µs per decode step:", res["cuda"].get("graphs", {}).get("host_us_per_decode_step"),
+          "GPU µs per decode step:", res["cuda"].get("graphs", {}).get("gpu_us_per_decode_step"))
     print("compile:", res["cuda"].get("compile"))
     if a.json:
         with open(a.json, "w") as f:

@@ -200,6 +200,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("graphs").is_none()) o.graphs = nb::cast<bool>(opt("graphs"));
     if (!opt("branches").is_none()) o.branches = nb::cast<bool>(opt("branches"));
     if (!opt("pdl").is_none()) o.pdl = nb::cast<bool>(opt("pdl"));
+    if (!opt("encode_memo").is_none()) o.encode_memo = nb::cast<bool>(opt("encode_memo"));
     if (!opt("cache_dir").is_none()) o.cache_dir = nb::cast<std::string>(opt("cache_dir"));
     if (!opt("dry_arch").is_none()) o.dry_arch = nb::cast<int>(opt("dry_arch"));
     if (o.dry_arch == 0 && !nb::cast<bool>(b["usable"]))
@@ -255,7 +256,14 @@ nb::dict backend_report(Ops& ops) {
     gr["direct_steps"] = g.direct_steps;
     gr["launches_per_decode_step"] = g.last_decode_launches;
     gr["graph_nodes_per_decode_step"] = g.last_decode_nodes;
-    gr["host_us_per_decode_step"] = g.last_decode_host_us;
+    // Means over replayed decode steps (captures excluded): host encode + replay call, and GPU time.
+    gr["host_us_per_decode_step"] = g.replay_host_n ? g.replay_host_us_sum / double(g.replay_host_n) : 0.0;
+    gr["gpu_us_per_decode_step"] = g.replay_gpu_n ? g.replay_gpu_us_sum / double(g.replay_gpu_n) : 0.0;
+    gr["timed_decode_steps"] = g.replay_host_n;
+    nb::dict memo;
+    memo["hits"] = g.memo_hits;
+    memo["misses"] = g.memo_misses;
+    gr["encode_memo"] = memo;
     d["graphs"] = gr;
     nb::dict v;
     for (const auto& [k, s] : c->variants()) v[k.c_str()] = s;

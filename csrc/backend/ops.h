@@ -21,6 +21,8 @@
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "backend/hazard.h"
@@ -112,6 +114,50 @@ struct SamplerState {
   Tensor counts, seen, rng, ring, ring_count;
 };
 
+// Field-by-field keys of op arguments (OpRun::key): every member written, padding never.
+template <class T, std::enable_if_t<std::is_arithmetic_v<T> || std::is_enum_v<T>, int> = 0>
+inline void key_append(std::string& k, const T& v) {
+  k.append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+inline void key_append(std::string& k, const Tensor& t) {
+  for (int64_t v : {int64_t(t.buf), t.offset, int64_t(t.dtype), t.rows, t.cols, t.stride}) key_append(k, v);
+}
+inline void key_append(std::string& k, const Weight& w) {
+  for (int64_t v : {int64_t(w.kind), int64_t(w.dtype), w.rows, w.cols, int64_t(w.bits), int64_t(w.group),
+                    int64_t(w.scale_dtype), int64_t(w.mapping), int64_t(w.scale_mapping), int64_t(w.bias_mapping),
+                    int64_t(w.data), int64_t(w.scales), int64_t(w.biases), w.experts, int64_t(w.data_stride),
+                    int64_t(w.scale_stride), int64_t(w.bias_stride)})
+    key_append(k, v);
+}
+inline void key_append(std::string& k, const MatmulGroup& g) {
+  key_append(k, g.n);
+  for (int i = 0; i < g.n; ++i) key_append(k, g.w[size_t(i)]), key_append(k, g.out[size_t(i)]);
+}
+inline void key_append(std::string& k, const MoeWeights& w) {
+  for (const Weight* x : {&w.gate, &w.up, &w.down, &w.shared_gate_proj, &w.shared_up, &w.shared_down}) key_append(k, *x);
+}
+inline void key_append(std::string& k, const MoeScratch& s) {
+  for (const Tensor* t : {&s.ids, &s.weights, &s.routed, &s.shared_g, &s.shared_u, &s.shared_act, &s.shared})
+    key_append(k, *t);
+}
+inline void key_append(std::string& k, const AttentionShape& s) {
+  for (int64_t v : {s.heads, s.kv_heads, s.head_dim, s.rotary_dim}) key_append(k, v);
+  key_append(k, s.rope_theta);
+  key_append(k, s.eps);
+}
+inline void key_append(std::string& k, const DeltaShape& s) {
+  for (int64_t v : {s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel}) key_append(k, v);
+  key_append(k, s.eps);
+}
+inline void key_append(std::string& k, const SamplerState& s) {
+  for (const Tensor* t : {&s.counts, &s.seen, &s.rng, &s.ring, &s.ring_count}) key_append(k, *t);
+}
+inline void key_append(std::string& k, const SamplingParams& p) {
+  key_append(k, p.temperature), key_append(k, p.top_k), key_append(k, p.top_p), key_append(k, p.min_p);
+  key_append(k, p.repetition_penalty), key_append(k, p.presence_penalty), key_append(k, p.frequency_penalty);
+  key_append(k, p.has_seed), key_append(k, p.seed);
+}
+
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -164,34 +210,34 @@ class Ops {
   // ---- ops (domain names; shapes as [rows, cols]) ----
   // out[t] = table[ids[t]]  (ids: I32 [T, 1])
   void embed(const Tensor& ids, const Weight& table, const Tensor& out) {
-    record(OpKind::Embed, {ids.buf}, {out.buf}, [=] { embed_impl(ids, table, out); });
+    record(OpKind::Embed, {ids.buf}, {out.buf}, &Ops::embed_impl, ids, table, out);
   }
   // Plain-weight RMSNorm over segments of w.cols elements: out = x * rsqrt(mean(x^2) + eps) * w.
   // (Checkpoint loaders already turn 1+w norms into their effective multiplier.)
   void rms_norm(const Tensor& x, const Tensor& w, const Tensor& out, float eps) {
-    record(OpKind::RmsNorm, {x.buf, w.buf}, {out.buf}, [=] { rms_norm_impl(x, w, out, eps); });
+    record(OpKind::RmsNorm, {x.buf, w.buf}, {out.buf}, &Ops::rms_norm_impl, x, w, out, eps);
   }
   // out[T, N] = x[T, K] · Wᵀ; kernel family picked from the phase (GEMV for decode, GEMM for prefill).
   void matmul(const Tensor& x, const Weight& w, const Tensor& out) {
-    record(OpKind::Matmul, {x.buf}, {out.buf}, [=] { matmul_impl(x, w, out); });
+    record(OpKind::Matmul, {x.buf}, {out.buf}, &Ops::matmul_impl, x, w, out);
   }
   // Products of one input with up to four weights, as one op (out[i] = x · w[i]ᵀ; the outputs do not
   // alias x or each other). A GPU backend runs them as one launch; the default runs matmul for each.
   void matmuls(const Tensor& x, const MatmulGroup& g) {
     if (g.n < 1) throw std::logic_error("matmuls: an empty group");
     record(OpKind::Matmuls, {x.buf}, {g.out_buf(0), g.out_buf(1), g.out_buf(2), g.out_buf(3)},
-           [=] { matmuls_impl(x, g); });
+           &Ops::matmuls_impl, x, g);
   }
   // out = a + b (out may alias a)
   void add(const Tensor& a, const Tensor& b, const Tensor& out) {
-    record(OpKind::Add, {a.buf, b.buf}, {out.buf}, [=] { add_impl(a, b, out); });
+    record(OpKind::Add, {a.buf, b.buf}, {out.buf}, &Ops::add_impl, a, b, out);
   }
   // The residual add and the norm after it, fused: sum = a + b (sum may alias a), then
   // normed = rms_norm(sum, w, eps). The same numbers as add then rms_norm, one stage and one pass fewer.
   void add_rms_norm(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
                     const Tensor& normed) {
     record(OpKind::AddRmsNorm, {a.buf, b.buf, w.buf}, {sum.buf, normed.buf},
-           [=] { add_rms_norm_impl(a, b, w, eps, sum, normed); });
+           &Ops::add_rms_norm_impl, a, b, w, eps, sum, normed);
   }
   // Query/key preparation for gated attention (fused chain): split the per-head [query | gate] rows of
   // qg, RMSNorm q and k per head, rotate the first rotary_dim dims at positions pos[0] + t.
@@ -200,13 +246,13 @@ class Ops {
                     const Tensor& k_out) {
     record(OpKind::AttnQkPrep, {qg.buf, k.buf, q_norm.buf, k_norm.buf, pos.buf},
            {q_out.buf, gate_out.buf, k_out.buf},
-           [=] { attn_qk_prep_impl(qg, k, q_norm, k_norm, pos, s, q_out, gate_out, k_out); });
+           &Ops::attn_qk_prep_impl, qg, k, q_norm, k_norm, pos, s, q_out, gate_out, k_out);
   }
   // Write T rows of k and v at positions pos[0].. into the caches ([kv_heads * max_ctx, head_dim]).
   void kv_append(const Tensor& k, const Tensor& v, const Tensor& pos, const Tensor& k_cache,
                  const Tensor& v_cache, int64_t max_ctx, const AttentionShape& s) {
     record(OpKind::KvAppend, {k.buf, v.buf, pos.buf}, {k_cache.buf, v_cache.buf},
-           [=] { kv_append_impl(k, v, pos, k_cache, v_cache, max_ctx, s); });
+           &Ops::kv_append_impl, k, v, pos, k_cache, v_cache, max_ctx, s);
   }
   // Causal GQA attention of T queries at positions pos[0].. over cache positions [0, pos[0] + t],
   // then the output gate: out = attention · sigmoid(gate).
@@ -215,7 +261,7 @@ class Ops {
                  const Tensor& out) {
     record(phase_ == Phase::Decode ? OpKind::AttnDecode : OpKind::AttnPrefill,
            {q.buf, gate.buf, k_cache.buf, v_cache.buf, pos.buf}, {out.buf, ws.buf},
-           [=] { attention_impl(q, gate, k_cache, v_cache, pos, max_ctx, s, ws, out); });
+           &Ops::attention_impl, q, gate, k_cache, v_cache, pos, max_ctx, s, ws, out);
   }
   // Causal depthwise conv over [q|k|v] channels with the pre-conv rows of the last K-1 tokens kept in the
   // conv state ([K-1, C]), then silu. Reads state_in, writes the advanced state to state_out (the same
@@ -223,7 +269,7 @@ class Ops {
   void conv1d_silu(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in, const Tensor& state_out,
                    const Tensor& out) {
     record(OpKind::Conv1dSilu, {mixed.buf, conv_w.buf, state_in.buf}, {out.buf, state_out.buf},
-           [=] { conv1d_silu_impl(mixed, conv_w, state_in, state_out, out); });
+           &Ops::conv1d_silu_impl, mixed, conv_w, state_in, state_out, out);
   }
   // Gated delta rule over T tokens (L2-normed q/k, beta = sigmoid(b), g = -exp(A_log)·softplus(a+dt_bias)),
   // fp32 state [v_heads * k_dim, v_dim] read from state_in and written to state_out (may be the same
@@ -233,34 +279,34 @@ class Ops {
                    const Tensor& ws, const Tensor& out) {
     record(OpKind::GatedDelta, {qkv.buf, b.buf, a.buf, A_log.buf, dt_bias.buf, state_in.buf},
            {state_out.buf, out.buf, ws.buf},
-           [=] { gated_delta_impl(qkv, b, a, A_log, dt_bias, state_in, state_out, s, ws, out); });
+           &Ops::gated_delta_impl, qkv, b, a, A_log, dt_bias, state_in, state_out, s, ws, out);
   }
   // Per value head: out = (w · rmsnorm(o)) · silu(z)   (fused recurrent-output normalisation).
   void gated_rms_norm(const Tensor& o, const Tensor& z, const Tensor& w, float eps, const Tensor& out) {
     record(OpKind::GatedRmsNorm, {o.buf, z.buf, w.buf}, {out.buf},
-           [=] { gated_rms_norm_impl(o, z, w, eps, out); });
+           &Ops::gated_rms_norm_impl, o, z, w, eps, out);
   }
   // Router: softmax over all experts (fp32), top-k, renormalise. ids I32 [T, k], weights F32 [T, k].
   void moe_route(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids, const Tensor& weights) {
     record(OpKind::MoeRoute, {logits.buf}, {ids.buf, weights.buf, ws.buf},
-           [=] { moe_route_impl(logits, k, ws, ids, weights); });
+           &Ops::moe_route_impl, logits, k, ws, ids, weights);
   }
   // Routed experts (grouped by expert): out[t] = Σ_k w[t,k] · down(silu(gate(x)) ⊙ up(x)).
   // gate, up, down are stacked [experts, ...] weights.
   void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
                    const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) {
     record(OpKind::MoeExperts, {x.buf, ids.buf, weights.buf}, {out.buf, ws.buf},
-           [=] { moe_experts_impl(x, ids, weights, gate, up, down, ws, out); });
+           &Ops::moe_experts_impl, x, ids, weights, gate, up, down, ws, out);
   }
   // out = silu(gate) ⊙ up
   void swiglu(const Tensor& gate, const Tensor& up, const Tensor& out) {
-    record(OpKind::Swiglu, {gate.buf, up.buf}, {out.buf}, [=] { swiglu_impl(gate, up, out); });
+    record(OpKind::Swiglu, {gate.buf, up.buf}, {out.buf}, &Ops::swiglu_impl, gate, up, out);
   }
   // h += routed + sigmoid(shared_gate_logit) · shared   (MoE output with the shared expert, residual)
   void moe_combine(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
                    const Tensor& h) {
     record(OpKind::MoeCombine, {routed.buf, shared.buf, shared_gate_logit.buf, h.buf}, {h.buf},
-           [=] { moe_combine_impl(routed, shared, shared_gate_logit, h); });
+           &Ops::moe_combine_impl, routed, shared, shared_gate_logit, h);
   }
   // The whole sparse MoE block after the router product, added into the residual (MODEL.md section 6):
   //   ids, weights = top-k of softmax(router_logits), renormalised (moe_route)
@@ -272,19 +318,19 @@ class Ops {
     record(OpKind::Moe, {x.buf, router_logits.buf, shared_gate_logit.buf, h.buf},
            {h.buf, ws.buf, sc.ids.buf, sc.weights.buf, sc.routed.buf, sc.shared_g.buf, sc.shared_u.buf,
             sc.shared_act.buf, sc.shared.buf},
-           [=] { moe_impl(x, router_logits, shared_gate_logit, k, w, sc, ws, h); });
+           &Ops::moe_impl, x, router_logits, shared_gate_logit, k, w, sc, ws, h);
   }
   // dst = src (same shape and dtype; state handles and the logits hand-over).
   void copy(const Tensor& src, const Tensor& dst) {
-    record(OpKind::Copy, {src.buf}, {dst.buf}, [=] { copy_impl(src, dst); });
+    record(OpKind::Copy, {src.buf}, {dst.buf}, &Ops::copy_impl, src, dst);
   }
   // Every element of dst = value (F32 or I32 tensors).
   void fill(const Tensor& dst, double value) {
-    record(OpKind::Fill, {}, {dst.buf}, [=] { fill_impl(dst, value); });
+    record(OpKind::Fill, {}, {dst.buf}, &Ops::fill_impl, dst, value);
   }
   // pos_out[0] = pos_in[0] + T: the step moves its own position, so a recorded decode step stays valid.
   void advance_position(const Tensor& pos_in, const Tensor& pos_out, int64_t T) {
-    record(OpKind::AdvancePosition, {pos_in.buf}, {pos_out.buf}, [=] { advance_position_impl(pos_in, pos_out, T); });
+    record(OpKind::AdvancePosition, {pos_in.buf}, {pos_out.buf}, &Ops::advance_position_impl, pos_in, pos_out, T);
   }
   // Samples one id from logits [1, vocab] (penalties from the sampler state, then greedy or a seeded
   // draw), writes it to next_id [1, 1] (the next step's input slot) and appends it to st.ring.
@@ -292,7 +338,7 @@ class Ops {
               const Tensor& next_id) {
     record(OpKind::Sample, {logits.buf, st.counts.buf, st.seen.buf, st.rng.buf, st.ring_count.buf},
            {next_id.buf, st.counts.buf, st.seen.buf, st.rng.buf, st.ring.buf, st.ring_count.buf, ws.buf},
-           [=] { sample_impl(logits, st, p, ws, next_id); });
+           &Ops::sample_impl, logits, st, p, ws, next_id);
   }
 
   // Kernel variant used for a weight in the current phase (engine.report()).
@@ -311,11 +357,10 @@ class Ops {
     std::function<void()> (*clone)(const void*);
     const void* fn;
     std::initializer_list<int32_t> reads, writes;
-    template <class F>
-    static OpRun of(const F& f, std::initializer_list<int32_t> r, std::initializer_list<int32_t> w) {
-      return {[](const void* p) { (*static_cast<const F*>(p))(); },
-              [](const void* p) { return std::function<void()>(*static_cast<const F*>(p)); }, &f, r, w};
-    }
+    // Appends the op's arguments, field by field (no padding bytes), to a key: equal keys mean equal
+    // arguments, so a recording backend may reuse what it recorded for them (CudaOps' encode memo).
+    void (*key)(const void*, std::string&);
+    void append_key(std::string& k) const { key(fn, k); }
     void operator()() const { call(fn); }
     std::function<void()> own() const { return clone(fn); }
   };
@@ -373,12 +418,33 @@ class Ops {
   HazardTracker tracker_;
 
  private:
-  template <class F>
+  // The op as one impl call on its arguments (by reference for the immediate run; `clone` copies them for a
+  // backend that runs later).
+  template <class... P, class... A>
   void record(OpKind kind, std::initializer_list<int32_t> reads, std::initializer_list<int32_t> writes,
-              const F& run) {
+              void (Ops::*impl)(P...), const A&... args) {
     if (!in_step_) throw std::logic_error(std::string("op '") + op_name(kind) + "' recorded outside a step");
     if (tracker_.record(kind, reads, writes)) on_stage_boundary();
-    const OpRun op = OpRun::of(run, reads, writes);
+    struct Bound {
+      Ops* self;
+      void (Ops::*impl)(P...);
+      std::tuple<const A&...> args;
+    };
+    const Bound bound{this, impl, std::tie(args...)};
+    const OpRun op{[](const void* p) {
+                     const Bound& b = *static_cast<const Bound*>(p);
+                     std::apply([&](const A&... a) { (b.self->*b.impl)(a...); }, b.args);
+                   },
+                   [](const void* p) -> std::function<void()> {
+                     const Bound& b = *static_cast<const Bound*>(p);
+                     return [self = b.self, impl = b.impl, copies = std::tuple<A...>(b.args)] {
+                       std::apply([&](const A&... a) { (self->*impl)(a...); }, copies);
+                     };
+                   },
+                   &bound, reads, writes,
+                   [](const void* p, std::string& k) {
+                     std::apply([&](const A&... a) { (key_append(k, a), ...); }, static_cast<const Bound*>(p)->args);
+                   }};
     if (!profiling_) return execute(kind, op);
     const auto t0 = std::chrono::steady_clock::now();
     execute(kind, op);

@@ -173,6 +173,8 @@ CudaOps::~CudaOps() {
     if (m.ptr) d.cuMemFree_v2(m.ptr);
   for (auto& [f, e] : pending_) d.cuEventDestroy_v2(e);
   for (CUevent e : spare_events_) d.cuEventDestroy_v2(e);
+  for (auto* v : {&replay_timing_, &spare_timing_})
+    for (auto& [a, b] : *v) d.cuEventDestroy_v2(a), d.cuEventDestroy_v2(b);
   for (CUstream st : side_streams_) d.cuStreamDestroy_v2(st);
   for (CUevent ev : join_events_) d.cuEventDestroy_v2(ev);
   if (fork_event_) d.cuEventDestroy_v2(fork_event_);
@@ -218,6 +220,7 @@ void CudaOps::guarded(F&& f) {
 // ---- memory ----
 
 Tensor CudaOps::alloc_impl(const std::string& label, DType dtype, int64_t rows, int64_t cols) {
+  forget_encodings();  // buffer ids and mappings may now stand for other addresses
   const size_t bytes = std::max<size_t>(size_t(rows) * size_t(cols) * dtype_size(dtype), 4);
   Buffer b;
   b.bytes = bytes;
@@ -254,6 +257,7 @@ Tensor CudaOps::alloc_impl(const std::string& label, DType dtype, int64_t rows, 
 }
 
 void CudaOps::release(Tensor& t) {
+  forget_encodings();  // buffer ids and mappings may now stand for other addresses
   if (!t.valid()) return;
   Buffer& b = buffers_.at(size_t(t.buf));
   if (b.ptr && !opt_.dry_arch && fault_.empty()) {
@@ -281,6 +285,7 @@ CUdeviceptr CudaOps::ptr(int32_t mapping, uint64_t offset) const {
 }
 
 int32_t CudaOps::register_mapping(const void* base, size_t bytes, const std::string& label) {
+  forget_encodings();  // buffer ids and mappings may now stand for other addresses
   // Host regions only: place_weights copies the parts the model uses to the device, each aligned.
   Mapping m;
   m.host = static_cast<const char*>(base);
@@ -295,6 +300,7 @@ int32_t CudaOps::register_mapping(const void* base, size_t bytes, const std::str
 // stacked span) are merged. Only what the model uses reaches the GPU, and every tensor starts aligned
 // whatever its offset in the file.
 void CudaOps::place_weights(const std::vector<Weight*>& weights) {
+  forget_encodings();  // buffer ids and mappings may now stand for other addresses
   struct Part {
     int32_t mapping;
     uint64_t begin, end;
@@ -499,7 +505,36 @@ void CudaOps::on_stage_boundary() { ++stage_; }
 
 void CudaOps::execute(OpKind kind, const OpRun& run) {
   ++op_;  // launches recorded by this op's *_impl carry this number (they run in order, on one lane)
+  if (!opt_.encode_memo || phase() != Phase::Decode) return run();
+  memo_key_.assign(1, char(kind));
+  run.append_key(memo_key_);
+  auto it = memo_.find(memo_key_);
+  if (it != memo_.end()) {
+    for (const Launch& m : it->second.launches) {
+      Launch l = m;
+      l.args_at = args_base_ = args_.size();
+      args_.insert(args_.end(), it->second.args.begin() + long(m.args_at), it->second.args.begin() + long(m.args_at + m.args_len));
+      l.stage = stage_;
+      l.op = op_;
+      if (launches_.empty()) encode_t0_ = std::chrono::steady_clock::now();
+      launches_.push_back(l);
+    }
+    ++graph_stats_.memo_hits;
+    return;
+  }
+  const size_t first = launches_.size();
   run();
+  MemoEntry e;
+  for (size_t i = first; i < launches_.size(); ++i) {
+    Launch l = launches_[i];
+    const size_t at = l.args_at;
+    l.args_at = e.args.size();
+    e.args.insert(e.args.end(), args_.begin() + long(at), args_.begin() + long(at + l.args_len));
+    e.launches.push_back(l);
+  }
+  ++graph_stats_.memo_misses;
+  if (getenv("LILY_MEMO_DEBUG")) fprintf(stderr, "memo miss %s\n", op_name(kind));
+  if (memo_.size() < 65536) memo_.emplace(memo_key_, std::move(e));  // a bound against runaway growth
 }
 
 void CudaOps::issue(const Launch& l, CUstream s) {
@@ -533,7 +568,13 @@ uint64_t CudaOps::submit_impl() {
   const uint64_t fence = ++last_fence_;
   steps_launches_ = int64_t(launches_.size());
   if (opt_.dry_arch) {
-    if (phase() == Phase::Decode) graph_stats_.last_decode_launches = int64_t(launches_.size());
+    if (phase() == Phase::Decode && !launches_.empty()) {  // the host side of a step, measurable without a GPU
+      graph_stats_.last_decode_launches = int64_t(launches_.size());
+      graph_stats_.last_decode_host_us =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - encode_t0_).count();
+      graph_stats_.replay_host_us_sum += graph_stats_.last_decode_host_us;
+      ++graph_stats_.replay_host_n;
+    }
     launches_.clear();
     args_.clear();
     stage_ = 0;
@@ -586,9 +627,27 @@ uint64_t CudaOps::submit_impl() {
         std::rotate(graphs_.begin(), graphs_.begin() + long(hit), graphs_.begin() + long(hit) + 1);
         ++graph_stats_.replayed;
       }
+      const bool timed = hit != graphs_.size() && drv().cuEventElapsedTime;  // replays only, not captures
+      std::pair<CUevent, CUevent> ev{nullptr, nullptr};
+      if (timed) {
+        if (!spare_timing_.empty()) {
+          ev = spare_timing_.back();
+          spare_timing_.pop_back();
+        } else {
+          check(drv().cuEventCreate(&ev.first, 0), "cuEventCreate");
+          check(drv().cuEventCreate(&ev.second, 0), "cuEventCreate");
+        }
+        check(drv().cuEventRecord(ev.first, stream_), "cuEventRecord");
+      }
       check(drv().cuGraphLaunch(graphs_.front()->exec, stream_), "cuGraphLaunch");
       graph_stats_.last_decode_host_us =
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - encode_t0_).count();
+      if (timed) {
+        check(drv().cuEventRecord(ev.second, stream_), "cuEventRecord");
+        replay_timing_.push_back(ev);
+        graph_stats_.replay_host_us_sum += graph_stats_.last_decode_host_us;
+        ++graph_stats_.replay_host_n;
+      }
       graph_stats_.last_decode_launches = int64_t(launches_.size());
       graph_stats_.last_decode_nodes = int64_t(graphs_.front()->nodes);
     } else {
@@ -668,6 +727,23 @@ void CudaOps::wait(uint64_t fence) {
   for (size_t i = 0; i < n; ++i) spare_events_.push_back(pending_[i].second);
   pending_.erase(pending_.begin(), pending_.begin() + long(n));
   done_fence_ = std::max(done_fence_, fence);
+  collect_replay_timing();
+}
+
+// GPU time of the replays that have finished (in order: one stream).
+void CudaOps::collect_replay_timing() {
+  size_t done = 0;
+  for (; done < replay_timing_.size(); ++done) {
+    const auto& [a, b] = replay_timing_[done];
+    if (drv().cuEventQuery(b) != CUDA_SUCCESS) break;
+    float ms = 0;
+    if (drv().cuEventElapsedTime(&ms, a, b) == CUDA_SUCCESS) {
+      graph_stats_.replay_gpu_us_sum += double(ms) * 1000.0;
+      ++graph_stats_.replay_gpu_n;
+    }
+    spare_timing_.push_back(replay_timing_[done]);
+  }
+  replay_timing_.erase(replay_timing_.begin(), replay_timing_.begin() + long(done));
 }
 
 // ---- host transfers (outside steps, on the copy stream) ----
@@ -808,6 +884,9 @@ std::vector<std::string> CudaOps::optimizations() const {
               " with the model's dimensions as compile-time constants; on-disk cache " +
               (opt_.cache_dir.empty() ? std::string("off (no cache directory)") : "at " + opt_.cache_dir));
   o.push_back("weights placed once in GPU memory, each tensor 256-byte aligned (only the tensors the model reads)");
+  o.push_back(opt_.encode_memo ? "decode encode memo: an op with the same arguments as one already encoded reuses its "
+                                 "launches (host encode skipped; hits and misses in graphs.encode_memo)"
+                               : "not active: decode encode memo (encode_memo=False): every decode op runs its host code");
   o.push_back("host reads of the sampled id on a separate copy stream: reading id k does not wait for step k + 1");
   o.push_back(opt_.branches ? "graph branches: the launches of one hazard stage run side by side (up to 4 streams "
                               "forked and joined per stage)"

@@ -23,6 +23,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -48,6 +49,10 @@ struct CudaOptions {
   int device = 0;
   bool graphs = true;                // decode steps replayed as CUDA graphs
   bool branches = true;              // independent launches of a stage on parallel streams / graph branches
+  // Decode encode memo: an op whose arguments equal (byte for byte) those of an op already encoded in a decode
+  // step reuses its recorded launches instead of running its host code again (forgotten at any allocation,
+  // release or weight placement, which are what turn buffer ids and mappings into addresses).
+  bool encode_memo = true;
   // Programmatic dependent launch (sm_90+). Off by default: measured slower on the H200 (benchmarks/NOTES.md,
   // decode -4%, prefill at 4K -39%: the early-scheduled blocks of the next kernel sit on SM resources).
   bool pdl = false;
@@ -137,6 +142,10 @@ class CudaOps final : public Ops {
     // Host time of the last decode step from its first recorded launch to the graph launch returning (the
     // encode, the key compare, the replay call): the step is host bound if this exceeds its GPU time.
     double last_decode_host_us = 0;
+    // Means over replayed decode steps: host time as above, and GPU time from events around each replay.
+    double replay_host_us_sum = 0, replay_gpu_us_sum = 0;
+    int64_t replay_host_n = 0, replay_gpu_n = 0;
+    int64_t memo_hits = 0, memo_misses = 0;  // decode ops replayed from the encode memo / encoded
   };
   const GraphStats& graph_stats() const { return graph_stats_; }
   const std::map<std::string, std::string>& variants() const { return variants_; }
@@ -266,6 +275,18 @@ class CudaOps final : public Ops {
   uint64_t done_fence_ = 0;
 
   std::vector<std::unique_ptr<Graph>> graphs_;  // most recently used first
+  // The encode memo (CudaOptions::encode_memo): op kind + argument bytes -> the launches it recorded, their
+  // arguments packed back to back.
+  struct MemoEntry {
+    std::vector<Launch> launches;  // args_at relative to `args`
+    std::vector<unsigned char> args;
+  };
+  std::unordered_map<std::string, MemoEntry> memo_;
+  std::string memo_key_;  // scratch for the lookup (no allocation once grown)
+  void forget_encodings() { memo_.clear(); }
+  // Timing events around graph replays, oldest first; read once the step's fence has been waited for.
+  std::vector<std::pair<CUevent, CUevent>> replay_timing_, spare_timing_;
+  void collect_replay_timing();
   GraphStats graph_stats_;
 
   struct Module;

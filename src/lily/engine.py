@@ -229,7 +229,9 @@ class Engine:
 
         ``backend_options``: backend settings. CPU: ``threads``; CUDA: ``device`` (ordinal, default 0),
         ``graphs`` (replay decode steps as CUDA graphs, default True), ``branches`` (independent launches
-        side by side, default True), ``pdl`` (programmatic dependent launch on sm_90+; default False: measured slower), ``cache_dir`` (compiled kernels;
+        side by side, default True), ``pdl`` (programmatic dependent launch on sm_90+; default False: measured slower), ``encode_memo``
+        (reuse the launches of a decode op whose arguments were seen before, skipping its host code; default
+        True), ``cache_dir`` (compiled kernels;
         default ``$LILY_CACHE_DIR/cuda`` or ``~/.cache/lily/cuda``), ``dry_arch`` (compile for sm_N and run
         nothing: a compile check without a GPU)."""
         check_progress(progress, "Engine.from_pretrained", callable_ok=False)

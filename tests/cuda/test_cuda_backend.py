@@ -165,6 +165,34 @@ def test_decode_graphs_and_one_read_per_token(checkpoints):
         assert st["generate_transfers"]["downloads"] == st["generate_transfers"]["steps"], st
 
 
+def test_encode_memo_survives_reused_buffer_ids(checkpoints):
+    """The decode encode memo keys ops by buffer ids; closing a session frees ids that the next session's
+    tensors reuse at other addresses. The memo is dropped at every allocation and release, so sessions made
+    one after another on one engine decode exactly as on a fresh engine (memo off)."""
+    path = checkpoints["mlx4"]
+    greedy = lily.SamplingParams(temperature=0)
+    prompts = [_ids(TINY_CONFIG["vocab_size"], 12 + i, 30 + i) for i in range(3)]
+    got = []
+    with lily.Engine.from_pretrained(path, backend="cuda") as gpu:
+        keep = gpu.session(max_context=512)  # a live session whose buffers stay put
+        keep.prefill(prompts[0])
+        for p in prompts:
+            s = gpu.session(max_context=256 + 64 * len(got))  # other sizes: other addresses for reused ids
+            s.prefill(p)
+            got.append(list(s.generate(10, greedy, stop_token_ids=[])))
+            s.close()
+        got.append(list(keep.generate(10, greedy, stop_token_ids=[])))
+        assert gpu.report()["cuda"]["graphs"]["encode_memo"]["hits"] > 0
+    want = []
+    with lily.Engine.from_pretrained(path, backend="cuda", backend_options={"encode_memo": False}) as ref:
+        for p in prompts + [prompts[0]]:
+            s = ref.session()
+            s.prefill(p)
+            want.append(list(s.generate(10, greedy, stop_token_ids=[])))
+            s.close()
+    assert got == want
+
+
 def test_greedy_generation_matches_cpu(checkpoints):
     path = checkpoints["mlx8"]
     prompt = _ids(TINY_CONFIG["vocab_size"], 16, 15)
@@ -225,7 +253,7 @@ def test_launch_modes_give_the_same_bits(checkpoints):
     ids = _ids(TINY_CONFIG["vocab_size"], 40, 16)
     runs = {}
     for name, opts in (("all", {"pdl": True}), ("no_pdl", {}), ("no_branches", {"branches": False, "pdl": True}),
-                       ("plain", {"graphs": False, "branches": False, "pdl": False})):
+                       ("plain", {"graphs": False, "branches": False, "pdl": False, "encode_memo": False})):
         with lily.Engine.from_pretrained(path, backend="cuda", backend_options=opts) as gpu:
             s = gpu.session()
             out = [s.prefill(ids, all_logits=True)]
@@ -236,6 +264,8 @@ def test_launch_modes_give_the_same_bits(checkpoints):
                 assert "programmatic dependent launch:" in opt
             if name == "no_pdl":
                 assert "not active: programmatic dependent launch (off by default" in opt
+            memo = gpu.report()["cuda"]["graphs"]["encode_memo"]
+            assert (memo["hits"] > 0) == (name != "plain"), (name, memo)
     for name in ("no_pdl", "no_branches", "plain"):
         for a, b in zip(runs["all"], runs[name]):
             np.testing.assert_array_equal(a, b, err_msg=name)
