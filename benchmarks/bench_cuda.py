@@ -106,6 +106,8 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=4096)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--backend-options", default="{}",
+                    help='JSON for Engine backend_options, e.g. \'{"gemv_async": false}\' (A/B of one optimization)')
     a = ap.parse_args()
     if not core.backends()["cuda"]["usable"]:
         print("CUDA backend not usable:", core.backends()["cuda"]["status"], file=sys.stderr)
@@ -114,7 +116,8 @@ def main() -> int:
     path = bench.synthetic_checkpoint("full", a.cache)
     print(f"checkpoint ready in {time.perf_counter() - t:.1f}s: {path}", flush=True)
     t = time.perf_counter()
-    engine = lily.Engine.from_pretrained(path, backend="cuda", kv_cache_dtype="bf16", prefill_chunk=a.prefill_chunk)
+    engine = lily.Engine.from_pretrained(path, backend="cuda", kv_cache_dtype="bf16", prefill_chunk=a.prefill_chunk,
+                                         backend_options=json.loads(a.backend_options))
     load_s = time.perf_counter() - t
     bw = copy_bandwidth()
     peak = bf16_peak()

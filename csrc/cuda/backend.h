@@ -53,6 +53,9 @@ struct CudaOptions {
   // step reuses its recorded launches instead of running its host code again (forgotten at any allocation,
   // release or weight placement, which are what turn buffer ids and mappings into addresses).
   bool encode_memo = true;
+  // Decode GEMV with its weight loads staged through shared memory by cp.async, 4 batches deep
+  // (matmul_gemv_async); false: the register double buffer (matmul_gemv).
+  bool gemv_async = true;
   // Programmatic dependent launch (sm_90+). Off by default: measured slower on the H200 (benchmarks/NOTES.md,
   // decode -4%, prefill at 4K -39%: the early-scheduled blocks of the next kernel sit on SM resources).
   bool pdl = false;
@@ -126,6 +129,7 @@ class CudaOps final : public Ops {
   CUdeviceptr scales(const Weight& w) const { return ptr(w.scale_mapping, w.scales); }
   CUdeviceptr biases(const Weight& w) const { return ptr(w.bias_mapping, w.biases); }
   const DeviceInfo& info() const { return info_; }
+  const CudaOptions& options() const { return opt_; }
   // The variant each op family chose and why (engine.report()["cuda"]["variants"]); later notes for the
   // same key replace earlier ones.
   void note_variant(const std::string& key, const std::string& variant);

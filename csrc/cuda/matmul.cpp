@@ -124,6 +124,35 @@ struct GemvParts {
 };
 static_assert(sizeof(GemvParts) == 4 * 8 * 4 + 8 * 4 + 4 * 4 + 4 * 5 + 4, "must match kernels/matmul.cu");
 
+// matmul_gemv_async for these weights: its stage count (GEMV_STAGES in matmul.cu: 4, or 3 where 4 do not fit)
+// and dynamic shared memory (stages · NT · U·J·(16 + 8·NSG) bytes), or {0, 0} where the register form runs:
+// dense weights, codes or rows not 16-byte aligned, scale or bias arrays not 4-byte aligned, the option off, or
+// more shared memory than two blocks per SM can have.
+struct GemvAsync {
+  int stages = 0, smem = 0;
+};
+GemvAsync gemv_async(const CudaOps& ops, const Weight* w, int n, bool u1) {
+  if (!ops.options().gemv_async) return {};
+  for (int i = 0; i < n; ++i) {
+    const Weight& x = w[i];
+    if (!x.quantized() || alignment_of(uint64_t(ops.data(x)), x.row_bytes()) != 16 ||
+        uint64_t(ops.scales(x)) % 4 != 0 || uint64_t(ops.biases(x)) % 4 != 0)
+      return {};
+  }
+  const int64_t chunks = ceil_div(int64_t(w[0].row_bytes()), 16);
+  const int64_t tpr = std::min<int64_t>(pow2ceil(chunks), kThreads), j = ceil_div(chunks, tpr);
+  const int64_t epc = 128 / w[0].bits, sg = std::min<int64_t>(w[0].group, epc), nsg = epc / sg;
+  // Static shared memory: x staged as C chunks of EPC + 4 floats when that is at most 36 KB (XSH), the reduction.
+  const int64_t xsh = chunks * (epc + 4) * 4;
+  const int64_t fixed = (xsh <= 36 * 1024 ? xsh : 16) + 1024;
+  const int64_t cap = std::min<int64_t>(ops.info().max_smem_optin, 227 * 1024 / kGemvBlocksPerSm);
+  for (int stages : {4, 3}) {
+    const int64_t bytes = int64_t(stages) * kThreads * (u1 ? 1 : kGemvRows) * j * (16 + 8 * nsg);
+    if (bytes + fixed <= cap) return {stages, int(bytes)};
+  }
+  return {};
+}
+
 struct MatmulVariant {
   bool gemm = false, mma = false;
   std::string name, reason;
@@ -159,13 +188,18 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
                "rows per pass, 2 spans of codes in flight, " + loads + sc_reason +
                "; T > 8 takes the CUDA-core GEMV";
   } else if (!v.gemm) {
-    v.name = "gemv_" + kind + "_cuda" + (fmt.empty() ? "" : "_" + fmt) + ld_suffix + sc_suffix;
     const int64_t rpp = gemv_rows_per_pass(w);
     const bool u1 = gemv_one_row(ops, w);
+    const GemvAsync as = gemv_async(ops, &w, 1, u1);
+    v.name = "gemv_" + kind + "_cuda" + (as.stages ? "_async" : "") + (fmt.empty() ? "" : "_" + fmt) + ld_suffix +
+             sc_suffix;
     v.reason = "x staged through shared memory into registers, " + std::to_string(kThreads / rpp) +
                " threads per row, " + std::to_string(rpp * (u1 ? 1 : kGemvRows)) + " rows per block batch (" +
                (u1 ? "1 row per thread: every row in one pass of the grid" : "4 rows per thread, persistent grid") +
-               "), " + loads + sc_reason;
+               "), " + loads + sc_reason +
+               (as.stages ? ", codes/scales/biases staged by cp.async " + std::to_string(as.stages) + " batches deep"
+                          : ", register double buffer" + std::string(ops.options().gemv_async ? " (dense or unaligned weights)"
+                                                                                           : " (gemv_async=False)"));
   } else {
     const bool codes = w.quantized() && w.group % 16 == 0 && (w.group % kGemmBK == 0 || kGemmBK % w.group == 0);
     const std::string mode = codes ? "codes" : (!w.quantized() && w.dtype == DType::BF16) ? "bf16" : "split";
@@ -241,7 +275,14 @@ void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, i
   // Geometry as matmul.cu derives it (TPR, RPP, RB): must match. U from all the parts' rows, never from T.
   const int64_t rpp = gemv_rows_per_pass(w[0]);
   const bool u1 = gemv_one_row(*this, w[0], rows);
-  const Kernel& k = kernel("matmul", u1 ? "matmul_gemv_u1" : "matmul_gemv", defines);
+  const GemvAsync as = gemv_async(*this, w, n, u1);
+  const int async_smem = as.smem;
+  const char* name = as.stages ? (u1 ? "matmul_gemv_async_u1" : "matmul_gemv_async")
+                               : (u1 ? "matmul_gemv_u1" : "matmul_gemv");
+  Defines d = defines;
+  if (as.stages && as.stages != 4) d.push_back({"GEMV_STAGES", as.stages});
+  const Kernel& k = kernel("matmul", name, d);
+  if (async_smem > 48 * 1024 && k.max_dynamic_smem < async_smem) set_dynamic_smem(k, async_smem);
   const int64_t rb = rpp * (u1 ? 1 : kGemvRows);
   GemvParts P{};
   P.np = n;
@@ -260,7 +301,8 @@ void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, i
   for (int i = n; i <= kGemvParts; ++i) P.bstart[i] = int32_t(batches);
   const int64_t slots = std::max<int64_t>(1, int64_t(kGemvBlocksPerSm) * std::max(1, info().sms) / T);
   const int64_t nb = std::min(batches, slots);
-  launch(k, Dim3{unsigned(nb * T), 1, 1}, Dim3{unsigned(kThreads), 1, 1}, 0, ptr(x), int(T), int64_t(x.stride), P);
+  launch(k, Dim3{unsigned(nb * T), 1, 1}, Dim3{unsigned(kThreads), 1, 1}, uint32_t(async_smem), ptr(x), int(T),
+         int64_t(x.stride), P);
 }
 
 // Decode: the products whose weights share one CUDA-core GEMV module run as one launch (the real model's

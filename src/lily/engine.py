@@ -231,7 +231,8 @@ class Engine:
         ``graphs`` (replay decode steps as CUDA graphs, default True), ``branches`` (independent launches
         side by side, default True), ``pdl`` (programmatic dependent launch on sm_90+; default False: measured slower), ``encode_memo``
         (reuse the launches of a decode op whose arguments were seen before, skipping its host code; default
-        True), ``cache_dir`` (compiled kernels;
+        True), ``gemv_async`` (decode GEMV weights staged through shared memory by cp.async; default True),
+        ``cache_dir`` (compiled kernels;
         default ``$LILY_CACHE_DIR/cuda`` or ``~/.cache/lily/cuda``), ``dry_arch`` (compile for sm_N and run
         nothing: a compile check without a GPU)."""
         check_progress(progress, "Engine.from_pretrained", callable_ok=False)

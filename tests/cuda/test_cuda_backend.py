@@ -253,7 +253,8 @@ def test_launch_modes_give_the_same_bits(checkpoints):
     ids = _ids(TINY_CONFIG["vocab_size"], 40, 16)
     runs = {}
     for name, opts in (("all", {"pdl": True}), ("no_pdl", {}), ("no_branches", {"branches": False, "pdl": True}),
-                       ("plain", {"graphs": False, "branches": False, "pdl": False, "encode_memo": False})):
+                       ("plain", {"graphs": False, "branches": False, "pdl": False, "encode_memo": False,
+                                  "gemv_async": False})):
         with lily.Engine.from_pretrained(path, backend="cuda", backend_options=opts) as gpu:
             s = gpu.session()
             out = [s.prefill(ids, all_logits=True)]

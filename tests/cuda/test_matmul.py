@@ -279,3 +279,20 @@ def test_matmuls_decode_rows_match_plain_matmul_across_T(benches):
     three = _run_group(benches[1], descs, x, "decode")
     for a, b in zip(one, three):
         np.testing.assert_array_equal(a[1].view(np.uint32), b[1].view(np.uint32))
+
+
+@pytest.mark.parametrize("spec,n,k", [("q4g64-bf16", 8192, 2048), ("q4g64-bf16", 2048, 4096), ("q8g64-bf16", 257, 2048),
+                                      ("q4g32-f32", 100, 192), ("q8g32-f16", 33, 192), ("q8g128-f16", 7, 384)])
+def test_gemv_async_equals_register_form(benches, spec, n, k):
+    """matmul_gemv_async (cp.async staging) and matmul_gemv (register double buffer) do the same arithmetic in
+    the same order: the same bits, and the report names which ran."""
+    rng = np.random.default_rng(zlib.crc32(f"async {spec} {n} {k}".encode()))
+    desc, _ = make_weight(rng, spec, n, k)
+    x = make_x(rng, 3, k)
+    reg = core.OpBench("cuda", {"gemv_async": False})
+    for t in (1, 3):
+        a = _check(benches, desc, x[:t], "decode", f"{spec} [{n}, {k}] T={t}")
+        b = _run(reg, desc, x[:t], "decode")
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert any("cp.async" in v for v in _variants(benches[1].report()).values())
+    assert any("gemv_async=False" in v for v in _variants(reg.report()).values())

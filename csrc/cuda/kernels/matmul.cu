@@ -150,7 +150,35 @@ __device__ __forceinline__ V gemv_pick(V const (&a)[L], int p) {
   return v;
 }
 
-template <int U>
+// matmul_gemv_async: the same GEMV with the codes, scales and biases of GEMV_STAGES batches in flight per
+// thread through cp.async into thread-private shared memory (no registers hold loads in flight, so a thread
+// keeps 4x the bytes of the register double buffer outstanding: the decode shapes give each block only 2-4
+// batches, and the register form waited about one DRAM round trip per batch). Affine weights whose codes and
+// scale/bias arrays are 4-byte aligned and whose rows are 16-byte aligned (AL 16, SAL 1); each thread reads back
+// only what it copied, so cp.async.wait_group orders it without a barrier. Shared memory per block:
+// GEMV_STAGES · NT · U·J·(16 + 8·NSG) bytes (matmul.cpp gemv_async_smem must match).
+#ifndef GEMV_STAGES
+#define GEMV_STAGES 4
+#endif
+__device__ __forceinline__ void gemv_cp16(void* dst, const void* src, int bytes) {
+  const u32 d = static_cast<u32>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void gemv_cp4(void* dst, const void* src, int bytes) {
+  const u32 d = static_cast<u32>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void gemv_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void gemv_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// Scale/bias element gi from the aligned 4-byte word holding it.
+__device__ __forceinline__ float gemv_word_scalar(u32 w, i64 gi) {
+  if (DT == LILY_F32) return __uint_as_float(w);
+  const u16 h = u16((gi & 1) ? (w >> 16) : (w & 0xffffu));
+  return DT == LILY_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+template <int U, bool ASYNC = false>
 __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i64 ldx, const GemvParts& P) {
   constexpr int RB = RPP * U;  // rows per block batch
   __shared__ float red[U][RPP][WPR];
@@ -198,8 +226,58 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
       }
     }
   };
+  // ASYNC: stage st of this thread's slots: codes [U·J] uint4, then scale and bias words [U·J·NSG·2].
+  constexpr int CW = U * J, SWN = U * J * NSG * 2;
+  extern __shared__ __align__(16) unsigned char gemv_dyn_smem[];
+  auto code_slot = [&](int st, int u, int j) {
+    return reinterpret_cast<uint4*>(gemv_dyn_smem) + (i64(st) * CW + u * J + j) * NT + tid;
+  };
+  auto word_slot = [&](int st, int u, int j, int sg, int which) {
+    return reinterpret_cast<u32*>(gemv_dyn_smem + i64(GEMV_STAGES) * CW * NT * 16) +
+           (i64(st) * SWN + ((u * J + j) * NSG + sg) * 2 + which) * NT + tid;
+  };
+  // Copies batch bt (if it exists) into stage st, then commits a group (empty past the end, so the count of
+  // outstanding groups stays uniform).
+  auto issue_batch = [&](i64 bt, int st) {
+    if (bt < nbatches) {
+      const int p = gemv_part_of(P, bt);
+      const unsigned char* __restrict__ W = gemv_pick(P.W, p);
+      const unsigned char* __restrict__ S = static_cast<const unsigned char*>(gemv_pick(P.S, p));
+      const unsigned char* __restrict__ B = static_cast<const unsigned char*>(gemv_pick(P.B, p));
+      const int N = gemv_pick(P.N, p);
+      const i64 lb = bt - gemv_pick(P.bstart, p);
+      constexpr int ES = DT == LILY_F32 ? 4 : 2;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const i64 n = lb * RB + u * RPP + rg;
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+          const int c = tr + j * TPR;
+          const i64 off = i64(c) * 16;
+          const bool live = n < N && c < C;
+          gemv_cp16(code_slot(st, u, j), live ? W + n * RBYTES + off : W,
+                    live ? (RBYTES - off >= 16 ? 16 : int(RBYTES - off)) : 0);
+#pragma unroll
+          for (int sg = 0; sg < NSG; ++sg) {
+            const i64 k0 = i64(c) * EPC + sg * SG;
+            const bool ok = live && k0 < K;
+            const i64 gi = ok ? n * NG + k0 / (GROUP ? GROUP : 1) : 0;
+            const i64 wb = (gi * ES) & ~i64(3);
+            gemv_cp4(word_slot(st, u, j, sg, 0), S + wb, ok ? 4 : 0);
+            gemv_cp4(word_slot(st, u, j, sg, 1), B + wb, ok ? 4 : 0);
+          }
+        }
+      }
+    }
+    gemv_cp_commit();
+  };
   // The first batch's W loads go out before x is staged: the two latencies overlap.
-  if (b0 < nbatches) load_batch(b0, v, sc, bi);
+  if constexpr (ASYNC) {
+#pragma unroll
+    for (int st = 0; st < GEMV_STAGES - 1; ++st) issue_batch(b0 + i64(st) * bstep, st);
+  } else {
+    if (b0 < nbatches) load_batch(b0, v, sc, bi);
+  }
 
   // This thread's inputs, once: xs (prescaled for affine codes), sx = Σx per subgroup (e ascending).
   if (XSH) {
@@ -233,11 +311,39 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
 
   constexpr int WL = imin(TPR, 32);  // lanes of one row inside a warp
   constexpr bool BFLY = U == 4 && WL >= 8;
-  for (i64 bt = b0; bt < nbatches; bt += bstep) {
+  int it = 0;
+  for (i64 bt = b0; bt < nbatches; bt += bstep, ++it) {
     u32 vn[U][J][4];
     float scn[U][J][NSG], bin[U][J][NSG];
     const bool more = bt + bstep < nbatches;
-    if (more) load_batch(bt + bstep, vn, scn, bin);
+    if constexpr (ASYNC) {
+      // Refill the stage this thread finished last iteration, then wait for this batch's group.
+      issue_batch(bt + i64(GEMV_STAGES - 1) * bstep, (it + GEMV_STAGES - 1) % GEMV_STAGES);
+      gemv_cp_wait<GEMV_STAGES - 1>();
+      const int st = it % GEMV_STAGES;
+      const i64 lb0 = bt - gemv_pick(P.bstart, gemv_part_of(P, bt));
+      const int N0 = gemv_pick(P.N, gemv_part_of(P, bt));
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const i64 n = lb0 * RB + u * RPP + rg;
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+          const uint4 q = *code_slot(st, u, j);
+          v[u][j][0] = q.x, v[u][j][1] = q.y, v[u][j][2] = q.z, v[u][j][3] = q.w;
+          const int c = tr + j * TPR;
+#pragma unroll
+          for (int sg = 0; sg < NSG; ++sg) {
+            const i64 k0 = i64(c) * EPC + sg * SG;
+            const bool ok = n < N0 && c < C && k0 < K;
+            const i64 gi = ok ? n * NG + k0 / (GROUP ? GROUP : 1) : 0;
+            sc[u][j][sg] = ok ? gemv_word_scalar(*word_slot(st, u, j, sg, 0), gi) : 0.f;
+            bi[u][j][sg] = ok ? gemv_word_scalar(*word_slot(st, u, j, sg, 1), gi) : 0.f;
+          }
+        }
+      }
+    } else {
+      if (more) load_batch(bt + bstep, vn, scn, bin);
+    }
     const int p = gemv_part_of(P, bt);
     float* __restrict__ y = gemv_pick(P.y, p);
     const i64 ldy = gemv_pick(P.ldy, p);
@@ -313,7 +419,7 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
       }
       __syncthreads();
     }
-    if (more) {
+    if (!ASYNC && more) {
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -340,6 +446,18 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
   LILY_PDL_PROLOGUE();
   gemv_body<1>(x, T, ldx, P);
 }
+#if BITS > 0 && AL == 16 && SAL == 1
+extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
+    matmul_gemv_async(const float* __restrict__ x, int T, i64 ldx, const GemvParts P) {
+  LILY_PDL_PROLOGUE();
+  gemv_body<GEMV_U, true>(x, T, ldx, P);
+}
+extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
+    matmul_gemv_async_u1(const float* __restrict__ x, int T, i64 ldx, const GemvParts P) {
+  LILY_PDL_PROLOGUE();
+  gemv_body<1, true>(x, T, ldx, P);
+}
+#endif
 
 // ------------------------------------------------------------------------------------------------------
 // GEMM (prefill)
