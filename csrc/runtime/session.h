@@ -136,6 +136,18 @@ class Session {
   std::string generate(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
                        const std::function<int(int32_t, const float*)>& on_token, bool with_logits = false);
 
+  // Feeds ids as prefill() does (logits of the last id only, kept in the session) and returns a snapshot of the
+  // state at each position in `at` (strictly ascending, each in (position(), position() + n], a pending token
+  // fed first), equal to what snapshot() taken there would hold: snapshot 0 shares KV rows with `base` (which
+  // snapshot() would accept at at[0]; may be null), each later one with the one before. No position costs a
+  // forward of its own: the chunk holding it captures the DeltaNet state after that row straight into the
+  // snapshot (ops.h StateCapture), computes that row's logits in the lm_head pass of its last row when they are
+  // at most 16 rows apart (one more pass otherwise), and copies the KV rows in the same step; a position at a
+  // chunk's end is copied from the state. One capture per chunk: a chunk holding two inner positions ends at
+  // the second. If progress cancels, the snapshots of the positions reached are returned.
+  std::vector<std::unique_ptr<DeviceSnapshot>> prefill_snapshots(
+      const int32_t* ids, int64_t n, const std::vector<int64_t>& at, const DeviceSnapshot* base,
+      const std::function<bool(int64_t, int64_t)>& progress);
   // Copies the state into a new snapshot. With `base` (a snapshot of this engine whose tokens are a
   // prefix of this session's, same KV dtype), the KV rows [0, base position) are shared with it and only
   // rows [base position, position) are copied; throws std::invalid_argument (naming base) otherwise.
@@ -164,6 +176,13 @@ class Session {
   // Encodes one decode step of the token in slot[s] into the open step. Model lock held.
   void encode_decode(int s);
   void restore_locked(const DeviceSnapshot& s);
+  // Throws std::invalid_argument (naming base) unless `base` can share KV rows with a snapshot of `tokens`.
+  void check_base(const DeviceSnapshot& base, const std::vector<int32_t>& tokens) const;
+  // Allocates snap's own tensors (conv/recurrent per DeltaNet layer, logits) and, when seg is given, seg's KV
+  // rows [seg->begin, seg->end). Model lock held, outside a step.
+  void alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg);
+  // Encodes the copies of the cache's KV rows [seg.begin, seg.end) into seg (inside a step).
+  void encode_kv_copy(KvSegment& seg);
   void set_context(std::vector<int32_t> tokens, int32_t pending, bool has_logits);
 
   Qwen36& model_;

@@ -210,6 +210,52 @@ class Session:
             self._prompt_stats = (tokens + self.position - before, seconds + time.perf_counter() - t)
         return out[:done] if all_logits else out[0]
 
+    def prefill_snapshots(
+        self,
+        ids: Iterable[int] | np.ndarray,
+        at: Iterable[int],
+        *,
+        base: Snapshot | None = None,
+        progress: bool | Callable[[int, int], bool | None] | None = None,
+    ) -> list[Snapshot]:
+        """Feed tokens as :meth:`prefill` does and return a snapshot of the state at each position in ``at``
+        (strictly ascending session positions, each after the current one and at most the position after
+        ``ids``): what :meth:`snapshot` taken at that position would hold. Snapshot 0 shares KV rows with
+        ``base`` (as ``snapshot(base=...)`` would there), each later one with the one before.
+
+        No position costs a forward of its own: the prefill chunk that reaches it also keeps the DeltaNet state
+        after that row (one forward serves a checkpoint inside the chunk and the end of the prompt; a chunk
+        holding two such positions ends at the second). ``progress`` as in :meth:`prefill`; if it stops the
+        prefill, the snapshots of the positions reached are returned. Raises ValueError (naming ``at`` or
+        ``base``) for positions out of range or a base that cannot be shared, TypeError for a non-Snapshot base.
+        """
+        check_progress(progress, "Session.prefill_snapshots")
+        arr = self._engine._validate_ids(ids)
+        positions = [check_int(p, "Session.prefill_snapshots: at[]") for p in at]
+        core_base = None
+        if base is not None:
+            if not isinstance(base, Snapshot):
+                raise TypeError(f"Session.prefill_snapshots: base must be a Snapshot, got {type(base).__name__}")
+            if not base.on_device or base.fingerprint != self._engine.fingerprint:
+                raise ValueError("Session.prefill_snapshots: base must be a snapshot taken on this model by "
+                                 "Session.snapshot (not a host copy read from a file)")
+            core_base = base._core
+        start = self.position
+        for i, p in enumerate(positions):
+            if not start < p <= start + len(arr) or (i and p <= positions[i - 1]):
+                raise ValueError(f"Session.prefill_snapshots: at must ascend strictly within ({start}, "
+                                 f"{start + len(arr)}], got {p} at index {i}")
+        before, t = self.position, time.perf_counter()
+        try:
+            with progress_callback(progress, total=len(arr), desc="prefill", unit="tok") as callback:
+                cores = self._core.prefill_snapshots(arr, positions, core_base, callback)
+        except ValueError as exc:
+            raise ValueError(f"Session.prefill_snapshots: {exc}") from None
+        finally:
+            tokens, seconds = self._prompt_stats
+            self._prompt_stats = (tokens + self.position - before, seconds + time.perf_counter() - t)
+        return [Snapshot(c, self._engine.fingerprint) for c in cores]
+
     def step(self, token: int) -> np.ndarray:
         """Feed one token; returns the logits that follow it (float32 [vocab])."""
         arr = self._engine._validate_ids([token])
