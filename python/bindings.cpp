@@ -881,6 +881,9 @@ NB_MODULE(_core, m) {
       .def_prop_ro("chunk", [](PySession& s) { return s.s->chunk(); })
       .def_prop_ro("kv_dtype", [](PySession& s) { return std::string(dtype_name(s.s->kv_dtype())); })
       .def_prop_ro("state_bytes", [](PySession& s) { return s.s->state_bytes(); })
+      .def_prop_ro("held_kv_rows", [](PySession& s) { return without_gil([&] { return s.s->held_kv_rows(); }); })
+      .def("held_kv_rows_of",
+           [](PySession& s, const PySnapshot& snap) { return without_gil([&] { return s.s->held_kv_rows(*snap.s); }); })
       .def("tokens", [](PySession& s) { return without_gil([&] { return s.s->tokens(); }); })
       .def("prefill",
            [](PySession& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ids,

@@ -230,3 +230,41 @@ def test_prefix_cache_takes_its_checkpoints_in_one_prefill(engine, monkeypatch):
     assert sorted(len(k) for k in cache._entries) == [17, 20, 33, 36]
     assert cache._entries[tuple(ids[:33])].parent is cache._entries[tuple(ids[:20])]
     assert cache._entries[tuple(ids[:33])].snapshot.base_position == 20
+
+
+# ---- kept session states (Engine(keep_sessions=N)) ----
+
+def test_kept_sessions_restore_without_copying_held_rows_and_give_cold_tokens():
+    """A conversation through PrefixCache with a new session per turn, as the server runs it: the restore moves
+    the session onto the kept state already holding the checkpoint's KV rows (held_kv_rows_of), and every
+    turn still gives exactly the tokens of a cold run on a fresh engine state."""
+    with lily.Engine.from_pretrained(keep_sessions=2) as e:
+        cache = PrefixCache(e)
+        messages = [{"role": "user", "content": "def read_lines(path):"}]
+        for turn in range(3):
+            ids = e.apply_chat_template(messages)
+            base = e.apply_chat_template(messages, add_generation_prompt=False)
+            s = e.session(max_context=256)
+            cached, snap = cache.lookup(ids)
+            if turn:
+                # some kept state holds rows of the checkpoint this turn restores; the new session holds none
+                assert s._core.held_kv_rows_of(snap._core) == 0
+                assert max(c.held_kv_rows_of(snap._core) for c in e._idle) > 0
+            fresh = s._core
+            assert cache.prefill(s, ids, checkpoints=[len(base)]) == cached
+            if turn:
+                assert s._core is not fresh  # moved onto the kept state
+                kv_rows = len(snap._core.to_arrays()["tokens"])  # its position less a pending token
+                assert s._core.held_kv_rows_of(snap._core) == kv_rows  # all of them: none was copied
+            out = list(s.generate(12, lily.SamplingParams(), stop_token_ids=[]))
+            c = e.session(max_context=len(ids) + 12)  # a blank kept state or a new one
+            c.prefill(ids)
+            assert out == list(c.generate(12, lily.SamplingParams(), stop_token_ids=[]))
+            c.close()
+            cache.store(s, ids + out)
+            s.close()
+            messages += [{"role": "assistant", "content": e.detokenize(out, skip_special_tokens=True)},
+                         {"role": "user", "content": f"and turn {turn}?"}]
+        assert len(e._idle) <= 2
+    with pytest.raises(ValueError, match="keep_sessions"):
+        lily.Engine.from_pretrained(keep_sessions=-1)

@@ -233,10 +233,38 @@ void Session::feed_pending_locked() {
   int32_t t;
   {
     std::lock_guard<std::mutex> lk(state_mu_);
+    // Every forward of the calling API writes KV rows from here on: they no longer equal any segment's.
+    const int64_t from = int64_t(tokens_.size());
+    kv_held_.erase(std::remove_if(kv_held_.begin(), kv_held_.end(),
+                                  [from](const HeldSegment& h) { return h.end > from || h.seg.expired(); }),
+                   kv_held_.end());
     if (pending_ < 0) return;
     t = pending_;
   }
   decode_one_locked(t, true);
+}
+
+bool Session::holds_locked(const KvSegment* seg) const {
+  for (const HeldSegment& h : kv_held_)
+    if (h.seg.lock().get() == seg) return true;  // alive, so no other segment has its address
+  return false;
+}
+
+void Session::hold_locked(const std::shared_ptr<const KvSegment>& seg) {
+  if (seg && !holds_locked(seg.get())) kv_held_.push_back({seg, seg->end});
+}
+
+int64_t Session::held_kv_rows() const {
+  std::lock_guard<std::mutex> lk(model_lock_);
+  // The longest run from row 0: segments chain from begin 0 upwards.
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (const HeldSegment& h : kv_held_)
+    if (auto s = h.seg.lock()) spans.emplace_back(s->begin, s->end);
+  std::sort(spans.begin(), spans.end());
+  int64_t rows = 0;
+  for (const auto& [b, e] : spans)
+    if (b <= rows) rows = std::max(rows, e);
+  return rows;
 }
 
 int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* out,
@@ -502,6 +530,7 @@ std::unique_ptr<DeviceSnapshot> Session::snapshot(const DeviceSnapshot* base) {
   if (seg) {
     snap->kv_ = std::move(seg);
     snap->owns_tail_ = true;
+    hold_locked(snap->kv_);  // copied from the cache: the cache's rows are its rows
   }
   return snap;
 }
@@ -626,6 +655,8 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
         segs[i]->parent = parent_kv;
         made[i]->kv_ = std::move(segs[i]);
         made[i]->owns_tail_ = true;
+        std::lock_guard<std::mutex> lk(model_lock_);
+        hold_locked(made[i]->kv_);
       }
       parent_kv = made[i]->kv_;
       snaps.push_back(std::move(made[i]));
@@ -635,6 +666,14 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
     if (progress && !progress(done, n) && done < n) break;  // cancelled between chunks
   }
   return snaps;
+}
+
+int64_t Session::held_kv_rows(const DeviceSnapshot& s) const {
+  std::lock_guard<std::mutex> lk(model_lock_);
+  int64_t rows = 0;
+  for (const KvSegment* seg : chain(s.kv_))
+    if (holds_locked(seg)) rows += seg->end - seg->begin;
+  return rows;
 }
 
 void Session::check_restorable(int64_t position, int32_t pending, const std::vector<int32_t>& tokens) const {
@@ -649,12 +688,16 @@ void Session::check_restorable(int64_t position, int32_t pending, const std::vec
 
 void Session::restore_locked(const DeviceSnapshot& s) {
   const ModelConfig& c = model_.config();
-  const std::vector<const KvSegment*> segs = chain(s.kv_);
+  std::vector<const KvSegment*> segs = chain(s.kv_);
+  // Segments whose rows the cache already holds, bit for bit, are not copied again.
+  std::vector<const KvSegment*> copy;
+  for (const KvSegment* seg : segs)
+    if (!holds_locked(seg)) copy.push_back(seg);
   Step step(ops_, Phase::Prefill);
   size_t fi = 0, di = 0;
   for (size_t li = 0; li < size_t(c.layers); ++li) {
     if (c.full_attention[li]) {
-      for (const KvSegment* seg : segs) {  // rows [seg->begin, seg->end) of each head
+      for (const KvSegment* seg : copy) {  // rows [seg->begin, seg->end) of each head
         const int64_t n = seg->end - seg->begin;
         for (int64_t h = 0; h < c.kv_heads && n > 0; ++h) {
           ops_.copy(seg->k[fi].rows_view(h * n, n), st_.k_cache[li].rows_view(h * st_.max_ctx + seg->begin, n));
@@ -671,6 +714,8 @@ void Session::restore_locked(const DeviceSnapshot& s) {
   ops_.copy(s.logits_, st_.now().logits);
   ops_.fill(st_.now().pos, double(s.position_));
   ops_.wait(step.submit());
+  kv_held_.clear();  // rows [0, position) are now the chain's (rows past it are never read before rewritten)
+  for (std::shared_ptr<const KvSegment> seg = s.kv_; seg; seg = seg->parent) hold_locked(seg);
 }
 
 void Session::restore(const DeviceSnapshot& s) {

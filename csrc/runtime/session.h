@@ -166,12 +166,17 @@ class Session {
   };
   LoopTransfers last_generate_transfers() const;
   size_t state_bytes() const;
+  // Rows [0, n) of the KV cache that equal, bit for bit, KV segments still alive (what a restore of a
+  // snapshot built on them would not copy): the engine's pool of closed sessions picks by it.
+  int64_t held_kv_rows() const;
+  // Rows of s's KV segments this cache holds bit for bit (a restore of s would not copy them).
+  int64_t held_kv_rows(const DeviceSnapshot& s) const;
 
  private:
   void check_ids(const int32_t* ids, int64_t n) const;
   void check_restorable(int64_t position, int32_t pending, const std::vector<int32_t>& tokens) const;
   void ensure_scratch(Scratch& sc, int64_t rows, int64_t logit_rows);
-  void feed_pending_locked();  // model lock held
+  void feed_pending_locked();  // model lock held; also forgets held KV rows from the position on
   void decode_one_locked(int32_t token, bool was_pending);
   // Encodes one decode step of the token in slot[s] into the open step. Model lock held.
   void encode_decode(int s);
@@ -193,6 +198,17 @@ class Session {
   SessionState st_;
   Scratch prefill_sc_, decode_sc_;
   int64_t chunk_;
+  // KV segments whose rows [begin, end) the cache holds bit for bit (it was copied from them, or they from it),
+  // so a restore of a snapshot reaching them skips their copy (a session reused for the next turn of a
+  // conversation copies only the rows it lacks). Guarded by the model lock; rows from a session's position on
+  // are dropped before any forward writes there (feed_pending_locked).
+  struct HeldSegment {
+    std::weak_ptr<const KvSegment> seg;
+    int64_t end;
+  };
+  std::vector<HeldSegment> kv_held_;
+  bool holds_locked(const KvSegment* seg) const;
+  void hold_locked(const std::shared_ptr<const KvSegment>& seg);
   // guarded by state_mu_ (written only by the thread holding busy_)
   std::vector<int32_t> tokens_;
   int32_t pending_ = -1;

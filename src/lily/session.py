@@ -110,20 +110,26 @@ class Session:
 
     # ---- lifetime ----
     def close(self) -> None:
-        """Release this session's state (KV cache, recurrent state). A running generation is cancelled
-        first; later calls raise :class:`LilyError`. Also what ``with`` does."""
+        """Release this session's state (KV cache, recurrent state), or hand it to the engine for a later
+        session of the same shape (``Engine(keep_sessions=N)``). A running generation is cancelled first;
+        later calls raise :class:`LilyError`. Also what ``with`` does."""
         self._close("this Session")
 
     def _close(self, why: str) -> None:
         live = self._live
+        reusable = why == "this Session" and not isinstance(self._core, _ClosedHandle)
         if live is not None:
             cancelled, resume, worker = live
             cancelled.set()
             resume.release()
             if worker is not threading.current_thread():
                 worker.join()
+            else:
+                reusable = False  # closed from its own generation's thread: the core is still in use
         what = "this Session" if why == "this Session" else f"this Session ({why})"
-        self._core = closed_handle(what)
+        core, self._core = self._core, closed_handle(what)
+        if reusable:
+            self._engine._keep_idle(core)
 
     def __enter__(self) -> "Session":
         return self
@@ -432,6 +438,18 @@ class Session:
             raise TypeError("restore() takes a Snapshot from Session.snapshot() or Engine.load_session()")
         if snapshot.fingerprint != self._engine.fingerprint:
             raise LilyError("snapshot was taken on a different model; it cannot be restored here")
+        if snapshot.on_device and self._live is None and not isinstance(self._core, _ClosedHandle):
+            # A kept session state already holding more of the snapshot's KV rows takes this one's place
+            # (Engine(keep_sessions=N)): the restore replaces the whole state, and copies fewer rows there.
+            better = self._engine._swap_for_restore(self._core, snapshot._core)
+            if better is not None:
+                mine, self._core = self._core, better
+                try:
+                    better.restore(snapshot._core)
+                except BaseException:  # refused before touching the state: this session is as it was
+                    self._core = self._engine._swap_back(better, mine)
+                    raise
+                return
         self._core.restore(snapshot._core)
 
     def fork(self, max_context: int | None = None) -> "Session":
