@@ -2,7 +2,9 @@
 //   conv1d_silu: out[t, c] = silu(Σ_j w[c, j] · x[t - (K-1) + j, c]), rows before the chunk from the conv state
 //                [K-1, C] (oldest first); the state advances to the last K-1 pre-conv rows. Thread c owns channel c
 //                of input, state and output (in place when state_in = state_out). Grid ⌈C/64⌉, 64 threads.
-//                Taps summed j = 0..K-1 in order, as the CPU does. K ≤ 16.
+//                Taps summed j = 0..K-1 in order, as the CPU does. K ≤ 16. Captures (csrc/backend/ops.h StateCapture):
+//                thread c also copies channel c of the state after rows cap_first .. cap_first + cap_count - 1 (the
+//                pre-conv rows ending there, from x or state_in) to cap, before it writes state_out.
 //   gated_delta_scan: the gated delta rule per value head j (key head j / (Hv/Hk), §12.6), in the order of §12.9:
 //                S ← α·S;  m = Sᵀk̂;  δ = β·(v − m);  S ← S + k̂ ⊗ δ;  o = Sᵀq̂;   q̂ = q / ‖q‖ / √Dk, k̂ = k / ‖k‖
 //                (eps 1e-6 on the sum of squares), β = σ(b), α = exp(−exp(A_log) · softplus(a + dt_bias)), all fp32.
@@ -11,9 +13,12 @@
 //                the CPU's order) and no barrier or threadgroup memory is needed; every thread recomputes the
 //                head's norms and gates (Dk reads each, from cache). State read once from state_in and written
 //                once to state_out per call. Grid Hv, Dv threads (Dv ≤ 1024, Dk ≤ 256). Instantiated per register
-//                budget: gated_delta_scan_{32,64,128,256} hold that many floats of S per thread.
+//                budget: gated_delta_scan_{32,64,128,256} hold that many floats of S per thread. Captures: after token
+//                cap_first + i (i < cap_count) thread e stores its column of S to slice i of cap (rows i·Hv·Dk ..), the
+//                registers a call ending at that token would store to state_out: the same bits.
 // Buffers: qkv f32 [T, 2·Hk·Dk + Hv·Dv] (after conv1d_silu), b, a f32 [T, Hv], A_log, dt_bias f32 [Hv],
-//          S f32 [Hv·Dk, Dv] (Lily's layout, csrc/model/qwen36.h), out f32 [T, Hv·Dv].
+//          S f32 [Hv·Dk, Dv] (Lily's layout, csrc/model/qwen36.h), out f32 [T, Hv·Dv]; cap (written only when
+//          cap_count > 0; the host binds state_out otherwise) f32 [cap_count·(K-1), C] or [cap_count·Hv·Dk, Dv].
 // Floor (real model, decode): the state crosses memory once each way, 2 · 32 · 128 · 128 · 4 B = 4 MiB per layer;
 //          T · Hv · Dk · Dv · 8 FLOPs. No function constants.
 #include <metal_stdlib>
@@ -23,11 +28,13 @@ using namespace metal;
 struct ConvShape {
   uint T, C, K;
   uint ld_x, ld_out, ld_state_in, ld_state_out;
+  uint cap_first, cap_count, ld_cap;
 };
 
 struct DeltaScanShape {
   uint T, k_heads, v_heads, Dk, Dv;
   uint ld_qkv, ld_b, ld_a, ld_out, ld_state_in, ld_state_out;
+  uint cap_first, cap_count, ld_cap;
 };
 
 inline float delta_silu(float x) { return x / (1.0f + exp(-x)); }
@@ -54,6 +61,7 @@ inline float delta_sum_squares(device const float* a, uint n) {
                             device float* state_out [[buffer(3)]],
                             device float* out [[buffer(4)]],
                             constant ConvShape& s [[buffer(5)]],
+                            device float* cap [[buffer(6)]],
                             uint c [[thread_position_in_grid]]) {
   constexpr uint kMaxTaps = 16;
   if (c >= s.C) return;
@@ -69,6 +77,12 @@ inline float delta_sum_squares(device const float* a, uint n) {
     for (uint r = 0; r + 1 < S; ++r) hist[r] = hist[r + 1];
     if (S > 0) hist[S - 1] = cur;
   }
+  for (uint i = 0; i < s.cap_count; ++i)  // state_in is still unchanged here (this thread owns channel c)
+    for (uint r = 0; r < S; ++r) {
+      const int src = int(s.cap_first + i + r + 1) - int(S);  // token index; negative = from the carried state
+      cap[ulong(i * S + r) * s.ld_cap + c] =
+          src >= 0 ? x[ulong(src) * s.ld_x + c] : state_in[ulong(int(S) + src) * s.ld_state_in + c];
+    }
   for (uint r = 0; r < S; ++r) state_out[ulong(r) * s.ld_state_out + c] = hist[r];
 }
 
@@ -82,6 +96,7 @@ template <uint MaxDk>
                                  device float* state_out [[buffer(6)]],
                                  device float* out [[buffer(7)]],
                                  constant DeltaScanShape& s [[buffer(8)]],
+                                 device float* cap [[buffer(9)]],
                                  uint j [[threadgroup_position_in_grid]],
                                  uint e [[thread_position_in_threadgroup]]) {
   if (e >= s.Dv) return;
@@ -112,6 +127,8 @@ template <uint MaxDk>
       o += (q[i] * rq) * S[i];
     }
     out[ulong(t) * s.ld_out + j * s.Dv + e] = o;
+    if (t - s.cap_first < s.cap_count)  // unsigned: t >= cap_first too
+      for (uint i = 0; i < Dk; ++i) cap[((ulong(t - s.cap_first) * s.v_heads + j) * Dk + i) * s.ld_cap + e] = S[i];
   }
   for (uint i = 0; i < Dk; ++i) state_out[(ulong(j) * Dk + i) * s.ld_state_out + e] = S[i];
 }

@@ -417,6 +417,7 @@ auto without_gil(F&& f) -> decltype(f()) {
 
 struct PySnapshot {
   std::unique_ptr<DeviceSnapshot> s;
+  nb::object owner;  // what must outlive it when no keep_alive policy can say so (prefill_snapshots' list)
   ~PySnapshot() {
     without_gil([&] { s.reset(); });
   }
@@ -880,6 +881,9 @@ NB_MODULE(_core, m) {
       .def_prop_ro("chunk", [](PySession& s) { return s.s->chunk(); })
       .def_prop_ro("kv_dtype", [](PySession& s) { return std::string(dtype_name(s.s->kv_dtype())); })
       .def_prop_ro("state_bytes", [](PySession& s) { return s.s->state_bytes(); })
+      .def_prop_ro("held_kv_rows", [](PySession& s) { return without_gil([&] { return s.s->held_kv_rows(); }); })
+      .def("held_kv_rows_of",
+           [](PySession& s, const PySnapshot& snap) { return without_gil([&] { return s.s->held_kv_rows(*snap.s); }); })
       .def("tokens", [](PySession& s) { return without_gil([&] { return s.s->tokens(); }); })
       .def("prefill",
            [](PySession& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ids,
@@ -906,6 +910,33 @@ NB_MODULE(_core, m) {
              return nb::make_tuple(arr, done);
            },
            "ids"_a, "all_logits"_a = false, "progress"_a = nb::none())
+      .def("prefill_snapshots",
+           [](nb::handle self, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ids,
+              const std::vector<int64_t>& at, const PySnapshot* base, nb::object progress) {
+             PySession& s = nb::cast<PySession&>(self);
+             CallbackGuard cb;
+             std::function<bool(int64_t, int64_t)> fn = [&](int64_t done, int64_t total) {
+               return cb.call([&] {
+                 if (PyErr_CheckSignals() != 0) throw nb::python_error();
+                 if (progress.is_none()) return true;
+                 nb::object r = progress(done, total);
+                 return r.is_none() || nb::cast<bool>(r);
+               });
+             };
+             std::vector<std::unique_ptr<DeviceSnapshot>> snaps;
+             {
+               nb::gil_scoped_release nogil;
+               snaps =
+                   s.s->prefill_snapshots(ids.data(), int64_t(ids.shape(0)), at, base ? base->s.get() : nullptr, fn);
+             }
+             cb.rethrow();
+             nb::list out;
+             for (auto& snap : snaps)  // as snapshot()'s keep_alive: the session outlives its snapshots
+               out.append(
+                   nb::cast(new PySnapshot{std::move(snap), nb::borrow(self)}, nb::rv_policy::take_ownership));
+             return out;
+           },
+           "ids"_a, "at"_a, "base"_a = nb::none(), "progress"_a = nb::none())
       .def("step",
            [](PySession& s, int32_t token) {
              float* out;
@@ -962,7 +993,7 @@ NB_MODULE(_core, m) {
       .def("snapshot",
            [](PySession& s, const PySnapshot* base) {
              auto snap = without_gil([&] { return s.s->snapshot(base ? base->s.get() : nullptr); });
-             return new PySnapshot{std::move(snap)};
+             return new PySnapshot{std::move(snap), nb::object()};
            },
            "base"_a = nb::none(), nb::rv_policy::take_ownership, nb::keep_alive<0, 1>())
       .def("restore",

@@ -221,6 +221,11 @@ class OpBench {
     auto delta = [&] {
       return DeltaShape{I("k_heads"), I("v_heads"), I("k_dim"), I("v_dim"), I("conv_kernel"), float(F("eps", 1e-6))};
     };
+    // capture=<tensor>, capture_first=r, capture_count=n: the DeltaNet state after rows r .. r+n-1 (StateCapture).
+    auto capture = [&] {
+      if (!kw.contains("capture")) return StateCapture{};
+      return StateCapture{T("capture"), I("capture_first"), I("capture_count")};
+    };
     if (phase != "prefill" && phase != "decode") throw std::invalid_argument("phase must be prefill or decode");
     if (repeats < 1) throw std::invalid_argument("repeats must be >= 1");
     Ops& o = *ops_;
@@ -248,10 +253,11 @@ class OpBench {
       else if (op == "kv_append") o.kv_append(T("k"), T("v"), T("pos"), T("k_cache"), T("v_cache"), I("max_ctx"), attn());
       else if (op == "attention")
         o.attention(T("q"), T("gate"), T("k_cache"), T("v_cache"), T("pos"), I("max_ctx"), attn(), T("ws"), T("out"));
-      else if (op == "conv1d_silu") o.conv1d_silu(T("mixed"), T("conv_w"), T("state_in"), T("state_out"), T("out"));
+      else if (op == "conv1d_silu")
+        o.conv1d_silu(T("mixed"), T("conv_w"), T("state_in"), T("state_out"), T("out"), capture());
       else if (op == "gated_delta")
         o.gated_delta(T("qkv"), T("b"), T("a"), T("A_log"), T("dt_bias"), T("state_in"), T("state_out"), delta(), T("ws"),
-                      T("out"));
+                      T("out"), capture());
       else if (op == "gated_rms_norm") o.gated_rms_norm(T("o"), T("z"), T("w"), float(F("eps", 1e-6)), T("out"));
       else if (op == "moe_route") o.moe_route(T("logits"), I("k"), T("ws"), T("ids"), T("weights"));
       else if (op == "moe_experts")

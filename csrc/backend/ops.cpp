@@ -1,6 +1,7 @@
 #include "backend/ops.h"
 
 #include <stdexcept>
+#include <string>
 
 namespace lily {
 
@@ -59,6 +60,20 @@ void Ops::moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& s
   matmul_impl(sc.shared_act, w.shared_down, sc.shared);
   barrier_in_op();
   moe_combine_impl(sc.routed, sc.shared, shared_gate_logit, h);
+}
+
+void Ops::check_capture(const char* op, const StateCapture& c, int64_t T, const Tensor& state) {
+  if (c.count == 0) return;
+  auto fail = [&](const std::string& why) { throw std::invalid_argument(std::string(op) + ": capture " + why); };
+  if (c.count < 0 || c.first < 0 || c.first + c.count > T)
+    fail("rows [" + std::to_string(c.first) + ", " + std::to_string(c.first + c.count) + ") are not inside the " +
+         std::to_string(T) + " rows of the call");
+  if (!c.states.valid() || c.states.dtype != DType::F32 || c.states.cols != state.cols ||
+      c.states.rows != c.count * state.rows)
+    fail("tensor must be F32 [" + std::to_string(c.count) + " * " + std::to_string(state.rows) + ", " +
+         std::to_string(state.cols) + "] (count slices of the state), got [" + std::to_string(c.states.rows) + ", " +
+         std::to_string(c.states.cols) + "]");
+  if (c.states.buf == state.buf) fail("tensor must not be the state's buffer");
 }
 
 void Ops::set_profiling(bool on) {

@@ -74,6 +74,20 @@ struct DeltaShape {
   float eps;
 };
 
+// The DeltaNet state after some rows of a chunk, kept besides the state after the last row: conv1d_silu and
+// gated_delta write the state after rows first, first + 1, ..., first + count - 1 to slices 0 .. count - 1 of
+// `states`, slice i = states.rows_view(i · R, R), R the state's rows (K-1 for the conv state [K-1, C], Hv·Dk for
+// the recurrent state [Hv·Dk, Dv]; same columns, F32). Slice i holds, bit for bit, the state a call over rows
+// 0 .. first + i alone leaves in state_out. One forward thus serves a checkpoint inside a chunk (the prefix
+// cache's cut before a chat's generation prompt) and the per-position states MTP verification keeps (issue 14:
+// after each of the drafted rows). One contiguous range in one tensor keeps every backend's kernel to one
+// extra pointer; count = 0 (the default) captures nothing and declares no extra write.
+struct StateCapture {
+  Tensor states;
+  int64_t first = 0, count = 0;
+  bool active() const { return count > 0; }
+};
+
 // The sampler's state for one generate call, in backend buffers (all I32):
 //   counts [1, vocab]  times each token was generated in this call (presence / frequency penalties)
 //   seen   [1, vocab]  1 where the token occurs in the context (repetition penalty)
@@ -148,6 +162,10 @@ inline void key_append(std::string& k, const AttentionShape& s) {
 inline void key_append(std::string& k, const DeltaShape& s) {
   for (int64_t v : {s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel}) key_append(k, v);
   key_append(k, s.eps);
+}
+inline void key_append(std::string& k, const StateCapture& c) {
+  key_append(k, c.states);
+  key_append(k, c.first), key_append(k, c.count);
 }
 inline void key_append(std::string& k, const SamplerState& s) {
   for (const Tensor* t : {&s.counts, &s.seen, &s.rng, &s.ring, &s.ring_count}) key_append(k, *t);
@@ -265,21 +283,30 @@ class Ops {
   }
   // Causal depthwise conv over [q|k|v] channels with the pre-conv rows of the last K-1 tokens kept in the
   // conv state ([K-1, C]), then silu. Reads state_in, writes the advanced state to state_out (the same
-  // tensor for an in-place update).
+  // tensor for an in-place update); `capture` also keeps the state after the rows it names (StateCapture).
   void conv1d_silu(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in, const Tensor& state_out,
-                   const Tensor& out) {
-    record(OpKind::Conv1dSilu, {mixed.buf, conv_w.buf, state_in.buf}, {out.buf, state_out.buf},
-           &Ops::conv1d_silu_impl, mixed, conv_w, state_in, state_out, out);
+                   const Tensor& out, const StateCapture& capture = {}) {
+    check_capture("conv1d_silu", capture, mixed.rows, state_out);
+    if (!capture.active())
+      return record(OpKind::Conv1dSilu, {mixed.buf, conv_w.buf, state_in.buf}, {out.buf, state_out.buf},
+                    &Ops::conv1d_silu_impl, mixed, conv_w, state_in, state_out, out, capture);
+    record(OpKind::Conv1dSilu, {mixed.buf, conv_w.buf, state_in.buf}, {out.buf, state_out.buf, capture.states.buf},
+           &Ops::conv1d_silu_impl, mixed, conv_w, state_in, state_out, out, capture);
   }
   // Gated delta rule over T tokens (L2-normed q/k, beta = sigmoid(b), g = -exp(A_log)·softplus(a+dt_bias)),
   // fp32 state [v_heads * k_dim, v_dim] read from state_in and written to state_out (may be the same
-  // tensor); out [T, v_heads * v_dim].
+  // tensor); out [T, v_heads * v_dim]; `capture` also keeps the state after the rows it names (StateCapture).
   void gated_delta(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
                    const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out, const DeltaShape& s,
-                   const Tensor& ws, const Tensor& out) {
+                   const Tensor& ws, const Tensor& out, const StateCapture& capture = {}) {
+    check_capture("gated_delta", capture, qkv.rows, state_out);
+    if (!capture.active())
+      return record(OpKind::GatedDelta, {qkv.buf, b.buf, a.buf, A_log.buf, dt_bias.buf, state_in.buf},
+                    {state_out.buf, out.buf, ws.buf}, &Ops::gated_delta_impl, qkv, b, a, A_log, dt_bias, state_in,
+                    state_out, s, ws, out, capture);
     record(OpKind::GatedDelta, {qkv.buf, b.buf, a.buf, A_log.buf, dt_bias.buf, state_in.buf},
-           {state_out.buf, out.buf, ws.buf},
-           &Ops::gated_delta_impl, qkv, b, a, A_log, dt_bias, state_in, state_out, s, ws, out);
+           {state_out.buf, out.buf, ws.buf, capture.states.buf},
+           &Ops::gated_delta_impl, qkv, b, a, A_log, dt_bias, state_in, state_out, s, ws, out, capture);
   }
   // Per value head: out = (w · rmsnorm(o)) · silu(z)   (fused recurrent-output normalisation).
   void gated_rms_norm(const Tensor& o, const Tensor& z, const Tensor& w, float eps, const Tensor& out) {
@@ -391,10 +418,11 @@ class Ops {
                               const Tensor& v_cache, const Tensor& pos, int64_t max_ctx,
                               const AttentionShape& s, const Tensor& ws, const Tensor& out) = 0;
   virtual void conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in,
-                                const Tensor& state_out, const Tensor& out) = 0;
+                                const Tensor& state_out, const Tensor& out, const StateCapture& capture) = 0;
   virtual void gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
                                 const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out,
-                                const DeltaShape& s, const Tensor& ws, const Tensor& out) = 0;
+                                const DeltaShape& s, const Tensor& ws, const Tensor& out,
+                                const StateCapture& capture) = 0;
   virtual void gated_rms_norm_impl(const Tensor& o, const Tensor& z, const Tensor& w, float eps,
                                    const Tensor& out) = 0;
   virtual void moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids,
@@ -418,6 +446,9 @@ class Ops {
   HazardTracker tracker_;
 
  private:
+  // Throws std::invalid_argument unless the capture's rows lie in [0, T) and its tensor holds count F32 slices
+  // shaped like `state` (a capture with count 0 is not checked).
+  static void check_capture(const char* op, const StateCapture& c, int64_t T, const Tensor& state);
   // The op as one impl call on its arguments (by reference for the immediate run; `clone` copies them for a
   // backend that runs later).
   template <class... P, class... A>

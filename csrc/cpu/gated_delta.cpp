@@ -4,6 +4,9 @@
 // gated_delta: direct sequential scan, one value head per work item, its fp32 state [Dk, Dv] read and
 //   written twice per token while it sits in cache. Floor: T·Hv·Dk·Dv·8 FLOPs; the state moves through
 //   memory once per call (Hv·Dk·Dv·4 bytes each way), not once per token.
+// Captures (ops.h StateCapture): the state after row r is a copy taken when the scan has just finished row r
+//   (gated_delta: the head's [Dk, Dv] rows; conv1d_silu: the K-1 pre-conv rows ending at r), so it is the state
+//   a call over rows 0..r leaves, bit for bit; each capture writes R·cols·4 bytes more.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -23,13 +26,14 @@ size_t delta_workspace_bytes(const ModelConfig& c, int threads) {
 }
 
 void CpuOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in,
-                              const Tensor& state_out, const Tensor& out) {
+                              const Tensor& state_out, const Tensor& out, const StateCapture& capture) {
   // Out of place (a decode step writing the other state set): start from a copy, then update in place.
   if (state_in.buf != state_out.buf || state_in.offset != state_out.offset) copy_impl(state_in, state_out);
   const Tensor& conv_state = state_out;
   const int64_t T = mixed.rows, C = mixed.cols, K = conv_w.cols, S = K - 1;
   const float *px = f32(mixed), *pw = f32(conv_w);
   float *pst = f32(conv_state), *po = f32(out);
+  float* const pcap = capture.active() ? f32(capture.states) : nullptr;
   // Blocks of channels, rows walked in order inside a block: every load is a contiguous run of the
   // row-major [T, C] input (walking one channel down all rows would touch a new cache line per tap).
   constexpr int64_t kBlock = 64;
@@ -51,6 +55,15 @@ void CpuOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const T
         float* o = po + t * out.stride + c0;
         for (int64_t c = 0; c < n; ++c) o[c] = silu(acc[c]);
       }
+      // Captures first, while the state still holds the rows before the chunk: after row t the state is the
+      // S pre-conv rows t-S+1 .. t of [state; mixed], the same rows the update below picks for t = T-1.
+      for (int64_t i = 0; i < capture.count; ++i)
+        for (int64_t r = 0; r < S; ++r) {
+          const int64_t src = capture.first + i - S + 1 + r;
+          const float* x = src >= 0 ? px + src * mixed.stride + c0 : pst + (S + src) * conv_state.stride + c0;
+          float* dst = pcap + (i * S + r) * capture.states.stride + c0;
+          for (int64_t c = 0; c < n; ++c) dst[c] = x[c];
+        }
       // New state: the last S pre-conv rows of [state; mixed]. Row r reads row r + T of the old state
       // (or an input row), always at or after r, so ascending r is safe in place.
       for (int64_t r = 0; r < S; ++r) {
@@ -65,7 +78,8 @@ void CpuOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const T
 
 void CpuOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
                               const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out,
-                              const DeltaShape& s, const Tensor& ws, const Tensor& out) {
+                              const DeltaShape& s, const Tensor& ws, const Tensor& out,
+                              const StateCapture& capture) {
   const int64_t T = qkv.rows, Dk = s.k_dim, Dv = s.v_dim, key_dim = s.k_heads * Dk;
   const int64_t ratio = s.v_heads / s.k_heads;
   const float *px = f32(qkv), *pb = f32(b), *pa = f32(a), *pA = f32(A_log), *pdt = f32(dt_bias);
@@ -74,6 +88,8 @@ void CpuOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& 
   const Tensor& state = state_out;
   const float* pS_in = f32(state_in);
   float *pS = f32(state_out), *po = f32(out);
+  float* const pcap = capture.active() ? f32(capture.states) : nullptr;
+  const Tensor& cap = capture.states;
   const float q_scale = 1.f / std::sqrt(float(Dk));
   Arena arn = arena(ws, "gated_delta");
   const size_t per = delta_thread_floats(size_t(Dk), size_t(Dv));
@@ -126,6 +142,11 @@ void CpuOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& 
           }
         }
         std::copy(o, o + Dv, po + t * out.stride + j * Dv);
+        const int64_t ci = t - capture.first;  // slice ci of the capture: the state after row t
+        if (ci >= 0 && ci < capture.count)
+          for (int64_t i = 0; i < Dk; ++i)
+            std::copy(S + i * state.stride, S + i * state.stride + Dv,
+                      pcap + ((ci * s.v_heads + j) * Dk + i) * cap.stride);
       }
     }
   });

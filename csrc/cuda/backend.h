@@ -182,10 +182,12 @@ class CudaOps final : public Ops {
                       const Tensor& pos, int64_t max_ctx, const AttentionShape& s, const Tensor& ws,
                       const Tensor& out) override;
   void conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in,
-                        const Tensor& state_out, const Tensor& out) override;
+                        const Tensor& state_out, const Tensor& out,
+                        const StateCapture& capture) override;
   void gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
                         const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out,
-                        const DeltaShape& s, const Tensor& ws, const Tensor& out) override;
+                        const DeltaShape& s, const Tensor& ws, const Tensor& out,
+                        const StateCapture& capture) override;
   void gated_rms_norm_impl(const Tensor& o, const Tensor& z, const Tensor& w, float eps,
                            const Tensor& out) override;
   void moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids,

@@ -4,6 +4,8 @@
 //   kernel file for the geometry). T = 1 (decode): one kernel that also normalises q, k and computes
 //   alpha, beta per warp. T > 1: gated_delta_prep writes q̂, k̂, alpha, beta once per token into the
 //   workspace, then gated_delta_prepped scans. No chunked (WY) form yet.
+// Captures (ops.h StateCapture) are one extra pointer, first row and count for both kernels: the conv copies
+//   pre-conv rows, the scan stores its registers after the captured tokens (kernels/gated_delta.cu).
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -33,12 +35,13 @@ size_t delta_workspace_bytes(const ModelConfig& c, int64_t rows) {
 }
 
 void CudaOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in,
-                               const Tensor& state_out, const Tensor& out) {
+                               const Tensor& state_out, const Tensor& out, const StateCapture& capture) {
   require_f32(mixed, "mixed");
   require_f32(conv_w, "conv_w");
   require_f32(state_in, "conv state");
   require_f32(state_out, "conv state");
   require_f32(out, "out");
+  if (capture.active()) require_f32(capture.states, "capture");
   const int64_t T = mixed.rows, C = mixed.cols, K = conv_w.cols;
   if (K < 1 || K > 16 || conv_w.rows != C || state_in.rows != K - 1 || state_in.cols != C ||
       state_out.rows != K - 1 || state_out.cols != C || out.rows != T || out.cols != C)
@@ -48,15 +51,19 @@ void CudaOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const 
   const Dim3 grid{unsigned((C + kConvThreads - 1) / kConvThreads), unsigned(std::max<int64_t>(1, (T + tpb - 1) / tpb)), 1};
   launch(k, grid, Dim3{kConvThreads, 1, 1}, 0, ptr(mixed), int64_t(mixed.stride), ptr(conv_w), int64_t(conv_w.stride),
          ptr(state_in), int64_t(state_in.stride), ptr(state_out), int64_t(state_out.stride), ptr(out),
-         int64_t(out.stride), int(T), int(C), tpb);
+         int64_t(out.stride), capture.active() ? ptr(capture.states) : CUdeviceptr(0),
+         int64_t(capture.active() ? capture.states.stride : 0), int(capture.first), int(capture.count), int(T), int(C),
+         tpb);
   note_variant("conv1d_silu", "channels over 128 threads, " + std::to_string(tpb) +
                                   "-token blocks over grid.y, K = " + std::to_string(K) + " taps in registers");
 }
 
 void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
                                const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out,
-                               const DeltaShape& s, const Tensor& ws, const Tensor& out) {
+                               const DeltaShape& s, const Tensor& ws, const Tensor& out,
+                               const StateCapture& capture) {
   for (const Tensor* t : {&qkv, &b, &a, &A_log, &dt_bias, &state_in, &state_out, &out}) require_f32(*t, "every tensor");
+  if (capture.active()) require_f32(capture.states, "capture");
   const int64_t T = qkv.rows, Hk = s.k_heads, Hv = s.v_heads, Dk = s.k_dim, Dv = s.v_dim;
   if (Hk < 1 || Hv % Hk != 0 || Dk < 1 || Dv < 1)
     throw std::invalid_argument("gated_delta (cuda): needs v_heads a multiple of k_heads");
@@ -66,8 +73,12 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
     throw std::invalid_argument("gated_delta (cuda): shapes do not match the DeltaShape");
   // The state moves as float4 rows of 8-column warp slices.
   if (Dv % 8 != 0 || state_in.stride % 4 != 0 || state_out.stride % 4 != 0 || ptr(state_in) % 16 != 0 ||
-      ptr(state_out) % 16 != 0)
+      ptr(state_out) % 16 != 0 ||
+      (capture.active() && (capture.states.stride % 4 != 0 || ptr(capture.states) % 16 != 0)))
     throw std::invalid_argument("gated_delta (cuda): needs v_dim % 8 == 0 and 16-byte aligned state rows");
+  const CUdeviceptr cap = capture.active() ? ptr(capture.states) : CUdeviceptr(0);
+  const int64_t cap_stride = capture.active() ? capture.states.stride : 0;
+  const int cap_first = int(capture.first), cap_count = int(capture.count);
   if (T == 0) return;  // as the CPU: nothing to do, the state is not touched
   const Kernel& k = kernel("gated_delta", T == 1 ? "gated_delta" : "gated_delta_prepped", {{"DK", Dk}, {"DV", Dv}});
   const Dim3 grid{unsigned(Hv), unsigned((Dv + kDeltaColsPerBlock - 1) / kDeltaColsPerBlock), 1};
@@ -77,7 +88,8 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
   if (T == 1) {
     launch(k, grid, block, 0, ptr(qkv), int64_t(qkv.stride), ptr(b), int64_t(b.stride), ptr(a), int64_t(a.stride),
            ptr(A_log), ptr(dt_bias), ptr(state_in), int64_t(state_in.stride), ptr(state_out),
-           int64_t(state_out.stride), ptr(out), int64_t(out.stride), int(T), int(Hk), int(Hv));
+           int64_t(state_out.stride), ptr(out), int64_t(out.stride), cap, cap_stride, cap_first, cap_count, int(T),
+           int(Hk), int(Hv));
     note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
                  "fused scan (one token, norms and gates per warp): " + geo + ", state read and written once");
     return;
@@ -93,7 +105,8 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
          int(Hv));
   launch(k, grid, block, 0, ptr(qkv), int64_t(qkv.stride), ptr(b), int64_t(b.stride), ptr(a), int64_t(a.stride),
          ptr(A_log), ptr(dt_bias), qn, kn, alpha, beta, ptr(state_in), int64_t(state_in.stride), ptr(state_out),
-         int64_t(state_out.stride), ptr(out), int64_t(out.stride), int(T), int(Hk), int(Hv));
+         int64_t(state_out.stride), ptr(out), int64_t(out.stride), cap, cap_stride, cap_first, cap_count, int(T),
+         int(Hk), int(Hv));
   note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
                "gated_delta_prep (q̂, k̂, alpha, beta once per token) + sequential scan over T: " + geo);
 }

@@ -14,12 +14,17 @@ namespace lily {
 // Gated DeltaNet mixer (MODEL.md section 5): projections, causal conv + silu on [q|k|v], the gated delta
 // recurrence, per-head gated RMSNorm with silu(z), output projection.
 void Qwen36::delta_layer(const LayerWeights& L, const StepState& in, const StepState& out, size_t li, Scratch& sc,
-                         int64_t T) {
+                         int64_t T, const ChunkCapture* capture) {
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
   ops_.matmuls(r(sc.u), MatmulGroup().add(L.qkv, r(sc.qkv)).add(L.z, r(sc.z)).add(L.b, r(sc.b)).add(L.a, r(sc.a)));
-  ops_.conv1d_silu(r(sc.qkv), L.conv, in.conv[li], out.conv[li], r(sc.mixed));
+  StateCapture conv_cap, recurrent_cap;  // none unless the chunk keeps states after inner rows
+  if (capture) {
+    conv_cap = {capture->conv[li], capture->first, capture->count};
+    recurrent_cap = {capture->recurrent[li], capture->first, capture->count};
+  }
+  ops_.conv1d_silu(r(sc.qkv), L.conv, in.conv[li], out.conv[li], r(sc.mixed), conv_cap);
   ops_.gated_delta(r(sc.mixed), r(sc.b), r(sc.a), L.A_log, L.dt_bias, in.recurrent[li], out.recurrent[li],
-                   delta_shape(), sc.ws, r(sc.delta_o));
+                   delta_shape(), sc.ws, r(sc.delta_o), recurrent_cap);
   ops_.gated_rms_norm(r(sc.delta_o), r(sc.z), L.delta_norm, cfg_.eps, r(sc.delta_y));
   ops_.matmul(r(sc.delta_y), L.out, r(sc.mixer_out));
 }
@@ -48,7 +53,7 @@ void Qwen36::moe_block(const LayerWeights& L, Scratch& sc, int64_t T) {
 }
 
 void Qwen36::encode_layers(SessionState& st, const StepState& in, const StepState& out, Scratch& sc,
-                           const Tensor& ids, int64_t T, Phase phase) {
+                           const Tensor& ids, int64_t T, Phase phase, const ChunkCapture* capture) {
   if (T <= 0 || T > sc.rows) throw std::logic_error("encode_layers: chunk larger than scratch");
   if (phase == Phase::Decode && T != 1) throw std::logic_error("encode_layers: decode runs one token");
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
@@ -59,7 +64,7 @@ void Qwen36::encode_layers(SessionState& st, const StepState& in, const StepStat
     if (L.full)
       attention_layer(L, st, in.pos, li, sc, T);
     else
-      delta_layer(L, in, out, li, sc, T);
+      delta_layer(L, in, out, li, sc, T, capture);
     ops_.add_rms_norm(r(sc.h), r(sc.mixer_out), L.post_norm, cfg_.eps, r(sc.h), r(sc.u));
     moe_block(L, sc, T);
   }

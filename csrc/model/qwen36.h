@@ -56,6 +56,15 @@ struct StepState {
   Tensor logits;                        // F32 [1, vocab]: logits after the last computed token
 };
 
+// DeltaNet states a prefill chunk also leaves after some of its rows (Ops' StateCapture, per layer): the conv
+// and recurrent state after rows first .. first + count - 1, count slices each (DeltaNet layers only; the
+// entries of attention layers stay invalid). The KV rows need no capture: rows up to any position are in the
+// cache once the chunk is done.
+struct ChunkCapture {
+  int64_t first = 0, count = 0;
+  std::vector<Tensor> conv, recurrent;  // per layer: [count * (K-1), conv_dim], [count * Hv * Dk, Dv]
+};
+
 // Per-session state that carries context across prefill chunks and decode steps, all in backend tensors.
 struct SessionState {
   int64_t max_ctx = 0;
@@ -138,15 +147,16 @@ class Qwen36 {
 
   // Encodes the decoder over T tokens read from ids ([T, 1], I32) at positions in.pos.., reading the
   // recurrent state from `in` and writing it, and the advanced position, to `out` (the same set for an
-  // in-place prefill); the final hidden rows stay in sc.h. Phase::Decode requires T == 1.
+  // in-place prefill); the final hidden rows stay in sc.h. Phase::Decode requires T == 1. `capture`, if
+  // given, also receives the DeltaNet state after the rows it names (its rows must lie in [0, T)).
   void encode_layers(SessionState& st, const StepState& in, const StepState& out, Scratch& sc, const Tensor& ids,
-                     int64_t T, Phase phase);
+                     int64_t T, Phase phase, const ChunkCapture* capture = nullptr);
   // Final norm and lm_head over rows [row0, row0 + n) of sc.h into out [n, vocab] (n <= sc.logit_rows).
   void encode_logits(Scratch& sc, int64_t row0, int64_t n, const Tensor& out);
 
  private:
   void delta_layer(const LayerWeights& L, const StepState& in, const StepState& out, size_t li, Scratch& sc,
-                   int64_t T);
+                   int64_t T, const ChunkCapture* capture);
   void attention_layer(const LayerWeights& L, SessionState& st, const Tensor& pos, size_t li, Scratch& sc,
                        int64_t T);
   void moe_block(const LayerWeights& L, Scratch& sc, int64_t T);

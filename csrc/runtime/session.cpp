@@ -233,10 +233,38 @@ void Session::feed_pending_locked() {
   int32_t t;
   {
     std::lock_guard<std::mutex> lk(state_mu_);
+    // Every forward of the calling API writes KV rows from here on: they no longer equal any segment's.
+    const int64_t from = int64_t(tokens_.size());
+    kv_held_.erase(std::remove_if(kv_held_.begin(), kv_held_.end(),
+                                  [from](const HeldSegment& h) { return h.end > from || h.seg.expired(); }),
+                   kv_held_.end());
     if (pending_ < 0) return;
     t = pending_;
   }
   decode_one_locked(t, true);
+}
+
+bool Session::holds_locked(const KvSegment* seg) const {
+  for (const HeldSegment& h : kv_held_)
+    if (h.seg.lock().get() == seg) return true;  // alive, so no other segment has its address
+  return false;
+}
+
+void Session::hold_locked(const std::shared_ptr<const KvSegment>& seg) {
+  if (seg && !holds_locked(seg.get())) kv_held_.push_back({seg, seg->end});
+}
+
+int64_t Session::held_kv_rows() const {
+  std::lock_guard<std::mutex> lk(model_lock_);
+  // The longest run from row 0: segments chain from begin 0 upwards.
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (const HeldSegment& h : kv_held_)
+    if (auto s = h.seg.lock()) spans.emplace_back(s->begin, s->end);
+  std::sort(spans.begin(), spans.end());
+  int64_t rows = 0;
+  for (const auto& [b, e] : spans)
+    if (b <= rows) rows = std::max(rows, e);
+  return rows;
 }
 
 int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* out,
@@ -413,6 +441,51 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
   }
 }
 
+void Session::check_base(const DeviceSnapshot& base, const std::vector<int32_t>& tokens) const {
+  if (base.backend() != &ops_) throw std::invalid_argument("snapshot: base is a snapshot of another engine");
+  if (base.kv_dtype_ != st_.kv_dtype)
+    throw std::invalid_argument(std::string("snapshot: base holds a ") + dtype_name(base.kv_dtype_) +
+                                " KV cache, this session a " + dtype_name(st_.kv_dtype) + " one");
+  if (base.position_ > int64_t(tokens.size()) || !std::equal(base.tokens_.begin(), base.tokens_.end(), tokens.begin()))
+    throw std::invalid_argument("snapshot: base's " + std::to_string(base.position_) +
+                                " tokens are not a prefix of this session's " + std::to_string(tokens.size()));
+}
+
+void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg) {
+  const ModelConfig& c = model_.config();
+  if (seg) {
+    const int64_t n = seg->end - seg->begin;
+    for (size_t li = 0; li < size_t(c.layers); ++li) {
+      if (!c.full_attention[li]) continue;
+      seg->k.push_back(ops_.alloc("snapshot_k", st_.kv_dtype, c.kv_heads * n, c.head_dim));
+      seg->v.push_back(ops_.alloc("snapshot_v", st_.kv_dtype, c.kv_heads * n, c.head_dim));
+    }
+  }
+  for (size_t li = 0; li < size_t(c.layers); ++li) {
+    if (c.full_attention[li]) continue;
+    const StepState& now = st_.now();
+    snap.conv_.push_back(ops_.alloc("snapshot_conv", DType::F32, now.conv[li].rows, now.conv[li].cols));
+    snap.recurrent_.push_back(
+        ops_.alloc("snapshot_recurrent", DType::F32, now.recurrent[li].rows, now.recurrent[li].cols));
+  }
+  snap.logits_ = ops_.alloc("snapshot_logits", DType::F32, 1, c.vocab);
+}
+
+void Session::encode_kv_copy(KvSegment& seg) {
+  const ModelConfig& c = model_.config();
+  const int64_t from = seg.begin, n = seg.end - seg.begin;
+  size_t fi = 0;
+  for (size_t li = 0; li < size_t(c.layers); ++li) {
+    if (!c.full_attention[li]) continue;
+    // Only rows [from, end): rows before them are the parent's, which holds the same tokens.
+    for (int64_t h = 0; h < c.kv_heads; ++h) {
+      ops_.copy(st_.k_cache[li].rows_view(h * st_.max_ctx + from, n), seg.k[fi].rows_view(h * n, n));
+      ops_.copy(st_.v_cache[li].rows_view(h * st_.max_ctx + from, n), seg.v[fi].rows_view(h * n, n));
+    }
+    ++fi;
+  }
+}
+
 std::unique_ptr<DeviceSnapshot> Session::snapshot(const DeviceSnapshot* base) {
   BusyGuard busy(busy_);
   const ModelConfig& c = model_.config();
@@ -430,60 +503,177 @@ std::unique_ptr<DeviceSnapshot> Session::snapshot(const DeviceSnapshot* base) {
   snap->kv_dtype_ = st_.kv_dtype;
   const int64_t pos = snap->position_;
   if (base) {
-    if (base->backend() != &ops_) throw std::invalid_argument("snapshot: base is a snapshot of another engine");
-    if (base->kv_dtype_ != st_.kv_dtype)
-      throw std::invalid_argument(std::string("snapshot: base holds a ") + dtype_name(base->kv_dtype_) +
-                                  " KV cache, this session a " + dtype_name(st_.kv_dtype) + " one");
-    if (base->position_ > pos || !std::equal(base->tokens_.begin(), base->tokens_.end(), snap->tokens_.begin()))
-      throw std::invalid_argument("snapshot: base's " + std::to_string(base->position_) +
-                                  " tokens are not a prefix of this session's " + std::to_string(pos));
+    check_base(*base, snap->tokens_);
     snap->kv_ = base->kv_;
     snap->base_position_ = base->position_;
   }
-  const int64_t from = snap->base_position_, n = pos - from;
-  if (n > 0) seg = std::make_shared<KvSegment>(model_, model_lock_);
-  std::lock_guard<std::mutex> lk(model_lock_);
-  if (seg) {
+  const int64_t from = snap->base_position_;
+  if (pos > from) {
+    seg = std::make_shared<KvSegment>(model_, model_lock_);
     seg->parent = snap->kv_;
     seg->begin = from;
     seg->end = pos;
-    for (size_t li = 0; li < size_t(c.layers); ++li) {
-      if (!c.full_attention[li]) continue;
-      seg->k.push_back(ops_.alloc("snapshot_k", st_.kv_dtype, c.kv_heads * n, c.head_dim));
-      seg->v.push_back(ops_.alloc("snapshot_v", st_.kv_dtype, c.kv_heads * n, c.head_dim));
-    }
   }
+  std::lock_guard<std::mutex> lk(model_lock_);
+  alloc_snapshot_locked(*snap, seg.get());
+  Step step(ops_, Phase::Prefill);
+  if (seg) encode_kv_copy(*seg);
+  size_t di = 0;
   for (size_t li = 0; li < size_t(c.layers); ++li) {
     if (c.full_attention[li]) continue;
-    const StepState& now = st_.now();
-    snap->conv_.push_back(ops_.alloc("snapshot_conv", DType::F32, now.conv[li].rows, now.conv[li].cols));
-    snap->recurrent_.push_back(
-        ops_.alloc("snapshot_recurrent", DType::F32, now.recurrent[li].rows, now.recurrent[li].cols));
-  }
-  snap->logits_ = ops_.alloc("snapshot_logits", DType::F32, 1, c.vocab);
-  Step step(ops_, Phase::Prefill);
-  size_t fi = 0, di = 0;
-  for (size_t li = 0; li < size_t(c.layers); ++li) {
-    if (c.full_attention[li]) {
-      // Only rows [from, pos): rows before them are the base's, which holds the same tokens.
-      for (int64_t h = 0; h < c.kv_heads && seg; ++h) {
-        ops_.copy(st_.k_cache[li].rows_view(h * st_.max_ctx + from, n), seg->k[fi].rows_view(h * n, n));
-        ops_.copy(st_.v_cache[li].rows_view(h * st_.max_ctx + from, n), seg->v[fi].rows_view(h * n, n));
-      }
-      ++fi;
-    } else {
-      ops_.copy(st_.now().conv[li], snap->conv_[di]);
-      ops_.copy(st_.now().recurrent[li], snap->recurrent_[di]);
-      ++di;
-    }
+    ops_.copy(st_.now().conv[li], snap->conv_[di]);
+    ops_.copy(st_.now().recurrent[li], snap->recurrent_[di]);
+    ++di;
   }
   ops_.copy(st_.now().logits, snap->logits_);
   ops_.wait(step.submit());
   if (seg) {
     snap->kv_ = std::move(seg);
     snap->owns_tail_ = true;
+    hold_locked(snap->kv_);  // copied from the cache: the cache's rows are its rows
   }
   return snap;
+}
+
+std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
+    const int32_t* ids, int64_t n, const std::vector<int64_t>& at, const DeviceSnapshot* base,
+    const std::function<bool(int64_t, int64_t)>& progress) {
+  BusyGuard busy(busy_);
+  if (n <= 0) throw std::invalid_argument("prefill needs at least one token");
+  check_ids(ids, n);
+  if (position() + n > st_.max_ctx)
+    throw ContextOverflow("prefill of " + std::to_string(n) + " tokens at position " + std::to_string(position()) +
+                          " exceeds max_context " + std::to_string(st_.max_ctx));
+  const int64_t pos0 = position();  // a pending token is fed first: it is at pos0 - 1 then
+  for (size_t i = 0; i < at.size(); ++i)
+    if (at[i] <= pos0 || at[i] > pos0 + n || (i > 0 && at[i] <= at[i - 1]))
+      throw std::invalid_argument("prefill_snapshots: positions must ascend strictly within (" + std::to_string(pos0) +
+                                  ", " + std::to_string(pos0 + n) + "], got " + std::to_string(at[i]) + " at index " +
+                                  std::to_string(i));
+  std::vector<int32_t> all = tokens();  // the context once every id is fed
+  all.insert(all.end(), ids, ids + n);
+  if (base && !at.empty()) check_base(*base, std::vector<int32_t>(all.begin(), all.begin() + at[0]));
+  const ModelConfig& c = model_.config();
+  // Declared before any engine lock: their destructors take it.
+  std::vector<std::unique_ptr<DeviceSnapshot>> snaps;
+  std::shared_ptr<const KvSegment> parent_kv = base ? base->kv_ : nullptr;  // the KV rows the next one shares
+  int64_t parent_pos = base ? base->position_ : 0;
+  {
+    std::lock_guard<std::mutex> lk(model_lock_);
+    feed_pending_locked();
+    // Up to 16 logits rows: a position's row and the chunk's last row in one lm_head pass.
+    ensure_scratch(prefill_sc_, std::min(chunk_, n), std::min<int64_t>(16, chunk_));
+  }
+  size_t next = 0;  // the first position in `at` not yet taken
+  int64_t done = 0;
+  while (done < n) {
+    int64_t T = std::min(chunk_, n - done);
+    const int64_t c0 = pos0 + done;
+    int64_t inner = -1;  // a position strictly inside the chunk: captured after row inner - c0 - 1
+    if (next < at.size() && at[next] < c0 + T) {
+      inner = at[next];
+      if (next + 1 < at.size() && at[next + 1] < c0 + T) T = at[next + 1] - c0;  // one capture per chunk
+    }
+    const size_t end_i = next + (inner >= 0);
+    const bool at_end = end_i < at.size() && at[end_i] == c0 + T;  // a position at the chunk's end
+    // The chunk's snapshots (inner first) and their KV segments, allocated under the lock below.
+    std::vector<std::unique_ptr<DeviceSnapshot>> made;
+    std::vector<std::shared_ptr<KvSegment>> segs;
+    for (int64_t p : {inner, at_end ? at[end_i] : int64_t(-1)}) {
+      if (p < 0) continue;
+      auto snap = std::make_unique<DeviceSnapshot>(model_, model_lock_);
+      snap->position_ = p;
+      snap->tokens_.assign(all.begin(), all.begin() + p);
+      snap->has_logits_ = true;
+      snap->kv_dtype_ = st_.kv_dtype;
+      snap->base_position_ = parent_pos;
+      std::shared_ptr<KvSegment> seg;
+      if (p > parent_pos) {
+        seg = std::make_shared<KvSegment>(model_, model_lock_);
+        seg->begin = parent_pos;
+        seg->end = p;
+      }
+      parent_pos = p;
+      made.push_back(std::move(snap));
+      segs.push_back(std::move(seg));
+    }
+    {
+      std::lock_guard<std::mutex> lk(model_lock_);
+      Scratch& sc = prefill_sc_;
+      for (size_t i = 0; i < made.size(); ++i) alloc_snapshot_locked(*made[i], segs[i].get());
+      ChunkCapture cap;
+      if (inner >= 0) {
+        cap.first = inner - c0 - 1;
+        cap.count = 1;
+        cap.conv.resize(size_t(c.layers));
+        cap.recurrent.resize(size_t(c.layers));
+        for (size_t li = 0, di = 0; li < size_t(c.layers); ++li) {
+          if (c.full_attention[li]) continue;
+          cap.conv[li] = made[0]->conv_[di];
+          cap.recurrent[li] = made[0]->recurrent_[di];
+          ++di;
+        }
+      }
+      ops_.upload(sc.ids.rows_view(0, T), ids + done);
+      StepStats stats;
+      {
+        Step step(ops_, Phase::Prefill);
+        model_.encode_layers(st_, st_.now(), st_.now(), sc, sc.ids, T, Phase::Prefill, inner >= 0 ? &cap : nullptr);
+        stats = ops_.stats();
+        const int64_t row = cap.first, nb = T - row;  // the inner position's logits row .. the last row
+        if (inner >= 0 && nb <= sc.logit_rows) {
+          const Tensor rows = sc.logits.rows_view(0, nb);
+          model_.encode_logits(sc, row, nb, rows);
+          ops_.copy(rows.rows_view(0, 1), made[0]->logits_);
+          ops_.copy(rows.rows_view(nb - 1, 1), st_.now().logits);
+        } else {
+          if (inner >= 0) model_.encode_logits(sc, row, 1, made[0]->logits_);
+          model_.encode_logits(sc, T - 1, 1, st_.now().logits);
+        }
+        for (size_t i = 0; i < made.size(); ++i)
+          if (segs[i]) encode_kv_copy(*segs[i]);
+        if (at_end) {  // the state after the chunk's last row is the session's
+          DeviceSnapshot& e = *made.back();
+          for (size_t li = 0, di = 0; li < size_t(c.layers); ++li) {
+            if (c.full_attention[li]) continue;
+            ops_.copy(st_.now().conv[li], e.conv_[di]);
+            ops_.copy(st_.now().recurrent[li], e.recurrent_[di]);
+            ++di;
+          }
+          ops_.copy(st_.now().logits, e.logits_);
+        }
+        ops_.wait(step.submit());
+      }
+      std::lock_guard<std::mutex> slk(state_mu_);
+      prefill_stats_ = stats;
+      tokens_.insert(tokens_.end(), ids + done, ids + done + T);
+      has_logits_ = true;
+    }
+    for (size_t i = 0; i < made.size(); ++i) {  // in order: each one's rows sit on the previous one's
+      made[i]->kv_ = parent_kv;
+      if (segs[i]) {
+        segs[i]->parent = parent_kv;
+        made[i]->kv_ = std::move(segs[i]);
+        made[i]->owns_tail_ = true;
+        std::lock_guard<std::mutex> lk(model_lock_);
+        hold_locked(made[i]->kv_);
+      }
+      parent_kv = made[i]->kv_;
+      snaps.push_back(std::move(made[i]));
+    }
+    next = end_i + at_end;
+    done += T;
+    if (progress && !progress(done, n) && done < n) break;  // cancelled between chunks
+  }
+  return snaps;
+}
+
+int64_t Session::held_kv_rows(const DeviceSnapshot& s) const {
+  std::lock_guard<std::mutex> lk(model_lock_);
+  int64_t rows = 0;
+  for (const KvSegment* seg : chain(s.kv_))
+    if (holds_locked(seg)) rows += seg->end - seg->begin;
+  return rows;
 }
 
 void Session::check_restorable(int64_t position, int32_t pending, const std::vector<int32_t>& tokens) const {
@@ -498,12 +688,16 @@ void Session::check_restorable(int64_t position, int32_t pending, const std::vec
 
 void Session::restore_locked(const DeviceSnapshot& s) {
   const ModelConfig& c = model_.config();
-  const std::vector<const KvSegment*> segs = chain(s.kv_);
+  std::vector<const KvSegment*> segs = chain(s.kv_);
+  // Segments whose rows the cache already holds, bit for bit, are not copied again.
+  std::vector<const KvSegment*> copy;
+  for (const KvSegment* seg : segs)
+    if (!holds_locked(seg)) copy.push_back(seg);
   Step step(ops_, Phase::Prefill);
   size_t fi = 0, di = 0;
   for (size_t li = 0; li < size_t(c.layers); ++li) {
     if (c.full_attention[li]) {
-      for (const KvSegment* seg : segs) {  // rows [seg->begin, seg->end) of each head
+      for (const KvSegment* seg : copy) {  // rows [seg->begin, seg->end) of each head
         const int64_t n = seg->end - seg->begin;
         for (int64_t h = 0; h < c.kv_heads && n > 0; ++h) {
           ops_.copy(seg->k[fi].rows_view(h * n, n), st_.k_cache[li].rows_view(h * st_.max_ctx + seg->begin, n));
@@ -520,6 +714,8 @@ void Session::restore_locked(const DeviceSnapshot& s) {
   ops_.copy(s.logits_, st_.now().logits);
   ops_.fill(st_.now().pos, double(s.position_));
   ops_.wait(step.submit());
+  kv_held_.clear();  // rows [0, position) are now the chain's (rows past it are never read before rewritten)
+  for (std::shared_ptr<const KvSegment> seg = s.kv_; seg; seg = seg->parent) hold_locked(seg);
 }
 
 void Session::restore(const DeviceSnapshot& s) {

@@ -136,6 +136,18 @@ class Session {
   std::string generate(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
                        const std::function<int(int32_t, const float*)>& on_token, bool with_logits = false);
 
+  // Feeds ids as prefill() does (logits of the last id only, kept in the session) and returns a snapshot of the
+  // state at each position in `at` (strictly ascending, each in (position(), position() + n], a pending token
+  // fed first), equal to what snapshot() taken there would hold: snapshot 0 shares KV rows with `base` (which
+  // snapshot() would accept at at[0]; may be null), each later one with the one before. No position costs a
+  // forward of its own: the chunk holding it captures the DeltaNet state after that row straight into the
+  // snapshot (ops.h StateCapture), computes that row's logits in the lm_head pass of its last row when they are
+  // at most 16 rows apart (one more pass otherwise), and copies the KV rows in the same step; a position at a
+  // chunk's end is copied from the state. One capture per chunk: a chunk holding two inner positions ends at
+  // the second. If progress cancels, the snapshots of the positions reached are returned.
+  std::vector<std::unique_ptr<DeviceSnapshot>> prefill_snapshots(
+      const int32_t* ids, int64_t n, const std::vector<int64_t>& at, const DeviceSnapshot* base,
+      const std::function<bool(int64_t, int64_t)>& progress);
   // Copies the state into a new snapshot. With `base` (a snapshot of this engine whose tokens are a
   // prefix of this session's, same KV dtype), the KV rows [0, base position) are shared with it and only
   // rows [base position, position) are copied; throws std::invalid_argument (naming base) otherwise.
@@ -154,16 +166,28 @@ class Session {
   };
   LoopTransfers last_generate_transfers() const;
   size_t state_bytes() const;
+  // Rows [0, n) of the KV cache that equal, bit for bit, KV segments still alive (what a restore of a
+  // snapshot built on them would not copy): the engine's pool of closed sessions picks by it.
+  int64_t held_kv_rows() const;
+  // Rows of s's KV segments this cache holds bit for bit (a restore of s would not copy them).
+  int64_t held_kv_rows(const DeviceSnapshot& s) const;
 
  private:
   void check_ids(const int32_t* ids, int64_t n) const;
   void check_restorable(int64_t position, int32_t pending, const std::vector<int32_t>& tokens) const;
   void ensure_scratch(Scratch& sc, int64_t rows, int64_t logit_rows);
-  void feed_pending_locked();  // model lock held
+  void feed_pending_locked();  // model lock held; also forgets held KV rows from the position on
   void decode_one_locked(int32_t token, bool was_pending);
   // Encodes one decode step of the token in slot[s] into the open step. Model lock held.
   void encode_decode(int s);
   void restore_locked(const DeviceSnapshot& s);
+  // Throws std::invalid_argument (naming base) unless `base` can share KV rows with a snapshot of `tokens`.
+  void check_base(const DeviceSnapshot& base, const std::vector<int32_t>& tokens) const;
+  // Allocates snap's own tensors (conv/recurrent per DeltaNet layer, logits) and, when seg is given, seg's KV
+  // rows [seg->begin, seg->end). Model lock held, outside a step.
+  void alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg);
+  // Encodes the copies of the cache's KV rows [seg.begin, seg.end) into seg (inside a step).
+  void encode_kv_copy(KvSegment& seg);
   void set_context(std::vector<int32_t> tokens, int32_t pending, bool has_logits);
 
   Qwen36& model_;
@@ -174,6 +198,17 @@ class Session {
   SessionState st_;
   Scratch prefill_sc_, decode_sc_;
   int64_t chunk_;
+  // KV segments whose rows [begin, end) the cache holds bit for bit (it was copied from them, or they from it),
+  // so a restore of a snapshot reaching them skips their copy (a session reused for the next turn of a
+  // conversation copies only the rows it lacks). Guarded by the model lock; rows from a session's position on
+  // are dropped before any forward writes there (feed_pending_locked).
+  struct HeldSegment {
+    std::weak_ptr<const KvSegment> seg;
+    int64_t end;
+  };
+  std::vector<HeldSegment> kv_held_;
+  bool holds_locked(const KvSegment* seg) const;
+  void hold_locked(const std::shared_ptr<const KvSegment>& seg);
   // guarded by state_mu_ (written only by the thread holding busy_)
   std::vector<int32_t> tokens_;
   int32_t pending_ = -1;

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import pathlib
+import threading
 import weakref
 from typing import Callable, Iterable, Iterator
 
@@ -134,7 +135,7 @@ class Engine:
 
     def __init__(self, checkpoint: Checkpoint, *, backend: str = "auto", threads: int | None = None,
                  prefill_chunk: int = 512, kv_cache_dtype: str = "f32", tokenizer: Tokenizer | None = None,
-                 backend_options: dict | None = None):
+                 backend_options: dict | None = None, keep_sessions: int = 0):
         if backend_options is not None and not isinstance(backend_options, dict):
             raise ValueError(f"backend_options must be a dict or None, got {type(backend_options).__name__}")
         backend_options = dict(backend_options or {})
@@ -146,6 +147,7 @@ class Engine:
             raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
         if kv_cache_dtype not in ("f32", "bf16"):
             raise ValueError(f"kv_cache_dtype must be 'f32' or 'bf16', got {kv_cache_dtype!r}")
+        self.keep_sessions = check_int(keep_sessions, "keep_sessions", maximum=1 << 16)
         self.kv_cache_dtype = kv_cache_dtype
         self.checkpoint = checkpoint
         self.config = checkpoint.config
@@ -164,6 +166,8 @@ class Engine:
         self._fingerprint: str | None = None
         self._probe_stats: dict | None = None
         self._sessions: weakref.WeakSet = weakref.WeakSet()
+        self._idle: list = []  # closed sessions' core state kept for reuse (keep_sessions at most)
+        self._idle_lock = threading.Lock()
         self._closed = False
 
     def _state_bytes(self, max_context: int) -> int:
@@ -186,6 +190,8 @@ class Engine:
         self._closed = True
         for s in list(self._sessions):
             s._close("its Engine was closed")
+        with self._idle_lock:
+            self._idle = []
         # The C++ engine goes with the last reference: sessions and snapshots hold one until they go.
         self._core = closed_handle("this Engine")
 
@@ -214,7 +220,7 @@ class Engine:
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, backend: str = "auto",
                         threads: int | None = None, prefill_chunk: int = 512, kv_cache_dtype: str = "f32",
                         revision: str | None = None, progress: bool | None = None,
-                        backend_options: dict | None = None) -> "Engine":
+                        backend_options: dict | None = None, keep_sessions: int = 0) -> "Engine":
         """Load a checkpoint: a local folder, a Hugging Face repo id (cached or downloaded; honours
         HF_HUB_OFFLINE), or the packaged demonstration model ``"lily-tiny"`` (the default).
 
@@ -226,6 +232,15 @@ class Engine:
         the default ``"f32"`` keeps the CPU backend an exact fp32 oracle. ``progress=True`` shows a
         ``tqdm.auto`` bar over mapping the checkpoint's weight files (a Hub download shows
         huggingface_hub's own bars); anything but True/False/None raises TypeError.
+
+        ``keep_sessions``: how many closed sessions' state (KV cache, recurrent state, scratch) the engine keeps
+        for later sessions of the same ``max_context`` and ``prefill_chunk`` (default 0: none). A kept cache's
+        KV rows that equal a snapshot's (it restored them, or the snapshot was taken from it) need no copy when
+        that snapshot is restored: :meth:`Session.restore` then moves the session onto the kept state holding
+        the most of them, so the next turn of a conversation through :class:`lily.prefix_cache.PrefixCache`
+        copies only the rows it lacks; a new session takes a kept state only if it holds no such rows. The
+        kept state stays allocated until it is reused, evicted (the one holding the fewest such rows first) or
+        the engine is closed.
 
         ``backend_options``: backend settings. CPU: ``threads``; CUDA: ``device`` (ordinal, default 0),
         ``graphs`` (replay decode steps as CUDA graphs, default True), ``branches`` (independent launches
@@ -245,7 +260,8 @@ class Engine:
         checkpoint = load_checkpoint(path, progress=bool(progress))
         tokenizer = Tokenizer.from_dir(path) if (pathlib.Path(path) / "tokenizer.json").is_file() else None
         return cls(checkpoint, backend=backend, threads=threads, prefill_chunk=prefill_chunk,
-                   kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer, backend_options=backend_options)
+                   kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer, backend_options=backend_options,
+                   keep_sessions=keep_sessions)
 
     # ---- tokens ----
     def _need_tokenizer(self) -> Tokenizer:
@@ -288,14 +304,66 @@ class Engine:
             raise ValueError(f"prefill_chunk must be a positive int, got {chunk!r}")
         if self._closed:
             raise LilyError("this Engine is closed")
+        core = self._take_idle(max_context, chunk)
         try:
-            core = _core.Session(self._core, max_context, chunk, self.kv_cache_dtype)
+            if core is not None:
+                core.reset()  # position 0; its KV rows stay, known by the snapshots they equal
+            else:
+                core = _core.Session(self._core, max_context, chunk, self.kv_cache_dtype)
         except MemoryError:
             raise LilyError(f"cannot allocate a session with max_context={max_context}: its KV cache and "
                             f"recurrent state need {self._state_bytes(max_context):,} bytes") from None
         s = Session(self, core)
         self._sessions.add(s)
         return s
+
+    def _take_idle(self, max_context: int, chunk: int):
+        """A kept session state of this shape whose KV rows no live snapshot shares (those are kept for the
+        restores that can use them, _swap_for_restore); or None."""
+        with self._idle_lock:
+            for c in self._idle:
+                if c.max_context == max_context and c.chunk == chunk and c.held_kv_rows == 0:
+                    self._idle.remove(c)
+                    return c
+            return None
+
+    def _swap_for_restore(self, core, snapshot_core):
+        """The kept session state of core's shape holding more of snapshot_core's KV rows than core does (the
+        restore replaces the whole state, so which buffers hold it does not matter), core kept in its place;
+        or None."""
+        if not self._idle:
+            return None
+        with self._idle_lock:
+            fits = [c for c in self._idle if c.max_context == core.max_context and c.chunk == core.chunk]
+            if not fits:
+                return None
+            best = max(fits, key=lambda c: c.held_kv_rows_of(snapshot_core))
+            if best.held_kv_rows_of(snapshot_core) <= core.held_kv_rows_of(snapshot_core):
+                return None
+            self._idle.remove(best)
+            self._idle.append(core)
+            return best
+
+    def _swap_back(self, taken, mine):
+        """Undoes _swap_for_restore: taken goes back to the kept states, mine (kept by it) comes back."""
+        with self._idle_lock:
+            if mine in self._idle:
+                self._idle.remove(mine)
+            self._idle.append(taken)
+        return mine
+
+    def _keep_idle(self, core) -> None:
+        """Keeps a closed session's state for reuse (keep_sessions at most: the one holding the fewest rows that
+        equal live snapshots' goes first)."""
+        if self.keep_sessions == 0 or self._closed:
+            return
+        with self._idle_lock:
+            self._idle.append(core)
+            drop = None
+            if len(self._idle) > self.keep_sessions:
+                drop = min(self._idle, key=lambda c: c.held_kv_rows)
+                self._idle.remove(drop)
+        del drop  # freed here, outside the lock (its destructor takes the engine's lock)
 
     def load_session(self, path: str | os.PathLike, max_context: int | None = None) -> Session:
         """Recreate a session saved with :meth:`Session.save`."""

@@ -194,8 +194,9 @@ class PrefixCache:
         ``checkpoints`` passed on the way (for a chat, where the conversation without the generation prompt
         ends: the next turn shares that much). Returns the number of tokens that came from the cache.
 
-        The session's previous context is replaced. If ``progress`` stops the prefill early, nothing more
-        is stored."""
+        The rest is one :meth:`Session.prefill_snapshots`: each checkpoint is taken inside the prefill chunk
+        that reaches it, so a warm turn costs the forward of its new tokens and no more. The session's previous
+        context is replaced. If ``progress`` stops the prefill early, only the checkpoints reached are stored."""
         ids = [int(t) for t in ids]
         cached, snap, from_disk = self._lookup(tuple(ids))
         if snap is not None:
@@ -207,19 +208,47 @@ class PrefixCache:
         cuts = {int(c) for c in checkpoints}
         if self.checkpoint_interval:
             cuts.update(range(self.checkpoint_interval, len(ids), self.checkpoint_interval))
-        done = cached
-        for cut in sorted(c for c in cuts if cached < c < len(ids)) + [len(ids)]:
-            before = session.position
-
-            def part_progress(d: int, t: int, _base=done - cached) -> bool | None:
-                return progress(_base + d, len(ids) - cached) if progress is not None else None
-
-            session.prefill(ids[done:cut], progress=part_progress if progress is not None else None)
-            if session.position - before != cut - done:
-                return cached  # stopped by progress
-            self.store(session, ids[:cut])
-            done = cut
+        with self._lock:
+            # One prefill of the rest that also snapshots every cut on the way (Session.prefill_snapshots: no
+            # extra forward per cut); cuts already cached (the same prompt again) are not taken twice.
+            at = [c for c in sorted(cuts | {len(ids)})
+                  if cached < c <= len(ids) and tuple(ids[:c]) not in self._entries]
+            parent = None
+            if at:
+                parent, _ = self._best_locked(tuple(ids[:at[0]]), below=at[0], kv_dtype=session.kv_cache_dtype)
+                if parent is not None:
+                    parent.children += 1  # pinned while the snapshots are taken; then the first one's link
+        try:
+            snaps = session.prefill_snapshots(ids[cached:], at, base=parent.snapshot if parent is not None else None,
+                                              progress=progress)
+        except BaseException:
+            if parent is not None:
+                with self._lock:
+                    parent.children -= 1
+            raise
+        self._add_chain(snaps, ids, parent)
         return cached
+
+    def _add_chain(self, snaps: list["Snapshot"], ids: list[int], parent: "_Entry | None") -> None:
+        """Index snapshots each built on the one before (the first on ``parent``, pinned by the caller): stops at
+        the first one that is already cached (a concurrent store) or larger than the budget, since the ones
+        after it share its KV rows; evicts once all are in."""
+        with self._lock:
+            for snap in snaps:
+                key = tuple(ids[:snap.position])
+                nbytes = int(snap.own_nbytes)
+                if key in self._entries or nbytes > self.max_bytes:
+                    break
+                entry = _Entry(key, snap, nbytes, parent)
+                self._entries[key] = entry
+                self._index(key)
+                self.bytes += nbytes
+                parent = entry
+                parent.children += 1  # the next one's link (released below for the last)
+            if parent is not None:
+                parent.children -= 1
+            evicted = self._evict_locked()
+        self._spill(evicted)
 
     # ---- storing and evicting ----
     def store(self, session: "Session", tokens: Sequence[int]) -> bool:

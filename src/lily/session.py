@@ -110,20 +110,26 @@ class Session:
 
     # ---- lifetime ----
     def close(self) -> None:
-        """Release this session's state (KV cache, recurrent state). A running generation is cancelled
-        first; later calls raise :class:`LilyError`. Also what ``with`` does."""
+        """Release this session's state (KV cache, recurrent state), or hand it to the engine for a later
+        session of the same shape (``Engine(keep_sessions=N)``). A running generation is cancelled first;
+        later calls raise :class:`LilyError`. Also what ``with`` does."""
         self._close("this Session")
 
     def _close(self, why: str) -> None:
         live = self._live
+        reusable = why == "this Session" and not isinstance(self._core, _ClosedHandle)
         if live is not None:
             cancelled, resume, worker = live
             cancelled.set()
             resume.release()
             if worker is not threading.current_thread():
                 worker.join()
+            else:
+                reusable = False  # closed from its own generation's thread: the core is still in use
         what = "this Session" if why == "this Session" else f"this Session ({why})"
-        self._core = closed_handle(what)
+        core, self._core = self._core, closed_handle(what)
+        if reusable:
+            self._engine._keep_idle(core)
 
     def __enter__(self) -> "Session":
         return self
@@ -209,6 +215,52 @@ class Session:
             tokens, seconds = self._prompt_stats
             self._prompt_stats = (tokens + self.position - before, seconds + time.perf_counter() - t)
         return out[:done] if all_logits else out[0]
+
+    def prefill_snapshots(
+        self,
+        ids: Iterable[int] | np.ndarray,
+        at: Iterable[int],
+        *,
+        base: Snapshot | None = None,
+        progress: bool | Callable[[int, int], bool | None] | None = None,
+    ) -> list[Snapshot]:
+        """Feed tokens as :meth:`prefill` does and return a snapshot of the state at each position in ``at``
+        (strictly ascending session positions, each after the current one and at most the position after
+        ``ids``): what :meth:`snapshot` taken at that position would hold. Snapshot 0 shares KV rows with
+        ``base`` (as ``snapshot(base=...)`` would there), each later one with the one before.
+
+        No position costs a forward of its own: the prefill chunk that reaches it also keeps the DeltaNet state
+        after that row (one forward serves a checkpoint inside the chunk and the end of the prompt; a chunk
+        holding two such positions ends at the second). ``progress`` as in :meth:`prefill`; if it stops the
+        prefill, the snapshots of the positions reached are returned. Raises ValueError (naming ``at`` or
+        ``base``) for positions out of range or a base that cannot be shared, TypeError for a non-Snapshot base.
+        """
+        check_progress(progress, "Session.prefill_snapshots")
+        arr = self._engine._validate_ids(ids)
+        positions = [check_int(p, "Session.prefill_snapshots: at[]") for p in at]
+        core_base = None
+        if base is not None:
+            if not isinstance(base, Snapshot):
+                raise TypeError(f"Session.prefill_snapshots: base must be a Snapshot, got {type(base).__name__}")
+            if not base.on_device or base.fingerprint != self._engine.fingerprint:
+                raise ValueError("Session.prefill_snapshots: base must be a snapshot taken on this model by "
+                                 "Session.snapshot (not a host copy read from a file)")
+            core_base = base._core
+        start = self.position
+        for i, p in enumerate(positions):
+            if not start < p <= start + len(arr) or (i and p <= positions[i - 1]):
+                raise ValueError(f"Session.prefill_snapshots: at must ascend strictly within ({start}, "
+                                 f"{start + len(arr)}], got {p} at index {i}")
+        before, t = self.position, time.perf_counter()
+        try:
+            with progress_callback(progress, total=len(arr), desc="prefill", unit="tok") as callback:
+                cores = self._core.prefill_snapshots(arr, positions, core_base, callback)
+        except ValueError as exc:
+            raise ValueError(f"Session.prefill_snapshots: {exc}") from None
+        finally:
+            tokens, seconds = self._prompt_stats
+            self._prompt_stats = (tokens + self.position - before, seconds + time.perf_counter() - t)
+        return [Snapshot(c, self._engine.fingerprint) for c in cores]
 
     def step(self, token: int) -> np.ndarray:
         """Feed one token; returns the logits that follow it (float32 [vocab])."""
@@ -386,6 +438,18 @@ class Session:
             raise TypeError("restore() takes a Snapshot from Session.snapshot() or Engine.load_session()")
         if snapshot.fingerprint != self._engine.fingerprint:
             raise LilyError("snapshot was taken on a different model; it cannot be restored here")
+        if snapshot.on_device and self._live is None and not isinstance(self._core, _ClosedHandle):
+            # A kept session state already holding more of the snapshot's KV rows takes this one's place
+            # (Engine(keep_sessions=N)): the restore replaces the whole state, and copies fewer rows there.
+            better = self._engine._swap_for_restore(self._core, snapshot._core)
+            if better is not None:
+                mine, self._core = self._core, better
+                try:
+                    better.restore(snapshot._core)
+                except BaseException:  # refused before touching the state: this session is as it was
+                    self._core = self._engine._swap_back(better, mine)
+                    raise
+                return
         self._core.restore(snapshot._core)
 
     def fork(self, max_context: int | None = None) -> "Session":

@@ -4,6 +4,10 @@ Tolerance: both backends compute in fp32 and differ only in summation order and 
 fp32 scan of 300 tokens at Dk = Dv = 128 sits ~1e-7 (relative, norm-wise) from an fp64 one, for decays
 from 5e-10 to 0.99, so 1e-5 leaves a wide margin and still catches any wrong index or update order
 (those give errors of order 1). The conv's new state is a copy of input rows: compared exactly.
+
+State captures (ops.h StateCapture, the prefix cache's checkpoint inside a chunk and MTP's per-position states):
+the conv's are copies, compared exactly; the scan's slice i must equal, bit for bit, the state a GPU call over rows
+0 .. first + i alone leaves (the kernel stores the same registers), and the CPU's capture within TOL.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def config(Hk: int, Hv: int, Dk: int, Dv: int, K: int = 4) -> dict:
 
 # ---- conv1d_silu ----
 
-def run_conv(bench, mixed, w, st, inplace, row0=0):
+def run_conv(bench, mixed, w, st, inplace, row0=0, capture=None):
     T, C = mixed.shape
     # mixed as a view starting at row0 of a larger tensor (an offset the kernel must honour)
     big = np.concatenate([np.full((row0, C), 7.0, np.float32), mixed, np.full((1, C), 7.0, np.float32)])
@@ -56,8 +60,14 @@ def run_conv(bench, mixed, w, st, inplace, row0=0):
     hs = bench.tensor(st)
     hso = hs if inplace else bench.empty(*st.shape)
     ho = bench.empty(T, C)
+    kw = {}
+    if capture is not None:  # (first, count): the state after rows first .. first + count - 1
+        kw = dict(capture=bench.empty(capture[1] * st.shape[0], C), capture_first=capture[0],
+                  capture_count=capture[1])
     bench.run("conv1d_silu", phase=phase_of(T), mixed=hm, conv_w=bench.tensor(w), state_in=hs, state_out=hso,
-              out=ho)
+              out=ho, **kw)
+    if capture is not None:
+        return bench.read(ho), bench.read(hso), bench.read(kw["capture"])
     return bench.read(ho), bench.read(hso), bench.read(hs)
 
 
@@ -77,6 +87,25 @@ def test_conv1d_silu(benches, C, K, T, inplace):
     np.testing.assert_array_equal(s_g, s_c)
     if not inplace:
         np.testing.assert_array_equal(sin_g, st)  # state_in is only read
+
+
+@pytest.mark.parametrize("C,K", [(8192, 4), (100, 5)])
+@pytest.mark.parametrize("T,capture", [(3, (0, 3)), (130, (0, 1)), (130, (60, 5)), (130, (129, 1))])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_conv1d_silu_capture(benches, C, K, T, capture, inplace):
+    """Captured conv states (copies of pre-conv rows, some from the carried state) equal the CPU's exactly;
+    the outputs and the final state are those of the uncaptured call."""
+    cpu, gpu = benches
+    rng = np.random.default_rng(7 * C + T + capture[0])
+    mixed = rng.standard_normal((T, C)).astype(np.float32)
+    w = (rng.standard_normal((C, K)) * 0.5).astype(np.float32)
+    st = rng.standard_normal((K - 1, C)).astype(np.float32)
+    o_c, s_c, cap_c = run_conv(cpu, mixed, w, st, inplace, capture=capture)
+    o_g, s_g, cap_g = run_conv(gpu, mixed, w, st, inplace, capture=capture)
+    o_u, s_u, _ = run_conv(gpu, mixed, w, st, inplace)
+    np.testing.assert_array_equal(cap_g, cap_c)
+    np.testing.assert_array_equal(o_g, o_u)
+    np.testing.assert_array_equal(s_g, s_u)
 
 
 # ---- gated_delta ----
@@ -104,16 +133,20 @@ class DeltaRun:
         self.ws = bench.workspace(config(*shape), max_rows, 64)
         self.states = [bench.tensor(state0), bench.empty(*state0.shape)]
 
-    def step(self, inputs, src, dst):
+    def step(self, inputs, src, dst, capture=None):
+        """The output; with capture = (first, count) also the captured states [count·Hv·Dk, Dv]."""
         qkv, b, a, A_log, dt_bias = inputs
         T = qkv.shape[0]
-        Hv, Dv = self.shape[1], self.shape[3]
+        Hv, Dk, Dv = self.shape[1], self.shape[2], self.shape[3]
         h = self.b
         out = h.empty(T, Hv * Dv)
+        kw = {}
+        if capture is not None:
+            kw = dict(capture=h.empty(capture[1] * Hv * Dk, Dv), capture_first=capture[0], capture_count=capture[1])
         h.run("gated_delta", phase=phase_of(T), qkv=h.tensor(qkv), b=h.tensor(b), a=h.tensor(a),
               A_log=h.tensor(A_log), dt_bias=h.tensor(dt_bias), state_in=self.states[src],
-              state_out=self.states[dst], ws=self.ws, out=out, **shape_args(*self.shape))
-        return h.read(out)
+              state_out=self.states[dst], ws=self.ws, out=out, **shape_args(*self.shape), **kw)
+        return (h.read(out), h.read(kw["capture"])) if kw else h.read(out)
 
     def state(self, i):
         return self.b.read(self.states[i])
@@ -173,3 +206,32 @@ def test_gated_delta_split_is_bitwise(benches):
     np.testing.assert_array_equal(o_whole[:32], o_head)
     np.testing.assert_array_equal(o_whole[32:], o_last)
     np.testing.assert_array_equal(whole.state(1), split.state(0))
+
+
+@pytest.mark.parametrize("shape", [REAL, (2, 6, 32, 48)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("T,capture", [(1, (0, 1)), (33, (0, 4)), (130, (64, 3)), (130, (129, 1))])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_gated_delta_capture(benches, shape, T, capture, inplace):
+    """Slice i of the capture is, bit for bit, the state of a GPU call over rows 0 .. first + i alone (both
+    kernels: T = 1 is the decode entry), within TOL of the CPU's capture; the captured call's output and final
+    state are the uncaptured call's bits."""
+    cpu, gpu = benches
+    Hk, Hv, Dk, Dv = shape
+    rng = np.random.default_rng(T * 13 + Dk + capture[0])
+    inputs = delta_inputs(rng, T, *shape)
+    state0 = (rng.standard_normal((Hv * Dk, Dv)) * 0.5).astype(np.float32)
+    dst = 0 if inplace else 1
+    rc, rg, ru = (DeltaRun(b, shape, state0, T) for b in (cpu, gpu, gpu))
+    o_c, cap_c = rc.step(inputs, 0, dst, capture)
+    o_g, cap_g = rg.step(inputs, 0, dst, capture)
+    o_u = ru.step(inputs, 0, dst)
+    np.testing.assert_array_equal(o_g, o_u)
+    np.testing.assert_array_equal(rg.state(dst), ru.state(dst))
+    assert rel(cap_g, cap_c) < TOL, rel(cap_g, cap_c)
+    first, count = capture
+    rows = Hv * Dk
+    for i in range(count):
+        n = first + i + 1
+        short = DeltaRun(gpu, shape, state0, n)
+        short.step(tuple(x[:n] if x.shape[0] == T else x for x in inputs), 0, dst)
+        np.testing.assert_array_equal(cap_g[i * rows:(i + 1) * rows], short.state(dst), err_msg=f"slice {i}")

@@ -142,6 +142,11 @@ MUTATIONS = [
      "m += (k[i] * rk) * S[i];\n      S[i] = S[i] * alpha;", "gated_delta"),  # §12.9: decay after the read
     ("moe.metal", "weights[ulong(t) * s.ld_w + r] = prob[r] / total;", "weights[ulong(t) * s.ld_w + r] = prob[r];",
      "moe_route"),  # §12.13
+    # State captures (ops.h StateCapture) one row late: the scan's after the next token, the conv's window shifted.
+    ("gated_delta.metal", "if (t - s.cap_first < s.cap_count)", "if (t - 1 - s.cap_first < s.cap_count)",
+     "gated_delta"),
+    ("gated_delta.metal", "int(s.cap_first + i + r + 1) - int(S)", "int(s.cap_first + i + r + 2) - int(S)",
+     "conv1d_silu"),
     # The grouped prefill experts lose every partial tile (an expert's last rows when its count is not a multiple of 8).
     ("matmul.metal", "tile_run += (c + int(kTileRows) - 1) / int(kTileRows);", "tile_run += c / int(kTileRows);",
      "moe_experts"),

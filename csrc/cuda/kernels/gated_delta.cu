@@ -6,13 +6,17 @@
 //   out[t, c] = silu(Σ_{j<K} w[c, j] · x[t-K+1+j, c]),  x[<0] taken from the carried state (oldest first),
 //   then the state keeps the last K-1 pre-conv rows of [state; mixed].
 //   mixed f32 [T, C] (row stride), conv_w f32 [C, K] (row stride; tap K-1 = current token),
-//   state_in f32 [K-1, C] read, state_out f32 [K-1, C] written (may be state_in), out f32 [T, C] written.
+//   state_in f32 [K-1, C] read, state_out f32 [K-1, C] written (may be state_in), out f32 [T, C] written;
+//   cap f32 [cap_count·(K-1), C] written when cap_count > 0 (ops.h StateCapture): slice i = the state after row
+//   cap_first + i, i.e. pre-conv rows cap_first + i - K + 2 .. cap_first + i of [state; mixed] (a copy: exact).
 //   Grid (⌈C/128⌉, ⌈T/tpb⌉), block 128: thread c owns channel c for tokens [y·tpb, y·tpb + tpb); its K taps
 //   and a window of the last K-1 inputs stay in registers, so every row of mixed is read once (plus K-1
 //   rows of overlap per token block); loads and stores are coalesced over channels. The host gives
 //   tpb >= K-1, so only block row y = 0 reads state_in; that same thread writes channel c of state_out
-//   after its reads, which makes the in-place update race-free (no other thread touches channel c).
-//   Floor: T·C·4 B read + T·C·4 B written (+ 2·(K-1)·C·4 B of state): 64 KiB per decode token at C = 8192.
+//   after its reads, which makes the in-place update race-free (no other thread touches channel c); the same
+//   thread writes channel c of every capture slice first, reading mixed and state_in before state_out changes.
+//   Floor: T·C·4 B read + T·C·4 B written (+ 2·(K-1)·C·4 B of state, + (K-1)·C·4 B per capture): 64 KiB per
+//   decode token at C = 8192.
 //   Sum order: taps j = 0..K-1 ascending from 0, as the CPU (FMA contraction may differ: fp32 rounding).
 //
 // ---- gated_delta (-D DK, DV = key / value head dim, 128 and 128 in the real model) ----
@@ -23,7 +27,10 @@
 //   qkv f32 [T, 2·Hk·DK + Hv·DV] (the conv output: q head i at i·DK, k at Hk·DK + i·DK, v head j at
 //   2·Hk·DK + j·DV), b, a f32 [T, Hv], A_log, dt_bias f32 [1, Hv]: read.
 //   S_in f32 [Hv·DK, DV] read (row j·DK + i = row i of head j), S_out written (may be S_in), o f32
-//   [T, Hv·DV] written. Rows of S need 16-byte alignment (the host checks).
+//   [T, Hv·DV] written. cap f32 [cap_count·Hv·DK, DV] written when cap_count > 0 (ops.h StateCapture):
+//   slice i (rows i·Hv·DK ..) = S after token cap_first + i, stored from the registers right after that token's
+//   update, so it equals the S_out of a call over tokens 0 .. cap_first + i bit for bit. Rows of S and of cap
+//   need 16-byte alignment (the host checks).
 //   Grid (Hv, ⌈DV/16⌉), block 64 = 2 warps; warp w of block y owns columns [c0, c0 + 8), c0 = (2y + w)·8,
 //   of head j. Lane l holds column quad (l & 1) (4 columns, one float4) of rows i = 16·r + (l >> 1),
 //   r < ⌈DK/16⌉: 32 floats of S per lane at DK = 128, in registers for all T tokens; a warp's float4 load
@@ -38,7 +45,8 @@
 //   wrote to the workspace (grid (T, ⌈Hk/4⌉) × 128: a warp per (token, key head)), which takes the norms,
 //   sqrt, exp and log1p off the scan's per-token path.
 //   Real model: 32 × 8 = 256 blocks (512 warps) for decode and prefill alike (the sequential scan).
-//   Floor: the state crosses memory once per call, 2 · 32·128·128·4 B = 4 MiB per layer (~1 µs at 4 TB/s);
+//   Floor: the state crosses memory once per call, 2 · 32·128·128·4 B = 4 MiB per layer (~1 µs at 4 TB/s),
+//   plus 2 MiB written per captured token;
 //   T·Hv·DK·DV·8 FLOPs (4 fp32 instructions per state element per token). Prefill is bound by issue and by
 //   the per-token dependency chain (decay, m, 9 shuffles, update); there is no chunked (WY) form yet.
 //   Sum order: per lane rows ascending in r (two partial sums for m: even and odd r), then the shuffle
@@ -51,7 +59,8 @@
 extern "C" __global__ void __launch_bounds__(128)
     conv1d_silu(const float* __restrict__ mixed, i64 mixed_stride, const float* __restrict__ w, i64 w_stride,
                 const float* state_in, i64 in_stride, float* state_out, i64 st_stride, float* __restrict__ out,
-                i64 out_stride, int T, int C, int tpb) {
+                i64 out_stride, float* __restrict__ cap, i64 cap_stride, int cap_first, int cap_count, int T, int C,
+                int tpb) {
   LILY_PDL_PROLOGUE();
   constexpr int S = KTAPS - 1;
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -78,6 +87,15 @@ extern "C" __global__ void __launch_bounds__(128)
     if (S > 0) hist[S > 0 ? S - 1 : 0] = x;
   }
   if (blockIdx.y != 0) return;
+  // Captures: the state after row cap_first + i, read from mixed and state_in before state_out (which may be
+  // state_in) is written below.
+  for (int i = 0; i < cap_count; ++i)
+#pragma unroll
+    for (int r = 0; r < S; ++r) {
+      const int src = cap_first + i - S + 1 + r;
+      cap[(i64(i) * S + r) * cap_stride + c] =
+          src >= 0 ? mixed[i64(src) * mixed_stride + c] : state_in[i64(S + src) * in_stride + c];
+    }
   // New state: the last S rows of [old state; mixed]. When this block covered every token, that is the
   // window itself (it began as the old state); otherwise T > tpb >= S and they are all input rows.
 #pragma unroll
@@ -181,7 +199,9 @@ __device__ __forceinline__ void gated_delta_scan(const float* __restrict__ qkv, 
                                                  const float* __restrict__ qn, const float* __restrict__ kn,
                                                  const float* __restrict__ alpha, const float* __restrict__ beta,
                                                  const float* S_in, i64 in_stride, float* S_out, i64 st_stride,
-                                                 float* __restrict__ out, i64 out_stride, int T, int Hk, int Hv) {
+                                                 float* __restrict__ out, i64 out_stride, float* __restrict__ cap,
+                                                 i64 cap_stride, int cap_first, int cap_count, int T, int Hk,
+                                                 int Hv) {
   const int j = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int c0 = (blockIdx.y * GD_WARPS + warp) * GD_WCOLS;
@@ -294,6 +314,14 @@ __device__ __forceinline__ void gated_delta_scan(const float* __restrict__ qkv, 
     const float os = quad_sum_t(o.x, o.y, o.z, o.w, lane);
     if ((lane & 6) == 0)  // lanes 0,1, 8,9, 16,17, 24,25: the 8 columns of the slice, one store
       out[i64(t) * out_stride + i64(j) * DV + col + ((lane >> 3) & 1) + 2 * (lane >> 4)] = os;
+    if (unsigned(t - cap_first) < unsigned(cap_count)) {  // the state after token t is captured (warp-uniform)
+      const i64 slice = i64(t - cap_first) * Hv;
+#pragma unroll
+      for (int r = 0; r < GD_R; ++r) {
+        const int i = r * GD_RPP + rl;
+        if (i < DK) *reinterpret_cast<float4*>(cap + ((slice + j) * DK + i) * cap_stride + col) = S[r];
+      }
+    }
     p = pn;
     nxt = nn;
   }
@@ -309,18 +337,21 @@ __device__ __forceinline__ void gated_delta_scan(const float* __restrict__ qkv, 
       const float *__restrict__ a, i64 a_stride, const float *__restrict__ A_log,                           \
       const float *__restrict__ dt_bias
 #define GD_STATE_PARAMS \
-  const float *S_in, i64 in_stride, float *S_out, i64 st_stride, float *__restrict__ out, i64 out_stride, int T, int Hk, int Hv
+  const float *S_in, i64 in_stride, float *S_out, i64 st_stride, float *__restrict__ out, i64 out_stride, \
+      float *__restrict__ cap, i64 cap_stride, int cap_first, int cap_count, int T, int Hk, int Hv
 
 extern "C" __global__ void __launch_bounds__(64) gated_delta(GD_PARAMS, GD_STATE_PARAMS) {
   LILY_PDL_PROLOGUE();
   gated_delta_scan<false>(qkv, qkv_stride, b, b_stride, a, a_stride, A_log, dt_bias, nullptr, nullptr, nullptr,
-                          nullptr, S_in, in_stride, S_out, st_stride, out, out_stride, T, Hk, Hv);
+                          nullptr, S_in, in_stride, S_out, st_stride, out, out_stride, cap, cap_stride, cap_first,
+                          cap_count, T, Hk, Hv);
 }
 extern "C" __global__ void __launch_bounds__(64)
     gated_delta_prepped(GD_PARAMS, const float* __restrict__ qn, const float* __restrict__ kn,
                         const float* __restrict__ alpha, const float* __restrict__ beta, GD_STATE_PARAMS) {
   LILY_PDL_PROLOGUE();
   gated_delta_scan<true>(qkv, qkv_stride, b, b_stride, a, a_stride, A_log, dt_bias, qn, kn, alpha, beta, S_in,
-                         in_stride, S_out, st_stride, out, out_stride, T, Hk, Hv);
+                         in_stride, S_out, st_stride, out, out_stride, cap, cap_stride, cap_first, cap_count, T, Hk,
+                         Hv);
 }
 #endif  // DK && DV

@@ -383,7 +383,7 @@ int run_ops(const std::string& msl) {
     b.mtl.set_attention_variant("auto");
   }
 
-  // ---- DeltaNet: conv, the scan (in and out of place) ----
+  // ---- DeltaNet: conv, the scan (in and out of place), each with a capture of the state after rows T/3 .. T-1 ----
   struct DeltaCase { int64_t Hk, Hv, Dk, Dv, T; bool in_place; };
   for (const auto& c : std::vector<DeltaCase>{{2, 4, 16, 24, 1, false}, {2, 4, 16, 24, 6, true}, {3, 3, 32, 32, 3, false},
                                               {1, 2, 128, 128, 2, true}, {1, 1, 48, 40, 3, false}}) {
@@ -392,12 +392,16 @@ int run_ops(const std::string& msl) {
     const int64_t C = 2 * c.Hk * c.Dk + c.Hv * c.Dv, K = 4;
     auto mixed = b.f32(c.T, C), cw = b.f32(C, K, 0.5f), cs = b.f32(K - 1, C), qkv = b.alloc(DType::F32, c.T, C);
     auto cs2 = c.in_place ? cs : b.alloc(DType::F32, K - 1, C);
+    const int64_t cap_first = c.T / 3, cap_count = c.T - c.T / 3;
     if (wanted("conv1d_silu")) {
+      auto ccap = b.alloc(DType::F32, cap_count * (K - 1), C);
       b.run(Phase::Prefill, [&](Ops& o, bool m) {
-        o.conv1d_silu(m ? mixed.m : mixed.c, m ? cw.m : cw.c, m ? cs.m : cs.c, m ? cs2.m : cs2.c, m ? qkv.m : qkv.c);
+        o.conv1d_silu(m ? mixed.m : mixed.c, m ? cw.m : cw.c, m ? cs.m : cs.c, m ? cs2.m : cs2.c, m ? qkv.m : qkv.c,
+                      StateCapture{m ? ccap.m : ccap.c, cap_first, cap_count});
       });
       check_f32(b, "conv1d_silu", name + " out", qkv, 1e-6);
       check_f32(b, "conv1d_silu", name + " state", cs2, 0);
+      check_f32(b, "conv1d_silu", name + " captured states", ccap, 0);
     }
     if (!wanted("gated_delta")) continue;
     auto x = b.f32(c.T, C), bb = b.f32(c.T, c.Hv, 2.f), aa = b.f32(c.T, c.Hv, 2.f), Al = b.f32(1, c.Hv),
@@ -408,12 +412,15 @@ int run_ops(const std::string& msl) {
     cfg.lin_k_dim = c.Dk, cfg.lin_v_dim = c.Dv;
     auto ws = b.alloc(DType::F32, 1, int64_t(cpu::delta_workspace_bytes(cfg, 1) / 4 + 16));
     DeltaShape ds{c.Hk, c.Hv, c.Dk, c.Dv, K, 1e-6f};
+    auto rcap = b.alloc(DType::F32, cap_count * c.Hv * c.Dk, c.Dv);
     b.run(Phase::Prefill, [&](Ops& o, bool m) {
       o.gated_delta(m ? x.m : x.c, m ? bb.m : bb.c, m ? aa.m : aa.c, m ? Al.m : Al.c, m ? dt.m : dt.c, m ? S.m : S.c,
-                    m ? S2.m : S2.c, ds, m ? ws.m : ws.c, m ? out.m : out.c);
+                    m ? S2.m : S2.c, ds, m ? ws.m : ws.c, m ? out.m : out.c,
+                    StateCapture{m ? rcap.m : rcap.c, cap_first, cap_count});
     });
     check_f32(b, "gated_delta", name + " out", out, 1e-5);
     check_f32(b, "gated_delta", name + " state", S2, 1e-5);
+    check_f32(b, "gated_delta", name + " captured states", rcap, 1e-5);
   }
 
   // ---- MoE: routing and the experts ----
@@ -780,6 +787,28 @@ int run_model(const std::string& msl, const std::string& spec) {
   for (int32_t i : sm) printf(" %d", i);
   printf(" %s\n", sc == sm ? "same" : "DIFFERENT");
   fails += sc != sm;
+  // Snapshots taken inside prefill chunks (the DeltaNet state captured after a row, ops.h StateCapture): at
+  // two inner positions of one chunk (which then ends at the second) and at the end, Metal's equal the CPU's.
+  {
+    std::vector<int32_t> more;
+    for (int i = 0; i < 7; ++i) more.push_back(int32_t(g_rng() % uint64_t(cfg.vocab)));
+    const int64_t p0 = cs.position();
+    const std::vector<int64_t> at{p0 + 2, p0 + 4, p0 + 7};
+    auto csn = cs.prefill_snapshots(more.data(), int64_t(more.size()), at, nullptr, nullptr);
+    auto msn = ms.prefill_snapshots(more.data(), int64_t(more.size()), at, nullptr, nullptr);
+    fails += csn.size() != at.size() || msn.size() != at.size();
+    for (size_t i = 0; i < std::min(csn.size(), msn.size()); ++i) {
+      const HostSnapshot hc = csn[i]->to_host(), hm = msn[i]->to_host();
+      double state = 0, kv = 0;
+      for (size_t l = 0; l < hc.conv.size(); ++l)
+        state = std::max({state, max_rel(hc.conv[l], hm.conv[l]), max_rel(hc.recurrent[l], hm.recurrent[l])});
+      for (size_t l = 0; l < hc.kv.size(); ++l) kv = std::max(kv, max_rel(hc.kv[l], hm.kv[l]));
+      const std::string where = "prefill_snapshots at position " + std::to_string(at[i]);
+      report(where + " conv/recurrent state", state);
+      report(where + " KV rows", kv);
+      report(where + " logits", max_rel(hc.logits, hm.logits));
+    }
+  }
   printf("%s: %d failures\n", fails ? "FAILED" : "PASSED", fails);
   return fails ? 1 : 0;
 }
