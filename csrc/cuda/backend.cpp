@@ -533,7 +533,6 @@ void CudaOps::execute(OpKind kind, const OpRun& run) {
     e.launches.push_back(l);
   }
   ++graph_stats_.memo_misses;
-  if (getenv("LILY_MEMO_DEBUG")) fprintf(stderr, "memo miss %s\n", op_name(kind));
   if (memo_.size() < 65536) memo_.emplace(memo_key_, std::move(e));  // a bound against runaway growth
 }
 
