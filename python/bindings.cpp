@@ -517,6 +517,19 @@ struct CallbackGuard {
   }
 };
 
+// A prefill's between-chunks callback: lets Ctrl-C stop a long prefill, then runs `progress` (None: go on;
+// a falsy return stops). Exceptions are held by `cb` and rethrown once the GIL is back.
+std::function<bool(int64_t, int64_t)> prefill_progress(CallbackGuard& cb, const nb::object& progress) {
+  return [&cb, &progress](int64_t done, int64_t total) {
+    return cb.call([&] {
+      if (PyErr_CheckSignals() != 0) throw nb::python_error();
+      if (progress.is_none()) return true;
+      nb::object r = progress(done, total);
+      return r.is_none() || nb::cast<bool>(r);
+    });
+  };
+}
+
 SamplingParams parse_sampling(const nb::dict& p) {
   SamplingParams sp;
   sp.temperature = nb::cast<float>(p["temperature"]);
@@ -893,14 +906,7 @@ NB_MODULE(_core, m) {
              auto arr = new_logits(all_logits ? n : 1, s.vocab, &out);
              CallbackGuard cb;
              // Between chunks: run the progress callback, and let Ctrl-C stop a long prefill.
-             std::function<bool(int64_t, int64_t)> fn = [&](int64_t done, int64_t total) {
-               return cb.call([&] {
-                 if (PyErr_CheckSignals() != 0) throw nb::python_error();
-                 if (progress.is_none()) return true;
-                 nb::object r = progress(done, total);
-                 return r.is_none() || nb::cast<bool>(r);
-               });
-             };
+             const std::function<bool(int64_t, int64_t)> fn = prefill_progress(cb, progress);
              int64_t done;
              {
                nb::gil_scoped_release nogil;
@@ -915,14 +921,7 @@ NB_MODULE(_core, m) {
               const std::vector<int64_t>& at, const PySnapshot* base, nb::object progress) {
              PySession& s = nb::cast<PySession&>(self);
              CallbackGuard cb;
-             std::function<bool(int64_t, int64_t)> fn = [&](int64_t done, int64_t total) {
-               return cb.call([&] {
-                 if (PyErr_CheckSignals() != 0) throw nb::python_error();
-                 if (progress.is_none()) return true;
-                 nb::object r = progress(done, total);
-                 return r.is_none() || nb::cast<bool>(r);
-               });
-             };
+             const std::function<bool(int64_t, int64_t)> fn = prefill_progress(cb, progress);
              std::vector<std::unique_ptr<DeviceSnapshot>> snaps;
              {
                nb::gil_scoped_release nogil;

@@ -267,14 +267,19 @@ int64_t Session::held_kv_rows() const {
   return rows;
 }
 
-int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* out,
-                         const std::function<bool(int64_t, int64_t)>& progress) {
-  BusyGuard busy(busy_);
+// What every prefill checks first: tokens to feed, valid ids, room in the context.
+void Session::check_prefill(const int32_t* ids, int64_t n) const {
   if (n <= 0) throw std::invalid_argument("prefill needs at least one token");
   check_ids(ids, n);
   if (position() + n > st_.max_ctx)
     throw ContextOverflow("prefill of " + std::to_string(n) + " tokens at position " + std::to_string(position()) +
                           " exceeds max_context " + std::to_string(st_.max_ctx));
+}
+
+int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* out,
+                         const std::function<bool(int64_t, int64_t)>& progress) {
+  BusyGuard busy(busy_);
+  check_prefill(ids, n);
   const int64_t vocab = model_.config().vocab;
   {
     std::lock_guard<std::mutex> lk(model_lock_);
@@ -539,11 +544,7 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
     const int32_t* ids, int64_t n, const std::vector<int64_t>& at, const DeviceSnapshot* base,
     const std::function<bool(int64_t, int64_t)>& progress) {
   BusyGuard busy(busy_);
-  if (n <= 0) throw std::invalid_argument("prefill needs at least one token");
-  check_ids(ids, n);
-  if (position() + n > st_.max_ctx)
-    throw ContextOverflow("prefill of " + std::to_string(n) + " tokens at position " + std::to_string(position()) +
-                          " exceeds max_context " + std::to_string(st_.max_ctx));
+  check_prefill(ids, n);
   const int64_t pos0 = position();  // a pending token is fed first: it is at pos0 - 1 then
   for (size_t i = 0; i < at.size(); ++i)
     if (at[i] <= pos0 || at[i] > pos0 + n || (i > 0 && at[i] <= at[i - 1]))

@@ -174,6 +174,7 @@ class Session {
 
  private:
   void check_ids(const int32_t* ids, int64_t n) const;
+  void check_prefill(const int32_t* ids, int64_t n) const;
   void check_restorable(int64_t position, int32_t pending, const std::vector<int32_t>& tokens) const;
   void ensure_scratch(Scratch& sc, int64_t rows, int64_t logit_rows);
   void feed_pending_locked();  // model lock held; also forgets held KV rows from the position on
