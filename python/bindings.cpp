@@ -202,6 +202,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("pdl").is_none()) o.pdl = nb::cast<bool>(opt("pdl"));
     if (!opt("encode_memo").is_none()) o.encode_memo = nb::cast<bool>(opt("encode_memo"));
     if (!opt("gemv_async").is_none()) o.gemv_async = nb::cast<bool>(opt("gemv_async"));
+    if (!opt("fused_norm").is_none()) o.fused_norm = nb::cast<bool>(opt("fused_norm"));
     if (!opt("cache_dir").is_none()) o.cache_dir = nb::cast<std::string>(opt("cache_dir"));
     if (!opt("dry_arch").is_none()) o.dry_arch = nb::cast<int>(opt("dry_arch"));
     if (o.dry_arch == 0 && !nb::cast<bool>(b["usable"]))

@@ -226,6 +226,14 @@ class OpBench {
       if (!kw.contains("capture")) return StateCapture{};
       return StateCapture{T("capture"), I("capture_first"), I("capture_count")};
     };
+    // w0/out0 .. w3/out3, the first n present (MatmulGroup).
+    auto group = [&] {
+      MatmulGroup g;
+      static const char* const names[4][2] = {{"w0", "out0"}, {"w1", "out1"}, {"w2", "out2"}, {"w3", "out3"}};
+      for (const auto& nm : names)
+        if (kw.contains(nm[0])) g.add(W(nm[0]), T(nm[1]));
+      return g;
+    };
     if (phase != "prefill" && phase != "decode") throw std::invalid_argument("phase must be prefill or decode");
     if (repeats < 1) throw std::invalid_argument("repeats must be >= 1");
     Ops& o = *ops_;
@@ -235,13 +243,11 @@ class OpBench {
       if (op == "embed") o.embed(T("ids"), W("table"), T("out"));
       else if (op == "rms_norm") o.rms_norm(T("x"), T("w"), T("out"), float(F("eps", 1e-6)));
       else if (op == "matmul") o.matmul(T("x"), W("w"), T("out"));
-      else if (op == "matmuls") {  // w0/out0 .. w3/out3, the first n present
-        MatmulGroup g;
-        static const char* const names[4][2] = {{"w0", "out0"}, {"w1", "out1"}, {"w2", "out2"}, {"w3", "out3"}};
-        for (const auto& nm : names)
-          if (kw.contains(nm[0])) g.add(W(nm[0]), T(nm[1]));
-        o.matmuls(T("x"), g);
-      } else if (op == "moe") {
+      else if (op == "matmuls") o.matmuls(T("x"), group());
+      else if (op == "rms_norm_matmuls") o.rms_norm_matmuls(T("x"), T("w"), float(F("eps", 1e-6)), T("normed"), group());
+      else if (op == "add_rms_norm_matmuls")
+        o.add_rms_norm_matmuls(T("a"), T("b"), T("w"), float(F("eps", 1e-6)), T("sum"), T("normed"), group());
+      else if (op == "moe") {
         const MoeWeights mw{W("gate"), W("up"), W("down"), W("shared_gate_proj"), W("shared_up"), W("shared_down")};
         const MoeScratch ms{T("ids"), T("weights"), T("routed"), T("shared_g"), T("shared_u"), T("shared_act"), T("shared")};
         o.moe(T("x"), T("router_logits"), T("shared_gate_logit"), I("k"), mw, ms, T("ws"), T("h"));

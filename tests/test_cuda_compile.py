@@ -151,6 +151,11 @@ def test_full_model_shapes_compile_dry(arch, cache):
             for i, n in enumerate(parts):
                 kw[f"w{i}"], kw[f"out{i}"] = b.weight(_zeros_weight(n, H, fmt)), b.empty(T, n)
             b.run("matmuls", phase, x=x, **kw)
+            # The same groups behind their norms (the model's input norm, and the residual add with the
+            # post-attention norm): in decode one GEMV module with the norm compiled in (NORM 1 / 2).
+            b.run("rms_norm_matmuls", phase, x=x, w=b.empty(1, H), normed=b.empty(T, H), **kw)
+            b.run("add_rms_norm_matmuls", phase, a=x, b=b.empty(T, H), w=b.empty(1, H), sum=x, normed=b.empty(T, H),
+                  **kw)
         shape = dict(heads=c["heads"], kv_heads=c["kv_heads"], head_dim=c["head_dim"], rotary_dim=c["rotary_dim"],
                      rope_theta=c["rope_theta"], eps=1e-6)
         hd, qh, kvh = c["head_dim"], c["heads"], c["kv_heads"]
@@ -182,3 +187,5 @@ def test_full_model_shapes_compile_dry(arch, cache):
         b.run("swiglu", phase, gate=b.empty(T, I), up=b.empty(T, I), out=b.empty(T, I))
         b.run("moe_combine", phase, routed=b.empty(T, H), shared=b.empty(T, H), shared_gate_logit=b.empty(T, 1), h=x)
     assert b.report()["compile"]["modules"] >= 8
+    fused = {k: v for k, v in b.report()["variants"].items() if "norm_matmuls.decode" in k}
+    assert len(fused) == 4 and all(v.startswith("one launch") for v in fused.values()), fused

@@ -35,8 +35,11 @@ def test_report_lists_backend_memory_kernels_and_optimizations(eng):
     assert 0 < step["stages"] <= step["ops"]
     layers = eng.config.num_hidden_layers
     assert step["op_counts"]["moe"] == layers
-    # Per layer: the mixer's input projections as one op, and the router with the shared gate as another.
-    assert step["op_counts"]["matmuls"] == 2 * layers
+    # Per layer: the input norm with the mixer's input projections as one op, and the residual add and the
+    # post-attention norm with the router and the shared gate as another; no norm runs on its own but the last.
+    assert step["op_counts"]["norm_matmuls"] == 2 * layers
+    assert "matmuls" not in step["op_counts"] and "add_rms_norm" not in step["op_counts"]
+    assert step["op_counts"]["rms_norm"] == 1
     assert any(o.startswith("active:") for o in r["optimizations"])
     assert any(o.startswith("inactive:") for o in r["optimizations"])
     assert "backend: cpu" in str(r)

@@ -46,6 +46,16 @@ void Ops::matmuls_impl(const Tensor& x, const MatmulGroup& g) {
   for (int i = 0; i < g.n; ++i) matmul_impl(x, g.w[size_t(i)], g.out[size_t(i)]);
 }
 
+void Ops::norm_matmuls_impl(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
+                            const Tensor& normed, const MatmulGroup& g) {
+  if (b.valid())
+    add_rms_norm_impl(a, b, w, eps, sum, normed);
+  else
+    rms_norm_impl(a, w, normed, eps);
+  barrier_in_op();
+  matmuls_impl(normed, g);
+}
+
 // The MoE as its parts, in four dependent groups: routing and the shared expert's gate/up (all read x or the
 // logits only); the routed experts and the shared activation; the shared down projection; the combine.
 void Ops::moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,

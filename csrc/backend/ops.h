@@ -246,6 +246,24 @@ class Ops {
     record(OpKind::Matmuls, {x.buf}, {g.out_buf(0), g.out_buf(1), g.out_buf(2), g.out_buf(3)},
            &Ops::matmuls_impl, x, g);
   }
+  // The norm in front of a layer's projections, fused with them (the same numbers as rms_norm then matmuls):
+  //   normed = rms_norm(x, w, eps) (one segment: w.cols == x.cols), out[i] = normed · g.w[i]ᵀ.
+  // normed aliases nothing the op reads; the outputs alias none of x, w, normed or each other. A GPU backend
+  // runs it as one launch in decode (each block normalises the row for itself); the default composes the two.
+  void rms_norm_matmuls(const Tensor& x, const Tensor& w, float eps, const Tensor& normed, const MatmulGroup& g) {
+    if (g.n < 1) throw std::logic_error("rms_norm_matmuls: an empty group");
+    record(OpKind::NormMatmuls, {x.buf, w.buf}, {normed.buf, g.out_buf(0), g.out_buf(1), g.out_buf(2), g.out_buf(3)},
+           &Ops::norm_matmuls_impl, x, Tensor{}, w, eps, x, normed, g);
+  }
+  // The same after the residual add (add_rms_norm then matmuls): sum = a + b (sum may alias a),
+  // normed = rms_norm(sum, w, eps), out[i] = normed · g.w[i]ᵀ.
+  void add_rms_norm_matmuls(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
+                            const Tensor& normed, const MatmulGroup& g) {
+    if (g.n < 1) throw std::logic_error("add_rms_norm_matmuls: an empty group");
+    record(OpKind::NormMatmuls, {a.buf, b.buf, w.buf},
+           {sum.buf, normed.buf, g.out_buf(0), g.out_buf(1), g.out_buf(2), g.out_buf(3)}, &Ops::norm_matmuls_impl, a,
+           b, w, eps, sum, normed, g);
+  }
   // out = a + b (out may alias a)
   void add(const Tensor& a, const Tensor& b, const Tensor& out) {
     record(OpKind::Add, {a.buf, b.buf}, {out.buf}, &Ops::add_impl, a, b, out);
@@ -431,8 +449,11 @@ class Ops {
                                 const Weight& up, const Weight& down, const Tensor& ws,
                                 const Tensor& out) = 0;
   virtual void swiglu_impl(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
-  // Defaults (ops.cpp): matmul for each product; the MoE composed from its parts.
+  // Defaults (ops.cpp): matmul for each product; the norm, then the products; the MoE composed from its parts.
   virtual void matmuls_impl(const Tensor& x, const MatmulGroup& g);
+  // b invalid: rms_norm_matmuls (sum is a and is not written); else add_rms_norm_matmuls.
+  virtual void norm_matmuls_impl(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
+                                 const Tensor& normed, const MatmulGroup& g);
   virtual void moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
                         const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h);
   virtual void moe_combine_impl(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,

@@ -96,6 +96,7 @@ CudaOps::CudaOps(const CudaOptions& opt) : opt_(opt) {
     info_.max_smem_optin = 227 * 1024;
     info_.l2_bytes = 50 << 20;
     info_.total_mem = size_t(141) << 30;
+    norm_counters_ = CUdeviceptr(1) << 52;
     return;
   }
   const Availability a = availability_detail();
@@ -144,7 +145,12 @@ CudaOps::CudaOps(const CudaOptions& opt) : opt_(opt) {
     check(d.cuEventCreate(&fork_event_, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     staging_bytes_ = size_t(4) << 20;
     check(d.cuMemAllocHost_v2(&staging_, staging_bytes_), "cuMemAllocHost (transfer staging)");
+    check(d.cuMemAlloc_v2(&norm_counters_, kNormCounterBytes), "cuMemAlloc (fused norm counters)");
+    check(d.cuMemsetD8Async(norm_counters_, 0, kNormCounterBytes, copy_stream_), "cuMemsetD8Async");
+    check(d.cuStreamSynchronize(copy_stream_), "cuStreamSynchronize");
   } catch (...) {
+    if (norm_counters_) d.cuMemFree_v2(norm_counters_);
+    if (staging_) d.cuMemFreeHost(staging_);
     for (CUstream st : side_streams_) d.cuStreamDestroy_v2(st);
     for (CUevent ev : join_events_) d.cuEventDestroy_v2(ev);
     if (fork_event_) d.cuEventDestroy_v2(fork_event_);
@@ -179,6 +185,7 @@ CudaOps::~CudaOps() {
   for (CUevent ev : join_events_) d.cuEventDestroy_v2(ev);
   if (fork_event_) d.cuEventDestroy_v2(fork_event_);
   if (staging_) d.cuMemFreeHost(staging_);
+  if (norm_counters_) d.cuMemFree_v2(norm_counters_);
   d.cuStreamDestroy_v2(stream_);
   d.cuStreamDestroy_v2(copy_stream_);
   CUdevice dev = 0;
@@ -886,6 +893,9 @@ std::vector<std::string> CudaOps::optimizations() const {
   o.push_back(opt_.encode_memo ? "decode encode memo: an op with the same arguments as one already encoded reuses its "
                                  "launches (host encode skipped; hits and misses in graphs.encode_memo)"
                                : "not active: decode encode memo (encode_memo=False): every decode op runs its host code");
+  o.push_back(opt_.fused_norm ? "decode norms fused into the projections after them: the GEMV's every block normalises "
+                                "its row (and adds the residual) while staging it, one launch fewer per norm"
+                              : "not active: fused decode norms (fused_norm=False): each norm is its own launch");
   o.push_back("host reads of the sampled id on a separate copy stream: reading id k does not wait for step k + 1");
   o.push_back(opt_.branches ? "graph branches: the launches of one hazard stage run side by side (up to 4 streams "
                               "forked and joined per stage)"

@@ -56,6 +56,9 @@ struct CudaOptions {
   // Decode GEMV with its weight loads staged through shared memory by cp.async, 4 batches deep
   // (matmul_gemv_async); false: the register double buffer (matmul_gemv).
   bool gemv_async = true;
+  // Decode: the RMSNorm in front of a layer's projections (Ops::rms_norm_matmuls / add_rms_norm_matmuls) done by
+  // every block of their GEMV launch; false: the norm's own launch, then the GEMV (the same bits).
+  bool fused_norm = true;
   // Programmatic dependent launch (sm_90+). Off by default: measured slower on the H200 (benchmarks/NOTES.md,
   // decode -4%, prefill at 4K -39%: the early-scheduled blocks of the next kernel sit on SM resources).
   bool pdl = false;
@@ -196,6 +199,8 @@ class CudaOps final : public Ops {
                         const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) override;
   void swiglu_impl(const Tensor& gate, const Tensor& up, const Tensor& out) override;
   void matmuls_impl(const Tensor& x, const MatmulGroup& g) override;
+  void norm_matmuls_impl(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
+                         const Tensor& normed, const MatmulGroup& g) override;
   void moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
                 const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h) override;
   void moe_combine_impl(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
@@ -225,7 +230,18 @@ class CudaOps final : public Ops {
     std::memcpy(args_.data() + at, &v, sizeof(T));
   }
   void record_launch(Launch& l);
-  void launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, int n, const Defines& defines);
+  // The CUDA-core GEMV over n parts of one format; `norm` (rms_norm_matmuls / add_rms_norm_matmuls) puts the
+  // RMSNorm in front, done by every block (kernels/matmul.cu, NORM).
+  void launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, int n, const Defines& defines,
+                   const struct GemvNorm* norm = nullptr);
+  // add_rms_norm_matmuls' arrival counters (kernels/matmul.cu, NORM 2): kNormCounterSlots slots of 16 rows,
+  // zero between launches. A slot per sum buffer, so two such launches that may run side by side (different
+  // sums: the hazard tracker orders ones writing the same) never share one; -1 when every slot is taken.
+  static constexpr int kNormCounterSlots = 64;
+  static constexpr size_t kNormCounterBytes = size_t(kNormCounterSlots) * 16 * 4;
+  CUdeviceptr norm_counters_ = 0;
+  std::unordered_map<int32_t, int> norm_counter_slot_;
+  int norm_counter_slot(int32_t sum_buf);
   struct MoeArgs experts_args(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
                               const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out,
                               const std::string& what, bool& aligned);

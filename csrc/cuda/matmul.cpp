@@ -30,6 +30,20 @@
 
 namespace lily::cuda {
 
+// Must match struct GemvNorm in kernels/matmul.cu (NORM 1 / 2).
+struct GemvNorm {
+  uint64_t b;
+  int64_t ldb;
+  uint64_t w, sum;
+  int64_t lds;
+  uint64_t normed;
+  int64_t ldn;
+  uint64_t counters;
+  float eps;
+  int32_t pad;
+};
+static_assert(sizeof(GemvNorm) == 72, "must match kernels/matmul.cu");
+
 namespace {
 
 constexpr int kThreads = 256;          // NT in matmul.cu
@@ -268,7 +282,8 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
 }
 
 // The CUDA-core GEMV over n parts (one weight format, the same x): each part's rows start on a block batch.
-void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, int n, const Defines& defines) {
+void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, int n, const Defines& defines,
+                          const GemvNorm* norm) {
   const int64_t T = x.rows;
   int64_t rows = 0;
   for (int i = 0; i < n; ++i) rows += w[i].rows;
@@ -281,6 +296,7 @@ void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, i
                                : (u1 ? "matmul_gemv_u1" : "matmul_gemv");
   Defines d = defines;
   if (as.stages && as.stages != 4) d.push_back({"GEMV_STAGES", as.stages});
+  if (norm) d.push_back({"NORM", norm->b ? 2 : 1});
   const Kernel& k = kernel("matmul", name, d);
   if (async_smem > 48 * 1024 && k.max_dynamic_smem < async_smem) set_dynamic_smem(k, async_smem);
   const int64_t rb = rpp * (u1 ? 1 : kGemvRows);
@@ -301,22 +317,26 @@ void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, i
   for (int i = n; i <= kGemvParts; ++i) P.bstart[i] = int32_t(batches);
   const int64_t slots = std::max<int64_t>(1, int64_t(kGemvBlocksPerSm) * std::max(1, info().sms) / T);
   const int64_t nb = std::min(batches, slots);
-  launch(k, Dim3{unsigned(nb * T), 1, 1}, Dim3{unsigned(kThreads), 1, 1}, uint32_t(async_smem), ptr(x), int(T),
-         int64_t(x.stride), P);
+  const Dim3 grid{unsigned(nb * T), 1, 1}, block{unsigned(kThreads), 1, 1};
+  if (norm)
+    launch(k, grid, block, uint32_t(async_smem), ptr(x), int(T), int64_t(x.stride), P, *norm);
+  else
+    launch(k, grid, block, uint32_t(async_smem), ptr(x), int(T), int64_t(x.stride), P);
 }
 
-// Decode: the products whose weights share one CUDA-core GEMV module run as one launch (the real model's
-// groups all do: 4-bit input projections, the 8-bit router with the 8-bit shared gate); any other group is
-// one matmul per product, and the report says why. Prefill: one GEMM per product.
-void CudaOps::matmuls_impl(const Tensor& x, const MatmulGroup& g) {
-  if (phase() == Phase::Prefill || g.n == 1) return Ops::matmuls_impl(x, g);
+namespace {
+
+// Why the products of g cannot be one CUDA-core GEMV launch in decode ("" when they can); v0 gets the first
+// product's variant.
+std::string gemv_group_blocker(const CudaOps& ops, const Tensor& x, const MatmulGroup& g, Phase phase,
+                               MatmulVariant& v0) {
   std::string why;
-  const MatmulVariant v0 = select_matmul(*this, g.w[0], phase());
+  v0 = select_matmul(ops, g.w[0], phase);
   for (int i = 0; i < g.n && why.empty(); ++i) {
     const Weight& w = g.w[size_t(i)];
     const Tensor& out = g.out[size_t(i)];
     if (w.experts > 1) why = "a stacked weight";
-    const MatmulVariant v = select_matmul(*this, w, phase());
+    const MatmulVariant v = select_matmul(ops, w, phase);
     if (v.mma) why = "a tensor-core GEMV part (" + describe(w) + ")";
     else if (v.defines != v0.defines) why = "weights of different formats or alignment";
     if (x.dtype != DType::F32 || out.dtype != DType::F32 || x.cols != w.cols || out.cols != w.rows ||
@@ -324,8 +344,25 @@ void CudaOps::matmuls_impl(const Tensor& x, const MatmulGroup& g) {
       why = "shapes checked per product";  // matmul_impl names the mismatch
   }
   if (x.rows > kMaxDecodeRows) why = "more rows than the decode GEMV takes";
+  return why;
+}
+
+std::string group_names(const MatmulGroup& g) {
   std::string names;
   for (int i = 0; i < g.n; ++i) names += (i ? " + " : "") + describe(g.w[size_t(i)]);
+  return names;
+}
+
+}  // namespace
+
+// Decode: the products whose weights share one CUDA-core GEMV module run as one launch (the real model's
+// groups all do: 4-bit input projections, the 8-bit router with the 8-bit shared gate); any other group is
+// one matmul per product, and the report says why. Prefill: one GEMM per product.
+void CudaOps::matmuls_impl(const Tensor& x, const MatmulGroup& g) {
+  if (phase() == Phase::Prefill || g.n == 1) return Ops::matmuls_impl(x, g);
+  MatmulVariant v0;
+  const std::string why = gemv_group_blocker(*this, x, g, phase(), v0);
+  const std::string names = group_names(g);
   if (!why.empty()) {
     note_variant("matmuls.decode." + names, std::to_string(g.n) + " launches, one per product: " + why);
     return Ops::matmuls_impl(x, g);
@@ -334,6 +371,70 @@ void CudaOps::matmuls_impl(const Tensor& x, const MatmulGroup& g) {
   note_variant("matmuls.decode." + names, "one launch: " + v0.name + " over " + std::to_string(g.n) +
                                               " weights, each part's rows starting on a block batch");
   launch_gemv(x, g.w.data(), g.out.data(), g.n, v0.defines);
+}
+
+int CudaOps::norm_counter_slot(int32_t sum_buf) {
+  auto it = norm_counter_slot_.find(sum_buf);
+  if (it != norm_counter_slot_.end()) return it->second;
+  if (norm_counter_slot_.size() >= size_t(kNormCounterSlots)) return -1;
+  const int slot = int(norm_counter_slot_.size());
+  norm_counter_slot_.emplace(sum_buf, slot);
+  return slot;
+}
+
+// Decode: the norm and the products as one GEMV launch whose every block normalises its row (NORM in
+// kernels/matmul.cu) when the products are one launch anyway and the norm takes kernels/norm.cu's 16-byte form
+// (so the bits are those of the two-launch form); otherwise, and in prefill, the norm op and then matmuls, with
+// the reason in the report.
+void CudaOps::norm_matmuls_impl(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
+                                const Tensor& normed, const MatmulGroup& g) {
+  if (phase() == Phase::Prefill) return Ops::norm_matmuls_impl(a, b, w, eps, sum, normed, g);
+  const bool add = b.valid();
+  const int64_t T = a.rows, K = a.cols;
+  MatmulVariant v0;
+  std::string why = g.n < 1 ? "an empty group" : gemv_group_blocker(*this, normed, g, phase(), v0);
+  auto aligned = [&](const Tensor& t) { return ptr(t) % 16 == 0 && t.stride % 4 == 0; };
+  if (!opt_.fused_norm) {
+    why = "fused_norm=False";
+  } else if (!why.empty()) {
+    why = "the products are not one GEMV launch (" + why + ")";
+  } else if (a.dtype != DType::F32 || w.dtype != DType::F32 || normed.dtype != DType::F32 ||
+             (add && (b.dtype != DType::F32 || sum.dtype != DType::F32))) {
+    why = "a tensor that is not f32";
+  } else if (w.cols != K || normed.rows != T || normed.cols != K || (add && (b.rows != T || b.cols != K ||
+                                                                             sum.rows != T || sum.cols != K))) {
+    why = "not one norm segment per row";  // the norm op names the mismatch
+  } else if (K % 4 != 0) {
+    why = "rows of " + std::to_string(K) + " (the fused form reads whole float4s: a multiple of 4)";
+  } else if (!aligned(a) || ptr(w) % 16 != 0 || !aligned(normed) || (add && (!aligned(b) || !aligned(sum)))) {
+    why = "a norm tensor not 16-byte aligned";
+  } else {
+    const Weight& w0 = g.w[0];
+    const int64_t epc = w0.quantized() ? 128 / w0.bits : 16 / int64_t(dtype_size(w0.dtype));
+    if (ceil_div(int64_t(w0.row_bytes()), 16) * (epc + 4) * 4 > 36 * 1024) why = "x too long to stage in shared memory";
+  }
+  int slot = 0;
+  if (why.empty() && add && (slot = norm_counter_slot(sum.buf)) < 0)
+    why = "every arrival-counter slot taken (" + std::to_string(kNormCounterSlots) + " sum buffers)";
+  const std::string key = std::string(add ? "add_rms_norm_matmuls" : "rms_norm_matmuls") + ".decode." + group_names(g);
+  if (!why.empty()) {
+    note_variant(key, std::string(add ? "add_rms_norm" : "rms_norm") + ", then the products: " + why);
+    return Ops::norm_matmuls_impl(a, b, w, eps, sum, normed, g);
+  }
+  if (T <= 0) return;
+  note_variant(key, "one launch: " + v0.name + " over " + std::to_string(g.n) + " weights, every block " +
+                        (add ? "adding the residual and " : "") + "normalising its row while staging it");
+  GemvNorm n{};
+  n.b = add ? ptr(b) : 0;
+  n.ldb = add ? b.stride : 0;
+  n.w = ptr(w);
+  n.sum = add ? ptr(sum) : 0;
+  n.lds = add ? sum.stride : 0;
+  n.normed = ptr(normed);
+  n.ldn = normed.stride;
+  n.counters = norm_counters_ + uint64_t(slot) * 16 * 4;
+  n.eps = eps;
+  launch_gemv(a, g.w.data(), g.out.data(), g.n, v0.defines, &n);
 }
 
 }  // namespace lily::cuda

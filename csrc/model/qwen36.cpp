@@ -11,12 +11,13 @@
 
 namespace lily {
 
-// Gated DeltaNet mixer (MODEL.md section 5): projections, causal conv + silu on [q|k|v], the gated delta
+// Gated DeltaNet mixer (MODEL.md section 5): the input norm with the projections, causal conv + silu on [q|k|v], the gated delta
 // recurrence, per-head gated RMSNorm with silu(z), output projection.
 void Qwen36::delta_layer(const LayerWeights& L, const StepState& in, const StepState& out, size_t li, Scratch& sc,
                          int64_t T, const ChunkCapture* capture) {
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
-  ops_.matmuls(r(sc.u), MatmulGroup().add(L.qkv, r(sc.qkv)).add(L.z, r(sc.z)).add(L.b, r(sc.b)).add(L.a, r(sc.a)));
+  ops_.rms_norm_matmuls(r(sc.h), L.input_norm, cfg_.eps, r(sc.u),
+                        MatmulGroup().add(L.qkv, r(sc.qkv)).add(L.z, r(sc.z)).add(L.b, r(sc.b)).add(L.a, r(sc.a)));
   StateCapture conv_cap, recurrent_cap;  // none unless the chunk keeps states after inner rows
   if (capture) {
     conv_cap = {capture->conv[li], capture->first, capture->count};
@@ -29,24 +30,27 @@ void Qwen36::delta_layer(const LayerWeights& L, const StepState& in, const StepS
   ops_.matmul(r(sc.delta_y), L.out, r(sc.mixer_out));
 }
 
-// Gated full attention (MODEL.md section 4): q/gate split per head, q/k RMSNorm, partial RoPE, KV cache,
-// causal GQA softmax attention, sigmoid output gate, output projection.
+// Gated full attention (MODEL.md section 4): the input norm with the projections, q/gate split per head,
+// q/k RMSNorm, partial RoPE, KV cache, causal GQA softmax attention, sigmoid output gate, output projection.
 void Qwen36::attention_layer(const LayerWeights& L, SessionState& st, const Tensor& pos, size_t li, Scratch& sc,
                              int64_t T) {
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
   const AttentionShape s = attn_shape();
-  ops_.matmuls(r(sc.u), MatmulGroup().add(L.q, r(sc.qg)).add(L.k, r(sc.k)).add(L.v, r(sc.v)));
+  ops_.rms_norm_matmuls(r(sc.h), L.input_norm, cfg_.eps, r(sc.u),
+                        MatmulGroup().add(L.q, r(sc.qg)).add(L.k, r(sc.k)).add(L.v, r(sc.v)));
   ops_.attn_qk_prep(r(sc.qg), r(sc.k), L.q_norm, L.k_norm, pos, s, r(sc.q), r(sc.gate), r(sc.kr));
   ops_.kv_append(r(sc.kr), r(sc.v), pos, st.k_cache[li], st.v_cache[li], st.max_ctx, s);
   ops_.attention(r(sc.q), r(sc.gate), st.k_cache[li], st.v_cache[li], pos, st.max_ctx, s, sc.ws, r(sc.attn_o));
   ops_.matmul(r(sc.attn_o), L.o, r(sc.mixer_out));
 }
 
-// Sparse MoE (MODEL.md section 6), added into the residual stream: the router and the shared expert's
-// sigmoid gate read the same normed rows (one op), then the rest of the block as one op.
+// Sparse MoE (MODEL.md section 6), added into the residual stream after the mixer's: the residual add, the
+// post-attention norm, the router and the shared expert's sigmoid gate (they read the same normed rows) as one
+// op, then the rest of the block as one op.
 void Qwen36::moe_block(const LayerWeights& L, Scratch& sc, int64_t T) {
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
-  ops_.matmuls(r(sc.u), MatmulGroup().add(L.router, r(sc.router_logits)).add(L.shared_gate, r(sc.sh_gate)));
+  ops_.add_rms_norm_matmuls(r(sc.h), r(sc.mixer_out), L.post_norm, cfg_.eps, r(sc.h), r(sc.u),
+                            MatmulGroup().add(L.router, r(sc.router_logits)).add(L.shared_gate, r(sc.sh_gate)));
   const MoeWeights w{L.experts_gate, L.experts_up, L.experts_down, L.shared_gate_proj, L.shared_up, L.shared_down};
   const MoeScratch ms{r(sc.topk_ids), r(sc.topk_w), r(sc.routed), r(sc.sh_g), r(sc.sh_u), r(sc.sh_act), r(sc.shared)};
   ops_.moe(r(sc.u), r(sc.router_logits), r(sc.sh_gate), cfg_.topk, w, ms, sc.ws, r(sc.h));
@@ -60,12 +64,10 @@ void Qwen36::encode_layers(SessionState& st, const StepState& in, const StepStat
   ops_.embed(ids.rows_view(0, T), w_.embed, r(sc.h));
   for (size_t li = 0; li < w_.layers.size(); ++li) {
     const LayerWeights& L = w_.layers[li];
-    ops_.rms_norm(r(sc.h), L.input_norm, r(sc.u), cfg_.eps);
-    if (L.full)
+    if (L.full)  // each mixer opens with its input norm, fused with its projections
       attention_layer(L, st, in.pos, li, sc, T);
     else
       delta_layer(L, in, out, li, sc, T, capture);
-    ops_.add_rms_norm(r(sc.h), r(sc.mixer_out), L.post_norm, cfg_.eps, r(sc.h), r(sc.u));
     moe_block(L, sc, T);
   }
   ops_.advance_position(in.pos, out.pos, T);

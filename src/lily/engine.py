@@ -247,6 +247,8 @@ class Engine:
         side by side, default True), ``pdl`` (programmatic dependent launch on sm_90+; default False: measured slower), ``encode_memo``
         (reuse the launches of a decode op whose arguments were seen before, skipping its host code; default
         True), ``gemv_async`` (decode GEMV weights staged through shared memory by cp.async; default True),
+        ``fused_norm`` (decode: each layer's RMSNorms done inside the projection GEMV that follows them, one
+        launch instead of two; default True),
         ``cache_dir`` (compiled kernels;
         default ``$LILY_CACHE_DIR/cuda`` or ``~/.cache/lily/cuda``), ``dry_arch`` (compile for sm_N and run
         nothing: a compile check without a GPU)."""

@@ -297,3 +297,77 @@ def test_gemv_async_equals_register_form(benches, spec, n, k):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
     assert any("cp.async" in v for v in _variants(benches[1].report()).values())
     assert any("gemv_async=False" in v for v in _variants(reg.report()).values())
+
+
+# ------------------------------------------------------------------------------------------------
+# The norm in front of a group (Ops::rms_norm_matmuls / add_rms_norm_matmuls): in decode one GEMV launch whose
+# every block normalises its row (NORM in kernels/matmul.cu); the bits must be those of the norm op followed by
+# matmuls on the same GPU, and close to the CPU's composed form.
+
+NORM_GROUPS = [
+    ("deltanet in_proj qkv|z|b|a", [("q4g64-bf16", 8192), ("q4g64-bf16", 4096), ("q4g64-bf16", 32), ("q4g64-bf16", 32)], 2048),
+    ("attention q|k|v", [("q4g64-bf16", 8192), ("q4g64-bf16", 512), ("q4g64-bf16", 512)], 2048),
+    ("router|shared gate", [("q8g64-bf16", 256), ("q8g64-bf16", 1)], 2048),
+    ("awkward rows", [("q4g32-f16", 3), ("q4g32-f16", 33), ("q4g32-f16", 100)], 992),  # K % 64 != 0, > 512
+    ("dense", [("bf16", 7), ("bf16", 130)], 516),
+    ("short rows (warp norm)", [("q4g64-f16", 5), ("q4g64-f16", 40)], 64 * 3),  # K <= 512: norm.cu's one-warp sum
+    ("odd rows (composed)", [("bf16", 5), ("bf16", 40)], 102),  # K % 4 != 0: the norm op, then matmuls
+]
+
+
+def _norm_group(b, descs, a, bb, w, add, fused, repeats=1):
+    """Runs the op (fused) or the norm op then matmuls (not fused) `repeats` times in place (sum = a);
+    returns normed, sum (= a after the runs) and the outputs of the last run."""
+    T, K = a.shape
+    at = b.tensor(a, dtype="f32")
+    bt, wt = b.tensor(bb, dtype="f32"), b.tensor(w, dtype="f32")
+    normed = b.empty(T, K, dtype="f32")
+    kw, outs = {}, []
+    for i, d in enumerate(descs):
+        out = b.empty(T + 2, d["shape"][0], dtype="f32")
+        outs.append(out)
+        kw[f"w{i}"], kw[f"out{i}"] = b.weight(d), b.view(out, 1, T)
+    for _ in range(repeats):
+        if fused and add:
+            b.run("add_rms_norm_matmuls", phase="decode", a=at, b=bt, w=wt, eps=1e-6, sum=at, normed=normed, **kw)
+        elif fused:
+            b.run("rms_norm_matmuls", phase="decode", x=at, w=wt, eps=1e-6, normed=normed, **kw)
+        else:
+            if add:
+                b.run("add_rms_norm", phase="decode", a=at, b=bt, w=wt, eps=1e-6, sum=at, normed=normed)
+            else:
+                b.run("rms_norm", phase="decode", x=at, w=wt, eps=1e-6, out=normed)
+            b.run("matmuls", phase="decode", x=normed, **kw)
+    return b.read(normed), b.read(at), [b.read(o) for o in outs]
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("what,parts,k", NORM_GROUPS, ids=[g[0] for g in NORM_GROUPS])
+def test_norm_matmuls(benches, what, parts, k, add):
+    """Fused = composed on the GPU bit for bit (normed, sum, every product), close to the CPU; run twice in place
+    (the second run reads the first's sum: add_rms_norm_matmuls' arrival counters must be back at 0), T = 1 and
+    3; guard rows untouched; the report says one launch where the norm reads whole float4s, else why not."""
+    rng = np.random.default_rng(zlib.crc32(f"norm {what} {add}".encode()))
+    descs = [make_weight(rng, spec, n, k)[0] for spec, n in parts]
+    x, r = make_x(rng, 3, k), make_x(rng, 3, k)
+    w = (rng.uniform(0.5, 1.5, size=(1, k)) * rng.choice([-1.0, 1.0], size=(1, k))).astype(np.float32)
+    for t in (1, 3):
+        ref = _norm_group(benches[0], descs, x[:t], r[:t], w, add, fused=True, repeats=2)
+        got = _norm_group(benches[1], descs, x[:t], r[:t], w, add, fused=True, repeats=2)
+        two = _norm_group(benches[1], descs, x[:t], r[:t], w, add, fused=False, repeats=2)
+        for i, g in enumerate(got[2]):
+            assert np.isnan(g[0]).all() and np.isnan(g[-1]).all(), f"{what} part {i}: wrote outside its view"
+            assert np.isfinite(g[1:-1]).all(), f"{what} part {i} T={t}: unwritten or non-finite outputs"
+        np.testing.assert_array_equal(got[1], ref[1], err_msg=f"{what} T={t}: sum (a + b, twice) differs from the CPU")
+        assert _rel(got[0], ref[0]) <= 1e-5, f"{what} T={t}: normed {_rel(got[0], ref[0]):.3g}"
+        rel = _rel(np.concatenate([g[1:-1] for g in got[2]], axis=1), np.concatenate([o[1:-1] for o in ref[2]], axis=1))
+        assert rel <= TOL["decode"], f"{what} T={t}: products {rel:.3g}"
+        np.testing.assert_array_equal(got[0].view(np.uint32), two[0].view(np.uint32), err_msg=f"{what}: normed bits")
+        np.testing.assert_array_equal(got[1].view(np.uint32), two[1].view(np.uint32), err_msg=f"{what}: sum bits")
+        for i, (g, o) in enumerate(zip(got[2], two[2])):
+            np.testing.assert_array_equal(g[1:-1].view(np.uint32), o[1:-1].view(np.uint32),
+                                          err_msg=f"{what} part {i} T={t}: fused and two-launch bits differ")
+    op = "add_rms_norm_matmuls" if add else "rms_norm_matmuls"
+    notes = {key: v for key, v in benches[1].report()["variants"].items() if key.startswith(op + ".decode.")}
+    fused = k % 4 == 0
+    assert any(v.startswith("one launch") == fused for v in notes.values()), notes

@@ -16,6 +16,7 @@
 //   AL     proven alignment of W's base and row stride: 16 (one 16-byte load per chunk), 4, or 1 (funnel)
 //   SAL    1 when scales and biases are aligned to their element size, 0 for byte-wise reads
 //   XS     GEMM only: x as 2 bf16 terms (hi + lo, error ~1e-5) or 1 (bf16 x, error ~1.5e-3)
+//   NORM   GEMV only: 0 plain; 1 / 2: the RMSNorm (after a residual add) in front, done by every block (below)
 // One module per (K, format, alignment) serves both phases: ~6 modules for the real model.
 //
 // matmul_gemv (decode, T <= 16; Ops::matmul and Ops::matmuls: up to GEMV_PARTS weights of one format read
@@ -81,6 +82,9 @@
 #ifndef XS
 #define XS 2
 #endif
+#ifndef NORM
+#define NORM 0
+#endif
 
 #define NT 256
 #define GEMV_U 4     // rows per thread per batch (matmul.cpp kGemvRows must match)
@@ -116,6 +120,7 @@ constexpr int WPR = TPR > 32 ? TPR / 32 : 1;       // warps per row
 // distinct bank quads). Static shared memory is capped: past the cap threads read x from global directly.
 constexpr int XLD = EPC + 4;
 constexpr bool XSH = i64(C) * XLD * 4 <= 36 * 1024;
+static_assert(NORM == 0 || XSH, "NORM stages the normed row in shared memory");
 
 // The weights of one launch: GEMV_PARTS products of the same x with weights of this module's format
 // (Ops::matmuls; a plain matmul is one part). Part p owns the block batches [bstart[p], bstart[p + 1]): its
@@ -132,6 +137,26 @@ struct GemvParts {
   int bstart[GEMV_PARTS + 1];
   int np;
 };
+// NORM 1 / 2 (Ops::rms_norm_matmuls / add_rms_norm_matmuls, decode): x is the norm's input a, and every block
+// normalises its row t itself while staging it (normed = rms_norm(a [+ b], w) over the whole row, K elements),
+// with the arithmetic of kernels/norm.cu's rms_norm / add_rms_norm with 16-byte loads (its one-block form for
+// K > 512, else its one-warp form), so the products and `normed` have the same bits as the two-launch form. The blocks with b0 == 0 store normed.
+// NORM 2 also stores sum = a + b, which may alias a: every block of row t counts itself into counters[t] once
+// its reads of a and b have landed, and the last one to arrive (all others have read) stores sum and puts the
+// counter back to 0 for the next launch. No block waits for another. matmul.cpp's GemvNorm must match.
+struct GemvNorm {
+  const float* b;  // NORM 2: the residual's other term, row stride ldb
+  i64 ldb;
+  const float* w;  // the norm weight [K]
+  float* sum;      // NORM 2: a + b, row stride lds
+  i64 lds;
+  float* normed;
+  i64 ldn;
+  int* counters;   // NORM 2: [T] arrivals, 0 between launches
+  float eps;
+  int pad;
+};
+
 // The part batch bt belongs to, found with constant indices only (a dynamically indexed kernel parameter
 // would be copied to local memory).
 __device__ __forceinline__ int gemv_part_of(const GemvParts& P, i64 bt) {
@@ -178,8 +203,81 @@ __device__ __forceinline__ float gemv_word_scalar(u32 w, i64 gi) {
   return DT == LILY_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
 }
 
+// NORM: stages normed row t of x into xsh (the layout below), stores normed (blocks b0 == 0) and, NORM 2, sum.
+// Σ sum² in norm.cu's order for this row length: K > 512 its one-block form (thread i sums its float4s at
+// 4i, 4i + 1024, ..., then block_sum), else its one-warp form (lane l at 4l, 4l + 128, ..., then warp_sum;
+// every warp of the block computes it).
+template <int XLDV>
+__device__ __forceinline__ void gemv_stage_normed(const float* xr, int t, int b0, int bstep, const GemvNorm& NP,
+                                                  float* xsh) {
+  static_assert(K % 4 == 0 && EPC % 4 == 0, "NORM needs K and the chunk's inputs in whole float4s");
+  constexpr int NI = (K + NT * 4 - 1) / (NT * 4);
+  constexpr bool BLOCK_SUM = K > 512;
+  __shared__ float nred[32];
+  const int tid = threadIdx.x;
+  const float* br = NORM == 2 ? NP.b + i64(t) * NP.ldb : nullptr;
+  auto load_sum = [&](int i) {
+    float4 v = *reinterpret_cast<const float4*>(xr + i);
+    if (NORM == 2) {
+      const float4 b = *reinterpret_cast<const float4*>(br + i);
+      v.x = __fadd_rn(v.x, b.x), v.y = __fadd_rn(v.y, b.y), v.z = __fadd_rn(v.z, b.z), v.w = __fadd_rn(v.w, b.w);
+    }
+    return v;
+  };
+  auto add_squares = [](float ss, const float4& v) {
+    ss = fmaf(v.x, v.x, ss), ss = fmaf(v.y, v.y, ss), ss = fmaf(v.z, v.z, ss);
+    return fmaf(v.w, v.w, ss);
+  };
+  float4 nv[NI], gv[NI];
+  float ss = 0.f;
+#pragma unroll
+  for (int q = 0; q < NI; ++q) {
+    const int i = tid * 4 + q * NT * 4;
+    if (i < K) {
+      nv[q] = load_sum(i);
+      gv[q] = *reinterpret_cast<const float4*>(NP.w + i);
+      if (BLOCK_SUM) ss = add_squares(ss, nv[q]);
+    }
+  }
+  if (!BLOCK_SUM)
+    for (int i = (tid & 31) * 4; i < K; i += 32 * 4) ss = add_squares(ss, load_sum(i));
+  if (NORM == 2) {
+    __shared__ int last_reader;
+    __threadfence();  // this thread's reads of a are performed before the block counts itself in
+    __syncthreads();
+    if (tid == 0) {
+      const int before = atomicAdd(NP.counters + t, 1);
+      last_reader = before == bstep - 1;
+      if (last_reader) NP.counters[t] = 0;
+    }
+    __syncthreads();
+    if (last_reader) {
+#pragma unroll
+      for (int q = 0; q < NI; ++q) {
+        const int i = tid * 4 + q * NT * 4;
+        if (i < K) *reinterpret_cast<float4*>(NP.sum + i64(t) * NP.lds + i) = nv[q];
+      }
+    }
+  }
+  const float total = BLOCK_SUM ? block_sum(ss, nred) : warp_sum(ss);
+  const float r = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, float(K)), NP.eps)));  // norm.cu's inv_rms
+#pragma unroll
+  for (int q = 0; q < NI; ++q) {
+    const int i = tid * 4 + q * NT * 4;
+    if (i < K) {
+      float4 v = nv[q];
+      const float4 g = gv[q];
+      v.x = __fmul_rn(__fmul_rn(v.x, r), g.x), v.y = __fmul_rn(__fmul_rn(v.y, r), g.y);
+      v.z = __fmul_rn(__fmul_rn(v.z, r), g.z), v.w = __fmul_rn(__fmul_rn(v.w, r), g.w);
+      *reinterpret_cast<float4*>(&xsh[(i / EPC) * XLDV + i % EPC]) = v;
+      if (b0 == 0) *reinterpret_cast<float4*>(NP.normed + i64(t) * NP.ldn + i) = v;
+    }
+  }
+}
+
 template <int U, bool ASYNC = false>
-__device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i64 ldx, const GemvParts& P) {
+__device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i64 ldx, const GemvParts& P,
+                                          const GemvNorm& NP) {
   constexpr int RB = RPP * U;  // rows per block batch
   __shared__ float red[U][RPP][WPR];
   __shared__ __align__(16) float xsh[XSH ? C * XLD : 4];
@@ -281,7 +379,11 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
 
   // This thread's inputs, once: xs (prescaled for affine codes), sx = Σx per subgroup (e ascending).
   if (XSH) {
-    for (int k = tid; k < K; k += NT) xsh[(k / EPC) * XLD + k % EPC] = xr[k];
+    if constexpr (NORM != 0) {
+      gemv_stage_normed<XLD>(xr, t, b0, bstep, NP, xsh);
+    } else {
+      for (int k = tid; k < K; k += NT) xsh[(k / EPC) * XLD + k % EPC] = xr[k];
+    }
     __syncthreads();
   }
   float xs[J][EPC], sx[J][NSG];
@@ -433,34 +535,43 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
   }
 }
 
+// NORM 1/2 modules take the GemvNorm after the parts (the same kernel names).
+#if NORM
+#define GEMV_NORM_PARAM , const GemvNorm NP
+#define GEMV_NORM_ARG NP
+#else
+#define GEMV_NORM_PARAM
+#define GEMV_NORM_ARG GemvNorm{}
+#endif
 extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
-    matmul_gemv(const float* __restrict__ x, int T, i64 ldx, const GemvParts P) {
+    matmul_gemv(const float* __restrict__ x, int T, i64 ldx, const GemvParts P GEMV_NORM_PARAM) {
   LILY_PDL_PROLOGUE();
-  gemv_body<GEMV_U>(x, T, ldx, P);
+  gemv_body<GEMV_U>(x, T, ldx, P, GEMV_NORM_ARG);
 }
 // One row per thread per batch (U = 1): weights whose rows all fit in one pass of the grid
 // (ceil(N / RPP) <= MINB·SMs; matmul.cpp decides from N alone, never from T). The U = 4 form would leave
 // most SMs idle and make each thread walk 4 rows in series.
 extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
-    matmul_gemv_u1(const float* __restrict__ x, int T, i64 ldx, const GemvParts P) {
+    matmul_gemv_u1(const float* __restrict__ x, int T, i64 ldx, const GemvParts P GEMV_NORM_PARAM) {
   LILY_PDL_PROLOGUE();
-  gemv_body<1>(x, T, ldx, P);
+  gemv_body<1>(x, T, ldx, P, GEMV_NORM_ARG);
 }
 #if BITS > 0 && AL == 16 && SAL == 1
 extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
-    matmul_gemv_async(const float* __restrict__ x, int T, i64 ldx, const GemvParts P) {
+    matmul_gemv_async(const float* __restrict__ x, int T, i64 ldx, const GemvParts P GEMV_NORM_PARAM) {
   LILY_PDL_PROLOGUE();
-  gemv_body<GEMV_U, true>(x, T, ldx, P);
+  gemv_body<GEMV_U, true>(x, T, ldx, P, GEMV_NORM_ARG);
 }
 extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
-    matmul_gemv_async_u1(const float* __restrict__ x, int T, i64 ldx, const GemvParts P) {
+    matmul_gemv_async_u1(const float* __restrict__ x, int T, i64 ldx, const GemvParts P GEMV_NORM_PARAM) {
   LILY_PDL_PROLOGUE();
-  gemv_body<1, true>(x, T, ldx, P);
+  gemv_body<1, true>(x, T, ldx, P, GEMV_NORM_ARG);
 }
 #endif
 
 // ------------------------------------------------------------------------------------------------------
-// GEMM (prefill)
+// GEMM (prefill) and the tensor-core GEMV: not in NORM modules (the fused norm is a CUDA-core GEMV form only).
+#if NORM == 0
 
 #define BM 64
 #define BN 128
@@ -899,3 +1010,4 @@ extern "C" __global__ void __launch_bounds__(NT, 2)
       }
   }
 }
+#endif  // NORM == 0
