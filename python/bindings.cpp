@@ -385,7 +385,7 @@ struct PyEngine {
     r["kernels"] = variants;
     r["optimizations"] = ops->optimizations();
     r["tied_embeddings"] = W.tied;
-    nb::dict mtp;  // the MTP block (MODEL.md section 7): loaded, not read by the graph yet
+    nb::dict mtp;  // the MTP block (MODEL.md section 7): its KV rows run in every forward, drafts in generate(mtp="on")
     mtp["present"] = W.mtp.has_value();
     mtp["layers"] = W.mtp ? int64_t(W.mtp->layers.size()) : int64_t(0);
     mtp["bytes"] = info.mtp_bytes;
@@ -464,6 +464,7 @@ nb::dict host_snapshot_arrays(const HostSnapshot& s) {
   d["pending"] = to_numpy(std::vector<int32_t>{s.pending});
   d["logits"] = to_numpy(s.logits);
   for (size_t i = 0; i < s.kv.size(); ++i) d[("kv." + std::to_string(i)).c_str()] = to_numpy(s.kv[i]);
+  if (!s.mtp_h.empty()) d["mtp_h"] = to_numpy(s.mtp_h);  // the MTP block's next input (MTP checkpoints)
   for (size_t i = 0; i < s.conv.size(); ++i) {
     d[("conv." + std::to_string(i)).c_str()] = to_numpy(s.conv[i]);
     d[("recurrent." + std::to_string(i)).c_str()] = to_numpy(s.recurrent[i]);
@@ -489,6 +490,7 @@ HostSnapshot host_snapshot_from_arrays(const nb::dict& d) {
   s.pending = pending.empty() ? -1 : pending[0];
   s.logits = f32("logits");
   for (size_t i = 0; d.contains(("kv." + std::to_string(i)).c_str()); ++i) s.kv.push_back(f32("kv." + std::to_string(i)));
+  if (d.contains("mtp_h")) s.mtp_h = f32("mtp_h");
   for (size_t i = 0; d.contains(("conv." + std::to_string(i)).c_str()); ++i) {
     s.conv.push_back(f32("conv." + std::to_string(i)));
     s.recurrent.push_back(f32("recurrent." + std::to_string(i)));
@@ -959,7 +961,7 @@ NB_MODULE(_core, m) {
            })
       .def("generate",
            [](PySession& s, int64_t max_tokens, const nb::dict& p, const std::vector<int32_t>& stop_ids,
-              nb::object on_token, bool with_logits) {
+              nb::object on_token, bool with_logits, int mtp_k) {
              SamplingParams sp = parse_sampling(p);
              CallbackGuard cb;
              const int64_t vocab = s.vocab;
@@ -984,12 +986,27 @@ NB_MODULE(_core, m) {
              std::string reason;
              {
                nb::gil_scoped_release nogil;
-               reason = s.s->generate(max_tokens, sp, stop_ids, fn, with_logits);
+               reason = mtp_k > 0 ? s.s->generate_mtp(max_tokens, sp, stop_ids, fn, with_logits, mtp_k)
+                                  : s.s->generate(max_tokens, sp, stop_ids, fn, with_logits);
              }
              cb.rethrow();
              return reason;
            },
-           "max_tokens"_a, "params"_a, "stop_ids"_a, "on_token"_a, "with_logits"_a = false)
+           "max_tokens"_a, "params"_a, "stop_ids"_a, "on_token"_a, "with_logits"_a = false, "mtp_k"_a = 0)
+      .def("last_mtp_stats",
+           [](PySession& s) {
+             const MtpStats m = s.s->last_mtp_stats();
+             nb::dict d;
+             d["steps"] = m.steps;
+             d["drafted"] = m.drafted;
+             d["accepted"] = m.accepted;
+             return d;
+           })
+      // Tests only: the next drafts come from this list instead of the MTP block (Session::set_draft_override).
+      .def("_draft_override",
+           [](PySession& s, int64_t start, const std::vector<int32_t>& ids) {
+             without_gil([&] { s.s->set_draft_override(start, ids); });
+           })
       .def("snapshot",
            [](PySession& s, const PySnapshot* base) {
              auto snap = without_gil([&] { return s.s->snapshot(base ? base->s.get() : nullptr); });

@@ -405,7 +405,7 @@ std::vector<std::string> CpuOps::optimizations() const {
       "inactive: concurrent dispatch (CPU runs ops in order; stages are counted for GPU backends)",
       "opt-in: bf16 KV cache (Engine(kv_cache_dtype='bf16'): half the bytes per token; the default keeps the "
       "oracle's fp32)",
-      "inactive: MTP speculative decoding (not implemented yet: a checkpoint's MTP block is loaded, unused; "
+      "opt-in: MTP speculative decoding (generate(mtp='on', mtp_k=1..4) on a checkpoint with an MTP head; "
       "report()['mtp'])",
       "inactive: split (fixed-block) attention for long contexts (CPU parallelises over query rows and heads)",
   };

@@ -208,13 +208,19 @@ LoadInfo load_weights(Qwen36& model, WeightSource& src, const std::vector<Mapped
     W.layers.push_back(load_layer(ld, c, "layers." + std::to_string(i) + ".", c.full_attention[size_t(i)]));
   if (c.mtp_layers > 0) W.mtp = load_mtp(ld, c);
   std::vector<Weight*> all = {&W.embed, &W.lm_head};
-  for (LayerWeights& L : W.layers)
+  auto add_layer = [&all](LayerWeights& L) {
     for (Weight* w : {&L.qkv, &L.z, &L.b, &L.a, &L.out, &L.q, &L.k, &L.v, &L.o, &L.router, &L.shared_gate,
                       &L.shared_gate_proj, &L.shared_up, &L.shared_down, &L.experts_gate, &L.experts_up,
                       &L.experts_down})
       if (w->valid()) all.push_back(w);
-  // Not W.mtp: nothing reads it yet, and the CUDA backend copies every weight it is given to the GPU.
-  // MTP decoding (issue 14) adds its weights here together with the graph that reads them.
+  };
+  for (LayerWeights& L : W.layers) add_layer(L);
+  // The MTP block (read by every forward's encode_mtp_rows and by drafting); it has no lm_head of its own:
+  // the graph hands it W.lm_head, so a GPU backend places the head once.
+  if (W.mtp) {
+    all.push_back(&W.mtp->fc);
+    for (LayerWeights& L : W.mtp->layers) add_layer(L);
+  }
   model.ops().place_weights(all);
   return info;
 }

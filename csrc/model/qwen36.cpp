@@ -34,26 +34,36 @@ void Qwen36::delta_layer(const LayerWeights& L, const StepState& in, const StepS
 // q/k RMSNorm, partial RoPE, KV cache, causal GQA softmax attention, sigmoid output gate, output projection.
 void Qwen36::attention_layer(const LayerWeights& L, SessionState& st, const Tensor& pos, size_t li, Scratch& sc,
                              int64_t T) {
+  attend(L, sc.h, st.k_cache[li], st.v_cache[li], st.max_ctx, pos, sc, T);
+}
+
+// The attention mixer over residual stream x (the decoder's sc.h or the MTP block's sc.mtp_x) into sc.mixer_out,
+// with the KV cache given (a decoder layer's or the MTP block's).
+void Qwen36::attend(const LayerWeights& L, const Tensor& x, const Tensor& k_cache, const Tensor& v_cache,
+                    int64_t max_ctx, const Tensor& pos, Scratch& sc, int64_t T) {
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
   const AttentionShape s = attn_shape();
-  ops_.rms_norm_matmuls(r(sc.h), L.input_norm, cfg_.eps, r(sc.u),
+  ops_.rms_norm_matmuls(r(x), L.input_norm, cfg_.eps, r(sc.u),
                         MatmulGroup().add(L.q, r(sc.qg)).add(L.k, r(sc.k)).add(L.v, r(sc.v)));
   ops_.attn_qk_prep(r(sc.qg), r(sc.k), L.q_norm, L.k_norm, pos, s, r(sc.q), r(sc.gate), r(sc.kr));
-  ops_.kv_append(r(sc.kr), r(sc.v), pos, st.k_cache[li], st.v_cache[li], st.max_ctx, s);
-  ops_.attention(r(sc.q), r(sc.gate), st.k_cache[li], st.v_cache[li], pos, st.max_ctx, s, sc.ws, r(sc.attn_o));
+  ops_.kv_append(r(sc.kr), r(sc.v), pos, k_cache, v_cache, max_ctx, s);
+  ops_.attention(r(sc.q), r(sc.gate), k_cache, v_cache, pos, max_ctx, s, sc.ws, r(sc.attn_o));
   ops_.matmul(r(sc.attn_o), L.o, r(sc.mixer_out));
 }
 
 // Sparse MoE (MODEL.md section 6), added into the residual stream after the mixer's: the residual add, the
 // post-attention norm, the router and the shared expert's sigmoid gate (they read the same normed rows) as one
 // op, then the rest of the block as one op.
-void Qwen36::moe_block(const LayerWeights& L, Scratch& sc, int64_t T) {
+void Qwen36::moe_block(const LayerWeights& L, Scratch& sc, int64_t T) { moe_block(L, sc, T, sc.h); }
+
+// The same into residual stream h [T, hidden] (the decoder's sc.h or the MTP block's sc.mtp_x).
+void Qwen36::moe_block(const LayerWeights& L, Scratch& sc, int64_t T, const Tensor& h) {
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
-  ops_.add_rms_norm_matmuls(r(sc.h), r(sc.mixer_out), L.post_norm, cfg_.eps, r(sc.h), r(sc.u),
+  ops_.add_rms_norm_matmuls(r(h), r(sc.mixer_out), L.post_norm, cfg_.eps, r(h), r(sc.u),
                             MatmulGroup().add(L.router, r(sc.router_logits)).add(L.shared_gate, r(sc.sh_gate)));
   const MoeWeights w{L.experts_gate, L.experts_up, L.experts_down, L.shared_gate_proj, L.shared_up, L.shared_down};
   const MoeScratch ms{r(sc.topk_ids), r(sc.topk_w), r(sc.routed), r(sc.sh_g), r(sc.sh_u), r(sc.sh_act), r(sc.shared)};
-  ops_.moe(r(sc.u), r(sc.router_logits), r(sc.sh_gate), cfg_.topk, w, ms, sc.ws, r(sc.h));
+  ops_.moe(r(sc.u), r(sc.router_logits), r(sc.sh_gate), cfg_.topk, w, ms, sc.ws, r(h));
 }
 
 void Qwen36::encode_layers(SessionState& st, const StepState& in, const StepState& out, Scratch& sc,
@@ -77,6 +87,68 @@ void Qwen36::encode_logits(Scratch& sc, int64_t row0, int64_t n, const Tensor& o
   if (n <= 0 || n > sc.logit_rows || out.rows != n) throw std::logic_error("encode_logits: bad row block");
   ops_.rms_norm(sc.h.rows_view(row0, n), w_.final_norm, sc.final_h.rows_view(0, n), cfg_.eps);
   ops_.matmul(sc.final_h.rows_view(0, n), w_.lm_head, out);
+}
+
+// ---- the MTP block (MODEL.md section 7) ----
+// Semantics of vLLM (models/qwen3_5_mtp.py, qwen3_next_mtp.py; v1/spec_decode/eagle.py prepares its inputs):
+// the block's row for the pair (token t + 1, h_t) runs at position t, h_t is the main model's output after
+// its final norm (the model's forward returns norm(h)), and a chained draft step takes the block's own output
+// after mtp.norm, the same rows its logits come from. MODEL.md section 7 writes "at position t + 1": vLLM's
+// positions are the target positions (t), and each further draft step adds one; Lily follows vLLM.
+// All norms are RMSNorm1p, folded to plain multipliers by the loader like the decoder's (ops.h rms_norm).
+
+void Qwen36::mtp_block(SessionState& st, Scratch& sc, const Tensor& ids, const Tensor& h, const Tensor& pos,
+                       int64_t n, bool kv_only) {
+  const MtpWeights& M = *w_.mtp;
+  const int64_t H = cfg_.hidden;
+  auto r = [n](const Tensor& t) { return t.rows_view(0, n); };
+  // [e | hn] built by copies into the two column halves of mtp_in (embedding first): copy honours row
+  // strides on every backend.
+  Tensor left = r(sc.mtp_in), right = r(sc.mtp_in);
+  left.cols = right.cols = H;
+  right.offset += H;
+  ops_.embed(ids, w_.embed, r(sc.u));
+  ops_.rms_norm(r(sc.u), M.pre_fc_norm_embedding, r(sc.mixer_out), cfg_.eps);
+  ops_.copy(r(sc.mixer_out), left);
+  ops_.rms_norm(h, M.pre_fc_norm_hidden, r(sc.routed), cfg_.eps);
+  ops_.copy(r(sc.routed), right);
+  ops_.matmul(r(sc.mtp_in), M.fc, r(sc.mtp_x));
+  for (size_t j = 0; j < M.layers.size(); ++j) {
+    const LayerWeights& L = M.layers[j];
+    if (kv_only && j + 1 == M.layers.size()) {  // only the K/V rows of the last layer are read later
+      const AttentionShape s = attn_shape();
+      ops_.rms_norm_matmuls(r(sc.mtp_x), L.input_norm, cfg_.eps, r(sc.u),
+                            MatmulGroup().add(L.q, r(sc.qg)).add(L.k, r(sc.k)).add(L.v, r(sc.v)));
+      ops_.attn_qk_prep(r(sc.qg), r(sc.k), L.q_norm, L.k_norm, pos, s, r(sc.q), r(sc.gate), r(sc.kr));
+      ops_.kv_append(r(sc.kr), r(sc.v), pos, st.mtp_k_cache[j], st.mtp_v_cache[j], st.max_ctx, s);
+      return;
+    }
+    attend(L, sc.mtp_x, st.mtp_k_cache[j], st.mtp_v_cache[j], st.max_ctx, pos, sc, n);
+    moe_block(L, sc, n, sc.mtp_x);  // the residual add and post norm included
+  }
+}
+
+void Qwen36::encode_mtp_rows(SessionState& st, const StepState& in, const StepState& out, Scratch& sc,
+                             const Tensor& ids, int64_t T, bool at_zero) {
+  if (!has_mtp()) return;
+  if (T <= 0 || T > sc.rows) throw std::logic_error("encode_mtp_rows: chunk larger than scratch");
+  if (!at_zero) ops_.copy(in.mtp_h, sc.mtp_hn.rows_view(0, 1));
+  ops_.rms_norm(sc.h.rows_view(0, T), w_.final_norm, sc.mtp_hn.rows_view(1, T), cfg_.eps);
+  ops_.copy(sc.mtp_hn.rows_view(T, 1), out.mtp_h);
+  const int64_t s = at_zero ? 1 : 0, n = T - s;  // rows s .. T-1: token j with h of token j - 1
+  if (n == 0) return;
+  // From out.pos, which encode_layers advanced to pos0 + T (in.pos is the same tensor in an in-place prefill).
+  ops_.advance_position(out.pos, sc.mtp_pos, s - 1 - T);
+  mtp_block(st, sc, ids.rows_view(s, n), sc.mtp_hn.rows_view(s, n), sc.mtp_pos, n, true);
+}
+
+void Qwen36::encode_mtp_draft(SessionState& st, Scratch& sc, const Tensor& token, const Tensor& h,
+                              const Tensor& pos, int64_t shift, const Tensor& logits) {
+  if (!has_mtp()) throw std::logic_error("encode_mtp_draft: the checkpoint has no MTP block");
+  ops_.advance_position(pos, sc.mtp_pos, shift);
+  mtp_block(st, sc, token, h, sc.mtp_pos, 1, false);
+  ops_.rms_norm(sc.mtp_x.rows_view(0, 1), w_.mtp->norm, sc.mtp_draft_h, cfg_.eps);
+  ops_.matmul(sc.mtp_draft_h, w_.lm_head, logits);
 }
 
 // ---- state and scratch ----
@@ -103,6 +175,10 @@ std::vector<StateTensor> Qwen36::state_tensors(int64_t max_ctx, DType kv_dtype) 
       }
     }
   }
+  for (size_t j = 0; j < size_t(cfg_.mtp_layers) && has_mtp(); ++j) {
+    v.push_back({StateTensor::Kind::MtpK, j, 0, kv_dtype, cfg_.kv_heads * max_ctx, cfg_.head_dim});
+    v.push_back({StateTensor::Kind::MtpV, j, 0, kv_dtype, cfg_.kv_heads * max_ctx, cfg_.head_dim});
+  }
   return v;
 }
 
@@ -111,7 +187,7 @@ size_t Qwen36::state_bytes(int64_t max_ctx, DType kv_dtype) const {
   // before anything is multiplied out (max_context comes from users and session files).
   const int64_t kv_row = cfg_.kv_heads * cfg_.head_dim;
   constexpr int64_t kMax = int64_t(1) << 46;  // 64 TiB: no machine holds a larger state
-  if (max_ctx <= 0 || max_ctx > kMax / (kv_row * 2 * std::max<int64_t>(1, cfg_.n_full())))
+  if (max_ctx <= 0 || max_ctx > kMax / (kv_row * 2 * std::max<int64_t>(1, cfg_.n_full() + cfg_.mtp_layers)))
     throw std::invalid_argument("max_context " + std::to_string(max_ctx) +
                                 " gives a KV cache larger than any addressable memory");
   size_t total = 0;
@@ -128,19 +204,24 @@ SessionState Qwen36::new_state(int64_t max_ctx, DType kv_dtype) {
   const size_t n = size_t(cfg_.layers);
   st.k_cache.resize(n);
   st.v_cache.resize(n);
+  st.mtp_k_cache.resize(has_mtp() ? size_t(cfg_.mtp_layers) : 0);
+  st.mtp_v_cache.resize(st.mtp_k_cache.size());
   for (StepState& set : st.sets) {
     set.conv.resize(n);
     set.recurrent.resize(n);
   }
   try {
     for (const StateTensor& t : state_tensors(max_ctx, kv_dtype)) {
-      static const char* labels[] = {"kv_cache", "kv_cache", "conv_state", "recurrent_state"};
-      std::vector<Tensor>* lists[] = {&st.k_cache, &st.v_cache, &st.sets[t.set].conv, &st.sets[t.set].recurrent};
+      static const char* labels[] = {"kv_cache", "kv_cache", "conv_state", "recurrent_state", "mtp_kv_cache",
+                                     "mtp_kv_cache"};
+      std::vector<Tensor>* lists[] = {&st.k_cache, &st.v_cache, &st.sets[t.set].conv, &st.sets[t.set].recurrent,
+                                      &st.mtp_k_cache, &st.mtp_v_cache};
       (*lists[size_t(t.kind)])[t.layer] = ops_.alloc(labels[size_t(t.kind)], t.dtype, t.rows, t.cols);
     }
     for (StepState& set : st.sets) {
       set.pos = ops_.alloc("position", DType::I32, 1, 1);
       set.logits = ops_.alloc("last_logits", DType::F32, 1, cfg_.vocab);
+      if (has_mtp()) set.mtp_h = ops_.alloc("mtp_hidden", DType::F32, 1, cfg_.hidden);
     }
     st.slot[0] = ops_.alloc("decode_slot_0", DType::I32, 1, 1);
     st.slot[1] = ops_.alloc("decode_slot_1", DType::I32, 1, 1);
@@ -158,10 +239,10 @@ SessionState Qwen36::new_state(int64_t max_ctx, DType kv_dtype) {
 
 void Qwen36::free_state(SessionState& st) {
   for (auto* v : {&st.k_cache, &st.v_cache, &st.sets[0].conv, &st.sets[0].recurrent, &st.sets[1].conv,
-                  &st.sets[1].recurrent})
+                  &st.sets[1].recurrent, &st.mtp_k_cache, &st.mtp_v_cache})
     for (Tensor& t : *v) ops_.release(t);
   for (Tensor* t : {&st.sets[0].pos, &st.sets[0].logits, &st.sets[1].pos, &st.sets[1].logits, &st.slot[0],
-                    &st.slot[1], &st.sampler.counts, &st.sampler.seen, &st.sampler.rng, &st.sampler.ring,
+                    &st.slot[1], &st.sets[0].mtp_h, &st.sets[1].mtp_h, &st.sampler.counts, &st.sampler.seen, &st.sampler.rng, &st.sampler.ring,
                     &st.sampler.ring_count})
     ops_.release(*t);
 }

@@ -67,10 +67,11 @@ DeviceSnapshot::~DeviceSnapshot() {
   for (auto* v : {&conv_, &recurrent_})
     for (Tensor& t : *v) ops.release(t);
   ops.release(logits_);
+  ops.release(mtp_h_);
 }  // kv_ drops after the lock is released: a segment's destructor takes it
 
 size_t DeviceSnapshot::state_bytes() const {
-  size_t b = tokens_.size() * 4 + logits_.bytes();
+  size_t b = tokens_.size() * 4 + logits_.bytes() + (mtp_h_.valid() ? mtp_h_.bytes() : 0);
   for (auto* v : {&conv_, &recurrent_})
     for (const Tensor& t : *v) b += t.bytes();
   return b;
@@ -97,11 +98,15 @@ HostSnapshot DeviceSnapshot::to_host() const {
   if (has_logits_) {
     h.logits.resize(size_t(c.vocab));
     ops.download(logits_, h.logits.data());
+    if (mtp_h_.valid()) {
+      h.mtp_h.resize(size_t(c.hidden));
+      ops.download(mtp_h_, h.mtp_h.data());
+    }
   }
   // Session files hold per layer K then V as [kv_heads, position, head_dim]; a segment holds its rows
   // [begin, end) as [kv_heads, end - begin, head_dim], so each head's rows land at begin.
   const int64_t pos = position_, hd = c.head_dim;
-  const size_t n_full = size_t(c.n_full());
+  const size_t n_full = model_.kv_cache_count();  // the decoder's KV caches, then the MTP block's
   for (size_t i = 0; i < n_full; ++i) h.kv.emplace_back(size_t(2 * c.kv_heads * pos * hd));
   std::vector<float> rows;
   std::vector<uint16_t> raw;
@@ -152,6 +157,7 @@ Session::Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int
 
 Session::~Session() {
   std::lock_guard<std::mutex> lk(model_lock_);
+  free_spec_locked();
   model_.free_state(st_);
   model_.free_scratch(prefill_sc_);
   model_.free_scratch(decode_sc_);
@@ -208,8 +214,9 @@ void Session::set_context(std::vector<int32_t> tokens, int32_t pending, bool has
   has_logits_ = has_logits;
 }
 
-void Session::encode_decode(int s) {
+void Session::encode_decode(int s, bool at_zero) {
   model_.encode_layers(st_, st_.now(), st_.other(), decode_sc_, st_.slot[s], 1, Phase::Decode);
+  model_.encode_mtp_rows(st_, st_.now(), st_.other(), decode_sc_, st_.slot[s], 1, at_zero);
   model_.encode_logits(decode_sc_, 0, 1, st_.other().logits);
 }
 
@@ -218,7 +225,7 @@ void Session::encode_decode(int s) {
 void Session::decode_one_locked(int32_t token, bool was_pending) {
   ops_.upload(st_.slot[0], &token);
   Step step(ops_, Phase::Decode);
-  encode_decode(0);
+  encode_decode(0, tokens_.empty());  // tokens_ changes only under busy_, which the caller holds
   const StepStats stats = ops_.stats();
   ops_.wait(step.submit());
   std::lock_guard<std::mutex> lk(state_mu_);
@@ -298,6 +305,7 @@ int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* 
       {
         Step step(ops_, Phase::Prefill);
         model_.encode_layers(st_, st_.now(), st_.now(), sc, sc.ids, T, Phase::Prefill);
+        model_.encode_mtp_rows(st_, st_.now(), st_.now(), sc, sc.ids, T, tokens_.empty());
         stats = ops_.stats();
         // Every chunk computes its last row's logits, so a cancelled prefill still has valid ones.
         if (!all_logits) model_.encode_logits(sc, T - 1, 1, st_.now().logits);
@@ -446,6 +454,245 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
   }
 }
 
+// ---- MTP speculative decoding ----
+
+MtpStats Session::last_mtp_stats() const {
+  std::lock_guard<std::mutex> lk(state_mu_);
+  return mtp_stats_;
+}
+
+void Session::set_draft_override(int64_t start, std::vector<int32_t> ids) {
+  BusyGuard busy(busy_);
+  check_ids(ids.data(), int64_t(ids.size()));
+  draft_override_ = std::move(ids);
+  draft_override_start_ = start;
+}
+
+void Session::ensure_spec_locked() {
+  if (spec_.ready) return;
+  const ModelConfig& c = model_.config();
+  const int64_t rows = kMaxMtpK + 1;
+  Spec sp;
+  try {
+    sp.sc = model_.new_scratch(rows, rows, st_.max_ctx);
+    sp.y = ops_.alloc("mtp_verify_ids", DType::I32, rows, 1);
+    sp.draft_logits = ops_.alloc("mtp_draft_logits", DType::F32, 1, c.vocab);
+    sp.draft_sampler.counts = ops_.alloc("mtp_draft_counts", DType::I32, 1, c.vocab);
+    sp.draft_sampler.seen = ops_.alloc("mtp_draft_seen", DType::I32, 1, c.vocab);
+    sp.draft_sampler.rng = ops_.alloc("mtp_draft_rng", DType::I32, 1, SamplerState::kRngWords);
+    sp.draft_sampler.ring = ops_.alloc("mtp_draft_ring", DType::I32, 64, 1);
+    sp.draft_sampler.ring_count = ops_.alloc("mtp_draft_ring_count", DType::I32, 1, 1);
+    sp.counts = ops_.alloc("mtp_counts_after_row", DType::I32, rows, c.vocab);
+    sp.seen = ops_.alloc("mtp_seen_after_row", DType::I32, rows, c.vocab);
+    sp.conv.resize(size_t(c.layers));
+    sp.recurrent.resize(size_t(c.layers));
+    for (size_t li = 0; li < size_t(c.layers); ++li) {
+      if (c.full_attention[li]) continue;
+      const Tensor& cs = st_.now().conv[li];
+      const Tensor& rs = st_.now().recurrent[li];
+      sp.conv[li] = ops_.alloc("mtp_conv_after_row", DType::F32, kMaxMtpK * cs.rows, cs.cols);
+      sp.recurrent[li] = ops_.alloc("mtp_recurrent_after_row", DType::F32, kMaxMtpK * rs.rows, rs.cols);
+    }
+  } catch (...) {
+    std::swap(spec_, sp);
+    free_spec_locked();
+    throw;
+  }
+  sp.ready = true;
+  spec_ = std::move(sp);
+}
+
+void Session::free_spec_locked() {
+  model_.free_scratch(spec_.sc);
+  for (Tensor* t : {&spec_.y, &spec_.draft_logits, &spec_.draft_sampler.counts, &spec_.draft_sampler.seen,
+                    &spec_.draft_sampler.rng, &spec_.draft_sampler.ring, &spec_.draft_sampler.ring_count,
+                    &spec_.counts, &spec_.seen})
+    ops_.release(*t);
+  for (auto* v : {&spec_.conv, &spec_.recurrent})
+    for (Tensor& t : *v) ops_.release(t);
+  spec_.ready = false;
+}
+
+// Why the output is the model's, token for token (greedy) and in distribution (sampling): verify row j holds the
+// logits after the context plus drafts 1..j, and its token y_j is drawn by the same sample op with the same
+// parameters generate() uses. Row j's token is kept only while drafts 1..j equal y_0..y_{j-1}, i.e. while row j's
+// context is the one generate() would have had; its penalty state then is too (the sampler counted y_0..y_{j-1},
+// which are the drafts). So each kept token is distributed as p(· | context) after every transform of the
+// sampler. This is speculative sampling (accept x with min(1, p(x)/q(x)), else draw from norm(max(p - q, 0)))
+// for a greedy drafter: q is one-hot at the draft d, so d is accepted with probability p(d), and a rejection draws
+// from p with d removed, renormalised, which is p conditioned on y != d: exactly what "draw y ~ p, accept iff
+// y == d, else emit y" does. Rows after the first mismatch are discarded; their draws advance the rng (fresh
+// randomness, no bias) and their counts are rolled back.
+std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& params,
+                                  const std::vector<int32_t>& stop_ids,
+                                  const std::function<int(int32_t, const float*)>& on_token, bool with_logits,
+                                  int mtp_k) {
+  BusyGuard busy(busy_);
+  if (mtp_k < 1 || mtp_k > kMaxMtpK)
+    throw std::invalid_argument("mtp_k must be in 1.." + std::to_string(kMaxMtpK) + ", got " + std::to_string(mtp_k));
+  if (!model_.has_mtp()) throw std::invalid_argument("mtp='on' needs an MTP head, and this checkpoint has none");
+  if (max_tokens < 0) throw std::invalid_argument("max_tokens must be >= 0");
+  params.validate();
+  const ModelConfig& c = model_.config();
+  const int64_t vocab = c.vocab;
+  const bool penalties =
+      params.repetition_penalty != 1.f || params.presence_penalty != 0.f || params.frequency_penalty != 0.f;
+  const SamplingParams greedy;  // the drafter's
+  Spec& sp = spec_;
+  int32_t x = -1;  // the pending token: delivered, its row not yet fed
+  int64_t P = 0;   // tokens fed
+  {
+    std::lock_guard<std::mutex> lk(model_lock_);
+    feed_pending_locked();
+    std::vector<int32_t> context;
+    {
+      std::lock_guard<std::mutex> slk(state_mu_);
+      if (!has_logits_) throw std::logic_error("generate needs a prefilled context");
+      context = tokens_;
+      mtp_stats_ = {};
+    }
+    P = int64_t(context.size());
+    if (max_tokens == 0) return "length";
+    if (P >= st_.max_ctx) return "context";
+    ensure_spec_locked();
+    const uint64_t seed = params.has_seed ? params.seed : std::random_device{}();
+    ops_.upload(st_.sampler.rng, sampler_rng_words(seed).data());
+    ops_.upload(st_.sampler.seen, sampler_seen_mask(context, vocab).data());
+    Step step(ops_, Phase::Decode);
+    ops_.fill(st_.sampler.counts, 0);
+    ops_.fill(st_.sampler.ring_count, 0);
+    ops_.sample(st_.now().logits, st_.sampler, params, sp.sc.ws, sp.y.rows_view(0, 1));
+    ops_.wait(step.submit());
+    ops_.download(sp.y.rows_view(0, 1), &x);
+  }
+  std::vector<float> rows(with_logits ? size_t((kMaxMtpK + 1) * vocab) : 0);
+  if (with_logits) {
+    std::lock_guard<std::mutex> lk(model_lock_);
+    ops_.download(st_.now().logits, rows.data());
+  }
+  const int first = on_token(x, with_logits ? rows.data() : nullptr);
+  if (first < 0) return "cancelled";
+  {
+    std::lock_guard<std::mutex> slk(state_mu_);
+    pending_ = x;  // received: in the context, fed by the first verify forward
+  }
+  int64_t delivered = 1;
+  auto is_stop = [&](int32_t t) { return std::find(stop_ids.begin(), stop_ids.end(), t) != stop_ids.end(); };
+  if (is_stop(x)) return "stop";
+  if (first == 0) return "cancelled";
+  std::vector<int32_t> ids(size_t(kMaxMtpK + 1)), y(size_t(kMaxMtpK + 1));
+  for (;;) {
+    const int64_t remaining = max_tokens - delivered, room = st_.max_ctx - (P + 1);
+    if (remaining <= 0) return "length";
+    if (room <= 0) return "context";
+    // Up to k drafts, so that every token this forward can yield stays within max_tokens and max_context.
+    const int64_t k = std::min<int64_t>({mtp_k, remaining - 1, room - 1});
+    const int64_t T = k + 1;
+    ids[0] = x;
+    const bool injected = !draft_override_.empty() && k > 0;
+    if (injected) {
+      for (int64_t j = 0; j < k; ++j) {  // the draft for the token at context index P + 1 + j
+        const int64_t i = P + 1 + j - draft_override_start_;
+        ids[size_t(j + 1)] = i >= 0 && i < int64_t(draft_override_.size()) ? draft_override_[size_t(i)] : 0;
+      }
+    }
+    int64_t a = 0;  // drafts accepted
+    {
+      std::lock_guard<std::mutex> lk(model_lock_);
+      Scratch& sc = sp.sc;
+      ops_.upload(sc.ids.rows_view(0, injected ? T : 1), ids.data());
+      ChunkCapture cap;  // the DeltaNet state after rows 0 .. k-1 (after row k: the other state set)
+      cap.first = 0;
+      cap.count = k;
+      cap.conv.resize(size_t(c.layers));
+      cap.recurrent.resize(size_t(c.layers));
+      for (size_t li = 0; li < size_t(c.layers); ++li) {
+        if (c.full_attention[li]) continue;
+        cap.conv[li] = sp.conv[li].rows_view(0, k * st_.now().conv[li].rows);
+        cap.recurrent[li] = sp.recurrent[li].rows_view(0, k * st_.now().recurrent[li].rows);
+      }
+      StepStats stats;
+      {
+        Step step(ops_, Phase::Prefill);
+        // Drafts: draft j + 1 from (token j, h before it) at MTP position P - 1 + j; the first h is the model's
+        // (after the last fed token), the next ones the block's own.
+        for (int64_t j = 0; j < k && !injected; ++j) {
+          model_.encode_mtp_draft(st_, sc, sc.ids.rows_view(j, 1), j == 0 ? st_.now().mtp_h : sc.mtp_draft_h,
+                                  st_.now().pos, j - 1, sp.draft_logits);
+          ops_.sample(sp.draft_logits, sp.draft_sampler, greedy, sc.ws, sc.ids.rows_view(j + 1, 1));
+        }
+        // Verify: the pending token and the drafts in one forward into the other state set.
+        model_.encode_layers(st_, st_.now(), st_.other(), sc, sc.ids, T, Phase::Prefill, k > 0 ? &cap : nullptr);
+        model_.encode_mtp_rows(st_, st_.now(), st_.other(), sc, sc.ids, T, P == 0);
+        stats = ops_.stats();
+        const Tensor logits = sc.logits.rows_view(0, T);
+        model_.encode_logits(sc, 0, T, logits);
+        ops_.copy(logits.rows_view(k, 1), st_.other().logits);
+        for (int64_t j = 0; j < T; ++j) {
+          ops_.sample(logits.rows_view(j, 1), st_.sampler, params, sc.ws, sp.y.rows_view(j, 1));
+          if (penalties && j < k) {
+            ops_.copy(st_.sampler.counts, sp.counts.rows_view(j, 1));
+            ops_.copy(st_.sampler.seen, sp.seen.rows_view(j, 1));
+          }
+        }
+        ops_.wait(step.submit());
+      }
+      ops_.download(sc.ids.rows_view(0, T), ids.data());
+      ops_.download(sp.y.rows_view(0, T), y.data());
+      if (with_logits) ops_.download(sc.logits.rows_view(0, T), rows.data());
+      while (a < k && y[size_t(a)] == ids[size_t(a + 1)]) ++a;
+      std::lock_guard<std::mutex> slk(state_mu_);
+      decode_stats_ = stats;
+      mtp_stats_.steps += 1;
+      mtp_stats_.drafted += k;
+      mtp_stats_.accepted += a;
+    }
+    // Hand over y_0 .. y_a (drafts 1..a, then the model's token after them) one at a time.
+    int64_t m = 0;  // tokens the caller received
+    int answer = 1;
+    bool stop = false;
+    for (int64_t i = 0; i <= a; ++i) {
+      answer = on_token(y[size_t(i)], with_logits ? rows.data() + i * vocab : nullptr);
+      if (answer < 0) break;
+      ++m;
+      ++delivered;
+      stop = is_stop(y[size_t(i)]);
+      if (stop || answer == 0) break;
+    }
+    // Keep rows 0 .. r: the pending token and the received tokens but the last, which becomes the pending one.
+    const int64_t r = std::max<int64_t>(m, 1) - 1;
+    {
+      std::lock_guard<std::mutex> lk(model_lock_);
+      if (r < k) {  // roll back to the state after row r, from the forward's capture: no recompute
+        Step step(ops_, Phase::Prefill);
+        for (size_t li = 0; li < size_t(c.layers); ++li) {
+          if (c.full_attention[li]) continue;
+          const int64_t cr = st_.now().conv[li].rows, rr = st_.now().recurrent[li].rows;
+          ops_.copy(sp.conv[li].rows_view(r * cr, cr), st_.now().conv[li]);
+          ops_.copy(sp.recurrent[li].rows_view(r * rr, rr), st_.now().recurrent[li]);
+        }
+        ops_.fill(st_.now().pos, double(P + r + 1));  // KV rows past it are rewritten before they are read
+        ops_.copy(sp.sc.logits.rows_view(r, 1), st_.now().logits);
+        ops_.copy(sp.sc.mtp_hn.rows_view(r + 1, 1), st_.now().mtp_h);
+        if (penalties) {  // the sampler's counts after row r's token, the last one kept
+          ops_.copy(sp.counts.rows_view(r, 1), st_.sampler.counts);
+          ops_.copy(sp.seen.rows_view(r, 1), st_.sampler.seen);
+        }
+        ops_.wait(step.submit());
+      }
+      std::lock_guard<std::mutex> slk(state_mu_);
+      if (r == k) st_.cur = 1 - st_.cur;  // the forward's state after its last row is the session's
+      tokens_.insert(tokens_.end(), ids.begin(), ids.begin() + r + 1);
+      pending_ = m > 0 ? y[size_t(m - 1)] : -1;
+      has_logits_ = true;
+    }
+    P += r + 1;
+    if (answer < 0 || answer == 0) return "cancelled";
+    if (stop) return "stop";
+    x = y[size_t(a)];
+  }
+}
+
 void Session::check_base(const DeviceSnapshot& base, const std::vector<int32_t>& tokens) const {
   if (base.backend() != &ops_) throw std::invalid_argument("snapshot: base is a snapshot of another engine");
   if (base.kv_dtype_ != st_.kv_dtype)
@@ -460,8 +707,7 @@ void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg) {
   const ModelConfig& c = model_.config();
   if (seg) {
     const int64_t n = seg->end - seg->begin;
-    for (size_t li = 0; li < size_t(c.layers); ++li) {
-      if (!c.full_attention[li]) continue;
+    for (size_t i = 0; i < model_.kv_cache_count(); ++i) {
       seg->k.push_back(ops_.alloc("snapshot_k", st_.kv_dtype, c.kv_heads * n, c.head_dim));
       seg->v.push_back(ops_.alloc("snapshot_v", st_.kv_dtype, c.kv_heads * n, c.head_dim));
     }
@@ -474,18 +720,18 @@ void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg) {
         ops_.alloc("snapshot_recurrent", DType::F32, now.recurrent[li].rows, now.recurrent[li].cols));
   }
   snap.logits_ = ops_.alloc("snapshot_logits", DType::F32, 1, c.vocab);
+  if (model_.has_mtp()) snap.mtp_h_ = ops_.alloc("snapshot_mtp_hidden", DType::F32, 1, c.hidden);
 }
 
 void Session::encode_kv_copy(KvSegment& seg) {
   const ModelConfig& c = model_.config();
   const int64_t from = seg.begin, n = seg.end - seg.begin;
   size_t fi = 0;
-  for (size_t li = 0; li < size_t(c.layers); ++li) {
-    if (!c.full_attention[li]) continue;
+  for (const auto& [kc, vc] : st_.kv_caches()) {
     // Only rows [from, end): rows before them are the parent's, which holds the same tokens.
     for (int64_t h = 0; h < c.kv_heads; ++h) {
-      ops_.copy(st_.k_cache[li].rows_view(h * st_.max_ctx + from, n), seg.k[fi].rows_view(h * n, n));
-      ops_.copy(st_.v_cache[li].rows_view(h * st_.max_ctx + from, n), seg.v[fi].rows_view(h * n, n));
+      ops_.copy(kc.rows_view(h * st_.max_ctx + from, n), seg.k[fi].rows_view(h * n, n));
+      ops_.copy(vc.rows_view(h * st_.max_ctx + from, n), seg.v[fi].rows_view(h * n, n));
     }
     ++fi;
   }
@@ -531,6 +777,7 @@ std::unique_ptr<DeviceSnapshot> Session::snapshot(const DeviceSnapshot* base) {
     ++di;
   }
   ops_.copy(st_.now().logits, snap->logits_);
+  if (snap->mtp_h_.valid()) ops_.copy(st_.now().mtp_h, snap->mtp_h_);
   ops_.wait(step.submit());
   if (seg) {
     snap->kv_ = std::move(seg);
@@ -620,6 +867,9 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
       {
         Step step(ops_, Phase::Prefill);
         model_.encode_layers(st_, st_.now(), st_.now(), sc, sc.ids, T, Phase::Prefill, inner >= 0 ? &cap : nullptr);
+        model_.encode_mtp_rows(st_, st_.now(), st_.now(), sc, sc.ids, T, c0 == 0);
+        if (inner >= 0 && made[0]->mtp_h_.valid())  // h after the inner position's last token (row inner - c0 - 1)
+          ops_.copy(sc.mtp_hn.rows_view(inner - c0, 1), made[0]->mtp_h_);
         stats = ops_.stats();
         const int64_t row = cap.first, nb = T - row;  // the inner position's logits row .. the last row
         if (inner >= 0 && nb <= sc.logit_rows) {
@@ -642,6 +892,7 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
             ++di;
           }
           ops_.copy(st_.now().logits, e.logits_);
+          if (e.mtp_h_.valid()) ops_.copy(st_.now().mtp_h, e.mtp_h_);
         }
         ops_.wait(step.submit());
       }
@@ -696,23 +947,24 @@ void Session::restore_locked(const DeviceSnapshot& s) {
     if (!holds_locked(seg)) copy.push_back(seg);
   Step step(ops_, Phase::Prefill);
   size_t fi = 0, di = 0;
-  for (size_t li = 0; li < size_t(c.layers); ++li) {
-    if (c.full_attention[li]) {
-      for (const KvSegment* seg : copy) {  // rows [seg->begin, seg->end) of each head
-        const int64_t n = seg->end - seg->begin;
-        for (int64_t h = 0; h < c.kv_heads && n > 0; ++h) {
-          ops_.copy(seg->k[fi].rows_view(h * n, n), st_.k_cache[li].rows_view(h * st_.max_ctx + seg->begin, n));
-          ops_.copy(seg->v[fi].rows_view(h * n, n), st_.v_cache[li].rows_view(h * st_.max_ctx + seg->begin, n));
-        }
+  for (const auto& [kc, vc] : st_.kv_caches()) {
+    for (const KvSegment* seg : copy) {  // rows [seg->begin, seg->end) of each head
+      const int64_t n = seg->end - seg->begin;
+      for (int64_t h = 0; h < c.kv_heads && n > 0; ++h) {
+        ops_.copy(seg->k[fi].rows_view(h * n, n), kc.rows_view(h * st_.max_ctx + seg->begin, n));
+        ops_.copy(seg->v[fi].rows_view(h * n, n), vc.rows_view(h * st_.max_ctx + seg->begin, n));
       }
-      ++fi;
-    } else {
-      ops_.copy(s.conv_[di], st_.now().conv[li]);
-      ops_.copy(s.recurrent_[di], st_.now().recurrent[li]);
-      ++di;
     }
+    ++fi;
+  }
+  for (size_t li = 0; li < size_t(c.layers); ++li) {
+    if (c.full_attention[li]) continue;
+    ops_.copy(s.conv_[di], st_.now().conv[li]);
+    ops_.copy(s.recurrent_[di], st_.now().recurrent[li]);
+    ++di;
   }
   ops_.copy(s.logits_, st_.now().logits);
+  if (s.mtp_h_.valid() && st_.now().mtp_h.valid()) ops_.copy(s.mtp_h_, st_.now().mtp_h);
   ops_.fill(st_.now().pos, double(s.position_));
   ops_.wait(step.submit());
   kv_held_.clear();  // rows [0, position) are now the chain's (rows past it are never read before rewritten)
@@ -738,9 +990,14 @@ void Session::restore(const HostSnapshot& s) {
   const ModelConfig& c = model_.config();
   // Validate everything before touching the state, so a bad snapshot leaves the session as it was.
   check_restorable(s.position, s.pending, s.tokens);
-  const size_t n_full = size_t(c.n_full()), n_lin = size_t(c.n_linear());
+  const size_t n_full = model_.kv_cache_count(), n_lin = size_t(c.n_linear());
   if (s.kv.size() != n_full || s.conv.size() != n_lin || s.recurrent.size() != n_lin)
-    throw std::invalid_argument("snapshot: layer count does not match this model");
+    throw std::invalid_argument("snapshot: layer count does not match this model (" + std::to_string(n_full) +
+                                " KV caches, the MTP block's included, and " + std::to_string(n_lin) +
+                                " DeltaNet states expected)");
+  const bool mtp_h = model_.has_mtp() && !s.logits.empty();  // the MTP block's input for the next token
+  if (int64_t(s.mtp_h.size()) != (mtp_h ? c.hidden : 0))
+    throw std::invalid_argument("snapshot: MTP hidden state size does not match this model");
   if (!s.logits.empty() && int64_t(s.logits.size()) != c.vocab)
     throw std::invalid_argument("snapshot: logits size does not match this model's vocabulary");
   for (auto& kv : s.kv)
@@ -779,6 +1036,10 @@ void Session::restore(const HostSnapshot& s) {
     }
     d.logits_ = ops_.alloc("staged_logits", DType::F32, 1, c.vocab);
     if (d.has_logits_) ops_.upload(d.logits_, s.logits.data());
+    if (mtp_h) {
+      d.mtp_h_ = ops_.alloc("staged_mtp_hidden", DType::F32, 1, c.hidden);
+      ops_.upload(d.mtp_h_, s.mtp_h.data());
+    }
     restore_locked(d);
   }
   set_context(s.tokens, s.pending, d.has_logits_);

@@ -36,7 +36,9 @@ struct HostSnapshot {
   std::vector<int32_t> tokens;          // computed tokens
   int32_t pending = -1;                 // sampled but not yet fed
   std::vector<float> logits;            // logits after the last computed token (empty at position 0)
-  std::vector<std::vector<float>> kv;   // per full layer: K then V rows [kv_heads, position, head_dim]
+  std::vector<std::vector<float>> kv;   // per KV cache (full layers, then MTP layers): K then V rows
+                                        // [kv_heads, position, head_dim]
+  std::vector<float> mtp_h;             // MTP checkpoints: StepState::mtp_h [hidden] (empty at position 0)
   std::vector<std::vector<float>> conv, recurrent;  // per DeltaNet layer
   size_t bytes() const;
 };
@@ -54,7 +56,10 @@ struct KvSegment {
 
   std::shared_ptr<const KvSegment> parent;  // rows [0, begin); null when begin == 0
   int64_t begin = 0, end = 0;
-  std::vector<Tensor> k, v;  // per full layer: [kv_heads * (end - begin), head_dim], head-major
+  // per KV cache (full layers, then the MTP block's: SessionState::kv_caches): [kv_heads * (end - begin),
+  // head_dim], head-major. The MTP cache's row end - 1 is not valid yet (it waits for token end) and is
+  // rewritten by the next forward before it is read.
+  std::vector<Tensor> k, v;
   size_t bytes() const;      // this segment's rows only
 
  private:
@@ -99,6 +104,14 @@ class DeviceSnapshot {
   bool owns_tail_ = false;               // kv_ was written by this snapshot (rows [base_position_, position_))
   std::vector<Tensor> conv_, recurrent_;
   Tensor logits_;
+  Tensor mtp_h_;  // MTP checkpoints: StepState::mtp_h
+};
+
+// What the last speculative generate call did (MTP drafting, verification by the model).
+struct MtpStats {
+  int64_t steps = 0;     // verify forwards (each feeds 1 + its drafts' rows)
+  int64_t drafted = 0;   // draft tokens proposed
+  int64_t accepted = 0;  // draft tokens the model's own choice agreed with
 };
 
 class Session {
@@ -135,6 +148,22 @@ class Session {
   // download per token, for log-probabilities); otherwise nullptr.
   std::string generate(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
                        const std::function<int(int32_t, const float*)>& on_token, bool with_logits = false);
+  // generate() with MTP speculative decoding, mtp_k (1..4) drafts per verify forward; the same contract, the
+  // same output distribution (docs/ARCHITECTURE.md, "MTP speculative decoding"). Each iteration drafts k
+  // tokens with the MTP block (greedy, chained through its own hidden state), feeds the pending token and
+  // the drafts through the model in one forward of k + 1 rows, samples each row's token with `params` as
+  // generate() would, keeps the rows up to the first row whose token differs from the next draft (its token
+  // is the next pending one), and rolls the rest back: the DeltaNet state after the kept row comes from the
+  // forward's StateCapture, KV rows past it are rewritten later. Throws std::invalid_argument naming mtp_k
+  // (outside 1..4) or mtp (no MTP block), before touching the session.
+  std::string generate_mtp(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
+                           const std::function<int(int32_t, const float*)>& on_token, bool with_logits, int mtp_k);
+  MtpStats last_mtp_stats() const;
+  // Tests only (bindings: Session._draft_override): while set (non-empty ids), drafts come from ids instead
+  // of the MTP block: the draft for the token at context index q is ids[q - start] (0 outside the list), so a
+  // test controls which drafts are accepted (e.g. the greedy continuation: all of them).
+  void set_draft_override(int64_t start, std::vector<int32_t> ids);
+  static constexpr int kMaxMtpK = 4;
 
   // Feeds ids as prefill() does (logits of the last id only, kept in the session) and returns a snapshot of the
   // state at each position in `at` (strictly ascending, each in (position(), position() + n], a pending token
@@ -179,8 +208,23 @@ class Session {
   void ensure_scratch(Scratch& sc, int64_t rows, int64_t logit_rows);
   void feed_pending_locked();  // model lock held; also forgets held KV rows from the position on
   void decode_one_locked(int32_t token, bool was_pending);
-  // Encodes one decode step of the token in slot[s] into the open step. Model lock held.
-  void encode_decode(int s);
+  // Encodes one decode step of the token in slot[s] into the open step (at_zero: at position 0). Model lock held.
+  void encode_decode(int s, bool at_zero = false);
+  // Speculative decoding's buffers, allocated on first use (model lock held) and freed with the session.
+  struct Spec {
+    Scratch sc;                           // k + 1 rows; sc.ids: the verify input (pending token, drafts)
+    Tensor y;                             // I32 [k + 1, 1]: the model's token for each verify row
+    Tensor draft_logits;                  // F32 [1, vocab]
+    SamplerState draft_sampler;           // drafts are greedy: its state is never read back
+    Tensor counts, seen;                  // I32 [k + 1, vocab]: the penalty state after each row's sample
+    std::vector<Tensor> conv, recurrent;  // per layer (DeltaNet): the state after rows 0 .. k-1 (capture)
+    bool ready = false;
+  };
+  void ensure_spec_locked();
+  void free_spec_locked();
+  Spec spec_;
+  std::vector<int32_t> draft_override_;  // guarded by busy_
+  int64_t draft_override_start_ = 0;
   void restore_locked(const DeviceSnapshot& s);
   // Throws std::invalid_argument (naming base) unless `base` can share KV rows with a snapshot of `tokens`.
   void check_base(const DeviceSnapshot& base, const std::vector<int32_t>& tokens) const;
@@ -216,6 +260,7 @@ class Session {
   bool has_logits_ = false;
   StepStats decode_stats_, prefill_stats_;
   LoopTransfers loop_transfers_;
+  MtpStats mtp_stats_;
 };
 
 }  // namespace lily

@@ -23,7 +23,7 @@ from .sampling import SamplingParams
 from .session import Session, closed_handle, read_session_file
 from .streaming import GenerationResponse, check_max_tokens, check_sampling, normalize_stop
 from .tokenizer import Tokenizer
-from .validate import check_int
+from .validate import check_int, check_mtp
 
 DEFAULT_MODEL = "lily-tiny"
 # What the CPU backend's debug modes read from the environment (comma-separated): "deferred" (record ops,
@@ -408,24 +408,29 @@ class Engine:
     def generate(self, prompt: str | Iterable[int], max_tokens: int = 256,
                  sampling: SamplingParams | None = None, *, stream: bool = False,
                  stop_token_ids: Iterable[int] | None = None,
-                 stop: str | Iterable[str] | None = None) -> str | Iterator[str]:
+                 stop: str | Iterable[str] | None = None, mtp: str = "off",
+                 mtp_k: int = 3) -> str | Iterator[str]:
         """Complete a prompt (text or token ids). Returns the text, or an iterator of pieces when
-        ``stream=True``. ``stop``: stop strings, excluded from the text (see :meth:`Session.stream`)."""
+        ``stream=True``. ``stop``: stop strings, excluded from the text (see :meth:`Session.stream`);
+        ``mtp``/``mtp_k``: speculative decoding with the MTP head (see :meth:`Session.generate`)."""
+        check_mtp(mtp, mtp_k, "Engine.generate", has_head=self.checkpoint.mtp_layers > 0)
         s = self._prompt_session(prompt, max_tokens, "Engine.generate", sampling=sampling, stop=stop)
-        pieces = s.generate_text(max_tokens, sampling, stop_token_ids, stop=stop)
+        pieces = s.generate_text(max_tokens, sampling, stop_token_ids, stop=stop, mtp=mtp, mtp_k=mtp_k)
         return pieces if stream else "".join(pieces)
 
     def stream(self, prompt: str | Iterable[int], max_tokens: int = 256, sampling: SamplingParams | None = None,
                *, stop: str | Iterable[str] | None = None, stop_token_ids: Iterable[int] | None = None,
                progress: bool | Callable[[int, int], bool | None] | None = None,
+               mtp: str = "off", mtp_k: int = 3,
                ) -> Iterator[GenerationResponse]:
         """Complete a prompt in a new session, yielding a :class:`lily.GenerationResponse` per token
         (text piece, token id, prompt and generation tokens/s, peak memory, finish reason on the last;
         ``stop`` strings as in :meth:`Session.stream`). ``progress`` applies to the prompt's prefill
         (as in :meth:`Session.prefill`). Raises ValueError/TypeError naming the argument before any work."""
+        check_mtp(mtp, mtp_k, "Engine.stream", has_head=self.checkpoint.mtp_layers > 0)
         s = self._prompt_session(prompt, max_tokens, "Engine.stream", sampling=sampling, stop=stop,
                                  progress=progress)
-        return s.stream(max_tokens, sampling, stop=stop, stop_token_ids=stop_token_ids)
+        return s.stream(max_tokens, sampling, stop=stop, stop_token_ids=stop_token_ids, mtp=mtp, mtp_k=mtp_k)
 
     def chat(self, messages: list[dict], max_tokens: int = 512, sampling: SamplingParams | None = None, *,
              stream: bool = False, stop: str | Iterable[str] | None = None,
@@ -512,7 +517,8 @@ def _mtp_report(core: dict, stored_bytes: int) -> dict:
         return {"present": False, "layers": 0, "bytes": 0,
                 "status": "none in this checkpoint (mlx-lm conversions drop it; lily convert keeps it)"}
     out = {"present": True, "layers": core["layers"], "bytes": stored_bytes, "format": core["format"],
-           "status": "loaded, not used until MTP decoding lands (host memory; not placed on a GPU backend)"}
+           "status": "loaded and placed with the decoder: its KV rows run in every forward (the block's cache "
+                     "covers the context), drafting in generate(mtp='on', mtp_k=1..4)"}
     if core["repacked_expert_projections"]:
         out["repacked_expert_bytes"] = core["repacked_expert_bytes"]
         out["experts_layout"] = (f"repacked at load: {core['repacked_expert_projections']} expert projections "

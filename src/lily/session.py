@@ -15,7 +15,7 @@ import numpy as np
 from .errors import CheckpointError, ContextOverflowError, LilyError
 from .progress import check_progress, progress_callback
 from .sampling import SamplingParams
-from .validate import check_int, check_token_ids
+from .validate import check_int, check_mtp, check_token_ids
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -187,7 +187,17 @@ class Session:
         """Ops and barrier-separated stages of the last decode step and the last prefill chunk, and the
         host transfers of the last generate call's decode loop (``steps`` ids read, one download each)."""
         return {"decode_step": self._core.decode_stats(), "prefill_chunk": self._core.prefill_stats(),
-                "generate_transfers": self._core.generate_transfers()}
+                "generate_transfers": self._core.generate_transfers(), "mtp": self.mtp_stats()}
+
+    def mtp_stats(self) -> dict:
+        """What the last ``generate(mtp="on")`` call's speculative decoding did: ``steps`` (verify forwards),
+        ``drafted`` and ``accepted`` draft tokens, ``acceptance_rate`` (accepted / drafted) and
+        ``mean_acceptance_length`` (tokens per verify forward: (accepted + steps) / steps, 1.0 when nothing
+        is accepted). All zero after a call with ``mtp="off"``."""
+        m = dict(self._core.last_mtp_stats())
+        m["acceptance_rate"] = m["accepted"] / m["drafted"] if m["drafted"] else 0.0
+        m["mean_acceptance_length"] = (m["accepted"] + m["steps"]) / m["steps"] if m["steps"] else 0.0
+        return m
 
     # ---- running the model ----
     def prefill(
@@ -272,6 +282,9 @@ class Session:
         max_tokens: int = 256,
         sampling: SamplingParams | None = None,
         stop_token_ids: Iterable[int] | None = None,
+        *,
+        mtp: str = "off",
+        mtp_k: int = 3,
     ) -> Iterator[int]:
         """Sample up to ``max_tokens`` tokens, yielding each id as soon as it is chosen.
 
@@ -279,21 +292,29 @@ class Session:
         prefill/generate continues after it). Stops after a stop token (the tokenizer's by default;
         pass ``[]`` for none), at ``max_tokens``, at ``max_context``, or when the iterator is closed.
         The reason is left in ``session.finish_reason``.
-        """
-        return self._generate(max_tokens, sampling, stop_token_ids, with_logits=False)
 
-    def _generate(self, max_tokens, sampling, stop_token_ids, *, with_logits: bool) -> Iterator[int]:
+        ``mtp="on"``: speculative decoding with the checkpoint's MTP head, ``mtp_k`` (1..4) drafts per
+        forward of the model. The output is the model's: token for token when greedy, in distribution
+        when sampling (every transform of ``sampling`` included); :meth:`mtp_stats` says what was accepted.
+        Raises ValueError naming ``mtp`` / ``mtp_k`` (modes "off" and "on"; "on" needs an MTP head).
+        """
+        return self._generate(max_tokens, sampling, stop_token_ids, with_logits=False, mtp=mtp, mtp_k=mtp_k)
+
+    def _generate(self, max_tokens, sampling, stop_token_ids, *, with_logits: bool, mtp: str = "off",
+                  mtp_k: int = 3) -> Iterator[int]:
         """:meth:`generate`; with ``with_logits`` each token's logits (float32 [vocab], the distribution
         it was sampled from, before penalties) are in ``self._token_logits`` while it is yielded."""
         max_tokens = check_int(max_tokens, "max_tokens")
+        k = check_mtp(mtp, mtp_k, "Session.generate", has_head=self._engine.checkpoint.mtp_layers > 0)
         if self.position == 0:
             raise LilyError("generate() needs a context: prefill a prompt first")
         params = (sampling if sampling is not None else SamplingParams()).to_core()
         stops = self._engine.stop_token_ids if stop_token_ids is None else check_token_ids(stop_token_ids, "stop_token_ids")
         self.finish_reason = None
-        return self._run_generation(max_tokens, params, stops, with_logits)
+        return self._run_generation(max_tokens, params, stops, with_logits, k)
 
-    def _run_generation(self, max_tokens: int, params: dict, stops: list[int], with_logits: bool) -> Iterator[int]:
+    def _run_generation(self, max_tokens: int, params: dict, stops: list[int], with_logits: bool,
+                        mtp_k: int = 0) -> Iterator[int]:
         # Tokens are handed over one at a time: the C++ loop waits until the consumer asks for the next
         # one, so the context always equals exactly what the caller has seen.
         handoff: queue.SimpleQueue = queue.SimpleQueue()
@@ -315,7 +336,7 @@ class Session:
 
         def run() -> None:
             try:
-                outcome["reason"] = self._core.generate(max_tokens, params, stops, on_token, with_logits)
+                outcome["reason"] = self._core.generate(max_tokens, params, stops, on_token, with_logits, mtp_k)
             except BaseException as exc:  # re-raised in the consumer's thread
                 outcome["error"] = exc
             handoff.put(None)
@@ -362,6 +383,8 @@ class Session:
         stop_token_ids: Iterable[int] | None = None,
         skip_special_tokens: bool = True,
         logprobs: int = 0,
+        mtp: str = "off",
+        mtp_k: int = 3,
     ) -> Iterator["GenerationResponse"]:
         """Generate like :meth:`generate`, yielding one :class:`lily.GenerationResponse` per token.
 
@@ -390,7 +413,7 @@ class Session:
         stop_ids = (self._engine.stop_token_ids if stop_token_ids is None
                     else check_token_ids(stop_token_ids, "Session.stream: stop_token_ids"))
         logprobs = check_int(logprobs, "Session.stream: logprobs", maximum=self._engine.config.vocab_size)
-        ids = self._generate(max_tokens, sampling, stop_ids, with_logits=logprobs > 0)
+        ids = self._generate(max_tokens, sampling, stop_ids, with_logits=logprobs > 0, mtp=mtp, mtp_k=mtp_k)
         (prompt_tokens, prompt_seconds), self._prompt_stats = self._prompt_stats, (0, 0.0)
         return stream_responses(self, ids, decoder, max_tokens=max_tokens, stop_ids=stop_ids, stops=stops,
                                 prompt_tokens=prompt_tokens, prompt_seconds=prompt_seconds, logprobs=logprobs)
@@ -403,13 +426,15 @@ class Session:
         *,
         skip_special_tokens: bool = True,
         stop: str | Iterable[str] | None = None,
+        mtp: str = "off",
+        mtp_k: int = 3,
     ) -> Iterator[str]:
         """Like :meth:`generate`, yielding text pieces that never split a multi-byte character (the
-        non-empty texts of :meth:`stream`; ``stop`` strings as there)."""
+        non-empty texts of :meth:`stream`; ``stop`` strings and ``mtp`` as there)."""
         from .streaming import texts
 
         return texts(self.stream(max_tokens, sampling, stop=stop, stop_token_ids=stop_token_ids,
-                                 skip_special_tokens=skip_special_tokens))
+                                 skip_special_tokens=skip_special_tokens, mtp=mtp, mtp_k=mtp_k))
 
     # ---- state handles ----
     def snapshot(self, *, base: Snapshot | None = None) -> Snapshot:
