@@ -424,3 +424,45 @@ def test_bad_mtp_arguments_raise_and_leave_the_session_usable(engine, plain_engi
         p._core.generate(4, lily.SamplingParams().to_core(), [], lambda t: 1, False, 2)
     assert len(list(p.generate(4, stop_token_ids=[]))) == 4
     assert plain_engine.report()["mtp"]["present"] is False and engine.report()["mtp"]["present"] is True
+
+
+# ---- the block's state in prefill_snapshots, and its size ----
+
+def test_prefill_snapshots_carry_the_blocks_state(engine):
+    """Snapshots taken inside prefill chunks (StateCapture) hold the block's KV rows and hidden of that position,
+    bit for bit those of a session prefilled to it (engine chunk 8: positions inside and at chunk ends)."""
+    ids = list(range(60, 90))
+    s = engine.session(max_context=64)
+    snaps = s.prefill_snapshots(ids, [3, 8, 13, 21])
+    for snap, p in zip(snaps, [3, 8, 13, 21]):
+        r = engine.session(max_context=64)
+        r.restore(snap)
+        assert_same_state(r, prefilled(engine, ids[:p], max_context=64))
+        assert "mtp_h" in snap._core.to_arrays()
+
+
+def test_snapshots_on_a_base_carry_the_row_the_base_could_not_know(engine):
+    """A snapshot on a base shares the base's KV rows; the block's row base_position - 1 (token base_position's
+    pair) was not computed when the base was taken, so the new segment holds it (KvSegment::row0)."""
+    a, b = list(range(100, 111)), [5, 6, 7, 8, 9]
+    s = engine.session(max_context=64)
+    s.prefill(a)
+    base = s.snapshot()
+    s.prefill(b)
+    list(s.generate(6, stop_token_ids=[], mtp="on", mtp_k=3))
+    top = s.snapshot(base=base)
+    r = engine.session(max_context=64)
+    r.restore(top)
+    assert_same_state(r, s)
+    r2 = engine.session(max_context=64)
+    r2.restore(base)
+    assert_same_state(r2, prefilled(engine, a, max_context=64))
+
+
+def test_state_bytes_count_the_blocks_cache(engine, plain_engine):
+    for e in (engine, plain_engine):
+        assert e.session(max_context=40).state_bytes == e._state_bytes(40)
+    one = engine.session(max_context=41).state_bytes - engine.session(max_context=40).state_bytes
+    c = TINY_CONFIG
+    full = c["num_hidden_layers"] // c["full_attention_interval"]
+    assert one == (full + 1) * 2 * c["num_key_value_heads"] * c["head_dim"] * 4  # + 1: the block's layer

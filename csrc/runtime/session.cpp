@@ -125,7 +125,8 @@ HostSnapshot DeviceSnapshot::to_host() const {
         }
         float* dst = h.kv[i].data() + size_t(kv) * size_t(c.kv_heads * pos * hd);
         for (int64_t hh = 0; hh < c.kv_heads; ++hh)
-          std::copy(rows.begin() + hh * n * hd, rows.begin() + (hh + 1) * n * hd, dst + (hh * pos + seg->begin) * hd);
+          std::copy(rows.begin() + hh * n * hd, rows.begin() + (hh + 1) * n * hd,
+                    dst + (hh * pos + seg->row0(i, size_t(c.n_full()))) * hd);
       }
     }
   }
@@ -725,10 +726,12 @@ void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg) {
 
 void Session::encode_kv_copy(KvSegment& seg) {
   const ModelConfig& c = model_.config();
-  const int64_t from = seg.begin, n = seg.end - seg.begin;
+  const int64_t n = seg.end - seg.begin;
   size_t fi = 0;
   for (const auto& [kc, vc] : st_.kv_caches()) {
-    // Only rows [from, end): rows before them are the parent's, which holds the same tokens.
+    // Only rows [begin, end) (the MTP block's one row earlier): rows before them are the parent's, which holds
+    // the same tokens.
+    const int64_t from = seg.row0(fi, size_t(c.n_full()));
     for (int64_t h = 0; h < c.kv_heads; ++h) {
       ops_.copy(kc.rows_view(h * st_.max_ctx + from, n), seg.k[fi].rows_view(h * n, n));
       ops_.copy(vc.rows_view(h * st_.max_ctx + from, n), seg.v[fi].rows_view(h * n, n));
@@ -948,11 +951,11 @@ void Session::restore_locked(const DeviceSnapshot& s) {
   Step step(ops_, Phase::Prefill);
   size_t fi = 0, di = 0;
   for (const auto& [kc, vc] : st_.kv_caches()) {
-    for (const KvSegment* seg : copy) {  // rows [seg->begin, seg->end) of each head
-      const int64_t n = seg->end - seg->begin;
+    for (const KvSegment* seg : copy) {  // rows [seg->begin, seg->end) of each head (KvSegment::row0)
+      const int64_t n = seg->end - seg->begin, r0 = seg->row0(fi, size_t(c.n_full()));
       for (int64_t h = 0; h < c.kv_heads && n > 0; ++h) {
-        ops_.copy(seg->k[fi].rows_view(h * n, n), kc.rows_view(h * st_.max_ctx + seg->begin, n));
-        ops_.copy(seg->v[fi].rows_view(h * n, n), vc.rows_view(h * st_.max_ctx + seg->begin, n));
+        ops_.copy(seg->k[fi].rows_view(h * n, n), kc.rows_view(h * st_.max_ctx + r0, n));
+        ops_.copy(seg->v[fi].rows_view(h * n, n), vc.rows_view(h * st_.max_ctx + r0, n));
       }
     }
     ++fi;

@@ -57,9 +57,15 @@ struct KvSegment {
   std::shared_ptr<const KvSegment> parent;  // rows [0, begin); null when begin == 0
   int64_t begin = 0, end = 0;
   // per KV cache (full layers, then the MTP block's: SessionState::kv_caches): [kv_heads * (end - begin),
-  // head_dim], head-major. The MTP cache's row end - 1 is not valid yet (it waits for token end) and is
-  // rewritten by the next forward before it is read.
+  // head_dim], head-major, cache rows [row0(i), row0(i) + end - begin).
   std::vector<Tensor> k, v;
+  // The MTP block's cache lags one row (its row t needs token t + 1: at position end, rows [0, end - 1) are
+  // valid), so its segments hold cache rows [begin - 1, end - 1): each one rewrites the row its parent could
+  // not know yet. A root segment holds [0, end), its last row not valid yet (rewritten by the next forward
+  // before it is read). `decoder_caches`: Qwen36 n_full().
+  int64_t row0(size_t cache, size_t decoder_caches) const {
+    return cache >= decoder_caches && begin > 0 ? begin - 1 : begin;
+  }
   size_t bytes() const;      // this segment's rows only
 
  private:

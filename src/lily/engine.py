@@ -172,8 +172,9 @@ class Engine:
 
     def _state_bytes(self, max_context: int) -> int:
         cfg = self.config
-        kv = sum(t == "full_attention" for t in cfg.layer_types) * 2 * cfg.num_key_value_heads * cfg.head_dim \
-            * (2 if self.kv_cache_dtype == "bf16" else 4)
+        # KV caches: the full-attention layers' and the MTP block's (its layers are full attention).
+        caches = sum(t == "full_attention" for t in cfg.layer_types) + self.checkpoint.mtp_layers
+        kv = caches * 2 * cfg.num_key_value_heads * cfg.head_dim * (2 if self.kv_cache_dtype == "bf16" else 4)
         n_lin = sum(t == "linear_attention" for t in cfg.layer_types)
         # Two sets of recurrent and conv state: a decode step writes the other set (undoable speculation).
         rec = 2 * n_lin * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
