@@ -566,6 +566,14 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
     ops_.wait(step.submit());
     ops_.download(sp.y.rows_view(0, 1), &x);
   }
+  const Ops::Transfers before = ops_.transfers();
+  int64_t forwards = 0;
+  auto account = [&] {  // generate_transfers(): per verify forward, one upload (the ids) and two id downloads
+    const Ops::Transfers& now = ops_.transfers();
+    std::lock_guard<std::mutex> slk(state_mu_);
+    loop_transfers_ = {forwards, now.uploads - before.uploads, now.downloads - before.downloads,
+                       now.download_bytes - before.download_bytes};
+  };
   std::vector<float> rows(with_logits ? size_t((kMaxMtpK + 1) * vocab) : 0);
   if (with_logits) {
     std::lock_guard<std::mutex> lk(model_lock_);
@@ -642,12 +650,14 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
       ops_.download(sp.y.rows_view(0, T), y.data());
       if (with_logits) ops_.download(sc.logits.rows_view(0, T), rows.data());
       while (a < k && y[size_t(a)] == ids[size_t(a + 1)]) ++a;
+      ++forwards;
       std::lock_guard<std::mutex> slk(state_mu_);
       decode_stats_ = stats;
       mtp_stats_.steps += 1;
       mtp_stats_.drafted += k;
       mtp_stats_.accepted += a;
     }
+    account();
     // Hand over y_0 .. y_a (drafts 1..a, then the model's token after them) one at a time.
     int64_t m = 0;  // tokens the caller received
     int answer = 1;
