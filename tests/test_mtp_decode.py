@@ -17,10 +17,12 @@ back (Session::generate_mtp, docs/ARCHITECTURE.md "MTP speculative decoding").
 - Bad input: mtp not in ("off", "on"), mtp_k outside 1..4, mtp="on" without an MTP head: ValueError naming the
   argument, and the session still works.
 
-Breaks tried (each made a test here fail; see the report of the session that added them): accepting one draft
-too many (`a <= k` in the acceptance loop), committing the state of the last row instead of the captured row
-(no rollback of conv/recurrent), leaving the position at the verify's end, skipping the penalty-count rollback,
-and feeding the MTP rows without the position shift (encode_mtp_rows at in.pos).
+Breaks tried, each made the named tests fail: accepting the first draft always (greedy equality, state); no
+rollback of conv/recurrent (skipping the capture copies: state); the position left at the verify's end (state);
+the MTP hidden of the wrong row after rollback (state); no rollback of the penalty counts (the distribution test);
+and two real bugs found on the way: the block's rows at in.pos after an in-place prefill had advanced it (state,
+kv.1), and KV segments holding the block's rows unshifted (prefill_snapshots, a base snapshot's row
+base_position - 1 stale).
 """
 
 from __future__ import annotations
