@@ -359,6 +359,28 @@ void Session::logits(float* out) {
   ops_.download(st_.now().logits, out);
 }
 
+// Model lock held. Feeds a pending token and returns the context a generate call continues.
+std::vector<int32_t> Session::generate_context_locked() {
+  feed_pending_locked();
+  std::lock_guard<std::mutex> slk(state_mu_);
+  if (!has_logits_) throw std::logic_error("generate needs a prefilled context");
+  return tokens_;
+}
+
+// Model lock held. The call's sampler state (seeded rng, the context's seen mask, zeroed counts and ring), then
+// its first id sampled from the logits already computed into first_id, as one decode step; returns its fence.
+uint64_t Session::start_sampler_locked(const SamplingParams& params, const std::vector<int32_t>& context,
+                                       const Tensor& ws, const Tensor& first_id) {
+  const uint64_t seed = params.has_seed ? params.seed : std::random_device{}();
+  ops_.upload(st_.sampler.rng, sampler_rng_words(seed).data());
+  ops_.upload(st_.sampler.seen, sampler_seen_mask(context, model_.config().vocab).data());
+  Step step(ops_, Phase::Decode);
+  ops_.fill(st_.sampler.counts, 0);
+  ops_.fill(st_.sampler.ring_count, 0);
+  ops_.sample(st_.now().logits, st_.sampler, params, ws, first_id);
+  return step.submit();
+}
+
 std::string Session::generate(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
                               const std::function<int(int32_t, const float*)>& on_token, bool with_logits) {
   BusyGuard busy(busy_);
@@ -369,25 +391,11 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
   int64_t P = 0;
   {
     std::lock_guard<std::mutex> lk(model_lock_);
-    feed_pending_locked();
-    std::vector<int32_t> context;
-    {
-      std::lock_guard<std::mutex> slk(state_mu_);
-      if (!has_logits_) throw std::logic_error("generate needs a prefilled context");
-      context = tokens_;
-    }
+    const std::vector<int32_t> context = generate_context_locked();
     P = int64_t(context.size());
     if (max_tokens == 0) return "length";
     if (P >= st_.max_ctx) return "context";
-    // The call's sampler state, then iteration 0: the first id from the logits already computed.
-    const uint64_t seed = params.has_seed ? params.seed : std::random_device{}();
-    ops_.upload(st_.sampler.rng, sampler_rng_words(seed).data());
-    ops_.upload(st_.sampler.seen, sampler_seen_mask(context, vocab).data());
-    Step step(ops_, Phase::Decode);
-    ops_.fill(st_.sampler.counts, 0);
-    ops_.fill(st_.sampler.ring_count, 0);
-    ops_.sample(st_.now().logits, st_.sampler, params, decode_sc_.ws, st_.slot[0]);
-    fence = step.submit();
+    fence = start_sampler_locked(params, context, decode_sc_.ws, st_.slot[0]);
   }
   const Ops::Transfers before = ops_.transfers();
   int64_t steps = 0;
@@ -544,26 +552,16 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
   int64_t P = 0;   // tokens fed
   {
     std::lock_guard<std::mutex> lk(model_lock_);
-    feed_pending_locked();
-    std::vector<int32_t> context;
+    const std::vector<int32_t> context = generate_context_locked();
     {
       std::lock_guard<std::mutex> slk(state_mu_);
-      if (!has_logits_) throw std::logic_error("generate needs a prefilled context");
-      context = tokens_;
       mtp_stats_ = {};
     }
     P = int64_t(context.size());
     if (max_tokens == 0) return "length";
     if (P >= st_.max_ctx) return "context";
     ensure_spec_locked();
-    const uint64_t seed = params.has_seed ? params.seed : std::random_device{}();
-    ops_.upload(st_.sampler.rng, sampler_rng_words(seed).data());
-    ops_.upload(st_.sampler.seen, sampler_seen_mask(context, vocab).data());
-    Step step(ops_, Phase::Decode);
-    ops_.fill(st_.sampler.counts, 0);
-    ops_.fill(st_.sampler.ring_count, 0);
-    ops_.sample(st_.now().logits, st_.sampler, params, sp.sc.ws, sp.y.rows_view(0, 1));
-    ops_.wait(step.submit());
+    ops_.wait(start_sampler_locked(params, context, sp.sc.ws, sp.y.rows_view(0, 1)));
     ops_.download(sp.y.rows_view(0, 1), &x);
   }
   const Ops::Transfers before = ops_.transfers();

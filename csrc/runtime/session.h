@@ -213,6 +213,9 @@ class Session {
   void check_restorable(int64_t position, int32_t pending, const std::vector<int32_t>& tokens) const;
   void ensure_scratch(Scratch& sc, int64_t rows, int64_t logit_rows);
   void feed_pending_locked();  // model lock held; also forgets held KV rows from the position on
+  std::vector<int32_t> generate_context_locked();
+  uint64_t start_sampler_locked(const SamplingParams& params, const std::vector<int32_t>& context, const Tensor& ws,
+                                const Tensor& first_id);
   void decode_one_locked(int32_t token, bool was_pending);
   // Encodes one decode step of the token in slot[s] into the open step (at_zero: at position 0). Model lock held.
   void encode_decode(int s, bool at_zero = false);
