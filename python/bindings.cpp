@@ -21,6 +21,7 @@
 #include <random>
 #include <thread>
 #include <stdexcept>
+#include <optional>
 #include <string>
 
 #include "cpu/alloc_guard.h"
@@ -465,6 +466,7 @@ nb::dict host_snapshot_arrays(const HostSnapshot& s) {
   d["logits"] = to_numpy(s.logits);
   for (size_t i = 0; i < s.kv.size(); ++i) d[("kv." + std::to_string(i)).c_str()] = to_numpy(s.kv[i]);
   if (!s.mtp_h.empty()) d["mtp_h"] = to_numpy(s.mtp_h);  // the MTP block's next input (MTP checkpoints)
+  d["mtp_valid"] = to_numpy(std::vector<int32_t>{s.mtp_valid ? 1 : 0});  // whether the block's cache covers it
   for (size_t i = 0; i < s.conv.size(); ++i) {
     d[("conv." + std::to_string(i)).c_str()] = to_numpy(s.conv[i]);
     d[("recurrent." + std::to_string(i)).c_str()] = to_numpy(s.recurrent[i]);
@@ -491,6 +493,8 @@ HostSnapshot host_snapshot_from_arrays(const nb::dict& d) {
   s.logits = f32("logits");
   for (size_t i = 0; d.contains(("kv." + std::to_string(i)).c_str()); ++i) s.kv.push_back(f32("kv." + std::to_string(i)));
   if (d.contains("mtp_h")) s.mtp_h = f32("mtp_h");
+  // Files written before the engine could stop keeping the block's cache always kept it.
+  s.mtp_valid = !d.contains("mtp_valid") || i32("mtp_valid") != std::vector<int32_t>{0};
   for (size_t i = 0; d.contains(("conv." + std::to_string(i)).c_str()); ++i) {
     s.conv.push_back(f32("conv." + std::to_string(i)));
     s.recurrent.push_back(f32("recurrent." + std::to_string(i)));
@@ -838,6 +842,9 @@ NB_MODULE(_core, m) {
       .def(nb::init<const nb::dict&, const nb::dict&, const std::vector<std::pair<AnyArray, std::string>>&,
                     const std::string&, const nb::dict&>(),
            "config"_a, "tensors"_a, "files"_a, "backend"_a = "cpu", "options"_a = nb::dict())
+      // The engine's MTP policy: whether sessions run the MTP block's rows (Qwen36::keep_mtp_rows).
+      .def("set_keep_mtp_rows", [](PyEngine& e, bool keep) { e.model->set_keep_mtp_rows(keep); })
+      .def("keep_mtp_rows", [](PyEngine& e) { return e.model->keep_mtp_rows(); })
       .def("report",
            [](PyEngine& e) {
              nb::gil_scoped_release nogil;
@@ -961,8 +968,21 @@ NB_MODULE(_core, m) {
            })
       .def("generate",
            [](PySession& s, int64_t max_tokens, const nb::dict& p, const std::vector<int32_t>& stop_ids,
-              nb::object on_token, bool with_logits, int mtp_k) {
+              nb::object on_token, bool with_logits, int mtp_k, nb::object policy) {
              SamplingParams sp = parse_sampling(p);
+             // mtp="auto": {"cost": [c1..c4] (an iteration with k drafts in plain decode steps), "alpha0", "weight"}
+             std::optional<MtpPolicy> pol;
+             if (!policy.is_none()) {
+               nb::dict pd = nb::cast<nb::dict>(policy);
+               pol.emplace();
+               const auto cost = nb::cast<std::vector<double>>(pd["cost"]);
+               if (cost.size() != size_t(Session::kMaxMtpK))
+                 throw std::invalid_argument("mtp policy: cost needs one ratio per k = 1.." +
+                                             std::to_string(Session::kMaxMtpK));
+               for (size_t k = 0; k < cost.size(); ++k) pol->cost[k + 1] = cost[k];
+               pol->alpha0 = nb::cast<double>(pd["alpha0"]);
+               pol->weight = nb::cast<double>(pd["weight"]);
+             }
              CallbackGuard cb;
              const int64_t vocab = s.vocab;
              // on_token(tok[, logits]) answers 1 (received, go on), 0 (received, stop) or -1 (not received).
@@ -986,13 +1006,15 @@ NB_MODULE(_core, m) {
              std::string reason;
              {
                nb::gil_scoped_release nogil;
-               reason = mtp_k > 0 ? s.s->generate_mtp(max_tokens, sp, stop_ids, fn, with_logits, mtp_k)
+               reason = mtp_k > 0 ? s.s->generate_mtp(max_tokens, sp, stop_ids, fn, with_logits, mtp_k,
+                                                      pol ? &*pol : nullptr)
                                   : s.s->generate(max_tokens, sp, stop_ids, fn, with_logits);
              }
              cb.rethrow();
              return reason;
            },
-           "max_tokens"_a, "params"_a, "stop_ids"_a, "on_token"_a, "with_logits"_a = false, "mtp_k"_a = 0)
+           "max_tokens"_a, "params"_a, "stop_ids"_a, "on_token"_a, "with_logits"_a = false, "mtp_k"_a = 0,
+           "policy"_a = nb::none())
       .def("last_mtp_stats",
            [](PySession& s) {
              const MtpStats m = s.s->last_mtp_stats();
@@ -1000,8 +1022,12 @@ NB_MODULE(_core, m) {
              d["steps"] = m.steps;
              d["drafted"] = m.drafted;
              d["accepted"] = m.accepted;
+             d["trials"] = m.trials;
+             d["plain_tokens"] = m.plain_tokens;
+             d["k_sum"] = m.k_sum;
              return d;
            })
+      .def("mtp_cache_valid", [](PySession& s) { return s.s->mtp_cache_valid(); })
       // Tests only: the next drafts come from this list instead of the MTP block (Session::set_draft_override).
       .def("_draft_override",
            [](PySession& s, int64_t start, const std::vector<int32_t>& ids) {

@@ -42,7 +42,7 @@ PROMPTS = [[1, 5, 9, 22, 7, 100, 3], [400, 2, 2, 2, 17], list(range(30, 50)), [7
 def engine(request, tmp_path_factory):
     path = write_synthetic_checkpoint(tmp_path_factory.mktemp(f"mtp-{request.param}") / "m", TINY_CONFIG,
                                       fmt=request.param, mtp_layers=1, seed=11)
-    with lily.Engine.from_pretrained(str(path), backend="cpu", prefill_chunk=8) as e:
+    with lily.Engine.from_pretrained(str(path), backend="cpu", prefill_chunk=8, mtp="on") as e:
         yield e
 
 
@@ -50,7 +50,7 @@ def engine(request, tmp_path_factory):
 def hf_engine(tmp_path_factory):
     path = write_synthetic_checkpoint(tmp_path_factory.mktemp("mtp-hf32") / "m", TINY_CONFIG, fmt="hf",
                                       mtp_layers=1, seed=12)
-    with lily.Engine.from_pretrained(str(path), backend="cpu", prefill_chunk=8) as e:
+    with lily.Engine.from_pretrained(str(path), backend="cpu", prefill_chunk=8, mtp="on") as e:
         yield e
 
 
@@ -179,7 +179,7 @@ def test_state_after_speculative_generate_is_the_plain_state(engine, k, every):
     assert_same_state(spec, ref)
     cont = list(spec.generate(12, stop_token_ids=[], mtp="on", mtp_k=k))
     plain.prefill(more)
-    assert cont == list(plain.generate(12, stop_token_ids=[]))
+    assert cont == list(plain.generate(12, stop_token_ids=[], mtp="off"))
     ref.prefill(cont[:-1])
     assert spec.tokens == ref.tokens + cont[-1:]
     assert_same_state(spec, ref)
@@ -208,7 +208,7 @@ def test_stop_token_inside_an_accepted_run(engine):
     assert out == base[: first + 1] and s.finish_reason == "stop"
     p = engine.session(max_context=96)
     p.prefill(prompt)
-    assert list(p.generate(20, stop_token_ids=[stop])) == out
+    assert list(p.generate(20, stop_token_ids=[stop], mtp="off")) == out
     assert_plain_state(engine, s, prompt, out, p)
 
 
@@ -227,7 +227,7 @@ def test_closing_the_iterator_early_keeps_only_what_was_seen(engine):
     assert s.tokens == prompt + seen
     p = engine.session(max_context=96)
     p.prefill(prompt)
-    g = p.generate(20, stop_token_ids=[])
+    g = p.generate(20, stop_token_ids=[], mtp="off")
     for _ in range(7):
         next(g)
     g.close()
@@ -239,7 +239,7 @@ def test_max_context_and_max_tokens_limits(engine):
     for n, ctx in [(5, 96), (30, len(prompt) + 9)]:
         plain = engine.session(max_context=ctx)
         plain.prefill(prompt)
-        base = list(plain.generate(n, stop_token_ids=[]))
+        base = list(plain.generate(n, stop_token_ids=[], mtp="off"))
         spec = engine.session(max_context=ctx)
         spec.prefill(prompt)
         spec._core._draft_override(len(prompt), base)
@@ -257,13 +257,13 @@ def test_snapshot_fork_and_files_after_speculative_decode(engine, tmp_path):
     assert out == base
     snap = spec.snapshot()
     assert snap.position == plain.position
-    cont = list(plain.generate(10, stop_token_ids=[]))
+    cont = list(plain.generate(10, stop_token_ids=[], mtp="off"))
     # restore into a fresh session, fork, and a session file: each continues like the plain session did
     r = engine.session(max_context=96)
     r.restore(snap)
     assert list(r.generate(10, stop_token_ids=[], mtp="on", mtp_k=2)) == cont
     f = spec.fork()
-    assert list(f.generate(10, stop_token_ids=[])) == cont
+    assert list(f.generate(10, stop_token_ids=[], mtp="off")) == cont
     spec.save(tmp_path / "s.lily")
     arrays = snap._core.to_arrays()
     assert "mtp_h" in arrays and len(arrays["mtp_h"]) == TINY_CONFIG["hidden_size"]
@@ -406,7 +406,7 @@ def test_bad_mtp_arguments_raise_and_leave_the_session_usable(engine, plain_engi
     s = engine.session(max_context=64)
     s.prefill(prompt)
     before = s.tokens
-    for kwargs, word in [(dict(mtp="auto"), "mtp must be one of"), (dict(mtp=True), "mtp must be one of"),
+    for kwargs, word in [(dict(mtp="yes"), "mtp must be one of"), (dict(mtp=True), "mtp must be one of"),
                          (dict(mtp="on", mtp_k=0), "mtp_k"), (dict(mtp="on", mtp_k=5), "mtp_k"),
                          (dict(mtp="on", mtp_k=2.0), "mtp_k")]:
         with pytest.raises(ValueError, match=word):
@@ -424,7 +424,7 @@ def test_bad_mtp_arguments_raise_and_leave_the_session_usable(engine, plain_engi
         p._core.generate(4, lily.SamplingParams().to_core(), [], lambda t: 1, False, 7)
     with pytest.raises(ValueError, match="MTP head"):
         p._core.generate(4, lily.SamplingParams().to_core(), [], lambda t: 1, False, 2)
-    assert len(list(p.generate(4, stop_token_ids=[]))) == 4
+    assert len(list(p.generate(4, stop_token_ids=[], mtp="off"))) == 4
     assert plain_engine.report()["mtp"]["present"] is False and engine.report()["mtp"]["present"] is True
 
 

@@ -2,6 +2,7 @@
 // once against the Ops interface (MODEL.md sections 2-6). The graph only encodes: it reads token ids and
 // the position from device tensors and leaves logits in device tensors; the Session submits and reads.
 #pragma once
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -175,6 +176,11 @@ class Qwen36 {
 
   // ---- the MTP block (MODEL.md section 7; a no-op without one) ----
   bool has_mtp() const { return w_.mtp.has_value(); }
+  // Whether sessions run the block's rows in their forwards (engine-wide; the engine's mtp policy sets it):
+  // off, a forward skips them (about one layer's fc and q/k/v products per token) and the session's block
+  // cache stops covering its context (Session::mtp_cache_valid). Any thread; read once per forward.
+  bool keep_mtp_rows() const { return has_mtp() && keep_mtp_rows_.load(std::memory_order_relaxed); }
+  void set_keep_mtp_rows(bool keep) { keep_mtp_rows_.store(keep, std::memory_order_relaxed); }
   // KV caches of a session: the decoder's full-attention layers, then the MTP block's (snapshots, session
   // files and SessionState::kv_caches list them in this order).
   size_t kv_cache_count() const { return size_t(cfg_.n_full()) + (has_mtp() ? size_t(cfg_.mtp_layers) : 0); }
@@ -212,6 +218,7 @@ class Qwen36 {
   ModelConfig cfg_;
   Ops& ops_;
   ModelWeights w_;
+  std::atomic<bool> keep_mtp_rows_{true};
 };
 
 }  // namespace lily

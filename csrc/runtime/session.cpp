@@ -95,6 +95,7 @@ HostSnapshot DeviceSnapshot::to_host() const {
   h.position = position_;
   h.tokens = tokens_;
   h.pending = pending_;
+  h.mtp_valid = mtp_valid_;
   if (has_logits_) {
     h.logits.resize(size_t(c.vocab));
     ops.download(logits_, h.logits.data());
@@ -208,16 +209,29 @@ void Session::ensure_scratch(Scratch& sc, int64_t rows, int64_t logit_rows) {
   sc = fresh;
 }
 
-void Session::set_context(std::vector<int32_t> tokens, int32_t pending, bool has_logits) {
+void Session::set_context(std::vector<int32_t> tokens, int32_t pending, bool has_logits, bool mtp_valid) {
   std::lock_guard<std::mutex> lk(state_mu_);
   tokens_ = std::move(tokens);
   pending_ = pending;
   has_logits_ = has_logits;
+  mtp_valid_ = mtp_valid;
+}
+
+bool Session::mtp_rows_locked() {
+  if (!model_.has_mtp()) return false;
+  std::lock_guard<std::mutex> slk(state_mu_);
+  if (mtp_valid_ && !model_.keep_mtp_rows()) mtp_valid_ = false;  // this forward's rows will be missing
+  return mtp_valid_;
+}
+
+bool Session::mtp_cache_valid() const {
+  std::lock_guard<std::mutex> slk(state_mu_);
+  return model_.has_mtp() && mtp_valid_;
 }
 
 void Session::encode_decode(int s, bool at_zero) {
   model_.encode_layers(st_, st_.now(), st_.other(), decode_sc_, st_.slot[s], 1, Phase::Decode);
-  model_.encode_mtp_rows(st_, st_.now(), st_.other(), decode_sc_, st_.slot[s], 1, at_zero);
+  if (mtp_rows_locked()) model_.encode_mtp_rows(st_, st_.now(), st_.other(), decode_sc_, st_.slot[s], 1, at_zero);
   model_.encode_logits(decode_sc_, 0, 1, st_.other().logits);
 }
 
@@ -306,7 +320,7 @@ int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* 
       {
         Step step(ops_, Phase::Prefill);
         model_.encode_layers(st_, st_.now(), st_.now(), sc, sc.ids, T, Phase::Prefill);
-        model_.encode_mtp_rows(st_, st_.now(), st_.now(), sc, sc.ids, T, tokens_.empty());
+        if (mtp_rows_locked()) model_.encode_mtp_rows(st_, st_.now(), st_.now(), sc, sc.ids, T, tokens_.empty());
         stats = ops_.stats();
         // Every chunk computes its last row's logits, so a cancelled prefill still has valid ones.
         if (!all_logits) model_.encode_logits(sc, T - 1, 1, st_.now().logits);
@@ -386,7 +400,6 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
   BusyGuard busy(busy_);
   if (max_tokens < 0) throw std::invalid_argument("max_tokens must be >= 0");
   params.validate();
-  const int64_t vocab = model_.config().vocab;
   uint64_t fence = 0;
   int64_t P = 0;
   {
@@ -396,7 +409,16 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
     if (max_tokens == 0) return "length";
     if (P >= st_.max_ctx) return "context";
     fence = start_sampler_locked(params, context, decode_sc_.ws, st_.slot[0]);
+    std::lock_guard<std::mutex> slk(state_mu_);
+    mtp_stats_ = {};  // this call drafts nothing
   }
+  return plain_loop(max_tokens, params, stop_ids, on_token, with_logits, P, fence, false);
+}
+
+std::string Session::plain_loop(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
+                                const std::function<int(int32_t, const float*)>& on_token, bool with_logits, int64_t P,
+                                uint64_t fence, bool first_delivered) {
+  const int64_t vocab = model_.config().vocab;
   const Ops::Transfers before = ops_.transfers();
   int64_t steps = 0;
   std::vector<float> row(with_logits ? size_t(vocab) : 0);
@@ -432,7 +454,7 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
     }
     account();
     // Whether the caller received id k (1: yes, go on; 0: yes, stop; -1: no, it was interrupted first).
-    const int delivered = on_token(id, with_logits ? row.data() : nullptr);
+    const int delivered = k == 0 && first_delivered ? 1 : on_token(id, with_logits ? row.data() : nullptr);
     if (delivered < 0) {
       if (next) {  // iteration k + 1 fed id k into the other state set: not switching undoes it
         std::lock_guard<std::mutex> lk(model_lock_);
@@ -445,6 +467,7 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
       if (next) {
         tokens_.push_back(id);  // fed by the submitted iteration, whose state becomes the session's
         st_.cur = 1 - st_.cur;
+        if (k == 0 && first_delivered) pending_ = -1;  // it was the pending token
       } else {
         pending_ = id;  // fed lazily: a final token costs no forward unless the context continues
       }
@@ -464,6 +487,18 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
 }
 
 // ---- MTP speculative decoding ----
+
+std::pair<int, double> MtpPolicy::choose(double alpha, int max_k) const {
+  alpha = std::min(std::max(alpha, 0.0), 0.999);
+  std::pair<int, double> best{0, 1.0};
+  double yield = 1, p = 1;  // expected tokens of an iteration with k drafts: 1 + a + ... + a^k
+  for (int k = 1; k <= std::min(max_k, 4); ++k) {
+    p *= alpha;
+    yield += p;
+    if (cost[k] > 0 && yield / cost[k] > best.second) best = {k, yield / cost[k]};
+  }
+  return best;
+}
 
 MtpStats Session::last_mtp_stats() const {
   std::lock_guard<std::mutex> lk(state_mu_);
@@ -535,11 +570,17 @@ void Session::free_spec_locked() {
 std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& params,
                                   const std::vector<int32_t>& stop_ids,
                                   const std::function<int(int32_t, const float*)>& on_token, bool with_logits,
-                                  int mtp_k) {
+                                  int mtp_k, const MtpPolicy* policy) {
   BusyGuard busy(busy_);
   if (mtp_k < 1 || mtp_k > kMaxMtpK)
     throw std::invalid_argument("mtp_k must be in 1.." + std::to_string(kMaxMtpK) + ", got " + std::to_string(mtp_k));
   if (!model_.has_mtp()) throw std::invalid_argument("mtp='on' needs an MTP head, and this checkpoint has none");
+  if (!model_.keep_mtp_rows())
+    throw std::invalid_argument("mtp: the engine does not keep the MTP block's cache (its mtp policy is 'off', or "
+                                "'auto' decided against drafting): load it with mtp='on' to draft");
+  if (!mtp_cache_valid())
+    throw std::invalid_argument("mtp: this session's MTP block cache does not cover its context (tokens were fed "
+                                "while the engine did not keep it); draft in a new or reset session");
   if (max_tokens < 0) throw std::invalid_argument("max_tokens must be >= 0");
   params.validate();
   const ModelConfig& c = model_.config();
@@ -593,7 +634,34 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
     if (remaining <= 0) return "length";
     if (room <= 0) return "context";
     // Up to k drafts, so that every token this forward can yield stays within max_tokens and max_context.
-    const int64_t k = std::min<int64_t>({mtp_k, remaining - 1, room - 1});
+    int64_t k = std::min<int64_t>({mtp_k, remaining - 1, room - 1});
+    if (policy && k > 0) {
+      MtpStats so_far;
+      {
+        std::lock_guard<std::mutex> slk(state_mu_);
+        so_far = mtp_stats_;
+      }
+      const double alpha =
+          (double(so_far.accepted) + policy->alpha0 * policy->weight) / (double(so_far.trials) + policy->weight);
+      const int best = policy->choose(alpha, int(k)).first;
+      if (best == 0) {  // drafting no longer pays: the rest without it, pipelined like generate()
+        {
+          std::lock_guard<std::mutex> lk(model_lock_);
+          ops_.upload(st_.slot[0], &x);
+        }
+        int64_t plain = 0;
+        auto count = [&](int32_t t, const float* l) {
+          const int answer = on_token(t, l);
+          plain += answer >= 0;
+          return answer;
+        };
+        const std::string why = plain_loop(max_tokens - delivered + 1, params, stop_ids, count, with_logits, P, 0, true);
+        std::lock_guard<std::mutex> slk(state_mu_);
+        mtp_stats_.plain_tokens = plain;
+        return why;
+      }
+      k = best;
+    }
     const int64_t T = k + 1;
     ids[0] = x;
     const bool injected = !draft_override_.empty() && k > 0;
@@ -654,6 +722,8 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
       mtp_stats_.steps += 1;
       mtp_stats_.drafted += k;
       mtp_stats_.accepted += a;
+      mtp_stats_.trials += a + (a < k);  // compared drafts: the accepted ones and the first rejected one
+      mtp_stats_.k_sum += k;
     }
     account();
     // Hand over y_0 .. y_a (drafts 1..a, then the model's token after them) one at a time.
@@ -761,6 +831,7 @@ std::unique_ptr<DeviceSnapshot> Session::snapshot(const DeviceSnapshot* base) {
     snap->tokens_ = tokens_;
     snap->pending_ = pending_;
     snap->has_logits_ = has_logits_;
+    snap->mtp_valid_ = mtp_valid_;
   }
   snap->kv_dtype_ = st_.kv_dtype;
   const int64_t pos = snap->position_;
@@ -878,8 +949,10 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
       {
         Step step(ops_, Phase::Prefill);
         model_.encode_layers(st_, st_.now(), st_.now(), sc, sc.ids, T, Phase::Prefill, inner >= 0 ? &cap : nullptr);
-        model_.encode_mtp_rows(st_, st_.now(), st_.now(), sc, sc.ids, T, c0 == 0);
-        if (inner >= 0 && made[0]->mtp_h_.valid())  // h after the inner position's last token (row inner - c0 - 1)
+        const bool rows = mtp_rows_locked();
+        if (rows) model_.encode_mtp_rows(st_, st_.now(), st_.now(), sc, sc.ids, T, c0 == 0);
+        for (auto& m : made) m->mtp_valid_ = rows;  // as the session's cache after this chunk
+        if (rows && inner >= 0 && made[0]->mtp_h_.valid())  // h after the inner position's last token (row inner - c0 - 1)
           ops_.copy(sc.mtp_hn.rows_view(inner - c0, 1), made[0]->mtp_h_);
         stats = ops_.stats();
         const int64_t row = cap.first, nb = T - row;  // the inner position's logits row .. the last row
@@ -993,7 +1066,7 @@ void Session::restore(const DeviceSnapshot& s) {
     std::lock_guard<std::mutex> lk(model_lock_);
     restore_locked(s);
   }
-  set_context(s.tokens_, s.pending_, s.has_logits_);
+  set_context(s.tokens_, s.pending_, s.has_logits_, s.mtp_valid_);
 }
 
 void Session::restore(const HostSnapshot& s) {
@@ -1053,7 +1126,7 @@ void Session::restore(const HostSnapshot& s) {
     }
     restore_locked(d);
   }
-  set_context(s.tokens, s.pending, d.has_logits_);
+  set_context(s.tokens, s.pending, d.has_logits_, s.mtp_valid || s.position == 0);
 }
 
 void Session::reset() {
@@ -1070,7 +1143,7 @@ void Session::reset() {
     ops_.fill(st_.now().pos, 0);
     ops_.wait(step.submit());
   }
-  set_context({}, -1, false);
+  set_context({}, -1, false, true);
 }
 
 }  // namespace lily

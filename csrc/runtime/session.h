@@ -39,6 +39,7 @@ struct HostSnapshot {
   std::vector<std::vector<float>> kv;   // per KV cache (full layers, then MTP layers): K then V rows
                                         // [kv_heads, position, head_dim]
   std::vector<float> mtp_h;             // MTP checkpoints: StepState::mtp_h [hidden] (empty at position 0)
+  bool mtp_valid = false;               // Session::mtp_cache_valid() when it was taken
   std::vector<std::vector<float>> conv, recurrent;  // per DeltaNet layer
   size_t bytes() const;
 };
@@ -105,6 +106,7 @@ class DeviceSnapshot {
   std::vector<int32_t> tokens_;
   int32_t pending_ = -1;
   bool has_logits_ = false;
+  bool mtp_valid_ = false;  // Session::mtp_cache_valid() when it was taken
   DType kv_dtype_ = DType::F32;
   std::shared_ptr<const KvSegment> kv_;  // rows [0, position_); null at position 0
   bool owns_tail_ = false;               // kv_ was written by this snapshot (rows [base_position_, position_))
@@ -118,6 +120,23 @@ struct MtpStats {
   int64_t steps = 0;     // verify forwards (each feeds 1 + its drafts' rows)
   int64_t drafted = 0;   // draft tokens proposed
   int64_t accepted = 0;  // draft tokens the model's own choice agreed with
+  int64_t trials = 0;    // drafts that were compared (accepted, plus the first rejected one of a forward)
+  int64_t plain_tokens = 0;  // tokens the adaptive policy decoded without drafting (it switched off)
+  int64_t k_sum = 0;         // sum of the k chosen per verify forward (mean k = k_sum / steps)
+};
+
+// generate_mtp's adaptive choice (mtp="auto"): cost[k] is the measured time of one iteration with k drafts
+// (k drafts, the k + 1-row verify forward, its wait and any rollback) in plain pipelined decode steps. With a
+// per-draft acceptance probability a (independent drafts), an iteration yields (1 - a^(k+1)) / (1 - a) tokens,
+// so the expected speedup over plain decoding is that over cost[k]. Each iteration takes the k in 1..mtp_k with
+// the best speedup for the current estimate of a (the accepted share of the trials so far, started from
+// alpha0 weighted as `weight` trials); once the best is below 1 the call decodes the rest without drafting.
+struct MtpPolicy {
+  double cost[5] = {1, 0, 0, 0, 0};
+  double alpha0 = 0.5;
+  double weight = 4;
+  // The k with the best expected speedup (0 when no k in 1..max_k reaches 1) and that speedup.
+  std::pair<int, double> choose(double alpha, int max_k) const;
 };
 
 class Session {
@@ -162,9 +181,17 @@ class Session {
   // is the next pending one), and rolls the rest back: the DeltaNet state after the kept row comes from the
   // forward's StateCapture, KV rows past it are rewritten later. Throws std::invalid_argument naming mtp_k
   // (outside 1..4) or mtp (no MTP block), before touching the session.
+  // With `policy` (mtp="auto"), mtp_k is the largest k and each iteration chooses its own (MtpPolicy).
+  // Needs the MTP block's cache to cover the context (mtp_cache_valid()) and the model to keep it
+  // (Qwen36::keep_mtp_rows): otherwise std::invalid_argument naming mtp.
   std::string generate_mtp(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
-                           const std::function<int(int32_t, const float*)>& on_token, bool with_logits, int mtp_k);
+                           const std::function<int(int32_t, const float*)>& on_token, bool with_logits, int mtp_k,
+                           const MtpPolicy* policy = nullptr);
   MtpStats last_mtp_stats() const;
+  // Whether the MTP block's KV rows and next input cover the context: true at position 0, false once a forward
+  // fed tokens while the model did not keep them (Qwen36::keep_mtp_rows false), until reset or a restore of a
+  // snapshot that had them. Always false without an MTP block.
+  bool mtp_cache_valid() const;
   // Tests only (bindings: Session._draft_override): while set (non-empty ids), drafts come from ids instead
   // of the MTP block: the draft for the token at context index q is ids[q - start] (0 outside the list), so a
   // test controls which drafts are accepted (e.g. the greedy continuation: all of them).
@@ -219,6 +246,15 @@ class Session {
   void decode_one_locked(int32_t token, bool was_pending);
   // Encodes one decode step of the token in slot[s] into the open step (at_zero: at position 0). Model lock held.
   void encode_decode(int s, bool at_zero = false);
+  // Whether this forward runs the MTP block's rows; a forward of tokens that does not invalidates the block's
+  // cache (mtp_valid_). Model lock held; call once per forward, before encoding it.
+  bool mtp_rows_locked();
+  // generate()'s pipelined loop from P fed tokens: id 0 is in slot[0] once `fence` completes; with
+  // first_delivered it is the pending token the caller already has (generate_mtp switching to plain decoding)
+  // and counts as delivered. Returns generate()'s reason.
+  std::string plain_loop(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
+                         const std::function<int(int32_t, const float*)>& on_token, bool with_logits, int64_t P,
+                         uint64_t fence, bool first_delivered);
   // Speculative decoding's buffers, allocated on first use (model lock held) and freed with the session.
   struct Spec {
     Scratch sc;                           // k + 1 rows; sc.ids: the verify input (pending token, drafts)
@@ -242,7 +278,7 @@ class Session {
   void alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg);
   // Encodes the copies of the cache's KV rows [seg.begin, seg.end) into seg (inside a step).
   void encode_kv_copy(KvSegment& seg);
-  void set_context(std::vector<int32_t> tokens, int32_t pending, bool has_logits);
+  void set_context(std::vector<int32_t> tokens, int32_t pending, bool has_logits, bool mtp_valid);
 
   Qwen36& model_;
   Ops& ops_;
@@ -270,6 +306,7 @@ class Session {
   StepStats decode_stats_, prefill_stats_;
   LoopTransfers loop_transfers_;
   MtpStats mtp_stats_;
+  bool mtp_valid_ = true;  // mtp_cache_valid() (and has_mtp()); guarded by state_mu_, written under the model lock
 };
 
 }  // namespace lily

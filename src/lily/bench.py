@@ -61,18 +61,21 @@ def sweep_lengths(max_length: int) -> list[int]:
 
 
 def synthetic_checkpoint(size: str, cache: str | os.PathLike | None = None, *, progress: bool = True,
-                         log: Callable[[str], None] = print) -> pathlib.Path:
+                         log: Callable[[str], None] = print, mtp_layers: int = 0) -> pathlib.Path:
     """The folder of a random-weight MLX 4-bit checkpoint of ``size`` ("tiny", "medium" or "full"),
-    written on first use and kept in ``cache`` (default: the temp dir)."""
+    written on first use and kept in ``cache`` (default: the temp dir); ``mtp_layers`` > 0 adds a random MTP
+    head (MODEL.md section 7)."""
     from .synthetic import FULL_CONFIG, MEDIUM_CONFIG, TINY_CONFIG, write_synthetic_checkpoint
 
     configs = {"tiny": TINY_CONFIG, "medium": MEDIUM_CONFIG, "full": FULL_CONFIG}
     if size not in configs:
         raise ValueError(f"--synthetic must be one of {tuple(configs)}, got {size!r}")
-    folder = pathlib.Path(cache or os.path.join(tempfile.gettempdir(), f"lily-bench-{size}-q4"))
+    suffix = f"-mtp{mtp_layers}" if mtp_layers else ""
+    folder = pathlib.Path(cache or os.path.join(tempfile.gettempdir(), f"lily-bench-{size}-q4{suffix}"))
     if not (folder / "config.json").is_file():
         t = time.perf_counter()
-        write_synthetic_checkpoint(folder, configs[size], fmt="mlx", bits=4, seed=0, progress=progress)
+        write_synthetic_checkpoint(folder, configs[size], fmt="mlx", bits=4, seed=0, progress=progress,
+                                   **({"mtp_layers": mtp_layers} if mtp_layers else {}))
         log(f"wrote synthetic checkpoint to {folder} in {time.perf_counter() - t:.1f}s")
     return folder
 
@@ -106,7 +109,7 @@ def measure_decode(engine: "Engine", context: int, *, tokens: int, repeats: int,
     rates = []
     for _ in range(repeats):
         session.restore(snap)
-        gen = session.generate(tokens, stop_token_ids=[])
+        gen = session.generate(tokens, stop_token_ids=[], mtp="off")  # plain decoding (bench_mtp.py: MTP)
         next(gen)
         t = time.perf_counter()
         k = sum(1 for _ in gen)

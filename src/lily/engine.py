@@ -23,6 +23,8 @@ from .sampling import SamplingParams
 from .session import Session, closed_handle, read_session_file
 from .streaming import GenerationResponse, check_max_tokens, check_sampling, normalize_stop
 from .tokenizer import Tokenizer
+from .mtp import MtpController
+from .mtp import check_mode as check_mtp_mode
 from .validate import check_int, check_mtp
 
 DEFAULT_MODEL = "lily-tiny"
@@ -135,7 +137,10 @@ class Engine:
 
     def __init__(self, checkpoint: Checkpoint, *, backend: str = "auto", threads: int | None = None,
                  prefill_chunk: int = 512, kv_cache_dtype: str = "f32", tokenizer: Tokenizer | None = None,
-                 backend_options: dict | None = None, keep_sessions: int = 0):
+                 backend_options: dict | None = None, keep_sessions: int = 0, mtp: str = "auto"):
+        mtp = check_mtp_mode(mtp, "Engine")
+        if mtp == "on" and checkpoint.mtp_layers == 0:
+            raise ValueError(f"Engine: mtp='on' needs a checkpoint with an MTP head, and {checkpoint.path} has none")
         if backend_options is not None and not isinstance(backend_options, dict):
             raise ValueError(f"backend_options must be a dict or None, got {type(backend_options).__name__}")
         backend_options = dict(backend_options or {})
@@ -169,6 +174,12 @@ class Engine:
         self._idle: list = []  # closed sessions' core state kept for reuse (keep_sessions at most)
         self._idle_lock = threading.Lock()
         self._closed = False
+        self._mtp = MtpController(self, mtp, has_head=checkpoint.mtp_layers > 0)
+
+    @property
+    def mtp(self) -> str:
+        """The engine's MTP policy ("auto", "on" or "off"): what generate calls do by default."""
+        return self._mtp.mode
 
     def _state_bytes(self, max_context: int) -> int:
         cfg = self.config
@@ -221,7 +232,8 @@ class Engine:
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, backend: str = "auto",
                         threads: int | None = None, prefill_chunk: int = 512, kv_cache_dtype: str = "f32",
                         revision: str | None = None, progress: bool | None = None,
-                        backend_options: dict | None = None, keep_sessions: int = 0) -> "Engine":
+                        backend_options: dict | None = None, keep_sessions: int = 0,
+                        mtp: str = "auto") -> "Engine":
         """Load a checkpoint: a local folder, a Hugging Face repo id (cached or downloaded; honours
         HF_HUB_OFFLINE), or the packaged demonstration model ``"lily-tiny"`` (the default).
 
@@ -242,6 +254,12 @@ class Engine:
         copies only the rows it lacks; a new session takes a kept state only if it holds no such rows. The
         kept state stays allocated until it is reused, evicted (the one holding the fewest such rows first) or
         the engine is closed.
+
+        ``mtp``: the MTP policy for checkpoints with an MTP head (lily.mtp): ``"auto"`` (default) drafts only
+        where and while it pays, measured on this machine (the cost of a speculative iteration, cached on disk)
+        and learnt from the acceptance; ``"on"`` always drafts; ``"off"`` never does and skips the MTP block's
+        per-token rows. Generate calls take it as their default; ``report()["mtp"]["policy"]`` says what was
+        measured and decided.
 
         ``backend_options``: backend settings. CPU: ``threads``; CUDA: ``device`` (ordinal, default 0),
         ``graphs`` (replay decode steps as CUDA graphs, default True), ``branches`` (independent launches
@@ -264,7 +282,7 @@ class Engine:
         tokenizer = Tokenizer.from_dir(path) if (pathlib.Path(path) / "tokenizer.json").is_file() else None
         return cls(checkpoint, backend=backend, threads=threads, prefill_chunk=prefill_chunk,
                    kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer, backend_options=backend_options,
-                   keep_sessions=keep_sessions)
+                   keep_sessions=keep_sessions, mtp=mtp)
 
     # ---- tokens ----
     def _need_tokenizer(self) -> Tokenizer:
@@ -409,12 +427,12 @@ class Engine:
     def generate(self, prompt: str | Iterable[int], max_tokens: int = 256,
                  sampling: SamplingParams | None = None, *, stream: bool = False,
                  stop_token_ids: Iterable[int] | None = None,
-                 stop: str | Iterable[str] | None = None, mtp: str = "off",
-                 mtp_k: int = 3) -> str | Iterator[str]:
+                 stop: str | Iterable[str] | None = None, mtp: str | None = None,
+                 mtp_k: int | None = None) -> str | Iterator[str]:
         """Complete a prompt (text or token ids). Returns the text, or an iterator of pieces when
         ``stream=True``. ``stop``: stop strings, excluded from the text (see :meth:`Session.stream`);
         ``mtp``/``mtp_k``: speculative decoding with the MTP head (see :meth:`Session.generate`)."""
-        check_mtp(mtp, mtp_k, "Engine.generate", has_head=self.checkpoint.mtp_layers > 0)
+        check_mtp(mtp, mtp_k, "Engine.generate", has_head=self.checkpoint.mtp_layers > 0, default=self.mtp)
         s = self._prompt_session(prompt, max_tokens, "Engine.generate", sampling=sampling, stop=stop)
         pieces = s.generate_text(max_tokens, sampling, stop_token_ids, stop=stop, mtp=mtp, mtp_k=mtp_k)
         return pieces if stream else "".join(pieces)
@@ -422,13 +440,13 @@ class Engine:
     def stream(self, prompt: str | Iterable[int], max_tokens: int = 256, sampling: SamplingParams | None = None,
                *, stop: str | Iterable[str] | None = None, stop_token_ids: Iterable[int] | None = None,
                progress: bool | Callable[[int, int], bool | None] | None = None,
-               mtp: str = "off", mtp_k: int = 3,
+               mtp: str | None = None, mtp_k: int | None = None,
                ) -> Iterator[GenerationResponse]:
         """Complete a prompt in a new session, yielding a :class:`lily.GenerationResponse` per token
         (text piece, token id, prompt and generation tokens/s, peak memory, finish reason on the last;
         ``stop`` strings as in :meth:`Session.stream`). ``progress`` applies to the prompt's prefill
         (as in :meth:`Session.prefill`). Raises ValueError/TypeError naming the argument before any work."""
-        check_mtp(mtp, mtp_k, "Engine.stream", has_head=self.checkpoint.mtp_layers > 0)
+        check_mtp(mtp, mtp_k, "Engine.stream", has_head=self.checkpoint.mtp_layers > 0, default=self.mtp)
         s = self._prompt_session(prompt, max_tokens, "Engine.stream", sampling=sampling, stop=stop,
                                  progress=progress)
         return s.stream(max_tokens, sampling, stop=stop, stop_token_ids=stop_token_ids, mtp=mtp, mtp_k=mtp_k)
@@ -499,7 +517,7 @@ class Engine:
             "ops_per_step": self._probe_stats,
             "optimizations": list(core["optimizations"]),
             "tied_embeddings": core["tied_embeddings"],
-            "mtp": _mtp_report(core["mtp"], self.checkpoint.mtp_bytes),
+            "mtp": dict(_mtp_report(core["mtp"], self.checkpoint.mtp_bytes), policy=self._mtp.report()),
             "skipped_tensors": dict(self.checkpoint.skipped),
             "tokenizer": "none" if tok is None else f"{tok.vocab_size} tokens, stop ids {tok.stop_token_ids}",
             "backends": {name: b["status"] for name, b in backends().items()},
@@ -518,8 +536,9 @@ def _mtp_report(core: dict, stored_bytes: int) -> dict:
         return {"present": False, "layers": 0, "bytes": 0,
                 "status": "none in this checkpoint (mlx-lm conversions drop it; lily convert keeps it)"}
     out = {"present": True, "layers": core["layers"], "bytes": stored_bytes, "format": core["format"],
-           "status": "loaded and placed with the decoder: its KV rows run in every forward (the block's cache "
-                     "covers the context), drafting in generate(mtp='on', mtp_k=1..4)"}
+           "status": "loaded and placed with the decoder; while the engine's mtp policy keeps it (policy.keeps_rows) "
+                     "its KV rows run in every forward so the block's cache covers the context; drafting in "
+                     "generate(mtp='auto' or 'on', mtp_k=1..4)"}
     if core["repacked_expert_projections"]:
         out["repacked_expert_bytes"] = core["repacked_expert_bytes"]
         out["experts_layout"] = (f"repacked at load: {core['repacked_expert_projections']} expert projections "

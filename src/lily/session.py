@@ -190,14 +190,25 @@ class Session:
                 "generate_transfers": self._core.generate_transfers(), "mtp": self.mtp_stats()}
 
     def mtp_stats(self) -> dict:
-        """What the last ``generate(mtp="on")`` call's speculative decoding did: ``steps`` (verify forwards),
-        ``drafted`` and ``accepted`` draft tokens, ``acceptance_rate`` (accepted / drafted) and
-        ``mean_acceptance_length`` (tokens per verify forward: (accepted + steps) / steps, 1.0 when nothing
-        is accepted). All zero after a call with ``mtp="off"``."""
+        """What the last speculative generate call (``mtp`` "on", or "auto" when it drafted) did: ``steps``
+        (verify forwards), ``drafted`` and ``accepted`` draft tokens, ``trials`` (drafts compared: the accepted
+        ones and each forward's first rejected one), ``acceptance_rate`` (accepted / drafted),
+        ``mean_acceptance_length`` (tokens per verify forward: (accepted + steps) / steps, 1.0 when nothing is
+        accepted), ``mean_k`` (drafts per forward, chosen per forward under "auto") and ``plain_tokens``
+        (tokens "auto" decoded without drafting after it found drafting no longer paid). All zero after a call
+        that did not draft. The engine-wide decision: ``engine.report()["mtp"]["policy"]``."""
         m = dict(self._core.last_mtp_stats())
         m["acceptance_rate"] = m["accepted"] / m["drafted"] if m["drafted"] else 0.0
         m["mean_acceptance_length"] = (m["accepted"] + m["steps"]) / m["steps"] if m["steps"] else 0.0
+        m["mean_k"] = m.pop("k_sum") / m["steps"] if m["steps"] else 0.0
         return m
+
+    @property
+    def mtp_cache_valid(self) -> bool:
+        """Whether the MTP block's cache covers this session's context, so it can draft (False without an MTP
+        head, or once tokens were fed while the engine did not keep the cache; a reset or a restore of a
+        snapshot that had it makes it True again)."""
+        return self._core.mtp_cache_valid()
 
     # ---- running the model ----
     def prefill(
@@ -283,8 +294,8 @@ class Session:
         sampling: SamplingParams | None = None,
         stop_token_ids: Iterable[int] | None = None,
         *,
-        mtp: str = "off",
-        mtp_k: int = 3,
+        mtp: str | None = None,
+        mtp_k: int | None = None,
     ) -> Iterator[int]:
         """Sample up to ``max_tokens`` tokens, yielding each id as soon as it is chosen.
 
@@ -293,28 +304,39 @@ class Session:
         pass ``[]`` for none), at ``max_tokens``, at ``max_context``, or when the iterator is closed.
         The reason is left in ``session.finish_reason``.
 
-        ``mtp="on"``: speculative decoding with the checkpoint's MTP head, ``mtp_k`` (1..4) drafts per
-        forward of the model. The output is the model's: token for token when greedy, in distribution
-        when sampling (every transform of ``sampling`` included); :meth:`mtp_stats` says what was accepted.
-        Raises ValueError naming ``mtp`` / ``mtp_k`` (modes "off" and "on"; "on" needs an MTP head).
+        ``mtp``: speculative decoding with the checkpoint's MTP head (None: the engine's policy,
+        ``Engine.from_pretrained(mtp=...)``, "auto" by default). "on": ``mtp_k`` (1..4, default 3) drafts per
+        forward of the model; "auto": drafts only while the measured cost and the acceptance so far say it pays,
+        choosing k per forward (up to ``mtp_k``, default 4; lily.mtp); "off": none. The output is the model's:
+        token for token when greedy, in distribution when sampling (every transform of ``sampling``
+        included); :meth:`mtp_stats` says what was drafted and accepted. Raises ValueError naming ``mtp`` /
+        ``mtp_k`` (an unknown mode, k outside 1..4, "on" without an MTP head or in a session whose MTP cache
+        was not kept: see ``mtp_cache_valid``).
         """
         return self._generate(max_tokens, sampling, stop_token_ids, with_logits=False, mtp=mtp, mtp_k=mtp_k)
 
-    def _generate(self, max_tokens, sampling, stop_token_ids, *, with_logits: bool, mtp: str = "off",
-                  mtp_k: int = 3) -> Iterator[int]:
+    def _generate(self, max_tokens, sampling, stop_token_ids, *, with_logits: bool, mtp: str | None = None,
+                  mtp_k: int | None = None) -> Iterator[int]:
         """:meth:`generate`; with ``with_logits`` each token's logits (float32 [vocab], the distribution
         it was sampled from, before penalties) are in ``self._token_logits`` while it is yielded."""
         max_tokens = check_int(max_tokens, "max_tokens")
-        k = check_mtp(mtp, mtp_k, "Session.generate", has_head=self._engine.checkpoint.mtp_layers > 0)
+        engine = self._engine
+        mode, mtp_k = check_mtp(mtp, mtp_k, "Session.generate", has_head=engine.checkpoint.mtp_layers > 0,
+                                default=engine.mtp)
         if self.position == 0:
             raise LilyError("generate() needs a context: prefill a prompt first")
+        if mode == "on" and not self._core.mtp_cache_valid():
+            raise ValueError("Session.generate: mtp='on' needs the MTP block's cache over this session's context, "
+                             "and it was not kept (tokens were fed while the engine's mtp policy was 'off' or "
+                             "'auto' had turned it off); use a new or reset session of an engine with mtp='on'")
+        k, policy = engine._mtp.plan(self, mode, mtp_k)
         params = (sampling if sampling is not None else SamplingParams()).to_core()
         stops = self._engine.stop_token_ids if stop_token_ids is None else check_token_ids(stop_token_ids, "stop_token_ids")
         self.finish_reason = None
-        return self._run_generation(max_tokens, params, stops, with_logits, k)
+        return self._run_generation(max_tokens, params, stops, with_logits, k, policy, auto=mode == "auto")
 
     def _run_generation(self, max_tokens: int, params: dict, stops: list[int], with_logits: bool,
-                        mtp_k: int = 0) -> Iterator[int]:
+                        mtp_k: int = 0, policy: dict | None = None, auto: bool = False) -> Iterator[int]:
         # Tokens are handed over one at a time: the C++ loop waits until the consumer asks for the next
         # one, so the context always equals exactly what the caller has seen.
         handoff: queue.SimpleQueue = queue.SimpleQueue()
@@ -336,7 +358,10 @@ class Session:
 
         def run() -> None:
             try:
-                outcome["reason"] = self._core.generate(max_tokens, params, stops, on_token, with_logits, mtp_k)
+                outcome["reason"] = self._core.generate(max_tokens, params, stops, on_token, with_logits, mtp_k,
+                                                        policy)
+                if auto:  # the engine's acceptance estimate learns from this call
+                    self._engine._mtp.observe(self._core.last_mtp_stats(), speculative=mtp_k > 0)
             except BaseException as exc:  # re-raised in the consumer's thread
                 outcome["error"] = exc
             handoff.put(None)
@@ -383,8 +408,8 @@ class Session:
         stop_token_ids: Iterable[int] | None = None,
         skip_special_tokens: bool = True,
         logprobs: int = 0,
-        mtp: str = "off",
-        mtp_k: int = 3,
+        mtp: str | None = None,
+        mtp_k: int | None = None,
     ) -> Iterator["GenerationResponse"]:
         """Generate like :meth:`generate`, yielding one :class:`lily.GenerationResponse` per token.
 
@@ -426,8 +451,8 @@ class Session:
         *,
         skip_special_tokens: bool = True,
         stop: str | Iterable[str] | None = None,
-        mtp: str = "off",
-        mtp_k: int = 3,
+        mtp: str | None = None,
+        mtp_k: int | None = None,
     ) -> Iterator[str]:
         """Like :meth:`generate`, yielding text pieces that never split a multi-byte character (the
         non-empty texts of :meth:`stream`; ``stop`` strings and ``mtp`` as there)."""

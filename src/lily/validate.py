@@ -32,19 +32,19 @@ def check_token_ids(ids: Iterable[object], name: str) -> list[int]:
     return [check_int(t, f"{name}[{i}]", minimum=0, maximum=2**31 - 1) for i, t in enumerate(items)]
 
 
-MTP_MODES = ("off", "on")  # "auto" (measured per platform) is issue 14 item 7
+MTP_MODES = ("auto", "on", "off")
 MTP_MAX_K = 4
 
 
-def check_mtp(mtp: object, mtp_k: object, name: str, *, has_head: bool) -> int:
-    """The draft count a generate call runs with: 0 for ``mtp="off"``, else ``mtp_k`` (1..4). Raises
-    ValueError naming ``mtp`` / ``mtp_k`` (an unknown mode, k out of range, "on" without an MTP head)."""
-    if not isinstance(mtp, str) or mtp not in MTP_MODES:
-        raise ValueError(f"{name}: mtp must be one of {MTP_MODES}, got {mtp!r}")
-    k = check_int(mtp_k, f"{name}: mtp_k", minimum=1, maximum=MTP_MAX_K)
-    if mtp == "off":
-        return 0
-    if not has_head:
+def check_mtp(mtp: object, mtp_k: object, name: str, *, has_head: bool, default: str = "off") -> tuple[str, int | None]:
+    """(mode, k) a generate call runs with: ``mtp`` None takes the engine's policy (``default``); ``mtp_k`` None
+    lets the mode choose (3 for "on", 1..4 per iteration for "auto"). Without an MTP head "auto" is "off".
+    Raises ValueError naming ``mtp`` / ``mtp_k`` (an unknown mode, k out of range, "on" without an MTP head)."""
+    mode = default if mtp is None else mtp
+    if not isinstance(mode, str) or mode not in MTP_MODES:
+        raise ValueError(f"{name}: mtp must be one of {MTP_MODES} or None (the engine's policy), got {mtp!r}")
+    k = None if mtp_k is None else check_int(mtp_k, f"{name}: mtp_k", minimum=1, maximum=MTP_MAX_K)
+    if mode == "on" and not has_head:
         raise ValueError(f"{name}: mtp='on' needs a checkpoint with an MTP head, and this one has none "
                          "(report()['mtp']; mlx-lm conversions drop it, lily convert keeps it)")
-    return k
+    return (mode if has_head else "off"), k

@@ -39,7 +39,7 @@ def corrupted(base, every):
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_greedy_mtp_equals_greedy_on_the_gpu(path, k):
-    with lily.Engine.from_pretrained(path, backend="cuda") as gpu:
+    with lily.Engine.from_pretrained(path, backend="cuda", mtp="on") as gpu:
         _, base = run(gpu, 24)
         for drafts in (None, base, corrupted(base, 3)):
             s, out = run(gpu, 24, mtp="on", k=k, drafts=drafts)
@@ -52,7 +52,8 @@ def test_state_after_rollback_matches_a_prefilled_session(path):
     """After partial acceptance the GPU session's state is that of a GPU session prefilled with the same tokens
     (to bf16 tensor-core tolerance: prefill chunks and verify forwards have other row counts), and the block's
     KV/hidden agree with the CPU oracle's."""
-    with lily.Engine.from_pretrained(path, backend="cuda") as gpu, lily.Engine.from_pretrained(path, backend="cpu") as cpu:
+    with lily.Engine.from_pretrained(path, backend="cuda", mtp="on") as gpu, \
+            lily.Engine.from_pretrained(path, backend="cpu", mtp="on") as cpu:
         _, base = run(gpu, 20)
         spec, out = run(gpu, 20, mtp="on", k=4, drafts=corrupted(base, 3))
         assert out == base
@@ -77,4 +78,4 @@ def test_state_after_rollback_matches_a_prefilled_session(path):
                 assert rel_err(u, v) < 1e-2, name
         cont = list(spec.generate(8, lily.SamplingParams(temperature=0), stop_token_ids=[], mtp="on", mtp_k=2))
         ref.step(base[-1])
-        assert cont[:4] == list(ref.generate(8, lily.SamplingParams(temperature=0), stop_token_ids=[]))[:4]
+        assert cont[:4] == list(ref.generate(8, lily.SamplingParams(temperature=0), stop_token_ids=[], mtp="off"))[:4]
