@@ -117,7 +117,9 @@ def hf_state_dict(ckpt: Checkpoint) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in sd.items()}
 
 
-def transformers_logits(ckpt: Checkpoint, ids: np.ndarray) -> np.ndarray:
+def transformers_model(ckpt: Checkpoint, *, max_positions: int = 0):
+    """transformers' ``Qwen3_5MoeForCausalLM`` (float32, eval mode) holding the checkpoint's weights as Lily
+    reads them (4-bit weights dequantized). ``max_positions``: the longest sequence it will run."""
     try:
         import torch
         from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
@@ -136,10 +138,17 @@ def transformers_logits(ckpt: Checkpoint, ids: np.ndarray) -> np.ndarray:
         layer_types=list(c.layer_types), rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta,
                          "partial_rotary_factor": c.partial_rotary_factor},
-        max_position_embeddings=max(int(c.max_position_embeddings or 0), len(ids)))
+        max_position_embeddings=max(int(c.max_position_embeddings or 0), max_positions))
     model = Qwen3_5MoeForCausalLM(cfg).float().eval()
     state = {k: torch.from_numpy(v) for k, v in hf_state_dict(ckpt).items()}
     model.load_state_dict(state, strict=True)
+    return model
+
+
+def transformers_logits(ckpt: Checkpoint, ids: np.ndarray) -> np.ndarray:
+    model = transformers_model(ckpt, max_positions=len(ids))
+    import torch  # importable: transformers_model checked
+
     with torch.no_grad():
         out = model(torch.from_numpy(ids[None, :-1].astype(np.int64)), use_cache=False).logits[0]
     return out.double().numpy()

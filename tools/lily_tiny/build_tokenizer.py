@@ -19,9 +19,16 @@ ChatML chat_template), generation_config.json. With --data-dir also writes
 train.npy / heldout.npy (uint16 token ids): every document followed by
 <|endoftext|>, training documents in a fixed shuffled order (seed 0).
 
+With --tokenizer FILE no BPE is trained: the streams are made with that
+tokenizer.json (e.g. the shipped src/lily/models/lily-tiny/tokenizer.json, for
+training the MTP head on exactly the ids the model sees) and nothing is written
+to --tokenizer-dir.
+
 Usage:
     python3 tools/lily_tiny/build_tokenizer.py --corpus-dir .tiny_work/corpus \
         --tokenizer-dir .tiny_work/tokenizer --data-dir .tiny_work/data
+    python3 tools/lily_tiny/build_tokenizer.py --corpus-dir .tiny_work/corpus \
+        --tokenizer src/lily/models/lily-tiny/tokenizer.json --data-dir .tiny_work/data
 """
 
 from __future__ import annotations
@@ -153,17 +160,30 @@ def encode_docs(tok: Tokenizer, texts) -> np.ndarray:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus-dir", required=True)
-    ap.add_argument("--tokenizer-dir", required=True)
+    ap.add_argument("--tokenizer-dir", help="where the trained tokenizer and configs go")
+    ap.add_argument("--tokenizer", help="an existing tokenizer.json to tokenize with (no BPE training)")
     ap.add_argument("--data-dir")
     args = ap.parse_args()
+    if bool(args.tokenizer) == bool(args.tokenizer_dir):
+        ap.error("give exactly one of --tokenizer-dir (train the BPE) and --tokenizer (use an existing one)")
+    if args.tokenizer and not args.data_dir:
+        ap.error("--tokenizer only tokenizes: --data-dir is required with it")
 
     train = read_jsonl(os.path.join(args.corpus_dir, "train.jsonl"))
     heldout = read_jsonl(os.path.join(args.corpus_dir, "heldout.jsonl"))
-    tok = build([d["text"] for d in train])
-    os.makedirs(args.tokenizer_dir, exist_ok=True)
-    tok.save(os.path.join(args.tokenizer_dir, "tokenizer.json"))
-    write_configs(args.tokenizer_dir)
-    with open(os.path.join(args.tokenizer_dir, "tokenizer.json"), "rb") as f:
+    if args.tokenizer:
+        tok = Tokenizer.from_file(args.tokenizer)
+        for i, s in enumerate(ADDED):
+            if tok.token_to_id(s) != LEARNED + i:
+                raise SystemExit(f"--tokenizer {args.tokenizer}: {s} is not id {LEARNED + i}")
+        tok_file = args.tokenizer
+    else:
+        tok = build([d["text"] for d in train])
+        os.makedirs(args.tokenizer_dir, exist_ok=True)
+        tok_file = os.path.join(args.tokenizer_dir, "tokenizer.json")
+        tok.save(tok_file)
+        write_configs(args.tokenizer_dir)
+    with open(tok_file, "rb") as f:
         print("tokenizer.json sha256", hashlib.sha256(f.read()).hexdigest())
 
     if args.data_dir:
