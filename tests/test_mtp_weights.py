@@ -138,7 +138,10 @@ def test_engine_reports_the_mtp_block_and_the_decoder_is_unchanged(tmp_path):
     assert m["experts_layout"].startswith("repacked at load: 3 expert projections") and m["repacked_expert_bytes"] > 0
     assert ra["experts_layout"].startswith("stacked in place") and ra["memory"]["repacked_expert_bytes"] == 0
     assert ra["memory"]["weights_mapped_bytes"] == rb["memory"]["weights_mapped_bytes"]  # the decoder's only
-    assert rb["mtp"] == {"present": False, "layers": 0, "bytes": 0, "status": rb["mtp"]["status"]}
+    assert rb["mtp"] == {"present": False, "layers": 0, "bytes": 0, "status": rb["mtp"]["status"],
+                         "policy": rb["mtp"]["policy"]}
+    assert rb["mtp"]["policy"]["decision"] == "off: the checkpoint has no MTP head"
+    assert m["policy"]["mode"] == "auto" and m["policy"]["keeps_rows"]
     assert rb["mtp"]["status"].startswith("none in this checkpoint")
     # the block's KV rows are part of every step
     assert ra["ops_per_step"]["decode_step"]["ops"] > rb["ops_per_step"]["decode_step"]["ops"]
