@@ -163,6 +163,20 @@ def ckpt_small(tiny_factory) -> TinyCkpt:
     return tiny_factory("single_fa", "per_expert")
 
 
+@pytest.fixture(scope="session")
+def lily_tiny_bf16(tmp_path_factory) -> Path:
+    """"lily-tiny (bf16 export)": the packaged MLX 4-bit lily-tiny as a Hugging Face bf16 folder (dequantized
+    matrices in bf16, its config without the quantization block, its tokenizer; lily.evaluate.export_hf), so a
+    test can load it with ``lm_head="native"`` or ``"8bit"``. Its MTP block comes along once lily-tiny has one."""
+    import lily
+    from lily.evaluate import export_hf
+
+    src = Path(lily.__file__).resolve().parent / "models" / "lily-tiny"
+    if not (src / "config.json").is_file():
+        pytest.skip("the packaged lily-tiny is not installed with this build")
+    return export_hf(src, tmp_path_factory.mktemp("lily-tiny-bf16") / "lily-tiny-bf16")
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU marker plumbing
 # --------------------------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"
 
 def load(path_or_hf_repo: str | os.PathLike | None = None, *, revision: str | None = None,
          backend: str = "cpu", threads: int | None = None, prefill_chunk: int = 512,
-         kv_cache_dtype: str = "f32", progress: bool | None = None) -> tuple["Engine", "Tokenizer"]:
+         kv_cache_dtype: str = "f32", progress: bool | None = None,
+         lm_head: str = "auto") -> tuple["Engine", "Tokenizer"]:
     """Load a model like ``mlx_lm.load``: returns ``(engine, engine.tokenizer)``.
 
     ``path_or_hf_repo``: a folder, a Hugging Face repo id, or None for the packaged lily-tiny. The other
@@ -43,7 +44,8 @@ def load(path_or_hf_repo: str | os.PathLike | None = None, *, revision: str | No
     from .errors import CheckpointError
 
     engine = Engine.from_pretrained(path_or_hf_repo, revision=revision, backend=backend, threads=threads,
-                                    prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, progress=progress)
+                                    prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, progress=progress,
+                                    lm_head=lm_head)
     if engine.tokenizer is None:
         raise CheckpointError(f"lily.load: checkpoint '{engine.checkpoint.path}' has no tokenizer.json")
     return engine, engine.tokenizer

@@ -129,6 +129,7 @@ def report_summary(engine: "Engine") -> dict[str, Any]:
     r = engine.report()
     return {k: r[k] for k in ("model", "format", "quantization", "backend", "device", "threads", "prefill_chunk",
                               "kv_cache_dtype")} | {"weights_total_bytes": r["memory"]["weights_total_bytes"],
+                                                    "lm_head": r["lm_head"]["format"],
                                                     "optimizations": r["optimizations"]}
 
 
@@ -215,6 +216,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default 512)")
     p.add_argument("--kv-cache-dtype", choices=("f32", "bf16"), default="f32")
+    p.add_argument("--lm-head", choices=("auto", "8bit", "native"), default="auto",
+                   help="LM head format of a bf16/f16/f32 checkpoint (Engine.from_pretrained's lm_head)")
     p.add_argument("--max-length", default="4K", help="longest prompt and context of the default sweep (default 4K)")
     p.add_argument("--prefill-lengths", default=None, help="comma-separated prompt lengths (default: 256..max)")
     p.add_argument("--decode-contexts", default=None, help="comma-separated context lengths (default: 256..max)")
@@ -241,7 +244,8 @@ def main(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - progress lines, not results
     model = synthetic_checkpoint(args.synthetic, args.cache, log=log) if args.synthetic else args.model
     engine = Engine.from_pretrained(model, backend=args.backend, threads=args.threads,
-                                    prefill_chunk=args.prefill_chunk, kv_cache_dtype=args.kv_cache_dtype)
+                                    prefill_chunk=args.prefill_chunk, kv_cache_dtype=args.kv_cache_dtype,
+                                    lm_head=args.lm_head)
     summary = report_summary(engine)
     q = summary["quantization"]
     quant = ", ".join(f"{k} {v}" for k, v in q.items()) if isinstance(q, dict) else q

@@ -16,6 +16,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default 512)")
     p.add_argument("--kv-cache-dtype", choices=("f32", "bf16"), default="f32",
                    help="KV cache precision (bf16 halves its memory; default f32)")
+    p.add_argument("--lm-head", choices=("auto", "8bit", "native"), default="auto",
+                   help="LM head of a bf16/f16/f32 checkpoint: 8-bit affine quantized at load, as stored, or auto "
+                        "(8-bit where the backend's measured default says it is faster; default)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -39,7 +42,7 @@ def _engine(args):
     from .engine import Engine
 
     return Engine.from_pretrained(args.model, threads=args.threads, prefill_chunk=args.prefill_chunk,
-                                  kv_cache_dtype=args.kv_cache_dtype)
+                                  kv_cache_dtype=args.kv_cache_dtype, lm_head=args.lm_head)
 
 
 def _prefill_with_bar(session, ids) -> None:

@@ -18,6 +18,7 @@ from .chat import render_chat
 from .checkpoint import Checkpoint, load_checkpoint
 from .errors import CheckpointError, LilyError
 from .hub import resolve_model_path
+from .lm_head import check_lm_head, prepare_lm_head
 from .progress import check_progress
 from .sampling import SamplingParams
 from .session import Session, closed_handle, read_session_file
@@ -137,7 +138,9 @@ class Engine:
 
     def __init__(self, checkpoint: Checkpoint, *, backend: str = "auto", threads: int | None = None,
                  prefill_chunk: int = 512, kv_cache_dtype: str = "f32", tokenizer: Tokenizer | None = None,
-                 backend_options: dict | None = None, keep_sessions: int = 0, mtp: str = "auto"):
+                 backend_options: dict | None = None, keep_sessions: int = 0, lm_head: str = "auto",
+                 mtp: str = "auto"):
+        check_lm_head(lm_head)
         mtp = check_mtp_mode(mtp, "Engine")
         if mtp == "on" and checkpoint.mtp_layers == 0:
             raise ValueError(f"Engine: mtp='on' needs a checkpoint with an MTP head, and {checkpoint.path} has none")
@@ -162,12 +165,20 @@ class Engine:
         options = {"threads": threads or 0, **_debug_options(), **backend_options}
         # Each mapped file is handed over whole: the backend registers it once and weights are offsets in it.
         files = [(np.frombuffer(f._mm, dtype=np.uint8), f.name) for f in checkpoint.files if f._mm is not None]
+        # The head's format (lily/lm_head.py): a dense head may be quantized here; checkpoint.tensors is kept as
+        # the checkpoint has it (the embedding of a tied head too), the core gets the head chosen.
+        self._lm_head = prepare_lm_head(checkpoint.tensors, lm_head, backend, tied=self.config.tie_word_embeddings,
+                                        mtp=checkpoint.mtp_layers > 0)
+        core_tensors = checkpoint.tensors
+        if self._lm_head.descriptor is not checkpoint.tensors["lm_head"]:
+            core_tensors = dict(checkpoint.tensors, lm_head=self._lm_head.descriptor)
         try:
             # mtp_layers: what the checkpoint holds (not to_core(), which is the model's fingerprint).
             core_config = dict(self.config.to_core(), mtp_layers=checkpoint.mtp_layers)
-            self._core = _core.Engine(core_config, checkpoint.tensors, files, backend, options)
+            self._core = _core.Engine(core_config, core_tensors, files, backend, options)
         except ValueError as exc:
             raise CheckpointError(f"{checkpoint.path}: {exc}") from exc
+        self._lm_head.drop_host_copy(core_tensors, checkpoint.tensors["lm_head"])
         self._fingerprint: str | None = None
         self._probe_stats: dict | None = None
         self._sessions: weakref.WeakSet = weakref.WeakSet()
@@ -233,7 +244,7 @@ class Engine:
                         threads: int | None = None, prefill_chunk: int = 512, kv_cache_dtype: str = "f32",
                         revision: str | None = None, progress: bool | None = None,
                         backend_options: dict | None = None, keep_sessions: int = 0,
-                        mtp: str = "auto") -> "Engine":
+                        lm_head: str = "auto", mtp: str = "auto") -> "Engine":
         """Load a checkpoint: a local folder, a Hugging Face repo id (cached or downloaded; honours
         HF_HUB_OFFLINE), or the packaged demonstration model ``"lily-tiny"`` (the default).
 
@@ -255,6 +266,15 @@ class Engine:
         kept state stays allocated until it is reused, evicted (the one holding the fewest such rows first) or
         the engine is closed.
 
+        ``lm_head``: the LM head's format (:mod:`lily.lm_head`). ``"8bit"`` quantizes a head the checkpoint stores
+        dense (Hugging Face bf16/f16/f32) at load to 8-bit affine, group 64 (the bytes ``lily convert --bits 8``
+        writes; about half the bytes a decode step reads for it); ``"native"`` keeps it as stored; ``"auto"``
+        (default) takes 8-bit where the backend's measured default says it is faster (``lily.lm_head.AUTO``: on
+        every backend for bf16/f16 heads of 64 MiB and more, e.g. Qwen3.6's [248320, 2048]; f32 heads stay
+        exact). A head the checkpoint already stores quantized (MLX) is left alone; a tied head gets its own
+        8-bit copy (the embedding keeps its rows). The MTP drafter reads the same head. ``report()["lm_head"]``
+        says which format, why, its bytes and the quantization's seconds; another value raises ValueError.
+
         ``mtp``: the MTP policy for checkpoints with an MTP head (lily.mtp): ``"auto"`` (default) drafts only
         where and while it pays, measured on this machine (the cost of a speculative iteration, cached on disk)
         and learnt from the acceptance; ``"on"`` always drafts; ``"off"`` never does and skips the MTP block's
@@ -272,6 +292,7 @@ class Engine:
         default ``$LILY_CACHE_DIR/cuda`` or ``~/.cache/lily/cuda``), ``dry_arch`` (compile for sm_N and run
         nothing: a compile check without a GPU)."""
         check_progress(progress, "Engine.from_pretrained", callable_ok=False)
+        check_lm_head(lm_head)  # before any file is mapped
         name = DEFAULT_MODEL if model is None else model
         path = _packaged_model_path(str(name)) if isinstance(name, str) else None
         if path is None:
@@ -282,7 +303,7 @@ class Engine:
         tokenizer = Tokenizer.from_dir(path) if (pathlib.Path(path) / "tokenizer.json").is_file() else None
         return cls(checkpoint, backend=backend, threads=threads, prefill_chunk=prefill_chunk,
                    kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer, backend_options=backend_options,
-                   keep_sessions=keep_sessions, mtp=mtp)
+                   keep_sessions=keep_sessions, lm_head=lm_head, mtp=mtp)
 
     # ---- tokens ----
     def _need_tokenizer(self) -> Tokenizer:
@@ -398,6 +419,8 @@ class Engine:
         """Identifies the model's config and weights (sessions can only move between equal models)."""
         if self._fingerprint is None:
             h = hashlib.sha256(json.dumps(self.config.to_core(), sort_keys=True).encode())
+            if self._lm_head.quantized_at_load:  # its logits (kept in snapshots) differ from the stored head's
+                h.update(f"lm_head:{self._lm_head.format}".encode())
             for name in sorted(self.checkpoint.tensors):
                 t = self.checkpoint.tensors[name]
                 if isinstance(t, dict):
@@ -477,7 +500,8 @@ class Engine:
         return dict(self._core.profile())
 
     def report(self) -> Report:
-        """Backend, memory per component, chunk size, kernels and every optimization (active or not)."""
+        """Backend, memory per component, chunk size, kernels, every optimization (active or not) and the LM
+        head's format (``"lm_head"``: format, status, reason, option, the backend's default, bytes, seconds)."""
         if self._probe_stats is None:
             # Ops and stages are measured on a real decode step and prefill chunk of a scratch session.
             probe = self.session(max_context=3, prefill_chunk=2)
@@ -516,7 +540,10 @@ class Engine:
             "kernels": dict(core["kernels"]),
             "ops_per_step": self._probe_stats,
             "optimizations": list(core["optimizations"]),
-            "tied_embeddings": core["tied_embeddings"],
+            # The checkpoint's tie (the core's own flag says whether the head reads the embedding's bytes: not
+            # when lm_head gave a tied head its own 8-bit copy, which "lm_head" reports).
+            "tied_embeddings": self.config.tie_word_embeddings,
+            "lm_head": self._lm_head.report(),
             "mtp": dict(_mtp_report(core["mtp"], self.checkpoint.mtp_bytes), policy=self._mtp.report()),
             "skipped_tensors": dict(self.checkpoint.skipped),
             "tokenizer": "none" if tok is None else f"{tok.vocab_size} tokens, stop ids {tok.stop_token_ids}",

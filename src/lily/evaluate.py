@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -87,34 +89,107 @@ def hf_state_dict(ckpt: Checkpoint) -> dict[str, np.ndarray]:
     sd = {"model.embed_tokens.weight": _dense(t["embed"]), "lm_head.weight": _dense(t["lm_head"]),
           "model.norm.weight": t["final_norm"] - 1.0}
     for i, kind in enumerate(c.layer_types):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        sd[p + "input_layernorm.weight"] = t[q + "input_norm"] - 1.0
-        sd[p + "post_attention_layernorm.weight"] = t[q + "post_norm"] - 1.0
-        if kind == "full_attention":
-            for n in "qkvo":
-                sd[p + f"self_attn.{n}_proj.weight"] = _dense(t[q + f"attn.{n}"])
-            sd[p + "self_attn.q_norm.weight"] = t[q + "attn.q_norm"] - 1.0
-            sd[p + "self_attn.k_norm.weight"] = t[q + "attn.k_norm"] - 1.0
-        else:
-            la = p + "linear_attn."
-            for src, dst in (("qkv", "in_proj_qkv"), ("z", "in_proj_z"), ("b", "in_proj_b"), ("a", "in_proj_a"),
-                             ("out", "out_proj")):
-                sd[la + dst + ".weight"] = _dense(t[q + f"delta.{src}"])
-            conv = np.asarray(t[q + "delta.conv"], dtype=np.float32)
-            sd[la + "conv1d.weight"] = conv.reshape(conv.shape[0], 1, -1)
-            sd[la + "dt_bias"] = t[q + "delta.dt_bias"]
-            sd[la + "A_log"] = t[q + "delta.A_log"]
-            sd[la + "norm.weight"] = t[q + "delta.norm"]
-        m = p + "mlp."
-        sd[m + "gate.weight"] = _dense(t[q + "moe.router"])
-        sd[m + "shared_expert_gate.weight"] = _dense(t[q + "moe.shared_gate"])
-        for n in ("gate", "up", "down"):
-            sd[m + f"shared_expert.{n}_proj.weight"] = _dense(t[q + f"moe.shared.{n}"])
-        gate = [_dense(t[q + f"moe.experts.{e}.gate"]) for e in range(c.num_experts)]
-        up = [_dense(t[q + f"moe.experts.{e}.up"]) for e in range(c.num_experts)]
-        sd[m + "experts.gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(gate, up)])
-        sd[m + "experts.down_proj"] = np.stack([_dense(t[q + f"moe.experts.{e}.down"]) for e in range(c.num_experts)])
+        _hf_layer(sd, t, c, f"model.layers.{i}.", f"layers.{i}.", kind == "full_attention")
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in sd.items()}
+
+
+def _hf_layer(sd: dict, t: dict, c, p: str, q: str, full: bool) -> None:
+    """One decoder layer's Hugging Face tensors (stored names under ``p``) from canonical ``q`` ones."""
+    sd[p + "input_layernorm.weight"] = t[q + "input_norm"] - 1.0
+    sd[p + "post_attention_layernorm.weight"] = t[q + "post_norm"] - 1.0
+    if full:
+        for n in "qkvo":
+            sd[p + f"self_attn.{n}_proj.weight"] = _dense(t[q + f"attn.{n}"])
+        sd[p + "self_attn.q_norm.weight"] = t[q + "attn.q_norm"] - 1.0
+        sd[p + "self_attn.k_norm.weight"] = t[q + "attn.k_norm"] - 1.0
+    else:
+        la = p + "linear_attn."
+        for src, dst in (("qkv", "in_proj_qkv"), ("z", "in_proj_z"), ("b", "in_proj_b"), ("a", "in_proj_a"),
+                         ("out", "out_proj")):
+            sd[la + dst + ".weight"] = _dense(t[q + f"delta.{src}"])
+        conv = np.asarray(t[q + "delta.conv"], dtype=np.float32)
+        sd[la + "conv1d.weight"] = conv.reshape(conv.shape[0], 1, -1)
+        sd[la + "dt_bias"] = t[q + "delta.dt_bias"]
+        sd[la + "A_log"] = t[q + "delta.A_log"]
+        sd[la + "norm.weight"] = t[q + "delta.norm"]
+    m = p + "mlp."
+    sd[m + "gate.weight"] = _dense(t[q + "moe.router"])
+    sd[m + "shared_expert_gate.weight"] = _dense(t[q + "moe.shared_gate"])
+    for n in ("gate", "up", "down"):
+        sd[m + f"shared_expert.{n}_proj.weight"] = _dense(t[q + f"moe.shared.{n}"])
+    gate = [_dense(t[q + f"moe.experts.{e}.gate"]) for e in range(c.num_experts)]
+    up = [_dense(t[q + f"moe.experts.{e}.up"]) for e in range(c.num_experts)]
+    sd[m + "experts.gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(gate, up)])
+    sd[m + "experts.down_proj"] = np.stack([_dense(t[q + f"moe.experts.{e}.down"]) for e in range(c.num_experts)])
+
+
+def export_hf(checkpoint: Checkpoint | str | os.PathLike, out: str | os.PathLike, *, dtype: str = "bf16") -> Path:
+    """Write ``checkpoint`` (any format Lily loads; a folder or an open :class:`Checkpoint`) as a Hugging Face
+    folder: every matrix dequantized (``scale * q + bias`` in float32) and stored in ``dtype`` ("bf16" or
+    "f32") under transformers' names (``model.*``, fused experts, ``lm_head.weight``, the MTP block as
+    top-level ``mtp.*`` when the checkpoint has one), vectors (norms as stored ``w``, conv taps, ``A_log``,
+    ``dt_bias``) in float32; config.json without its quantization block, and the tokenizer files. Returns the
+    folder. "lily-tiny (bf16 export)" is ``export_hf(<package>/models/lily-tiny, out)``: a bf16 checkpoint whose
+    LM head ``Engine.from_pretrained(out, lm_head=...)`` can keep or quantize (tests/conftest.py
+    ``lily_tiny_bf16``). A tied checkpoint keeps its tie (no ``lm_head.weight`` written). A config with a
+    ``text_config`` (the multimodal layout of the Qwen release) gets the decoder under ``model.language_model.``."""
+    from .checkpoint import load_checkpoint
+
+    if dtype not in ("bf16", "f32"):
+        raise ValueError(f"dtype must be 'bf16' or 'f32', got {dtype!r}")
+    folder = Path(out)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise LilyError(f"output folder '{folder}' already exists and is not empty")
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
+    try:
+        _write_hf_export(ck, folder, dtype)
+    finally:
+        if ck is not checkpoint:
+            ck.close()
+    return folder
+
+
+def _write_hf_export(ck: Checkpoint, folder: Path, dtype: str) -> None:
+    from .checkpoint import SafetensorsWriter
+    from .config import read_json_file
+    from .convert import TOKENIZER_FILES
+    from .quantize import f32_to_bf16
+
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = read_json_file(ck.path / "config.json")
+    sd = hf_state_dict(ck)
+    t = ck.tensors
+    if ck.config.tie_word_embeddings:
+        del sd["lm_head.weight"]
+    if ck.mtp_layers:
+        sd["mtp.fc.weight"] = _dense(t["mtp.fc"])
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            sd[f"mtp.{n}.weight"] = t[f"mtp.{n}"] - 1.0
+        for j in range(ck.mtp_layers):
+            _hf_layer(sd, t, ck.config, f"mtp.layers.{j}.", f"mtp.layers.{j}.", True)
+    nested = "text_config" in raw
+    arrays = {}
+    for name, a in sd.items():
+        if nested and name.startswith("model."):
+            name = "model.language_model." + name[len("model."):]
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        # Matrices (2-D and the expert stacks) in dtype; conv taps [C, 1, K] and vectors stay float32 (exact).
+        matrix = a.ndim >= 2 and not name.endswith("conv1d.weight")
+        arrays[name] = ("BF16", f32_to_bf16(a)) if matrix and dtype == "bf16" else ("F32", a)
+    with SafetensorsWriter(folder / "model.safetensors", [(n, d, a.shape) for n, (d, a) in arrays.items()],
+                           metadata={"format": "pt"}) as w:
+        for n, (_, a) in arrays.items():
+            w.write(n, a)
+    for key in ("quantization", "quantization_config"):
+        raw.pop(key, None)
+    tc = raw.get("text_config", raw)
+    tc["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
+    if ck.mtp_layers:
+        tc["mtp_num_hidden_layers"] = ck.mtp_layers
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    for name in TOKENIZER_FILES:
+        if (ck.path / name).is_file():
+            shutil.copyfile(ck.path / name, folder / name)
 
 
 def transformers_model(ckpt: Checkpoint, *, max_positions: int = 0):

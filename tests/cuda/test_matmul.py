@@ -162,6 +162,26 @@ def test_lm_head_decode(benches):
     assert notes and notes[0].startswith("gemv_q4_mma_g64_bf16s:"), notes
 
 
+def test_lm_head_q8_decode(benches):
+    """lm_head [248320, 2048] as lm_head="8bit" loads it (q8g64, bf16 scales: lily/lm_head.py): one decode row and
+    an MTP verify window of 5 rows through the CUDA-core 8-bit GEMV (the tensor-core form is q4 only), and the
+    prefill GEMM for a chunk's logits rows; the variant is pinned so a demotion shows."""
+    rng = np.random.default_rng(248321)
+    n, k, g = 248320, 2048, 64
+    words = rng.integers(0, 2**32, size=(n, k // 4), dtype=np.uint32)
+    scales = (rng.uniform(0.0002, 0.003, (n, k // g)) * rng.choice([-1.0, 1.0], (n, k // g))).astype(np.float32)
+    biases = rng.normal(0.0, 0.3, (n, k // g)).astype(np.float32)
+    desc = {"kind": "affine", "bits": 8, "group": g, "data": words, "scales": _bf16_bits(scales),
+            "biases": _bf16_bits(biases), "scale_dtype": "bf16", "shape": (n, k)}
+    x = make_x(rng, 5, k)
+    _check(benches, desc, x[:1], "decode", "lm_head q8")
+    _check(benches, desc, x, "decode", "lm_head q8 T=5")
+    _check(benches, desc, x[:2], "prefill", "lm_head q8 prefill")
+    variants = _variants(benches[1].report())
+    dec = [v for key, v in variants.items() if key.startswith("matmul.decode.") and "[248320, 2048]" in key]
+    assert dec and dec[0].startswith("gemv_q8_cuda_async_g64_bf16s:"), variants
+
+
 @pytest.mark.parametrize("n,k,spec", [(65537, 2048, "q4g64-bf16"), (50001, 1536, "q4g128-f16")])
 def test_large_q4_decode_tensor_core_gemv(benches, n, k, spec):
     """Weights of 32 MiB and more take matmul_gemv_mma for T <= 8 (x as bf16 hi + lo: within 1e-5), the
