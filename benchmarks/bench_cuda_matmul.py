@@ -96,6 +96,18 @@ def main() -> None:
         bw = weight_bytes(n, k, bits) / t
         print(f"{name:36s} {t * 1e6:9.1f} {bw / 1e9:8.0f} {bw / copy_bw:8.1%}  ({how})")
 
+    # The online low-bit LM head (lily.lm_head): a bf16 head as stored vs quantized at load to 8-bit affine.
+    n, k = 248320, 2048
+    print(f"\n{'lm_head 248320x2048, T = 1':36s} {'µs':>9s} {'GB/s':>8s} {'of copy':>8s}")
+    bf16 = {"kind": "dense", "dtype": "bf16", "data": bf16_bits(rng.normal(0, 0.02, (n, k))), "shape": (n, k)}
+    for name, desc, nbytes in (("bf16 (as stored)", bf16, n * k * 2),
+                               ("8-bit affine g64 (quantized at load)", make_affine(rng, n, k, 8), weight_bytes(n, k, 8))):
+        w = b.weight(desc)
+        x = b.tensor(rng.uniform(-1, 1, (1, k)).astype(np.float32), dtype="f32")
+        out = b.empty(1, n, dtype="f32")
+        t, how = timed(b, a.repeats, "matmul", phase="decode", x=x, w=w, out=out)
+        print(f"{name:36s} {t * 1e6:9.1f} {nbytes / t / 1e9:8.0f} {nbytes / t / copy_bw:8.1%}  ({how})")
+
     if a.skip_prefill:
         return
     T = a.prefill_rows
