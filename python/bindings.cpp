@@ -199,6 +199,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     cuda::CudaOptions o;
     if (!opt("device").is_none()) o.device = nb::cast<int>(opt("device"));
     if (!opt("graphs").is_none()) o.graphs = nb::cast<bool>(opt("graphs"));
+    if (!opt("speculative_graphs").is_none()) o.speculative_graphs = nb::cast<bool>(opt("speculative_graphs"));
     if (!opt("branches").is_none()) o.branches = nb::cast<bool>(opt("branches"));
     if (!opt("pdl").is_none()) o.pdl = nb::cast<bool>(opt("pdl"));
     if (!opt("encode_memo").is_none()) o.encode_memo = nb::cast<bool>(opt("encode_memo"));
@@ -267,6 +268,7 @@ nb::dict backend_report(Ops& ops) {
     memo["hits"] = g.memo_hits;
     memo["misses"] = g.memo_misses;
     gr["encode_memo"] = memo;
+    gr["speculative_replays"] = g.speculative_replays;
     d["graphs"] = gr;
     nb::dict v;
     for (const auto& [k, s] : c->variants()) v[k.c_str()] = s;

@@ -29,9 +29,10 @@ void Ops::download(const Tensor& src, void* dst) {
   download_impl(src, dst);
 }
 
-void Ops::begin(Phase phase) {
+void Ops::begin(Phase phase, bool repeats) {
   if (in_step_) throw std::logic_error("begin: the previous step was not submitted");
   phase_ = phase;
+  repeats_ = repeats;
   tracker_.begin();
   in_step_ = true;
 }

@@ -201,7 +201,10 @@ class Ops {
   virtual void reserve(const ModelConfig& cfg, int64_t rows) {}
 
   // ---- steps ----
-  void begin(Phase phase);
+  // `repeats`: the step's launches recur with the same arguments, step after step (decode steps do by design;
+  // a speculative iteration with the same k and state set does too), so a backend may memoise and replay them
+  // (CUDA: the encode memo and graph replay); it changes no kernel choice.
+  void begin(Phase phase, bool repeats = false);
   uint64_t submit();                      // hands the step to the device; returns its fence
   virtual void wait(uint64_t fence) {}    // blocks until the step with this fence is done
   // Drops a step whose encoding failed half-way (an exception), so the engine stays usable.
@@ -212,6 +215,7 @@ class Ops {
   bool in_step() const { return in_step_; }
   const StepStats& stats() const { return tracker_.stats(); }
   Phase phase() const { return phase_; }
+  bool repeats() const { return phase_ == Phase::Decode || repeats_; }
 
   // Host transfers so far (the decode loop counts its own: one id read per token).
   struct Transfers {
@@ -506,6 +510,7 @@ class Ops {
   bool profiling_ = false;
   std::array<double, kOpKinds> profile_{};
   Phase phase_ = Phase::Prefill;
+  bool repeats_ = false;
 };
 
 }  // namespace lily

@@ -512,7 +512,7 @@ void CudaOps::on_stage_boundary() { ++stage_; }
 
 void CudaOps::execute(OpKind kind, const OpRun& run) {
   ++op_;  // launches recorded by this op's *_impl carry this number (they run in order, on one lane)
-  if (!opt_.encode_memo || phase() != Phase::Decode) return run();
+  if (!opt_.encode_memo || !replayable()) return run();
   memo_key_.assign(1, char(kind));
   run.append_key(memo_key_);
   auto it = memo_.find(memo_key_);
@@ -589,7 +589,7 @@ uint64_t CudaOps::submit_impl() {
   }
   bind_context();
   try {
-    if (phase() == Phase::Decode && opt_.graphs && !launches_.empty()) {
+    if (replayable() && opt_.graphs && !launches_.empty()) {
       std::vector<unsigned char> key;
       key.reserve(launches_.size() * 96);
       for (const Launch& l : launches_) {
@@ -623,7 +623,9 @@ uint64_t CudaOps::submit_impl() {
         check(drv().cuGraphInstantiateWithFlags(&g->exec, g->graph, 0), "cuGraphInstantiate");
         check(drv().cuGraphGetNodes(g->graph, nullptr, &g->nodes), "cuGraphGetNodes");
         ++graph_stats_.captured;
-        if (graphs_.size() >= 8) {  // least recently used goes
+        // Least recently used goes: decode's two, plus a speculative iteration's per k and state set and its
+        // rollbacks per kept row.
+        if (graphs_.size() >= 32) {
           drv().cuGraphExecDestroy(graphs_.back()->exec);
           drv().cuGraphDestroy(graphs_.back()->graph);
           graphs_.pop_back();
@@ -633,7 +635,8 @@ uint64_t CudaOps::submit_impl() {
         std::rotate(graphs_.begin(), graphs_.begin() + long(hit), graphs_.begin() + long(hit) + 1);
         ++graph_stats_.replayed;
       }
-      const bool timed = hit != graphs_.size() && drv().cuEventElapsedTime;  // replays only, not captures
+      // Decode replays only (not captures, not speculative iterations): the report's decode GPU time.
+      const bool timed = hit != graphs_.size() && phase() == Phase::Decode && drv().cuEventElapsedTime;
       std::pair<CUevent, CUevent> ev{nullptr, nullptr};
       if (timed) {
         if (!spare_timing_.empty()) {
@@ -646,16 +649,21 @@ uint64_t CudaOps::submit_impl() {
         check(drv().cuEventRecord(ev.first, stream_), "cuEventRecord");
       }
       check(drv().cuGraphLaunch(graphs_.front()->exec, stream_), "cuGraphLaunch");
-      graph_stats_.last_decode_host_us =
-          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - encode_t0_).count();
+      if (phase() == Phase::Decode)
+        graph_stats_.last_decode_host_us =
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - encode_t0_).count();
       if (timed) {
         check(drv().cuEventRecord(ev.second, stream_), "cuEventRecord");
         replay_timing_.push_back(ev);
         graph_stats_.replay_host_us_sum += graph_stats_.last_decode_host_us;
         ++graph_stats_.replay_host_n;
       }
-      graph_stats_.last_decode_launches = int64_t(launches_.size());
-      graph_stats_.last_decode_nodes = int64_t(graphs_.front()->nodes);
+      if (phase() == Phase::Decode) {
+        graph_stats_.last_decode_launches = int64_t(launches_.size());
+        graph_stats_.last_decode_nodes = int64_t(graphs_.front()->nodes);
+      } else {
+        ++graph_stats_.speculative_replays;
+      }
     } else {
       issue_staged();
       ++graph_stats_.direct_steps;
@@ -886,6 +894,11 @@ std::vector<std::string> CudaOps::optimizations() const {
   o.push_back(opt_.graphs ? "decode steps captured once as CUDA graphs and replayed (a graph per distinct launch "
                             "list: the two alternating slots and state sets give two)"
                           : "CUDA graphs off (graphs=False): every decode launch issued from the host");
+ o.push_back(opt_.speculative_graphs
+                  ? "speculative (MTP) iterations memoised and replayed as CUDA graphs like decode steps (one per k, "
+                    "state set and kept row; graphs.speculative_replays)"
+                  : "not active: speculative iterations as graphs (speculative_graphs=False): encoded and launched "
+                    "from the host each time");
   o.push_back("kernels compiled by NVRTC for sm_" + std::to_string(info_.arch()) +
               " with the model's dimensions as compile-time constants; on-disk cache " +
               (opt_.cache_dir.empty() ? std::string("off (no cache directory)") : "at " + opt_.cache_dir));

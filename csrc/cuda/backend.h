@@ -48,6 +48,9 @@ struct Kernel {
 struct CudaOptions {
   int device = 0;
   bool graphs = true;                // decode steps replayed as CUDA graphs
+  // Speculative (MTP) iterations too: their steps are marked repeating (Ops::begin), so the encode memo and
+  // graph replay apply to them as to decode steps (needs graphs / encode_memo for each).
+  bool speculative_graphs = true;
   bool branches = true;              // independent launches of a stage on parallel streams / graph branches
   // Decode encode memo: an op whose arguments equal (byte for byte) those of an op already encoded in a decode
   // step reuses its recorded launches instead of running its host code again (forgotten at any allocation,
@@ -153,7 +156,10 @@ class CudaOps final : public Ops {
     double replay_host_us_sum = 0, replay_gpu_us_sum = 0;
     int64_t replay_host_n = 0, replay_gpu_n = 0;
     int64_t memo_hits = 0, memo_misses = 0;  // decode ops replayed from the encode memo / encoded
+    int64_t speculative_replays = 0;         // speculative (MTP) iteration steps replayed as graphs
   };
+  // Whether this step's launches may come from the encode memo and a graph (Ops::repeats).
+  bool replayable() const { return phase() == Phase::Decode || (repeats() && opt_.speculative_graphs); }
   const GraphStats& graph_stats() const { return graph_stats_; }
   const std::map<std::string, std::string>& variants() const { return variants_; }
   // Bytes by kind: weights (registered mappings), and allocations by label prefix.

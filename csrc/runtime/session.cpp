@@ -18,7 +18,7 @@ struct BusyGuard {
 // One step being encoded: an exception before submit() drops it, so the engine stays usable.
 struct Step {
   Ops& ops;
-  Step(Ops& o, Phase phase) : ops(o) { ops.begin(phase); }
+  Step(Ops& o, Phase phase, bool repeats = false) : ops(o) { ops.begin(phase, repeats); }
   ~Step() {
     if (ops.in_step()) ops.abandon();
   }
@@ -688,7 +688,7 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
       }
       StepStats stats;
       {
-        Step step(ops_, Phase::Prefill);
+        Step step(ops_, Phase::Prefill, true);  // the same launches for the same k and state set
         // Drafts: draft j + 1 from (token j, h before it) at MTP position P - 1 + j; the first h is the model's
         // (after the last fed token), the next ones the block's own.
         for (int64_t j = 0; j < k && !injected; ++j) {
@@ -743,14 +743,16 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
     {
       std::lock_guard<std::mutex> lk(model_lock_);
       if (r < k) {  // roll back to the state after row r, from the forward's capture: no recompute
-        Step step(ops_, Phase::Prefill);
+        Step step(ops_, Phase::Prefill, true);  // the same launches for the same k, r and state set
         for (size_t li = 0; li < size_t(c.layers); ++li) {
           if (c.full_attention[li]) continue;
           const int64_t cr = st_.now().conv[li].rows, rr = st_.now().recurrent[li].rows;
           ops_.copy(sp.conv[li].rows_view(r * cr, cr), st_.now().conv[li]);
           ops_.copy(sp.recurrent[li].rows_view(r * rr, rr), st_.now().recurrent[li]);
         }
-        ops_.fill(st_.now().pos, double(P + r + 1));  // KV rows past it are rewritten before they are read
+        // P + r + 1 from the verify's end P + k + 1 on the device (no host value in the launch: replayable).
+        // KV rows past it are rewritten before they are read.
+        ops_.advance_position(st_.other().pos, st_.now().pos, r - k);
         ops_.copy(sp.sc.logits.rows_view(r, 1), st_.now().logits);
         ops_.copy(sp.sc.mtp_hn.rows_view(r + 1, 1), st_.now().mtp_h);
         if (penalties) {  // the sampler's counts after row r's token, the last one kept
