@@ -82,35 +82,48 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-cache-dtype", default="f32")
+    ap.add_argument("--backend-options", default="{}", help="JSON, e.g. '{\"speculative_graphs\": false}'")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    options = json.loads(a.backend_options)
 
     path = (bench.synthetic_checkpoint(a.synthetic, a.cache, mtp_layers=1) if a.synthetic else a.model)
     result = {"machine": bench.machine_info(), "model": str(path), "tokens": a.tokens, "prompts": a.prompts,
-              "prompt_tokens": a.prompt_tokens, "repeats": a.repeats, "configs": {}}
+              "prompt_tokens": a.prompt_tokens, "repeats": a.repeats, "backend_options": a.backend_options,
+              "configs": {}}
 
     def load(mode):
-        return lily.Engine.from_pretrained(path, backend=a.backend, mtp=mode, kv_cache_dtype=a.kv_cache_dtype)
+        return lily.Engine.from_pretrained(path, backend=a.backend, mtp=mode, kv_cache_dtype=a.kv_cache_dtype,
+                                           backend_options=options)
 
-    with load("off") as off:
+    # All three engines at once and the configurations interleaved repeat by repeat, so that drift of the
+    # machine (clocks, neighbours) falls on every configuration alike.
+    with load("off") as off, load("on") as on, load("auto") as auto:
         if off.checkpoint.mtp_layers == 0:
             print(f"{path} has no MTP head", file=sys.stderr)
             return 2
         result["backend"] = off.backend
         result["device"] = off.report().get("device")
         ps = prompts(off, a.prompts, a.prompt_tokens, a.synthetic is not None)
-        run_config(off, ps[:1], 8, 1, "off", None)  # warm-up (graphs, kernels)
-        result["configs"]["off"] = run_config(off, ps, a.tokens, a.repeats, "off", None)
-    with load("on") as on:
+        configs = [("off", off, "off", None)] + [(f"on k={k}", on, "on", k) for k in range(1, mtp_policy.MAX_K + 1)]
+        configs.append(("auto", auto, "auto", None))
+        for _, e, mode, k in configs:  # warm-up (graphs, kernels); auto's first call measures its costs
+            run_config(e, ps[:1], 16, 1, mode, k)
         cost = mtp_policy.measure_costs(on)
         result["iteration_cost"] = cost
-        run_config(on, ps[:1], 8, 1, "on", 1)
-        for k in range(1, mtp_policy.MAX_K + 1):
-            result["configs"][f"on k={k}"] = run_config(on, ps, a.tokens, a.repeats, "on", k)
-    with load("auto") as auto:
-        run_config(auto, ps[:1], 16, 1, "auto", None)  # its first call measures the costs (cached afterwards)
-        result["configs"]["auto"] = run_config(auto, ps, a.tokens, a.repeats, "auto", None)
+        runs: dict = {name: [] for name, *_ in configs}
+        for _ in range(a.repeats):
+            for name, e, mode, k in configs:
+                runs[name].append(run_config(e, ps, a.tokens, 1, mode, k))
+        for name, rs in runs.items():
+            lengths = [r["mean_acceptance_length"] for r in rs if r["mean_acceptance_length"] is not None]
+            result["configs"][name] = {"tok_s": statistics.median(r["tok_s"] for r in rs),
+                                       "tok_s_per_repeat": [round(r["tok_s"], 2) for r in rs],
+                                       "mean_acceptance_length": statistics.mean(lengths) if lengths else None,
+                                       "plain_tokens": sum(r["plain_tokens"] for r in rs)}
         result["auto_policy"] = auto.report()["mtp"]["policy"]
+        if off.backend == "cuda":
+            result["cuda_graphs_on_engine"] = on.report().get("cuda", {}).get("graphs")
 
     base = result["configs"]["off"]["tok_s"]
     print(f"{result['model']} on {result['backend']} ({result['device']}), {a.prompts} prompts x {a.repeats}, "
