@@ -1035,6 +1035,16 @@ NB_MODULE(_core, m) {
            [](PySession& s, int64_t start, const std::vector<int32_t>& ids) {
              without_gil([&] { s.s->set_draft_override(start, ids); });
            })
+      // Tests only: k chained draft logits rows [k, vocab] from the current state (Session::draft_logits).
+      .def("_draft_logits",
+           [](PySession& s, int32_t token, int k) {
+             std::vector<float> rows = without_gil([&] { return s.s->draft_logits(token, k); });
+             float* out;
+             auto arr = new_logits(k, s.vocab, &out);
+             std::copy(rows.begin(), rows.end(), out);
+             return arr;
+           },
+           "token"_a, "k"_a)
       .def("snapshot",
            [](PySession& s, const PySnapshot* base) {
              auto snap = without_gil([&] { return s.s->snapshot(base ? base->s.get() : nullptr); });

@@ -512,6 +512,44 @@ void Session::set_draft_override(int64_t start, std::vector<int32_t> ids) {
   draft_override_start_ = start;
 }
 
+std::vector<float> Session::draft_logits(int32_t token, int k) {
+  BusyGuard busy(busy_);
+  if (k < 1 || k > kMaxMtpK)
+    throw std::invalid_argument("k must be in 1.." + std::to_string(kMaxMtpK) + ", got " + std::to_string(k));
+  if (!model_.has_mtp()) throw std::invalid_argument("draft_logits needs an MTP head, and this checkpoint has none");
+  check_ids(&token, 1);
+  const int64_t vocab = model_.config().vocab;
+  std::vector<float> out(size_t(k * vocab));
+  std::lock_guard<std::mutex> lk(model_lock_);
+  feed_pending_locked();
+  int64_t P = 0;
+  {
+    std::lock_guard<std::mutex> slk(state_mu_);
+    P = int64_t(tokens_.size());
+  }
+  if (P < 1) throw std::invalid_argument("draft_logits needs at least one token in the context");
+  if (P - 1 + k > st_.max_ctx)  // draft j writes the block's KV row P - 1 + j
+    throw std::invalid_argument("k=" + std::to_string(k) + " drafts at position " + std::to_string(P) +
+                                " exceed max_context " + std::to_string(st_.max_ctx));
+  ensure_spec_locked();
+  Spec& sp = spec_;
+  Scratch& sc = sp.sc;
+  const SamplingParams greedy;
+  ops_.upload(sc.ids.rows_view(0, 1), &token);
+  {
+    Step step(ops_, Phase::Prefill);
+    for (int64_t j = 0; j < k; ++j) {  // as generate_mtp: draft j + 1 at MTP position P - 1 + j
+      const Tensor row = sc.logits.rows_view(j, 1);
+      model_.encode_mtp_draft(st_, sc, sc.ids.rows_view(j, 1), j == 0 ? st_.now().mtp_h : sc.mtp_draft_h,
+                              st_.now().pos, j - 1, row);
+      ops_.sample(row, sp.draft_sampler, greedy, sc.ws, sc.ids.rows_view(j + 1, 1));
+    }
+    ops_.wait(step.submit());
+  }
+  ops_.download(sc.logits.rows_view(0, k), out.data());
+  return out;
+}
+
 void Session::ensure_spec_locked() {
   if (spec_.ready) return;
   const ModelConfig& c = model_.config();

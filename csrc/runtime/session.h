@@ -196,6 +196,12 @@ class Session {
   // of the MTP block: the draft for the token at context index q is ids[q - start] (0 outside the list), so a
   // test controls which drafts are accepted (e.g. the greedy continuation: all of them).
   void set_draft_override(int64_t start, std::vector<int32_t> ids);
+  // Tests only (bindings: Session._draft_logits): the logits [k, vocab] of k chained greedy drafts from the
+  // current context with `token` as the pending token, computed as generate_mtp drafts (draft 1 from token and
+  // the model's hidden after the last fed token; draft j + 1 from draft j's argmax and the block's own hidden).
+  // A pending token is fed first; otherwise the state is unchanged (the block's KV rows it writes are past the
+  // valid ones, as generate_mtp's drafts). Throws std::invalid_argument naming k, token or the context.
+  std::vector<float> draft_logits(int32_t token, int k);
   static constexpr int kMaxMtpK = 4;
 
   // Feeds ids as prefill() does (logits of the last id only, kept in the session) and returns a snapshot of the

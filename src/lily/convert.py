@@ -177,13 +177,26 @@ def plan_mlx_modules(cfg: ModelConfig, src: WeightSource, mtp_layers: int = 0) -
     if not cfg.tie_word_embeddings:
         add("language_model.lm_head", "linear", (V, H), "lm_head.weight")
     if mtp_layers:
-        T = "language_model.mtp"
-        # vLLM's Qwen3_5MultiTokenPredictor registers fc, layers, norm, pre_fc_norm_embedding, pre_fc_norm_hidden.
-        add(f"{T}.fc", "linear", (H, 2 * H), "mtp.fc.weight")
-        for j in range(mtp_layers):
-            _plan_layer(cfg, src, out, add, f"{T}.layers.{j}", f"mtp.layers.{j}", full=True)
-        for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
-            add(f"{T}.{n}.weight", "norm1p", (H,), f"mtp.{n}.weight")
+        out += plan_mtp_modules(cfg, src, mtp_layers)
+    return out
+
+
+def plan_mtp_modules(cfg: ModelConfig, src: WeightSource, mtp_layers: int) -> list[MlxModule]:
+    """The MTP block's modules under ``language_model.mtp.`` (after the decoder's in a converted checkpoint;
+    tools/lily_tiny/package_mtp.py adds a trained block to an MLX checkpoint with these)."""
+    H = cfg.hidden_size
+    out: list[MlxModule] = []
+
+    def add(path: str, kind: str, shape: tuple[int, ...], rel: str, gate8: bool = False) -> None:
+        out.append(MlxModule(path, kind, shape, src.dtype(rel), lambda rel=rel: src.tensor(rel), gate8))
+
+    T = "language_model.mtp"
+    # vLLM's Qwen3_5MultiTokenPredictor registers fc, layers, norm, pre_fc_norm_embedding, pre_fc_norm_hidden.
+    add(f"{T}.fc", "linear", (H, 2 * H), "mtp.fc.weight")
+    for j in range(mtp_layers):
+        _plan_layer(cfg, src, out, add, f"{T}.layers.{j}", f"mtp.layers.{j}", full=True)
+    for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        add(f"{T}.{n}.weight", "norm1p", (H,), f"mtp.{n}.weight")
     return out
 
 
