@@ -131,6 +131,15 @@ HostSnapshot DeviceSnapshot::to_host() const {
       }
     }
   }
+  // The MTP block's cache holds only rows [0, position - 1) (its last row waits for the next token), and none
+  // when it was not kept: those rows are written as zeros, so equal states give equal host copies and files.
+  for (size_t i = size_t(c.n_full()); i < n_full && pos > 0; ++i)
+    for (int kv = 0; kv < 2; ++kv)
+      for (int64_t hh = 0; hh < c.kv_heads; ++hh) {
+        float* head = h.kv[i].data() + size_t(kv) * size_t(c.kv_heads * pos * hd) + size_t(hh * pos * hd);
+        std::fill(mtp_valid_ ? head + (pos - 1) * hd : head, head + pos * hd, 0.f);
+      }
+  if (!mtp_valid_) std::fill(h.mtp_h.begin(), h.mtp_h.end(), 0.f);
   for (size_t i = 0; i < conv_.size(); ++i) {
     h.conv.emplace_back(size_t(conv_[i].rows * conv_[i].cols));
     h.recurrent.emplace_back(size_t(recurrent_[i].rows * recurrent_[i].cols));
