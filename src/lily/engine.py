@@ -282,7 +282,8 @@ class Engine:
         measured and decided.
 
         ``backend_options``: backend settings. CPU: ``threads``; CUDA: ``device`` (ordinal, default 0),
-        ``graphs`` (replay decode steps as CUDA graphs, default True), ``branches`` (independent launches
+        ``graphs`` (replay decode steps as CUDA graphs, default True), ``speculative_graphs`` (MTP iterations
+        memoised and replayed as graphs too, default True), ``branches`` (independent launches
         side by side, default True), ``pdl`` (programmatic dependent launch on sm_90+; default False: measured slower), ``encode_memo``
         (reuse the launches of a decode op whose arguments were seen before, skipping its host code; default
         True), ``gemv_async`` (decode GEMV weights staged through shared memory by cp.async; default True),
