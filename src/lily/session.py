@@ -329,7 +329,11 @@ class Session:
             raise ValueError("Session.generate: mtp='on' needs the MTP block's cache over this session's context, "
                              "and it was not kept (tokens were fed while the engine's mtp policy was 'off' or "
                              "'auto' had turned it off); use a new or reset session of an engine with mtp='on'")
-        k, policy = engine._mtp.plan(self, mode, mtp_k)
+        try:  # under "auto" the engine's first call may measure its iteration costs here (lily.mtp)
+            k, policy = engine._mtp.plan(self, mode, mtp_k)
+        except KeyboardInterrupt:  # Ctrl-C before the first token: nothing was generated
+            self.finish_reason = "cancelled"
+            raise
         params = (sampling if sampling is not None else SamplingParams()).to_core()
         stops = self._engine.stop_token_ids if stop_token_ids is None else check_token_ids(stop_token_ids, "stop_token_ids")
         self.finish_reason = None
