@@ -20,7 +20,8 @@ slabs, logits, perplexity); a slab's last row left unwritten (the same); the eng
 checkpoint.tensors unchanged (report, logits "not identical", tied, one head for MTP, perplexity); auto ignoring
 min_bytes (auto threshold, small head, fingerprint); the tied copy replacing the embedding too (tied: the state
 differs); the fingerprint not hashing the head (fingerprint); the export leaving the MTP norms as 1 + w, or
-storing matrices in f32 (export roundtrip).
+storing matrices in f32 (export roundtrip); the drafter's logits through the embedding matrix instead of the
+model's lm_head (acceptance: 1.003 with either head).
 """
 
 from __future__ import annotations
@@ -286,3 +287,32 @@ def test_export_roundtrip_with_an_mtp_block(tmp_path):
                 np.testing.assert_allclose(tb, ta, rtol=0, atol=1e-6, err_msg=name)
     with pytest.raises(lily.LilyError, match="not empty"):
         export_hf(src, tmp_path / "bf16")
+
+
+def test_acceptance_with_the_8bit_head_is_the_bf16_heads(lily_tiny_bf16):
+    """Item 4's check (the DGX Spark study's trap: a drafter reading the low-bit head's bytes in another format
+    accepts nothing): lily-tiny's bf16 export with its trained MTP head drafts as well with the 8-bit head as with
+    the bf16 one, and both far above the 1.0 of a head that accepts nothing (lily-tiny's greedy acceptance is
+    about 3.3 tokens per verify at k = 3, docs/lily-tiny/README.md)."""
+    text = HELDOUT.read_text()
+    lengths = {}
+    for mode in ("native", "8bit"):
+        with lily.Engine.from_pretrained(lily_tiny_bf16, backend="cpu", lm_head=mode, mtp="on") as e:
+            assert e.report()["mtp"]["present"]
+            ids = e.tokenize(text)
+            runs = []
+            for start in range(0, 6 * 200, 200):
+                s = e.session(max_context=256)
+                s.prefill(ids[start:start + 96])
+                out = list(s.generate(64, lily.SamplingParams(temperature=0.0), stop_token_ids=[], mtp="on",
+                                      mtp_k=3))
+                r = e.session(max_context=256)
+                r.prefill(ids[start:start + 96])
+                assert out == list(r.generate(64, lily.SamplingParams(temperature=0.0), stop_token_ids=[],
+                                              mtp="off"))
+                runs.append(s.mtp_stats()["mean_acceptance_length"])
+            lengths[mode] = float(np.mean(runs))
+    print(f"lily-tiny bf16 export, k = 3: mean acceptance length {lengths['native']:.3f} with the bf16 head, "
+          f"{lengths['8bit']:.3f} with the 8-bit head")
+    assert lengths["native"] > 2.0 and lengths["8bit"] > 2.0
+    assert abs(lengths["8bit"] - lengths["native"]) < 0.2
