@@ -541,22 +541,29 @@ std::vector<float> Session::draft_logits(int32_t token, int k) {
     throw std::invalid_argument("k=" + std::to_string(k) + " drafts at position " + std::to_string(P) +
                                 " exceed max_context " + std::to_string(st_.max_ctx));
   ensure_spec_locked();
-  Spec& sp = spec_;
-  Scratch& sc = sp.sc;
-  const SamplingParams greedy;
+  Scratch& sc = spec_.sc;
   ops_.upload(sc.ids.rows_view(0, 1), &token);
   {
     Step step(ops_, Phase::Prefill);
-    for (int64_t j = 0; j < k; ++j) {  // as generate_mtp: draft j + 1 at MTP position P - 1 + j
-      const Tensor row = sc.logits.rows_view(j, 1);
-      model_.encode_mtp_draft(st_, sc, sc.ids.rows_view(j, 1), j == 0 ? st_.now().mtp_h : sc.mtp_draft_h,
-                              st_.now().pos, j - 1, row);
-      ops_.sample(row, sp.draft_sampler, greedy, sc.ws, sc.ids.rows_view(j + 1, 1));
-    }
+    const Tensor rows = sc.logits.rows_view(0, k);
+    encode_drafts_locked(k, &rows);  // exactly generate_mtp's drafts
     ops_.wait(step.submit());
   }
   ops_.download(sc.logits.rows_view(0, k), out.data());
   return out;
+}
+
+// Drafts: draft j + 1 from (token j in spec_.sc.ids, h before it) at MTP position P - 1 + j; the first h is the
+// model's (after the last fed token), the next ones the block's own. Each draft's greedy id goes to ids row j + 1.
+void Session::encode_drafts_locked(int64_t k, const Tensor* logits_rows) {
+  Scratch& sc = spec_.sc;
+  const SamplingParams greedy;
+  for (int64_t j = 0; j < k; ++j) {
+    const Tensor row = logits_rows ? logits_rows->rows_view(j, 1) : spec_.draft_logits;
+    model_.encode_mtp_draft(st_, sc, sc.ids.rows_view(j, 1), j == 0 ? st_.now().mtp_h : sc.mtp_draft_h,
+                            st_.now().pos, j - 1, row);
+    ops_.sample(row, spec_.draft_sampler, greedy, sc.ws, sc.ids.rows_view(j + 1, 1));
+  }
 }
 
 void Session::ensure_spec_locked() {
@@ -634,7 +641,6 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
   const int64_t vocab = c.vocab;
   const bool penalties =
       params.repetition_penalty != 1.f || params.presence_penalty != 0.f || params.frequency_penalty != 0.f;
-  const SamplingParams greedy;  // the drafter's
   Spec& sp = spec_;
   int32_t x = -1;  // the pending token: delivered, its row not yet fed
   int64_t P = 0;   // tokens fed
@@ -736,13 +742,7 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
       StepStats stats;
       {
         Step step(ops_, Phase::Prefill, true);  // the same launches for the same k and state set
-        // Drafts: draft j + 1 from (token j, h before it) at MTP position P - 1 + j; the first h is the model's
-        // (after the last fed token), the next ones the block's own.
-        for (int64_t j = 0; j < k && !injected; ++j) {
-          model_.encode_mtp_draft(st_, sc, sc.ids.rows_view(j, 1), j == 0 ? st_.now().mtp_h : sc.mtp_draft_h,
-                                  st_.now().pos, j - 1, sp.draft_logits);
-          ops_.sample(sp.draft_logits, sp.draft_sampler, greedy, sc.ws, sc.ids.rows_view(j + 1, 1));
-        }
+        if (!injected) encode_drafts_locked(k, nullptr);
         // Verify: the pending token and the drafts in one forward into the other state set.
         model_.encode_layers(st_, st_.now(), st_.other(), sc, sc.ids, T, Phase::Prefill, k > 0 ? &cap : nullptr);
         model_.encode_mtp_rows(st_, st_.now(), st_.other(), sc, sc.ids, T, P == 0);

@@ -272,6 +272,9 @@ class Session {
     bool ready = false;
   };
   void ensure_spec_locked();
+  // Encodes k chained greedy drafts into the open step (spec_.sc.ids row 0 holds the token they follow); their
+  // logits go to logits_rows [k, vocab] when given, else each to spec_.draft_logits. Model lock held.
+  void encode_drafts_locked(int64_t k, const Tensor* logits_rows);
   void free_spec_locked();
   Spec spec_;
   std::vector<int32_t> draft_override_;  // guarded by busy_
