@@ -219,7 +219,8 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
     const std::string mode = codes ? "codes" : (!w.quantized() && w.dtype == DType::BF16) ? "bf16" : "split";
     v.name = "gemm_" + kind + "_mma_" + mode + (fmt.empty() ? "" : "_" + fmt) + "_x" + std::to_string(kXSplit) +
              ld_suffix + sc_suffix;
-    v.reason = std::string("mma.sync m16n8k16 bf16, tile 64x128x64, ") +
+    v.reason = std::string("mma.sync m16n8k16 bf16, tile 64x128x64, next K block prefetched into registers during the "
+                           "MMAs, 2 blocks per SM, ") +
                (codes ? "integer codes with fp32 per-group scale/bias"
                       : mode == "bf16" ? "bf16 weights as stored" : "weights as bf16 hi+lo") +
                ", x as " + (kXSplit == 2 ? "bf16 hi+lo" : "bf16") + ", " + loads + sc_reason;

@@ -169,7 +169,7 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
              std::string(gate.quantized() ? "exact codes with fp32 per-group scale/bias"
                          : gate.dtype == DType::BF16 ? "exact bf16 weights"
                                                      : "weights as hi + lo bf16") +
-             ", " + std::to_string(v.bm) + "-row tiles" + (v.bm == 64 ? ", T·k/E ≥ 32" : ", T·k/E < 32") +
+             ", " + std::to_string(v.bm) + "-row tiles, 2 blocks per SM" + (v.bm == 64 ? ", T·k/E ≥ 32" : ", T·k/E < 32") +
              ") + moe_expert_sum, " + fmt;
   return v;
 }

@@ -52,8 +52,9 @@
 //   WM 2 (dense f32/f16, affine with other groups): hi + lo bf16 of the fp32 value fma(q, s, b).
 // MMAs per k16 step: x_hi·W_hi (+ x_lo·W_hi if XS 2) (+ x_hi·W_lo if WM 2). Shared memory 60,416 bytes
 // (fixed layout, GEMM_SMEM; matmul.cpp must match). Floor: 2·T·N·K FLOP (×XS) on the tensor cores; W bytes
-// once. No cp.async yet: loads of a K block are issued before the previous block's MMAs only by the
-// compiler's scheduling (a register-prefetch pipeline is the next step).
+// once. Register-prefetch pipeline: block kb + 1's global loads (x, W chunks, scales) are issued into
+// registers before block kb's MMAs and converted into the shared tile after them (x split by cvt.rn.bf16x2,
+// q4 codes by PRMT + one bf16x2 FMA, quant.cuh); 2 blocks per SM (__launch_bounds__ caps registers at 128).
 //
 // Determinism: every output's reduction order depends on K, GROUP and the format only: GEMV sums each
 // thread's chunks in ascending order, then a fixed shuffle tree and the warp partials in order; GEMM sums
@@ -622,7 +623,16 @@ __device__ __forceinline__ void split_bf16(float v, u16& h, u16& l) {
   l = f32_to_bf16(v - bf16_to_f32(h));
 }
 
-extern "C" __global__ void __launch_bounds__(NT)
+// Register-prefetch pipeline: the global loads of K block kb + 1 (x, the W chunks, the group scales/biases) are
+// issued into registers before block kb's MMAs, so their latency hides behind the tensor-core work; after the
+// MMAs the registers are converted and stored into the (single) shared tile. W chunks are prefetched when a
+// thread carries at most GEMM_WPF of them (q2/q4/q8/bf16); f32 weights (8 chunks) load at store time.
+constexpr int GEMM_WCH = (BN * CPR + NT - 1) / NT;  // W chunks per thread per K block
+#define GEMM_WPF 4
+constexpr bool GEMM_WPRE = GEMM_WCH <= GEMM_WPF;
+constexpr int GEMM_SCH = WM == 0 ? (BN * NP + NT - 1) / NT : 1;  // group scales per thread per K block
+
+extern "C" __global__ void __launch_bounds__(NT, 2)
     matmul_gemm(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
                 const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
   LILY_PDL_PROLOGUE();
@@ -638,6 +648,11 @@ extern "C" __global__ void __launch_bounds__(NT)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp >> 2, wn = warp & 3;
   const i64 t0 = i64(blockIdx.x) * BM, n0 = i64(blockIdx.y) * BN;
+  // x tile: thread → row xr, columns xq·16 .. +16. Whole-float4 loads when x's base and row stride allow.
+  const int xr = tid >> 2, xq = tid & 3;
+  const bool xrow = t0 + xr < T;
+  const bool xvec = ((reinterpret_cast<unsigned long long>(x) & 15u) == 0) && (ldx % 4 == 0);
+  const float* xrowp = x + (xrow ? (t0 + xr) * ldx : 0);
 
   float acc[2][4][4], accg[2][4][4];
 #pragma unroll
@@ -647,71 +662,114 @@ extern "C" __global__ void __launch_bounds__(NT)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mi][ni][e] = accg[mi][ni][e] = 0.f;
 
-  for (int kb = 0; kb < KB; ++kb) {
+  // The registers that carry one K block from global to shared memory.
+  float xv[16];
+  u32 wv[GEMM_WPRE ? GEMM_WCH : 1][4];
+  float sv[GEMM_SCH], bv[GEMM_SCH];
+
+  auto load_w_chunk = [&](i64 kbase, int qi, u32 w[4]) {
+    const int nl = qi / CPR, cc = qi % CPR;
+    const i64 n = n0 + nl;
+    const i64 boff = kbase * EB / 8 + i64(cc) * 16;
+    const i64 valid = RBYTES - boff;
+    w[0] = w[1] = w[2] = w[3] = 0u;
+    if (qi < BN * CPR && n < N && valid > 0) mm_load16<AL>(W + n * RBYTES + boff, valid >= 16 ? 16 : int(valid), w);
+  };
+  auto load_block = [&](int kb) {
     const i64 kbase = i64(kb) * BK;
-    // ---- x tile: thread → row tid / 4, columns (tid % 4)·16 .. +16
-    {
-      const int r = tid >> 2, q = tid & 3;
-      const i64 t = t0 + r;
-      float v[16];
+    const i64 k0 = kbase + xq * 16;
+    if (xrow && xvec && k0 + 16 <= K) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const i64 k = kbase + q * 16 + i;
-        v[i] = (t < T && k < K) ? x[t * ldx + k] : 0.f;
+      for (int i = 0; i < 4; ++i) {
+        const float4 f = __ldg(reinterpret_cast<const float4*>(xrowp + k0) + i);
+        xv[4 * i] = f.x, xv[4 * i + 1] = f.y, xv[4 * i + 2] = f.z, xv[4 * i + 3] = f.w;
       }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) xv[i] = (xrow && k0 + i < K) ? xrowp[k0 + i] : 0.f;
+    }
+    if (GEMM_WPRE) {
+#pragma unroll
+      for (int j = 0; j < GEMM_WCH; ++j) load_w_chunk(kbase, tid + j * NT, wv[GEMM_WPRE ? j : 0]);
+    }
+    if (WM == 0) {
+#pragma unroll
+      for (int j = 0; j < GEMM_SCH; ++j) {
+        const int i = tid + j * NT;
+        const int nl = i / NP, p = i % NP;
+        const i64 n = n0 + nl, kg0 = kbase + p * GP;
+        sv[j] = bv[j] = 0.f;
+        if (i < BN * NP && n < N && kg0 < K) {
+          const i64 gi = n * NG + kg0 / (GROUP ? GROUP : 1);
+          sv[j] = mm_scalar<DT, SAL>(S, gi);
+          bv[j] = mm_scalar<DT, SAL>(B, gi);
+        }
+      }
+    }
+  };
+  // Converts the carried block into the shared tile (the previous block's MMAs are done: barrier before).
+  auto store_block = [&](int kb) {
+    const i64 kbase = i64(kb) * BK;
+    {
       u32 ph[8], pl[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        u16 h0, l0, h1, l1;
-        split_bf16(v[2 * i], h0, l0);
-        split_bf16(v[2 * i + 1], h1, l1);
-        ph[i] = pack_bf16(h0, h1);
-        pl[i] = pack_bf16(l0, l1);
-      }
-      uint4* dh = reinterpret_cast<uint4*>(xh + r * LDS + q * 16);
+      for (int i = 0; i < 8; ++i) split2_bf16(xv[2 * i], xv[2 * i + 1], ph[i], pl[i]);
+      uint4* dh = reinterpret_cast<uint4*>(xh + xr * LDS + xq * 16);
       dh[0] = make_uint4(ph[0], ph[1], ph[2], ph[3]);
       dh[1] = make_uint4(ph[4], ph[5], ph[6], ph[7]);
       if (XS == 2) {
-        uint4* dl = reinterpret_cast<uint4*>(xl + r * LDS + q * 16);
+        uint4* dl = reinterpret_cast<uint4*>(xl + xr * LDS + xq * 16);
         dl[0] = make_uint4(pl[0], pl[1], pl[2], pl[3]);
         dl[1] = make_uint4(pl[4], pl[5], pl[6], pl[7]);
       }
       if (WM == 0) {  // Σx over each group part (GP / 16 neighbouring lanes share one)
         float ps = 0.f;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) ps += v[i];
+        for (int i = 0; i < 16; ++i) ps += xv[i];
         constexpr int LP = GP >= 16 ? GP / 16 : 1;
 #pragma unroll
         for (int o = LP / 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-        if (q % LP == 0) sxs[r * 4 + q / LP] = ps;
+        if (xq % LP == 0) sxs[xr * 4 + xq / LP] = ps;
       }
     }
     // ---- W tile: chunk qi → row qi / CPR, chunk qi % CPR of this K block
-    for (int qi = tid; qi < BN * CPR; qi += NT) {
+#pragma unroll
+    for (int j = 0; j < GEMM_WCH; ++j) {
+      const int qi = tid + j * NT;
+      if (qi >= BN * CPR) break;
+      u32 w[4];
+      if (GEMM_WPRE) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = wv[GEMM_WPRE ? j : 0][i];
+      } else {
+        load_w_chunk(kbase, qi, w);
+      }
       const int nl = qi / CPR, cc = qi % CPR;
       const i64 n = n0 + nl;
-      const i64 boff = kbase * EB / 8 + i64(cc) * 16;
-      const i64 valid = RBYTES - boff;
-      u32 w[4] = {0u, 0u, 0u, 0u};
-      if (n < N && valid > 0) mm_load16<AL>(W + n * RBYTES + boff, valid >= 16 ? 16 : int(valid), w);
       u32* dh = reinterpret_cast<u32*>(wh + nl * LDS + cc * EPC);
       u32* dl = reinterpret_cast<u32*>(wl + nl * LDS + cc * EPC);
       if (WM == 1) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) dh[i] = w[i];
+      } else if (WM == 0 && BITS == 4) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          u32 q[4];
+          q4_word_bf16(w[i], q);  // exact
+          reinterpret_cast<uint4*>(dh)[i] = make_uint4(q[0], q[1], q[2], q[3]);
+        }
       } else if (WM == 0) {
 #pragma unroll
         for (int p = 0; p < EPC / 2; ++p) {
           const int e0 = 2 * p, e1 = 2 * p + 1;
           constexpr int PW = 32 / (BITS ? BITS : 4);
-          const float q0 = q_code<BITS ? BITS : 4>(w[e0 / PW], e0 % PW);
-          const float q1 = q_code<BITS ? BITS : 4>(w[e1 / PW], e1 % PW);
-          dh[p] = pack_bf16(u16(__float_as_uint(q0) >> 16), u16(__float_as_uint(q1) >> 16));  // exact
+          dh[p] = bf16x2_rn(q_code<BITS ? BITS : 4>(w[e0 / PW], e0 % PW),
+                            q_code<BITS ? BITS : 4>(w[e1 / PW], e1 % PW));  // exact: q <= 255
         }
       } else {
 #pragma unroll
         for (int p = 0; p < EPC / 2; ++p) {
-          u16 h[2], l[2];
+          float f2[2];
 #pragma unroll
           for (int h2 = 0; h2 < 2; ++h2) {
             const int e = 2 * p + h2;
@@ -727,29 +785,32 @@ extern "C" __global__ void __launch_bounds__(NT)
             } else {
               f = dense_elem<DT>(w, e);
             }
-            split_bf16(f, h[h2], l[h2]);
+            f2[h2] = f;
           }
-          dh[p] = pack_bf16(h[0], h[1]);
-          dl[p] = pack_bf16(l[0], l[1]);
+          split2_bf16(f2[0], f2[1], dh[p], dl[p]);
         }
       }
     }
     // ---- scales and biases of the group parts of this K block (WM 0)
     if (WM == 0) {
-      for (int i = tid; i < BN * NP; i += NT) {
-        const int nl = i / NP, p = i % NP;
-        const i64 n = n0 + nl, k0 = kbase + p * GP;
-        float s = 0.f, b = 0.f;
-        if (n < N && k0 < K) {
-          const i64 gi = n * NG + k0 / (GROUP ? GROUP : 1);
-          s = mm_scalar<DT, SAL>(S, gi);
-          b = mm_scalar<DT, SAL>(B, gi);
+#pragma unroll
+      for (int j = 0; j < GEMM_SCH; ++j) {
+        const int i = tid + j * NT;
+        if (i < BN * NP) {
+          const int nl = i / NP, p = i % NP;
+          ss[nl * 4 + p] = sv[j];
+          bs[nl * 4 + p] = bv[j];
         }
-        ss[nl * 4 + p] = s;
-        bs[nl * 4 + p] = b;
       }
     }
+  };
+
+  load_block(0);
+  for (int kb = 0; kb < KB; ++kb) {
+    const i64 kbase = i64(kb) * BK;
+    store_block(kb);
     __syncthreads();
+    if (kb + 1 < KB) load_block(kb + 1);  // in flight during this block's MMAs
 
     // ---- MMAs over the 4 k16 steps of the block
 #pragma unroll

@@ -37,7 +37,8 @@
 //       and a stable scatter of the (token, slot) pairs into expert-sorted order (tokens ascending per
 //       expert, the CPU's counting sort): per 1024-pair chunk, warp peers from __match_any_sync, per-warp
 //       counts in shared memory, a prefix over warps.
-//     moe_gate_up_mma: grid (max_tiles, ⌈I/64⌉), block 256 (8 warps). Tile = BM gathered rows of one
+//     moe_gate_up_mma: grid (max_tiles, ⌈I/64⌉), block 256 (8 warps; 2 blocks per SM: registers capped at
+//       128, a few bytes spill, measured faster than 1 block with 180 registers: benchmarks/NOTES.md). Tile = BM gathered rows of one
 //       expert × 64 columns of gate and the same 64 of up; K (= H) in steps of BK = 64 (32 for dense f16/f32
 //       weights). Per step the x rows are loaded (float4) and split into bf16 hi + lo, the weight vectors
 //       (16 B) converted in registers (affine: the integer codes, exact; dense bf16: as stored; dense
@@ -602,19 +603,6 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const MoeArgs a) {
 #define MMA_WM 2
 #endif
 
-// bf16 pair (lo half = rn(lo), hi half = rn(hi)); round to nearest even, as f32_to_bf16.
-__device__ __forceinline__ u32 moe_bf16x2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-// hi = bf16 pair of (a, b), lo = bf16 pair of the residuals (exact in f32: v − bf16(v) is representable).
-__device__ __forceinline__ void moe_split2(float a, float b, u32& hi, u32& lo) {
-  hi = moe_bf16x2(a, b);
-  lo = moe_bf16x2(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
-}
-
 __device__ __forceinline__ void moe_mma_bf16(float* c, const u32* a, const u32* b) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -625,20 +613,6 @@ __device__ __forceinline__ void moe_mma_bf16(float* c, const u32* a, const u32* 
 
 #if MMA_WM == 0
 static_assert(GROUP % 16 == 0, "prefill: affine groups are multiples of 16 (one k16 MMA step)");
-#if BITS == 4
-// The 8 codes of a q4 word as 4 exact bf16 pairs (codes 2j, 2j+1 in pair j): bytes of the even and odd
-// codes, one PRMT + one LOP3 per pair giving the bf16 of 128 + q, and one exact bf16x2 fma subtracting 128.
-__device__ __forceinline__ void moe_q4_bf16(u32 w, u32* out) {
-  const u32 ev = w & 0x0F0F0F0Fu, od = (w >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    u32 p;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(ev), "r"(od), "r"(u32(j | ((4 + j) << 8))));
-    p = (p & 0x00FF00FFu) | 0x43004300u;  // bf16 (128 + q_2j, 128 + q_2j+1)
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out[j]) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
-  }
-}
-#endif
 #endif
 
 // One block: BM sorted rows of one expert × BN columns of NMAT weight matrices (mat0, mat0 + 1, ...).
@@ -748,8 +722,8 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
     for (int i = 0; i < A_PER; ++i) {
       const int c = tid + MMA_NT * i, row = c / (BK / 4), col = (c % (BK / 4)) * 4;
       u32 h0, l0, h1, l1;
-      moe_split2(ra[i].x, ra[i].y, h0, l0);
-      moe_split2(ra[i].z, ra[i].w, h1, l1);
+      split2_bf16(ra[i].x, ra[i].y, h0, l0);
+      split2_bf16(ra[i].z, ra[i].w, h1, l1);
       if (c < A_CH) {
         *reinterpret_cast<uint2*>(&Ah[row * PITCH + col]) = make_uint2(h0, h1);
         *reinterpret_cast<uint2*>(&Al[row * PITCH + col]) = make_uint2(l0, l1);
@@ -773,15 +747,15 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #if MMA_WM == 0 && BITS == 4
       u32 q[16];
 #pragma unroll
-      for (int w = 0; w < 4; ++w) moe_q4_bf16(wd[w], q + 4 * w);
+      for (int w = 0; w < 4; ++w) q4_word_bf16(wd[w], q + 4 * w);
 #pragma unroll
       for (int v = 0; v < 4; ++v) dh[v] = make_uint4(q[4 * v], q[4 * v + 1], q[4 * v + 2], q[4 * v + 3]);
 #elif MMA_WM == 0
       u32 q[8];
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        q[2 * w] = moe_bf16x2(q_code<8>(wd[w], 0), q_code<8>(wd[w], 1));  // exact: q ≤ 255
-        q[2 * w + 1] = moe_bf16x2(q_code<8>(wd[w], 2), q_code<8>(wd[w], 3));
+        q[2 * w] = bf16x2_rn(q_code<8>(wd[w], 0), q_code<8>(wd[w], 1));  // exact: q ≤ 255
+        q[2 * w + 1] = bf16x2_rn(q_code<8>(wd[w], 2), q_code<8>(wd[w], 3));
       }
       dh[0] = make_uint4(q[0], q[1], q[2], q[3]);
       dh[1] = make_uint4(q[4], q[5], q[6], q[7]);
@@ -791,15 +765,15 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
       uint4* dl = reinterpret_cast<uint4*>(&Bl[row * PITCH + col]);
 #if WDT == LILY_F32
       u32 h[2], l[2];
-      moe_split2(__uint_as_float(wd[0]), __uint_as_float(wd[1]), h[0], l[0]);
-      moe_split2(__uint_as_float(wd[2]), __uint_as_float(wd[3]), h[1], l[1]);
+      split2_bf16(__uint_as_float(wd[0]), __uint_as_float(wd[1]), h[0], l[0]);
+      split2_bf16(__uint_as_float(wd[2]), __uint_as_float(wd[3]), h[1], l[1]);
       *reinterpret_cast<uint2*>(dh) = make_uint2(h[0], h[1]);
       *reinterpret_cast<uint2*>(dl) = make_uint2(l[0], l[1]);
 #else
       u32 h[4], l[4];
 #pragma unroll
       for (int w = 0; w < 4; ++w)
-        moe_split2(dense_elem<LILY_F16>(wd, 2 * w), dense_elem<LILY_F16>(wd, 2 * w + 1), h[w], l[w]);
+        split2_bf16(dense_elem<LILY_F16>(wd, 2 * w), dense_elem<LILY_F16>(wd, 2 * w + 1), h[w], l[w]);
       dh[0] = make_uint4(h[0], h[1], h[2], h[3]);
       dl[0] = make_uint4(l[0], l[1], l[2], l[3]);
 #endif
@@ -936,12 +910,12 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
       }
 }
 
-extern "C" __global__ void __launch_bounds__(MMA_NT, 1) moe_gate_up_mma(const MoeArgs a) {
+extern "C" __global__ void __launch_bounds__(MMA_NT, 2) moe_gate_up_mma(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
   moe_mma_block<2, 64, HID, INTER, true>(a, 0);
 }
 
-extern "C" __global__ void __launch_bounds__(MMA_NT, 1) moe_down_mma(const MoeArgs a) {
+extern "C" __global__ void __launch_bounds__(MMA_NT, 2) moe_down_mma(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
   moe_mma_block<1, 128, INTER, HID, false>(a, 2);
 }

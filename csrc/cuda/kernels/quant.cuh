@@ -165,3 +165,31 @@ __device__ __forceinline__ float dense_dot_chunk(const u32 w[4], const float* x,
   for (int i = 0; i < kEpc; ++i) acc = fmaf(x[i], dense_elem<kDt>(w, i), acc);
   return acc;
 }
+
+// ---- bf16 operands for the tensor-core (mma.sync) kernels: matmul_gemm and the MoE prefill GEMMs ----
+
+// bf16 pair (lo half = rn(lo), hi half = rn(hi)); round to nearest even, as f32_to_bf16.
+__device__ __forceinline__ u32 bf16x2_rn(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// hi = bf16 pair of (a, b), lo = bf16 pair of the residuals (exact in f32: v − bf16(v) is representable).
+__device__ __forceinline__ void split2_bf16(float a, float b, u32& hi, u32& lo) {
+  hi = bf16x2_rn(a, b);
+  lo = bf16x2_rn(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
+}
+
+// The 8 codes of a q4 word as 4 exact bf16 pairs (codes 2j, 2j+1 in pair j): bytes of the even and odd
+// codes, one PRMT + one LOP3 per pair giving the bf16 of 128 + q, and one exact bf16x2 fma subtracting 128.
+__device__ __forceinline__ void q4_word_bf16(u32 w, u32* out) {
+  const u32 ev = w & 0x0F0F0F0Fu, od = (w >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    u32 p;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(ev), "r"(od), "r"(u32(j | ((4 + j) << 8))));
+    p = (p & 0x00FF00FFu) | 0x43004300u;  // bf16 (128 + q_2j, 128 + q_2j+1)
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out[j]) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
+  }
+}
