@@ -236,7 +236,7 @@ template <uint MaxDk>
     const float alpha = exp(-exp(A_log[j]) * delta_softplus(a[j] + dt_bias[j]));
     float m = 0.0f;
     for (uint i = 0; i < Dk; ++i) {  // decay first, then read with the decayed state (as gated_delta_scan)
-      S[i] = S[i] * alpha;
+      S[i] *= alpha;
       m += (k[i] * rk) * S[i];
     }
     const float delta = beta * (v - m);

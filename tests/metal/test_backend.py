@@ -91,7 +91,7 @@ def test_every_op_matches_cpu_backend(program, order):
                    "copy", "fill", "advance_position", "sample", "matmuls", "moe", "conv_delta_norm"}, ops
     # The fused DeltaNet decode kernel ran where it applies, and the composed path took the rest, with its reason.
     paths = dict(re.findall(r"^op conv_delta_norm (.+?): path (\w+)", r.stdout, re.M))
-    assert paths["Hk=16 Hv=32 Dk=128 Dv=128 K=4 T=1 in-place"] == "fused", paths
+    assert paths["Hk=4 Hv=8 Dk=128 Dv=128 K=4 T=1 in-place"] == "fused", paths
     assert paths["Hk=3 Hv=6 Dk=48 Dv=40 K=4 T=1"] == "fused", paths
     assert paths["Hk=2 Hv=4 Dk=32 Dv=32 K=4 T=3 in-place capture"] == "composed", paths
     assert "path composed (3 rows (the fused kernel takes one decode row))" in r.stdout, r.stdout
