@@ -16,6 +16,8 @@
 //                budget: gated_delta_scan_{32,64,128,256} hold that many floats of S per thread. Captures: after token
 //                cap_first + i (i < cap_count) thread e stores its column of S to slice i of cap (rows i·Hv·Dk ..), the
 //                registers a call ending at that token would store to state_out: the same bits.
+//   conv_delta_norm: both of the above and gated_rms_norm (metal/norm.metal) for one decode row in one dispatch, one
+//                threadgroup per key head (its own section below: shapes, geometry, floor).
 // Buffers: qkv f32 [T, 2·Hk·Dk + Hv·Dv] (after conv1d_silu), b, a f32 [T, Hv], A_log, dt_bias f32 [Hv],
 //          S f32 [Hv·Dk, Dv] (Lily's layout, csrc/model/qwen36.h), out f32 [T, Hv·Dv]; cap (written only when
 //          cap_count > 0; the host binds state_out otherwise) f32 [cap_count·(K-1), C] or [cap_count·Hv·Dk, Dv].
