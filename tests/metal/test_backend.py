@@ -133,7 +133,7 @@ def test_tiny_model_matches_cpu_backend_end_to_end(program, spec, order):
     # The decode loop kept two command buffers in flight (the CPU encodes step n+1 while step n runs).
     assert "max in flight 2" in r.stdout, r.stdout
     # Decode rows ran the fused DeltaNet kernel; the prefill chunks composed the three kernels.
-    m = re.search(r"active: fused conv \+ recurrent update \+ gated norm .*; (\d+) calls fused, (\d+) composed .* the last "
+    m = re.search(r"metal active: fused conv \+ recurrent update \+ gated norm .*; (\d+) calls fused, (\d+) composed .* the last "
                   r"for (\d+) rows", r.stdout)
     assert m and int(m[1]) > 0 and int(m[2]) > 0 and int(m[3]) > 1, r.stdout
     assert "leaked" not in r.stderr, r.stderr
