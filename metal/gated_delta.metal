@@ -16,6 +16,8 @@
 //                budget: gated_delta_scan_{32,64,128,256} hold that many floats of S per thread. Captures: after token
 //                cap_first + i (i < cap_count) thread e stores its column of S to slice i of cap (rows i·Hv·Dk ..), the
 //                registers a call ending at that token would store to state_out: the same bits.
+//   conv_delta_norm: both of the above and gated_rms_norm (metal/norm.metal) for one decode row in one dispatch, one
+//                threadgroup per key head (its own section below: shapes, geometry, floor).
 // Buffers: qkv f32 [T, 2·Hk·Dk + Hv·Dv] (after conv1d_silu), b, a f32 [T, Hv], A_log, dt_bias f32 [Hv],
 //          S f32 [Hv·Dk, Dv] (Lily's layout, csrc/model/qwen36.h), out f32 [T, Hv·Dv]; cap (written only when
 //          cap_count > 0; the host binds state_out otherwise) f32 [cap_count·(K-1), C] or [cap_count·Hv·Dk, Dv].
@@ -139,3 +141,128 @@ template [[host_name("gated_delta_scan_32")]] [[kernel]] decltype(gated_delta_sc
 template [[host_name("gated_delta_scan_64")]] [[kernel]] decltype(gated_delta_scan<64>) gated_delta_scan<64>;
 template [[host_name("gated_delta_scan_128")]] [[kernel]] decltype(gated_delta_scan<128>) gated_delta_scan<128>;
 template [[host_name("gated_delta_scan_256")]] [[kernel]] decltype(gated_delta_scan<256>) gated_delta_scan<256>;
+
+// ---- conv_delta_norm: conv1d_silu + gated_delta_scan + gated_rms_norm for one decode row (T = 1), one dispatch ----
+// Grid Hk threadgroups (one per key head kh), g·Dvp threads (g = Hv/Hk value heads of that key head, Dvp = Dv
+// rounded up to 32, so each value head owns whole simdgroups; host keeps g·Dvp ≤ the pipeline's limit, Dv ≤ 256).
+// A key head's threadgroup owns every conv channel it reads: q and k channels kh·Dk .. (kh+1)·Dk (shared by its g
+// value heads, convolved once into threadgroup memory) and the v channels of its value heads, so each channel's
+// conv state is read and written by one thread and in-place states (conv_in = conv_out) are race-free.
+// Thread (h, e) = value head j = kh·g + h, column e: the conv of v channel e, then column e of S as in
+// gated_delta_scan (Dk registers, the same operation order), then the gated RMSNorm of head j over its Dv threads
+// (simd_sum, one partial per simdgroup, as gated_rms_norm with Dvp threads). Every sum runs in the unfused kernels'
+// order: the result is bit for bit theirs. mixed and delta_o are not written (nothing after the op reads them).
+// Reads: qkv row (C floats), z, b, a rows, conv_w [C, K], A_log, dt_bias [Hv], norm_w [Dv], conv state [K-1, C],
+// S [Hv·Dk, Dv]; writes the conv state, S and out [1, Hv·Dv]. Threadgroup memory 2·MaxDk + 32 floats (static).
+// Floor (real model): S read + written once, 4 MiB per layer, as gated_delta_scan; the composed path also moves
+// mixed and delta_o through memory (and 2 more dispatches and barriers). Hv·Dk·Dv·8 FLOPs.
+struct ConvDeltaNormShape {
+  uint k_heads, v_heads, Dk, Dv, K, head_threads;  // head_threads = Dvp
+  uint ld_conv_in, ld_conv_out, ld_state_in, ld_state_out;
+  float eps;
+};
+
+// The conv of channel c for one row (conv1d_silu with T = 1, same order): reads its K-1 state rows and x, writes
+// the advanced state (after the reads: in place is safe, this thread owns the channel) and returns silu(acc).
+inline float cdn_conv_channel(device const float* x, device const float* w, device const float* state_in,
+                              device float* state_out, constant ConvDeltaNormShape& s, uint c) {
+  constexpr uint kMaxTaps = 16;
+  const uint S = s.K - 1;
+  float hist[kMaxTaps];
+  for (uint r = 0; r < S; ++r) hist[r] = state_in[ulong(r) * s.ld_conv_in + c];
+  const float cur = x[c];
+  float acc = 0.0f;
+  for (uint j = 0; j < S; ++j) acc += w[ulong(c) * s.K + j] * hist[j];
+  acc += w[ulong(c) * s.K + S] * cur;
+  for (uint r = 0; r + 1 < S; ++r) state_out[ulong(r) * s.ld_conv_out + c] = hist[r + 1];
+  if (S > 0) state_out[ulong(S - 1) * s.ld_conv_out + c] = cur;
+  return delta_silu(acc);
+}
+
+// delta_sum_squares over threadgroup memory (the same order).
+inline float cdn_sum_squares(threadgroup const float* a, uint n) {
+  float part[16];
+  for (uint l = 0; l < 16; ++l) part[l] = 0.0f;
+  uint i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (uint l = 0; l < 16; ++l) part[l] += a[i + l] * a[i + l];
+  for (uint w = 8; w >= 1; w /= 2)
+    for (uint l = 0; l < w; ++l) part[l] += part[l + w];
+  float s = part[0];
+  for (; i < n; ++i) s += a[i] * a[i];
+  return s;
+}
+
+template <uint MaxDk>
+[[kernel]] void conv_delta_norm(device const float* qkv [[buffer(0)]],
+                                device const float* z [[buffer(1)]],
+                                device const float* b [[buffer(2)]],
+                                device const float* a [[buffer(3)]],
+                                device const float* conv_w [[buffer(4)]],
+                                device const float* A_log [[buffer(5)]],
+                                device const float* dt_bias [[buffer(6)]],
+                                device const float* norm_w [[buffer(7)]],
+                                device const float* conv_in [[buffer(8)]],
+                                device float* conv_out [[buffer(9)]],
+                                device const float* state_in [[buffer(10)]],
+                                device float* state_out [[buffer(11)]],
+                                device float* out [[buffer(12)]],
+                                constant ConvDeltaNormShape& s [[buffer(13)]],
+                                uint kh [[threadgroup_position_in_grid]],
+                                uint tid [[thread_position_in_threadgroup]],
+                                uint threads [[threads_per_threadgroup]],
+                                uint simdgroup [[simdgroup_index_in_threadgroup]],
+                                uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float qk[2 * MaxDk];  // the key head's q then k after the conv
+  threadgroup float partials[32];   // one sum of squares per simdgroup
+  const uint Dk = s.Dk, Dv = s.Dv, key_dim = s.k_heads * Dk;
+  const uint g = s.v_heads / s.k_heads, h = tid / s.head_threads, e = tid % s.head_threads;
+  const uint j = kh * g + h;
+  const bool live = e < Dv;  // the padding lanes of a head only join the barriers and the sums
+  for (uint i = tid; i < 2 * Dk; i += threads) {
+    const uint c = i < Dk ? kh * Dk + i : key_dim + kh * Dk + (i - Dk);
+    qk[i] = cdn_conv_channel(qkv, conv_w, conv_in, conv_out, s, c);
+  }
+  const float v = live ? cdn_conv_channel(qkv, conv_w, conv_in, conv_out, s, 2 * key_dim + j * Dv + e) : 0.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  float o = 0.0f;
+  if (live) {
+    float S[MaxDk];
+    for (uint i = 0; i < Dk; ++i) S[i] = state_in[(ulong(j) * Dk + i) * s.ld_state_in + e];
+    threadgroup const float* q = qk;
+    threadgroup const float* k = qk + Dk;
+    const float rq = (1.0f / sqrt(float(Dk))) / sqrt(cdn_sum_squares(q, Dk) + 1e-6f);
+    const float rk = 1.0f / sqrt(cdn_sum_squares(k, Dk) + 1e-6f);
+    const float beta = delta_sigmoid(b[j]);
+    const float alpha = exp(-exp(A_log[j]) * delta_softplus(a[j] + dt_bias[j]));
+    float m = 0.0f;
+    for (uint i = 0; i < Dk; ++i) {  // decay first, then read with the decayed state (as gated_delta_scan)
+      S[i] *= alpha;
+      m += (k[i] * rk) * S[i];
+    }
+    const float delta = beta * (v - m);
+    for (uint i = 0; i < Dk; ++i) {
+      S[i] += (k[i] * rk) * delta;
+      o += (q[i] * rq) * S[i];
+    }
+    for (uint i = 0; i < Dk; ++i) state_out[(ulong(j) * Dk + i) * s.ld_state_out + e] = S[i];
+  }
+
+  // The gated RMSNorm of head j: its Dvp / 32 simdgroups' partials, summed as gated_rms_norm sums them.
+  const float sq = simd_sum(o * o);
+  if (lane == 0) partials[simdgroup] = sq;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint per_head = s.head_threads / 32;
+  const float total = simd_sum(lane < per_head ? partials[h * per_head + lane] : 0.0f);
+  const float r = 1.0f / sqrt(total / float(Dv) + s.eps);
+  if (live) {
+    const float zv = z[j * Dv + e];
+    out[j * Dv + e] = norm_w[e] * (o * r) * (zv / (1.0f + exp(-zv)));
+  }
+}
+
+template [[host_name("conv_delta_norm_32")]] [[kernel]] decltype(conv_delta_norm<32>) conv_delta_norm<32>;
+template [[host_name("conv_delta_norm_64")]] [[kernel]] decltype(conv_delta_norm<64>) conv_delta_norm<64>;
+template [[host_name("conv_delta_norm_128")]] [[kernel]] decltype(conv_delta_norm<128>) conv_delta_norm<128>;
+template [[host_name("conv_delta_norm_256")]] [[kernel]] decltype(conv_delta_norm<256>) conv_delta_norm<256>;

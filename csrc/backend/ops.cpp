@@ -73,6 +73,19 @@ void Ops::moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& s
   moe_combine_impl(sc.routed, sc.shared, shared_gate_logit, h);
 }
 
+void Ops::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
+                               const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias, const Tensor& norm_w,
+                               float eps, const DeltaShape& s, const Tensor& conv_in, const Tensor& conv_out,
+                               const Tensor& rec_in, const Tensor& rec_out, const Tensor& mixed, const Tensor& delta_o,
+                               const Tensor& ws, const Tensor& out, const StateCapture& conv_cap,
+                               const StateCapture& rec_cap) {
+  conv1d_silu_impl(qkv, conv_w, conv_in, conv_out, mixed, conv_cap);
+  barrier_in_op();
+  gated_delta_impl(mixed, b, a, A_log, dt_bias, rec_in, rec_out, s, ws, delta_o, rec_cap);
+  barrier_in_op();
+  gated_rms_norm_impl(delta_o, z, norm_w, eps, out);
+}
+
 void Ops::check_capture(const char* op, const StateCapture& c, int64_t T, const Tensor& state) {
   if (c.count == 0) return;
   auto fail = [&](const std::string& why) { throw std::invalid_argument(std::string(op) + ": capture " + why); };

@@ -335,6 +335,29 @@ class Ops {
     record(OpKind::GatedRmsNorm, {o.buf, z.buf, w.buf}, {out.buf},
            &Ops::gated_rms_norm_impl, o, z, w, eps, out);
   }
+  // A DeltaNet layer's recurrence as one op: conv1d_silu, gated_delta and gated_rms_norm above, in sequence,
+  //   mixed = conv1d_silu(qkv, conv_w; conv_in -> conv_out, conv_cap)
+  //   delta_o = gated_delta(mixed, b, a, A_log, dt_bias; rec_in -> rec_out, s, ws, rec_cap)
+  //   out = gated_rms_norm(delta_o, z, norm_w, eps)
+  // with the same state and capture rules as those ops. mixed and delta_o are the intermediates as the composed
+  // form (the default) writes them; a fused backend may leave them unwritten. A GPU backend runs a decode row as
+  // one launch (the state never leaves the threads that update it between the three steps).
+  void conv_delta_norm(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a, const Tensor& conv_w,
+                       const Tensor& A_log, const Tensor& dt_bias, const Tensor& norm_w, float eps, const DeltaShape& s,
+                       const Tensor& conv_in, const Tensor& conv_out, const Tensor& rec_in, const Tensor& rec_out,
+                       const Tensor& mixed, const Tensor& delta_o, const Tensor& ws, const Tensor& out,
+                       const StateCapture& conv_cap = {}, const StateCapture& rec_cap = {}) {
+    check_capture("conv_delta_norm (conv)", conv_cap, qkv.rows, conv_out);
+    check_capture("conv_delta_norm (recurrent)", rec_cap, qkv.rows, rec_out);
+    // An inactive capture declares its state again (a repeated write adds no hazard).
+    const int32_t cc = conv_cap.active() ? conv_cap.states.buf : conv_out.buf;
+    const int32_t rc = rec_cap.active() ? rec_cap.states.buf : rec_out.buf;
+    record(OpKind::ConvDeltaNorm,
+           {qkv.buf, z.buf, b.buf, a.buf, conv_w.buf, A_log.buf, dt_bias.buf, norm_w.buf, conv_in.buf, rec_in.buf},
+           {conv_out.buf, rec_out.buf, mixed.buf, delta_o.buf, ws.buf, out.buf, cc, rc}, &Ops::conv_delta_norm_impl,
+           qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, eps, s, conv_in, conv_out, rec_in, rec_out, mixed, delta_o,
+           ws, out, conv_cap, rec_cap);
+  }
   // Router: softmax over all experts (fp32), top-k, renormalise. ids I32 [T, k], weights F32 [T, k].
   void moe_route(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids, const Tensor& weights) {
     record(OpKind::MoeRoute, {logits.buf}, {ids.buf, weights.buf, ws.buf},
@@ -453,13 +476,21 @@ class Ops {
                                 const Weight& up, const Weight& down, const Tensor& ws,
                                 const Tensor& out) = 0;
   virtual void swiglu_impl(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
-  // Defaults (ops.cpp): matmul for each product; the norm, then the products; the MoE composed from its parts.
+  // Defaults (ops.cpp): matmul for each product; the norm, then the products; the MoE and the DeltaNet recurrence
+  // composed from their parts.
   virtual void matmuls_impl(const Tensor& x, const MatmulGroup& g);
   // b invalid: rms_norm_matmuls (sum is a and is not written); else add_rms_norm_matmuls.
   virtual void norm_matmuls_impl(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
                                  const Tensor& normed, const MatmulGroup& g);
   virtual void moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
                         const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h);
+  // Default: conv1d_silu_impl, gated_delta_impl, gated_rms_norm_impl, a barrier between each.
+  virtual void conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
+                                    const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias,
+                                    const Tensor& norm_w, float eps, const DeltaShape& s, const Tensor& conv_in,
+                                    const Tensor& conv_out, const Tensor& rec_in, const Tensor& rec_out,
+                                    const Tensor& mixed, const Tensor& delta_o, const Tensor& ws, const Tensor& out,
+                                    const StateCapture& conv_cap, const StateCapture& rec_cap);
   virtual void moe_combine_impl(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
                                 const Tensor& h) = 0;
   virtual void copy_impl(const Tensor& src, const Tensor& dst) = 0;

@@ -360,6 +360,13 @@ std::vector<std::string> MetalOps::optimizations() const {
       "active: row-parallel 4-bit GEMV for decode (qmv4) where aligned",
       "active: fused expert gate/up + SiLU·mul; fused expert down + routing weight",
       "active: fused q/k RMSNorm + RoPE prep; register-resident DeltaNet scan (one state column per thread)",
+      std::string(counters_.delta_fused_calls ? "active" : "inactive") +
+          ": fused conv + recurrent update + gated norm for decode rows (conv_delta_norm: one dispatch per DeltaNet "
+          "layer at T = 1; " + std::to_string(counters_.delta_fused_calls) + " calls fused, " +
+          std::to_string(counters_.delta_composed_calls) + " composed from conv1d_silu, gated_delta_scan and "
+          "gated_rms_norm" +
+          (counters_.delta_composed_calls ? ", the last for " + counters_.delta_composed_reason : std::string()) +
+          ")",
       "active: GPU-resident routing (top-k on the GPU; ids never read by the host)",
       "active: sampling on the GPU, greedy and seeded (the id goes straight into the next step's slot)",
       "inactive: grouped expert GEMM with simdgroup matrices for prefill (experts run per (token, expert) pair)",

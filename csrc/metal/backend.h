@@ -76,6 +76,10 @@ class MetalOps final : public Ops {
     size_t wrapped_bytes = 0, copied_bytes = 0, part_copied_bytes = 0;
     int64_t max_in_flight = 0;
     int64_t mapping_windows = 0;  // Metal buffers the mappings became
+    // conv_delta_norm: calls that ran as one dispatch, calls composed from the three kernels, and why the last
+    // composed one was.
+    int64_t delta_fused_calls = 0, delta_composed_calls = 0;
+    std::string delta_composed_reason;
   };
   const Counters& counters() const { return counters_; }
   Device& metal_device() { return dev_; }
@@ -115,6 +119,12 @@ class MetalOps final : public Ops {
                         const StateCapture& capture) override;
   void gated_rms_norm_impl(const Tensor& o, const Tensor& z, const Tensor& w, float eps,
                            const Tensor& out) override;
+  void conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
+                            const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias, const Tensor& norm_w,
+                            float eps, const DeltaShape& s, const Tensor& conv_in, const Tensor& conv_out,
+                            const Tensor& rec_in, const Tensor& rec_out, const Tensor& mixed, const Tensor& delta_o,
+                            const Tensor& ws, const Tensor& out, const StateCapture& conv_cap,
+                            const StateCapture& rec_cap) override;
   void moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids,
                       const Tensor& weights) override;
   void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,

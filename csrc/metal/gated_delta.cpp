@@ -1,4 +1,5 @@
-// MetalOps: conv1d_silu and gated_delta (metal/gated_delta.metal; oracle csrc/cpu/gated_delta.cpp).
+// MetalOps: conv1d_silu, gated_delta and their fusion with gated_rms_norm, conv_delta_norm (metal/gated_delta.metal;
+// oracle csrc/cpu/gated_delta.cpp and the composed default of csrc/backend/ops.cpp).
 #include <string>
 
 #include "metal/backend.h"
@@ -15,7 +16,13 @@ struct DeltaScanShape {
       ld_cap;
 };
 static_assert(sizeof(DeltaScanShape) == 56, "DeltaScanShape must match metal/gated_delta.metal");
+struct ConvDeltaNormShape {
+  uint32_t k_heads, v_heads, Dk, Dv, K, head_threads, ld_conv_in, ld_conv_out, ld_state_in, ld_state_out;
+  float eps;
+};
+static_assert(sizeof(ConvDeltaNormShape) == 44, "ConvDeltaNormShape must match metal/gated_delta.metal");
 constexpr int64_t kMaxTaps = 16, kMaxDk = 256;  // metal/gated_delta.metal
+int64_t register_budget(int64_t Dk) { return Dk <= 32 ? 32 : Dk <= 64 ? 64 : Dk <= 128 ? 128 : 256; }
 }  // namespace
 
 void MetalOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in,
@@ -45,11 +52,50 @@ void MetalOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor
                           uint32_t(state_in.stride), uint32_t(state_out.stride), uint32_t(capture.first),
                           uint32_t(capture.count),   uint32_t(cap.stride)};
   const int64_t threads = (s.v_dim + 31) / 32 * 32;
-  const int64_t regs = s.k_dim <= 32 ? 32 : s.k_dim <= 64 ? 64 : s.k_dim <= 128 ? 128 : 256;
-  dispatch("gated_delta_scan_" + std::to_string(regs), {},
+  dispatch("gated_delta_scan_" + std::to_string(register_budget(s.k_dim)), {},
            {arg(qkv), arg(b), arg(a), arg(A_log), arg(dt_bias), arg(state_in), arg(state_out), arg(out), Arg::value(sh),
             arg(cap)},
            MTL::Size(NS::UInteger(s.v_heads), 1, 1), MTL::Size(NS::UInteger(threads), 1, 1));
+}
+
+// One dispatch for a decode row (metal/gated_delta.metal conv_delta_norm); every other call composes the three
+// kernels (the default), and the counters say which path ran and why (optimizations()).
+void MetalOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
+                                    const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias,
+                                    const Tensor& norm_w, float eps, const DeltaShape& s, const Tensor& conv_in,
+                                    const Tensor& conv_out, const Tensor& rec_in, const Tensor& rec_out,
+                                    const Tensor& mixed, const Tensor& delta_o, const Tensor& ws, const Tensor& out,
+                                    const StateCapture& conv_cap, const StateCapture& rec_cap) {
+  const int64_t head_threads = (s.v_dim + 31) / 32 * 32;
+  const int64_t threads = s.k_heads > 0 ? s.v_heads / s.k_heads * head_threads : 0;
+  const std::string kernel = "conv_delta_norm_" + std::to_string(register_budget(s.k_dim));
+  std::string why;  // empty: fused
+  if (qkv.rows != 1)
+    why = std::to_string(qkv.rows) + " rows (the fused kernel takes one decode row)";
+  else if (conv_cap.active() || rec_cap.active())
+    why = "a state capture";
+  else if (s.k_dim > kMaxDk || s.v_dim > 256 || conv_w.cols > kMaxTaps || norm_w.cols != s.v_dim ||
+           s.k_heads <= 0 || s.v_heads % s.k_heads != 0)
+    why = "shape Dk=" + std::to_string(s.k_dim) + " Dv=" + std::to_string(s.v_dim) + " K=" +
+          std::to_string(conv_w.cols) + " (fused: Dk <= 256, Dv <= 256, K <= 16)";
+  else if (threads > int64_t(dev_.pipeline(kernel)->maxTotalThreadsPerThreadgroup()))
+    why = std::to_string(threads) + " threads per key head above the pipeline's " +
+          std::to_string(dev_.pipeline(kernel)->maxTotalThreadsPerThreadgroup());
+  if (!why.empty()) {
+    ++counters_.delta_composed_calls;
+    counters_.delta_composed_reason = why;
+    return Ops::conv_delta_norm_impl(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, eps, s, conv_in, conv_out, rec_in,
+                                     rec_out, mixed, delta_o, ws, out, conv_cap, rec_cap);
+  }
+  ++counters_.delta_fused_calls;
+  const ConvDeltaNormShape sh{uint32_t(s.k_heads),       uint32_t(s.v_heads),        uint32_t(s.k_dim),
+                              uint32_t(s.v_dim),         uint32_t(conv_w.cols),      uint32_t(head_threads),
+                              uint32_t(conv_in.stride),  uint32_t(conv_out.stride),  uint32_t(rec_in.stride),
+                              uint32_t(rec_out.stride),  eps};
+  dispatch(kernel, {},
+           {arg(qkv), arg(z), arg(b), arg(a), arg(conv_w), arg(A_log), arg(dt_bias), arg(norm_w), arg(conv_in),
+            arg(conv_out), arg(rec_in), arg(rec_out), arg(out), Arg::value(sh)},
+           MTL::Size(NS::UInteger(s.k_heads), 1, 1), MTL::Size(NS::UInteger(threads), 1, 1));
 }
 
 }  // namespace lily::metal

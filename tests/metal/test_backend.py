@@ -88,7 +88,13 @@ def test_every_op_matches_cpu_backend(program, order):
     ops = set(re.findall(r"^op (\w+) ", r.stdout, re.M))
     assert ops == {"matmul", "embed", "rms_norm", "add", "add_rms_norm", "gated_rms_norm", "swiglu", "moe_combine",
                    "attn_qk_prep", "kv_append", "attention", "conv1d_silu", "gated_delta", "moe_route", "moe_experts",
-                   "copy", "fill", "advance_position", "sample", "matmuls", "moe"}, ops
+                   "copy", "fill", "advance_position", "sample", "matmuls", "moe", "conv_delta_norm"}, ops
+    # The fused DeltaNet decode kernel ran where it applies, and the composed path took the rest, with its reason.
+    paths = dict(re.findall(r"^op conv_delta_norm (.+?): path (\w+)", r.stdout, re.M))
+    assert paths["Hk=4 Hv=8 Dk=128 Dv=128 K=4 T=1 in-place"] == "fused", paths
+    assert paths["Hk=3 Hv=6 Dk=48 Dv=40 K=4 T=1"] == "fused", paths
+    assert paths["Hk=2 Hv=4 Dk=32 Dv=32 K=4 T=3 in-place capture"] == "composed", paths
+    assert "path composed (3 rows (the fused kernel takes one decode row))" in r.stdout, r.stdout
     # The no-copy path, the copied mapping and the misaligned part were each taken.
     assert "mappings wrapped 1 copied 1; parts copied 1" in r.stdout, r.stdout
     assert "leaked" not in r.stderr, r.stderr
@@ -112,6 +118,9 @@ def test_ops_within_small_device_limits(program):
     assert passed(r), r.stdout + r.stderr
     assert re.search(r"mapping buffers (\d+)", r.stdout) and int(re.search(r"mapping buffers (\d+)", r.stdout)[1]) > 2, \
         r.stdout
+    # 512 threads for one key head's four value heads do not fit in 256: that call composes the three kernels.
+    assert "op conv_delta_norm Hk=1 Hv=4 Dk=32 Dv=128 K=3 T=1 in-place: path composed (512 threads per key head " \
+           "above the pipeline's 256)" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("spec,order", [("mixed", "recorded"), ("mixed", "reversed"), ("wide", "seeded-shuffled-lanes")])
@@ -123,6 +132,10 @@ def test_tiny_model_matches_cpu_backend_end_to_end(program, spec, order):
     assert "continuation identical" in r.stdout, r.stdout
     # The decode loop kept two command buffers in flight (the CPU encodes step n+1 while step n runs).
     assert "max in flight 2" in r.stdout, r.stdout
+    # Decode rows ran the fused DeltaNet kernel; the prefill chunks composed the three kernels.
+    m = re.search(r"metal active: fused conv \+ recurrent update \+ gated norm .*; (\d+) calls fused, (\d+) composed .* the last "
+                  r"for (\d+) rows", r.stdout)
+    assert m and int(m[1]) > 0 and int(m[2]) > 0 and int(m[3]) > 1, r.stdout
     assert "leaked" not in r.stderr, r.stderr
 
 
@@ -147,12 +160,14 @@ MUTATIONS = [
      "gated_delta"),
     ("gated_delta.metal", "int(s.cap_first + i + r + 1) - int(S)", "int(s.cap_first + i + r + 2) - int(S)",
      "conv1d_silu"),
+    # The fused DeltaNet decode kernel normalises every value head with the first head's sum of squares.
+    ("gated_delta.metal", "partials[h * per_head + lane]", "partials[lane]", "conv_delta_norm"),
     # The grouped prefill experts lose every partial tile (an expert's last rows when its count is not a multiple of 8).
     ("matmul.metal", "tile_run += (c + int(kTileRows) - 1) / int(kTileRows);", "tile_run += c / int(kTileRows);",
      "moe_experts"),
 ]
 # The other kernel files each op's run needs besides the mutated one.
-NEEDS = {"moe_experts": ["moe.metal"]}
+NEEDS = {"moe_experts": ["moe.metal"], "conv_delta_norm": ["norm.metal"]}  # its composed path: gated_rms_norm
 
 
 @pytest.mark.parametrize("name,old,new,op", MUTATIONS, ids=[f"{m[3]}-{i}" for i, m in enumerate(MUTATIONS)])

@@ -423,6 +423,79 @@ int run_ops(const std::string& msl) {
     check_f32(b, "gated_delta", name + " captured states", rcap, 1e-5);
   }
 
+  // ---- conv_delta_norm: the DeltaNet recurrence as one op. Against the CPU (which composes the three ops), and the
+  // fused decode kernel against Metal's own three kernels bit for bit (the same inputs through conv1d_silu,
+  // gated_delta, gated_rms_norm in one Metal step). Prints the path each case took (the host's counters). ----
+  struct CdnCase { int64_t Hk, Hv, Dk, Dv, K, T; bool in_place, capture; };
+  for (const auto& c : std::vector<CdnCase>{{4, 8, 128, 128, 4, 1, true, false},     // a real key head (4 of 16: buffers ≤ 1 MiB)
+                                            {3, 6, 48, 40, 4, 1, false, false},     // padded heads, Dk not /16
+                                            {1, 4, 32, 128, 3, 1, true, false},     // 512 threads per key head
+                                            {2, 2, 16, 24, 2, 1, false, false},     // g = 1, two taps
+                                            {2, 4, 32, 32, 4, 3, true, true}}) {    // prefill rows with captures
+    if (!wanted("conv_delta_norm")) break;
+    const std::string name = "Hk=" + std::to_string(c.Hk) + " Hv=" + std::to_string(c.Hv) + " Dk=" + std::to_string(c.Dk) +
+                             " Dv=" + std::to_string(c.Dv) + " K=" + std::to_string(c.K) + " T=" + std::to_string(c.T) +
+                             (c.in_place ? " in-place" : "") + (c.capture ? " capture" : "");
+    const int64_t C = 2 * c.Hk * c.Dk + c.Hv * c.Dv, VD = c.Hv * c.Dv;
+    auto qkv = b.f32(c.T, C), z = b.f32(c.T, VD), bb = b.f32(c.T, c.Hv, 2.f), aa = b.f32(c.T, c.Hv, 2.f);
+    auto cw = b.f32(C, c.K, 0.5f), Al = b.f32(1, c.Hv), dt = b.f32(1, c.Hv), nw = b.f32(1, c.Dv);
+    auto cs = b.f32(c.K - 1, C), S = b.f32(c.Hv * c.Dk, c.Dv, 0.5f);
+    auto cs2 = c.in_place ? cs : b.alloc(DType::F32, c.K - 1, C);
+    auto S2 = c.in_place ? S : b.alloc(DType::F32, c.Hv * c.Dk, c.Dv);
+    auto mixed = b.alloc(DType::F32, c.T, C), dout = b.alloc(DType::F32, c.T, VD), out = b.alloc(DType::F32, c.T, VD);
+    const int64_t cap_first = c.T / 3, cap_count = c.capture ? c.T - c.T / 3 : 0;
+    auto ccap = b.alloc(DType::F32, std::max<int64_t>(cap_count, 1) * (c.K - 1), C);
+    auto rcap = b.alloc(DType::F32, std::max<int64_t>(cap_count, 1) * c.Hv * c.Dk, c.Dv);
+    ModelConfig cfg;
+    cfg.lin_k_dim = c.Dk, cfg.lin_v_dim = c.Dv;
+    auto ws = b.alloc(DType::F32, 1, int64_t(cpu::delta_workspace_bytes(cfg, 1) / 4 + 16));
+    const DeltaShape ds{c.Hk, c.Hv, c.Dk, c.Dv, c.K, 1e-6f};
+    const Phase ph = c.T == 1 ? Phase::Decode : Phase::Prefill;
+    // Metal's three kernels first, out of place (the fused run below may update the states in place).
+    metal::MetalOps& mt = b.mtl;
+    const Tensor ucs = mt.alloc("t", DType::F32, c.K - 1, C), uS = mt.alloc("t", DType::F32, c.Hv * c.Dk, c.Dv);
+    const Tensor umixed = mt.alloc("t", DType::F32, c.T, C), udo = mt.alloc("t", DType::F32, c.T, VD),
+                 uout = mt.alloc("t", DType::F32, c.T, VD);
+    const Tensor uccap = mt.alloc("t", DType::F32, std::max<int64_t>(cap_count, 1) * (c.K - 1), C);
+    const Tensor urcap = mt.alloc("t", DType::F32, std::max<int64_t>(cap_count, 1) * c.Hv * c.Dk, c.Dv);
+    mt.begin(ph);
+    mt.conv1d_silu(qkv.m, cw.m, cs.m, ucs, umixed, StateCapture{uccap, cap_first, cap_count});
+    mt.gated_delta(umixed, bb.m, aa.m, Al.m, dt.m, S.m, uS, ds, ws.m, udo, StateCapture{urcap, cap_first, cap_count});
+    mt.gated_rms_norm(udo, z.m, nw.m, 1e-6f, uout);
+    mt.wait(mt.submit());
+    const int64_t fused0 = mt.counters().delta_fused_calls;
+    b.run(ph, [&](Ops& o, bool m) {
+      auto p = [m](const Both::T2& t) { return m ? t.m : t.c; };
+      o.conv_delta_norm(p(qkv), p(z), p(bb), p(aa), p(cw), p(Al), p(dt), p(nw), 1e-6f, ds, p(cs), p(cs2), p(S), p(S2),
+                        p(mixed), p(dout), p(ws), p(out), StateCapture{p(ccap), cap_first, cap_count},
+                        StateCapture{p(rcap), cap_first, cap_count});
+    });
+    const bool fused = mt.counters().delta_fused_calls > fused0;
+    printf("op conv_delta_norm %s: path %s%s\n", name.c_str(), fused ? "fused" : "composed",
+           fused ? "" : (" (" + mt.counters().delta_composed_reason + ")").c_str());
+    check_f32(b, "conv_delta_norm", name + " out", out, 1e-5);
+    check_f32(b, "conv_delta_norm", name + " conv state", cs2, 0);
+    check_f32(b, "conv_delta_norm", name + " recurrent state", S2, 1e-5);
+    if (c.capture) {
+      check_f32(b, "conv_delta_norm", name + " captured conv states", ccap, 0);
+      check_f32(b, "conv_delta_norm", name + " captured recurrent states", rcap, 1e-5);
+    }
+    // Bit for bit against Metal's unfused kernels.
+    auto same = [&](const char* what, const Tensor& fused_t, const Tensor& unfused_t) {
+      std::vector<float> f(size_t(fused_t.rows * fused_t.cols)), u(f.size());
+      mt.download(fused_t, f.data());
+      mt.download(unfused_t, u.data());
+      size_t diff = 0;
+      for (size_t i = 0; i < f.size(); ++i) diff += std::memcmp(&f[i], &u[i], 4) != 0;
+      printf("op conv_delta_norm %s %s vs unfused metal: %zu of %zu differ %s\n", name.c_str(), what, diff, f.size(),
+             diff ? "FAIL" : "ok");
+      g_failures += diff != 0;
+    };
+    same("out", out.m, uout);
+    same("conv state", cs2.m, ucs);
+    same("recurrent state", S2.m, uS);
+  }
+
   // ---- MoE: routing and the experts ----
   struct MoeCase { int64_t T, E, k, H, I; std::string fmt; Phase ph; };
   for (const auto& c : std::vector<MoeCase>{{5, 6, 3, 96, 48, "bf16", Phase::Prefill}, {1, 40, 8, 128, 64, "q4g64-bf16", Phase::Decode},
@@ -761,6 +834,8 @@ int run_model(const std::string& msl, const std::string& spec) {
          "max in flight %lld\n", spec.c_str(), (long long)ds.ops, (long long)ds.stages, (long long)k.last_dispatches,
          (long long)k.last_barriers, (long long)k.max_in_flight);
   printf("model %s metal prefill chunk: %lld ops, %lld stages\n", spec.c_str(), (long long)ps.ops, (long long)ps.stages);
+  for (const std::string& line : mtl_ops.optimizations())
+    if (line.find("conv_delta_norm") != std::string::npos) printf("model %s metal %s\n", spec.c_str(), line.c_str());
   // Snapshot, run on, restore: the same continuation again, on Metal and equal to the CPU's.
   auto snap = ms.snapshot();
   std::vector<int32_t> a, b2;
