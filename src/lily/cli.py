@@ -149,7 +149,8 @@ def cmd_serve(args) -> int:
     for field in ("max_context", "max_concurrency", "default_max_tokens"):
         if getattr(config, field) < 1:
             raise LilyError(f"--{field.replace('_', '-')} must be >= 1")
-    for field in ("max_queue", "prefix_cache_bytes", "prefix_cache_disk_bytes", "prefix_cache_interval", "keep_sessions"):
+    for field in ("max_queue", "prefix_cache_bytes", "prefix_cache_disk_bytes", "prefix_cache_interval",
+                  "keep_sessions"):
         if getattr(config, field) < 0:
             raise LilyError(f"--{field.replace('_', '-')} must be >= 0")
     if not config.request_timeout > 0:

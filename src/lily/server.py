@@ -4,7 +4,8 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/m
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (JSON, or Prometheus text with
 ``?format=prometheus`` or ``Accept: text/plain``).
 
-Scheduling: every request gets its own :class:`lily.Session` (sized for its prompt and max_tokens) driven
+Scheduling: every request gets its own :class:`lily.Session` (sized for its prompt and max_tokens, rounded up
+to a power of two so a conversation's turns can reuse the engine's kept session states: ``keep_sessions``) driven
 by its own worker thread; the engine lock serialises forwards, so concurrent generations interleave step
 by step. At most ``max_concurrency`` generations run at once; up to ``max_queue`` more wait for a slot,
 and a request beyond that is answered 429 at once. A request that is not finished ``request_timeout``
