@@ -304,6 +304,30 @@ def test_three_turns_hit_the_prefix_cache_and_match_a_cold_run(live, engine):
     assert 0 < after["bytes"] <= after["max_bytes"]
 
 
+def test_requests_share_a_rounded_session_shape_and_keep_states(live, engine, monkeypatch):
+    # Two prompts of different lengths ask for one session shape (prompt + max_tokens rounded up to a power of
+    # two), so the second can restore into the state the first left (Engine.keep_sessions, set by the server).
+    assert [live.lily.session_context(n) for n in (1, 2, 33, 64, 65, 600, 5000)] == [1, 2, 64, 64, 128, 1024, 1024]
+    sizes = []
+    make = engine.session
+
+    def session(max_context=4096, **kw):
+        sizes.append(max_context)
+        return make(max_context=max_context, **kw)
+
+    monkeypatch.setattr(engine, "session", session)
+    client = live.openai()
+    for question in ["Name a colour.", "Name a colour and a number, please."]:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                       max_tokens=4, temperature=0)
+    assert len(sizes) == 2 and sizes[0] == sizes[1] == 32  # prompts of ~20 and ~25 tokens, + 4
+    m = live.wait_idle()
+    assert m["keep_sessions"] == engine.keep_sessions == 2 and 1 <= m["kept_sessions"] <= 2
+    assert engine.report()["keep_sessions"] == {"max": 2, "kept": m["kept_sessions"]}
+    text = httpx.get(live.base + "/metrics", params={"format": "prometheus"}).text
+    assert "lily_keep_sessions 2" in text and f"lily_kept_sessions {m['kept_sessions']}" in text
+
+
 def test_a_restarted_server_finds_the_spilled_prefix_cache(engine, tmp_path):
     # A memory budget of about one checkpoint: each new conversation evicts the last one to the disk tier.
     # A second server on the same folder then answers the first conversation's next turn from a file.

@@ -145,11 +145,12 @@ def cmd_serve(args) -> int:
                           default_max_tokens=args.default_max_tokens, chat_template=template,
                           prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
                           prefix_cache_disk_bytes=args.prefix_cache_disk_bytes,
-                          prefix_cache_interval=args.prefix_cache_interval)
+                          prefix_cache_interval=args.prefix_cache_interval, keep_sessions=args.keep_sessions)
     for field in ("max_context", "max_concurrency", "default_max_tokens"):
         if getattr(config, field) < 1:
             raise LilyError(f"--{field.replace('_', '-')} must be >= 1")
-    for field in ("max_queue", "prefix_cache_bytes", "prefix_cache_disk_bytes", "prefix_cache_interval"):
+    for field in ("max_queue", "prefix_cache_bytes", "prefix_cache_disk_bytes", "prefix_cache_interval",
+                  "keep_sessions"):
         if getattr(config, field) < 0:
             raise LilyError(f"--{field.replace('_', '-')} must be >= 0")
     if not config.request_timeout > 0:
@@ -234,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="budget of the files in --prefix-cache-dir (default 4 GiB)")
     s.add_argument("--prefix-cache-interval", type=int, default=4096,
                    help="also checkpoint every this many tokens of a long prompt (default 4096; 0: off)")
+    s.add_argument("--keep-sessions", type=int, default=2,
+                   help="closed requests' session states kept for the next request, so a warm turn restores into "
+                        "one already holding its KV rows (default 2; 0: the engine's own setting)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(fn=cmd_serve)
 

@@ -360,6 +360,11 @@ class Engine:
         self._sessions.add(s)
         return s
 
+    def kept_sessions(self) -> int:
+        """How many closed sessions' states are kept for reuse now (``keep_sessions`` at most)."""
+        with self._idle_lock:
+            return len(self._idle)
+
     def _take_idle(self, max_context: int, chunk: int):
         """A kept session state of this shape whose KV rows no live snapshot shares (those are kept for the
         restores that can use them, _swap_for_restore); or None."""
@@ -546,6 +551,8 @@ class Engine:
             "tied_embeddings": self.config.tie_word_embeddings,
             "lm_head": self._lm_head.report(),
             "mtp": dict(_mtp_report(core["mtp"], self.checkpoint.mtp_bytes), policy=self._mtp.report()),
+            # Closed sessions' state kept for reuse (a warm prefix-cache turn restores into one holding its rows).
+            "keep_sessions": {"max": self.keep_sessions, "kept": self.kept_sessions()},
             "skipped_tensors": dict(self.checkpoint.skipped),
             "tokenizer": "none" if tok is None else f"{tok.vocab_size} tokens, stop ids {tok.stop_token_ids}",
             "backends": {name: b["status"] for name, b in backends().items()},

@@ -4,7 +4,8 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/m
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (JSON, or Prometheus text with
 ``?format=prometheus`` or ``Accept: text/plain``).
 
-Scheduling: every request gets its own :class:`lily.Session` (sized for its prompt and max_tokens) driven
+Scheduling: every request gets its own :class:`lily.Session` (sized for its prompt and max_tokens, rounded up
+to a power of two so a conversation's turns can reuse the engine's kept session states: ``keep_sessions``) driven
 by its own worker thread; the engine lock serialises forwards, so concurrent generations interleave step
 by step. At most ``max_concurrency`` generations run at once; up to ``max_queue`` more wait for a slot,
 and a request beyond that is answered 429 at once. A request that is not finished ``request_timeout``
@@ -207,6 +208,10 @@ class ServerConfig:
     prefix_cache_dir: str | None = None  # the disk tier: evicted checkpoints spill here (a restarted server finds them)
     prefix_cache_disk_bytes: int = 4 << 30  # budget of the files in prefix_cache_dir
     prefix_cache_interval: int = 4096  # also checkpoint every this many tokens of a long prefill; 0: off
+    # Closed requests' session state the engine keeps for the next request (Engine.keep_sessions): a warm turn
+    # restores into a kept state that already holds the conversation's KV rows instead of copying them into
+    # fresh pages. Raised on the engine to this if it keeps fewer; 0 leaves the engine as it is.
+    keep_sessions: int = 2
 
 
 def _rss_bytes() -> int:
@@ -298,6 +303,8 @@ class LilyServer:
         self.cache = (PrefixCache(engine, c.prefix_cache_bytes, disk_dir=c.prefix_cache_dir,
                                   disk_bytes=c.prefix_cache_disk_bytes, checkpoint_interval=c.prefix_cache_interval)
                       if c.prefix_cache_bytes else None)
+        if c.keep_sessions > engine.keep_sessions:
+            engine.keep_sessions = c.keep_sessions
         self.active = 0
         self.waiting = 0
         self._slots: asyncio.Semaphore | None = None
@@ -314,6 +321,13 @@ class LilyServer:
         if s is None:
             s = self._token_text[tok] = self.engine.tokenizer.decode([tok])
         return s
+
+    def session_context(self, need: int) -> int:
+        """A request's session size: prompt + max_tokens rounded up to a power of two (at most max_context), so
+        the turns of a conversation ask for the same shape and restore into a kept session state (only a state
+        of the same max_context is reused). The KV cache's pages become resident only as rows are written, so
+        the rounding costs address space, not memory."""
+        return min(self.config.max_context, 1 << max(0, need - 1).bit_length())
 
     # ---- prompts ----
     def render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict,
@@ -378,7 +392,7 @@ class LilyServer:
         """Runs on the request's own thread: prefill, then one token at a time until done or cancelled."""
         req, session, finish = job.req, None, None
         try:
-            session = self.engine.session(max_context=len(req.ids) + req.max_tokens)
+            session = self.engine.session(max_context=self.session_context(len(req.ids) + req.max_tokens))
 
             def progress(done: int, total: int) -> bool:
                 return not job.cancel.is_set() and time.monotonic() < job.deadline
@@ -1148,6 +1162,9 @@ def _prometheus(m: dict) -> str:
            [(f'{{endpoint="{r["endpoint"]}",status="{r["status"]}"}}', r["count"]) for r in m["requests"]])
     metric("prompt_tokens_total", "counter", "prompt tokens prefilled", [("", m["prompt_tokens"])])
     metric("completion_tokens_total", "counter", "tokens generated", [("", m["completion_tokens"])])
+    metric("kept_sessions", "gauge", "closed sessions' states kept for reuse", [("", m["kept_sessions"])])
+    metric("keep_sessions", "gauge", "how many closed sessions' states the engine keeps at most",
+           [("", m["keep_sessions"])])
     metric("requests_rejected_total", "counter", "requests answered 429 (queue full)", [("", m["rejected"])])
     metric("requests_timed_out_total", "counter", "requests past request_timeout", [("", m["timed_out"])])
     metric("requests_cancelled_total", "counter", "generations stopped by a client disconnect",
@@ -1245,7 +1262,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         data.update(active=server.active, queued=server.waiting, max_concurrency=server.config.max_concurrency,
                     max_queue=server.config.max_queue, rss_bytes=_rss_bytes(),
                     uptime_s=round(time.time() - m.started, 3),
-                    prefix_cache=server.cache.stats() if server.cache is not None else None)
+                    prefix_cache=server.cache.stats() if server.cache is not None else None,
+                    kept_sessions=server.engine.kept_sessions(), keep_sessions=server.engine.keep_sessions)
         fmt = request.query_params.get("format")
         if fmt == "prometheus" or (fmt is None and "text/plain" in request.headers.get("accept", "")):
             return PlainTextResponse(_prometheus(data), media_type="text/plain; version=0.0.4")
