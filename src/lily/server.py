@@ -325,8 +325,9 @@ class LilyServer:
     def session_context(self, need: int) -> int:
         """A request's session size: prompt + max_tokens rounded up to a power of two (at most max_context), so
         the turns of a conversation ask for the same shape and restore into a kept session state (only a state
-        of the same max_context is reused). The KV cache's pages become resident only as rows are written, so
-        the rounding costs address space, not memory."""
+        of the same max_context is reused). On the CPU backend the KV cache's pages become resident only as rows
+        are written, so the rounding costs address space; a GPU backend allocates the rounded size (under 2x the
+        request's KV rows)."""
         return min(self.config.max_context, 1 << max(0, need - 1).bit_length())
 
     # ---- prompts ----
