@@ -62,6 +62,15 @@ struct CudaOptions {
   // Decode: the RMSNorm in front of a layer's projections (Ops::rms_norm_matmuls / add_rms_norm_matmuls) done by
   // every block of their GEMV launch; false: the norm's own launch, then the GEMV (the same bits).
   bool fused_norm = true;
+  // Decode: a DeltaNet layer's conv + recurrent update + gated RMSNorm (Ops::conv_delta_norm) as one launch per
+  // layer; false: the three kernels (the same bits).
+  bool fused_delta = true;
+  // Prefill: the chunked (WY / UT-transform) DeltaNet form for long calls without a state capture; false: the
+  // sequential scan for every length.
+  bool delta_chunked = true;
+  // Prefill GEMMs (dense and MoE): the activations enter the tensor cores as 2 bf16 terms (hi + lo, ~1e-5
+  // relative) or 1 (bf16, ~1.5e-3 relative, half the MMAs).
+  int prefill_x_terms = 2;
   // Programmatic dependent launch (sm_90+). Off by default: measured slower on the H200 (benchmarks/NOTES.md,
   // decode -4%, prefill at 4K -39%: the early-scheduled blocks of the next kernel sit on SM resources).
   bool pdl = false;
