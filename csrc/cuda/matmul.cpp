@@ -17,8 +17,8 @@
 // - GEMM weight staging (WM in matmul.cu): affine with GROUP % 16 == 0 tiling the 64-wide K block (or
 //   tiled by it) keeps integer codes (exact in bf16) and applies scale and bias per group in fp32; dense
 //   bf16 is staged as is; dense f32/f16 and other affine groups as bf16 hi + lo of the fp32 value. x is
-//   always hi + lo (kXSplit = 2): measured-to-be error ~1e-5 instead of ~1.5e-3 for plain bf16 x, at twice
-//   the MMAs.
+//   hi + lo (kXSplit = 2, error ~1e-5) unless the backend option prefill_x_terms = 1 asks for plain bf16 x
+//   (error ~1.5e-3, half the MMAs) in prefill GEMMs; decode GEMVs keep hi + lo.
 // Module defines come from the weight alone (K, BITS, DT, GROUP, AL, SAL, XS): one module serves both
 // phases for one (K, format, alignment); the real Qwen3.6 checkpoint needs about six.
 #include <algorithm>
@@ -185,7 +185,9 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
   }
   const int dt = w.quantized() ? dtype_code(w.scale_dtype) : dtype_code(w.dtype);
   v.defines = {{"K", w.cols}, {"BITS", w.quantized() ? w.bits : 0}, {"DT", dt},
-               {"GROUP", w.quantized() ? w.group : 0}, {"AL", al}, {"SAL", sal}, {"XS", kXSplit}};
+               {"GROUP", w.quantized() ? w.group : 0}, {"AL", al}, {"SAL", sal},
+               {"XS", v.gemm ? ops.options().prefill_x_terms : kXSplit}};
+  const int xs = int(v.defines.back().second);
 
   const std::string kind = w.quantized() ? "q" + std::to_string(w.bits) : dtype_name(w.dtype);
   std::string fmt = w.quantized() ? "g" + std::to_string(w.group) + "_" + dtype_name(w.scale_dtype) + "s" : "";
@@ -217,13 +219,13 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
   } else {
     const bool codes = w.quantized() && w.group % 16 == 0 && (w.group % kGemmBK == 0 || kGemmBK % w.group == 0);
     const std::string mode = codes ? "codes" : (!w.quantized() && w.dtype == DType::BF16) ? "bf16" : "split";
-    v.name = "gemm_" + kind + "_mma_" + mode + (fmt.empty() ? "" : "_" + fmt) + "_x" + std::to_string(kXSplit) +
+    v.name = "gemm_" + kind + "_mma_" + mode + (fmt.empty() ? "" : "_" + fmt) + "_x" + std::to_string(xs) +
              ld_suffix + sc_suffix;
     v.reason = std::string("mma.sync m16n8k16 bf16, tile 64x128x64, next K block prefetched into registers during the "
                            "MMAs, 2 blocks per SM, ") +
                (codes ? "integer codes with fp32 per-group scale/bias"
                       : mode == "bf16" ? "bf16 weights as stored" : "weights as bf16 hi+lo") +
-               ", x as " + (kXSplit == 2 ? "bf16 hi+lo" : "bf16") + ", " + loads + sc_reason;
+               ", x as " + (xs == 2 ? "bf16 hi+lo" : "one bf16 term (prefill_x_terms = 1)") + ", " + loads + sc_reason;
   }
   return v;
 }

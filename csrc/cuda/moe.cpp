@@ -135,7 +135,7 @@ void CudaOps::moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, 
 namespace {
 
 // The kernels' constants for this weight format, shape and phase (and whether 16-byte loads are legal).
-ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned) {
+ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned, int x_terms) {
   const int64_t E = gate.experts, H = gate.cols, I = gate.rows;
   const int cpv = codes_per_vector(gate);
   ExpertsVariant v;
@@ -158,14 +158,16 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
                {"ROWS_G", v.rows_g},
                {"ROWS_D", kDecodeRowsDown},
                {"LPR", lpr},
-               {"BM", v.bm}};
+               {"BM", v.bm},
+               {"XS", phase == Phase::Prefill ? x_terms : 2}};
   const std::string fmt = gate.describe() + (aligned ? ", 16-byte loads" : ", byte loads (unaligned weights)");
   if (phase == Phase::Decode)
     v.text = "moe_gate_up_decode (" + std::to_string(v.rows_g) + " gate+up rows per warp) + moe_down_decode (" +
              std::to_string(lpr) + " lanes per expert row, " + std::to_string(kDecodeRowsDown) +
              " rows per block), " + fmt;
   else
-    v.text = "moe_group + moe_gate_up_mma / moe_down_mma (mma.sync m16n8k16 bf16, x as hi + lo bf16, " +
+    v.text = "moe_group + moe_gate_up_mma / moe_down_mma (mma.sync m16n8k16 bf16, x as " +
+             std::string(x_terms == 2 ? "hi + lo bf16" : "one bf16 term (prefill_x_terms = 1)") + ", " +
              std::string(gate.quantized() ? "exact codes with fp32 per-group scale/bias"
                          : gate.dtype == DType::BF16 ? "exact bf16 weights"
                                                      : "weights as hi + lo bf16") +
@@ -257,7 +259,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   MoeArgs a = experts_args(x, ids, weights, gate, up, down, ws, out, what, aligned);
   if (T == 0) return;
   const Phase ph = phase();
-  const ExpertsVariant v = select_experts(gate, T, k, ph, aligned);
+  const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().prefill_x_terms);
   if (ph == Phase::Decode) {
     note_variant("moe.experts.decode", v.text);
     const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
@@ -341,7 +343,7 @@ void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tenso
   a.logits_stride = router_logits.stride;
   a.sgate = ptr(shared_gate_logit);
   a.sgate_stride = shared_gate_logit.stride;
-  ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned);
+  ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned, 2);
   v.defines.push_back({"FUSED", 1});
   note_variant("moe.block.decode", "fused, 2 launches: routing in every block + the shared expert as slot k of " +
                                        v.text + ", the down pass adding σ(gate)·shared and the residual");

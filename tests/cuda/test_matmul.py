@@ -393,3 +393,60 @@ def test_norm_matmuls(benches, what, parts, k, add):
     notes = {key: v for key, v in benches[1].report()["variants"].items() if key.startswith(op + ".decode.")}
     fused = k % 4 == 0
     assert any(v.startswith("one launch") == fused for v in notes.values()), notes
+
+
+# ------------------------------------------------------------------------------------------------
+# prefill_x_terms = 1: the prefill GEMM takes x as one bf16 term
+# ------------------------------------------------------------------------------------------------
+
+def _scalars64(stored: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bf16":
+        return (stored.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return stored.astype(np.float64)
+
+
+def one_term_bound(x: np.ndarray, desc: dict, w64: np.ndarray) -> np.ndarray:
+    """Per-output bound for x rounded once to bf16 (|x − bf16(x)| ≤ 2^-9·|x|). The rounded x multiplies the
+    weights' integer-code part s·q = w − b (the bias term b·Σx uses the fp32 x), or the dense weight itself;
+    2e-5·Σ|x·w| covers the fp32 accumulation and a weight's hi + lo split."""
+    ax = np.abs(x.astype(np.float64))
+    if desc["kind"] == "affine":
+        b = np.repeat(_scalars64(desc["biases"], desc["scale_dtype"]), desc["group"], axis=1)
+        rounded_part = np.abs(w64 - b)
+    else:
+        rounded_part = np.abs(w64)
+    return 2.0 ** -9 * 1.01 * (ax @ rounded_part.T) + 2e-5 * (ax @ np.abs(w64).T)
+
+
+@pytest.fixture(scope="module")
+def one_term():
+    return core.OpBench("cuda", {"prefill_x_terms": 1})
+
+
+@pytest.mark.parametrize("spec,n,k", [("q4g64-bf16", 8192, 2048), ("q4g64-bf16", 2048, 4096), ("q8g64-f16", 100, 192),
+                                      ("q4g32-f32", 300, 1088), ("bf16", 1000, 192), ("f32", 3, 1088),
+                                      ("f16", 100, 130)])
+def test_prefill_one_x_term(benches, one_term, spec, n, k):
+    """Within the bf16-rounding bound of every output (not the 2-term tolerance: the lo term is really gone),
+    deterministic, rows independent of T (chunks of 7 = one batch), decode untouched (hi + lo)."""
+    cpu, gpu2 = benches
+    rng = np.random.default_rng(zlib.crc32(f"x1 {spec} {n} {k}".encode()))
+    desc, w64 = make_weight(rng, spec, n, k)
+    x = make_x(rng, 130, k)
+    ref = _run(cpu, desc, x, "prefill").astype(np.float64)
+    got = _run(one_term, desc, x, "prefill")
+    assert np.isfinite(got).all()
+    err = np.abs(got.astype(np.float64) - ref)
+    bound = one_term_bound(x, desc, w64)
+    worst = float((err / bound).max())
+    assert worst <= 1.0, f"{spec} [{n}, {k}]: error {worst:.3g} of the one-term bound"
+    assert _rel(got, ref) > TOL["prefill"], "prefill_x_terms = 1 did not change the GEMM (still hi + lo?)"
+    again = _run(one_term, desc, x, "prefill")
+    assert np.array_equal(got.view(np.uint32), again.view(np.uint32)), "not deterministic"
+    chunks = np.concatenate([_run(one_term, desc, x[i:i + 7], "prefill") for i in range(0, 130, 7)])
+    assert np.array_equal(got.view(np.uint32), chunks.view(np.uint32)), "chunks of 7 vs one batch"
+    # Decode keeps x as hi + lo under this option: the 2-term bench's bits.
+    d1, d2 = _run(one_term, desc, x[:3], "decode"), _run(gpu2, desc, x[:3], "decode")
+    assert np.array_equal(d1.view(np.uint32), d2.view(np.uint32)), "decode changed with prefill_x_terms"
+    notes = [v for key, v in _variants(one_term.report()).items() if key.startswith("matmul.prefill.")]
+    assert any("_x1" in v for v in notes), notes

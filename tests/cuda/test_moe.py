@@ -354,3 +354,34 @@ def str_variants(report) -> dict:
             if found:
                 return found
     return {}
+
+
+# ------------------------------------------------------------------------------------------------
+# prefill_x_terms = 1: the MoE GEMMs take the activations as one bf16 term
+# ------------------------------------------------------------------------------------------------
+
+ONE_TERM_TOL = 4 * 2.0 ** -9  # u = 2^-9 per rounding; it enters 3 times (x for gate and up, act for down)
+
+
+@pytest.fixture(scope="module")
+def one_term_benches():
+    return core.OpBench("cpu"), core.OpBench("cuda", {"prefill_x_terms": 1})
+
+
+@pytest.mark.parametrize("spec,E,k,H,I", [c for c in EXPERT_CASES if c[0] in ("q4g64-bf16", "f16", "q4g32-f32")])
+def test_experts_prefill_one_x_term(one_term_benches, spec, E, k, H, I):
+    """Within the bf16-rounding tolerance and clearly outside the 2-term one (the lo term is gone);
+    deterministic; a token's output independent of the call (T = 7 = the first 7 rows of T = 80); decode
+    unchanged (fp32)."""
+    handles = weights_for(one_term_benches, spec, E, k, H, I)
+    x, ids, w = token_inputs(31, E, k, H, 80)
+    cpu, gpu = run_experts(one_term_benches, handles, "prefill", x, ids, w, E, k, H, I)
+    err = rel_err(gpu, cpu)
+    assert PREFILL_TOL < err < ONE_TERM_TOL, f"prefill one-term {spec} E={E}: relative error {err:.3g}"
+    _, again = run_experts(one_term_benches, handles, "prefill", x, ids, w, E, k, H, I)
+    np.testing.assert_array_equal(again.view(np.uint32), gpu.view(np.uint32))
+    _, part = run_experts(one_term_benches, handles, "prefill", x[:7], ids[:7], w[:7], E, k, H, I)
+    np.testing.assert_array_equal(part.view(np.uint32), gpu[:7].view(np.uint32))
+    cpu_d, gpu_d = run_experts(one_term_benches, handles, "decode", x[:1], ids[:1], w[:1], E, k, H, I)
+    assert rel_err(gpu_d, cpu_d) < 1e-5, "decode must stay fp32 under prefill_x_terms = 1"
+    assert "one bf16 term (prefill_x_terms = 1)" in str(one_term_benches[1].report())

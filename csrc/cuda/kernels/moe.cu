@@ -582,7 +582,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const MoeArgs a) {
 // Prefill 2/3: grouped GEMM on tensor cores, mma.sync m16n8k16 bf16 × bf16 -> f32 (the matmul family's
 // operand scheme, kernels/matmul.cu matmul_gemm).
 //   A = the activation rows (x gathered, or act), f32 split into two bf16 terms hi = bf16(v), lo =
-//       bf16(v − hi): |v − hi − lo| ≤ 2^-17·|v|; two MMAs per step, x_hi·W and x_lo·W.
+//       bf16(v − hi): |v − hi − lo| ≤ 2^-17·|v|; two MMAs per step, x_hi·W and x_lo·W. With -D XS=1 (the
+//       backend option prefill_x_terms = 1) only hi: |v − hi| ≤ 2^-9·|v|, one MMA per step.
 //   B = the weights, by MMA_WM:
 //     0 (affine): the integer codes, exact in bf16 (q ≤ 255). D_g = Σ_{k ∈ g} x·q accumulates in its own
 //       fp32 fragment set, folded in at the group's end as acc += s_g·D_g; acc += b_g·Σx at the end of each
@@ -594,6 +595,9 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const MoeArgs a) {
 //   Error per product ≲ 2^-17 relative, in random directions: ~3e-6 relative per GEMM against the fp32 CPU.
 
 #define MMA_NT 256  // threads of a GEMM block (8 warps; moe.cpp kMmaThreads must match)
+#ifndef XS
+#define XS 2  // activation terms: 2 = bf16 hi + lo (two MMAs per step), 1 = bf16 (one MMA, lo never computed)
+#endif
 
 #if WKIND == 1
 #define MMA_WM 0
@@ -627,7 +631,7 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
   constexpr int BROWS = NMAT * BN, B_CH = BROWS * BK / CPV, B_PER = (B_CH + MMA_NT - 1) / MMA_NT;
   constexpr int KT = (KDIM + BK - 1) / BK;
   __shared__ __align__(16) u16 Ah[BM * PITCH];
-  __shared__ __align__(16) u16 Al[BM * PITCH];
+  __shared__ __align__(16) u16 Al[XS == 2 ? BM * PITCH : 8];
   __shared__ __align__(16) u16 Bh[BROWS * PITCH];
 #if MMA_WM == 2
   __shared__ __align__(16) u16 Bl[BROWS * PITCH];
@@ -726,7 +730,7 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
       split2_bf16(ra[i].z, ra[i].w, h1, l1);
       if (c < A_CH) {
         *reinterpret_cast<uint2*>(&Ah[row * PITCH + col]) = make_uint2(h0, h1);
-        *reinterpret_cast<uint2*>(&Al[row * PITCH + col]) = make_uint2(l0, l1);
+        if (XS == 2) *reinterpret_cast<uint2*>(&Al[row * PITCH + col]) = make_uint2(l0, l1);
       }
 #if MMA_WM == 0
       // Σx over each group part of the row: LP neighbouring lanes (a row's BK/4 chunks are consecutive
@@ -833,10 +837,12 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
         ah[i][1] = Ah32[(rb0 + 8) * (PITCH / 2) + w0];
         ah[i][2] = Ah32[rb0 * (PITCH / 2) + w0 + 4];
         ah[i][3] = Ah32[(rb0 + 8) * (PITCH / 2) + w0 + 4];
-        al[i][0] = Al32[rb0 * (PITCH / 2) + w0];
-        al[i][1] = Al32[(rb0 + 8) * (PITCH / 2) + w0];
-        al[i][2] = Al32[rb0 * (PITCH / 2) + w0 + 4];
-        al[i][3] = Al32[(rb0 + 8) * (PITCH / 2) + w0 + 4];
+        if (XS == 2) {
+          al[i][0] = Al32[rb0 * (PITCH / 2) + w0];
+          al[i][1] = Al32[(rb0 + 8) * (PITCH / 2) + w0];
+          al[i][2] = Al32[rb0 * (PITCH / 2) + w0 + 4];
+          al[i][3] = Al32[(rb0 + 8) * (PITCH / 2) + w0 + 4];
+        }
       }
 #pragma unroll
       for (int m = 0; m < NMAT; ++m)
@@ -855,7 +861,7 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
             float* c = acc[m][i][j];
 #endif
             moe_mma_bf16(c, ah[i], bh);
-            moe_mma_bf16(c, al[i], bh);
+            if (XS == 2) moe_mma_bf16(c, al[i], bh);
 #if MMA_WM == 2
             moe_mma_bf16(c, ah[i], bl);
 #endif
