@@ -68,9 +68,10 @@ struct CudaOptions {
   // Prefill: the chunked (WY / UT-transform) DeltaNet form for long calls without a state capture; false: the
   // sequential scan for every length.
   bool delta_chunked = true;
-  // Prefill GEMMs (dense and MoE): the activations enter the tensor cores as 2 bf16 terms (hi + lo, ~1e-5
-  // relative) or 1 (bf16, ~1.5e-3 relative, half the MMAs).
-  int prefill_x_terms = 2;
+  // Prefill GEMMs (dense and MoE): the activations enter the tensor cores as 1 bf16 term (~1.5e-3 relative
+  // per product, half the MMAs: prefill at 4K +14% on the H200, lily-tiny's top-1 / perplexity bar holds) or 2
+  // (hi + lo, ~1e-5). benchmarks/NOTES.md, "one bf16 term".
+  int prefill_x_terms = 1;
   // Programmatic dependent launch (sm_90+). Off by default: measured slower on the H200 (benchmarks/NOTES.md,
   // decode -4%, prefill at 4K -39%: the early-scheduled blocks of the next kernel sit on SM resources).
   bool pdl = false;
