@@ -290,7 +290,8 @@ class Engine:
         ``fused_norm`` (decode: each layer's RMSNorms done inside the projection GEMV that follows them, one
         launch instead of two; default True), ``fused_delta`` (decode: a DeltaNet layer's conv, recurrent update
         and gated norm in one launch; default True), ``delta_chunked`` (prefill: the chunked WY form of the
-        DeltaNet recurrence for long calls; default True), ``prefill_x_terms`` (prefill GEMMs: activations as 1
+        DeltaNet recurrence for calls of 64 tokens or more without a state capture, equal to the sequential scan
+        within fp32 rounding; default True), ``prefill_x_terms`` (prefill GEMMs: activations as 1
         bf16 term, or 2, hi + lo, for ~1e-5 instead of ~1.5e-3 relative error per product; default 1),
         ``cache_dir`` (compiled kernels;
         default ``$LILY_CACHE_DIR/cuda`` or ``~/.cache/lily/cuda``), ``dry_arch`` (compile for sm_N and run

@@ -48,7 +48,7 @@
 //   Floor: the state crosses memory once per call, 2 · 32·128·128·4 B = 4 MiB per layer (~1 µs at 4 TB/s),
 //   plus 2 MiB written per captured token;
 //   T·Hv·DK·DV·8 FLOPs (4 fp32 instructions per state element per token). Prefill is bound by issue and by
-//   the per-token dependency chain (decay, m, 9 shuffles, update); there is no chunked (WY) form yet.
+//   the per-token dependency chain (decay, m, 9 shuffles, update); long calls take the chunked form below.
 //   Sum order: per lane rows ascending in r (two partial sums for m: even and odd r), then the shuffle
 //   tree; fixed by DK, never by T.
 //
@@ -353,5 +353,204 @@ extern "C" __global__ void __launch_bounds__(64)
   gated_delta_scan<true>(qkv, qkv_stride, b, b_stride, a, a_stride, A_log, dt_bias, qn, kn, alpha, beta, S_in,
                          in_stride, S_out, st_stride, out, out_stride, cap, cap_stride, cap_first, cap_count, T, Hk,
                          Hv);
+}
+
+// ---- chunked (WY / UT-transform) prefill: gated_delta_chunk_prep + gated_delta_chunk_scan ----
+//   The same recurrence in chunks of GDC = 64 tokens (per value head j, chunk tokens t = 0..n-1, n ≤ 64, S0 the
+//   state entering the chunk): g_t = Σ_{s≤t} log α_s (double), γ_t = e^{g_t},
+//   A_ti = β_t e^{g_t−g_i} k̂_t·k̂_i (i < t), X = (I + A)⁻¹ diag(β) [V | γ K̂] =: [U | W] (forward substitution),
+//   δ = U − W S0 (the scan's per-token δ_t), o_t = γ_t S0ᵀq̂_t + Σ_{i≤t} P_ti δ_i with P_ti = e^{g_t−g_i} q̂_t·k̂_i,
+//   S_n = γ_{n−1} S0 + Σ_i ε_i k̂_i δ_iᵀ, ε_i = e^{g_{n−1}−g_i}. Exponents are differences ≤ 0, evaluated only
+//   for i ≤ t; log α = −e^{A_log}·softplus(a + dt_bias) directly (α itself can underflow to 0).
+//   Contract: deterministic for a given split of T into calls (sums in orders fixed by DK, DV, GDC and the
+//   chunk boundaries, which start at each call's first token); equal to the scan within fp32 rounding, not
+//   bitwise. No captures (the host keeps the scan for those).
+//   gated_delta_chunk_prep: grid (⌈T/64⌉, Hv), block 256, dynamic smem 2·64·(DK+1)·4 + 64·65·4 + 64·12 B
+//   (~83 KB at DK = 128). Reads q̂, k̂, β (gated_delta_prep's workspace), v (qkv), a, A_log, dt_bias; writes
+//   per (chunk, head) U [64, DV], W [64, DK], P [64, 64], γ, ε [64] (rows t ≥ n are zero).
+//   A and P: 64² entries over 256 threads, DK-long dot products out of shared memory; the solve: one thread
+//   per column of [V | γK̂] (DV + DK of them), its 64 unknowns in registers, A rows broadcast from shared.
+//   gated_delta_chunk_scan: grid (Hv, DV/16), block 256, dynamic smem 2·64·(DK+1)·4 + 64·65·4 + DK·64 +
+//   64·128 + 256 B (~99 KB at DK = 128: two blocks per SM). The block's 16-column slice of S lives in shared
+//   memory for the whole call; per chunk: (1) δ = U − W S0 and γ·(q̂ᵀS0) (thread: 4 tokens × 1 column),
+//   (2) o += P δ, stored, (3) S = γ_{n−1} S + Σ ε_t k̂_t δ_tᵀ (thread: 8 rows × 1 column). S is read and
+//   written once per call (in-place safe: a block writes only the slice it read).
+//   Floor: 4·T·Hv·DK·DV FLOPs (δ, q̂ᵀS, state update) + 4·T·Hv·64·DK (A, P) + T·Hv·64·(DV+DK) (solve); the
+//   workspace crosses memory twice, (DV + DK + 64 + 2)·4 B per token and head (~165 MB at T = 4096).
+#define GDC 64  // tokens per chunk
+
+__device__ __forceinline__ void chunk_span(int T, int& t0, int& n) {
+  t0 = blockIdx.x * GDC;
+  n = min(GDC, T - t0);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gated_delta_chunk_prep(const float* __restrict__ qkv, i64 qkv_stride, const float* __restrict__ a,
+                           i64 a_stride, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                           const float* __restrict__ qn, const float* __restrict__ kn,
+                           const float* __restrict__ beta, float* __restrict__ U, float* __restrict__ W,
+                           float* __restrict__ P, float* __restrict__ gam, float* __restrict__ eps, int T, int Hk,
+                           int Hv) {
+  LILY_PDL_PROLOGUE();
+  constexpr int LD = DK + 1, LA = GDC + 1;
+  extern __shared__ float smem[];
+  float* K_s = smem;             // [GDC][LD] k̂ of the chunk (zero rows past n)
+  float* Q_s = K_s + GDC * LD;   // [GDC][LD] q̂
+  float* A_s = Q_s + GDC * LD;   // [GDC][LA] strictly lower A
+  float* b_s = A_s + GDC * LA;   // [GDC] β
+  float* gm_s = b_s + GDC;       // [GDC] γ
+  double* g_s = reinterpret_cast<double*>(gm_s + GDC);  // [GDC] g (offset 8-byte aligned: even float count)
+  int t0, n;
+  chunk_span(T, t0, n);
+  const int j = blockIdx.y, tid = threadIdx.x, kh = j / (Hv / Hk);
+  const i64 key_dim = i64(Hk) * DK, base = (i64(blockIdx.x) * Hv + j) * GDC;
+  for (int e = tid; e < GDC * DK; e += blockDim.x) {
+    const int t = e / DK, k = e % DK;
+    const i64 src = i64(t0 + t) * key_dim + i64(kh) * DK + k;
+    K_s[t * LD + k] = t < n ? kn[src] : 0.f;
+    Q_s[t * LD + k] = t < n ? qn[src] : 0.f;
+  }
+  if (tid < GDC) b_s[tid] = tid < n ? beta[i64(t0 + tid) * Hv + j] : 0.f;
+  if (tid == 0) {  // the cumulative log decay, serial in double (64 adds)
+    const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
+    double g = 0.0;
+    for (int t = 0; t < GDC; ++t) {
+      if (t < n) g += double(neg_A * softplus(a[i64(t0 + t) * a_stride + j] + dtb));
+      g_s[t] = g;  // rows past n repeat the last g: their differences stay finite
+    }
+  }
+  __syncthreads();
+  if (tid < GDC) {
+    gm_s[tid] = tid < n ? float(exp(g_s[tid])) : 0.f;
+    gam[base + tid] = gm_s[tid];
+    eps[base + tid] = tid < n ? float(exp(g_s[n - 1] - g_s[tid])) : 0.f;
+  }
+  for (int e = tid; e < GDC * GDC; e += blockDim.x) {
+    const int t = e / GDC, i = e % GDC;  // a warp shares t: K_s/Q_s row t broadcast, row i conflict-free
+    float av = 0.f, pv = 0.f;
+    if (i <= t) {
+      float kk = 0.f, qk = 0.f;
+      for (int k = 0; k < DK; ++k) {
+        const float ki = K_s[i * LD + k];
+        kk += K_s[t * LD + k] * ki;
+        qk += Q_s[t * LD + k] * ki;
+      }
+      const float dec = float(exp(g_s[t] - g_s[i]));
+      if (i < t) av = b_s[t] * dec * kk;
+      pv = dec * qk;
+    }
+    A_s[t * LA + i] = av;
+    P[(base + t) * GDC + i] = pv;
+  }
+  __syncthreads();
+  // (I + A) X = diag(β)[V | γK̂], column by column: x_t = rhs_t − Σ_{i<t} A_ti x_i.
+  const float* vrow = qkv + i64(t0) * qkv_stride + 2 * key_dim + i64(j) * DV;
+  for (int col = tid; col < DV + DK; col += blockDim.x) {
+    float x[GDC];
+#pragma unroll
+    for (int t = 0; t < GDC; ++t) {
+      float r = 0.f;
+      if (t < n) r = col < DV ? b_s[t] * vrow[i64(t) * qkv_stride + col] : b_s[t] * gm_s[t] * K_s[t * LD + col - DV];
+#pragma unroll
+      for (int i = 0; i < t; ++i) r -= A_s[t * LA + i] * x[i];
+      x[t] = r;
+    }
+    if (col < DV) {
+#pragma unroll
+      for (int t = 0; t < GDC; ++t) U[(base + t) * DV + col] = x[t];
+    } else {
+#pragma unroll
+      for (int t = 0; t < GDC; ++t) W[(base + t) * DK + col - DV] = x[t];
+    }
+  }
+}
+
+#define GDS 16  // state columns per block of the chunked scan
+
+extern "C" __global__ void __launch_bounds__(256)
+    gated_delta_chunk_scan(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ U,
+                           const float* __restrict__ W, const float* __restrict__ P, const float* __restrict__ gam,
+                           const float* __restrict__ eps, const float* S_in, i64 in_stride, float* S_out,
+                           i64 st_stride, float* __restrict__ out, i64 out_stride, int T, int Hk, int Hv) {
+  LILY_PDL_PROLOGUE();
+  static_assert(GDS * GDC / 4 == 256 && GDS * 16 == 256, "thread maps assume 256 threads");
+  constexpr int LD = DK + 1, LA = GDC + 1, RK = (DK + 15) / 16;
+  extern __shared__ float smem[];
+  float* X_s = smem;              // [GDC][LD] W of the chunk, then k̂
+  float* Q_s = X_s + GDC * LD;    // [GDC][LD] q̂
+  float* P_s = Q_s + GDC * LD;    // [GDC][LA]
+  float* S_s = P_s + GDC * LA;    // [DK][GDS] the state slice
+  float* D_s = S_s + DK * GDS;    // [GDC][GDS] δ
+  float* E_s = D_s + GDC * GDS;   // [GDC][GDS] ε·δ
+  float* G_s = E_s + GDC * GDS;   // [GDC] γ
+  const int j = blockIdx.x, c0 = blockIdx.y * GDS, tid = threadIdx.x;
+  const int c = tid % GDS, tg = tid / GDS;  // column; token group (phase 1-2: 4 tokens) / row group (phase 3)
+  const int kh = j / (Hv / Hk);
+  const i64 key_dim = i64(Hk) * DK;
+  for (int e = tid; e < DK * GDS; e += blockDim.x)
+    S_s[e] = S_in[(i64(j) * DK + e / GDS) * in_stride + c0 + e % GDS];
+  const int nch = (T + GDC - 1) / GDC;
+  for (int ch = 0; ch < nch; ++ch) {
+    const int t0 = ch * GDC, n = min(GDC, T - t0);
+    const i64 base = (i64(ch) * Hv + j) * GDC;
+    __syncthreads();  // the previous chunk's phase 3 is done with X_s and S_s
+    for (int e = tid; e < GDC * DK; e += blockDim.x) {
+      const int t = e / DK, k = e % DK;
+      X_s[t * LD + k] = W[(base + t) * DK + k];
+      Q_s[t * LD + k] = t < n ? qn[i64(t0 + t) * key_dim + i64(kh) * DK + k] : 0.f;
+    }
+    for (int e = tid; e < GDC * GDC; e += blockDim.x) P_s[(e / GDC) * LA + e % GDC] = P[base * GDC + e];
+    if (tid < GDC) G_s[tid] = gam[base + tid];
+    __syncthreads();
+    // (1) δ = U − W S0, o = γ q̂ᵀS0 for tokens 4·tg .. 4·tg + 3 (a warp's two token groups: rows 4 apart, 4 banks)
+    float d[4], o[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      d[r] = U[(base + 4 * tg + r) * DV + c0 + c];
+      o[r] = 0.f;
+    }
+    for (int k = 0; k < DK; ++k) {
+      const float s = S_s[k * GDS + c];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        d[r] -= X_s[(4 * tg + r) * LD + k] * s;
+        o[r] += Q_s[(4 * tg + r) * LD + k] * s;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int t = 4 * tg + r;
+      D_s[t * GDS + c] = d[r];
+      E_s[t * GDS + c] = eps[base + t] * d[r];
+      o[r] *= G_s[t];
+    }
+    __syncthreads();  // δ complete; W no longer read
+    for (int e = tid; e < GDC * DK; e += blockDim.x) {
+      const int t = e / DK, k = e % DK;
+      X_s[t * LD + k] = t < n ? kn[i64(t0 + t) * key_dim + i64(kh) * DK + k] : 0.f;
+    }
+    // (2) o_t += Σ_{i≤t} P_ti δ_i
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int t = 4 * tg + r;
+      for (int i = 0; i <= t; ++i) o[r] += P_s[t * LA + i] * D_s[i * GDS + c];
+      if (t < n) out[i64(t0 + t) * out_stride + i64(j) * DV + c0 + c] = o[r];
+    }
+    __syncthreads();  // k̂ staged
+    // (3) S = γ_{n-1} S + Σ_t ε_t k̂_t δ_tᵀ, rows tg + 16·r (each thread rewrites only what it reads)
+    const float gl = G_s[n - 1];
+#pragma unroll
+    for (int r = 0; r < RK; ++r) {
+      const int k = tg + 16 * r;
+      if (k < DK) {
+        float acc = gl * S_s[k * GDS + c];
+        for (int t = 0; t < GDC; ++t) acc += X_s[t * LD + k] * E_s[t * GDS + c];
+        S_s[k * GDS + c] = acc;
+      }
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < DK * GDS; e += blockDim.x)
+    S_out[(i64(j) * DK + e / GDS) * st_stride + c0 + e % GDS] = S_s[e];
 }
 #endif  // DK && DV
