@@ -136,10 +136,11 @@ void CudaOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Ten
     why = std::to_string(qkv.rows) + " rows (the fused kernel takes one decode row)";
   else if (conv_cap.active() || rec_cap.active())
     why = "a state capture";
-  else if (Hk < 1 || Hv % Hk != 0 || Dk < 1 || Dv < 8 || Dv % 8 != 0 || K < 1 || K > 16 || norm_w.cols != Dv ||
-           norm_w.rows != 1 || smem > 48 * 1024)
+  else if (Hk < 1 || Hv % Hk != 0 || Dk < 1 || Dv < 8 || Dv % 8 != 0 || Dv > 512 || K < 1 || K > 16 ||
+           norm_w.cols != Dv || norm_w.rows != 1 || smem > 48 * 1024)
     why = "shape Dk=" + std::to_string(Dk) + " Dv=" + std::to_string(Dv) + " K=" + std::to_string(K) +
-          " (fused: Hv % Hk == 0, Dv % 8 == 0, K <= 16, norm over Dv, shared memory <= 48 KiB)";
+          " (fused: Hv % Hk == 0, Dv % 8 == 0, Dv <= 512 (a warp per norm segment, as norm.cpp), K <= 16, norm "
+          "over Dv, shared memory <= 48 KiB)";
   else if (!norm_vec4)
     why = "unaligned norm operands (the composed norm would take 4-byte loads, another sum order)";
   else if (rec_in.stride % 4 != 0 || rec_out.stride % 4 != 0 || ptr(rec_in) % 16 != 0 || ptr(rec_out) % 16 != 0)
