@@ -128,5 +128,6 @@ def test_greedy_decode_same_logits_and_fewer_launches(tmp_path):
             assert v.startswith("fused") if name == "fused" else "option fused_delta = false" in v, (name, v)
     for a, b in zip(runs["fused"], runs["composed"]):
         np.testing.assert_array_equal(a, b)
-    n_delta = TINY_CONFIG["num_hidden_layers"] - TINY_CONFIG["num_hidden_layers"] // TINY_CONFIG["full_attention_interval"]
+    layers = TINY_CONFIG["num_hidden_layers"]
+    n_delta = layers - layers // TINY_CONFIG["full_attention_interval"]  # DeltaNet layers
     assert launches["composed"] - launches["fused"] == 2 * n_delta, launches
