@@ -182,6 +182,14 @@ def test_full_model_shapes_compile_dry(arch, cache):
               ws=ws, out=b.empty(T, VD), **dshape)
         b.run("gated_rms_norm", phase, o=b.empty(T, VD), z=b.empty(T, VD), w=b.empty(1, c["lin_v_dim"]),
               out=b.empty(T, VD))
+        # The layer's recurrence as one op: in decode the fused kernel (its own module), else the three above.
+        b.run("conv_delta_norm", phase, qkv=b.empty(T, C), z=b.empty(T, VD), b=b.empty(T, c["lin_v_heads"]),
+              a=b.empty(T, c["lin_v_heads"]), conv_w=b.empty(C, c["conv_kernel"]), A_log=b.empty(1, c["lin_v_heads"]),
+              dt_bias=b.empty(1, c["lin_v_heads"]), norm_w=b.empty(1, c["lin_v_dim"]), conv_in=conv, conv_out=conv,
+              rec_in=st, rec_out=st, mixed=mixed, delta_o=b.empty(T, VD), ws=ws, out=b.empty(T, VD), **dshape)
+        if T == 1:
+            v = b.report()["variants"]
+            assert v.get("conv_delta_norm.decode", "").startswith("fused"), {k: x for k, x in v.items() if "delta" in k}
         b.run("rms_norm", phase, x=x, w=b.empty(1, H), out=b.empty(T, H))
         b.run("add_rms_norm", phase, a=x, b=b.empty(T, H), w=b.empty(1, H), sum=x, normed=b.empty(T, H))
         b.run("swiglu", phase, gate=b.empty(T, I), up=b.empty(T, I), out=b.empty(T, I))

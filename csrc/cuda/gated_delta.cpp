@@ -162,4 +162,65 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
                    geo);
 }
 
+// One launch for a decode row (kernels/gated_delta.cu conv_delta_norm): a block of 16 warps per key head (32
+// warps, one per 8-column slice, would need more than 64 registers a thread: ptxas spills), each warp takes two
+// slices in turn at the real shape. Every other call composes the three kernels (Ops::conv_delta_norm_impl),
+// and note_variant says which ran and why.
+void CudaOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
+                                   const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias,
+                                   const Tensor& norm_w, float eps, const DeltaShape& s, const Tensor& conv_in,
+                                   const Tensor& conv_out, const Tensor& rec_in, const Tensor& rec_out,
+                                   const Tensor& mixed, const Tensor& delta_o, const Tensor& ws, const Tensor& out,
+                                   const StateCapture& conv_cap, const StateCapture& rec_cap) {
+  constexpr int kFusedWarps = 16;
+  const int64_t Hk = s.k_heads, Hv = s.v_heads, Dk = s.k_dim, Dv = s.v_dim, K = conv_w.cols;
+  const int64_t G = Hk > 0 ? Hv / Hk : 0;
+  const int64_t smem = (2 * Dk + 2 * G * Dv) * 4;
+  // The composed norm's VEC = 4 sum order (norm.cpp select_norm) is what the fused kernel reproduces.
+  const bool norm_vec4 = Dv % 4 == 0 && ptr(delta_o) % 16 == 0 && ptr(z) % 16 == 0 && ptr(norm_w) % 16 == 0 &&
+                         ptr(out) % 16 == 0 && delta_o.stride % 4 == 0 && z.stride % 4 == 0 && out.stride % 4 == 0;
+  const std::string key = phase() == Phase::Decode ? "conv_delta_norm.decode" : "conv_delta_norm.prefill";
+  std::string why;  // empty: fused
+  if (!options().fused_delta)
+    why = "option fused_delta = false";
+  else if (qkv.rows != 1)
+    why = std::to_string(qkv.rows) + " rows (the fused kernel takes one decode row)";
+  else if (conv_cap.active() || rec_cap.active())
+    why = "a state capture";
+  else if (Hk < 1 || Hv % Hk != 0 || Dk < 1 || Dv < 8 || Dv % 8 != 0 || Dv > 512 || K < 1 || K > 16 ||
+           norm_w.cols != Dv || norm_w.rows != 1 || smem > 48 * 1024)
+    why = "shape Dk=" + std::to_string(Dk) + " Dv=" + std::to_string(Dv) + " K=" + std::to_string(K) +
+          " (fused: Hv % Hk == 0, Dv % 8 == 0, Dv <= 512 (a warp per norm segment, as norm.cpp), K <= 16, norm "
+          "over Dv, shared memory <= 48 KiB)";
+  else if (!norm_vec4)
+    why = "unaligned norm operands (the composed norm would take 4-byte loads, another sum order)";
+  else if (rec_in.stride % 4 != 0 || rec_out.stride % 4 != 0 || ptr(rec_in) % 16 != 0 || ptr(rec_out) % 16 != 0)
+    why = "recurrent state rows not 16-byte aligned";
+  if (!why.empty()) {
+    note_variant(key, "composed (conv1d_silu, gated_delta, gated_rms_norm): " + why);
+    return Ops::conv_delta_norm_impl(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, eps, s, conv_in, conv_out, rec_in,
+                                     rec_out, mixed, delta_o, ws, out, conv_cap, rec_cap);
+  }
+  for (const Tensor* t : {&qkv, &z, &b, &a, &conv_w, &A_log, &dt_bias, &norm_w, &conv_in, &conv_out, &rec_in,
+                          &rec_out, &out})
+    require_f32(*t, "every tensor");
+  if (qkv.cols != 2 * Hk * Dk + Hv * Dv || conv_w.rows != qkv.cols || conv_in.rows != K - 1 ||
+      conv_in.cols != qkv.cols || conv_out.rows != K - 1 || conv_out.cols != qkv.cols || z.rows != 1 ||
+      z.cols != Hv * Dv || out.rows != 1 || out.cols != Hv * Dv || b.rows != 1 || a.rows != 1 || b.cols != Hv ||
+      a.cols != Hv || A_log.cols != Hv || dt_bias.cols != Hv || rec_in.rows != Hv * Dk || rec_in.cols != Dv ||
+      rec_out.rows != Hv * Dk || rec_out.cols != Dv)
+    throw std::invalid_argument("conv_delta_norm (cuda): shapes do not match the DeltaShape");
+  const int warps = int(std::min<int64_t>(kFusedWarps, G * Dv / 8));
+  const Kernel& k = kernel("gated_delta", "conv_delta_norm",
+                           {{"KTAPS", K}, {"DK", Dk}, {"DV", Dv}, {"FUSED_WARPS", warps}});
+  launch(k, Dim3{unsigned(Hk), 1, 1}, Dim3{unsigned(warps * 32), 1, 1}, uint32_t(smem), ptr(qkv), ptr(z), ptr(b),
+         ptr(a), ptr(conv_w), int64_t(conv_w.stride), ptr(A_log), ptr(dt_bias), ptr(norm_w), eps, ptr(conv_in),
+         int64_t(conv_in.stride), ptr(conv_out), int64_t(conv_out.stride), ptr(rec_in), int64_t(rec_in.stride),
+         ptr(rec_out), int64_t(rec_out.stride), ptr(out), int(Hk), int(Hv));
+  note_variant(key, "fused: one launch, a block of " + std::to_string(warps * 32) +
+                                      " threads per key head (grid " + std::to_string(Hk) + "), " +
+                                      std::to_string(G * Dv / 8) + " 8-column state slices per block; mixed and "
+                                      "delta_o stay in shared memory");
+}
+
 }  // namespace lily::cuda

@@ -56,6 +56,17 @@
 #include "common.cuh"
 
 #if defined(KTAPS)
+// Σ_j w[j]·x[t-K+1+j] with the window hist = the K-1 inputs before x, taps ascending (shared with the fused
+// decode kernel below, so both contract to the same FMAs).
+__device__ __forceinline__ float conv_taps(const float (&wk)[KTAPS], const float (&hist)[KTAPS > 1 ? KTAPS - 1 : 1],
+                                           float x) {
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < KTAPS - 1; ++j) acc += wk[j] * hist[j];
+  acc += wk[KTAPS - 1] * x;
+  return acc;
+}
+
 extern "C" __global__ void __launch_bounds__(128)
     conv1d_silu(const float* __restrict__ mixed, i64 mixed_stride, const float* __restrict__ w, i64 w_stride,
                 const float* state_in, i64 in_stride, float* state_out, i64 st_stride, float* __restrict__ out,
@@ -77,11 +88,7 @@ extern "C" __global__ void __launch_bounds__(128)
   }
   for (int t = t0; t < t1; ++t) {
     const float x = mixed[i64(t) * mixed_stride + c];
-    float acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < S; ++j) acc += wk[j] * hist[j];
-    acc += wk[S] * x;
-    out[i64(t) * out_stride + c] = silu(acc);
+    out[i64(t) * out_stride + c] = silu(conv_taps(wk, hist, x));
 #pragma unroll
     for (int j = 0; j + 1 < S; ++j) hist[j] = hist[j + 1];
     if (S > 0) hist[S > 0 ? S - 1 : 0] = x;
@@ -554,3 +561,162 @@ extern "C" __global__ void __launch_bounds__(256)
     S_out[(i64(j) * DK + e / GDS) * st_stride + c0 + e % GDS] = S_s[e];
 }
 #endif  // DK && DV
+
+// ---- conv_delta_norm (-D FUSED_WARPS = warps per block, with KTAPS, DK, DV): one decode row (T = 1) ----
+//   The three kernels above plus norm.cu gated_rms_norm in one launch (Ops::conv_delta_norm, ops.h):
+//     mixed = silu(conv(qkv; conv_in -> conv_out)),  o = gated_delta(mixed, b, a; rec_in -> rec_out),
+//     out = (w · rmsnorm(o_j)) · silu(z_j) per value head j (SEG = DV, eps).
+//   qkv f32 [1, C], C = 2·Hk·DK + Hv·DV; z, out f32 [1, Hv·DV]; b, a f32 [1, Hv]; conv_w f32 [C, KTAPS] (row
+//   stride); A_log, dt_bias f32 [1, Hv]; norm_w f32 [1, DV]; conv_in/conv_out f32 [KTAPS-1, C] (conv_out may be
+//   conv_in); rec_in/rec_out f32 [Hv·DK, DV] (rec_out may be rec_in; rows 16-byte aligned). mixed and delta_o
+//   are not written (they stay in shared memory).
+//   Grid Hk: block kh owns key head kh and its G = Hv/Hk value heads j = kh·G + g, i.e. every consumer of the
+//   conv channels it updates (q, k of head kh; v of its value heads): the in-place conv state needs no
+//   cross-block order. Block FUSED_WARPS × 32 threads (32 at the real shape: G·DV/8 = 32 warp slices).
+//   1. conv: thread t takes channels t, t + blockDim, ... of the block's 2·DK + G·DV; reads its taps, K-1 rows
+//      of conv_in and qkv, then writes conv_out (same thread, after its reads) and silu(acc) to shared memory.
+//   2. scan: warp w takes the slices u = w, w + FUSED_WARPS, ... of (g, 8 columns), with gated_delta's lane map
+//      (lane l: column quad l & 1, rows 16·r + (l >> 1)) and arithmetic for T = 1; o goes to shared memory.
+//   3. norm: warp w takes value heads g = w, w + FUSED_WARPS, ...: gated_rms_norm's NT = 32, VEC = 4 sum
+//      order (lane l sums elements 4l.. 4l+3 (+128 per pass) with fmaf, then warp_sum), the host takes this
+//      path only where the composed norm would use VEC = 4.
+//   Shared: (2·DK + 2·G·DV) floats (3 KiB at the real shape), dynamic.
+//   Floor: as the three kernels (state 4 MiB per layer each way is the big term); saves 2 launches per layer.
+//   Bits: equal to conv1d_silu + gated_delta + gated_rms_norm (tests/cuda/test_conv_delta_norm.py).
+#if defined(FUSED_WARPS) && defined(KTAPS) && defined(DK) && defined(DV)
+extern "C" __global__ void __launch_bounds__(FUSED_WARPS * 32)
+    conv_delta_norm(const float* __restrict__ qkv, const float* __restrict__ z, const float* __restrict__ b,
+                    const float* __restrict__ a, const float* __restrict__ conv_w, i64 w_stride,
+                    const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                    const float* __restrict__ norm_w, float eps, const float* conv_in, i64 cin_stride,
+                    float* conv_out, i64 cout_stride, const float* rec_in, i64 rin_stride, float* rec_out,
+                    i64 rout_stride, float* __restrict__ out, int Hk, int Hv) {
+  LILY_PDL_PROLOGUE();
+  extern __shared__ float smem[];
+  constexpr int S = KTAPS - 1;
+  const int kh = blockIdx.x, G = Hv / Hk;
+  const i64 key_dim = i64(Hk) * DK;
+  float* sq_ = smem;                // q of key head kh [DK]
+  float* sk_ = sq_ + DK;            // k [DK]
+  float* sv_ = sk_ + DK;            // v of the G value heads [G·DV]
+  float* so_ = sv_ + i64(G) * DV;   // o [G·DV]
+
+  // 1. conv + silu of this key head's channels.
+  const int nch = 2 * DK + G * DV;
+  for (int t = threadIdx.x; t < nch; t += blockDim.x) {
+    const i64 c = t < DK ? i64(kh) * DK + t
+                  : t < 2 * DK ? key_dim + i64(kh) * DK + (t - DK)
+                               : 2 * key_dim + i64(kh) * G * DV + (t - 2 * DK);
+    float wk[KTAPS];
+#pragma unroll
+    for (int j = 0; j < KTAPS; ++j) wk[j] = conv_w[c * w_stride + j];
+    float hist[S > 0 ? S : 1];
+#pragma unroll
+    for (int j = 0; j < S; ++j) hist[j] = conv_in[i64(j) * cin_stride + c];
+    const float x = qkv[c];
+    smem[t] = silu(conv_taps(wk, hist, x));  // sq_, sk_, sv_ are contiguous in channel order t
+#pragma unroll
+    for (int r = 0; r < S; ++r) conv_out[i64(r) * cout_stride + c] = r + 1 < S ? hist[r + 1] : x;
+  }
+  __syncthreads();
+
+  // 2. the recurrent update, gated_delta's decode body per warp slice.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int quad = lane & (GD_QUADS - 1), rl = lane / GD_QUADS;
+  const int slices = G * (DV / GD_WCOLS);
+  const float q_scale = 1.f / sqrtf(float(DK));
+  for (int u = warp; u < slices; u += FUSED_WARPS) {  // warp-uniform
+    const int g = u / (DV / GD_WCOLS), c0 = (u % (DV / GD_WCOLS)) * GD_WCOLS;
+    const int j = kh * G + g, col = c0 + 4 * quad;
+    float4 St[GD_R];
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      const int i = r * GD_RPP + rl;
+      St[r] = i < DK ? *reinterpret_cast<const float4*>(rec_in + (i64(j) * DK + i) * rin_stride + col)
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
+    float q[GD_R], k[GD_R];
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      const int i = r * GD_RPP + rl;
+      q[r] = i < DK ? sq_[i] : 0.f;
+      k[r] = i < DK ? sk_[i] : 0.f;
+      sq += q[r] * q[r];
+      sk += k[r] * k[r];
+    }
+    sq = quad_sum(sq);
+    sk = quad_sum(sk);
+    const float rq = q_scale / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f);
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      q[r] = q[r] * rq;
+      k[r] = k[r] * rk;
+    }
+    const float beta = sigmoid(b[j]);
+    const float alpha = expf(neg_A * softplus(a[j] + dtb));
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = sv_[g * DV + col + e];
+    float4 m0 = make_float4(0.f, 0.f, 0.f, 0.f), m1 = m0;
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      float4& s = St[r];
+      s.x *= alpha;
+      s.y *= alpha;
+      s.z *= alpha;
+      s.w *= alpha;
+      float4& m = (r & 1) ? m1 : m0;
+      m.x += k[r] * s.x;
+      m.y += k[r] * s.y;
+      m.z += k[r] * s.z;
+      m.w += k[r] * s.w;
+    }
+    const float ms = quad_sum_t(m0.x + m1.x, m0.y + m1.y, m0.z + m1.z, m0.w + m1.w, lane);
+    const float d0 = beta * (v[0] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 0)));
+    const float d1 = beta * (v[1] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 1)));
+    const float d2 = beta * (v[2] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 2)));
+    const float d3 = beta * (v[3] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 3)));
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      float4& s = St[r];
+      s.x += k[r] * d0;
+      s.y += k[r] * d1;
+      s.z += k[r] * d2;
+      s.w += k[r] * d3;
+      o.x += q[r] * s.x;
+      o.y += q[r] * s.y;
+      o.z += q[r] * s.z;
+      o.w += q[r] * s.w;
+    }
+    const float os = quad_sum_t(o.x, o.y, o.z, o.w, lane);
+    if ((lane & 6) == 0) so_[g * DV + col + ((lane >> 3) & 1) + 2 * (lane >> 4)] = os;
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      const int i = r * GD_RPP + rl;
+      if (i < DK) *reinterpret_cast<float4*>(rec_out + (i64(j) * DK + i) * rout_stride + col) = St[r];
+    }
+  }
+  __syncthreads();
+
+  // 3. gated RMSNorm per value head: norm.cu gated_rms_norm with SEG = DV, NT = 32, VEC = 4.
+  for (int g = warp; g < G; g += FUSED_WARPS) {  // warp-uniform
+    const int j = kh * G + g;
+    const float* os = so_ + g * DV;
+    float ss = 0.f;
+    for (int i = lane * 4; i < DV; i += 128)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ss = fmaf(os[i + e], os[i + e], ss);
+    const float r = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(warp_sum(ss), float(DV)), eps)));
+    for (int i = lane * 4; i < DV; i += 128)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float gz = z[i64(j) * DV + i + e];
+        const float sg = __fdiv_rn(gz, __fadd_rn(1.f, expf(-gz)));  // silu, the CPU's formula
+        out[i64(j) * DV + i + e] = __fmul_rn(__fmul_rn(norm_w[i + e], __fmul_rn(os[i + e], r)), sg);
+      }
+  }
+}
+#endif  // FUSED_WARPS && KTAPS && DK && DV
