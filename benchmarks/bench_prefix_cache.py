@@ -20,7 +20,12 @@ the same checkpoints would hold as independent copies.
 
     python benchmarks/bench_prefix_cache.py [--model lily-tiny | PATH | REPO]
         [--prefix-tokens 2048] [--turns 10] [--reply-tokens 16] [--repeats 3] [--threads N] [--backend B]
-        [--keep-sessions N] [--json out.json]
+        [--keep-sessions N] [--snapshot-pool-mb 256] [--json out.json]
+
+--snapshot-pool-mb 0 turns the engine's snapshot pool off (every checkpoint allocates its state tensors) for an
+A/B. The pool is fed by destroyed checkpoints: within one replay this benchmark's cache evicts nothing, so the
+warm turns reuse tensors from the replay before (the first replay allocates); a server's bounded cache
+recycles its evictions the same way.
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", help="auto, cpu, cuda or metal")
     ap.add_argument("--keep-sessions", type=int, default=0,
                     help="Engine(keep_sessions=N): closed sessions' state kept for the next session of the same shape")
+    ap.add_argument("--snapshot-pool-mb", type=int, default=256,
+                    help="Engine(snapshot_pool_bytes=N MiB): destroyed snapshots' state tensors kept for reuse (0: off)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -90,7 +97,8 @@ def main() -> None:
 
     # A checkpoint with a tokenizer and chat template (lily.synthetic's random checkpoints have neither).
     engine = lily.Engine.from_pretrained(args.model, threads=args.threads, backend=args.backend,
-                                         keep_sessions=args.keep_sessions)
+                                         keep_sessions=args.keep_sessions,
+                                         snapshot_pool_bytes=args.snapshot_pool_mb << 20)
     rep = engine.report()
     system = system_prompt(engine, args.prefix_tokens)
 
@@ -173,7 +181,7 @@ def main() -> None:
     med = statistics.median
     print(f"model {rep['model']} ({rep['backend']}, {rep['device']}, {rep['threads']} threads), "
           f"first prompt {len(conv[0][0])} tokens (system + tools + question), {args.turns} turns, {args.reply_tokens} reply tokens, "
-          f"keep_sessions {args.keep_sessions}, "
+          f"keep_sessions {args.keep_sessions}, snapshot pool {args.snapshot_pool_mb} MiB, "
           f"medians of {args.repeats}")
     print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'new':>5} | {'cold ms':>9} {'warm ms':>9} {'new-only ms':>11} "
           f"| {'cold/warm':>9} {'warm/new-only':>13}")
@@ -196,9 +204,13 @@ def main() -> None:
     print("last warm turn, step by step (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in breakdown.items()))
     print(f"cache: {entries} checkpoints, {cache_bytes / 2**20:.1f} MiB with shared KV rows "
           f"({copies_bytes / 2**20:.1f} MiB as independent copies)")
+    pool = engine.report()["snapshot_pool"]
+    print(f"snapshot pool: {pool['hits']} reused tensors, {pool['misses']} allocated, "
+          f"{pool['bytes'] / 2**20:.1f} MiB held now")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"model": rep["model"], "backend": rep["backend"],
                                                        "device": rep["device"], "keep_sessions": args.keep_sessions,
+                                                       "snapshot_pool": pool,
                                                        "prefix_tokens": args.prefix_tokens,
                                                        "rows": rows, "breakdown_ms": breakdown,
                                                        "median_warm_over_new_only": ratio,
