@@ -25,7 +25,8 @@ the same checkpoints would hold as independent copies.
 --snapshot-pool-mb 0 turns the engine's snapshot pool off (every checkpoint allocates its state tensors) for an
 A/B. The pool is fed by destroyed checkpoints: within one replay this benchmark's cache evicts nothing, so the
 warm turns reuse tensors from the replay before (the first replay allocates); a server's bounded cache
-recycles its evictions the same way.
+recycles its evictions the same way. A full-size checkpoint's state is ~63 MB: give the pool room for a
+replay's checkpoints (e.g. --snapshot-pool-mb 4096) to see every warm checkpoint reuse tensors.
 """
 
 from __future__ import annotations
