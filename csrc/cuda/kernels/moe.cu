@@ -27,10 +27,12 @@
 //       f ^ ((f>>3)&7): a lane reads 32 consecutive inputs, the swizzle makes a quarter-warp's float4
 //       reads hit 8 distinct bank quads), each warp owns ROWS_G rows of gate AND up (the same rows), lane
 //       l reads vectors l, l+32, ... of each row; act[slot, row] = silu(g)·u.
+//       Order: x to registers, route (FUSED), barrier, weight loads issued, x to shared, barrier, math.
 //     moe_down_decode: grid (⌈H / ROWS_D⌉, T), block 256. The k act rows of token t in shared memory
 //       (swizzled as above); a group of LPR lanes (LPR = the power of two ≥ I/CPV, ≤ 32) owns one (row,
 //       slot) dot product, the ROWS_D·k partials land in shared memory and thread r sums row r's k of them
 //       in (id, slot) order times the routing weights. No atomics.
+//       Order: act rows to registers, ids to shared, barrier, weight loads issued, act to shared, barrier.
 //   Prefill (4 launches; grids sized for the worst case, so no host knowledge of the routing):
 //     moe_group (1 block of 1024): histogram of rows per expert (shared atomics: counts only), exclusive
 //       scans of rows and of tiles (⌈n_e/BM⌉) per expert, the tile map (expert, first sorted row, rows),
