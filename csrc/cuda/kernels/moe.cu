@@ -27,12 +27,10 @@
 //       f ^ ((f>>3)&7): a lane reads 32 consecutive inputs, the swizzle makes a quarter-warp's float4
 //       reads hit 8 distinct bank quads), each warp owns ROWS_G rows of gate AND up (the same rows), lane
 //       l reads vectors l, l+32, ... of each row; act[slot, row] = silu(g)·u.
-//       Order: x to registers, route (FUSED), barrier, weight loads issued, x to shared, barrier, math.
 //     moe_down_decode: grid (⌈H / ROWS_D⌉, T), block 256. The k act rows of token t in shared memory
 //       (swizzled as above); a group of LPR lanes (LPR = the power of two ≥ I/CPV, ≤ 32) owns one (row,
 //       slot) dot product, the ROWS_D·k partials land in shared memory and thread r sums row r's k of them
 //       in (id, slot) order times the routing weights. No atomics.
-//       Order: act rows to registers, ids to shared, barrier, weight loads issued, act to shared, barrier.
 //   Prefill (4 launches; grids sized for the worst case, so no host knowledge of the routing):
 //     moe_group (1 block of 1024): histogram of rows per expert (shared atomics: counts only), exclusive
 //       scans of rows and of tiles (⌈n_e/BM⌉) per expert, the tile map (expert, first sorted row, rows),
@@ -288,24 +286,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
   float4* xs = moe_smem;  // [XF4], swizzled
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int slot = blockIdx.y, t = slot / SLOTS, s = slot - t * SLOTS;
-  // The x row goes to registers first (its loads overlap the routing warp), the weight loads are issued as
-  // soon as the expert id is known, and only then x is stored to shared memory: the weight stream does not
-  // wait behind the x load and its barrier. The arithmetic and its order are unchanged.
-  constexpr int XPT = (XF4 + 255) / 256;  // float4 of x per thread
-  const float* x = reinterpret_cast<const float*>(a.x) + i64(t) * a.x_stride;
-  float4 xr[XPT];
-#pragma unroll
-  for (int q = 0; q < XPT; ++q) {
-    const int f = tid + 256 * q;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (f < XF4) {
-      v.x = 4 * f < HID ? x[4 * f] : 0.f;
-      v.y = 4 * f + 1 < HID ? x[4 * f + 1] : 0.f;
-      v.z = 4 * f + 2 < HID ? x[4 * f + 2] : 0.f;
-      v.w = 4 * f + 3 < HID ? x[4 * f + 3] : 0.f;
-    }
-    xr[q] = v;
-  }
 #if FUSED
   // Every routed block routes its token itself (one warp, NEXP logits: cheaper than a launch); block
   // (0, token's slot 0) also stores the routing for moe_down_decode and the caller.
@@ -327,15 +307,27 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
   const int e_routed = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + s];
   constexpr bool shared_slot = false;
 #endif
+  const float* x = reinterpret_cast<const float*>(a.x) + i64(t) * a.x_stride;
+  for (int f = tid; f < XF4; f += 256) {
+    float4 v;
+    v.x = 4 * f < HID ? x[4 * f] : 0.f;
+    v.y = 4 * f + 1 < HID ? x[4 * f + 1] : 0.f;
+    v.z = 4 * f + 2 < HID ? x[4 * f + 2] : 0.f;
+    v.w = 4 * f + 3 < HID ? x[4 * f + 3] : 0.f;
+    xs[moe_swz(f)] = v;
+  }
+  __syncthreads();
 #if FUSED
-  __syncthreads();  // route_id
   const int e = shared_slot ? 0 : route_id[s];
 #else
   const int e = e_routed;
 #endif
   float* act = reinterpret_cast<float*>(a.act) + i64(slot) * INTER;
   const int row0 = (blockIdx.x * 8 + warp) * ROWS_G;
-  const bool valid = moe_valid_expert(e);
+  if (!moe_valid_expert(e)) {
+    if (lane < ROWS_G && row0 + lane < INTER) act[row0 + lane] = 0.f;
+    return;
+  }
   const unsigned char* base[2];
 #if WKIND == 1
   const unsigned char* sbase[2];
@@ -343,17 +335,16 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
 #endif
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
-    const i64 ec = valid ? i64(e) : 0;
     base[m] = shared_slot ? reinterpret_cast<const unsigned char*>(a.sdata[m])
-                          : reinterpret_cast<const unsigned char*>(a.data[m]) + ec * i64(a.data_stride[m]);
+                          : reinterpret_cast<const unsigned char*>(a.data[m]) + i64(e) * i64(a.data_stride[m]);
 #if WKIND == 1
     sbase[m] = shared_slot ? reinterpret_cast<const unsigned char*>(a.sscales[m])
-                           : reinterpret_cast<const unsigned char*>(a.scales[m]) + ec * i64(a.scale_stride[m]);
+                           : reinterpret_cast<const unsigned char*>(a.scales[m]) + i64(e) * i64(a.scale_stride[m]);
     bbase[m] = shared_slot ? reinterpret_cast<const unsigned char*>(a.sbiases[m])
-                           : reinterpret_cast<const unsigned char*>(a.biases[m]) + ec * i64(a.bias_stride[m]);
+                           : reinterpret_cast<const unsigned char*>(a.biases[m]) + i64(e) * i64(a.bias_stride[m]);
 #endif
   }
-  // All weight loads first (ROWS_G·2·NIT 16-byte vectors per lane in flight), then the arithmetic.
+  // All loads first (ROWS_G·2·NIT 16-byte vectors per lane in flight), then the arithmetic.
   uint4 wv[ROWS_G][2][NIT];
   float sc[ROWS_G][2][NIT], bi[ROWS_G][2][NIT];
 #pragma unroll
@@ -366,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
         wv[r][m][it] = make_uint4(0, 0, 0, 0);
         sc[r][m][it] = 0.f;
         bi[r][m][it] = 0.f;
-        if (valid && row < INTER && c < NV) {
+        if (row < INTER && c < NV) {
           wv[r][m][it] = moe_ld16(base[m] + i64(row) * ROW_BYTES(HID) + VEC_BYTES_AT(c * CPV));
 #if WKIND == 1
           const i64 gi = i64(row) * (HID / GROUP) + (c * CPV) / GROUP;
@@ -375,14 +366,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
 #endif
         }
       }
-#pragma unroll
-  for (int q = 0; q < XPT; ++q)
-    if (tid + 256 * q < XF4) xs[moe_swz(tid + 256 * q)] = xr[q];
-  __syncthreads();
-  if (!valid) {
-    if (lane < ROWS_G && row0 + lane < INTER) act[row0 + lane] = 0.f;
-    return;
-  }
 #pragma unroll
   for (int r = 0; r < ROWS_G; ++r) {
     float acc[2] = {0.f, 0.f};
@@ -416,26 +399,20 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs 
   __shared__ int eid[SLOTS], ord[TOPK];
   __shared__ float ew[TOPK];
   const int tid = threadIdx.x, t = blockIdx.y, n0 = blockIdx.x * ROWS_D;
-  // The act rows go to registers first (they do not depend on the routing), the ids to shared memory; after
-  // one barrier the weight loads are issued, and only then the act rows are stored to shared memory: the
-  // weight stream does not wait behind the act load. The arithmetic and its order are unchanged.
-  constexpr int APT = (SLOTS * AF4 + 255) / 256;  // float4 of act per thread
-  const float* act = reinterpret_cast<const float*>(a.act) + i64(t) * SLOTS * INTER;
-  float4 ar[APT];
-#pragma unroll
-  for (int q = 0; q < APT; ++q) {
-    const int i = tid + 256 * q, s = i / AF4, f = i - s * AF4;
-    ar[q] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (i < SLOTS * AF4 && 4 * f < INTER)
-      ar[q] = *reinterpret_cast<const float4*>(act + i64(s) * INTER + 4 * f);  // INTER % 4 == 0
-  }
   if (tid < TOPK) {
     eid[tid] = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + tid];
     ew[tid] = reinterpret_cast<const float*>(a.wts)[i64(t) * a.wts_stride + tid];
   }
   if (FUSED && tid == TOPK) eid[tid] = 0;  // the shared expert's slot: one matrix, always present
+  const float* act = reinterpret_cast<const float*>(a.act) + i64(t) * SLOTS * INTER;
+  for (int i = tid; i < SLOTS * AF4; i += 256) {
+    const int s = i / AF4, f = i - s * AF4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (4 * f < INTER) v = *reinterpret_cast<const float4*>(act + i64(s) * INTER + 4 * f);  // INTER % 4 == 0
+    acts[s * AF4 + moe_swz(f)] = v;
+  }
   __syncthreads();
-  if (tid < TOPK) {  // rank of slot tid by (expert id, slot); read after the second barrier
+  if (tid < TOPK) {  // rank of slot tid by (expert id, slot)
     int rank = 0;
     for (int j = 0; j < TOPK; ++j) rank += eid[j] < eid[tid] || (eid[j] == eid[tid] && j < tid);
     ord[rank] = tid;
@@ -472,12 +449,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs 
       }
     }
   }
-#pragma unroll
-  for (int q = 0; q < APT; ++q) {
-    const int i = tid + 256 * q, s = i / AF4, f = i - s * AF4;
-    if (i < SLOTS * AF4) acts[s * AF4 + moe_swz(f)] = ar[q];
-  }
-  __syncthreads();
 #pragma unroll
   for (int p = 0; p < PASSES; ++p) {
     const int item = grp + NGRP * p, r = item / SLOTS, s = item - r * SLOTS;
