@@ -63,11 +63,12 @@ struct CudaOptions {
   // every block of their GEMV launch; false: the norm's own launch, then the GEMV (the same bits).
   bool fused_norm = true;
   // Decode: a DeltaNet layer's conv + recurrent update + gated RMSNorm (Ops::conv_delta_norm) as one launch per
-  // layer; false: the three kernels (the same bits).
-  bool fused_delta = true;
-  // Prefill: the chunked (WY / UT-transform) DeltaNet form for long calls without a state capture; false: the
-  // sequential scan for every length.
-  bool delta_chunked = true;
+  // layer (the same bits as the three kernels). Off by default: measured slower on the H200 (decode at 4K 410.1
+  // -> 404.2 tok/s: 16 blocks stream the state where the scan has 256; benchmarks/NOTES.md).
+  bool fused_delta = false;
+  // Prefill: the chunked (WY / UT-transform) DeltaNet form for calls of 64+ rows without a state capture. Off by
+  // default: measured slower on the H200 than the sequential scan (prefill at 4K 12,222 -> 10,893 tok/s).
+  bool delta_chunked = false;
   // Prefill GEMMs (dense and MoE): the activations enter the tensor cores as 1 bf16 term (~1.5e-3 relative
   // per product, half the MMAs: prefill at 4K +14% on the H200, lily-tiny's top-1 / perplexity bar holds) or 2
   // (hi + lo, ~1e-5). benchmarks/NOTES.md, "one bf16 term".

@@ -298,9 +298,9 @@ class Engine:
         True), ``gemv_async`` (decode GEMV weights staged through shared memory by cp.async; default True),
         ``fused_norm`` (decode: each layer's RMSNorms done inside the projection GEMV that follows them, one
         launch instead of two; default True), ``fused_delta`` (decode: a DeltaNet layer's conv, recurrent update
-        and gated norm in one launch; default True), ``delta_chunked`` (prefill: the chunked WY form of the
+        and gated norm in one launch; default False: measured slower on the H200), ``delta_chunked`` (prefill: the chunked WY form of the
         DeltaNet recurrence for calls of 64 tokens or more without a state capture, equal to the sequential scan
-        within fp32 rounding; default True), ``prefill_x_terms`` (prefill GEMMs: activations as 1
+        within fp32 rounding; default False: the sequential scan measured faster on the H200), ``prefill_x_terms`` (prefill GEMMs: activations as 1
         bf16 term, or 2, hi + lo, for ~1e-5 instead of ~1.5e-3 relative error per product; default 1),
         ``cache_dir`` (compiled kernels;
         default ``$LILY_CACHE_DIR/cuda`` or ``~/.cache/lily/cuda``), ``dry_arch`` (compile for sm_N and run

@@ -26,7 +26,7 @@ SHAPES = [REAL, (2, 6, 32, 48), (3, 3, 64, 64), (2, 4, 32, 32), (1, 8, 40, 24)]
 
 @pytest.fixture(scope="module")
 def benches():
-    return core.OpBench("cpu"), core.OpBench("cuda"), core.OpBench("cuda", {"fused_delta": False})
+    return core.OpBench("cpu"), core.OpBench("cuda", {"fused_delta": True}), core.OpBench("cuda", {"fused_delta": False})
 
 
 def rel(x: np.ndarray, ref: np.ndarray) -> float:
@@ -113,7 +113,7 @@ def test_greedy_decode_same_logits_and_fewer_launches(tmp_path):
     path = write_synthetic_checkpoint(tmp_path / "mlx4", TINY_CONFIG, fmt="mlx", bits=4, seed=5)
     prompt = np.random.default_rng(3).integers(0, TINY_CONFIG["vocab_size"], 24).tolist()
     runs, launches = {}, {}
-    for name, opts in (("fused", {}), ("composed", {"fused_delta": False})):
+    for name, opts in (("fused", {"fused_delta": True}), ("composed", {"fused_delta": False})):
         with lily.Engine.from_pretrained(path, backend="cuda", backend_options=opts) as gpu:
             s = gpu.session()
             logits = [s.prefill(prompt)]

@@ -9,7 +9,7 @@ State captures (ops.h StateCapture, the prefix cache's checkpoint inside a chunk
 the conv's are copies, compared exactly; the scan's slice i must equal, bit for bit, the state a GPU call over rows
 0 .. first + i alone leaves (the kernel stores the same registers), and the CPU's capture within TOL.
 
-Calls of T >= 64 without a capture take the chunked WY form (delta_chunked, on by default): the tests of T >= 64
+Calls of T >= 64 without a capture take the chunked WY form when delta_chunked is on (off by default; these benches turn it on): the tests of T >= 64
 check it against the CPU within TOL; the bit-for-bit tests of the scan run on a bench with delta_chunked off,
 and the chunked form is checked against the scan within fp32 rounding and for run-to-run determinism.
 """
@@ -35,7 +35,7 @@ SHAPES = [REAL, (2, 6, 32, 48), (3, 3, 64, 64)]
 
 @pytest.fixture(scope="module")
 def benches():
-    return core.OpBench("cpu"), core.OpBench("cuda")
+    return core.OpBench("cpu"), core.OpBench("cuda", {"delta_chunked": True})
 
 
 @pytest.fixture(scope="module")
