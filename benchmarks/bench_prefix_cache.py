@@ -13,20 +13,12 @@ Per turn it measures, in milliseconds to the first generated token:
   new     the floor the warm turn is held to: a session already holding the cached prefix (created and
           restored before the clock starts) prefills only the new tokens.
 The conversation is replayed --repeats times with a fresh cache; within a turn cold, warm and new-only run
-back to back. Medians are printed, with warm / new-only per turn and its median over turns 2..N (the turns
-that restore a prefix) and the verdict the issue asks for: whether that median is <= 1.0 (the warm turn costs
-no more than prefilling the new tokens), with the cache's bytes (checkpoints sharing KV rows) next to what
+back to back. Medians are printed, with the cache's bytes (checkpoints sharing KV rows) next to what
 the same checkpoints would hold as independent copies.
 
     python benchmarks/bench_prefix_cache.py [--model lily-tiny | PATH | REPO]
         [--prefix-tokens 2048] [--turns 10] [--reply-tokens 16] [--repeats 3] [--threads N] [--backend B]
-        [--keep-sessions N] [--snapshot-pool-mb 256] [--json out.json]
-
---snapshot-pool-mb 0 turns the engine's snapshot pool off (every checkpoint allocates its state tensors) for an
-A/B. The pool is fed by destroyed checkpoints: within one replay this benchmark's cache evicts nothing, so the
-warm turns reuse tensors from the replay before (the first replay allocates); a server's bounded cache
-recycles its evictions the same way. A full-size checkpoint's state is ~63 MB: give the pool room for a
-replay's checkpoints (e.g. --snapshot-pool-mb 4096) to see every warm checkpoint reuse tensors.
+        [--keep-sessions N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -88,8 +80,6 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", help="auto, cpu, cuda or metal")
     ap.add_argument("--keep-sessions", type=int, default=0,
                     help="Engine(keep_sessions=N): closed sessions' state kept for the next session of the same shape")
-    ap.add_argument("--snapshot-pool-mb", type=int, default=256,
-                    help="Engine(snapshot_pool_bytes=N MiB): destroyed snapshots' state tensors kept for reuse (0: off)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -98,8 +88,7 @@ def main() -> None:
 
     # A checkpoint with a tokenizer and chat template (lily.synthetic's random checkpoints have neither).
     engine = lily.Engine.from_pretrained(args.model, threads=args.threads, backend=args.backend,
-                                         keep_sessions=args.keep_sessions,
-                                         snapshot_pool_bytes=args.snapshot_pool_mb << 20)
+                                         keep_sessions=args.keep_sessions)
     rep = engine.report()
     system = system_prompt(engine, args.prefix_tokens)
 
@@ -182,16 +171,15 @@ def main() -> None:
     med = statistics.median
     print(f"model {rep['model']} ({rep['backend']}, {rep['device']}, {rep['threads']} threads), "
           f"first prompt {len(conv[0][0])} tokens (system + tools + question), {args.turns} turns, {args.reply_tokens} reply tokens, "
-          f"keep_sessions {args.keep_sessions}, snapshot pool {args.snapshot_pool_mb} MiB, "
+          f"keep_sessions {args.keep_sessions}, "
           f"medians of {args.repeats}")
     print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'new':>5} | {'cold ms':>9} {'warm ms':>9} {'new-only ms':>11} "
           f"| {'cold/warm':>9} {'warm/new-only':>13}")
     rows = []
-    ratio = verdict = None
     for t, (ids, _) in enumerate(conv):
         c, w, n = med(cold[t]), med(warm[t]), med(new[t])
         rows.append({"turn": t + 1, "prompt_tokens": len(ids), "cached_tokens": cached[t], "cold_ms": c,
-                     "warm_ms": w, "new_only_ms": n, "warm_over_new_only": w / n})
+                     "warm_ms": w, "new_only_ms": n})
         print(f"{t + 1:>4} {len(ids):>7} {cached[t]:>7} {len(ids) - cached[t]:>5} | {c:>9.1f} {w:>9.1f} {n:>11.1f} "
               f"| {c / w:>8.1f}x {w / n:>12.2f}x")
     warm_turns = rows[1:]
@@ -199,23 +187,11 @@ def main() -> None:
         print(f"turns 2-{len(rows)}: median cold {med(r['cold_ms'] for r in warm_turns):.1f} ms, "
               f"warm {med(r['warm_ms'] for r in warm_turns):.1f} ms, "
               f"new-only {med(r['new_only_ms'] for r in warm_turns):.1f} ms")
-        ratio = med(r["warm_ms"] / r["new_only_ms"] for r in warm_turns)
-        verdict = "yes" if ratio <= 1.0 else "NO"
-        print(f"turns 2-{len(rows)}: median warm/new-only {ratio:.2f}x: warm turn <= prefilling the new tokens: {verdict}")
     print("last warm turn, step by step (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in breakdown.items()))
     print(f"cache: {entries} checkpoints, {cache_bytes / 2**20:.1f} MiB with shared KV rows "
           f"({copies_bytes / 2**20:.1f} MiB as independent copies)")
-    pool = engine.report()["snapshot_pool"]
-    print(f"snapshot pool: {pool['hits']} reused tensors, {pool['misses']} allocated, "
-          f"{pool['bytes'] / 2**20:.1f} MiB held now")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"model": rep["model"], "backend": rep["backend"],
-                                                       "device": rep["device"], "keep_sessions": args.keep_sessions,
-                                                       "snapshot_pool": pool,
-                                                       "prefix_tokens": args.prefix_tokens,
-                                                       "rows": rows, "breakdown_ms": breakdown,
-                                                       "median_warm_over_new_only": ratio,
-                                                       "warm_le_new_only": verdict == "yes" if verdict else None,
+        pathlib.Path(args.json).write_text(json.dumps({"rows": rows, "breakdown_ms": breakdown,
                                                        "cache_bytes": cache_bytes,
                                                        "copies_bytes": copies_bytes, "entries": entries}, indent=2))
 

@@ -332,8 +332,6 @@ struct PyEngine {
   std::mutex lock;       // one backend call at a time (sessions, snapshots, report probes)
   nb::object keepalive;  // the Python objects owning the mapped weight memory
   LoadInfo info;
-  // Snapshot state tensors kept for reuse (session.h SnapshotPool), guarded by `lock`; 256 MiB by default.
-  std::shared_ptr<SnapshotPool> pool = std::make_shared<SnapshotPool>(size_t(256) << 20);
 
   PyEngine(const nb::dict& cfg, const nb::dict& tensors, const std::vector<std::pair<AnyArray, std::string>>& files,
            const std::string& backend, const nb::dict& options) {
@@ -348,10 +346,6 @@ struct PyEngine {
   }
 
   ~PyEngine() {
-    {
-      std::lock_guard<std::mutex> lk(lock);
-      pool->clear(*ops);
-    }
     model.reset();
     ops.reset();
   }
@@ -859,25 +853,6 @@ NB_MODULE(_core, m) {
       // The engine's MTP policy: whether sessions run the MTP block's rows (Qwen36::keep_mtp_rows).
       .def("set_keep_mtp_rows", [](PyEngine& e, bool keep) { e.model->set_keep_mtp_rows(keep); })
       .def("keep_mtp_rows", [](PyEngine& e) { return e.model->keep_mtp_rows(); })
-      // The snapshot pool's cap in bytes (0: every snapshot allocates and releases its state) and its counts.
-      .def("set_snapshot_pool_bytes", [](PyEngine& e, size_t n) {
-        without_gil([&] {
-          std::lock_guard<std::mutex> lk(e.lock);
-          e.pool->set_max_bytes(*e.ops, n);
-        });
-      })
-      .def("snapshot_pool_stats", [](PyEngine& e) {
-        auto [max_bytes, bytes, hits, misses] = without_gil([&] {
-          std::lock_guard<std::mutex> lk(e.lock);
-          return std::make_tuple(e.pool->max_bytes(), e.pool->bytes(), e.pool->hits(), e.pool->misses());
-        });
-        nb::dict d;
-        d["max_bytes"] = max_bytes;
-        d["bytes"] = bytes;
-        d["hits"] = hits;
-        d["misses"] = misses;
-        return d;
-      })
       .def("report",
            [](PyEngine& e) {
              nb::gil_scoped_release nogil;
@@ -927,7 +902,7 @@ NB_MODULE(_core, m) {
                throw std::invalid_argument("kv_cache_dtype must be 'f32' or 'bf16', got '" + kv_dtype + "'");
              auto s = without_gil([&] {
                return std::make_unique<Session>(*e.model, e.lock, max_context, chunk,
-                                                kv_dtype == "bf16" ? DType::BF16 : DType::F32, e.pool);
+                                                kv_dtype == "bf16" ? DType::BF16 : DType::F32);
              });
              new (self) PySession{std::move(s), e.model->config().vocab};
            },

@@ -61,56 +61,11 @@ std::vector<const KvSegment*> chain(const std::shared_ptr<const KvSegment>& tail
 }
 }  // namespace
 
-Tensor SnapshotPool::take(Ops& ops, const char* label, int64_t rows, int64_t cols) {
-  auto it = free_.find({rows, cols});
-  if (it == free_.end() || it->second.empty()) {
-    ++misses_;
-    return ops.alloc(label, DType::F32, rows, cols);
-  }
-  Tensor t = it->second.back();
-  it->second.pop_back();
-  bytes_ -= t.bytes();
-  ++hits_;
-  return t;
-}
-
-void SnapshotPool::give(Ops& ops, Tensor& t) {
-  if (!t.valid()) return;
-  if (closed_ || t.dtype != DType::F32 || bytes_ + t.bytes() > max_bytes_) {
-    ops.release(t);
-    return;
-  }
-  bytes_ += t.bytes();
-  free_[{t.rows, t.cols}].push_back(t);
-  t = Tensor();
-}
-
-void SnapshotPool::set_max_bytes(Ops& ops, size_t max_bytes) {
-  max_bytes_ = max_bytes;
-  for (auto& [shape, list] : free_)
-    while (bytes_ > max_bytes_ && !list.empty()) {
-      bytes_ -= list.back().bytes();
-      ops.release(list.back());
-      list.pop_back();
-    }
-}
-
-void SnapshotPool::clear(Ops& ops) {
-  set_max_bytes(ops, 0);
-  free_.clear();
-  closed_ = true;
-}
-
 DeviceSnapshot::~DeviceSnapshot() {
   std::lock_guard<std::mutex> lk(lock_);
   Ops& ops = model_.ops();
   for (auto* v : {&conv_, &recurrent_})
-    for (Tensor& t : *v) {
-      if (pool_)
-        pool_->give(ops, t);
-      else
-        ops.release(t);
-    }
+    for (Tensor& t : *v) ops.release(t);
   ops.release(logits_);
   ops.release(mtp_h_);
 }  // kv_ drops after the lock is released: a segment's destructor takes it
@@ -196,9 +151,8 @@ HostSnapshot DeviceSnapshot::to_host() const {
 
 // ---- session ----
 
-Session::Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int64_t chunk, DType kv_dtype,
-                 std::shared_ptr<SnapshotPool> pool)
-    : model_(model), ops_(model.ops()), model_lock_(model_lock), pool_(std::move(pool)), chunk_(chunk) {
+Session::Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int64_t chunk, DType kv_dtype)
+    : model_(model), ops_(model.ops()), model_lock_(model_lock), chunk_(chunk) {
   if (kv_dtype != DType::F32 && kv_dtype != DType::BF16) throw std::invalid_argument("kv_cache_dtype must be f32 or bf16");
   if (max_context <= 0) throw std::invalid_argument("max_context must be > 0");
   if (chunk <= 0) throw std::invalid_argument("prefill_chunk must be > 0");
@@ -889,16 +843,10 @@ void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg) {
   for (size_t li = 0; li < size_t(c.layers); ++li) {
     if (c.full_attention[li]) continue;
     const StepState& now = st_.now();
-    if (pool_) {
-      snap.conv_.push_back(pool_->take(ops_, "snapshot_conv", now.conv[li].rows, now.conv[li].cols));
-      snap.recurrent_.push_back(pool_->take(ops_, "snapshot_recurrent", now.recurrent[li].rows, now.recurrent[li].cols));
-    } else {
-      snap.conv_.push_back(ops_.alloc("snapshot_conv", DType::F32, now.conv[li].rows, now.conv[li].cols));
-      snap.recurrent_.push_back(
-          ops_.alloc("snapshot_recurrent", DType::F32, now.recurrent[li].rows, now.recurrent[li].cols));
-    }
+    snap.conv_.push_back(ops_.alloc("snapshot_conv", DType::F32, now.conv[li].rows, now.conv[li].cols));
+    snap.recurrent_.push_back(
+        ops_.alloc("snapshot_recurrent", DType::F32, now.recurrent[li].rows, now.recurrent[li].cols));
   }
-  snap.pool_ = pool_;
   snap.logits_ = ops_.alloc("snapshot_logits", DType::F32, 1, c.vocab);
   if (model_.has_mtp()) snap.mtp_h_ = ops_.alloc("snapshot_mtp_hidden", DType::F32, 1, c.hidden);
 }

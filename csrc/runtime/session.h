@@ -10,7 +10,6 @@
 // thread while a call runs. Order: busy_ -> model_lock -> state_mu_. Callbacks run with no lock held.
 #pragma once
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -75,30 +74,6 @@ struct KvSegment {
   std::mutex& lock_;
 };
 
-// Released snapshot state tensors (F32 conv/recurrent, one per DeltaNet layer) kept for the next snapshot of the
-// same shape, so a checkpoint costs no backend allocation (on CUDA each is a cuMemAlloc, a memset and a stream
-// sync; a turn's checkpoints need two per DeltaNet layer). One per engine, shared by its sessions and their
-// snapshots; every call is made with the engine lock held, which guards it. Reused tensors are not zeroed:
-// a snapshot's conv/recurrent tensors are always overwritten whole (copy or StateCapture) before they are read.
-class SnapshotPool {
- public:
-  explicit SnapshotPool(size_t max_bytes) : max_bytes_(max_bytes) {}
-  Tensor take(Ops& ops, const char* label, int64_t rows, int64_t cols);
-  void give(Ops& ops, Tensor& t);  // kept while the pool's bytes stay within max_bytes, else released
-  void clear(Ops& ops);            // releases everything; later gives release (the engine is going)
-  void set_max_bytes(Ops& ops, size_t max_bytes);
-  size_t max_bytes() const { return max_bytes_; }
-  size_t bytes() const { return bytes_; }
-  int64_t hits() const { return hits_; }
-  int64_t misses() const { return misses_; }
-
- private:
-  std::map<std::pair<int64_t, int64_t>, std::vector<Tensor>> free_;
-  size_t bytes_ = 0, max_bytes_;
-  int64_t hits_ = 0, misses_ = 0;
-  bool closed_ = false;
-};
-
 // A session's state copied into backend tensors by recorded copies (snapshot, restore and fork never
 // leave the device): its own conv/recurrent state and logits, and a reference to the KV segments
 // holding rows [0, position). Releases its tensors under the engine lock when destroyed.
@@ -138,7 +113,6 @@ class DeviceSnapshot {
   std::vector<Tensor> conv_, recurrent_;
   Tensor logits_;
   Tensor mtp_h_;  // MTP checkpoints: StepState::mtp_h
-  std::shared_ptr<SnapshotPool> pool_;  // where conv_/recurrent_ go back to (null: released)
 };
 
 // What the last speculative generate call did (MTP drafting, verification by the model).
@@ -168,9 +142,8 @@ struct MtpPolicy {
 class Session {
  public:
   // `lock` is shared by every session of one model: one backend call at a time per engine.
-  // `pool` (optional): the engine's SnapshotPool, which this session's snapshots take their state tensors from.
   Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int64_t chunk,
-          DType kv_dtype = DType::F32, std::shared_ptr<SnapshotPool> pool = nullptr);
+          DType kv_dtype = DType::F32);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -319,7 +292,6 @@ class Session {
   Qwen36& model_;
   Ops& ops_;
   std::mutex& model_lock_;
-  std::shared_ptr<SnapshotPool> pool_;  // may be null
   std::mutex busy_;
   mutable std::mutex state_mu_;
   SessionState st_;

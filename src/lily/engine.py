@@ -139,7 +139,7 @@ class Engine:
     def __init__(self, checkpoint: Checkpoint, *, backend: str = "auto", threads: int | None = None,
                  prefill_chunk: int = 512, kv_cache_dtype: str = "f32", tokenizer: Tokenizer | None = None,
                  backend_options: dict | None = None, keep_sessions: int = 0, lm_head: str = "auto",
-                 mtp: str = "auto", snapshot_pool_bytes: int = 256 << 20):
+                 mtp: str = "auto"):
         check_lm_head(lm_head)
         mtp = check_mtp_mode(mtp, "Engine")
         if mtp == "on" and checkpoint.mtp_layers == 0:
@@ -156,7 +156,6 @@ class Engine:
         if kv_cache_dtype not in ("f32", "bf16"):
             raise ValueError(f"kv_cache_dtype must be 'f32' or 'bf16', got {kv_cache_dtype!r}")
         self.keep_sessions = check_int(keep_sessions, "keep_sessions", maximum=1 << 16)
-        snapshot_pool_bytes = check_int(snapshot_pool_bytes, "snapshot_pool_bytes", maximum=1 << 50)
         self.kv_cache_dtype = kv_cache_dtype
         self.checkpoint = checkpoint
         self.config = checkpoint.config
@@ -180,7 +179,6 @@ class Engine:
         except ValueError as exc:
             raise CheckpointError(f"{checkpoint.path}: {exc}") from exc
         self._lm_head.drop_host_copy(core_tensors, checkpoint.tensors["lm_head"])
-        self._core.set_snapshot_pool_bytes(snapshot_pool_bytes)
         self._fingerprint: str | None = None
         self._probe_stats: dict | None = None
         self._sessions: weakref.WeakSet = weakref.WeakSet()
@@ -246,8 +244,7 @@ class Engine:
                         threads: int | None = None, prefill_chunk: int = 512, kv_cache_dtype: str = "f32",
                         revision: str | None = None, progress: bool | None = None,
                         backend_options: dict | None = None, keep_sessions: int = 0,
-                        lm_head: str = "auto", mtp: str = "auto",
-                        snapshot_pool_bytes: int = 256 << 20) -> "Engine":
+                        lm_head: str = "auto", mtp: str = "auto") -> "Engine":
         """Load a checkpoint: a local folder, a Hugging Face repo id (cached or downloaded; honours
         HF_HUB_OFFLINE), or the packaged demonstration model ``"lily-tiny"`` (the default).
 
@@ -268,12 +265,6 @@ class Engine:
         copies only the rows it lacks; a new session takes a kept state only if it holds no such rows. The
         kept state stays allocated until it is reused, evicted (the one holding the fewest such rows first) or
         the engine is closed.
-
-        ``snapshot_pool_bytes``: how many bytes of destroyed snapshots' recurrent and conv state tensors the
-        engine keeps for the next snapshot of the same shape (default 256 MiB; 0 releases them at once), so a
-        checkpoint (:meth:`Session.snapshot`, the prefix cache's checkpoints taken during a prefill) takes no
-        backend allocation once the pool holds a previous one's (CUDA: a cuMemAlloc, memset and stream sync
-        per tensor, two tensors per DeltaNet layer). ``report()["snapshot_pool"]`` gives its bytes and hits.
 
         ``lm_head``: the LM head's format (:mod:`lily.lm_head`). ``"8bit"`` quantizes a head the checkpoint stores
         dense (Hugging Face bf16/f16/f32) at load to 8-bit affine, group 64 (the bytes ``lily convert --bits 8``
@@ -317,8 +308,7 @@ class Engine:
         tokenizer = Tokenizer.from_dir(path) if (pathlib.Path(path) / "tokenizer.json").is_file() else None
         return cls(checkpoint, backend=backend, threads=threads, prefill_chunk=prefill_chunk,
                    kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer, backend_options=backend_options,
-                   keep_sessions=keep_sessions, lm_head=lm_head, mtp=mtp,
-                   snapshot_pool_bytes=snapshot_pool_bytes)
+                   keep_sessions=keep_sessions, lm_head=lm_head, mtp=mtp)
 
     # ---- tokens ----
     def _need_tokenizer(self) -> Tokenizer:
@@ -567,8 +557,6 @@ class Engine:
             "mtp": dict(_mtp_report(core["mtp"], self.checkpoint.mtp_bytes), policy=self._mtp.report()),
             # Closed sessions' state kept for reuse (a warm prefix-cache turn restores into one holding its rows).
             "keep_sessions": {"max": self.keep_sessions, "kept": self.kept_sessions()},
-            # Snapshot state tensors kept for reuse (max_bytes, bytes held now, hits and misses so far).
-            "snapshot_pool": dict(self._core.snapshot_pool_stats()),
             "skipped_tensors": dict(self.checkpoint.skipped),
             "tokenizer": "none" if tok is None else f"{tok.vocab_size} tokens, stop ids {tok.stop_token_ids}",
             "backends": {name: b["status"] for name, b in backends().items()},
