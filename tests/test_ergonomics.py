@@ -133,7 +133,10 @@ def test_public_api_is_annotated_and_typed_marker_is_installed():
 
 
 def test_stream_logprobs_are_the_models_distribution_at_each_step():
-    e = lily.Engine.from_pretrained()
+    # mtp="off": the twin below decodes plainly, and a speculative verify forward (which mtp="auto" may choose
+    # when its cost measurement on a loaded machine says drafting pays) gives the same distribution only to
+    # fp32 rounding, not to the 1e-9 this test asks.
+    e = lily.Engine.from_pretrained(mtp="off")
     ids = e.tokenize("def read_lines(path):")
     s = e.session(max_context=128)
     s.prefill(ids)
