@@ -206,7 +206,6 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("gemv_async").is_none()) o.gemv_async = nb::cast<bool>(opt("gemv_async"));
     if (!opt("fused_norm").is_none()) o.fused_norm = nb::cast<bool>(opt("fused_norm"));
     if (!opt("fused_delta").is_none()) o.fused_delta = nb::cast<bool>(opt("fused_delta"));
-    if (!opt("delta_chunked").is_none()) o.delta_chunked = nb::cast<bool>(opt("delta_chunked"));
     if (!opt("prefill_x_terms").is_none()) o.prefill_x_terms = nb::cast<int>(opt("prefill_x_terms"));
     if (o.prefill_x_terms != 1 && o.prefill_x_terms != 2)
       throw std::invalid_argument("backend option prefill_x_terms must be 1 or 2, got " +

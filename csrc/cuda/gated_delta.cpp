@@ -3,9 +3,7 @@
 // gated_delta: a sequential scan over T with each warp's slice of the fp32 state in registers (see the
 //   kernel file for the geometry). T = 1 (decode): one kernel that also normalises q, k and computes
 //   alpha, beta per warp. T > 1: gated_delta_prep writes q̂, k̂, alpha, beta once per token into the
-//   workspace, then gated_delta_prepped scans. T >= kChunkMinTokens without a capture (and delta_chunked on,
-//   v_dim % 16 == 0): the chunked WY form instead of the scan, gated_delta_chunk_prep (per chunk and head, in
-//   parallel) then gated_delta_chunk_scan (sequential over chunks); equal to the scan within fp32 rounding.
+//   workspace, then gated_delta_prepped scans. No chunked (WY) form yet.
 // Captures (ops.h StateCapture) are one extra pointer, first row and count for both kernels: the conv copies
 //   pre-conv rows, the scan stores its registers after the captured tokens (kernels/gated_delta.cu).
 #include <algorithm>
@@ -30,25 +28,10 @@ void require_f32(const Tensor& t, const char* what) {
 // The prefill path's workspace: qn, kn [T, Hk·Dk], alpha, beta [T, Hv], each region 256-byte aligned.
 size_t region(int64_t floats) { return (size_t(floats) * 4 + 255) / 256 * 256; }
 size_t prep_bytes(int64_t T, int64_t key_dim, int64_t Hv) { return 2 * region(T * key_dim) + 2 * region(T * Hv); }
-
-// The chunked form: 64-token chunks. Below 64 tokens there is a single partial chunk whose parallel prep costs
-// about what the scan does for those tokens; from 64 on the scan's per-token chain (~20 µs per layer per 64
-// tokens on the H200) exceeds the two chunked launches.
-constexpr int kChunk = 64;
-constexpr int64_t kChunkMinTokens = 64;
-constexpr int kChunkThreads = 256;
-constexpr int kChunkCols = 16;  // state columns per block of gated_delta_chunk_scan
-// After the prep regions: U [nch·Hv·64, Dv], W [nch·Hv·64, Dk], P [nch·Hv·64, 64], gamma, eps [nch·Hv·64].
-size_t chunk_bytes(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv) {
-  const int64_t rows = (T + kChunk - 1) / kChunk * Hv * kChunk;
-  return region(rows * Dv) + region(rows * Dk) + region(rows * kChunk) + 2 * region(rows);
-}
 }  // namespace
 
 size_t delta_workspace_bytes(const ModelConfig& c, int64_t rows) {
-  if (rows <= 1) return 0;
-  const size_t prep = prep_bytes(rows, c.key_dim(), c.lin_v_heads);
-  return rows >= kChunkMinTokens ? prep + chunk_bytes(rows, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim) : prep;
+  return rows > 1 ? prep_bytes(rows, c.key_dim(), c.lin_v_heads) : 0;
 }
 
 void CudaOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in,
@@ -120,46 +103,12 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
   launch(kp, Dim3{unsigned(T), unsigned((Hk + 3) / 4), 1}, Dim3{128, 1, 1}, 0, ptr(qkv), int64_t(qkv.stride), ptr(b),
          int64_t(b.stride), ptr(a), int64_t(a.stride), ptr(A_log), ptr(dt_bias), qn, kn, alpha, beta, int(Hk),
          int(Hv));
-  const bool long_call = T >= kChunkMinTokens, shape_ok = Dv % kChunkCols == 0;
-  if (long_call && !capture.active() && options().delta_chunked && shape_ok) {
-    const size_t prep = prep_bytes(T, key_dim, Hv);
-    if (ws.bytes() < prep + chunk_bytes(T, Hv, Dk, Dv))
-      throw std::invalid_argument("gated_delta (cuda): workspace smaller than delta_workspace_bytes (chunked)");
-    const int64_t nch = (T + kChunk - 1) / kChunk, rows = nch * Hv * kChunk;
-    const CUdeviceptr U = ptr(ws) + prep, W = U + region(rows * Dv), P = W + region(rows * Dk),
-                      gam = P + region(rows * kChunk), eps = gam + region(rows);
-    const int ld = int(Dk) + 1;
-    const int prep_smem = (2 * kChunk * ld + kChunk * (kChunk + 1) + 2 * kChunk) * 4 + kChunk * 8;
-    const int scan_smem = (2 * kChunk * ld + kChunk * (kChunk + 1) + int(Dk) * kChunkCols + 2 * kChunk * kChunkCols +
-                           kChunk) * 4;
-    const Kernel& k1 = kernel("gated_delta", "gated_delta_chunk_prep", {{"DK", Dk}, {"DV", Dv}});
-    const Kernel& k2 = kernel("gated_delta", "gated_delta_chunk_scan", {{"DK", Dk}, {"DV", Dv}});
-    if (prep_smem > 48 * 1024) set_dynamic_smem(k1, prep_smem);
-    if (scan_smem > 48 * 1024) set_dynamic_smem(k2, scan_smem);
-    launch(k1, Dim3{unsigned(nch), unsigned(Hv), 1}, Dim3{kChunkThreads, 1, 1}, uint32_t(prep_smem), ptr(qkv),
-           int64_t(qkv.stride), ptr(a), int64_t(a.stride), ptr(A_log), ptr(dt_bias), qn, kn, beta, U, W, P, gam, eps,
-           int(T), int(Hk), int(Hv));
-    launch(k2, Dim3{unsigned(Hv), unsigned(Dv / kChunkCols), 1}, Dim3{kChunkThreads, 1, 1}, uint32_t(scan_smem), qn,
-           kn, U, W, P, gam, eps, ptr(state_in), int64_t(state_in.stride), ptr(state_out), int64_t(state_out.stride),
-           ptr(out), int64_t(out.stride), int(T), int(Hk), int(Hv));
-    note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
-                 "chunked WY form (T = " + std::to_string(T) + " >= " + std::to_string(kChunkMinTokens) +
-                     ", no capture): gated_delta_prep + gated_delta_chunk_prep grid (" + std::to_string(nch) + ", " +
-                     std::to_string(Hv) + ") × 256 + gated_delta_chunk_scan grid (" + std::to_string(Hv) + ", " +
-                     std::to_string(Dv / kChunkCols) + ") × 256, 64-token chunks");
-    return;
-  }
-  const std::string why = !long_call            ? "T < " + std::to_string(kChunkMinTokens)
-                          : capture.active()    ? std::string("state capture")
-                          : !options().delta_chunked ? std::string("delta_chunked=False, the default: the scan measured faster on the H200")
-                                                     : std::string("v_dim % 16 != 0");
   launch(k, grid, block, 0, ptr(qkv), int64_t(qkv.stride), ptr(b), int64_t(b.stride), ptr(a), int64_t(a.stride),
          ptr(A_log), ptr(dt_bias), qn, kn, alpha, beta, ptr(state_in), int64_t(state_in.stride), ptr(state_out),
          int64_t(state_out.stride), ptr(out), int64_t(out.stride), cap, cap_stride, cap_first, cap_count, int(T),
          int(Hk), int(Hv));
   note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
-               "gated_delta_prep (q̂, k̂, alpha, beta once per token) + sequential scan over T (" + why + "): " +
-                   geo);
+               "gated_delta_prep (q̂, k̂, alpha, beta once per token) + sequential scan over T: " + geo);
 }
 
 // One launch for a decode row (kernels/gated_delta.cu conv_delta_norm): a block of 16 warps per key head (32

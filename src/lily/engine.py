@@ -289,10 +289,10 @@ class Engine:
         True), ``gemv_async`` (decode GEMV weights staged through shared memory by cp.async; default True),
         ``fused_norm`` (decode: each layer's RMSNorms done inside the projection GEMV that follows them, one
         launch instead of two; default True), ``fused_delta`` (decode: a DeltaNet layer's conv, recurrent update
-        and gated norm in one launch; default False: measured slower on the H200), ``delta_chunked`` (prefill: the chunked WY form of the
-        DeltaNet recurrence for calls of 64 tokens or more without a state capture, equal to the sequential scan
-        within fp32 rounding; default False: the sequential scan measured faster on the H200), ``prefill_x_terms`` (prefill GEMMs: activations as 1
-        bf16 term, or 2, hi + lo, for ~1e-5 instead of ~1.5e-3 relative error per product; default 1),
+        and gated norm in one launch; default False: measured slower on the H200), ``prefill_x_terms`` (prefill
+        GEMMs: activations as 2 bf16 terms, hi + lo, ~1e-5 relative error per product, or 1, ~1.5e-3 and half the
+        MMAs: +14% prefill at 4K on the H200, but the random test models' logits then leave the bf16 tolerance;
+        default 2),
         ``cache_dir`` (compiled kernels;
         default ``$LILY_CACHE_DIR/cuda`` or ``~/.cache/lily/cuda``), ``dry_arch`` (compile for sm_N and run
         nothing: a compile check without a GPU)."""

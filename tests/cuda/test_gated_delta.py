@@ -8,10 +8,6 @@ from 5e-10 to 0.99, so 1e-5 leaves a wide margin and still catches any wrong ind
 State captures (ops.h StateCapture, the prefix cache's checkpoint inside a chunk and MTP's per-position states):
 the conv's are copies, compared exactly; the scan's slice i must equal, bit for bit, the state a GPU call over rows
 0 .. first + i alone leaves (the kernel stores the same registers), and the CPU's capture within TOL.
-
-Calls of T >= 64 without a capture take the chunked WY form when delta_chunked is on (off by default; these benches turn it on): the tests of T >= 64
-check it against the CPU within TOL; the bit-for-bit tests of the scan run on a bench with delta_chunked off,
-and the chunked form is checked against the scan within fp32 rounding and for run-to-run determinism.
 """
 
 from __future__ import annotations
@@ -35,13 +31,7 @@ SHAPES = [REAL, (2, 6, 32, 48), (3, 3, 64, 64)]
 
 @pytest.fixture(scope="module")
 def benches():
-    return core.OpBench("cpu"), core.OpBench("cuda", {"delta_chunked": True})
-
-
-@pytest.fixture(scope="module")
-def scan_bench():
-    """The sequential scan for every length (the chunked form off)."""
-    return core.OpBench("cuda", {"delta_chunked": False})
+    return core.OpBench("cpu"), core.OpBench("cuda")
 
 
 def rel(x: np.ndarray, ref: np.ndarray) -> float:
@@ -221,11 +211,11 @@ def test_gated_delta_split_is_bitwise(benches):
 @pytest.mark.parametrize("shape", [REAL, (2, 6, 32, 48)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("T,capture", [(1, (0, 1)), (33, (0, 4)), (130, (64, 3)), (130, (129, 1))])
 @pytest.mark.parametrize("inplace", [True, False])
-def test_gated_delta_capture(benches, scan_bench, shape, T, capture, inplace):
+def test_gated_delta_capture(benches, shape, T, capture, inplace):
     """Slice i of the capture is, bit for bit, the state of a GPU call over rows 0 .. first + i alone (both
     kernels: T = 1 is the decode entry), within TOL of the CPU's capture; the captured call's output and final
     state are the uncaptured call's bits."""
-    cpu, gpu = benches[0], scan_bench  # the uncaptured and short calls of T >= 64 must run the scan too
+    cpu, gpu = benches
     Hk, Hv, Dk, Dv = shape
     rng = np.random.default_rng(T * 13 + Dk + capture[0])
     inputs = delta_inputs(rng, T, *shape)
@@ -245,78 +235,3 @@ def test_gated_delta_capture(benches, scan_bench, shape, T, capture, inplace):
         short = DeltaRun(gpu, shape, state0, n)
         short.step(tuple(x[:n] if x.shape[0] == T else x for x in inputs), 0, dst)
         np.testing.assert_array_equal(cap_g[i * rows:(i + 1) * rows], short.state(dst), err_msg=f"slice {i}")
-
-
-# ---- the chunked form (T >= 64, no capture) ----
-
-def prefill_variant(bench) -> str:
-    return str(bench.report()["cuda"]["variants"].get("gated_delta.prefill", ""))
-
-
-@pytest.mark.parametrize("shape", SHAPES + [(1, 2, 40, 16)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("T", [64, 100, 128, 257, 4100])
-@pytest.mark.parametrize("inplace", [True, False])
-def test_gated_delta_chunked(benches, scan_bench, shape, T, inplace):
-    """Against the CPU oracle within TOL, against the scan within fp32 rounding, outputs poisoned before the
-    call; reports the chunked form. One chunk, partial last chunks, 4100 tokens."""
-    if T == 4100 and shape != REAL and shape[1] > 3:
-        pytest.skip("the long case at the real shape and the small ones")
-    cpu, gpu = benches
-    Hk, Hv, Dk, Dv = shape
-    rng = np.random.default_rng(T * 3 + Dk + Hv + 11)
-    inputs = delta_inputs(rng, T, *shape)
-    state0 = (rng.standard_normal((Hv * Dk, Dv)) * 0.5).astype(np.float32)
-    dst = 0 if inplace else 1
-    rc, rg, rs = DeltaRun(cpu, shape, state0, T), DeltaRun(gpu, shape, state0, T), DeltaRun(scan_bench, shape, state0, T)
-    for r in (rg, rs):
-        r.states[1] = r.b.tensor(np.full(state0.shape, np.nan, np.float32))  # poisoned: must be overwritten
-    o_c, o_g, o_s = rc.step(inputs, 0, dst), rg.step(inputs, 0, dst), rs.step(inputs, 0, dst)
-    assert "chunked WY form" in prefill_variant(gpu), prefill_variant(gpu)
-    assert "delta_chunked=False" in prefill_variant(scan_bench), prefill_variant(scan_bench)
-    assert np.isfinite(o_g).all()
-    s_c, s_g, s_s = rc.state(dst), rg.state(dst), rs.state(dst)
-    assert np.isfinite(s_g).all()
-    assert rel(o_g, o_c) < TOL, rel(o_g, o_c)
-    assert rel(s_g, s_c) < TOL, rel(s_g, s_c)
-    assert rel(o_g, o_s) < TOL and rel(s_g, s_s) < TOL, (rel(o_g, o_s), rel(s_g, s_s))
-    if not inplace:
-        np.testing.assert_array_equal(rg.state(0), state0)  # state_in is only read
-
-
-@pytest.mark.parametrize("shape", [REAL, (2, 6, 32, 48)], ids=lambda s: "x".join(map(str, s)))
-def test_gated_delta_chunked_chained(benches, shape):
-    """Prefills of 130 (chunked), 70 (chunked), 33 (scan) tokens, then decode steps, the state carried between
-    calls (in place, then alternating), each step against the CPU; the same calls twice give the same bits."""
-    cpu, gpu = benches
-    rng = np.random.default_rng(123 + shape[2])
-    state0 = (rng.standard_normal((shape[1] * shape[2], shape[3])) * 0.5).astype(np.float32)
-    steps = [(130, 0, 0), (70, 0, 1), (33, 1, 0)] + [(1, i % 2, 1 - i % 2) for i in range(3)]
-    inputs = [delta_inputs(rng, T, *shape) for T, _, _ in steps]
-    rc, rg, rg2 = DeltaRun(cpu, shape, state0, 130), DeltaRun(gpu, shape, state0, 130), DeltaRun(gpu, shape, state0, 130)
-    for n, ((T, src, dst), x) in enumerate(zip(steps, inputs)):
-        o_c, o_g, o_g2 = rc.step(x, src, dst), rg.step(x, src, dst), rg2.step(x, src, dst)
-        assert rel(o_g, o_c) < TOL, (n, rel(o_g, o_c))
-        assert rel(rg.state(dst), rc.state(dst)) < TOL, n
-        np.testing.assert_array_equal(o_g, o_g2)  # deterministic
-        np.testing.assert_array_equal(rg.state(dst), rg2.state(dst))
-
-
-def test_gated_delta_chunked_capture_keeps_scan(benches, scan_bench):
-    """A call with a capture runs the scan (reported) even when long: its output is the scan's bit for bit."""
-    _, gpu = benches
-    shape = (2, 6, 32, 48)
-    rng = np.random.default_rng(77)
-    inputs = delta_inputs(rng, 130, *shape)
-    state0 = (rng.standard_normal((shape[1] * shape[2], shape[3])) * 0.5).astype(np.float32)
-    o_cap, _ = DeltaRun(gpu, shape, state0, 130).step(inputs, 0, 1, (64, 2))
-    assert "state capture" in prefill_variant(gpu), prefill_variant(gpu)
-    o_scan = DeltaRun(scan_bench, shape, state0, 130).step(inputs, 0, 1)
-    np.testing.assert_array_equal(o_cap, o_scan)
-    # v_dim % 16 != 0: the scan, reported, still right
-    cpu = benches[0]
-    shape = (1, 2, 32, 24)
-    inputs = delta_inputs(rng, 100, *shape)
-    state0 = (rng.standard_normal((shape[1] * shape[2], shape[3])) * 0.5).astype(np.float32)
-    o_g = DeltaRun(gpu, shape, state0, 100).step(inputs, 0, 1)
-    assert "v_dim % 16" in prefill_variant(gpu), prefill_variant(gpu)
-    assert rel(o_g, DeltaRun(cpu, shape, state0, 100).step(inputs, 0, 1)) < TOL
