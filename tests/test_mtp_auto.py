@@ -193,8 +193,13 @@ def test_auto_learns_that_a_head_accepts_nothing(path):
             drafted += max(s.mtp_stats()["drafted"], 1)
             assert drafted < 2000, ctl.report()
         rep = e.report()["mtp"]["policy"]
-        assert rep["decision"].startswith("off: acceptance") and rep["compared_drafts"] >= mtp_policy.MIN_TRIALS_TO_TURN_OFF
+        n, acc = rep["compared_drafts"], rep["accepted_drafts"]
+        assert rep["decision"].startswith("off: acceptance") and n >= mtp_policy.MIN_TRIALS_FOR_BOUND
+        # It turned off on evidence: the acceptance's upper bound over those drafts pays for no k ...
+        assert mtp_policy.best_k(ctl.cost, mtp_policy.acceptance_upper_bound(acc, n))[0] == 0
         assert rep["calls"]["speculative"] >= 1
+        # ... and not much later than that evidence existed (the last call adds at most a few drafts).
+        assert n < 64, rep
 
 
 def test_expected_yield_and_best_k():
@@ -203,6 +208,37 @@ def test_expected_yield_and_best_k():
     assert mtp_policy.best_k([2, 2, 2, 2], 0.3) == (0, 1.0)
     k, s = mtp_policy.best_k([1.1, 1.2, 1.3, 1.4], 0.8)
     assert k == 4 and s == pytest.approx(mtp_policy.expected_yield(0.8, 4) / 1.4)
+
+
+def test_acceptance_upper_bound():
+    ub = mtp_policy.acceptance_upper_bound
+    assert ub(0, 0) == 1.0
+    assert 0.13 < ub(0, 24) < 0.15  # Wilson, z = 2: 4 / 28
+    assert ub(0, 200) < ub(0, 24) < ub(0, 8)  # more evidence, a tighter bound
+    assert ub(30, 100) > 0.3 and ub(90, 100) <= 1.0 and ub(100, 100) == pytest.approx(1.0)
+    # A head accepting nothing on a machine where k = 1 costs 1.38 steps: off after ~2 dozen drafts, not 64.
+    assert mtp_policy.best_k([1.38, 1.69, 2.0, 2.48], ub(0, 24))[0] == 0
+    assert mtp_policy.best_k([1.38, 1.69, 2.0, 2.48], ub(0, 4))[0] > 0  # too little evidence yet
+
+
+def test_measured_costs_are_made_physical():
+    # Noise on a loaded machine once measured an iteration cheaper than a plain step (0.93 at k = 3).
+    assert mtp_policy.physical_costs([1.2, 1.1, 0.93, 1.5]) == [1.2, 1.2, 1.2, 1.5]
+    assert mtp_policy.physical_costs([0.5, 0.7, 0.9, 1.3]) == [1.0, 1.0, 1.0, 1.3]
+
+
+def test_cached_costs_below_one_are_clamped(path, tmp_path):
+    with engine(path, "auto") as e:
+        key = e._mtp._key()
+        (tmp_path / "cache").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cache" / "mtp_costs.json").write_text(json.dumps(
+            {key: {"cost": [0.8, 0.9, 0.95, 0.99], "plain_ms": 1.0, "iteration_ms": {}, "context": 48}}))
+        s = e.session(max_context=64)
+        s.prefill(PROMPT)
+        greedy(s, 4)
+        rep = e.report()["mtp"]["policy"]
+        assert rep["measurement"]["cached"] is True
+        assert all(c >= 1.0 for c in rep["iteration_cost"].values()), rep
 
 
 def _prefilled(e):

@@ -13,8 +13,11 @@ Whether drafting pays is a property of the machine, the model and the text, so `
 - **The model and the text.** The acceptance rate (accepted drafts ÷ compared drafts) is tracked across calls.
   Each speculative iteration takes the k with the best expected speedup ``(1 + a + ... + a^k) / cost[k]`` for
   the current estimate ``a``; once the best is below 1 the call finishes with plain pipelined decoding. When
-  the estimate over enough drafts says no k pays (a head that accepts nothing, e.g. a random synthetic one),
-  the engine turns MTP off as above.
+  the drafts seen so far say no k pays (a head that accepts nothing, e.g. a random synthetic one), the engine
+  turns MTP off as above: either the estimate over ``MIN_TRIALS_TO_TURN_OFF`` drafts, or, sooner, an upper
+  confidence bound on the acceptance (Wilson, ``CONFIDENCE_Z`` standard deviations) that still pays for no k.
+  The bound makes the decision depend on the evidence rather than on how many drafts each call happened to
+  compare (a call switches to plain decoding after a few rejected drafts, so a useless head yields ~2 per call).
 
 ``"on"`` always drafts (``mtp_k`` drafts per iteration) and keeps the rows; ``"off"`` never drafts and never runs
 the rows. The decision, the measured costs and the acceptance are in ``engine.report()["mtp"]["policy"]``.
@@ -38,6 +41,8 @@ MODES = ("auto", "on", "off")
 MAX_K = 4
 # Below this many compared drafts the acceptance estimate is too noisy to turn MTP off for good.
 MIN_TRIALS_TO_TURN_OFF = 64
+# Turn off sooner when even the acceptance's upper confidence bound pays for no k (after this many drafts).
+CONFIDENCE_Z, MIN_TRIALS_FOR_BOUND = 2.0, 8
 # The acceptance a platform must be able to pay at for "auto" to draft at all there.
 BEST_CASE_ACCEPTANCE = 0.9
 # The prior for a model not seen drafting yet (weighted as this many trials): optimistic enough to try.
@@ -64,6 +69,27 @@ def best_k(cost: list[float], alpha: float, max_k: int = MAX_K) -> tuple[int, fl
         if s > best[1]:
             best = (k, s)
     return best
+
+
+def acceptance_upper_bound(accepted: int, trials: int, z: float = CONFIDENCE_Z) -> float:
+    """The Wilson score interval's upper end for `accepted` of `trials` drafts (1.0 with no trials)."""
+    if trials <= 0:
+        return 1.0
+    p, n = accepted / trials, float(trials)
+    centre = p + z * z / (2 * n)
+    spread = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return float(min(1.0, (centre + spread) / (1 + z * z / n)))
+
+
+def physical_costs(cost: list[float]) -> list[float]:
+    """A measured cost vector made physical: an iteration runs at least one forward of the main model, so it
+    costs at least one plain step, and one more draft never makes it cheaper. Timing noise on a loaded machine
+    can measure otherwise (a ratio of 0.9 once made "auto" draft where it cannot pay), so clamp."""
+    out, floor = [], 1.0
+    for c in cost:
+        floor = max(floor, float(c))
+        out.append(floor)
+    return out
 
 
 def cache_dir() -> Path:
@@ -120,7 +146,7 @@ class MtpController:
             alpha = self.alpha
             k_max = MAX_K if mtp_k is None else mtp_k
             if best_k(self.cost, alpha, k_max)[0] == 0:
-                if self.trials >= MIN_TRIALS_TO_TURN_OFF:
+                if self._evidence_says_off_locked():
                     self._turn_off_locked()
                     return 0, None
                 # Too few drafts to judge the head: draft from the prior again so the estimate can learn
@@ -129,9 +155,18 @@ class MtpController:
             return k_max, {"cost": list(self.cost), "alpha0": alpha, "weight": min(float(self.trials), 32.0)
                            + PRIOR_WEIGHT}
 
+    def _evidence_says_off_locked(self) -> bool:
+        """Whether the drafts compared so far show that no k pays: the estimate over enough drafts, or the
+        acceptance's upper confidence bound over fewer."""
+        if self.trials >= MIN_TRIALS_TO_TURN_OFF and best_k(self.cost, self.alpha)[0] == 0:
+            return True
+        return (self.trials >= MIN_TRIALS_FOR_BOUND
+                and best_k(self.cost, acceptance_upper_bound(self.accepted, self.trials))[0] == 0)
+
     def _turn_off_locked(self) -> None:
-        self.decision = (f"off: acceptance {self.alpha:.3f} over {self.trials} drafts pays for no k "
-                         f"(best expected speedup {best_k(self.cost, self.alpha, MAX_K)[1]:.2f})")
+        bound = acceptance_upper_bound(self.accepted, self.trials)
+        self.decision = (f"off: acceptance {self.alpha:.3f} over {self.trials} drafts (upper bound {bound:.3f}) "
+                         f"pays for no k (best expected speedup {best_k(self.cost, self.alpha, MAX_K)[1]:.2f})")
         self._set_rows(False)
 
     def observe(self, stats: dict, speculative: bool) -> None:
@@ -142,11 +177,11 @@ class MtpController:
                 return
             self.accepted += stats["accepted"]
             self.trials += stats["trials"]
-            if self.mode == "auto" and self.cost is not None and self.trials >= MIN_TRIALS_TO_TURN_OFF:
+            if self.mode == "auto" and self.cost is not None and self.keeps_rows:
                 k, s = best_k(self.cost, self.alpha)
-                if k == 0:
+                if self._evidence_says_off_locked():
                     self._turn_off_locked()
-                else:
+                elif k > 0 and self.trials >= MIN_TRIALS_TO_TURN_OFF:
                     self.decision = (f"auto: drafting, best k {k} (expected speedup {s:.2f} at acceptance "
                                      f"{self.alpha:.3f})")
 
@@ -162,13 +197,13 @@ class MtpController:
         path = cache_dir() / _COST_FILE
         cached = _read_costs(path).get(key)
         if cached is not None:
-            self.cost = [float(c) for c in cached["cost"]]
+            self.cost = physical_costs([float(c) for c in cached["cost"]])
             self.measurement = dict(cached, cached=True, file=str(path))
         else:
             t0 = time.perf_counter()
             m = measure_costs(self._engine)
             m["seconds"] = round(time.perf_counter() - t0, 3)
-            self.cost = m["cost"]
+            self.cost = m["cost"] = physical_costs(m["cost"])
             self.measurement = dict(m, cached=False, file=str(path))
             _write_costs(path, key, m)
         best = best_k(self.cost, BEST_CASE_ACCEPTANCE)
