@@ -210,6 +210,10 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (o.prefill_x_terms != 1 && o.prefill_x_terms != 2)
       throw std::invalid_argument("backend option prefill_x_terms must be 1 or 2, got " +
                                   std::to_string(o.prefill_x_terms));
+    if (!opt("moe_x_terms").is_none()) o.moe_x_terms = nb::cast<int>(opt("moe_x_terms"));
+    if (o.moe_x_terms < 0 || o.moe_x_terms > 2)
+      throw std::invalid_argument("backend option moe_x_terms must be 1, 2 or 0 (= prefill_x_terms), got " +
+                                  std::to_string(o.moe_x_terms));
     if (!opt("cache_dir").is_none()) o.cache_dir = nb::cast<std::string>(opt("cache_dir"));
     if (!opt("dry_arch").is_none()) o.dry_arch = nb::cast<int>(opt("dry_arch"));
     if (o.dry_arch == 0 && !nb::cast<bool>(b["usable"]))

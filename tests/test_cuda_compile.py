@@ -197,3 +197,30 @@ def test_full_model_shapes_compile_dry(arch, cache):
     assert b.report()["compile"]["modules"] >= 8
     fused = {k: v for k, v in b.report()["variants"].items() if "norm_matmuls.decode" in k}
     assert len(fused) == 4 and all(v.startswith("one launch") for v in fused.values()), fused
+
+
+def test_moe_x_terms_option_reaches_only_the_expert_gemms(cache):
+    """moe_x_terms = 1 with prefill_x_terms = 2: the MoE prefill GEMMs take x as one term and the dense GEMMs keep
+    hi + lo (both compile for the real shapes); bad values are refused naming the option."""
+    c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
+                                          source="FULL_CONFIG").to_core()
+    H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
+    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, "moe_x_terms": 1})
+    T = 64
+    x = b.empty(T, H, poison=False)
+    b.run("matmul", "prefill", x=x, w=b.weight(_zeros_weight(2048, H, "q4")), out=b.empty(T, 2048, poison=False))
+    g, u, d = (b.weight(_zeros_weight(I, H, "q4", E)), b.weight(_zeros_weight(I, H, "q4", E)),
+               b.weight(_zeros_weight(H, I, "q4", E)))
+    ws = b.workspace(c, T, 4096)
+    ids, wts = b.empty(T, K, "i32", poison=False), b.empty(T, K, poison=False)
+    b.run("moe_route", "prefill", logits=b.empty(T, E, poison=False), k=K, ws=ws, ids=ids, weights=wts)
+    b.run("moe_experts", "prefill", x=x, ids=ids, weights=wts, gate=g, up=u, down=d, ws=ws,
+          out=b.empty(T, H, poison=False))
+    v = b.report()["variants"]
+    experts = " ".join(t for k, t in v.items() if k.startswith("moe.experts"))
+    dense = " ".join(t for k, t in v.items() if k.startswith("matmul."))
+    assert "one bf16 term (prefill_x_terms or moe_x_terms = 1)" in experts, v
+    assert "bf16 hi+lo" in dense and "one bf16 term" not in dense, v
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match="moe_x_terms"):
+            core.OpBench("cuda", {"dry_arch": 90, "moe_x_terms": bad})

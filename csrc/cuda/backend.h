@@ -70,6 +70,10 @@ struct CudaOptions {
   // relative per product) or 1 (~1.5e-3, half the MMAs: prefill at 4K +14% on the H200 and lily-tiny's bar
   // holds, but the random test models' logits leave the bf16 tolerance: not the default). benchmarks/NOTES.md.
   int prefill_x_terms = 2;
+  // The MoE prefill GEMMs' own setting (1 or 2; 0 = prefill_x_terms): the dense and the expert GEMMs' error
+  // reaches the logits differently, so each can be A/B'd alone.
+  int moe_x_terms = 0;
+  int moe_prefill_x_terms() const { return moe_x_terms ? moe_x_terms : prefill_x_terms; }
   // Programmatic dependent launch (sm_90+). Off by default: measured slower on the H200 (benchmarks/NOTES.md,
   // decode -4%, prefill at 4K -39%: the early-scheduled blocks of the next kernel sit on SM resources).
   bool pdl = false;

@@ -167,7 +167,7 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
              " rows per block), " + fmt;
   else
     v.text = "moe_group + moe_gate_up_mma / moe_down_mma (mma.sync m16n8k16 bf16, x as " +
-             std::string(x_terms == 2 ? "hi + lo bf16" : "one bf16 term (prefill_x_terms = 1)") + ", " +
+             std::string(x_terms == 2 ? "hi + lo bf16" : "one bf16 term (prefill_x_terms or moe_x_terms = 1)") + ", " +
              std::string(gate.quantized() ? "exact codes with fp32 per-group scale/bias"
                          : gate.dtype == DType::BF16 ? "exact bf16 weights"
                                                      : "weights as hi + lo bf16") +
@@ -259,7 +259,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   MoeArgs a = experts_args(x, ids, weights, gate, up, down, ws, out, what, aligned);
   if (T == 0) return;
   const Phase ph = phase();
-  const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().prefill_x_terms);
+  const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x_terms());
   if (ph == Phase::Decode) {
     note_variant("moe.experts.decode", v.text);
     const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);

@@ -292,7 +292,8 @@ class Engine:
         and gated norm in one launch; default False: measured slower on the H200), ``prefill_x_terms`` (prefill
         GEMMs: activations as 2 bf16 terms, hi + lo, ~1e-5 relative error per product, or 1, ~1.5e-3 and half the
         MMAs: +14% prefill at 4K on the H200, but the random test models' logits then leave the bf16 tolerance;
-        default 2),
+        default 2), ``moe_x_terms`` (the same for the MoE expert GEMMs alone: 1, 2, or 0 = follow
+        ``prefill_x_terms``; default 0),
         ``cache_dir`` (compiled kernels;
         default ``$LILY_CACHE_DIR/cuda`` or ``~/.cache/lily/cuda``), ``dry_arch`` (compile for sm_N and run
         nothing: a compile check without a GPU)."""
