@@ -46,6 +46,8 @@ MetalOps::MetalOps(const std::string& msl) : dev_(msl), fences_(std::make_shared
   // fake runtime's hazard check must stop the first dependent dispatch.
   const char* drop = std::getenv("LILY_METAL_DROP_BARRIERS");
   drop_barriers_ = drop && *drop && std::string(drop) != "0";
+  const char* group = std::getenv("LILY_METAL_GROUP_MATMULS");
+  group_matmuls_ = !(group && std::string(group) == "0");
 }
 
 MetalOps::~MetalOps() {
@@ -366,6 +368,17 @@ std::vector<std::string> MetalOps::optimizations() const {
           std::to_string(counters_.delta_composed_calls) + " composed from conv1d_silu, gated_delta_scan and "
           "gated_rms_norm" +
           (counters_.delta_composed_calls ? ", the last for " + counters_.delta_composed_reason : std::string()) +
+          ")",
+      std::string(counters_.matmul_group_calls ? "active" : "inactive") +
+          ": one dispatch per MatmulGroup at decode rows (qmv4_multi: the 4-bit products of one input that share a "
+          "scale type and group size; " + std::to_string(counters_.matmul_group_calls) + " calls grouped, " +
+          std::to_string(counters_.matmul_group_products) + " products; " +
+          std::to_string(counters_.matmul_group_split_calls) + " with products run alone" +
+          (counters_.matmul_group_split_calls ? " (the last: " + counters_.matmul_group_split_reason + ")"
+                                              : std::string()) +
+          "; " + std::to_string(counters_.matmul_group_composed_calls) + " composed, one dispatch per product" +
+          (counters_.matmul_group_composed_calls ? ", the last for " + counters_.matmul_group_composed_reason
+                                                 : std::string()) +
           ")",
       "active: GPU-resident routing (top-k on the GPU; ids never read by the host)",
       "active: sampling on the GPU, greedy and seeded (the id goes straight into the next step's slot)",

@@ -80,6 +80,11 @@ class MetalOps final : public Ops {
     // composed one was.
     int64_t delta_fused_calls = 0, delta_composed_calls = 0;
     std::string delta_composed_reason;
+    // matmuls (a MatmulGroup): calls that ran as one qmv4_multi dispatch and the products they took; calls where
+    // some products ran alone (and which, the last time); calls composed from one dispatch per product (and why).
+    int64_t matmul_group_calls = 0, matmul_group_products = 0, matmul_group_split_calls = 0;
+    int64_t matmul_group_composed_calls = 0;
+    std::string matmul_group_split_reason, matmul_group_composed_reason;
   };
   const Counters& counters() const { return counters_; }
   Device& metal_device() { return dev_; }
@@ -99,6 +104,7 @@ class MetalOps final : public Ops {
   void embed_impl(const Tensor& ids, const Weight& table, const Tensor& out) override;
   void rms_norm_impl(const Tensor& x, const Tensor& w, const Tensor& out, float eps) override;
   void matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) override;
+  void matmuls_impl(const Tensor& x, const MatmulGroup& g) override;
   void add_impl(const Tensor& a, const Tensor& b, const Tensor& out) override;
   void add_rms_norm_impl(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
                          const Tensor& normed) override;
@@ -189,6 +195,7 @@ class MetalOps final : public Ops {
   std::shared_ptr<struct FenceState> fences_;
   Counters counters_;
   bool drop_barriers_ = false;
+  bool group_matmuls_ = true;  // LILY_METAL_GROUP_MATMULS=0: every product of a MatmulGroup its own dispatch
   std::string attention_variant_ = "auto";  // LILY_METAL_DROP_BARRIERS=1: the planted bug of the harness tests
 };
 

@@ -140,6 +140,83 @@ void MetalOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) 
            MTL::Size(64, 1, 1));
 }
 
+// A MatmulGroup at a decode row: the products qmv4 takes that share the first one's scale type and group size run
+// as one qmv4_multi dispatch (metal/matmul.metal; the same bits as their separate qmv4s); the others run alone.
+// LILY_METAL_GROUP_MATMULS=0 turns this off (every product its own dispatch, for A/B on a Mac); the counters say
+// which path ran and why (optimizations()).
+namespace {
+struct Qmv4MultiShape {  // metal/matmul.metal Qmv4GroupShape
+  uint32_t cols, products, rows[4], start[3];
+};
+static_assert(sizeof(Qmv4MultiShape) == 36, "Qmv4MultiShape must match metal/matmul.metal");
+}  // namespace
+
+void MetalOps::matmuls_impl(const Tensor& x, const MatmulGroup& g) {
+  const Arg xa = arg(x);
+  const size_t x_offset = xa.offset;
+  std::vector<int> take;  // the products one dispatch runs
+  const Weight* first = nullptr;
+  for (int i = 0; i < g.n; ++i) {
+    const Weight& w = g.w[size_t(i)];
+    if (!qmv4_fits(w, x.rows, x_offset) || w.rows > UINT32_MAX || w.cols > UINT32_MAX) continue;
+    if (first && (w.scale_dtype != first->scale_dtype || w.group != first->group || w.cols != first->cols)) continue;
+    if (!first) first = &w;
+    take.push_back(i);
+  }
+  std::string why;
+  if (!group_matmuls_) why = "LILY_METAL_GROUP_MATMULS=0";
+  else if (g.n < 2) why = "one product";
+  else if (take.size() < 2) why = x.rows != 1 ? std::to_string(x.rows) + " rows (qmv4_multi takes one decode row)"
+                                               : "fewer than two products qmv4 takes";
+  if (!why.empty()) {
+    if (g.n >= 2) ++counters_.matmul_group_composed_calls, counters_.matmul_group_composed_reason = why;
+    return Ops::matmuls_impl(x, g);
+  }
+  if (int(take.size()) < g.n) {
+    ++counters_.matmul_group_split_calls;
+    counters_.matmul_group_split_reason = "";
+    for (int i = 0, j = 0; i < g.n; ++i) {
+      if (j < int(take.size()) && take[size_t(j)] == i) { ++j; continue; }
+      counters_.matmul_group_split_reason += (counters_.matmul_group_split_reason.empty() ? "" : ", ") +
+                                             g.w[size_t(i)].describe();
+    }
+  }
+  Qmv4MultiShape shape{uint32_t(first->cols), uint32_t(take.size()), {}, {}};
+  std::vector<Arg> codes, scales, biases, ys;
+  uint32_t groups = 0;
+  for (size_t j = 0; j < 4; ++j) {
+    const size_t i = size_t(take[j < take.size() ? j : 0]);  // unused slots repeat product 0, never read
+    const Weight& w = g.w[i];
+    const WeightBinding b = bind_weight(w);
+    codes.push_back(Arg::buf(b.data.buffer, b.data.exact_offset()));
+    scales.push_back(Arg::buf(b.scales.buffer, b.scales.exact_offset()));
+    biases.push_back(Arg::buf(b.biases.buffer, b.biases.exact_offset()));
+    ys.push_back(arg(g.out[i]));
+    if (j < take.size()) {
+      shape.rows[j] = uint32_t(w.rows);
+      if (j > 0) shape.start[j - 1] = groups;
+      groups += uint32_t((w.rows + kRowsPerGroup - 1) / kRowsPerGroup);
+    }
+  }
+  for (size_t j = take.size(); j < 4; ++j) {
+    shape.rows[j] = shape.rows[0];
+    if (j > 0) shape.start[j - 1] = groups;  // the total: no threadgroup reaches an unused product
+  }
+  std::vector<Arg> args;
+  for (const auto* part : {&codes, &scales, &biases}) args.insert(args.end(), part->begin(), part->end());
+  args.push_back(xa);
+  args.insert(args.end(), ys.begin(), ys.end());
+  args.push_back(Arg::value(shape));
+  dispatch(first->scale_dtype == DType::BF16 ? "qmv4_multi_bf16" : "qmv4_multi_f16",
+           {FunctionConstant::u32(0, uint32_t(first->group))}, args, MTL::Size(groups, 1, 1), MTL::Size(64, 1, 1));
+  ++counters_.matmul_group_calls;
+  counters_.matmul_group_products += int64_t(take.size());
+  for (int i = 0, j = 0; i < g.n; ++i) {  // the rest, one dispatch each
+    if (j < int(take.size()) && take[size_t(j)] == i) { ++j; continue; }
+    matmul_impl(x, g.w[size_t(i)], g.out[size_t(i)]);
+  }
+}
+
 void MetalOps::embed_impl(const Tensor& ids, const Weight& table, const Tensor& out) {
   const WeightBinding b = bind_weight(table);
   const MatmulShape s{uint32_t(out.rows), uint32_t(ids.stride), uint32_t(out.stride), 1};

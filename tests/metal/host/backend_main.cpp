@@ -262,22 +262,60 @@ int run_ops(const std::string& msl) {
       }
     }
 
-  // ---- matmuls: one x, several weights (the Metal backend runs the composed form: one dispatch each) ----
-  if (wanted("matmuls"))
-    for (Phase ph : {Phase::Decode, Phase::Prefill}) {
-      const int64_t T = ph == Phase::Decode ? 1 : 5, K = 192;
-      const Weight w0 = make_weight(blob, mc, "q4g64-bf16", 37, K), w1 = make_weight(blob, mc, "q4g64-bf16", 5, K),
-                   w2 = make_weight(blob, mc, "q4g64-bf16", 1, K);
-      auto x = b.f32(T, K);
-      auto y0 = b.alloc(DType::F32, T, 37), y1 = b.alloc(DType::F32, T, 5), y2 = b.alloc(DType::F32, T, 1);
-      b.run(ph, [&](Ops& o, bool m) {
-        o.matmuls(m ? x.m : x.c, MatmulGroup().add(w0, m ? y0.m : y0.c).add(w1, m ? y1.m : y1.c).add(w2, m ? y2.m : y2.c));
+  // ---- matmuls: one x, up to four weights. At a decode row the 4-bit products that share a format run as one
+  // qmv4_multi dispatch; each case checks the CPU, the path and dispatch count, and bit equality with the same
+  // products run as separate matmuls on Metal. ----
+  if (wanted("matmuls")) {
+    struct GroupCase { std::string name; std::vector<std::pair<std::string, int64_t>> parts; int64_t K, T; Phase ph; };
+    const std::vector<GroupCase> groups = {
+        // a DeltaNet layer's qkv, z, b, a at the real K and the real b/a rows (qkv and z scaled down)
+        {"delta", {{"q4g64-bf16", 96}, {"q4g64-bf16", 64}, {"q4g64-bf16", 32}, {"q4g64-bf16", 32}}, 2048, 1, Phase::Decode},
+        // attention's q (with the gate), k, v; ragged rows, f16 scales, group 32
+        {"attention", {{"q4g32-f16", 40}, {"q4g32-f16", 9}, {"q4g32-f16", 9}}, 320, 1, Phase::Decode},
+        {"ragged", {{"q4g64-bf16", 37}, {"q4g64-bf16", 5}, {"q4g64-bf16", 1}, {"q4g64-bf16", 13}}, 192, 1, Phase::Decode},
+        {"pair", {{"q4g128-bf16", 17}, {"q4g128-bf16", 8}}, 256, 1, Phase::Decode},
+        // products qmv4 does not take (8-bit, another group size) run alone next to the grouped ones
+        {"mixed", {{"q4g64-bf16", 21}, {"q8g64-bf16", 6}, {"q4g64-bf16", 3}, {"q4g32-bf16", 4}}, 192, 1, Phase::Decode},
+        {"router", {{"q8g64-bf16", 24}, {"q8g64-bf16", 1}}, 192, 1, Phase::Decode},
+        {"prefill", {{"q4g64-bf16", 37}, {"q4g64-bf16", 5}, {"q4g64-bf16", 1}}, 192, 5, Phase::Prefill},
+    };
+    for (const auto& c : groups) {
+      std::vector<Weight> ws;
+      std::vector<Both::T2> ys, zs;
+      for (const auto& [fmt, N] : c.parts) {
+        ws.push_back(make_weight(blob, mc, fmt, N, c.K));
+        ys.push_back(b.alloc(DType::F32, c.T, N));
+        zs.push_back(b.alloc(DType::F32, c.T, N));
+      }
+      auto x = b.f32(c.T, c.K);
+      const auto before = b.mtl.counters();
+      b.run(c.ph, [&](Ops& o, bool m) {
+        MatmulGroup g;
+        for (size_t i = 0; i < ws.size(); ++i) g.add(ws[i], m ? ys[i].m : ys[i].c);
+        o.matmuls(m ? x.m : x.c, g);
       });
-      const std::string name = std::string("q4g64-bf16 [37|5|1 x 192] ") + (ph == Phase::Decode ? "decode" : "prefill");
-      check_f32(b, "matmuls", name + " part 0", y0);
-      check_f32(b, "matmuls", name + " part 1", y1);
-      check_f32(b, "matmuls", name + " part 2", y2);
+      const auto& after = b.mtl.counters();
+      const int64_t dispatches = after.last_dispatches;
+      const char* path = after.matmul_group_split_calls > before.matmul_group_split_calls ? "split"
+                         : after.matmul_group_calls > before.matmul_group_calls          ? "grouped"
+                                                                                          : "composed";
+      const std::string name = c.name + " [" + std::to_string(c.K) + "] T=" + std::to_string(c.T);
+      printf("op matmuls %s: path %s, %lld dispatches\n", name.c_str(), path, (long long)dispatches);
+      for (size_t i = 0; i < ws.size(); ++i)
+        check_f32(b, "matmuls", name + " part " + std::to_string(i) + " " + c.parts[i].first, ys[i]);
+      // The same products as separate matmuls (one dispatch each) on Metal: the grouped kernel's bits must equal them.
+      b.mtl.begin(c.ph);
+      for (size_t i = 0; i < ws.size(); ++i) b.mtl.matmul(x.m, ws[i], zs[i].m);
+      b.mtl.wait(b.mtl.submit());
+      size_t differ = 0;
+      for (size_t i = 0; i < ws.size(); ++i) {
+        auto y = b.get<uint32_t>(b.mtl, ys[i].m), z = b.get<uint32_t>(b.mtl, zs[i].m);
+        for (size_t e = 0; e < y.size(); ++e) differ += y[e] != z[e];
+      }
+      printf("op matmuls %s: grouped == separate: %zu words differ %s\n", name.c_str(), differ, differ ? "FAIL" : "ok");
+      g_failures += differ != 0;
     }
+  }
 
   // ---- norms, add ----
   for (auto [T, D, seg] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{1, 96, 96}, {5, 2048, 2048}, {3, 64, 16}}) {
