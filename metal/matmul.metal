@@ -267,6 +267,68 @@ inline float mm_lane_dot(device const uchar* data, device const ushort* scales, 
   }
 }
 
+// matmul_rows_multi: up to four products of one x in one dispatch (Ops::matmuls where qmv4_multi does not apply:
+// prefill rows, 8-bit and dense weights, e.g. the router with the shared-expert gate): y_p[t, n] = Σ_k x[t, k] · W_p[n, k].
+// Reads: W_p (data, scales, biases: buffers 0-3, 4-7, 8-11; WeightRef 12-15; product p in slot p, unused slots
+// repeat product 0 and are never touched), x (16). Writes: y_p (17-20). All products share K and the function
+// constants 1-3 (format, group, scale dtype). Grid (Σ_p ⌈N_p / 8⌉, T): threadgroup column g serves product
+// p = #{i ≥ 1 : g ≥ start_i} (unused starts equal the total) and runs matmul_rows' threadgroup g − start_p on it
+// (the same mm_lane_dot and simd_sum per row), so every product's bits equal its own matmul_rows.
+struct MatmulMultiShape {
+  uint T;
+  uint ldx;
+  uint ldy0;
+  uint ldy1;
+  uint ldy2;
+  uint ldy3;
+  uint start1;
+  uint start2;
+  uint start3;
+};
+
+[[kernel]] void matmul_rows_multi(device const uchar* data0 [[buffer(0)]],
+                                  device const uchar* data1 [[buffer(1)]],
+                                  device const uchar* data2 [[buffer(2)]],
+                                  device const uchar* data3 [[buffer(3)]],
+                                  device const ushort* scales0 [[buffer(4)]],
+                                  device const ushort* scales1 [[buffer(5)]],
+                                  device const ushort* scales2 [[buffer(6)]],
+                                  device const ushort* scales3 [[buffer(7)]],
+                                  device const ushort* biases0 [[buffer(8)]],
+                                  device const ushort* biases1 [[buffer(9)]],
+                                  device const ushort* biases2 [[buffer(10)]],
+                                  device const ushort* biases3 [[buffer(11)]],
+                                  constant WeightRef& w0 [[buffer(12)]],
+                                  constant WeightRef& w1 [[buffer(13)]],
+                                  constant WeightRef& w2 [[buffer(14)]],
+                                  constant WeightRef& w3 [[buffer(15)]],
+                                  device const float* x [[buffer(16)]],
+                                  device float* y0 [[buffer(17)]],
+                                  device float* y1 [[buffer(18)]],
+                                  device float* y2 [[buffer(19)]],
+                                  device float* y3 [[buffer(20)]],
+                                  constant MatmulMultiShape& s [[buffer(21)]],
+                                  uint2 tg [[threadgroup_position_in_grid]],
+                                  uint simdgroup [[simdgroup_index_in_threadgroup]],
+                                  uint lane [[thread_index_in_simdgroup]]) {
+  // Uniform per threadgroup: every lane takes the same product, so the simd_sums stay convergent.
+  const uint p = uint(tg.x >= s.start1) + uint(tg.x >= s.start2) + uint(tg.x >= s.start3);
+  const uint start = p == 0 ? 0u : p == 1 ? s.start1 : p == 2 ? s.start2 : s.start3;
+  device const uchar* data = p == 0 ? data0 : p == 1 ? data1 : p == 2 ? data2 : data3;
+  device const ushort* scales = p == 0 ? scales0 : p == 1 ? scales1 : p == 2 ? scales2 : scales3;
+  device const ushort* biases = p == 0 ? biases0 : p == 1 ? biases1 : p == 2 ? biases2 : biases3;
+  constant WeightRef& w = p == 0 ? w0 : p == 1 ? w1 : p == 2 ? w2 : w3;
+  device float* y = p == 0 ? y0 : p == 1 ? y1 : p == 2 ? y2 : y3;
+  const uint ldy = p == 0 ? s.ldy0 : p == 1 ? s.ldy1 : p == 2 ? s.ldy2 : s.ldy3;
+  const uint t = tg.y, row0 = ((tg.x - start) * 2 + simdgroup) * 4;
+  device const float* xt = x + ulong(t) * s.ldx;
+  for (uint r = 0; r < 4; ++r) {
+    const uint row = min(row0 + r, w.N - 1);  // past the end: redo the last row (uniform simd_sum), never store
+    const float total = simd_sum(mm_lane_dot(data, scales, biases, w, 0, row, xt, lane));
+    if (lane == 0 && row0 + r < w.N) y[ulong(t) * ldy + row0 + r] = total;
+  }
+}
+
 [[kernel]] void moe_gate_up(device const uchar* g_data [[buffer(0)]],
                             device const ushort* g_scales [[buffer(1)]],
                             device const ushort* g_biases [[buffer(2)]],

@@ -370,9 +370,12 @@ std::vector<std::string> MetalOps::optimizations() const {
           (counters_.delta_composed_calls ? ", the last for " + counters_.delta_composed_reason : std::string()) +
           ")",
       std::string(counters_.matmul_group_calls ? "active" : "inactive") +
-          ": one dispatch per MatmulGroup at decode rows (qmv4_multi: the 4-bit products of one input that share a "
-          "scale type and group size; " + std::to_string(counters_.matmul_group_calls) + " calls grouped, " +
-          std::to_string(counters_.matmul_group_products) + " products; " +
+          ": one dispatch per MatmulGroup (the products of one input that share a kind: qmv4_multi for a decode "
+          "row's 4-bit products, matmul_rows_multi for the rest, per format; " +
+          std::to_string(counters_.matmul_group_calls) + " calls grouped, " +
+          std::to_string(counters_.matmul_grouped_products) + " products in " +
+          std::to_string(counters_.qmv4_multi_dispatches) + " qmv4_multi and " +
+          std::to_string(counters_.matmul_rows_multi_dispatches) + " matmul_rows_multi dispatches; " +
           std::to_string(counters_.matmul_group_split_calls) + " with products run alone" +
           (counters_.matmul_group_split_calls ? " (the last: " + counters_.matmul_group_split_reason + ")"
                                               : std::string()) +

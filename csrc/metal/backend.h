@@ -11,8 +11,8 @@
 //     handler marks the fence done, wait(fence) blocks on it. At most two command buffers are in flight (the decode
 //     loop's two alternating steps); opening a third waits for the oldest.
 // File map (one op family per file, as csrc/cpu): backend.cpp (buffers, mappings, steps, embed, add, copy, fill,
-// advance_position), matmul.cpp (matmul, moe_experts), norm.cpp, attention.cpp, gated_delta.cpp, moe.cpp
-// (moe_route, swiglu, moe_combine), sample.cpp.
+// advance_position), matmul.cpp (matmul, matmuls, moe_experts), norm.cpp, attention.cpp, gated_delta.cpp, moe.cpp
+// (moe, moe_route, swiglu, moe_combine), sample.cpp.
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -80,10 +80,11 @@ class MetalOps final : public Ops {
     // composed one was.
     int64_t delta_fused_calls = 0, delta_composed_calls = 0;
     std::string delta_composed_reason;
-    // matmuls (a MatmulGroup): calls that ran as one qmv4_multi dispatch and the products they took; calls where
-    // some products ran alone (and which, the last time); calls composed from one dispatch per product (and why).
-    int64_t matmul_group_calls = 0, matmul_group_products = 0, matmul_group_split_calls = 0;
-    int64_t matmul_group_composed_calls = 0;
+    // matmuls (a MatmulGroup): calls that ran some products together, and how (qmv4_multi, matmul_rows_multi
+    // dispatches; the products they took); calls where some products ran alone (and which, the last time);
+    // calls composed from one dispatch per product (and why).
+    int64_t matmul_group_calls = 0, qmv4_multi_dispatches = 0, matmul_rows_multi_dispatches = 0;
+    int64_t matmul_grouped_products = 0, matmul_group_split_calls = 0, matmul_group_composed_calls = 0;
     std::string matmul_group_split_reason, matmul_group_composed_reason;
   };
   const Counters& counters() const { return counters_; }
@@ -135,6 +136,8 @@ class MetalOps final : public Ops {
                       const Tensor& weights) override;
   void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
                         const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) override;
+  void moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
+                const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h) override;
   void swiglu_impl(const Tensor& gate, const Tensor& up, const Tensor& out) override;
   void moe_combine_impl(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
                         const Tensor& h) override;

@@ -262,9 +262,9 @@ int run_ops(const std::string& msl) {
       }
     }
 
-  // ---- matmuls: one x, up to four weights. At a decode row the 4-bit products that share a format run as one
-  // qmv4_multi dispatch; each case checks the CPU, the path and dispatch count, and bit equality with the same
-  // products run as separate matmuls on Metal. ----
+  // ---- matmuls: one x, up to four weights. The products of one kind share a dispatch (qmv4_multi for a decode
+  // row's 4-bit products, matmul_rows_multi for the rest); each case checks the CPU, the path and dispatch count,
+  // and bit equality with the same products run as separate matmuls on Metal. ----
   if (wanted("matmuls")) {
     struct GroupCase { std::string name; std::vector<std::pair<std::string, int64_t>> parts; int64_t K, T; Phase ph; };
     const std::vector<GroupCase> groups = {
@@ -276,8 +276,15 @@ int run_ops(const std::string& msl) {
         {"pair", {{"q4g128-bf16", 17}, {"q4g128-bf16", 8}}, 256, 1, Phase::Decode},
         // products qmv4 does not take (8-bit, another group size) run alone next to the grouped ones
         {"mixed", {{"q4g64-bf16", 21}, {"q8g64-bf16", 6}, {"q4g64-bf16", 3}, {"q4g32-bf16", 4}}, 192, 1, Phase::Decode},
+        // two qmv4 kinds (bf16 and f16 scales): the pair of one kind shares a dispatch, the other runs alone
+        {"scales", {{"q4g64-bf16", 9}, {"q4g64-f16", 10}, {"q4g64-f16", 11}}, 192, 1, Phase::Decode},
+        // the router and the shared-expert gate (8-bit): one matmul_rows_multi
         {"router", {{"q8g64-bf16", 24}, {"q8g64-bf16", 1}}, 192, 1, Phase::Decode},
+        {"dense", {{"f16", 7}, {"f16", 20}, {"f32", 3}}, 96, 1, Phase::Decode},
+        {"kinds", {{"q4g64-bf16", 5}, {"q4g32-bf16", 7}}, 192, 1, Phase::Decode},  // no two of one kind: composed
+        // prefill rows: matmul_rows_multi, one dispatch per format
         {"prefill", {{"q4g64-bf16", 37}, {"q4g64-bf16", 5}, {"q4g64-bf16", 1}}, 192, 5, Phase::Prefill},
+        {"prefill-mixed", {{"q4g64-bf16", 37}, {"bf16", 9}, {"q4g64-bf16", 5}, {"bf16", 3}}, 192, 3, Phase::Prefill},
     };
     for (const auto& c : groups) {
       std::vector<Weight> ws;
