@@ -385,8 +385,10 @@ std::vector<std::string> MetalOps::optimizations() const {
           ")",
       "active: GPU-resident routing (top-k on the GPU; ids never read by the host)",
       "active: sampling on the GPU, greedy and seeded (the id goes straight into the next step's slot)",
-      "inactive: grouped expert GEMM with simdgroup matrices for prefill (experts run per (token, expert) pair)",
-      "inactive: GQA packing and coalesced KV reads in attention; split attention for long contexts",
+      "active: experts grouped on the GPU for prefill (moe_group, tiles of up to 8 rows of one expert); inactive: "
+      "simdgroup-matrix tiles and 16/32-row tiles chosen by rows per expert",
+      "active: GQA packing and coalesced KV reads in decode attention (attention_gqa: 4 query heads per cached row); "
+      "inactive: split attention for long contexts",
       "inactive: Metal 4 tensor-op GEMM",
   };
   return v;
