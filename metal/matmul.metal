@@ -17,23 +17,16 @@ struct Qmv4Shape {
   uint cols;
 };
 
+// Rows row0 .. row0 + 3 of one matrix (one simdgroup's share): the body of qmv4 and qmv4_multi, so a product
+// gives the same bits in either kernel.
 template <typename S>
-[[kernel]] void qmv4(device const uint* codes [[buffer(0)]],
-                     device const S* scales [[buffer(1)]],
-                     device const S* biases [[buffer(2)]],
-                     device const float* x [[buffer(3)]],
-                     device float* y [[buffer(4)]],
-                     constant Qmv4Shape& shape [[buffer(5)]],
-                     uint group_id [[threadgroup_position_in_grid]],
-                     uint simdgroup [[simdgroup_index_in_threadgroup]],
-                     uint lane [[thread_index_in_simdgroup]],
-                     uint width [[threads_per_simdgroup]]) {
+inline void qmv4_rows(device const uint* codes, device const S* scales, device const S* biases,
+                      device const float* x, device float* y, uint rows, uint cols, uint row0, uint lane,
+                      uint width) {
   constexpr uint rows_per_simdgroup = 4;
-  constexpr uint simdgroups = 2;
-  const uint words = shape.cols / 8;
-  const uint groups = shape.cols / qmv4_group;
+  const uint words = cols / 8;
+  const uint groups = cols / qmv4_group;
   const uint words_per_group = qmv4_group / 8;
-  const uint row0 = (group_id * simdgroups + simdgroup) * rows_per_simdgroup;
 
   float acc[rows_per_simdgroup] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (uint w = lane; w < words; w += width) {
@@ -45,7 +38,7 @@ template <typename S>
     const uint g = w / words_per_group;
     for (uint r = 0; r < rows_per_simdgroup; ++r) {
       // Rows past the end repeat the last row (kept uniform for simd_sum) and are never written.
-      const uint row = min(row0 + r, shape.rows - 1);
+      const uint row = min(row0 + r, rows - 1);
       const uint q = codes[row * words + w];
       const float4 q_lo = float4((uint4(q) >> uint4(0, 4, 8, 12)) & 0xfu);
       const float4 q_hi = float4((uint4(q) >> uint4(16, 20, 24, 28)) & 0xfu);
@@ -57,12 +50,87 @@ template <typename S>
   }
   for (uint r = 0; r < rows_per_simdgroup; ++r) {
     const float total = simd_sum(acc[r]);
-    if (lane == 0 && row0 + r < shape.rows) y[row0 + r] = total;
+    if (lane == 0 && row0 + r < rows) y[row0 + r] = total;
   }
+}
+
+template <typename S>
+[[kernel]] void qmv4(device const uint* codes [[buffer(0)]],
+                     device const S* scales [[buffer(1)]],
+                     device const S* biases [[buffer(2)]],
+                     device const float* x [[buffer(3)]],
+                     device float* y [[buffer(4)]],
+                     constant Qmv4Shape& shape [[buffer(5)]],
+                     uint group_id [[threadgroup_position_in_grid]],
+                     uint simdgroup [[simdgroup_index_in_threadgroup]],
+                     uint lane [[thread_index_in_simdgroup]],
+                     uint width [[threads_per_simdgroup]]) {
+  const uint row0 = (group_id * 2 + simdgroup) * 4;  // 2 simdgroups × 4 rows
+  qmv4_rows<S>(codes, scales, biases, x, y, shape.rows, shape.cols, row0, lane, width);
 }
 
 template [[host_name("qmv4_bf16")]] [[kernel]] decltype(qmv4<bfloat>) qmv4<bfloat>;
 template [[host_name("qmv4_f16")]] [[kernel]] decltype(qmv4<half>) qmv4<half>;
+
+// ------------------------------------------------------------------------------------------------------------
+// qmv4_multi: up to four 4-bit products of one x in one dispatch (Ops::matmuls at a decode row: a DeltaNet layer's
+// qkv, z, b, a; attention's q, k, v): y_p[rows_p] = W_p[rows_p, cols] · x[cols], p < products.
+// Reads: W_p's codes, scales, biases (buffers 0-3, 4-7, 8-11: product p in slot p; unused slots repeat product 0 and
+// are never touched), x (12). Writes: y_p (13-16). All products share cols, the scale type and the group size
+// (function constant 0), which is what lets one pipeline run them.
+// Grid: Σ_p ⌈rows_p / 8⌉ threadgroups of 64 threads; threadgroup g serves product p = #{i ≥ 1 : g ≥ start_i}
+// (start_i: the prefix of ⌈rows / 8⌉ over products before i; unused starts equal the total, never reached) and
+// runs exactly qmv4's threadgroup g − start_p on it (qmv4_rows), so every product's bits equal its own qmv4.
+// Floor: the products' qmv4 floors summed (x stays in cache); one dispatch instead of `products`.
+struct Qmv4GroupShape {
+  uint cols;
+  uint products;
+  uint rows0;
+  uint rows1;
+  uint rows2;
+  uint rows3;
+  uint start1;
+  uint start2;
+  uint start3;
+};
+
+template <typename S>
+[[kernel]] void qmv4_multi(device const uint* codes0 [[buffer(0)]],
+                           device const uint* codes1 [[buffer(1)]],
+                           device const uint* codes2 [[buffer(2)]],
+                           device const uint* codes3 [[buffer(3)]],
+                           device const S* scales0 [[buffer(4)]],
+                           device const S* scales1 [[buffer(5)]],
+                           device const S* scales2 [[buffer(6)]],
+                           device const S* scales3 [[buffer(7)]],
+                           device const S* biases0 [[buffer(8)]],
+                           device const S* biases1 [[buffer(9)]],
+                           device const S* biases2 [[buffer(10)]],
+                           device const S* biases3 [[buffer(11)]],
+                           device const float* x [[buffer(12)]],
+                           device float* y0 [[buffer(13)]],
+                           device float* y1 [[buffer(14)]],
+                           device float* y2 [[buffer(15)]],
+                           device float* y3 [[buffer(16)]],
+                           constant Qmv4GroupShape& shape [[buffer(17)]],
+                           uint group_id [[threadgroup_position_in_grid]],
+                           uint simdgroup [[simdgroup_index_in_threadgroup]],
+                           uint lane [[thread_index_in_simdgroup]],
+                           uint width [[threads_per_simdgroup]]) {
+  // Uniform per threadgroup: every lane takes the same product, so the simd_sums stay convergent.
+  const uint p = uint(group_id >= shape.start1) + uint(group_id >= shape.start2) + uint(group_id >= shape.start3);
+  const uint start = p == 0 ? 0u : p == 1 ? shape.start1 : p == 2 ? shape.start2 : shape.start3;
+  const uint rows = p == 0 ? shape.rows0 : p == 1 ? shape.rows1 : p == 2 ? shape.rows2 : shape.rows3;
+  device const uint* codes = p == 0 ? codes0 : p == 1 ? codes1 : p == 2 ? codes2 : codes3;
+  device const S* scales = p == 0 ? scales0 : p == 1 ? scales1 : p == 2 ? scales2 : scales3;
+  device const S* biases = p == 0 ? biases0 : p == 1 ? biases1 : p == 2 ? biases2 : biases3;
+  device float* y = p == 0 ? y0 : p == 1 ? y1 : p == 2 ? y2 : y3;
+  const uint row0 = ((group_id - start) * 2 + simdgroup) * 4;  // qmv4's geometry inside product p
+  qmv4_rows<S>(codes, scales, biases, x, y, rows, shape.cols, row0, lane, width);
+}
+
+template [[host_name("qmv4_multi_bf16")]] [[kernel]] decltype(qmv4_multi<bfloat>) qmv4_multi<bfloat>;
+template [[host_name("qmv4_multi_f16")]] [[kernel]] decltype(qmv4_multi<half>) qmv4_multi<half>;
 
 // ------------------------------------------------------------------------------------------------------------
 // Every weight format, any number of rows: the general products of the Metal backend (csrc/metal/matmul.cpp).
@@ -196,6 +264,68 @@ inline float mm_lane_dot(device const uchar* data, device const ushort* scales, 
     const uint row = min(row0 + r, w.N - 1);  // past the end: redo the last row (uniform simd_sum), never store
     const float total = simd_sum(mm_lane_dot(data, scales, biases, w, 0, row, xt, lane));
     if (lane == 0 && row0 + r < w.N) y[ulong(t) * s.ldy + row0 + r] = total;
+  }
+}
+
+// matmul_rows_multi: up to four products of one x in one dispatch (Ops::matmuls where qmv4_multi does not apply:
+// prefill rows, 8-bit and dense weights, e.g. the router with the shared-expert gate): y_p[t, n] = Σ_k x[t, k] · W_p[n, k].
+// Reads: W_p (data, scales, biases: buffers 0-3, 4-7, 8-11; WeightRef 12-15; product p in slot p, unused slots
+// repeat product 0 and are never touched), x (16). Writes: y_p (17-20). All products share K and the function
+// constants 1-3 (format, group, scale dtype). Grid (Σ_p ⌈N_p / 8⌉, T): threadgroup column g serves product
+// p = #{i ≥ 1 : g ≥ start_i} (unused starts equal the total) and runs matmul_rows' threadgroup g − start_p on it
+// (the same mm_lane_dot and simd_sum per row), so every product's bits equal its own matmul_rows.
+struct MatmulMultiShape {
+  uint T;
+  uint ldx;
+  uint ldy0;
+  uint ldy1;
+  uint ldy2;
+  uint ldy3;
+  uint start1;
+  uint start2;
+  uint start3;
+};
+
+[[kernel]] void matmul_rows_multi(device const uchar* data0 [[buffer(0)]],
+                                  device const uchar* data1 [[buffer(1)]],
+                                  device const uchar* data2 [[buffer(2)]],
+                                  device const uchar* data3 [[buffer(3)]],
+                                  device const ushort* scales0 [[buffer(4)]],
+                                  device const ushort* scales1 [[buffer(5)]],
+                                  device const ushort* scales2 [[buffer(6)]],
+                                  device const ushort* scales3 [[buffer(7)]],
+                                  device const ushort* biases0 [[buffer(8)]],
+                                  device const ushort* biases1 [[buffer(9)]],
+                                  device const ushort* biases2 [[buffer(10)]],
+                                  device const ushort* biases3 [[buffer(11)]],
+                                  constant WeightRef& w0 [[buffer(12)]],
+                                  constant WeightRef& w1 [[buffer(13)]],
+                                  constant WeightRef& w2 [[buffer(14)]],
+                                  constant WeightRef& w3 [[buffer(15)]],
+                                  device const float* x [[buffer(16)]],
+                                  device float* y0 [[buffer(17)]],
+                                  device float* y1 [[buffer(18)]],
+                                  device float* y2 [[buffer(19)]],
+                                  device float* y3 [[buffer(20)]],
+                                  constant MatmulMultiShape& s [[buffer(21)]],
+                                  uint2 tg [[threadgroup_position_in_grid]],
+                                  uint simdgroup [[simdgroup_index_in_threadgroup]],
+                                  uint lane [[thread_index_in_simdgroup]]) {
+  // Uniform per threadgroup: every lane takes the same product, so the simd_sums stay convergent.
+  const uint p = uint(tg.x >= s.start1) + uint(tg.x >= s.start2) + uint(tg.x >= s.start3);
+  const uint start = p == 0 ? 0u : p == 1 ? s.start1 : p == 2 ? s.start2 : s.start3;
+  device const uchar* data = p == 0 ? data0 : p == 1 ? data1 : p == 2 ? data2 : data3;
+  device const ushort* scales = p == 0 ? scales0 : p == 1 ? scales1 : p == 2 ? scales2 : scales3;
+  device const ushort* biases = p == 0 ? biases0 : p == 1 ? biases1 : p == 2 ? biases2 : biases3;
+  constant WeightRef& w = p == 0 ? w0 : p == 1 ? w1 : p == 2 ? w2 : w3;
+  device float* y = p == 0 ? y0 : p == 1 ? y1 : p == 2 ? y2 : y3;
+  const uint ldy = p == 0 ? s.ldy0 : p == 1 ? s.ldy1 : p == 2 ? s.ldy2 : s.ldy3;
+  const uint t = tg.y, row0 = ((tg.x - start) * 2 + simdgroup) * 4;
+  device const float* xt = x + ulong(t) * s.ldx;
+  for (uint r = 0; r < 4; ++r) {
+    const uint row = min(row0 + r, w.N - 1);  // past the end: redo the last row (uniform simd_sum), never store
+    const float total = simd_sum(mm_lane_dot(data, scales, biases, w, 0, row, xt, lane));
+    if (lane == 0 && row0 + r < w.N) y[ulong(t) * ldy + row0 + r] = total;
   }
 }
 

@@ -46,6 +46,8 @@ MetalOps::MetalOps(const std::string& msl) : dev_(msl), fences_(std::make_shared
   // fake runtime's hazard check must stop the first dependent dispatch.
   const char* drop = std::getenv("LILY_METAL_DROP_BARRIERS");
   drop_barriers_ = drop && *drop && std::string(drop) != "0";
+  const char* group = std::getenv("LILY_METAL_GROUP_MATMULS");
+  group_matmuls_ = !(group && std::string(group) == "0");
 }
 
 MetalOps::~MetalOps() {
@@ -367,10 +369,26 @@ std::vector<std::string> MetalOps::optimizations() const {
           "gated_rms_norm" +
           (counters_.delta_composed_calls ? ", the last for " + counters_.delta_composed_reason : std::string()) +
           ")",
+      std::string(counters_.matmul_group_calls ? "active" : "inactive") +
+          ": one dispatch per MatmulGroup (the products of one input that share a kind: qmv4_multi for a decode "
+          "row's 4-bit products, matmul_rows_multi for the rest, per format; " +
+          std::to_string(counters_.matmul_group_calls) + " calls grouped, " +
+          std::to_string(counters_.matmul_grouped_products) + " products in " +
+          std::to_string(counters_.qmv4_multi_dispatches) + " qmv4_multi and " +
+          std::to_string(counters_.matmul_rows_multi_dispatches) + " matmul_rows_multi dispatches; " +
+          std::to_string(counters_.matmul_group_split_calls) + " with products run alone" +
+          (counters_.matmul_group_split_calls ? " (the last: " + counters_.matmul_group_split_reason + ")"
+                                              : std::string()) +
+          "; " + std::to_string(counters_.matmul_group_composed_calls) + " composed, one dispatch per product" +
+          (counters_.matmul_group_composed_calls ? ", the last for " + counters_.matmul_group_composed_reason
+                                                 : std::string()) +
+          ")",
       "active: GPU-resident routing (top-k on the GPU; ids never read by the host)",
       "active: sampling on the GPU, greedy and seeded (the id goes straight into the next step's slot)",
-      "inactive: grouped expert GEMM with simdgroup matrices for prefill (experts run per (token, expert) pair)",
-      "inactive: GQA packing and coalesced KV reads in attention; split attention for long contexts",
+      "active: experts grouped on the GPU for prefill (moe_group, tiles of up to 8 rows of one expert); inactive: "
+      "simdgroup-matrix tiles and 16/32-row tiles chosen by rows per expert",
+      "active: GQA packing and coalesced KV reads in decode attention (attention_gqa: 4 query heads per cached row); "
+      "inactive: split attention for long contexts",
       "inactive: Metal 4 tensor-op GEMM",
   };
   return v;

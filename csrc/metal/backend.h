@@ -11,8 +11,8 @@
 //     handler marks the fence done, wait(fence) blocks on it. At most two command buffers are in flight (the decode
 //     loop's two alternating steps); opening a third waits for the oldest.
 // File map (one op family per file, as csrc/cpu): backend.cpp (buffers, mappings, steps, embed, add, copy, fill,
-// advance_position), matmul.cpp (matmul, moe_experts), norm.cpp, attention.cpp, gated_delta.cpp, moe.cpp
-// (moe_route, swiglu, moe_combine), sample.cpp.
+// advance_position), matmul.cpp (matmul, matmuls, moe_experts), norm.cpp, attention.cpp, gated_delta.cpp, moe.cpp
+// (moe, moe_route, swiglu, moe_combine), sample.cpp.
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -80,6 +80,12 @@ class MetalOps final : public Ops {
     // composed one was.
     int64_t delta_fused_calls = 0, delta_composed_calls = 0;
     std::string delta_composed_reason;
+    // matmuls (a MatmulGroup): calls that ran some products together, and how (qmv4_multi, matmul_rows_multi
+    // dispatches; the products they took); calls where some products ran alone (and which, the last time);
+    // calls composed from one dispatch per product (and why).
+    int64_t matmul_group_calls = 0, qmv4_multi_dispatches = 0, matmul_rows_multi_dispatches = 0;
+    int64_t matmul_grouped_products = 0, matmul_group_split_calls = 0, matmul_group_composed_calls = 0;
+    std::string matmul_group_split_reason, matmul_group_composed_reason;
   };
   const Counters& counters() const { return counters_; }
   Device& metal_device() { return dev_; }
@@ -99,6 +105,7 @@ class MetalOps final : public Ops {
   void embed_impl(const Tensor& ids, const Weight& table, const Tensor& out) override;
   void rms_norm_impl(const Tensor& x, const Tensor& w, const Tensor& out, float eps) override;
   void matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) override;
+  void matmuls_impl(const Tensor& x, const MatmulGroup& g) override;
   void add_impl(const Tensor& a, const Tensor& b, const Tensor& out) override;
   void add_rms_norm_impl(const Tensor& a, const Tensor& b, const Tensor& w, float eps, const Tensor& sum,
                          const Tensor& normed) override;
@@ -129,6 +136,8 @@ class MetalOps final : public Ops {
                       const Tensor& weights) override;
   void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
                         const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) override;
+  void moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
+                const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h) override;
   void swiglu_impl(const Tensor& gate, const Tensor& up, const Tensor& out) override;
   void moe_combine_impl(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
                         const Tensor& h) override;
@@ -189,6 +198,7 @@ class MetalOps final : public Ops {
   std::shared_ptr<struct FenceState> fences_;
   Counters counters_;
   bool drop_barriers_ = false;
+  bool group_matmuls_ = true;  // LILY_METAL_GROUP_MATMULS=0: every product of a MatmulGroup its own dispatch
   std::string attention_variant_ = "auto";  // LILY_METAL_DROP_BARRIERS=1: the planted bug of the harness tests
 };
 

@@ -1,6 +1,7 @@
 // Encoder for metal/matmul.metal: the 4-bit affine matrix-vector product (decode shape). Threadgroups of
 // 2 simdgroups × 4 rows = 8 rows; the group size is the kernel's function constant 0, so one pipeline exists
 // per (scale type, group size).
+#include <algorithm>
 #include <string>
 
 #include "metal/kernels.h"
@@ -138,6 +139,117 @@ void MetalOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) 
   dispatch("matmul_rows", b.constants, args,
            MTL::Size(NS::UInteger((w.rows + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(x.rows), 1),
            MTL::Size(64, 1, 1));
+}
+
+// A MatmulGroup: one dispatch for the products that can share one (metal/matmul.metal; the same bits as their
+// separate kernels): at a decode row the 4-bit products qmv4 takes that share the first one's scale type and group
+// size run as one qmv4_multi; the others (and every product of a prefill chunk) that share K and a format run as
+// one matmul_rows_multi per format; a product alone in its kind runs as matmul would run it.
+// LILY_METAL_GROUP_MATMULS=0 turns this off (every product its own dispatch, for A/B on a Mac); the counters say
+// which path ran and why (optimizations()).
+namespace {
+struct Qmv4MultiShape {  // metal/matmul.metal Qmv4GroupShape
+  uint32_t cols, products, rows[4], start[3];
+};
+static_assert(sizeof(Qmv4MultiShape) == 36, "Qmv4MultiShape must match metal/matmul.metal");
+struct MatmulMultiShape {  // metal/matmul.metal
+  uint32_t T, ldx, ldy[4], start[3];
+};
+static_assert(sizeof(MatmulMultiShape) == 36, "MatmulMultiShape must match metal/matmul.metal");
+}  // namespace
+
+void MetalOps::matmuls_impl(const Tensor& x, const MatmulGroup& g) {
+  if (!group_matmuls_ || g.n < 2) {
+    if (g.n >= 2) ++counters_.matmul_group_composed_calls, counters_.matmul_group_composed_reason = "LILY_METAL_GROUP_MATMULS=0";
+    return Ops::matmuls_impl(x, g);
+  }
+  const Arg xa = arg(x);
+  // Products of one kind (qmv4 or not, format, group, scale dtype, K) share a dispatch; a kind with one product
+  // runs it alone, as matmul would.
+  std::vector<std::vector<int>> quads, rows;  // qmv4_multi's and matmul_rows_multi's products, one list per kind
+  std::vector<int> alone;
+  for (int i = 0; i < g.n; ++i) {
+    const Weight& w = g.w[size_t(i)];
+    const bool q4 = qmv4_fits(w, x.rows, xa.offset);
+    auto same = [&](const std::vector<int>& l) {
+      const Weight& v = g.w[size_t(l[0])];
+      return format_code(v) == format_code(w) && v.group == w.group && v.scale_dtype == w.scale_dtype && v.cols == w.cols;
+    };
+    std::vector<std::vector<int>>& kinds = q4 ? quads : rows;
+    auto it = std::find_if(kinds.begin(), kinds.end(), same);
+    if (it == kinds.end()) kinds.push_back({i});
+    else it->push_back(i);
+  }
+  for (auto* kinds : {&quads, &rows})
+    for (auto it = kinds->begin(); it != kinds->end();) {
+      if (it->size() < 2) alone.push_back((*it)[0]), it = kinds->erase(it);
+      else ++it;
+    }
+  std::sort(alone.begin(), alone.end());
+  if (quads.empty() && rows.empty()) {
+    ++counters_.matmul_group_composed_calls;
+    counters_.matmul_group_composed_reason = "no two products of one kind";
+    return Ops::matmuls_impl(x, g);
+  }
+  ++counters_.matmul_group_calls;
+  if (!alone.empty()) {
+    ++counters_.matmul_group_split_calls;
+    counters_.matmul_group_split_reason.clear();
+    for (int i : alone)
+      counters_.matmul_group_split_reason += (counters_.matmul_group_split_reason.empty() ? "" : ", ") +
+                                             g.w[size_t(i)].describe();
+  }
+  for (const std::vector<int>& l : quads) {
+    const Weight& first = g.w[size_t(l[0])];
+    Qmv4MultiShape shape{uint32_t(first.cols), uint32_t(l.size()), {}, {}};
+    std::vector<Arg> codes, scales, biases, ys;
+    uint32_t groups = 0;
+    for (size_t j = 0; j < 4; ++j) {
+      const size_t i = size_t(l[j < l.size() ? j : 0]);  // unused slots repeat product 0, never read
+      const WeightBinding b = bind_weight(g.w[i]);
+      codes.push_back(Arg::buf(b.data.buffer, b.data.exact_offset()));
+      scales.push_back(Arg::buf(b.scales.buffer, b.scales.exact_offset()));
+      biases.push_back(Arg::buf(b.biases.buffer, b.biases.exact_offset()));
+      ys.push_back(arg(g.out[i]));
+      shape.rows[j] = uint32_t(g.w[i].rows);
+      if (j > 0) shape.start[j - 1] = groups;  // unused products: the total, which no threadgroup reaches
+      if (j < l.size()) groups += uint32_t((g.w[i].rows + kRowsPerGroup - 1) / kRowsPerGroup);
+    }
+    std::vector<Arg> args;
+    for (const auto* part : {&codes, &scales, &biases}) args.insert(args.end(), part->begin(), part->end());
+    args.push_back(xa);
+    args.insert(args.end(), ys.begin(), ys.end());
+    args.push_back(Arg::value(shape));
+    dispatch(first.scale_dtype == DType::BF16 ? "qmv4_multi_bf16" : "qmv4_multi_f16",
+             {FunctionConstant::u32(0, uint32_t(first.group))}, args, MTL::Size(groups, 1, 1), MTL::Size(64, 1, 1));
+    ++counters_.qmv4_multi_dispatches;
+    counters_.matmul_grouped_products += int64_t(l.size());
+  }
+  for (const std::vector<int>& l : rows) {
+    MatmulMultiShape shape{uint32_t(x.rows), uint32_t(x.stride), {}, {}};
+    std::vector<WeightBinding> bs;
+    std::vector<Arg> ys;
+    uint32_t groups = 0;
+    for (size_t j = 0; j < 4; ++j) {
+      const size_t i = size_t(l[j < l.size() ? j : 0]);  // unused slots repeat product 0, never read
+      bs.push_back(bind_weight(g.w[i]));
+      ys.push_back(arg(g.out[i]));
+      shape.ldy[j] = uint32_t(g.out[i].stride);
+      if (j > 0) shape.start[j - 1] = groups;
+      if (j < l.size()) groups += uint32_t((g.w[i].rows + kRowsPerGroup - 1) / kRowsPerGroup);
+    }
+    std::vector<Arg> args;
+    for (int part = 0; part < 3; ++part)
+      for (const WeightBinding& b : bs) args.push_back(b.args()[size_t(part)]);
+    for (const WeightBinding& b : bs) args.push_back(Arg::value(b.ref));
+    args.push_back(xa);
+    args.insert(args.end(), ys.begin(), ys.end());
+    args.push_back(Arg::value(shape));
+    dispatch("matmul_rows_multi", bs[0].constants, args, MTL::Size(groups, NS::UInteger(x.rows), 1), MTL::Size(64, 1, 1));
+    ++counters_.matmul_rows_multi_dispatches;
+    counters_.matmul_grouped_products += int64_t(l.size());
+  }
+  for (int i : alone) matmul_impl(x, g.w[size_t(i)], g.out[size_t(i)]);
 }
 
 void MetalOps::embed_impl(const Tensor& ids, const Weight& table, const Tensor& out) {

@@ -1,5 +1,5 @@
-// MetalOps: moe_route, swiglu and moe_combine (metal/moe.metal; oracle csrc/cpu/moe.cpp). The routed experts
-// (moe_experts) are encoded in matmul.cpp with the other products.
+// MetalOps: moe (the block), moe_route, swiglu and moe_combine (metal/moe.metal; oracle csrc/cpu/moe.cpp). The
+// routed experts (moe_experts) are encoded in matmul.cpp with the other products.
 #include "metal/backend.h"
 
 namespace lily::metal {
@@ -27,6 +27,21 @@ void MetalOps::moe_route_impl(const Tensor& logits, int64_t k, const Tensor&, co
                      uint32_t(weights.stride)};
   dispatch("moe_route", {}, {arg(logits), arg(ids), arg(weights), Arg::value(s)},
            MTL::Size(NS::UInteger(logits.rows), 1, 1), MTL::Size(32, 1, 1));
+}
+
+// The MoE block as ops.cpp composes it, except that the shared expert's gate and up projections (both read x)
+// run as one MatmulGroup: one dispatch instead of two (matmuls_impl; the same bits).
+void MetalOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
+                        const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h) {
+  moe_route_impl(router_logits, k, ws, sc.ids, sc.weights);
+  matmuls_impl(x, MatmulGroup().add(w.shared_gate_proj, sc.shared_g).add(w.shared_up, sc.shared_u));
+  barrier_in_op();
+  swiglu_impl(sc.shared_g, sc.shared_u, sc.shared_act);
+  moe_experts_impl(x, sc.ids, sc.weights, w.gate, w.up, w.down, ws, sc.routed);
+  barrier_in_op();
+  matmul_impl(sc.shared_act, w.shared_down, sc.shared);
+  barrier_in_op();
+  moe_combine_impl(sc.routed, sc.shared, shared_gate_logit, h);
 }
 
 void MetalOps::swiglu_impl(const Tensor& gate, const Tensor& up, const Tensor& out) {

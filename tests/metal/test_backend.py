@@ -95,6 +95,16 @@ def test_every_op_matches_cpu_backend(program, order):
     assert paths["Hk=3 Hv=6 Dk=48 Dv=40 K=4 T=1"] == "fused", paths
     assert paths["Hk=2 Hv=4 Dk=32 Dv=32 K=4 T=3 in-place capture"] == "composed", paths
     assert "path composed (3 rows (the fused kernel takes one decode row))" in r.stdout, r.stdout
+    # A MatmulGroup's products of one kind share a dispatch (qmv4_multi for a decode row's 4-bit products,
+    # matmul_rows_multi for the rest), bit for bit the separate kernels; a product alone in its kind runs alone.
+    for case, path, n in [("delta [2048] T=1", "grouped", 1), ("attention [320] T=1", "grouped", 1),
+                          ("ragged [192] T=1", "grouped", 1), ("pair [256] T=1", "grouped", 1),
+                          ("mixed [192] T=1", "split", 3), ("scales [192] T=1", "split", 2),
+                          ("router [192] T=1", "grouped", 1), ("dense [96] T=1", "split", 2),
+                          ("kinds [192] T=1", "composed", 2), ("prefill [192] T=5", "grouped", 1),
+                          ("prefill-mixed [192] T=3", "grouped", 2)]:
+        assert f"op matmuls {case}: path {path}, {n} dispatches" in r.stdout, (case, r.stdout)
+        assert f"op matmuls {case}: grouped == separate: 0 words differ ok" in r.stdout, (case, r.stdout)
     # The no-copy path, the copied mapping and the misaligned part were each taken.
     assert "mappings wrapped 1 copied 1; parts copied 1" in r.stdout, r.stdout
     assert "leaked" not in r.stderr, r.stderr
@@ -136,7 +146,21 @@ def test_tiny_model_matches_cpu_backend_end_to_end(program, spec, order):
     m = re.search(r"metal active: fused conv \+ recurrent update \+ gated norm .*; (\d+) calls fused, (\d+) composed .* the last "
                   r"for (\d+) rows", r.stdout)
     assert m and int(m[1]) > 0 and int(m[2]) > 0 and int(m[3]) > 1, r.stdout
+    # Decode rows ran each layer's 4-bit projections as one qmv4_multi; prefill chunks as one matmul_rows_multi.
+    m = re.search(r"metal active: one dispatch per MatmulGroup .*; (\d+) calls grouped, (\d+) products in (\d+) qmv4_multi "
+                  r"and (\d+) matmul_rows_multi dispatches", r.stdout)
+    assert m and int(m[1]) > 0 and int(m[2]) >= 2 * (int(m[3]) + int(m[4])) and int(m[3]) > 0 and int(m[4]) > 0, r.stdout
     assert "leaked" not in r.stderr, r.stderr
+
+
+def test_matmul_groups_can_be_turned_off(program):
+    # LILY_METAL_GROUP_MATMULS=0 (the A/B switch for a Mac): every product its own dispatch, the same results.
+    r = run(program, ["ops", "--only", "matmuls"], {"LILY_METAL_GROUP_MATMULS": "0"})
+    assert passed(r), r.stdout + r.stderr
+    assert "op matmuls delta [2048] T=1: path composed, 4 dispatches" in r.stdout, r.stdout
+    assert "op matmuls attention [320] T=1: path composed, 3 dispatches" in r.stdout, r.stdout
+    assert "op matmuls prefill [192] T=5: path composed, 3 dispatches" in r.stdout, r.stdout
+    assert "path grouped" not in r.stdout and "path split" not in r.stdout, r.stdout
 
 
 def test_dropped_barriers_are_caught_by_the_hazard_check(program):
@@ -165,6 +189,11 @@ MUTATIONS = [
     # The grouped prefill experts lose every partial tile (an expert's last rows when its count is not a multiple of 8).
     ("matmul.metal", "tile_run += (c + int(kTileRows) - 1) / int(kTileRows);", "tile_run += c / int(kTileRows);",
      "moe_experts"),
+    # One dispatch per MatmulGroup: a threadgroup forgets its product's first threadgroup (rows from the grid's start).
+    ("matmul.metal", "const uint row0 = ((group_id - start) * 2 + simdgroup) * 4;",
+     "const uint row0 = (group_id * 2 + simdgroup) * 4;", "matmuls"),
+    # matmul_rows_multi stores every product with the first product's row stride (right only for products as wide).
+    ("matmul.metal", "y[ulong(t) * ldy + row0 + r] = total;", "y[ulong(t) * s.ldy0 + row0 + r] = total;", "matmuls"),
 ]
 # The other kernel files each op's run needs besides the mutated one.
 NEEDS = {"moe_experts": ["moe.metal"], "conv_delta_norm": ["norm.metal"]}  # its composed path: gated_rms_norm

@@ -262,22 +262,67 @@ int run_ops(const std::string& msl) {
       }
     }
 
-  // ---- matmuls: one x, several weights (the Metal backend runs the composed form: one dispatch each) ----
-  if (wanted("matmuls"))
-    for (Phase ph : {Phase::Decode, Phase::Prefill}) {
-      const int64_t T = ph == Phase::Decode ? 1 : 5, K = 192;
-      const Weight w0 = make_weight(blob, mc, "q4g64-bf16", 37, K), w1 = make_weight(blob, mc, "q4g64-bf16", 5, K),
-                   w2 = make_weight(blob, mc, "q4g64-bf16", 1, K);
-      auto x = b.f32(T, K);
-      auto y0 = b.alloc(DType::F32, T, 37), y1 = b.alloc(DType::F32, T, 5), y2 = b.alloc(DType::F32, T, 1);
-      b.run(ph, [&](Ops& o, bool m) {
-        o.matmuls(m ? x.m : x.c, MatmulGroup().add(w0, m ? y0.m : y0.c).add(w1, m ? y1.m : y1.c).add(w2, m ? y2.m : y2.c));
+  // ---- matmuls: one x, up to four weights. The products of one kind share a dispatch (qmv4_multi for a decode
+  // row's 4-bit products, matmul_rows_multi for the rest); each case checks the CPU, the path and dispatch count,
+  // and bit equality with the same products run as separate matmuls on Metal. ----
+  if (wanted("matmuls")) {
+    struct GroupCase { std::string name; std::vector<std::pair<std::string, int64_t>> parts; int64_t K, T; Phase ph; };
+    const std::vector<GroupCase> groups = {
+        // a DeltaNet layer's qkv, z, b, a at the real K and the real b/a rows (qkv and z scaled down)
+        {"delta", {{"q4g64-bf16", 96}, {"q4g64-bf16", 64}, {"q4g64-bf16", 32}, {"q4g64-bf16", 32}}, 2048, 1, Phase::Decode},
+        // attention's q (with the gate), k, v; ragged rows, f16 scales, group 32
+        {"attention", {{"q4g32-f16", 40}, {"q4g32-f16", 9}, {"q4g32-f16", 9}}, 320, 1, Phase::Decode},
+        {"ragged", {{"q4g64-bf16", 37}, {"q4g64-bf16", 5}, {"q4g64-bf16", 1}, {"q4g64-bf16", 13}}, 192, 1, Phase::Decode},
+        {"pair", {{"q4g128-bf16", 17}, {"q4g128-bf16", 8}}, 256, 1, Phase::Decode},
+        // products qmv4 does not take (8-bit, another group size) run alone next to the grouped ones
+        {"mixed", {{"q4g64-bf16", 21}, {"q8g64-bf16", 6}, {"q4g64-bf16", 3}, {"q4g32-bf16", 4}}, 192, 1, Phase::Decode},
+        // two qmv4 kinds (bf16 and f16 scales): the pair of one kind shares a dispatch, the other runs alone
+        {"scales", {{"q4g64-bf16", 9}, {"q4g64-f16", 10}, {"q4g64-f16", 11}}, 192, 1, Phase::Decode},
+        // the router and the shared-expert gate (8-bit): one matmul_rows_multi
+        {"router", {{"q8g64-bf16", 24}, {"q8g64-bf16", 1}}, 192, 1, Phase::Decode},
+        {"dense", {{"f16", 7}, {"f16", 20}, {"f32", 3}}, 96, 1, Phase::Decode},
+        {"kinds", {{"q4g64-bf16", 5}, {"q4g32-bf16", 7}}, 192, 1, Phase::Decode},  // no two of one kind: composed
+        // prefill rows: matmul_rows_multi, one dispatch per format
+        {"prefill", {{"q4g64-bf16", 37}, {"q4g64-bf16", 5}, {"q4g64-bf16", 1}}, 192, 5, Phase::Prefill},
+        {"prefill-mixed", {{"q4g64-bf16", 37}, {"bf16", 9}, {"q4g64-bf16", 5}, {"bf16", 3}}, 192, 3, Phase::Prefill},
+    };
+    for (const auto& c : groups) {
+      std::vector<Weight> ws;
+      std::vector<Both::T2> ys, zs;
+      for (const auto& [fmt, N] : c.parts) {
+        ws.push_back(make_weight(blob, mc, fmt, N, c.K));
+        ys.push_back(b.alloc(DType::F32, c.T, N));
+        zs.push_back(b.alloc(DType::F32, c.T, N));
+      }
+      auto x = b.f32(c.T, c.K);
+      const auto before = b.mtl.counters();
+      b.run(c.ph, [&](Ops& o, bool m) {
+        MatmulGroup g;
+        for (size_t i = 0; i < ws.size(); ++i) g.add(ws[i], m ? ys[i].m : ys[i].c);
+        o.matmuls(m ? x.m : x.c, g);
       });
-      const std::string name = std::string("q4g64-bf16 [37|5|1 x 192] ") + (ph == Phase::Decode ? "decode" : "prefill");
-      check_f32(b, "matmuls", name + " part 0", y0);
-      check_f32(b, "matmuls", name + " part 1", y1);
-      check_f32(b, "matmuls", name + " part 2", y2);
+      const auto& after = b.mtl.counters();
+      const int64_t dispatches = after.last_dispatches;
+      const char* path = after.matmul_group_split_calls > before.matmul_group_split_calls ? "split"
+                         : after.matmul_group_calls > before.matmul_group_calls          ? "grouped"
+                                                                                          : "composed";
+      const std::string name = c.name + " [" + std::to_string(c.K) + "] T=" + std::to_string(c.T);
+      printf("op matmuls %s: path %s, %lld dispatches\n", name.c_str(), path, (long long)dispatches);
+      for (size_t i = 0; i < ws.size(); ++i)
+        check_f32(b, "matmuls", name + " part " + std::to_string(i) + " " + c.parts[i].first, ys[i]);
+      // The same products as separate matmuls (one dispatch each) on Metal: the grouped kernel's bits must equal them.
+      b.mtl.begin(c.ph);
+      for (size_t i = 0; i < ws.size(); ++i) b.mtl.matmul(x.m, ws[i], zs[i].m);
+      b.mtl.wait(b.mtl.submit());
+      size_t differ = 0;
+      for (size_t i = 0; i < ws.size(); ++i) {
+        auto y = b.get<uint32_t>(b.mtl, ys[i].m), z = b.get<uint32_t>(b.mtl, zs[i].m);
+        for (size_t e = 0; e < y.size(); ++e) differ += y[e] != z[e];
+      }
+      printf("op matmuls %s: grouped == separate: %zu words differ %s\n", name.c_str(), differ, differ ? "FAIL" : "ok");
+      g_failures += differ != 0;
     }
+  }
 
   // ---- norms, add ----
   for (auto [T, D, seg] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{1, 96, 96}, {5, 2048, 2048}, {3, 64, 16}}) {
@@ -835,7 +880,7 @@ int run_model(const std::string& msl, const std::string& spec) {
          (long long)k.last_barriers, (long long)k.max_in_flight);
   printf("model %s metal prefill chunk: %lld ops, %lld stages\n", spec.c_str(), (long long)ps.ops, (long long)ps.stages);
   for (const std::string& line : mtl_ops.optimizations())
-    if (line.find("conv_delta_norm") != std::string::npos) printf("model %s metal %s\n", spec.c_str(), line.c_str());
+    if (line.find("conv_delta_norm") != std::string::npos || line.find("MatmulGroup") != std::string::npos) printf("model %s metal %s\n", spec.c_str(), line.c_str());
   // Snapshot, run on, restore: the same continuation again, on Metal and equal to the CPU's.
   auto snap = ms.snapshot();
   std::vector<int32_t> a, b2;
