@@ -237,10 +237,11 @@ def analyse(record: list[dict], label: str, w: Weights, position: int, rows_read
 
 def per_layer(dispatches: list[dict], full: list[bool]) -> dict:
     """Dispatches and stages per layer, by kind of layer, in recorded order: a layer runs from the dispatch after the
-    previous layer's moe_combine (the first: after the embedding) to its own moe_combine, and its stages are those
-    it opens. The rest (embedding, final norm, LM head, sampling, position) is "fixed"."""
+    previous layer's MoE end (the first: after the embedding) to its own: moe_combine, or in decode the routed
+    down pass that adds the shared expert and the residual itself (moe_down_combine); its stages are those it opens.
+    The rest (embedding, final norm, LM head, sampling, position) is "fixed"."""
     order = sorted(dispatches, key=lambda d: d["command"])
-    ends = [i for i, d in enumerate(order) if d["kernel"] == "moe_combine"]
+    ends = [i for i, d in enumerate(order) if d["kernel"] in ("moe_combine", "moe_down_combine")]
     if len(ends) != len(full):
         return {}
     kinds: dict[str, set[tuple[int, int]]] = defaultdict(set)

@@ -149,6 +149,10 @@ template [[host_name("qmv4_multi_f16")]] [[kernel]] decltype(qmv4_multi<half>) q
 //   moe_down:     out[t, c] = Σ_s w[t, s] · down_e(act[t·k + s])[c], slots in ascending expert id (the CPU's order,
 //                 csrc/cpu/moe.cpp), routing weight applied in registers                    (decode fusion b)
 //                 grid (⌈H/8⌉, T), same geometry
+//   moe_down_combine: h[t, c] += out[t, c] + sigmoid(sg[t]) · shared[t, c], out as moe_down builds it (decode:
+//                 down + routing weight + shared expert + residual in one dispatch, moe_combine's arithmetic; the
+//                 shared expert's down projection ran before it). Reads h, shared [T, H] and sg [T, 1] strided.
+//                 Same grid as moe_down
 // Floor (decode, the real model, MODEL.md §10): each active expert's gate/up/down codes once (3 · 512 · 2048 / 2 B
 // = 1.5 MiB per expert, 8 experts per layer) plus scales and biases; x and act stay in cache.
 // Oracle: csrc/cpu/matmul.cpp (matmul, dequant_row), csrc/cpu/moe.cpp (moe_experts); tests/metal/test_ops.py.
@@ -355,6 +359,32 @@ struct MatmulMultiShape {
   }
 }
 
+// moe_down's sums for rows row0 .. row0 + 3 of token t into o (a row past N redoes the last one, so that every
+// lane takes part in the simd_sums; the caller stores rows below N only).
+inline void mm_moe_down_rows(device const uchar* data, device const ushort* scales, device const ushort* biases,
+                             constant WeightRef& w, device const float* act, device const int* ids,
+                             device const float* weights, uint k, uint t, uint row0, uint lane, thread float* o) {
+  for (uint r = 0; r < 4; ++r) o[r] = 0.0f;
+  int last = -1;
+  for (uint n = 0; n < k; ++n) {
+    // The next slot in ascending expert id (a token's k ids are distinct).
+    uint slot = 0;
+    int best = 0x7fffffff;
+    for (uint j = 0; j < k; ++j) {
+      const int id = ids[ulong(t) * k + j];
+      if (id > last && id < best) best = id, slot = j;
+    }
+    last = best;
+    const uint p = t * k + slot;
+    const float wt = weights[p];
+    for (uint r = 0; r < 4; ++r) {
+      const uint row = min(row0 + r, w.N - 1);
+      const float y = simd_sum(mm_lane_dot(data, scales, biases, w, uint(best), row, act + ulong(p) * w.K, lane));
+      o[r] += wt * y;
+    }
+  }
+}
+
 [[kernel]] void moe_down(device const uchar* data [[buffer(0)]],
                          device const ushort* scales [[buffer(1)]],
                          device const ushort* biases [[buffer(2)]],
@@ -368,27 +398,41 @@ struct MatmulMultiShape {
                          uint simdgroup [[simdgroup_index_in_threadgroup]],
                          uint lane [[thread_index_in_simdgroup]]) {
   const uint t = tg.y, row0 = (tg.x * 2 + simdgroup) * 4;
-  float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  int last = -1;
-  for (uint n = 0; n < s.k; ++n) {
-    // The next slot in ascending expert id (a token's k ids are distinct).
-    uint slot = 0;
-    int best = 0x7fffffff;
-    for (uint j = 0; j < s.k; ++j) {
-      const int id = ids[ulong(t) * s.k + j];
-      if (id > last && id < best) best = id, slot = j;
-    }
-    last = best;
-    const uint p = t * s.k + slot;
-    const float wt = weights[p];
-    for (uint r = 0; r < 4; ++r) {
-      const uint row = min(row0 + r, w.N - 1);
-      const float y = simd_sum(mm_lane_dot(data, scales, biases, w, uint(best), row, act + ulong(p) * w.K, lane));
-      o[r] += wt * y;
-    }
-  }
+  float o[4];
+  mm_moe_down_rows(data, scales, biases, w, act, ids, weights, s.k, t, row0, lane, o);
   for (uint r = 0; r < 4; ++r)
     if (lane == 0 && row0 + r < w.N) out[ulong(t) * s.ldy + row0 + r] = o[r];
+}
+
+// Shared with csrc/metal/matmul.cpp: h row stride, shared row stride, the gate logit's row stride, k.
+struct DownCombineShape {
+  uint ldh, ld_shared, ld_gate, k;
+};
+
+[[kernel]] void moe_down_combine(device const uchar* data [[buffer(0)]],
+                                 device const ushort* scales [[buffer(1)]],
+                                 device const ushort* biases [[buffer(2)]],
+                                 constant WeightRef& w [[buffer(3)]],
+                                 device const float* act [[buffer(4)]],
+                                 device const int* ids [[buffer(5)]],
+                                 device const float* weights [[buffer(6)]],
+                                 device const float* shared [[buffer(7)]],
+                                 device const float* sg [[buffer(8)]],
+                                 device float* h [[buffer(9)]],
+                                 constant DownCombineShape& s [[buffer(10)]],
+                                 uint2 tg [[threadgroup_position_in_grid]],
+                                 uint simdgroup [[simdgroup_index_in_threadgroup]],
+                                 uint lane [[thread_index_in_simdgroup]]) {
+  const uint t = tg.y, row0 = (tg.x * 2 + simdgroup) * 4;
+  float o[4];
+  mm_moe_down_rows(data, scales, biases, w, act, ids, weights, s.k, t, row0, lane, o);
+  // moe_combine's expression (metal/moe.metal, csrc/cpu/moe.cpp) with the routed sum from registers.
+  const float g = 1.0f / (1.0f + exp(-sg[ulong(t) * s.ld_gate]));
+  for (uint r = 0; r < 4; ++r)
+    if (lane == 0 && row0 + r < w.N) {
+      const ulong i = ulong(t) * s.ldh + row0 + r;
+      h[i] += o[r] + g * shared[ulong(t) * s.ld_shared + row0 + r];
+    }
 }
 
 // ------------------------------------------------------------------------------------------------------------

@@ -48,6 +48,8 @@ MetalOps::MetalOps(const std::string& msl) : dev_(msl), fences_(std::make_shared
   drop_barriers_ = drop && *drop && std::string(drop) != "0";
   const char* group = std::getenv("LILY_METAL_GROUP_MATMULS");
   group_matmuls_ = !(group && std::string(group) == "0");
+  const char* combine = std::getenv("LILY_METAL_FUSE_MOE_COMBINE");
+  fuse_moe_combine_ = !(combine && std::string(combine) == "0");
 }
 
 MetalOps::~MetalOps() {
@@ -361,6 +363,11 @@ std::vector<std::string> MetalOps::optimizations() const {
       "active: dequantize inside matmul (4/8-bit weights never expanded)",
       "active: row-parallel 4-bit GEMV for decode (qmv4) where aligned",
       "active: fused expert gate/up + SiLU·mul; fused expert down + routing weight",
+      std::string(counters_.moe_down_combined_calls ? "active" : "inactive") +
+          ": fused expert down + routing weight + gated shared expert + residual for decode rows (moe_down_combine: "
+          "no moe_combine dispatch; " + std::to_string(counters_.moe_down_combined_calls) + " calls fused, " +
+          std::to_string(counters_.moe_combine_calls) + " with moe_combine after the down pass" +
+          (counters_.moe_combine_calls ? ", the last for " + counters_.moe_combine_reason : std::string()) + ")",
       "active: fused q/k RMSNorm + RoPE prep; register-resident DeltaNet scan (one state column per thread)",
       std::string(counters_.delta_fused_calls ? "active" : "inactive") +
           ": fused conv + recurrent update + gated norm for decode rows (conv_delta_norm: one dispatch per DeltaNet "

@@ -86,12 +86,20 @@ class MetalOps final : public Ops {
     int64_t matmul_group_calls = 0, qmv4_multi_dispatches = 0, matmul_rows_multi_dispatches = 0;
     int64_t matmul_grouped_products = 0, matmul_group_split_calls = 0, matmul_group_composed_calls = 0;
     std::string matmul_group_split_reason, matmul_group_composed_reason;
+    // moe: calls whose routed down pass also added the gated shared expert and the residual (moe_down_combine),
+    // calls that ran moe_combine as its own dispatch, and why the last of those did.
+    int64_t moe_down_combined_calls = 0, moe_combine_calls = 0;
+    std::string moe_combine_reason;
   };
   const Counters& counters() const { return counters_; }
   Device& metal_device() { return dev_; }
   // Which attention kernel: "auto" (attention_gqa for decode, attention_rows for prefill), or one for every call
   // (the tests compare each variant with the CPU on every shape).
   void set_attention_variant(const std::string& v);
+  // Decode MoE: the routed down pass adds the gated shared expert and the residual (moe_down_combine), or
+  // moe_combine runs after it (LILY_METAL_FUSE_MOE_COMBINE=0; the tests compare the two).
+  void set_fuse_moe_combine(bool on) { fuse_moe_combine_ = on; }
+  bool fuse_moe_combine() const { return fuse_moe_combine_; }
 
  protected:
   Tensor alloc_impl(const std::string& label, DType dtype, int64_t rows, int64_t cols) override;
@@ -165,6 +173,12 @@ class MetalOps final : public Ops {
                            const WeightBinding& u, const WeightBinding& d, int64_t E, const Tensor& ws,
                            const Tensor& out);
   void check_contiguous(const Tensor& t, const char* op, const char* what) const;
+  // The per-pair (decode) experts in two stages: moe_gate_up into the workspace, then moe_down into out, or with
+  // shared and sg moe_down_combine (out is then h: h += the routed sum + sigmoid(sg) · shared).
+  void check_experts(const Tensor& ids, const Tensor& weights, const Weight& gate, const Weight& up) const;
+  void moe_pairs_gate_up(const Tensor& x, const Tensor& ids, const Weight& gate, const Weight& up, const Tensor& ws);
+  void moe_pairs_down(const Tensor& ids, const Tensor& weights, const Weight& down, const Tensor& ws,
+                      const Tensor& out, const Tensor* shared, const Tensor* sg);
 
   Device dev_;
   struct Buf {
@@ -199,6 +213,7 @@ class MetalOps final : public Ops {
   Counters counters_;
   bool drop_barriers_ = false;
   bool group_matmuls_ = true;  // LILY_METAL_GROUP_MATMULS=0: every product of a MatmulGroup its own dispatch
+  bool fuse_moe_combine_ = true;  // LILY_METAL_FUSE_MOE_COMBINE=0: decode MoE ends with its own moe_combine
   std::string attention_variant_ = "auto";  // LILY_METAL_DROP_BARRIERS=1: the planted bug of the harness tests
 };
 

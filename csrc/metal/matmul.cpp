@@ -35,7 +35,7 @@ void encode_qmv4(Pass& pass, const QuantMatrix& w, Arg x, Arg y) {
 
 // ------------------------------------------------------------------------------------------------------------
 // MetalOps: matmul, embed and the routed experts (metal/matmul.metal: matmul_rows, embed_rows, moe_gate_up,
-// moe_down; qmv4 for aligned 4-bit decode rows).
+// moe_down, moe_down_combine; qmv4 for aligned 4-bit decode rows).
 #include "metal/backend.h"
 
 namespace lily::metal {
@@ -49,6 +49,10 @@ struct MatmulShape {  // metal/matmul.metal
   uint32_t T, ldx, ldy, k;
 };
 static_assert(sizeof(MatmulShape) == 16, "MatmulShape must match metal/matmul.metal");
+struct DownCombineShape {  // metal/matmul.metal (moe_down_combine)
+  uint32_t ldh, ld_shared, ld_gate, k;
+};
+static_assert(sizeof(DownCombineShape) == 16, "DownCombineShape must match metal/matmul.metal");
 constexpr int64_t kRowsPerGroup = 8;  // matmul_rows / moe_*: 2 simdgroups × 4 rows (metal/matmul.metal)
 constexpr int64_t kTileRows = 8;      // grouped expert tiles: must match kTileRows in metal/matmul.metal
 struct GroupShape {                   // metal/matmul.metal
@@ -283,14 +287,29 @@ bool MetalOps::grouped_experts(int64_t T, int64_t E) const { return phase() == P
 
 void MetalOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
                                 const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out) {
-  const int64_t T = x.rows, k = ids.cols, I = gate.rows, H = x.cols;
+  const int64_t T = x.rows;
+  check_experts(ids, weights, gate, up);
+  if (grouped_experts(T, gate.experts))
+    return moe_experts_grouped(x, ids, weights, bind_weight(gate), bind_weight(up), bind_weight(down), gate.experts,
+                               ws, out);
+  moe_pairs_gate_up(x, ids, gate, up, ws);
+  barrier_in_op();  // moe_down reads every act row
+  moe_pairs_down(ids, weights, down, ws, out, nullptr, nullptr);
+}
+
+void MetalOps::check_experts(const Tensor& ids, const Tensor& weights, const Weight& gate, const Weight& up) const {
+  const int64_t k = ids.cols;
   if (ids.stride != k || weights.stride != k) throw MetalError("metal moe_experts: ids and weights must be contiguous");
   if (format_code(gate) != format_code(up) || gate.group != up.group || gate.scale_dtype != up.scale_dtype)
     throw MetalError("metal moe_experts: gate and up projections differ in format");
-  const WeightBinding g = bind_weight(gate), u = bind_weight(up), d = bind_weight(down);
-  if (grouped_experts(T, gate.experts)) return moe_experts_grouped(x, ids, weights, g, u, d, gate.experts, ws, out);
+}
+
+// Stage 1 of the per-pair experts: act[t·k + s] = silu(gate_e(x_t)) ⊙ up_e(x_t) into the workspace.
+void MetalOps::moe_pairs_gate_up(const Tensor& x, const Tensor& ids, const Weight& gate, const Weight& up,
+                                 const Tensor& ws) {
+  const int64_t T = x.rows, k = ids.cols, I = gate.rows;
   if (size_t(T * k * I) * 4 > ws.bytes()) throw std::logic_error("workspace too small for moe_experts");
-  // Stage 1: act[t·k + s] = silu(gate_e(x_t)) ⊙ up_e(x_t) into the workspace.
+  const WeightBinding g = bind_weight(gate), u = bind_weight(up);
   const MatmulShape s1{uint32_t(T), uint32_t(x.stride), uint32_t(I), uint32_t(k)};
   std::vector<Arg> a1 = g.args();
   a1.push_back(Arg::value(g.ref));
@@ -302,18 +321,34 @@ void MetalOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor
   a1.push_back(Arg::value(s1));
   dispatch("moe_gate_up", g.constants, a1,
            MTL::Size(NS::UInteger((I + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(T * k), 1), MTL::Size(64, 1, 1));
-  barrier_in_op();  // moe_down reads every act row
-  // Stage 2: out[t] = Σ_s w[t, s] · down_e(act[t·k + s]), ascending expert id.
-  const MatmulShape s2{uint32_t(T), uint32_t(I), uint32_t(out.stride), uint32_t(k)};
+}
+
+// Stage 2: out[t] = Σ_s w[t, s] · down_e(act[t·k + s]), ascending expert id (moe_down). With `shared` and `sg`
+// (moe_down_combine) `out` is the residual h instead: h += that sum + sigmoid(sg) · shared.
+void MetalOps::moe_pairs_down(const Tensor& ids, const Tensor& weights, const Weight& down, const Tensor& ws,
+                              const Tensor& out, const Tensor* shared, const Tensor* sg) {
+  const int64_t T = ids.rows, k = ids.cols, I = down.cols, H = down.rows;
+  const WeightBinding d = bind_weight(down);
   std::vector<Arg> a2 = d.args();
   a2.push_back(Arg::value(d.ref));
   a2.push_back(arg(ws));
   a2.push_back(arg(ids));
   a2.push_back(arg(weights));
+  const MTL::Size grid(NS::UInteger((H + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(T), 1);
+  // Arg::value keeps a pointer: both shapes live until the dispatch is encoded.
+  const MatmulShape s2{uint32_t(T), uint32_t(I), uint32_t(out.stride), uint32_t(k)};
+  const DownCombineShape sc{uint32_t(out.stride), uint32_t(shared ? shared->stride : 0), uint32_t(sg ? sg->stride : 0),
+                            uint32_t(k)};
+  if (!shared) {
+    a2.push_back(arg(out));
+    a2.push_back(Arg::value(s2));
+    return dispatch("moe_down", d.constants, a2, grid, MTL::Size(64, 1, 1));
+  }
+  a2.push_back(arg(*shared));
+  a2.push_back(arg(*sg));
   a2.push_back(arg(out));
-  a2.push_back(Arg::value(s2));
-  dispatch("moe_down", d.constants, a2,
-           MTL::Size(NS::UInteger((H + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(T), 1), MTL::Size(64, 1, 1));
+  a2.push_back(Arg::value(sc));
+  dispatch("moe_down_combine", d.constants, a2, grid, MTL::Size(64, 1, 1));
 }
 
 // Prefill: group the (token, slot) pairs by expert on the GPU, then tiles of up to 8 rows of one expert, each weight

@@ -30,18 +30,37 @@ void MetalOps::moe_route_impl(const Tensor& logits, int64_t k, const Tensor&, co
 }
 
 // The MoE block as ops.cpp composes it, except that the shared expert's gate and up projections (both read x)
-// run as one MatmulGroup: one dispatch instead of two (matmuls_impl; the same bits).
+// run as one MatmulGroup: one dispatch instead of two (matmuls_impl; the same bits). Per-pair experts (decode
+// rows) reorder it so that the shared expert's output exists before the routed down pass, which then adds it and
+// the residual itself (moe_down_combine: moe_combine's arithmetic, one dispatch and one stage fewer):
+//   route + shared gate/up | swiglu + moe_gate_up | shared down | moe_down_combine
+// and leave sc.routed unwritten (ops.h allows it). Prefill rows (experts grouped on the GPU) keep
+//   route + shared gate/up | swiglu + grouped experts ... | shared down | moe_combine
 void MetalOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
                         const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h) {
+  const bool pairs = !grouped_experts(x.rows, w.gate.experts);
   moe_route_impl(router_logits, k, ws, sc.ids, sc.weights);
   matmuls_impl(x, MatmulGroup().add(w.shared_gate_proj, sc.shared_g).add(w.shared_up, sc.shared_u));
   barrier_in_op();
   swiglu_impl(sc.shared_g, sc.shared_u, sc.shared_act);
+  if (pairs && fuse_moe_combine_) {
+    check_experts(sc.ids, sc.weights, w.gate, w.up);
+    moe_pairs_gate_up(x, sc.ids, w.gate, w.up, ws);
+    barrier_in_op();
+    matmul_impl(sc.shared_act, w.shared_down, sc.shared);
+    barrier_in_op();  // moe_down_combine reads the act rows and the shared output
+    moe_pairs_down(sc.ids, sc.weights, w.down, ws, h, &sc.shared, &shared_gate_logit);
+    ++counters_.moe_down_combined_calls;
+    return;
+  }
   moe_experts_impl(x, sc.ids, sc.weights, w.gate, w.up, w.down, ws, sc.routed);
   barrier_in_op();
   matmul_impl(sc.shared_act, w.shared_down, sc.shared);
   barrier_in_op();
   moe_combine_impl(sc.routed, sc.shared, shared_gate_logit, h);
+  ++counters_.moe_combine_calls;
+  counters_.moe_combine_reason = pairs ? "LILY_METAL_FUSE_MOE_COMBINE=0"
+                                       : std::to_string(x.rows) + " prefill rows (experts grouped on the GPU)";
 }
 
 void MetalOps::swiglu_impl(const Tensor& gate, const Tensor& up, const Tensor& out) {

@@ -5,7 +5,7 @@ tests/metal/host/backend_main.cpp links MetalOps and CpuOps (and the model, load
 `ops` runs every op of csrc/backend/ops.h on fresh random inputs at real-model-like and awkward shapes on both
 backends and compares (fp32 reordering tolerances, exact for ids, positions, copies and the sampler state);
 `model` loads a tiny random Qwen3.6 into both and compares chunked-prefill logits, greedy decode through the real
-decode loop (two command buffers in flight) and snapshot/restore. The same runs repeat with the stage order
+decode loop (two command buffers in flight), snapshot/restore and a fork mid-generation. The same runs repeat with the stage order
 reversed or seeded, shuffled lanes, small device limits and leak checks, and planted bugs (a dropped barrier,
 a wrong head mapping, a missing renormalisation, a position off by one) must make them fail.
 """
@@ -105,6 +105,15 @@ def test_every_op_matches_cpu_backend(program, order):
                           ("prefill-mixed [192] T=3", "grouped", 2)]:
         assert f"op matmuls {case}: path {path}, {n} dispatches" in r.stdout, (case, r.stdout)
         assert f"op matmuls {case}: grouped == separate: 0 words differ ok" in r.stdout, (case, r.stdout)
+    # The MoE block: decode rows end in moe_down_combine (one dispatch fewer than moe_down + moe_combine) with the
+    # unfused order's bits; prefill rows keep moe_combine.
+    for case in ["T=1 E=40 k=8 H=128 I=64 q4g64-bf16 decode", "T=1 E=256 k=8 H=2048 I=512 q4g64-bf16 decode",
+                 "T=3 E=12 k=5 H=100 I=40 bf16 decode", "T=1 E=9 k=3 H=84 I=32 f16 decode"]:
+        assert f"op moe {case}: path fused, 6 dispatches" in r.stdout, (case, r.stdout)
+        assert re.search(rf"op moe {case} unfused: 7 dispatches; fused vs unfused metal: 0 of \d+ differ ok", r.stdout), \
+            (case, r.stdout)
+    assert "op moe T=7 E=16 k=4 H=128 I=64 q4g64-f16 prefill: path composed (7 prefill rows (experts grouped on the " \
+           "GPU)), 9 dispatches" in r.stdout, r.stdout
     # The no-copy path, the copied mapping and the misaligned part were each taken.
     assert "mappings wrapped 1 copied 1; parts copied 1" in r.stdout, r.stdout
     assert "leaked" not in r.stderr, r.stderr
@@ -121,7 +130,7 @@ def test_every_op_under_asan(program_asan):
 
 def test_ops_within_small_device_limits(program):
     # 256 threads per threadgroup, 16 KB of threadgroup memory and buffers of at most 1 MiB: every kernel still
-    # fits, and the 4 MiB weight mapping becomes overlapping windows (each weight inside one of them).
+    # fits, and the 12 MiB weight mapping becomes overlapping windows (each weight inside one of them).
     r = run(program, ["ops"], {"LILY_METALSIM_MAX_THREADS_PER_THREADGROUP": "256",
                                "LILY_METALSIM_MAX_THREADGROUP_MEMORY": "16384",
                                "LILY_METALSIM_MAX_BUFFER_LENGTH": str(1 << 20)})
@@ -150,6 +159,13 @@ def test_tiny_model_matches_cpu_backend_end_to_end(program, spec, order):
     m = re.search(r"metal active: one dispatch per MatmulGroup .*; (\d+) calls grouped, (\d+) products in (\d+) qmv4_multi "
                   r"and (\d+) matmul_rows_multi dispatches", r.stdout)
     assert m and int(m[1]) > 0 and int(m[2]) >= 2 * (int(m[3]) + int(m[4])) and int(m[3]) > 0 and int(m[4]) > 0, r.stdout
+    # Decode rows ended each MoE in moe_down_combine; prefill chunks ran moe_combine.
+    m = re.search(r"metal active: fused expert down \+ routing weight \+ gated shared expert \+ residual .*; (\d+) calls "
+                  r"fused, (\d+) with moe_combine after the down pass, the last for (\d+) prefill rows", r.stdout)
+    assert m and int(m[1]) > 0 and int(m[2]) > 0 and int(m[3]) > 1, r.stdout
+    # A fork mid-generation: parent and child each equal a fresh session of their tokens and continue as alone.
+    assert "fork: parent same as a fresh session of its tokens, child same" in r.stdout, r.stdout
+    assert "fork: parent continuation unchanged, child continuation unchanged" in r.stdout, r.stdout
     assert "leaked" not in r.stderr, r.stderr
 
 
@@ -161,6 +177,26 @@ def test_matmul_groups_can_be_turned_off(program):
     assert "op matmuls attention [320] T=1: path composed, 3 dispatches" in r.stdout, r.stdout
     assert "op matmuls prefill [192] T=5: path composed, 3 dispatches" in r.stdout, r.stdout
     assert "path grouped" not in r.stdout and "path split" not in r.stdout, r.stdout
+
+
+def test_moe_combine_fusion_can_be_turned_off(program):
+    # LILY_METAL_FUSE_MOE_COMBINE=0 (the A/B switch for a Mac): decode rows run moe_down, then moe_combine; the
+    # same results.
+    r = run(program, ["ops", "--only", "moe"], {"LILY_METAL_FUSE_MOE_COMBINE": "0"})
+    assert passed(r), r.stdout + r.stderr
+    assert "op moe T=1 E=256 k=8 H=2048 I=512 q4g64-bf16 decode: path composed (LILY_METAL_FUSE_MOE_COMBINE=0), " \
+           "7 dispatches" in r.stdout, r.stdout
+    assert "path fused" not in r.stdout, r.stdout
+    # The tiny model's decode step: one dispatch and one stage fewer per layer with the fusion.
+    steps = {}
+    for env in ("1", "0"):
+        r = run(program, ["model", "--spec", "mixed"], {"LILY_METAL_FUSE_MOE_COMBINE": env})
+        assert passed(r), r.stdout + r.stderr
+        m = re.search(r"metal decode step: .* last command buffer: (\d+) dispatches, (\d+) barriers", r.stdout)
+        assert m, r.stdout
+        steps[env] = (int(m[1]), int(m[2]))
+    layers = 4  # model_config("mixed") in tests/metal/host/backend_main.cpp
+    assert steps["0"] == (steps["1"][0] + layers, steps["1"][1] + layers), steps
 
 
 def test_dropped_barriers_are_caught_by_the_hazard_check(program):
@@ -194,9 +230,12 @@ MUTATIONS = [
      "const uint row0 = (group_id * 2 + simdgroup) * 4;", "matmuls"),
     # matmul_rows_multi stores every product with the first product's row stride (right only for products as wide).
     ("matmul.metal", "y[ulong(t) * ldy + row0 + r] = total;", "y[ulong(t) * s.ldy0 + row0 + r] = total;", "matmuls"),
+    # The decode MoE's last dispatch adds the shared expert without its sigmoid gate.
+    ("matmul.metal", "h[i] += o[r] + g * shared[ulong(t) * s.ld_shared + row0 + r];",
+     "h[i] += o[r] + shared[ulong(t) * s.ld_shared + row0 + r];", "moe"),
 ]
 # The other kernel files each op's run needs besides the mutated one.
-NEEDS = {"moe_experts": ["moe.metal"], "conv_delta_norm": ["norm.metal"]}  # its composed path: gated_rms_norm
+NEEDS = {"moe_experts": ["moe.metal"], "moe": ["moe.metal"], "conv_delta_norm": ["norm.metal"]}  # its composed path: gated_rms_norm
 
 
 @pytest.mark.parametrize("name,old,new,op", MUTATIONS, ids=[f"{m[3]}-{i}" for i, m in enumerate(MUTATIONS)])

@@ -139,6 +139,18 @@ Weight make_weight(Blob& blob, int32_t mapping, const std::string& fmt, int64_t 
   return w;
 }
 
+// E stacked experts whose bytes overlap: expert e starts e/256 of an expert's bytes after expert 0 (E ≤ 257),
+// so a layer of 256 experts at the real shapes indexes like the checkpoint's without 384 MiB of weights; each
+// expert still reads its own window of random codes, scales and biases.
+Weight make_overlapped_experts(Blob& blob, int32_t mapping, const std::string& fmt, int64_t rows, int64_t cols,
+                               int64_t E) {
+  Weight w = make_weight(blob, mapping, fmt, rows, cols, 2, 0);  // room for two whole experts
+  auto shrink = [](uint64_t per) { return per / 256 / 16 * 16; };
+  w.experts = E;
+  w.data_stride = shrink(w.data_stride), w.scale_stride = shrink(w.scale_stride), w.bias_stride = shrink(w.bias_stride);
+  return w;
+}
+
 // ---- the two backends side by side ----
 struct Both {
   cpu::CpuOps cpu{cpu::CpuOptions{1}};
@@ -219,7 +231,7 @@ void check_u16(Both& b, const std::string& op, const std::string& name, const Bo
 
 int run_ops(const std::string& msl) {
   Both b(msl);
-  Blob blob(4 << 20);
+  Blob blob(12 << 20);
   const int32_t mc = b.cpu.register_mapping(blob.p, blob.cap, "weights");
   const int32_t mm = b.mtl.register_mapping(blob.p, blob.cap, "weights");
   if (mc != mm) throw std::runtime_error("mapping ids differ");
@@ -578,31 +590,64 @@ int run_ops(const std::string& msl) {
     }
   }
 
-  // ---- moe: the whole block after the router product (composed on Metal) ----
-  if (wanted("moe"))
-    for (const auto& c : std::vector<MoeCase>{{1, 40, 8, 128, 64, "q4g64-bf16", Phase::Decode},
-                                              {7, 16, 4, 128, 64, "q4g64-f16", Phase::Prefill}}) {
+  // ---- moe: the whole block after the router product. Decode rows: the routed down pass adds the gated shared
+  // expert and the residual (moe_down_combine), bit for bit the unfused order (moe_down, then moe_combine);
+  // prefill rows keep moe_combine. The real layer (256 experts, k 8, hidden 2048, 512 intermediate) and awkward
+  // ones: odd k, hidden not a multiple of the threadgroup's 8 rows, several decode rows. ----
+  if (wanted("moe")) {
+    struct MoeBlockCase { int64_t T, E, k, H, I; std::string fmt; Phase ph; bool overlapped; };
+    for (const auto& c : std::vector<MoeBlockCase>{{1, 40, 8, 128, 64, "q4g64-bf16", Phase::Decode, false},
+                                                   {7, 16, 4, 128, 64, "q4g64-f16", Phase::Prefill, false},
+                                                   {1, 256, 8, 2048, 512, "q4g64-bf16", Phase::Decode, true},
+                                                   {3, 12, 5, 100, 40, "bf16", Phase::Decode, false},
+                                                   {1, 9, 3, 84, 32, "f16", Phase::Decode, false}}) {
       const std::string name = "T=" + std::to_string(c.T) + " E=" + std::to_string(c.E) + " k=" + std::to_string(c.k) +
-                               " " + c.fmt + (c.ph == Phase::Decode ? " decode" : " prefill");
+                               " H=" + std::to_string(c.H) + " I=" + std::to_string(c.I) + " " + c.fmt +
+                               (c.ph == Phase::Decode ? " decode" : " prefill");
       ModelConfig cfg;
       cfg.experts = c.E, cfg.topk = c.k, cfg.hidden = c.H, cfg.moe_inter = c.I;
       const size_t wsb = std::max(cpu::moe_workspace_bytes(cfg, c.T, 1), b.mtl.workspace_bytes(cfg, c.T, 1));
       auto ws = b.alloc(DType::F32, 1, int64_t(wsb / 4 + 16));
-      const MoeWeights w{make_weight(blob, mc, c.fmt, c.I, c.H, c.E), make_weight(blob, mc, c.fmt, c.I, c.H, c.E),
-                         make_weight(blob, mc, c.fmt, c.H, c.I, c.E), make_weight(blob, mc, c.fmt, c.I, c.H),
+      auto experts = [&](int64_t rows, int64_t cols) {
+        return c.overlapped ? make_overlapped_experts(blob, mc, c.fmt, rows, cols, c.E)
+                            : make_weight(blob, mc, c.fmt, rows, cols, c.E);
+      };
+      const MoeWeights w{experts(c.I, c.H), experts(c.I, c.H), experts(c.H, c.I), make_weight(blob, mc, c.fmt, c.I, c.H),
                          make_weight(blob, mc, c.fmt, c.I, c.H), make_weight(blob, mc, c.fmt, c.H, c.I)};
-      auto x = b.f32(c.T, c.H), logits = b.f32(c.T, c.E, 3.f), sg = b.f32(c.T, 1, 2.f), h = b.f32(c.T, c.H);
+      auto x = b.f32(c.T, c.H), logits = b.f32(c.T, c.E, 3.f), sg = b.f32(c.T, 1, 2.f);
+      const std::vector<float> h0 = randv(size_t(c.T * c.H), 1.f);
+      auto h = b.alloc(DType::F32, c.T, c.H, h0.data()), h_unfused = b.alloc(DType::F32, c.T, c.H, h0.data());
       auto ids = b.alloc(DType::I32, c.T, c.k), wts = b.alloc(DType::F32, c.T, c.k);
       auto routed = b.alloc(DType::F32, c.T, c.H), shared = b.alloc(DType::F32, c.T, c.H);
       auto sgp = b.alloc(DType::F32, c.T, c.I), su = b.alloc(DType::F32, c.T, c.I), sa = b.alloc(DType::F32, c.T, c.I);
-      b.run(c.ph, [&](Ops& o, bool m) {
+      auto block = [&](Ops& o, bool m, const Both::T2& out) {
         const MoeScratch sc{m ? ids.m : ids.c,       m ? wts.m : wts.c, m ? routed.m : routed.c, m ? sgp.m : sgp.c,
                             m ? su.m : su.c,         m ? sa.m : sa.c,   m ? shared.m : shared.c};
-        o.moe(m ? x.m : x.c, m ? logits.m : logits.c, m ? sg.m : sg.c, c.k, w, sc, m ? ws.m : ws.c, m ? h.m : h.c);
-      });
+        o.moe(m ? x.m : x.c, m ? logits.m : logits.c, m ? sg.m : sg.c, c.k, w, sc, m ? ws.m : ws.c, m ? out.m : out.c);
+      };
+      const auto before = b.mtl.counters();
+      b.run(c.ph, [&](Ops& o, bool m) { block(o, m, h); });
+      const auto& after = b.mtl.counters();
+      const bool fused = after.moe_down_combined_calls > before.moe_down_combined_calls;
+      printf("op moe %s: path %s%s, %lld dispatches\n", name.c_str(), fused ? "fused" : "composed",
+             fused ? "" : (" (" + after.moe_combine_reason + ")").c_str(), (long long)after.last_dispatches);
       check_i32(b, "moe", name + " ids", ids);
       check_f32(b, "moe", name + " h", h, 2e-5);
+      // The unfused Metal order (moe_down into routed, then moe_combine) on the same inputs: the same bits.
+      const bool fuse = b.mtl.fuse_moe_combine();  // LILY_METAL_FUSE_MOE_COMBINE
+      b.mtl.set_fuse_moe_combine(false);
+      b.mtl.begin(c.ph);
+      block(b.mtl, true, h_unfused);
+      b.mtl.wait(b.mtl.submit());
+      b.mtl.set_fuse_moe_combine(fuse);
+      const auto hf = b.get<float>(b.mtl, h.m), hu = b.get<float>(b.mtl, h_unfused.m);
+      size_t diff = 0;
+      for (size_t i = 0; i < hf.size(); ++i) diff += std::memcmp(&hf[i], &hu[i], 4) != 0;
+      printf("op moe %s unfused: %lld dispatches; fused vs unfused metal: %zu of %zu differ %s\n", name.c_str(),
+             (long long)b.mtl.counters().last_dispatches, diff, hf.size(), diff ? "FAIL" : "ok");
+      g_failures += diff != 0;
     }
+  }
 
   // ---- copies, fills, the position, sampling ----
   if (wanted("copy")) {
@@ -880,7 +925,9 @@ int run_model(const std::string& msl, const std::string& spec) {
          (long long)k.last_barriers, (long long)k.max_in_flight);
   printf("model %s metal prefill chunk: %lld ops, %lld stages\n", spec.c_str(), (long long)ps.ops, (long long)ps.stages);
   for (const std::string& line : mtl_ops.optimizations())
-    if (line.find("conv_delta_norm") != std::string::npos || line.find("MatmulGroup") != std::string::npos) printf("model %s metal %s\n", spec.c_str(), line.c_str());
+    if (line.find("conv_delta_norm") != std::string::npos || line.find("MatmulGroup") != std::string::npos ||
+        line.find("moe_down_combine") != std::string::npos)
+      printf("model %s metal %s\n", spec.c_str(), line.c_str());
   // Snapshot, run on, restore: the same continuation again, on Metal and equal to the CPU's.
   auto snap = ms.snapshot();
   std::vector<int32_t> a, b2;
@@ -928,6 +975,65 @@ int run_model(const std::string& msl, const std::string& spec) {
       report(where + " KV rows", kv);
       report(where + " logits", max_rel(hc.logits, hm.logits));
     }
+  }
+  // Fork mid-generation, as Session.fork does it (src/lily/session.py: a new session restored from the parent's
+  // snapshot). Parent and child both go on, interleaved, the child after two tokens of its own: each equals a
+  // fresh Metal session prefilled with its tokens (greedy ids; logits within the prefill/decode tolerance), and
+  // each continues bit for bit as a session restored from a snapshot taken at the fork that ran alone (the child
+  // leaves the parent unchanged, and the parent the child).
+  {
+    auto random_ids = [&](int n) {
+      std::vector<int32_t> v;
+      for (int i = 0; i < n; ++i) v.push_back(int32_t(g_rng() % uint64_t(cfg.vocab)));
+      return v;
+    };
+    const std::vector<int32_t> start = random_ids(6), own = random_ids(2);
+    std::vector<float> last(size_t(cfg.vocab));
+    Session parent(mtl_model, mtl_lock, max_ctx, chunk);
+    parent.prefill(start.data(), int64_t(start.size()), false, last.data(), nullptr);
+    std::vector<int32_t> ignored;
+    std::vector<float> ignored_l;
+    gen(parent, 3, ignored, ignored_l);  // the third id is pending: the fork happens mid-generation
+    const std::vector<int32_t> at_fork = parent.tokens();
+    auto before = parent.snapshot();
+    Session child(mtl_model, mtl_lock, max_ctx, chunk);
+    child.restore(*parent.snapshot());
+    child.prefill(own.data(), int64_t(own.size()), false, last.data(), nullptr);
+    std::vector<int32_t> child_tokens = child.tokens(), p_ids, c_ids;
+    std::vector<float> p_l, c_l;
+    gen(child, 3, c_ids, c_l);
+    gen(parent, 3, p_ids, p_l);
+    gen(child, 2, c_ids, c_l);
+    // Fresh sessions prefilled with each one's tokens at the point it went its own way.
+    auto fresh = [&](const std::vector<int32_t>& tokens, int n, std::vector<int32_t>& ids, std::vector<float>& l) {
+      Session f(mtl_model, mtl_lock, max_ctx, chunk);
+      f.prefill(tokens.data(), int64_t(tokens.size()), false, last.data(), nullptr);
+      gen(f, n, ids, l);
+    };
+    std::vector<int32_t> fp_ids, fc_ids;
+    std::vector<float> fp_l, fc_l;
+    fresh(at_fork, 3, fp_ids, fp_l);
+    fresh(child_tokens, 5, fc_ids, fc_l);
+    printf("model %s fork: parent %s a fresh session of its tokens, child %s\n", spec.c_str(),
+           p_ids == fp_ids ? "same as" : "DIFFERENT from", c_ids == fc_ids ? "same" : "DIFFERENT");
+    fails += p_ids != fp_ids || c_ids != fc_ids;
+    report("fork: parent logits vs a fresh session", max_rel(fp_l, p_l));
+    report("fork: child logits vs a fresh session", max_rel(fc_l, c_l));
+    // Each alone from the fork's snapshot: the same bits.
+    Session alone(mtl_model, mtl_lock, max_ctx, chunk);
+    alone.restore(*before);
+    std::vector<int32_t> ap_ids, ac_ids;
+    std::vector<float> ap_l, ac_l;
+    gen(alone, 3, ap_ids, ap_l);
+    alone.restore(*before);
+    alone.prefill(own.data(), int64_t(own.size()), false, last.data(), nullptr);
+    gen(alone, 3, ac_ids, ac_l);
+    gen(alone, 2, ac_ids, ac_l);
+    const bool parent_same = ap_ids == p_ids && max_rel(ap_l, p_l) == 0.0;
+    const bool child_same = ac_ids == c_ids && max_rel(ac_l, c_l) == 0.0;
+    printf("model %s fork: parent continuation %s, child continuation %s (vs each alone from the fork's snapshot)\n",
+           spec.c_str(), parent_same ? "unchanged" : "CHANGED", child_same ? "unchanged" : "CHANGED");
+    fails += !parent_same || !child_same;
   }
   printf("%s: %d failures\n", fails ? "FAILED" : "PASSED", fails);
   return fails ? 1 : 0;
