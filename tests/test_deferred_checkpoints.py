@@ -89,6 +89,24 @@ def test_deferred_copies_are_owed_until_read_and_then_equal_the_eager_ones(engin
     assert continue_from(engine, snaps[1], mtp) == tokens
 
 
+def test_deferred_tensors_are_allocated_when_written(engine, ids):
+    """The owed copies' tensors are allocated when they are written, not inside the prefill (on CUDA each
+    allocation is an alloc, a memset and a sync); their sizes are known from the start."""
+    per_token = engine.report()["memory"]["kv_cache_bytes_per_token"]
+    buffers = lambda: engine.report()["memory"]["backend_buffers_bytes"]  # noqa: E731
+    s = engine.session(max_context=128, prefill_chunk=8)
+    (base,) = s.prefill_snapshots(ids[:8], [8], defer=False)  # also sizes the session's prefill scratch
+    b0 = buffers()
+    snaps = s.prefill_snapshots(ids[8:30], [17, 30], base=base)
+    own = [x.own_nbytes for x in snaps]
+    # inside the prefill: only the inner snapshot's state (the capture writes it there); tokens are host-side
+    assert buffers() - b0 == own[0] - 4 * 17 - 9 * per_token
+    s.reset()  # writes what it owes first
+    assert s.deferred_checkpoints == 0
+    assert buffers() - b0 == own[0] + own[1] - 4 * (17 + 30)
+    assert [x.own_nbytes for x in snaps] == own
+
+
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_generation_writes_them(engine, ids, n, mtp):
     """After generate (stopped at its first token, at the second, or later), nothing is owed and the snapshots

@@ -86,7 +86,8 @@ DeviceSnapshot::~DeviceSnapshot() {
 }  // kv_ drops after the lock is released: a segment's destructor takes it
 
 size_t DeviceSnapshot::state_bytes() const {
-  size_t b = tokens_.size() * 4 + logits_.bytes() + (mtp_h_.valid() ? mtp_h_.bytes() : 0);
+  // Shapes only (a deferred snapshot's tensors are allocated later, under the lock; bytes() reads no buffer id).
+  size_t b = tokens_.size() * 4 + logits_.bytes() + mtp_h_.bytes();
   for (auto* v : {&conv_, &recurrent_})
     for (const Tensor& t : *v) b += t.bytes();
   return b;
@@ -869,24 +870,38 @@ void Session::check_base(const DeviceSnapshot& base, const std::vector<int32_t>&
                                 " tokens are not a prefix of this session's " + std::to_string(tokens.size()));
 }
 
-void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg) {
+void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg, bool defer_state, bool defer_kv) {
   const ModelConfig& c = model_.config();
+  // A deferred tensor is its shape only (no buffer: bytes() is right, valid() false) until flush_deferred_locked
+  // allocates it: allocations (on CUDA an alloc, a memset and a sync each) leave the first-token path too.
+  auto make = [&](bool defer, const char* label, DType dtype, int64_t rows, int64_t cols) {
+    return defer ? Tensor::whole(-1, dtype, rows, cols) : ops_.alloc(label, dtype, rows, cols);
+  };
   if (seg) {
     const int64_t n = seg->end - seg->begin;
     for (size_t i = 0; i < model_.kv_cache_count(); ++i) {
-      seg->k.push_back(ops_.alloc("snapshot_k", st_.kv_dtype, c.kv_heads * n, c.head_dim));
-      seg->v.push_back(ops_.alloc("snapshot_v", st_.kv_dtype, c.kv_heads * n, c.head_dim));
+      seg->k.push_back(make(defer_kv, "snapshot_k", st_.kv_dtype, c.kv_heads * n, c.head_dim));
+      seg->v.push_back(make(defer_kv, "snapshot_v", st_.kv_dtype, c.kv_heads * n, c.head_dim));
     }
   }
   for (size_t li = 0; li < size_t(c.layers); ++li) {
     if (c.full_attention[li]) continue;
     const StepState& now = st_.now();
-    snap.conv_.push_back(ops_.alloc("snapshot_conv", DType::F32, now.conv[li].rows, now.conv[li].cols));
+    snap.conv_.push_back(make(defer_state, "snapshot_conv", DType::F32, now.conv[li].rows, now.conv[li].cols));
     snap.recurrent_.push_back(
-        ops_.alloc("snapshot_recurrent", DType::F32, now.recurrent[li].rows, now.recurrent[li].cols));
+        make(defer_state, "snapshot_recurrent", DType::F32, now.recurrent[li].rows, now.recurrent[li].cols));
   }
-  snap.logits_ = ops_.alloc("snapshot_logits", DType::F32, 1, c.vocab);
-  if (model_.has_mtp()) snap.mtp_h_ = ops_.alloc("snapshot_mtp_hidden", DType::F32, 1, c.hidden);
+  snap.logits_ = make(defer_state, "snapshot_logits", DType::F32, 1, c.vocab);
+  if (model_.has_mtp()) snap.mtp_h_ = make(defer_state, "snapshot_mtp_hidden", DType::F32, 1, c.hidden);
+}
+
+void Session::materialize_locked(Tensor& t, const char* label) {
+  if (t.valid()) return;
+  const Tensor a = ops_.alloc(label, t.dtype, t.rows, t.cols);
+  // Only the buffer fields: rows/cols/dtype (what bytes() reads, without the lock) never change.
+  t.buf = a.buf;
+  t.offset = a.offset;
+  t.stride = a.stride;
 }
 
 void Session::encode_kv_copy(KvSegment& seg) {
@@ -1010,7 +1025,10 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
     {
       std::lock_guard<std::mutex> lk(model_lock_);
       Scratch& sc = prefill_sc_;
-      for (size_t i = 0; i < made.size(); ++i) alloc_snapshot_locked(*made[i], segs[i].get());
+      // With defer: every segment's rows, and the end snapshot's state when this chunk ends the prefill, wait.
+      const bool defer_end = defer && at_end && done + T == n;
+      for (size_t i = 0; i < made.size(); ++i)
+        alloc_snapshot_locked(*made[i], segs[i].get(), defer_end && i + 1 == made.size(), defer);
       ChunkCapture cap;
       if (inner >= 0) {
         cap.first = inner - c0 - 1;
@@ -1056,7 +1074,7 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
         }
         if (at_end) {  // the state after the chunk's last row is the session's
           DeviceSnapshot& e = *made.back();
-          if (defer && done + T == n) {  // the last chunk: its set is next written by the second decode step
+          if (defer_end) {  // the last chunk: its set is next written by the second decode step
             e.deferred_ = this;
             deferred_state_ = &e;
             deferred_set_ = st_.cur;
@@ -1106,6 +1124,19 @@ void Session::encode_state_copy(StepState& set, DeviceSnapshot& snap) {
 
 void Session::flush_deferred_locked() {
   if (deferred_kv_.empty() && !deferred_state_) return;
+  for (KvSegment* seg : deferred_kv_)  // allocations first: outside a step
+    for (size_t i = 0; i < seg->k.size(); ++i) {
+      materialize_locked(seg->k[i], "snapshot_k");
+      materialize_locked(seg->v[i], "snapshot_v");
+    }
+  if (DeviceSnapshot* d = deferred_state_) {
+    for (size_t i = 0; i < d->conv_.size(); ++i) {
+      materialize_locked(d->conv_[i], "snapshot_conv");
+      materialize_locked(d->recurrent_[i], "snapshot_recurrent");
+    }
+    materialize_locked(d->logits_, "snapshot_logits");
+    if (d->mtp_h_.rows) materialize_locked(d->mtp_h_, "snapshot_mtp_hidden");
+  }
   {
     Step step(ops_, Phase::Prefill);
     for (KvSegment* seg : deferred_kv_) encode_kv_copy(*seg);

@@ -301,7 +301,10 @@ class Session {
   void check_base(const DeviceSnapshot& base, const std::vector<int32_t>& tokens) const;
   // Allocates snap's own tensors (conv/recurrent per DeltaNet layer, logits) and, when seg is given, seg's KV
   // rows [seg->begin, seg->end). Model lock held, outside a step.
-  void alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg);
+  // defer_state / defer_kv: the snapshot's state / seg's rows get their shapes only (flush_deferred_locked
+  // allocates them).
+  void alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg, bool defer_state = false, bool defer_kv = false);
+  void materialize_locked(Tensor& t, const char* label);  // allocates a deferred (shape-only) tensor
   // Encodes the copies of the cache's KV rows [seg.begin, seg.end) into seg (inside a step).
   void encode_kv_copy(KvSegment& seg);
   void set_context(std::vector<int32_t> tokens, int32_t pending, bool has_logits, bool mtp_valid);
