@@ -163,7 +163,8 @@ def main() -> None:
             s.restore(snap)
             lap("restore")
             cuts = [c for c in (len(base),) if n < c < len(ids)] + [len(ids)]
-            s.prefill_snapshots(ids[n:], cuts, base=snap, defer=cache.defer_checkpoints)  # PrefixCache.prefill's forward
+            # PrefixCache.prefill's forward; the snapshots kept (as the cache keeps them) until the end
+            taken = s.prefill_snapshots(ids[n:], cuts, base=snap, defer=cache.defer_checkpoints)
             lap(f"prefill {len(ids) - n} + {len(cuts)} checkpoints")
             owed = s.deferred_checkpoints
             gen = s.generate(1, lily.SamplingParams(), stop_token_ids=[])
@@ -172,6 +173,7 @@ def main() -> None:
             gen.close()  # the generation ends: what the checkpoints deferred is written by now
             assert s.deferred_checkpoints == 0
             lap(f"after it: {owed} deferred copies")
+            del taken
             s.close()
             breakdown = steps
         st = cache.stats()
