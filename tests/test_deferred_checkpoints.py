@@ -11,11 +11,11 @@ and while another thread restores the snapshots as the owner generates.
 
 import threading
 
-import numpy as np
 import pytest
 
 import lily
 from lily.prefix_cache import PrefixCache
+from snapshot_util import assert_same_snapshot
 
 TEXT = "import os\nimport sys\nimport json\nimport time\nimport math\nimport re\nimport io\n" * 3
 GREEDY = lily.SamplingParams()
@@ -38,17 +38,6 @@ def ids(engine):
     ids = engine.tokenize(TEXT)
     assert len(ids) >= 40
     return ids
-
-
-def arrays(snap):
-    return {k: np.asarray(v) for k, v in snap._core.to_arrays().items()}
-
-
-def assert_same(got, want, what):
-    a, b = arrays(got), arrays(want)
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{what}: {k}")
 
 
 def take(engine, ids, defer, chunk=8):
@@ -83,7 +72,7 @@ def test_deferred_copies_are_owed_until_read_and_then_equal_the_eager_ones(engin
     # two KV segments (rows [5, 17) and [17, 30)) and the end-of-prompt state
     assert s.deferred_checkpoints == 3
     for got, ref, p in zip(snaps, want, [17, 30]):
-        assert_same(got, ref, f"position {p}")  # to_arrays settles them first
+        assert_same_snapshot(got, ref, f"position {p}")  # to_arrays settles them first
     assert s.deferred_checkpoints == 0
     assert list(s.generate(8, GREEDY, stop_token_ids=[], mtp=mtp)) == tokens
     assert continue_from(engine, snaps[1], mtp) == tokens
@@ -116,7 +105,7 @@ def test_generation_writes_them(engine, ids, n, mtp):
     assert list(s.generate(n, GREEDY, stop_token_ids=[], mtp=mtp)) == tokens[:n]
     assert s.deferred_checkpoints == 0  # written by the generation itself, not by the reads below
     for got, ref, p in zip(snaps, want, [17, 30]):
-        assert_same(got, ref, f"position {p} after generate({n})")
+        assert_same_snapshot(got, ref, f"position {p} after generate({n})")
     assert continue_from(engine, snaps[1], mtp) == tokens
 
 
@@ -125,7 +114,7 @@ def test_a_stop_token_first_and_a_generation_raised_into(engine, ids, mtp):
     s, base, snaps = take(engine, ids, defer=True)
     assert list(s.generate(8, GREEDY, stop_token_ids=[tokens[0]], mtp=mtp)) == tokens[:1]
     assert s.deferred_checkpoints == 0
-    assert_same(snaps[1], want[1], "after a stop at the first token")
+    assert_same_snapshot(snaps[1], want[1], "after a stop at the first token")
 
     s, base, snaps = take(engine, ids, defer=True)
     gen = s.generate(8, GREEDY, stop_token_ids=[], mtp=mtp)
@@ -133,7 +122,7 @@ def test_a_stop_token_first_and_a_generation_raised_into(engine, ids, mtp):
     with pytest.raises(RuntimeError, match="consumer"):
         gen.throw(RuntimeError("consumer"))
     assert s.deferred_checkpoints == 0
-    assert_same(snaps[1], want[1], "after a generation raised into")
+    assert_same_snapshot(snaps[1], want[1], "after a generation raised into")
 
     s, base, snaps = take(engine, ids, defer=True)
     gen = s.generate(8, GREEDY, stop_token_ids=[], mtp=mtp)
@@ -141,8 +130,8 @@ def test_a_stop_token_first_and_a_generation_raised_into(engine, ids, mtp):
     next(gen)
     gen.close()  # cancelled after the second token: the second decode step had to write them first
     assert s.deferred_checkpoints == 0
-    assert_same(snaps[1], want[1], "after a cancelled generation")
-    assert_same(snaps[0], want[0], "the inner position after a cancelled generation")
+    assert_same_snapshot(snaps[1], want[1], "after a cancelled generation")
+    assert_same_snapshot(snaps[0], want[0], "the inner position after a cancelled generation")
 
 
 @pytest.mark.parametrize("call", ["prefill", "step", "reset", "restore", "snapshot"])
@@ -161,7 +150,7 @@ def test_the_sessions_next_call_writes_them_first(engine, ids, call, mtp):
         s.snapshot()
     assert s.deferred_checkpoints == 0
     for got, ref, p in zip(snaps, want, [17, 30]):
-        assert_same(got, ref, f"position {p} after {call}")
+        assert_same_snapshot(got, ref, f"position {p} after {call}")
 
 
 @pytest.mark.parametrize("keep", [0, 1])
@@ -173,8 +162,8 @@ def test_closing_the_session_at_once(ids, keep, mtp):
         s, base, snaps = take(e, ids, defer=True)
         s.close()
         assert continue_from(e, snaps[1], mtp) == tokens
-        assert_same(snaps[1], want[1], "after close")
-        assert_same(snaps[0], want[0], "inner, after close")
+        assert_same_snapshot(snaps[1], want[1], "after close")
+        assert_same_snapshot(snaps[0], want[0], "inner, after close")
         s, base, snaps = take(e, ids, defer=True)
         s.close()
         del base
@@ -193,7 +182,7 @@ def test_dropped_snapshots_are_not_written(engine, ids, mtp):
     assert s.deferred_checkpoints == 1
     assert list(s.generate(8, GREEDY, stop_token_ids=[], mtp=mtp)) == tokens
     assert s.deferred_checkpoints == 0
-    assert_same(inner, want[0], "inner, its sibling dropped")
+    assert_same_snapshot(inner, want[0], "inner, its sibling dropped")
 
 
 def test_another_thread_restores_them_while_the_owner_generates(engine, ids, mtp):
@@ -219,7 +208,7 @@ def test_another_thread_restores_them_while_the_owner_generates(engine, ids, mtp
         th.join()
         assert not errors, errors
         assert out == tokens and got == [tokens]
-        assert_same(snaps[1], want[1], "after a concurrent restore")
+        assert_same_snapshot(snaps[1], want[1], "after a concurrent restore")
 
 
 def test_prefix_cache_eager_and_deferred_agree(engine, mtp):
@@ -248,4 +237,4 @@ def test_prefix_cache_eager_and_deferred_agree(engine, mtp):
     a, b = runs[False][1]._entries, runs[True][1]._entries
     assert a.keys() == b.keys() and len(a) >= 6
     for k in a:
-        assert_same(b[k].snapshot, a[k].snapshot, f"entry of {len(k)} tokens")
+        assert_same_snapshot(b[k].snapshot, a[k].snapshot, f"entry of {len(k)} tokens")

@@ -13,6 +13,7 @@ import pytest
 
 import lily
 from lily.prefix_cache import PrefixCache
+from snapshot_util import assert_same_snapshot, snapshot_arrays
 
 from cuda_util import rel_err, requires_cuda
 
@@ -26,17 +27,6 @@ GREEDY = lily.SamplingParams()
 def gpu():
     with lily.Engine.from_pretrained(backend="cuda") as e:
         yield e
-
-
-def arrays(snap):
-    return {k: np.asarray(v) for k, v in snap._core.to_arrays().items()}
-
-
-def assert_same(got, want, what):
-    a, b = arrays(got), arrays(want)
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{what}: {k}")
 
 
 def take(engine, ids, defer):
@@ -58,7 +48,7 @@ def test_deferred_equal_eager_on_the_gpu(gpu, mtp, n):
         assert list(s.generate(n, GREEDY, stop_token_ids=[], mtp=mtp)) == tokens[:n]
         assert s.deferred_checkpoints == 0  # the generation wrote them
     for g, w, p in zip(got, want, [17, 30]):
-        assert_same(g, w, f"position {p}, generate({n}, mtp={mtp})")
+        assert_same_snapshot(g, w, f"position {p}, generate({n}, mtp={mtp})")
     t = gpu.session(max_context=128)
     t.restore(got[1])
     assert list(t.generate(8, GREEDY, stop_token_ids=[], mtp=mtp)) == tokens
@@ -71,8 +61,8 @@ def test_state_matches_the_cpu(gpu):
     with lily.Engine.from_pretrained(backend="cpu") as cpu:
         c = cpu.session(max_context=128)
         c.prefill(ids[:30])
-        ref = arrays(c.snapshot())
-    got = arrays(snaps[1])
+        ref = snapshot_arrays(c.snapshot())
+    got = snapshot_arrays(snaps[1])
     for k in ref:
         if np.issubdtype(ref[k].dtype, np.floating) and ref[k].size:
             assert rel_err(got[k], ref[k]) < 5e-2, k  # a wrong set or row reads as ~1
@@ -107,7 +97,7 @@ def test_concurrent_restore_while_the_owner_generates(gpu):
         th.join()
         assert not errors, errors
         assert out == tokens and got == [tokens]
-        assert_same(snaps[1], want[1], "after a concurrent restore")
+        assert_same_snapshot(snaps[1], want[1], "after a concurrent restore")
 
 
 def test_prefix_cache_defer_on_and_off(gpu):
@@ -129,4 +119,4 @@ def test_prefix_cache_defer_on_and_off(gpu):
     a, b = keys[False], keys[True]
     assert a.keys() == b.keys() and len(a) >= 6
     for k in a:
-        assert_same(b[k].snapshot, a[k].snapshot, f"entry of {len(k)} tokens")
+        assert_same_snapshot(b[k].snapshot, a[k].snapshot, f"entry of {len(k)} tokens")
