@@ -174,6 +174,12 @@ def test_dropped_barriers_are_caught_by_the_hazard_check(program):
 MUTATIONS = [
     ("attention.metal", "kvh = h / (s.heads / s.kv_heads)", "kvh = h % s.kv_heads", "attention"),  # §12.6
     ("attention.metal", "const int at = pos[0] + int(t);", "const int at = pos[0] + int(t) + 1;", "attention"),
+    # The split path's reduce adds the blocks' accumulators without the log-sum-exp rescale to the common maximum.
+    ("attention.metal", "o += p0[ulong(b) * stride + 2 + e] * exp(p0[ulong(b) * stride] - M);",
+     "o += p0[ulong(b) * stride + 2 + e];", "attention"),
+    # The split path's blocks each stop one row short (the last row of every block never scored).
+    ("attention.metal", "const uint j1 = split ? min(j0 + s.block, n) : n;",
+     "const uint j1 = split ? min(j0 + s.block - 1, n) : n;", "attention"),
     ("gated_delta.metal", "kh = j / (s.v_heads / s.k_heads)", "kh = j % s.k_heads", "gated_delta"),  # §12.6
     ("gated_delta.metal", "S[i] = S[i] * alpha;\n      m += (k[i] * rk) * S[i];",
      "m += (k[i] * rk) * S[i];\n      S[i] = S[i] * alpha;", "gated_delta"),  # §12.9: decay after the read
