@@ -957,7 +957,9 @@ int run_model(const std::string& msl, const std::string& spec) {
          (long long)k.last_barriers, (long long)k.max_in_flight);
   printf("model %s metal prefill chunk: %lld ops, %lld stages\n", spec.c_str(), (long long)ps.ops, (long long)ps.stages);
   for (const std::string& line : mtl_ops.optimizations())
-    if (line.find("conv_delta_norm") != std::string::npos || line.find("MatmulGroup") != std::string::npos) printf("model %s metal %s\n", spec.c_str(), line.c_str());
+    if (line.find("conv_delta_norm") != std::string::npos || line.find("MatmulGroup") != std::string::npos ||
+        line.find("split decode attention") != std::string::npos)
+      printf("model %s metal %s\n", spec.c_str(), line.c_str());
   // Snapshot, run on, restore: the same continuation again, on Metal and equal to the CPU's.
   auto snap = ms.snapshot();
   std::vector<int32_t> a, b2;
