@@ -86,8 +86,8 @@ class MetalOps final : public Ops {
     int64_t matmul_group_calls = 0, qmv4_multi_dispatches = 0, matmul_rows_multi_dispatches = 0;
     int64_t matmul_grouped_products = 0, matmul_group_split_calls = 0, matmul_group_composed_calls = 0;
     std::string matmul_group_split_reason, matmul_group_composed_reason;
-    // attention: decode calls encoded as the split path (attention_split + attention_split_reduce), decode calls
-    // that were not, and why the last one was not.
+    // attention: calls encoded as the split path (attention_split + attention_split_reduce), decode calls that
+    // were not, and why the last one was not.
     int64_t attention_split_calls = 0, attention_unsplit_calls = 0;
     std::string attention_unsplit_reason;
   };
@@ -210,7 +210,7 @@ class MetalOps final : public Ops {
   std::condition_variable cv_;
   std::shared_ptr<struct FenceState> fences_;
   Counters counters_;
-  bool drop_barriers_ = false;
+  bool drop_barriers_ = false;  // LILY_METAL_DROP_BARRIERS=1: the planted bug of the harness tests
   bool group_matmuls_ = true;  // LILY_METAL_GROUP_MATMULS=0: every product of a MatmulGroup its own dispatch
   std::string attention_variant_ = "auto";
   int64_t split_min_ = 32768, split_block_ = 1024;  // set_split_attention
