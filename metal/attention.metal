@@ -15,7 +15,8 @@
 //                 packing yet) and K rows are read by one lane each (not coalesced).
 // Buffers: qg f32 [T, heads·2D], k f32 [T, kv·D] (rows strided); caches [kv · max_ctx, D]; pos I32 [1, 1].
 // Function constants 10-19 belong to this file: 10 attn_kv_bf16 (the cache holds bf16).
-// Floor per decode step: 2 · kv · (pos + 1) · D · (4 | 2) bytes of cache; this variant reads it group = heads/kv
+//   attention_split + attention_split_reduce: decode over long contexts in fixed blocks of rows (below).
+// Floor per decode step: 2 · kv · (pos + 1) · D · (4 | 2) bytes of cache; attention_rows reads it group = heads/kv
 // times (2 · 8 with the real model's 16 heads over 2 kv heads).
 #include <metal_stdlib>
 using namespace metal;
@@ -37,6 +38,13 @@ struct KvShape {
 struct AttnShape {
   uint heads, kv_heads, D, max_ctx;
   uint ld_q, ld_gate, ld_out;
+  float scale;
+};
+
+struct SplitShape {
+  uint heads, kv_heads, D, max_ctx;
+  uint ld_q, ld_gate, ld_out;
+  uint block, blocks, min_split;  // rows per block, blocks per row of partials (⌈max_ctx / block⌉), split from
   float scale;
 };
 
@@ -166,7 +174,7 @@ inline float attn_cache(device const uchar* cache, ulong i) {
 // adjacent words), so every cached row is read once for its 4 heads instead of once per head. Per row: 4 partial
 // dot products, 4 simd_sums, an online softmax per head, 4 accumulations from the one V row. Grid
 // (kv_heads · ⌈group/4⌉, T), 32 threads. Decode reads 2 · kv · (pos + 1) · D · (4 | 2) · ⌈group/4⌉ bytes of cache
-// (2× the floor with the real model's group of 8; the split path for ≥ 32K contexts is not written yet).
+// (2× the floor with the real model's group of 8). Long decode contexts take attention_split below instead.
 [[kernel]] void attention_gqa(device const float* q [[buffer(0)]],
                               device const float* gate [[buffer(1)]],
                               device const uchar* k_cache [[buffer(2)]],
@@ -219,4 +227,111 @@ inline float attn_cache(device const uchar* cache, ulong i) {
       const float g = gate[ulong(t) * s.ld_gate + (h0 + h) * D + e];
       out[ulong(t) * s.ld_out + (h0 + h) * D + e] = (acc[h][m] / run_sum[h]) / (1.0f + exp(-g));
     }
+}
+
+// attention_split: the first half of decode attention over a long context, cut into fixed blocks of s.block rows
+// (block b holds cached rows [b · block, (b + 1) · block): a row's block never depends on the context length, so
+// the result is deterministic). One simdgroup per (kv head, pack of up to 4 query heads, block, token), walking its
+// block as attention_gqa walks the whole context (coalesced rows, 4 heads per row read), and writing the block's
+// partial for each head: running max m, running sum l and the unnormalised accumulator acc[D].
+// Contexts shorter than s.min_split rows are not split: block 0 then walks every row and the other blocks are
+// empty (they write nothing and the reduce reads block 0 only), so the host can encode one form for any position.
+// Shapes: q, gate f32 [T, heads · D] (rows strided); caches [kv · max_ctx, D] f32 or bf16 (function constant 10);
+// pos I32 [1]. Writes: part f32 [T, heads, s.blocks, 2 + D] (m, l, acc), the workspace.
+// Grid (kv_heads · ⌈group/4⌉, s.blocks, T), 32 threads. Reads 2 · kv · (pos + 1) · D · (4 | 2) · ⌈group/4⌉ bytes of
+// cache (as attention_gqa) and writes heads · ⌈(pos + 1) / block⌉ · (D + 2) · 4 bytes of partials.
+inline uint attn_split_count(uint n, constant SplitShape& s) {
+  return n >= s.min_split ? (n + s.block - 1) / s.block : 1u;
+}
+
+[[kernel]] void attention_split(device const float* q [[buffer(0)]],
+                                device const uchar* k_cache [[buffer(1)]],
+                                device const uchar* v_cache [[buffer(2)]],
+                                device const int* pos [[buffer(3)]],
+                                device float* part [[buffer(4)]],
+                                constant SplitShape& s [[buffer(5)]],
+                                uint3 tg [[threadgroup_position_in_grid]],
+                                uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint kHeads = 4, kMaxDimsPerLane = 16;  // D <= 512
+  const uint group = s.heads / s.kv_heads, packs = (group + kHeads - 1) / kHeads;
+  const uint kvh = tg.x / packs, h0 = kvh * group + (tg.x % packs) * kHeads, b = tg.y, t = tg.z, D = s.D;
+  const uint nh = min(kHeads, kvh * group + group - h0);
+  const uint n = min(uint(pos[0]) + t + 1, s.max_ctx);
+  const bool split = n >= s.min_split;
+  // This block's rows [j0, j1); empty (j0 == j1) past the context, or for b > 0 when the context is not split.
+  const uint j0 = split ? min(b * s.block, n) : (b == 0 ? 0u : n);
+  const uint j1 = split ? min(j0 + s.block, n) : n;
+  const uint dims = (D + 31) / 32;
+  float qv[kHeads][kMaxDimsPerLane], acc[kHeads][kMaxDimsPerLane];
+  float run_max[kHeads], run_sum[kHeads];
+  for (uint h = 0; h < kHeads; ++h) {
+    run_max[h] = -INFINITY;
+    run_sum[h] = 0.0f;
+    for (uint m = 0; m < kMaxDimsPerLane; ++m) {
+      const uint e = m * 32 + lane;
+      qv[h][m] = h < nh && m < dims && e < D ? q[ulong(t) * s.ld_q + (h0 + h) * D + e] : 0.0f;
+      acc[h][m] = 0.0f;
+    }
+  }
+  const ulong cache0 = ulong(kvh) * s.max_ctx * D;
+  for (uint j = j0; j < j1; ++j) {
+    float kv[kMaxDimsPerLane], vv[kMaxDimsPerLane];
+    for (uint m = 0; m < dims; ++m) {
+      const uint e = m * 32 + lane;
+      kv[m] = e < D ? attn_cache(k_cache, cache0 + ulong(j) * D + e) : 0.0f;
+      vv[m] = e < D ? attn_cache(v_cache, cache0 + ulong(j) * D + e) : 0.0f;
+    }
+    for (uint h = 0; h < nh; ++h) {
+      float d = 0.0f;
+      for (uint m = 0; m < dims; ++m) d += qv[h][m] * kv[m];
+      const float score = simd_sum(d) * s.scale;
+      const float new_max = max(run_max[h], score);
+      const float corr = exp(run_max[h] - new_max), p = exp(score - new_max);
+      run_sum[h] = run_sum[h] * corr + p;
+      run_max[h] = new_max;
+      for (uint m = 0; m < dims; ++m) acc[h][m] = acc[h][m] * corr + p * vv[m];
+    }
+  }
+  // An empty block writes nothing: the reduce never reads it.
+  const uint stride = D + 2;
+  for (uint h = 0; h < (j0 < j1 ? nh : 0u); ++h) {
+    device float* p = part + ((ulong(t) * s.heads + h0 + h) * s.blocks + b) * stride;
+    if (lane == 0) {
+      p[0] = run_max[h];
+      p[1] = run_sum[h];
+    }
+    for (uint m = 0; m < dims; ++m) {
+      const uint e = m * 32 + lane;
+      if (e < D) p[2 + e] = acc[h][m];
+    }
+  }
+}
+
+// attention_split_reduce: the second half. Per (token, query head) the blocks' partials combine in block order
+// (fixed, so deterministic) by the log-sum-exp rescale: M = max_b m_b, L = Σ_b l_b · e^(m_b − M),
+// o = Σ_b acc_b · e^(m_b − M) / L; then the output gate as attention_gqa: out = o · sigmoid(gate).
+// Reads part f32 [T, heads, s.blocks, 2 + D] (blocks 0 .. attn_split_count(n) − 1 only), gate; writes out
+// f32 [T, heads · D]. Grid (heads, T), 32 threads: lane l takes dims l, l + 32, ... . Reads and writes
+// heads · ⌈(pos + 1) / block⌉ · (D + 2) · 4 bytes of partials plus the gate and the output.
+[[kernel]] void attention_split_reduce(device const float* part [[buffer(0)]],
+                                       device const float* gate [[buffer(1)]],
+                                       device const int* pos [[buffer(2)]],
+                                       device float* out [[buffer(3)]],
+                                       constant SplitShape& s [[buffer(4)]],
+                                       uint2 tg [[threadgroup_position_in_grid]],
+                                       uint lane [[thread_index_in_simdgroup]]) {
+  const uint h = tg.x, t = tg.y, D = s.D, stride = D + 2;
+  const uint n = min(uint(pos[0]) + t + 1, s.max_ctx);
+  const uint count = attn_split_count(n, s);
+  device const float* p0 = part + (ulong(t) * s.heads + h) * s.blocks * stride;
+  float M = -INFINITY;
+  for (uint b = 0; b < count; ++b) M = max(M, p0[ulong(b) * stride]);
+  float L = 0.0f;
+  for (uint b = 0; b < count; ++b) L += p0[ulong(b) * stride + 1] * exp(p0[ulong(b) * stride] - M);
+  for (uint e = lane; e < D; e += 32) {
+    float o = 0.0f;
+    for (uint b = 0; b < count; ++b) o += p0[ulong(b) * stride + 2 + e] * exp(p0[ulong(b) * stride] - M);
+    const float g = gate[ulong(t) * s.ld_gate + h * D + e];
+    out[ulong(t) * s.ld_out + h * D + e] = (o / L) / (1.0f + exp(-g));
+  }
 }

@@ -939,7 +939,7 @@ NB_MODULE(_core, m) {
            "ids"_a, "all_logits"_a = false, "progress"_a = nb::none())
       .def("prefill_snapshots",
            [](nb::handle self, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ids,
-              const std::vector<int64_t>& at, const PySnapshot* base, nb::object progress) {
+              const std::vector<int64_t>& at, const PySnapshot* base, nb::object progress, bool defer) {
              PySession& s = nb::cast<PySession&>(self);
              CallbackGuard cb;
              const std::function<bool(int64_t, int64_t)> fn = prefill_progress(cb, progress);
@@ -947,7 +947,8 @@ NB_MODULE(_core, m) {
              {
                nb::gil_scoped_release nogil;
                snaps =
-                   s.s->prefill_snapshots(ids.data(), int64_t(ids.shape(0)), at, base ? base->s.get() : nullptr, fn);
+                   s.s->prefill_snapshots(ids.data(), int64_t(ids.shape(0)), at, base ? base->s.get() : nullptr, fn,
+                                          defer);
              }
              cb.rethrow();
              nb::list out;
@@ -956,7 +957,9 @@ NB_MODULE(_core, m) {
                    nb::cast(new PySnapshot{std::move(snap), nb::borrow(self)}, nb::rv_policy::take_ownership));
              return out;
            },
-           "ids"_a, "at"_a, "base"_a = nb::none(), "progress"_a = nb::none())
+           "ids"_a, "at"_a, "base"_a = nb::none(), "progress"_a = nb::none(), "defer"_a = true)
+      .def_prop_ro("deferred_checkpoints",
+                   [](PySession& s) { return without_gil([&] { return s.s->deferred_checkpoints(); }); })
       .def("step",
            [](PySession& s, int32_t token) {
              float* out;

@@ -16,6 +16,7 @@ import pytest
 import lily
 import lily._core as core
 from lily.prefix_cache import PrefixCache
+from snapshot_util import assert_same_snapshot
 
 TEXT = "import os\nimport sys\nimport json\nimport time\nimport math\nimport re\nimport io\n" * 3
 
@@ -135,16 +136,6 @@ def test_capture_outside_the_call_or_misshapen_is_refused(bench):
 
 # ---- the session ----
 
-def arrays(snap):
-    return {k: np.asarray(v) for k, v in snap._core.to_arrays().items()}
-
-
-def assert_same_state(got, want, what):
-    a, b = arrays(got), arrays(want)
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{what}: {k}")
-
 
 def reference(engine, ids, n):
     """snapshot() of a session prefilled to exactly ids[:n] (its own chunking)."""
@@ -168,7 +159,7 @@ def test_prefill_snapshots_equal_snapshots_taken_there(engine):
     assert [x.position for x in snaps] == at
     assert [x.base_position for x in snaps] == [5] + at[:-1]  # each shares the rows of the one before
     for p, snap in zip(at, snaps):
-        assert_same_state(snap, reference(engine, ids, p), f"position {p}")
+        assert_same_snapshot(snap, reference(engine, ids, p), f"position {p}")
     assert s.tokens == ids[:40]
     r = engine.session(max_context=128)
     r.prefill(ids[:40])
@@ -203,7 +194,7 @@ def test_prefill_snapshots_after_a_pending_token_and_errors(engine):
         r.prefill(ids[:10])                  # (GEMV, whose bits a prefill's GEMM does not promise)
         r.step(tok)
         r.prefill(ctx[11:p])
-        assert_same_state(snap, r.snapshot(), f"position {p}")
+        assert_same_snapshot(snap, r.snapshot(), f"position {p}")
 
 
 def test_prefix_cache_takes_its_checkpoints_in_one_prefill(engine, monkeypatch):

@@ -50,6 +50,10 @@ MetalOps::MetalOps(const std::string& msl) : dev_(msl), fences_(std::make_shared
   group_matmuls_ = !(group && std::string(group) == "0");
   const char* combine = std::getenv("LILY_METAL_FUSE_MOE_COMBINE");
   fuse_moe_combine_ = !(combine && std::string(combine) == "0");
+  const char* split_min = std::getenv("LILY_METAL_SPLIT_ATTENTION_MIN");
+  const char* split_block = std::getenv("LILY_METAL_SPLIT_ATTENTION_BLOCK");
+  set_split_attention(split_min && *split_min ? std::stoll(split_min) : split_min_,
+                      split_block && *split_block ? std::stoll(split_block) : split_block_);
 }
 
 MetalOps::~MetalOps() {
@@ -201,12 +205,13 @@ BoundPart MetalOps::part(int32_t mapping, uint64_t offset, size_t bytes, size_t 
   return p;
 }
 
-size_t MetalOps::workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t) const {
+size_t MetalOps::workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const {
   // moe_experts: the SwiGLU activations of every (token, expert) pair, [rows · k, moe_inter] f32, and for prefill
-  // the grouping, the tile map and the grouped outputs (moe_workspace). Nothing else takes scratch.
+  // the grouping, the tile map and the grouped outputs (moe_workspace); the sampler's sort keys; split attention's
+  // partials (split_attention_bytes). Each op uses the workspace alone.
   return std::max<size_t>({64, size_t(rows) * size_t(cfg.topk) * size_t(cfg.moe_inter) * 4,
                            moe_workspace(rows, cfg.topk, cfg.experts, cfg.moe_inter, cfg.hidden).bytes,
-                           sample_workspace_bytes(cfg.vocab)});
+                           sample_workspace_bytes(cfg.vocab), split_attention_bytes(cfg, rows, max_ctx)});
 }
 
 // ---- steps ----
@@ -394,8 +399,14 @@ std::vector<std::string> MetalOps::optimizations() const {
       "active: sampling on the GPU, greedy and seeded (the id goes straight into the next step's slot)",
       "active: experts grouped on the GPU for prefill (moe_group, tiles of up to 8 rows of one expert); inactive: "
       "simdgroup-matrix tiles and 16/32-row tiles chosen by rows per expert",
-      "active: GQA packing and coalesced KV reads in decode attention (attention_gqa: 4 query heads per cached row); "
-      "inactive: split attention for long contexts",
+      "active: GQA packing and coalesced KV reads in decode attention (attention_gqa: 4 query heads per cached row)",
+      std::string(counters_.attention_split_calls ? "active" : "inactive") +
+          ": split decode attention for long contexts (attention_split + attention_split_reduce: fixed blocks of " +
+          std::to_string(split_block_) + " rows once the context reaches " + std::to_string(split_min_) +
+          " rows, decided on the GPU; " + std::to_string(counters_.attention_split_calls) + " calls encoded split, " +
+          std::to_string(counters_.attention_unsplit_calls) + " decode calls not" +
+          (counters_.attention_unsplit_calls ? ", the last for " + counters_.attention_unsplit_reason : std::string()) +
+          ")",
       "inactive: Metal 4 tensor-op GEMM",
   };
   return v;

@@ -90,16 +90,29 @@ class MetalOps final : public Ops {
     // calls that ran moe_combine as its own dispatch, and why the last of those did.
     int64_t moe_down_combined_calls = 0, moe_combine_calls = 0;
     std::string moe_combine_reason;
+    // attention: calls encoded as the split path (attention_split + attention_split_reduce), decode calls that
+    // were not, and why the last one was not.
+    int64_t attention_split_calls = 0, attention_unsplit_calls = 0;
+    std::string attention_unsplit_reason;
   };
   const Counters& counters() const { return counters_; }
   Device& metal_device() { return dev_; }
   // Which attention kernel: "auto" (attention_gqa for decode, attention_rows for prefill), or one for every call
   // (the tests compare each variant with the CPU on every shape).
+  // ... or "split": the long-context form (attention_split + attention_split_reduce) for every call of up to
+  // kMaxSplitRows rows; "auto" takes it for decode calls whose max_ctx reaches the split threshold.
   void set_attention_variant(const std::string& v);
   // Decode MoE: the routed down pass adds the gated shared expert and the residual (moe_down_combine), or
   // moe_combine runs after it (LILY_METAL_FUSE_MOE_COMBINE=0; the tests compare the two).
   void set_fuse_moe_combine(bool on) { fuse_moe_combine_ = on; }
   bool fuse_moe_combine() const { return fuse_moe_combine_; }
+  // The split path: contexts of at least min_ctx rows (pos + 1, decided on the GPU) are cut into blocks of `block`
+  // rows. Defaults 32768 and 1024; LILY_METAL_SPLIT_ATTENTION_MIN and LILY_METAL_SPLIT_ATTENTION_BLOCK set them at
+  // construction (a minimum above every context turns the path off). Set before workspace_bytes.
+  void set_split_attention(int64_t min_ctx, int64_t block);
+  static constexpr int64_t kMaxSplitRows = 8;  // the partials of at most 8 query rows (decode, a speculative verify)
+  // The split path's partials, f32 [min(rows, 8), heads, ⌈max_ctx / block⌉, head_dim + 2] (csrc/metal/attention.cpp).
+  size_t split_attention_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const;
 
  protected:
   Tensor alloc_impl(const std::string& label, DType dtype, int64_t rows, int64_t cols) override;
@@ -211,10 +224,11 @@ class MetalOps final : public Ops {
   std::condition_variable cv_;
   std::shared_ptr<struct FenceState> fences_;
   Counters counters_;
-  bool drop_barriers_ = false;
+  bool drop_barriers_ = false;  // LILY_METAL_DROP_BARRIERS=1: the planted bug of the harness tests
   bool group_matmuls_ = true;  // LILY_METAL_GROUP_MATMULS=0: every product of a MatmulGroup its own dispatch
   bool fuse_moe_combine_ = true;  // LILY_METAL_FUSE_MOE_COMBINE=0: decode MoE ends with its own moe_combine
-  std::string attention_variant_ = "auto";  // LILY_METAL_DROP_BARRIERS=1: the planted bug of the harness tests
+  std::string attention_variant_ = "auto";
+  int64_t split_min_ = 32768, split_block_ = 1024;  // set_split_attention
 };
 
 }  // namespace lily::metal

@@ -26,6 +26,16 @@ struct Step {
   Step& operator=(const Step&) = delete;
   uint64_t submit() { return ops.submit(); }
 };
+
+// Runs f when the scope ends, however it ends.
+template <class F>
+struct AtExit {
+  F f;
+  explicit AtExit(F fn) : f(std::move(fn)) {}
+  ~AtExit() { f(); }
+  AtExit(const AtExit&) = delete;
+  AtExit& operator=(const AtExit&) = delete;
+};
 }  // namespace
 
 // ---- snapshots ----
@@ -39,6 +49,10 @@ size_t HostSnapshot::bytes() const {
 
 KvSegment::~KvSegment() {
   std::lock_guard<std::mutex> lk(lock_);
+  if (deferred) {  // dropped before its rows were owed to anyone: nobody will read them
+    auto& owed = deferred->deferred_kv_;
+    owed.erase(std::remove(owed.begin(), owed.end(), this), owed.end());
+  }
   Ops& ops = model_.ops();
   for (auto* list : {&k, &v})
     for (Tensor& t : *list) ops.release(t);
@@ -63,6 +77,7 @@ std::vector<const KvSegment*> chain(const std::shared_ptr<const KvSegment>& tail
 
 DeviceSnapshot::~DeviceSnapshot() {
   std::lock_guard<std::mutex> lk(lock_);
+  if (deferred_ && deferred_->deferred_state_ == this) deferred_->deferred_state_ = nullptr;
   Ops& ops = model_.ops();
   for (auto* v : {&conv_, &recurrent_})
     for (Tensor& t : *v) ops.release(t);
@@ -71,7 +86,8 @@ DeviceSnapshot::~DeviceSnapshot() {
 }  // kv_ drops after the lock is released: a segment's destructor takes it
 
 size_t DeviceSnapshot::state_bytes() const {
-  size_t b = tokens_.size() * 4 + logits_.bytes() + (mtp_h_.valid() ? mtp_h_.bytes() : 0);
+  // Shapes only (a deferred snapshot's tensors are allocated later, under the lock; bytes() reads no buffer id).
+  size_t b = tokens_.size() * 4 + logits_.bytes() + mtp_h_.bytes();
   for (auto* v : {&conv_, &recurrent_})
     for (const Tensor& t : *v) b += t.bytes();
   return b;
@@ -89,6 +105,7 @@ size_t DeviceSnapshot::kv_segments() const { return chain(kv_).size(); }
 
 HostSnapshot DeviceSnapshot::to_host() const {
   std::lock_guard<std::mutex> lk(lock_);
+  Session::settle_locked(*this);  // a deferred checkpoint's copies first
   Ops& ops = model_.ops();
   const ModelConfig& c = model_.config();
   HostSnapshot h;
@@ -168,6 +185,12 @@ Session::Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int
 
 Session::~Session() {
   std::lock_guard<std::mutex> lk(model_lock_);
+  try {
+    flush_deferred_locked();  // snapshots outliving the session get what it owes them
+  } catch (...) {  // a failed device: nothing can be written; the owed snapshots are left unwritten
+    for (KvSegment* seg : deferred_kv_) seg->deferred = nullptr;
+    if (deferred_state_) deferred_state_->deferred_ = nullptr;
+  }
   free_spec_locked();
   model_.free_state(st_);
   model_.free_scratch(prefill_sc_);
@@ -272,6 +295,7 @@ void Session::feed_pending_locked() {
     if (pending_ < 0) return;
     t = pending_;
   }
+  flush_deferred_locked();  // after this step the next forward writes the set a deferred state is owed from
   decode_one_locked(t, true);
 }
 
@@ -314,6 +338,7 @@ int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* 
   const int64_t vocab = model_.config().vocab;
   {
     std::lock_guard<std::mutex> lk(model_lock_);
+    flush_deferred_locked();
     feed_pending_locked();
     // Logits rows come in blocks of up to 16 to bound the [rows, vocab] scratch.
     ensure_scratch(prefill_sc_, std::min(chunk_, n), all_logits ? std::min<int64_t>(16, chunk_) : 1);
@@ -366,6 +391,7 @@ void Session::step(int32_t token, float* out) {
     throw ContextOverflow("step at position " + std::to_string(position()) + " exceeds max_context " +
                           std::to_string(st_.max_ctx));
   std::lock_guard<std::mutex> lk(model_lock_);
+  flush_deferred_locked();
   feed_pending_locked();
   decode_one_locked(token, false);
   ops_.download(st_.now().logits, out);
@@ -374,6 +400,7 @@ void Session::step(int32_t token, float* out) {
 void Session::logits(float* out) {
   BusyGuard busy(busy_);
   std::lock_guard<std::mutex> lk(model_lock_);
+  flush_deferred_locked();
   feed_pending_locked();
   {
     std::lock_guard<std::mutex> slk(state_mu_);
@@ -409,6 +436,9 @@ std::string Session::generate(int64_t max_tokens, const SamplingParams& params, 
   BusyGuard busy(busy_);
   if (max_tokens < 0) throw std::invalid_argument("max_tokens must be >= 0");
   params.validate();
+  // A deferred checkpoint is written after the first token at the latest (plain_loop), also when the call
+  // stops at the first token, is cancelled or raises.
+  const AtExit settle([this] { settle_quietly(); });
   uint64_t fence = 0;
   int64_t P = 0;
   {
@@ -446,6 +476,9 @@ std::string Session::plain_loop(int64_t max_tokens, const SamplingParams& params
     int32_t id;
     {
       std::lock_guard<std::mutex> lk(model_lock_);
+      // Iteration 0 writes the other state set; iteration 1 writes the set a deferred end-of-prompt checkpoint
+      // reads, so it is written first, after the first token is out.
+      if (k == 1) flush_deferred_locked();
       if (next) {
         Step step(ops_, Phase::Decode);
         encode_decode(int(k % 2));
@@ -530,6 +563,7 @@ std::vector<float> Session::draft_logits(int32_t token, int k) {
   const int64_t vocab = model_.config().vocab;
   std::vector<float> out(size_t(k * vocab));
   std::lock_guard<std::mutex> lk(model_lock_);
+  flush_deferred_locked();
   feed_pending_locked();
   int64_t P = 0;
   {
@@ -637,6 +671,7 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
                                 "while the engine did not keep it); draft in a new or reset session");
   if (max_tokens < 0) throw std::invalid_argument("max_tokens must be >= 0");
   params.validate();
+  const AtExit settle([this] { settle_quietly(); });  // as generate()
   const ModelConfig& c = model_.config();
   const int64_t vocab = c.vocab;
   const bool penalties =
@@ -672,6 +707,10 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
     ops_.download(st_.now().logits, rows.data());
   }
   const int first = on_token(x, with_logits ? rows.data() : nullptr);
+  {  // the first token is out: a deferred checkpoint now, before any verify forward writes the state
+    std::lock_guard<std::mutex> lk(model_lock_);
+    flush_deferred_locked();
+  }
   if (first < 0) return "cancelled";
   {
     std::lock_guard<std::mutex> slk(state_mu_);
@@ -831,24 +870,38 @@ void Session::check_base(const DeviceSnapshot& base, const std::vector<int32_t>&
                                 " tokens are not a prefix of this session's " + std::to_string(tokens.size()));
 }
 
-void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg) {
+void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg, bool defer_state, bool defer_kv) {
   const ModelConfig& c = model_.config();
+  // A deferred tensor is its shape only (no buffer: bytes() is right, valid() false) until flush_deferred_locked
+  // allocates it: allocations (on CUDA an alloc, a memset and a sync each) leave the first-token path too.
+  auto make = [&](bool defer, const char* label, DType dtype, int64_t rows, int64_t cols) {
+    return defer ? Tensor::whole(-1, dtype, rows, cols) : ops_.alloc(label, dtype, rows, cols);
+  };
   if (seg) {
     const int64_t n = seg->end - seg->begin;
     for (size_t i = 0; i < model_.kv_cache_count(); ++i) {
-      seg->k.push_back(ops_.alloc("snapshot_k", st_.kv_dtype, c.kv_heads * n, c.head_dim));
-      seg->v.push_back(ops_.alloc("snapshot_v", st_.kv_dtype, c.kv_heads * n, c.head_dim));
+      seg->k.push_back(make(defer_kv, "snapshot_k", st_.kv_dtype, c.kv_heads * n, c.head_dim));
+      seg->v.push_back(make(defer_kv, "snapshot_v", st_.kv_dtype, c.kv_heads * n, c.head_dim));
     }
   }
   for (size_t li = 0; li < size_t(c.layers); ++li) {
     if (c.full_attention[li]) continue;
     const StepState& now = st_.now();
-    snap.conv_.push_back(ops_.alloc("snapshot_conv", DType::F32, now.conv[li].rows, now.conv[li].cols));
+    snap.conv_.push_back(make(defer_state, "snapshot_conv", DType::F32, now.conv[li].rows, now.conv[li].cols));
     snap.recurrent_.push_back(
-        ops_.alloc("snapshot_recurrent", DType::F32, now.recurrent[li].rows, now.recurrent[li].cols));
+        make(defer_state, "snapshot_recurrent", DType::F32, now.recurrent[li].rows, now.recurrent[li].cols));
   }
-  snap.logits_ = ops_.alloc("snapshot_logits", DType::F32, 1, c.vocab);
-  if (model_.has_mtp()) snap.mtp_h_ = ops_.alloc("snapshot_mtp_hidden", DType::F32, 1, c.hidden);
+  snap.logits_ = make(defer_state, "snapshot_logits", DType::F32, 1, c.vocab);
+  if (model_.has_mtp()) snap.mtp_h_ = make(defer_state, "snapshot_mtp_hidden", DType::F32, 1, c.hidden);
+}
+
+void Session::materialize_locked(Tensor& t, const char* label) {
+  if (t.valid()) return;
+  const Tensor a = ops_.alloc(label, t.dtype, t.rows, t.cols);
+  // Only the buffer fields: rows/cols/dtype (what bytes() reads, without the lock) never change.
+  t.buf = a.buf;
+  t.offset = a.offset;
+  t.stride = a.stride;
 }
 
 void Session::encode_kv_copy(KvSegment& seg) {
@@ -869,7 +922,6 @@ void Session::encode_kv_copy(KvSegment& seg) {
 
 std::unique_ptr<DeviceSnapshot> Session::snapshot(const DeviceSnapshot* base) {
   BusyGuard busy(busy_);
-  const ModelConfig& c = model_.config();
   // Declared before the engine lock is taken, so that on an exception they are destroyed after it is
   // released (their destructors take it).
   auto snap = std::make_unique<DeviceSnapshot>(model_, model_lock_);
@@ -897,18 +949,11 @@ std::unique_ptr<DeviceSnapshot> Session::snapshot(const DeviceSnapshot* base) {
     seg->end = pos;
   }
   std::lock_guard<std::mutex> lk(model_lock_);
+  flush_deferred_locked();
   alloc_snapshot_locked(*snap, seg.get());
   Step step(ops_, Phase::Prefill);
   if (seg) encode_kv_copy(*seg);
-  size_t di = 0;
-  for (size_t li = 0; li < size_t(c.layers); ++li) {
-    if (c.full_attention[li]) continue;
-    ops_.copy(st_.now().conv[li], snap->conv_[di]);
-    ops_.copy(st_.now().recurrent[li], snap->recurrent_[di]);
-    ++di;
-  }
-  ops_.copy(st_.now().logits, snap->logits_);
-  if (snap->mtp_h_.valid()) ops_.copy(st_.now().mtp_h, snap->mtp_h_);
+  encode_state_copy(st_.now(), *snap);
   ops_.wait(step.submit());
   if (seg) {
     snap->kv_ = std::move(seg);
@@ -920,7 +965,7 @@ std::unique_ptr<DeviceSnapshot> Session::snapshot(const DeviceSnapshot* base) {
 
 std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
     const int32_t* ids, int64_t n, const std::vector<int64_t>& at, const DeviceSnapshot* base,
-    const std::function<bool(int64_t, int64_t)>& progress) {
+    const std::function<bool(int64_t, int64_t)>& progress, bool defer) {
   BusyGuard busy(busy_);
   check_prefill(ids, n);
   const int64_t pos0 = position();  // a pending token is fed first: it is at pos0 - 1 then
@@ -939,6 +984,7 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
   int64_t parent_pos = base ? base->position_ : 0;
   {
     std::lock_guard<std::mutex> lk(model_lock_);
+    flush_deferred_locked();
     feed_pending_locked();
     // Up to 16 logits rows: a position's row and the chunk's last row in one lm_head pass.
     ensure_scratch(prefill_sc_, std::min(chunk_, n), std::min<int64_t>(16, chunk_));
@@ -979,7 +1025,10 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
     {
       std::lock_guard<std::mutex> lk(model_lock_);
       Scratch& sc = prefill_sc_;
-      for (size_t i = 0; i < made.size(); ++i) alloc_snapshot_locked(*made[i], segs[i].get());
+      // With defer: every segment's rows, and the end snapshot's state when this chunk ends the prefill, wait.
+      const bool defer_end = defer && at_end && done + T == n;
+      for (size_t i = 0; i < made.size(); ++i)
+        alloc_snapshot_locked(*made[i], segs[i].get(), defer_end && i + 1 == made.size(), defer);
       ChunkCapture cap;
       if (inner >= 0) {
         cap.first = inner - c0 - 1;
@@ -1014,18 +1063,24 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
           if (inner >= 0) model_.encode_logits(sc, row, 1, made[0]->logits_);
           model_.encode_logits(sc, T - 1, 1, st_.now().logits);
         }
-        for (size_t i = 0; i < made.size(); ++i)
-          if (segs[i]) encode_kv_copy(*segs[i]);
+        for (size_t i = 0; i < made.size(); ++i) {
+          if (!segs[i]) continue;
+          if (defer) {  // rows below the position are never rewritten while the context grows
+            segs[i]->deferred = this;
+            deferred_kv_.push_back(segs[i].get());
+          } else {
+            encode_kv_copy(*segs[i]);
+          }
+        }
         if (at_end) {  // the state after the chunk's last row is the session's
           DeviceSnapshot& e = *made.back();
-          for (size_t li = 0, di = 0; li < size_t(c.layers); ++li) {
-            if (c.full_attention[li]) continue;
-            ops_.copy(st_.now().conv[li], e.conv_[di]);
-            ops_.copy(st_.now().recurrent[li], e.recurrent_[di]);
-            ++di;
+          if (defer_end) {  // the last chunk: its set is next written by the second decode step
+            e.deferred_ = this;
+            deferred_state_ = &e;
+            deferred_set_ = st_.cur;
+          } else {
+            encode_state_copy(st_.now(), e);
           }
-          ops_.copy(st_.now().logits, e.logits_);
-          if (e.mtp_h_.valid()) ops_.copy(st_.now().mtp_h, e.mtp_h_);
         }
         ops_.wait(step.submit());
       }
@@ -1053,6 +1108,67 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
   return snaps;
 }
 
+void Session::encode_state_copy(StepState& set, DeviceSnapshot& snap) {
+  const ModelConfig& c = model_.config();
+  for (size_t li = 0, di = 0; li < size_t(c.layers); ++li) {
+    if (c.full_attention[li]) continue;
+    ops_.copy(set.conv[li], snap.conv_[di]);
+    ops_.copy(set.recurrent[li], snap.recurrent_[di]);
+    ++di;
+  }
+  ops_.copy(set.logits, snap.logits_);
+  if (snap.mtp_h_.valid()) ops_.copy(set.mtp_h, snap.mtp_h_);
+}
+
+// ---- deferred checkpoints ----
+
+void Session::flush_deferred_locked() {
+  if (deferred_kv_.empty() && !deferred_state_) return;
+  for (KvSegment* seg : deferred_kv_)  // allocations first: outside a step
+    for (size_t i = 0; i < seg->k.size(); ++i) {
+      materialize_locked(seg->k[i], "snapshot_k");
+      materialize_locked(seg->v[i], "snapshot_v");
+    }
+  if (DeviceSnapshot* d = deferred_state_) {
+    for (size_t i = 0; i < d->conv_.size(); ++i) {
+      materialize_locked(d->conv_[i], "snapshot_conv");
+      materialize_locked(d->recurrent_[i], "snapshot_recurrent");
+    }
+    materialize_locked(d->logits_, "snapshot_logits");
+    if (d->mtp_h_.rows) materialize_locked(d->mtp_h_, "snapshot_mtp_hidden");
+  }
+  {
+    Step step(ops_, Phase::Prefill);
+    for (KvSegment* seg : deferred_kv_) encode_kv_copy(*seg);
+    if (deferred_state_) encode_state_copy(st_.sets[deferred_set_], *deferred_state_);
+    ops_.wait(step.submit());
+  }
+  // Marked written only once the step is done: on a failure they stay owed (and the next call retries).
+  for (KvSegment* seg : deferred_kv_) seg->deferred = nullptr;
+  deferred_kv_.clear();
+  if (deferred_state_) deferred_state_->deferred_ = nullptr;
+  deferred_state_ = nullptr;
+}
+
+void Session::settle_locked(const DeviceSnapshot& s) {
+  if (s.deferred_) s.deferred_->flush_deferred_locked();
+  for (const KvSegment* seg : chain(s.kv_))
+    if (seg->deferred) seg->deferred->flush_deferred_locked();
+}
+
+void Session::settle_quietly() {
+  try {
+    std::lock_guard<std::mutex> lk(model_lock_);
+    flush_deferred_locked();
+  } catch (...) {  // left owed: the next call on the session, or a reader of the snapshot, retries
+  }
+}
+
+int64_t Session::deferred_checkpoints() const {
+  std::lock_guard<std::mutex> lk(model_lock_);
+  return int64_t(deferred_kv_.size()) + (deferred_state_ != nullptr);
+}
+
 int64_t Session::held_kv_rows(const DeviceSnapshot& s) const {
   std::lock_guard<std::mutex> lk(model_lock_);
   int64_t rows = 0;
@@ -1072,6 +1188,8 @@ void Session::check_restorable(int64_t position, int32_t pending, const std::vec
 }
 
 void Session::restore_locked(const DeviceSnapshot& s) {
+  flush_deferred_locked();  // the restore overwrites the state and KV rows this session may still owe
+  settle_locked(s);         // and s may be owed by a session (this one or another)
   const ModelConfig& c = model_.config();
   std::vector<const KvSegment*> segs = chain(s.kv_);
   // Segments whose rows the cache already holds, bit for bit, are not copied again.
@@ -1182,6 +1300,7 @@ void Session::reset() {
   BusyGuard busy(busy_);
   {
     std::lock_guard<std::mutex> lk(model_lock_);
+    flush_deferred_locked();
     const ModelConfig& c = model_.config();
     Step step(ops_, Phase::Prefill);
     for (size_t li = 0; li < size_t(c.layers); ++li) {

@@ -21,6 +21,8 @@
 
 namespace lily {
 
+class Session;
+
 // Raised when a call would pass max_context; the session is left as it was.
 struct ContextOverflow : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -68,6 +70,9 @@ struct KvSegment {
     return cache >= decoder_caches && begin > 0 ? begin - 1 : begin;
   }
   size_t bytes() const;      // this segment's rows only
+  // The session whose cache still owes this segment its rows (a deferred checkpoint, Session::prefill_snapshots),
+  // null once they are written. Guarded by the model lock; whoever reads the rows settles it first.
+  mutable Session* deferred = nullptr;
 
  private:
   Qwen36& model_;
@@ -113,6 +118,9 @@ class DeviceSnapshot {
   std::vector<Tensor> conv_, recurrent_;
   Tensor logits_;
   Tensor mtp_h_;  // MTP checkpoints: StepState::mtp_h
+  // The session whose state set still owes this snapshot its conv/recurrent state, logits and mtp_h (a
+  // deferred end-of-prompt checkpoint), null once written. Guarded by the model lock.
+  Session* deferred_ = nullptr;
 };
 
 // What the last speculative generate call did (MTP drafting, verification by the model).
@@ -213,9 +221,18 @@ class Session {
   // at most 16 rows apart (one more pass otherwise), and copies the KV rows in the same step; a position at a
   // chunk's end is copied from the state. One capture per chunk: a chunk holding two inner positions ends at
   // the second. If progress cancels, the snapshots of the positions reached are returned.
+  // With `defer`, the copies that need nothing from the chunk's scratch are left off the first-token path: every
+  // KV segment's rows (never rewritten while the context only grows) and the end-of-prompt snapshot's state,
+  // logits and mtp_h when that position ends the last chunk (its state set stays untouched until the second
+  // decode step: the first writes the other set). They are written by the session's next call that could
+  // overwrite them (generate's second decode step, its end, prefill, step, restore, reset, ..., destruction), or
+  // first by anyone reading the snapshot (restore into any session, to_host): the snapshots are exactly those of
+  // the eager path whenever they are read. deferred_checkpoints() says how many copies are owed.
   std::vector<std::unique_ptr<DeviceSnapshot>> prefill_snapshots(
       const int32_t* ids, int64_t n, const std::vector<int64_t>& at, const DeviceSnapshot* base,
-      const std::function<bool(int64_t, int64_t)>& progress);
+      const std::function<bool(int64_t, int64_t)>& progress, bool defer = true);
+  // KV segments and snapshot states this session still owes (prefill_snapshots with defer); 0 when settled.
+  int64_t deferred_checkpoints() const;
   // Copies the state into a new snapshot. With `base` (a snapshot of this engine whose tokens are a
   // prefix of this session's, same KV dtype), the KV rows [0, base position) are shared with it and only
   // rows [base position, position) are copied; throws std::invalid_argument (naming base) otherwise.
@@ -284,10 +301,28 @@ class Session {
   void check_base(const DeviceSnapshot& base, const std::vector<int32_t>& tokens) const;
   // Allocates snap's own tensors (conv/recurrent per DeltaNet layer, logits) and, when seg is given, seg's KV
   // rows [seg->begin, seg->end). Model lock held, outside a step.
-  void alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg);
+  // defer_state / defer_kv: the snapshot's state / seg's rows get their shapes only (flush_deferred_locked
+  // allocates them).
+  void alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg, bool defer_state = false, bool defer_kv = false);
+  void materialize_locked(Tensor& t, const char* label);  // allocates a deferred (shape-only) tensor
   // Encodes the copies of the cache's KV rows [seg.begin, seg.end) into seg (inside a step).
   void encode_kv_copy(KvSegment& seg);
   void set_context(std::vector<int32_t> tokens, int32_t pending, bool has_logits, bool mtp_valid);
+  // Deferred checkpoints (prefill_snapshots with defer). Guarded by the model lock: any session's thread may
+  // settle them (the segments and snapshot unregister themselves under it when destroyed first).
+  friend struct KvSegment;
+  friend class DeviceSnapshot;
+  std::vector<KvSegment*> deferred_kv_;     // segments whose rows the cache still owes
+  DeviceSnapshot* deferred_state_ = nullptr;  // the snapshot whose state sets[deferred_set_] still owes
+  int deferred_set_ = 0;
+  // Writes what this session owes (one step, waited, so the snapshots can be read or released at once). Model
+  // lock held, outside a step; a no-op when nothing is owed.
+  void flush_deferred_locked();
+  // Settles whatever session still owes `s` or one of its KV segments. Model lock held, outside a step.
+  static void settle_locked(const DeviceSnapshot& s);
+  // Encodes the copies of the state set's conv/recurrent state, logits and mtp_h into snap (inside a step).
+  void encode_state_copy(StepState& set, DeviceSnapshot& snap);
+  void settle_quietly();  // flush_deferred_locked under the model lock, for scope exits: errors leave them owed
 
   Qwen36& model_;
   Ops& ops_;

@@ -85,8 +85,10 @@ class PrefixCache:
     """
 
     def __init__(self, engine, max_bytes: int = 1 << 30, *, disk_dir: str | os.PathLike | None = None,
-                 disk_bytes: int = 4 << 30, checkpoint_interval: int = 0):
+                 disk_bytes: int = 4 << 30, checkpoint_interval: int = 0, defer_checkpoints: bool = True):
         self.engine = engine
+        # prefill's checkpoints written after the first token (Session.prefill_snapshots defer=): off for an A/B
+        self.defer_checkpoints = bool(defer_checkpoints)
         self.max_bytes = _check_bytes(max_bytes, "max_bytes")
         self.disk_bytes = _check_bytes(disk_bytes, "disk_bytes")
         self.checkpoint_interval = _check_bytes(checkpoint_interval, "checkpoint_interval")
@@ -200,7 +202,9 @@ class PrefixCache:
         ends: the next turn shares that much). Returns the number of tokens that came from the cache.
 
         The rest is one :meth:`Session.prefill_snapshots`: each checkpoint is taken inside the prefill chunk
-        that reaches it, so a warm turn costs the forward of its new tokens and no more. The session's previous
+        that reaches it, so a warm turn costs the forward of its new tokens and no more; the checkpoints' copies
+        that can wait (KV rows, the end-of-prompt state) are written after the first generated token
+        (``defer_checkpoints``), or first by whoever reads them. The session's previous
         context is replaced. If ``progress`` stops the prefill early, only the checkpoints reached are stored."""
         ids = [int(t) for t in ids]
         cached, snap, from_disk = self._lookup(tuple(ids))
@@ -225,7 +229,7 @@ class PrefixCache:
                     parent.children += 1  # pinned while the snapshots are taken; then the first one's link
         try:
             snaps = session.prefill_snapshots(ids[cached:], at, base=parent.snapshot if parent is not None else None,
-                                              progress=progress)
+                                              progress=progress, defer=self.defer_checkpoints)
         except BaseException:
             if parent is not None:
                 with self._lock:

@@ -244,6 +244,7 @@ class Session:
         *,
         base: Snapshot | None = None,
         progress: bool | Callable[[int, int], bool | None] | None = None,
+        defer: bool = True,
     ) -> list[Snapshot]:
         """Feed tokens as :meth:`prefill` does and return a snapshot of the state at each position in ``at``
         (strictly ascending session positions, each after the current one and at most the position after
@@ -255,6 +256,13 @@ class Session:
         holding two such positions ends at the second). ``progress`` as in :meth:`prefill`; if it stops the
         prefill, the snapshots of the positions reached are returned. Raises ValueError (naming ``at`` or
         ``base``) for positions out of range or a base that cannot be shared, TypeError for a non-Snapshot base.
+
+        ``defer`` (default True) leaves the copies that do not need the chunk's scratch off the path to the first
+        token: the snapshots' KV rows, and the end-of-prompt snapshot's state when that position ends the prefill.
+        The session writes them at its next call that could overwrite them (generate's second decode step or its
+        end, prefill, step, restore, reset, ...), or whoever reads the snapshot first does (a restore into any
+        session, ``to_host``): a snapshot always reads as the eager one would. ``deferred_checkpoints`` counts
+        the copies still owed; ``defer=False`` takes them inside the prefill, as before.
         """
         check_progress(progress, "Session.prefill_snapshots")
         arr = self._engine._validate_ids(ids)
@@ -275,13 +283,19 @@ class Session:
         before, t = self.position, time.perf_counter()
         try:
             with progress_callback(progress, total=len(arr), desc="prefill", unit="tok") as callback:
-                cores = self._core.prefill_snapshots(arr, positions, core_base, callback)
+                cores = self._core.prefill_snapshots(arr, positions, core_base, callback, bool(defer))
         except ValueError as exc:
             raise ValueError(f"Session.prefill_snapshots: {exc}") from None
         finally:
             tokens, seconds = self._prompt_stats
             self._prompt_stats = (tokens + self.position - before, seconds + time.perf_counter() - t)
         return [Snapshot(c, self._engine.fingerprint) for c in cores]
+
+    @property
+    def deferred_checkpoints(self) -> int:
+        """KV segments and snapshot states this session still owes to snapshots from
+        :meth:`prefill_snapshots` (``defer=True``); 0 once written."""
+        return self._core.deferred_checkpoints
 
     def step(self, token: int) -> np.ndarray:
         """Feed one token; returns the logits that follow it (float32 [vocab])."""

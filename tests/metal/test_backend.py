@@ -34,7 +34,8 @@ SOURCES = ([REPO / "tests" / "metal" / "host" / "backend_main.cpp"] + sorted((CS
 FAKE_ENV = ("FAKEMETAL_REVERSE", "FAKEMETAL_SHUFFLE", "FAKEMETAL_LEAKS_FATAL", "FAKEMETAL_QUIET_LEAKS", "FAKEMETAL_SYNC",
             "FAKEMETAL_ORDER_SEED", "FAKEMETAL_ALLOW_FAST_MATH", "FAKEMETAL_HAZARDS", "FAKEMETAL_GPU_DELAY_MS",
             "LILY_METALSIM_MAX_THREADS_PER_THREADGROUP", "LILY_METALSIM_MAX_THREADGROUP_MEMORY",
-            "LILY_METALSIM_MAX_BUFFER_LENGTH", "LILY_METALSIM_WORKING_SET_SIZE", "LILY_METAL_DROP_BARRIERS")
+            "LILY_METALSIM_MAX_BUFFER_LENGTH", "LILY_METALSIM_WORKING_SET_SIZE", "LILY_METAL_DROP_BARRIERS",
+            "LILY_METAL_GROUP_MATMULS", "LILY_METAL_SPLIT_ATTENTION_MIN", "LILY_METAL_SPLIT_ATTENTION_BLOCK")
 
 
 def _build(mode: str) -> Path:
@@ -199,6 +200,25 @@ def test_moe_combine_fusion_can_be_turned_off(program):
     assert steps["0"] == (steps["1"][0] + layers, steps["1"][1] + layers), steps
 
 
+@pytest.mark.parametrize("order", ["recorded", "seeded-shuffled-lanes"])
+def test_tiny_model_with_split_attention_matches_cpu_backend(program, order):
+    # The split path through the real decode loop (position on the GPU, two command buffers in flight): contexts from
+    # 8 rows split into blocks of 4, so every decode step of the 12-token prompt splits into 4 to 6 blocks.
+    r = run(program, ["model"], {**ORDERS[order], "FAKEMETAL_LEAKS_FATAL": "1", "LILY_METAL_SPLIT_ATTENTION_MIN": "8",
+                                 "LILY_METAL_SPLIT_ATTENTION_BLOCK": "4"})
+    assert passed(r), r.stdout + r.stderr
+    assert re.search(r"greedy tokens: .* same", r.stdout), r.stdout
+    assert "continuation identical" in r.stdout, r.stdout
+    m = re.search(r"metal active: split decode attention for long contexts \(.*blocks of 4 rows once the context "
+                  r"reaches 8 rows.*; (\d+) calls encoded split, (\d+) decode calls not", r.stdout)
+    assert m and int(m[1]) > 0 and int(m[2]) == 0, r.stdout
+    # By default (32768) the tiny model's contexts never split, and the report says why.
+    d = run(program, ["model"])
+    assert passed(d), d.stdout + d.stderr
+    assert re.search(r"metal inactive: split decode attention .* 0 calls encoded split, [1-9]\d* decode calls not, "
+                     r"the last for max_ctx \d+ below 32768 rows", d.stdout), d.stdout
+
+
 def test_dropped_barriers_are_caught_by_the_hazard_check(program):
     r = run(program, ["model"], {"LILY_METAL_DROP_BARRIERS": "1"})
     assert r.returncode != 0
@@ -210,6 +230,12 @@ def test_dropped_barriers_are_caught_by_the_hazard_check(program):
 MUTATIONS = [
     ("attention.metal", "kvh = h / (s.heads / s.kv_heads)", "kvh = h % s.kv_heads", "attention"),  # §12.6
     ("attention.metal", "const int at = pos[0] + int(t);", "const int at = pos[0] + int(t) + 1;", "attention"),
+    # The split path's reduce adds the blocks' accumulators without the log-sum-exp rescale to the common maximum.
+    ("attention.metal", "o += p0[ulong(b) * stride + 2 + e] * exp(p0[ulong(b) * stride] - M);",
+     "o += p0[ulong(b) * stride + 2 + e];", "attention"),
+    # The split path's blocks each stop one row short (the last row of every block never scored).
+    ("attention.metal", "const uint j1 = split ? min(j0 + s.block, n) : n;",
+     "const uint j1 = split ? min(j0 + s.block - 1, n) : n;", "attention"),
     ("gated_delta.metal", "kh = j / (s.v_heads / s.k_heads)", "kh = j % s.k_heads", "gated_delta"),  # §12.6
     ("gated_delta.metal", "S[i] = S[i] * alpha;\n      m += (k[i] * rk) * S[i];",
      "m += (k[i] * rk) * S[i];\n      S[i] = S[i] * alpha;", "gated_delta"),  # §12.9: decay after the read

@@ -195,6 +195,12 @@ std::string g_only;
 
 bool wanted(const std::string& op) { return g_only.empty() || g_only == op; }
 
+// NaN in every element of both backends' tensor, so an element a kernel forgets to write fails the comparison.
+void poison(Both& b, const Both::T2& t) {
+  const std::vector<float> nan(size_t(t.c.rows * t.c.cols), NAN);
+  b.cpu.upload(t.c, nan.data()), b.mtl.upload(t.m, nan.data());
+}
+
 // Worst |metal − cpu| relative to the largest |cpu| of the output (fp32 reordering error is ~1e-6 of it).
 void check_f32(Both& b, const std::string& op, const std::string& name, const Both::T2& t, double tol = 2e-5) {
   auto c = b.get<float>(b.cpu, t.c);
@@ -420,17 +426,20 @@ int run_ops(const std::string& msl) {
       kc = b.f32(rows, c.D), vc = b.f32(rows, c.D);
     }
     auto out = b.alloc(DType::F32, c.T, c.heads * c.D);
-    // CPU workspace sized as the CPU wants it (the Metal kernel needs none).
+    // Each backend's workspace as it sizes it (the split path's partials on Metal: blocks of 16 rows from the first).
     ModelConfig cfg;
     cfg.heads = c.heads, cfg.kv_heads = c.kv, cfg.head_dim = c.D;
-    auto ws = b.alloc(DType::F32, 1, int64_t(cpu::attention_workspace_bytes(cfg, c.T, c.max_ctx, 1) / 4 + 16));
+    b.mtl.set_split_attention(1, 16);
+    auto ws = b.alloc(DType::F32, 1, int64_t(std::max(cpu::attention_workspace_bytes(cfg, c.T, c.max_ctx, 1),
+                                                      b.mtl.split_attention_bytes(cfg, c.T, c.max_ctx)) / 4 + 16));
     b.run(c.ph, [&](Ops& o, bool m) {
       o.kv_append(m ? kr.m : kr.c, m ? v.m : v.c, m ? pos.m : pos.c, m ? kc.m : kc.c, m ? vc.m : vc.c, c.max_ctx, s);
     });
     if (c.bf16) check_u16(b, "kv_append", name + " k", kc), check_u16(b, "kv_append", name + " v", vc);
     else check_f32(b, "kv_append", name + " k", kc, 0), check_f32(b, "kv_append", name + " v", vc, 0);
-    for (const char* variant : {"rows", "gqa"}) {  // each Metal variant against the CPU, whatever the selector picks
-      b.mtl.set_attention_variant(variant);
+    for (const char* variant : {"rows", "gqa", "split"}) {  // each Metal variant against the CPU, whatever the
+      b.mtl.set_attention_variant(variant);                    // selector picks; the output poisoned before each
+      poison(b, out);
       b.run(c.ph, [&](Ops& o, bool m) {
         o.attention(m ? q.m : q.c, m ? gate.m : gate.c, m ? kc.m : kc.c, m ? vc.m : vc.c, m ? pos.m : pos.c, c.max_ctx,
                     s, m ? ws.m : ws.c, m ? out.m : out.c);
@@ -438,7 +447,79 @@ int run_ops(const std::string& msl) {
       check_f32(b, "attention", name + " attention_" + variant, out, 1e-5);
     }
     b.mtl.set_attention_variant("auto");
+    b.mtl.set_split_attention(32768, 1024);
   }
+
+  // ---- attention, the split path for long decode contexts: fixed blocks, partials in the workspace, the reduce ----
+  // Contexts ending inside a block, exactly at a block's edge, one past it and of one row; below the threshold (block
+  // 0 walks it all); rows crossing the threshold; groups 8 (real), 4, 2, 1; D 256 (real) and 64; both cache dtypes.
+  // Each against the CPU and against attention_gqa, and the path auto takes.
+  struct SplitCase { int64_t heads, kv, D, T, pos, max_ctx; bool bf16; int64_t block, min; Phase ph; };
+  for (const auto& c : std::vector<SplitCase>{{16, 2, 256, 1, 2099, 2112, true, 1024, 1024, Phase::Decode},
+                                              {8, 1, 64, 1, 2047, 2100, false, 1024, 1024, Phase::Decode},
+                                              {16, 2, 256, 1, 127, 200, false, 64, 64, Phase::Decode},
+                                              {16, 2, 256, 1, 299, 320, false, 64, 310, Phase::Decode},
+                                              {4, 2, 64, 1, 0, 40, false, 16, 1, Phase::Decode},
+                                              {3, 3, 64, 1, 64, 100, true, 32, 1, Phase::Decode},
+                                              {8, 2, 64, 3, 62, 80, true, 16, 64, Phase::Prefill},
+                                              {4, 1, 64, 1, 20, 30, false, 16, 64, Phase::Decode}}) {
+    if (!wanted("attention")) break;
+    const std::string name = "split heads=" + std::to_string(c.heads) + "/" + std::to_string(c.kv) + " D=" +
+                             std::to_string(c.D) + " T=" + std::to_string(c.T) + " ctx=" + std::to_string(c.pos + 1) +
+                             " block=" + std::to_string(c.block) + " min=" + std::to_string(c.min) +
+                             (c.bf16 ? " bf16-cache" : "");
+    AttentionShape s{c.heads, c.kv, c.D, c.D / 4, 1e7, 1e-6f};
+    b.mtl.set_split_attention(c.min, c.block);
+    auto pos = b.i32(1, 1, {int32_t(c.pos)});
+    auto q = b.f32(c.T, c.heads * c.D, 2.f), gate = b.f32(c.T, c.heads * c.D, 2.f);
+    const int64_t rows = c.kv * c.max_ctx;
+    if (size_t(rows * c.D) * (c.bf16 ? 2 : 4) > size_t(b.mtl.metal_device().device()->maxBufferLength())) {
+      printf("op attention %s: skipped (the cache is above the device's maxBufferLength)\n", name.c_str());
+      continue;
+    }
+    Both::T2 kc, vc;
+    if (c.bf16) {
+      std::vector<uint16_t> kb(size_t(rows * c.D)), vb(kb.size());
+      for (auto& x : kb) x = f32_bf16(signed_uniform());
+      for (auto& x : vb) x = f32_bf16(signed_uniform());
+      kc = b.alloc(DType::BF16, rows, c.D, kb.data()), vc = b.alloc(DType::BF16, rows, c.D, vb.data());
+    } else {
+      kc = b.f32(rows, c.D), vc = b.f32(rows, c.D);
+    }
+    ModelConfig cfg;
+    cfg.heads = c.heads, cfg.kv_heads = c.kv, cfg.head_dim = c.D;
+    auto ws = b.alloc(DType::F32, 1, int64_t(std::max(cpu::attention_workspace_bytes(cfg, c.T, c.max_ctx, 1),
+                                                      b.mtl.workspace_bytes(cfg, c.T, c.max_ctx)) / 4 + 16));
+    auto out = b.alloc(DType::F32, c.T, c.heads * c.D), gqa = b.alloc(DType::F32, c.T, c.heads * c.D);
+    auto attend = [&](const char* variant, const Both::T2& dst) {
+      b.mtl.set_attention_variant(variant);
+      poison(b, dst);
+      b.run(c.ph, [&](Ops& o, bool m) {
+        o.attention(m ? q.m : q.c, m ? gate.m : gate.c, m ? kc.m : kc.c, m ? vc.m : vc.c, m ? pos.m : pos.c, c.max_ctx,
+                    s, m ? ws.m : ws.c, m ? dst.m : dst.c);
+      });
+      return b.mtl.counters().last_dispatches;
+    };
+    const int64_t split_dispatches = attend("split", out);
+    check_f32(b, "attention", name + " attention_split", out, 1e-5);
+    attend("gqa", gqa);
+    {  // split against attention_gqa, relative to the largest output
+      auto sp = b.get<float>(b.mtl, out.m), gq = b.get<float>(b.mtl, gqa.m);
+      double scale = 1e-30, err = 0;
+      for (float x : gq) scale = std::max(scale, double(std::fabs(x)));
+      for (size_t i = 0; i < sp.size(); ++i)
+        err = std::max(err, std::isfinite(sp[i]) ? std::fabs(double(sp[i]) - gq[i]) / scale : INFINITY);
+      printf("op attention %s: split against gqa max_err %.3g tol 1e-05 %s\n", name.c_str(), err,
+             err <= 1e-5 ? "ok" : "FAIL");
+      g_failures += !(err <= 1e-5);
+    }
+    const int64_t auto_dispatches = attend("auto", out);
+    check_f32(b, "attention", name + " attention_auto", out, 1e-5);
+    printf("op attention %s: split %lld dispatches, auto %lld dispatches\n", name.c_str(),
+           (long long)split_dispatches, (long long)auto_dispatches);
+  }
+  b.mtl.set_attention_variant("auto");
+  b.mtl.set_split_attention(32768, 1024);
 
   // ---- DeltaNet: conv, the scan (in and out of place), each with a capture of the state after rows T/3 .. T-1 ----
   struct DeltaCase { int64_t Hk, Hv, Dk, Dv, T; bool in_place; };
@@ -926,6 +1007,7 @@ int run_model(const std::string& msl, const std::string& spec) {
   printf("model %s metal prefill chunk: %lld ops, %lld stages\n", spec.c_str(), (long long)ps.ops, (long long)ps.stages);
   for (const std::string& line : mtl_ops.optimizations())
     if (line.find("conv_delta_norm") != std::string::npos || line.find("MatmulGroup") != std::string::npos ||
+        line.find("split decode attention") != std::string::npos ||
         line.find("moe_down_combine") != std::string::npos)
       printf("model %s metal %s\n", spec.c_str(), line.c_str());
   // Snapshot, run on, restore: the same continuation again, on Metal and equal to the CPU's.
