@@ -251,3 +251,38 @@ def _core_generate(s, n, k, policy):
     out = []
     s._core.generate(n, GREEDY.to_core(), [], lambda t, logits=None: out.append(t) or 1, False, k, policy)
     return out
+
+
+def test_a_device_where_drafting_at_best_breaks_even_is_off_at_once(path):
+    """The CI machine's table (k = 2 gives 1.00x at acceptance 0.9): off at the measurement, the rows stop."""
+    with engine(path, "auto") as e:
+        ctl = e._mtp
+        with ctl._mu:
+            ctl.cost = None
+        key = ctl._key()
+        (mtp_policy.cache_dir()).mkdir(parents=True, exist_ok=True)
+        (mtp_policy.cache_dir() / "mtp_costs.json").write_text(json.dumps(
+            {key: {"cost": [2.27, 2.70, 3.74, 4.15], "plain_ms": 1.0, "iteration_ms": {}, "context": 48}}))
+        s = e.session(max_context=64)
+        s.prefill(PROMPT)
+        greedy(s, 4)
+        rep = e.report()["mtp"]["policy"]
+        assert rep["decision"].startswith("off: on this device") and not rep["keeps_rows"], rep
+
+
+def test_exploration_drafts_when_the_prior_pays_for_no_k(path):
+    """Costs where the prior (0.5) pays for no k but the best case does: calls still draft (optimistically), so
+    the drafts accumulate and a head that accepts nothing is turned off, instead of rows kept with no drafting."""
+    with engine(path, "auto") as e:
+        ctl = e._mtp
+        ctl.cost, ctl.measurement = [1.6, 1.9, 2.2, 2.5], {"planted": True}
+        assert mtp_policy.best_k(ctl.cost, mtp_policy.PRIOR_ACCEPTANCE)[0] == 0
+        assert mtp_policy.best_k(ctl.cost, mtp_policy.BEST_CASE_ACCEPTANCE)[1] >= mtp_policy.MIN_BEST_CASE_SPEEDUP
+        for i in range(40):
+            if not ctl.keeps_rows:
+                break
+            s = e.session(max_context=96)
+            s.prefill(PROMPT + [i])
+            greedy(s, 16)
+        rep = e.report()["mtp"]["policy"]
+        assert rep["compared_drafts"] > 0 and rep["decision"].startswith("off: acceptance"), rep

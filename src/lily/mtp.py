@@ -7,8 +7,9 @@ Whether drafting pays is a property of the machine, the model and the text, so `
   decode steps and speculative iterations with k = 1..4 drafts (k drafts, the k + 1-row verify forward, its
   wait, any rollback). ``cost[k]`` = one iteration ÷ one plain step. Cached on disk per model fingerprint,
   backend and device (``$LILY_CACHE_DIR/mtp_costs.json``, default ``~/.cache/lily``), so later engines skip it.
-  If no k could pay even when nearly every draft is accepted (``(k + 1) × 0.9``-ish yield below ``cost[k]``),
-  the engine stops drafting for good and stops running the MTP block's rows (their cost: about one layer's fc
+  If no k could pay even when nearly every draft is accepted (at acceptance ``BEST_CASE_ACCEPTANCE`` no k
+  reaches ``MIN_BEST_CASE_SPEEDUP``: a device where drafting at best breaks even is not worth the rows' cost
+  and the exploration), the engine stops drafting for good and stops running the MTP block's rows (their cost: about one layer's fc
   and q/k/v products per token).
 - **The model and the text.** The acceptance rate (accepted drafts ÷ compared drafts) is tracked across calls.
   Each speculative iteration takes the k with the best expected speedup ``(1 + a + ... + a^k) / cost[k]`` for
@@ -43,8 +44,8 @@ MAX_K = 4
 MIN_TRIALS_TO_TURN_OFF = 64
 # Turn off sooner when even the acceptance's upper confidence bound pays for no k (after this many drafts).
 CONFIDENCE_Z, MIN_TRIALS_FOR_BOUND = 2.0, 8
-# The acceptance a platform must be able to pay at for "auto" to draft at all there.
-BEST_CASE_ACCEPTANCE = 0.9
+# The acceptance a platform must be able to pay at for "auto" to draft at all there, and by how much.
+BEST_CASE_ACCEPTANCE, MIN_BEST_CASE_SPEEDUP = 0.9, 1.05
 # The prior for a model not seen drafting yet (weighted as this many trials): optimistic enough to try.
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 4.0
 _COST_FILE = "mtp_costs.json"
@@ -149,9 +150,13 @@ class MtpController:
                 if self._evidence_says_off_locked():
                     self._turn_off_locked()
                     return 0, None
-                # Too few drafts to judge the head: draft from the prior again so the estimate can learn
-                # (otherwise a bad first call would keep the rows running with no drafting for good).
-                return k_max, {"cost": list(self.cost), "alpha0": PRIOR_ACCEPTANCE, "weight": PRIOR_WEIGHT}
+                # Too few drafts to judge the head: explore so the estimate can learn (otherwise the rows would
+                # run for good with no drafting). Optimistic, as the bound is: the call starts from the best case
+                # until 8 drafts are in, then from the upper bound (which pays some k, else the engine is off), so
+                # the core drafts until its own running estimate says stop: a few drafts per call at least.
+                explore = (BEST_CASE_ACCEPTANCE if self.trials < MIN_TRIALS_FOR_BOUND
+                           else acceptance_upper_bound(self.accepted, self.trials))
+                return k_max, {"cost": list(self.cost), "alpha0": explore, "weight": PRIOR_WEIGHT}
             return k_max, {"cost": list(self.cost), "alpha0": alpha, "weight": min(float(self.trials), 32.0)
                            + PRIOR_WEIGHT}
 
@@ -208,9 +213,10 @@ class MtpController:
             _write_costs(path, key, m)
         best = best_k(self.cost, BEST_CASE_ACCEPTANCE)
         costs = ", ".join(f"k={k}: {c:.2f}" for k, c in enumerate(self.cost, 1))
-        if best[0] == 0:
-            self.decision = (f"off: on this device an iteration costs {costs} plain steps; no k pays even at "
-                             f"acceptance {BEST_CASE_ACCEPTANCE}")
+        if best[0] == 0 or best[1] < MIN_BEST_CASE_SPEEDUP:
+            self.decision = (f"off: on this device an iteration costs {costs} plain steps; even at acceptance "
+                             f"{BEST_CASE_ACCEPTANCE} no k gains {MIN_BEST_CASE_SPEEDUP - 1:.0%} (best "
+                             f"{best[1]:.2f}x)")
             self._set_rows(False)
         else:
             self.decision = (f"auto: drafting while it pays (iteration cost {costs} plain steps; at acceptance "
