@@ -399,6 +399,33 @@ def test_a_biased_sampler_fails_the_test(exact, spec_counts):
     assert chi_square_p(biased, probs, N_SAMPLES) < ALPHA
 
 
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_seeded_sampling_is_the_plain_seeded_output(hf_engine, k):
+    """A seed gives the plain sampler's tokens, token for token, whatever k is and whichever drafts are accepted:
+    a rejected row's draw is rolled back with the row, so the n-th token takes the n-th number of the seeded stream.
+    (mtp="auto" picks k from timing and the acceptance so far, so without this a seeded request would not
+    reproduce.) Drafts: the plain output with every third token wrong (accepts and rejects at known places), and the
+    random head's own (nearly all rejected)."""
+    prompt = PROMPTS[0]
+    params = dict(SAMPLING, top_k=8)
+    s = hf_engine.session(max_context=96)
+    s.prefill(prompt)
+    snap = s.snapshot()
+    for seed in range(6):
+        sp = lily.SamplingParams(seed=seed, **params)
+        s.restore(snap)
+        plain = list(s.generate(20, sp, stop_token_ids=[], mtp="off"))
+        for drafts in (corrupted(plain, 3), None):
+            s.restore(snap)
+            if drafts is not None:
+                s._core._draft_override(len(prompt), drafts)
+            assert list(s.generate(20, sp, stop_token_ids=[], mtp="on", mtp_k=k)) == plain, (seed, drafts)
+            st = s.mtp_stats()
+            assert st["drafted"] > st["accepted"]
+            if drafts is not None:
+                assert st["accepted"] > 0
+
+
 # ---- bad input ----
 
 def test_bad_mtp_arguments_raise_and_leave_the_session_usable(engine, plain_engine):

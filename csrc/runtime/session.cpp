@@ -616,6 +616,7 @@ void Session::ensure_spec_locked() {
     sp.draft_sampler.ring_count = ops_.alloc("mtp_draft_ring_count", DType::I32, 1, 1);
     sp.counts = ops_.alloc("mtp_counts_after_row", DType::I32, rows, c.vocab);
     sp.seen = ops_.alloc("mtp_seen_after_row", DType::I32, rows, c.vocab);
+    sp.rng = ops_.alloc("mtp_rng_after_row", DType::I32, rows, SamplerState::kRngWords);
     sp.conv.resize(size_t(c.layers));
     sp.recurrent.resize(size_t(c.layers));
     for (size_t li = 0; li < size_t(c.layers); ++li) {
@@ -638,7 +639,7 @@ void Session::free_spec_locked() {
   model_.free_scratch(spec_.sc);
   for (Tensor* t : {&spec_.y, &spec_.draft_logits, &spec_.draft_sampler.counts, &spec_.draft_sampler.seen,
                     &spec_.draft_sampler.rng, &spec_.draft_sampler.ring, &spec_.draft_sampler.ring_count,
-                    &spec_.counts, &spec_.seen})
+                    &spec_.counts, &spec_.seen, &spec_.rng})
     ops_.release(*t);
   for (auto* v : {&spec_.conv, &spec_.recurrent})
     for (Tensor& t : *v) ops_.release(t);
@@ -653,8 +654,10 @@ void Session::free_spec_locked() {
 // sampler. This is speculative sampling (accept x with min(1, p(x)/q(x)), else draw from norm(max(p - q, 0)))
 // for a greedy drafter: q is one-hot at the draft d, so d is accepted with probability p(d), and a rejection draws
 // from p with d removed, renormalised, which is p conditioned on y != d: exactly what "draw y ~ p, accept iff
-// y == d, else emit y" does. Rows after the first mismatch are discarded; their draws advance the rng (fresh
-// randomness, no bias) and their counts are rolled back.
+// y == d, else emit y" does. Rows after the first mismatch are discarded, and so are their draws: the rng and the
+// counts are rolled back to their state after the last kept row. So the n-th generated token always takes the
+// n-th number of the seeded stream, as in generate(): seeded output does not depend on k or on whether the call
+// drafts at all (a draw discarded with its row is independent of the choice to discard it: no bias).
 std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& params,
                                   const std::vector<int32_t>& stop_ids,
                                   const std::function<int(int32_t, const float*)>& on_token, bool with_logits,
@@ -795,6 +798,7 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
             ops_.copy(st_.sampler.counts, sp.counts.rows_view(j, 1));
             ops_.copy(st_.sampler.seen, sp.seen.rows_view(j, 1));
           }
+          if (!params.greedy() && j < k) ops_.copy(st_.sampler.rng, sp.rng.rows_view(j, 1));
         }
         ops_.wait(step.submit());
       }
@@ -845,6 +849,7 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
           ops_.copy(sp.counts.rows_view(r, 1), st_.sampler.counts);
           ops_.copy(sp.seen.rows_view(r, 1), st_.sampler.seen);
         }
+        if (!params.greedy()) ops_.copy(sp.rng.rows_view(r, 1), st_.sampler.rng);  // and its rng after row r's draw
         ops_.wait(step.submit());
       }
       std::lock_guard<std::mutex> slk(state_mu_);

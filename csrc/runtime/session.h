@@ -285,6 +285,7 @@ class Session {
     Tensor draft_logits;                  // F32 [1, vocab]
     SamplerState draft_sampler;           // drafts are greedy: its state is never read back
     Tensor counts, seen;                  // I32 [k + 1, vocab]: the penalty state after each row's sample
+    Tensor rng;                           // I32 [k + 1, kRngWords]: the sampler's rng after each row's draw
     std::vector<Tensor> conv, recurrent;  // per layer (DeltaNet): the state after rows 0 .. k-1 (capture)
     bool ready = false;
   };
