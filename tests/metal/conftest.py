@@ -3,7 +3,6 @@ for the whole session, and a skip (with the reason) of the harness tests where t
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -18,9 +17,7 @@ from metalsim import build  # noqa: E402
 from metalsim import emulator as emulator_module  # noqa: E402
 
 SKIP_REASON = build.unavailable_reason() or ""
-# LILY_METALSIM_REQUIRE=1 (set by CI): a machine that cannot run the harness fails these tests instead of
-# skipping them, so a CI image that lost clang cannot turn the Metal verification silently off.
-REQUIRE = os.environ.get("LILY_METALSIM_REQUIRE", "") not in ("", "0")
+REQUIRE = build.required()  # LILY_METALSIM_REQUIRE=1: a harness skip is a failure (tests/metal/test_require_switch.py)
 # Test files that need the harness's toolchain; the lint and the real-GPU tests do not.
 NEEDS_HARNESS = {"test_emulator.py", "test_kernels.py", "test_host_compile.py", "test_fake_runtime.py",
                  "test_harness.py", "test_fake_async.py", "test_backend.py", "test_traffic.py"}
@@ -46,6 +43,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def _harness_required():
     unavailable(SKIP_REASON)
+
+
+@pytest.fixture(scope="session")
+def harness_unavailable():
+    """unavailable() for the test modules' own checks (a missing tool or package found inside a test or fixture)."""
+    return unavailable
 
 
 def _emulator(mode: str):

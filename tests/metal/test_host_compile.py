@@ -22,14 +22,23 @@ HOST_TESTS = REPO / "tests" / "metal" / "host"
 
 
 @pytest.fixture(scope="module")
-def host():
+def host(harness_unavailable):
     from metalsim import host as host_mod
 
     try:
         host_mod.find_clang()
     except Exception as e:  # noqa: BLE001 - any failure to find clang means this machine cannot run L1
-        pytest.skip(f"clang with -fblocks not available: {e}")
+        harness_unavailable(f"clang with -fblocks not available: {e}")
     return host_mod
+
+
+@pytest.fixture(scope="module")
+def nanobind(harness_unavailable):
+    try:
+        import nanobind
+    except ImportError as e:  # the test extra installs it: under LILY_METALSIM_REQUIRE its absence fails
+        harness_unavailable(f"nanobind is not installed ({e})")
+    return nanobind
 
 
 def test_metal_cpp_is_fetched_verified_and_outside_the_repo():
@@ -88,9 +97,8 @@ def test_every_metal_host_source_compiles_with_werror(host):
     assert "warning" not in diagnostics
 
 
-def test_metal_bindings_compile_with_werror(host):
+def test_metal_bindings_compile_with_werror(host, nanobind):
     """python/bindings_metal.cpp (the macOS extension's Metal entry points) against nanobind and Python."""
-    nanobind = pytest.importorskip("nanobind")
     import sysconfig
 
     ok, diagnostics = host.compile_check(
@@ -100,10 +108,9 @@ def test_metal_bindings_compile_with_werror(host):
     assert ok, diagnostics
 
 
-def test_extension_bindings_compile_with_metal(host):
+def test_extension_bindings_compile_with_metal(host, nanobind):
     """python/bindings.cpp as the macOS build compiles it (LILY_WITH_METAL: engine.report()'s Metal section reads
     MetalOps::counters()), against nanobind, Python, metal-cpp and the stubs."""
-    nanobind = pytest.importorskip("nanobind")
     import sysconfig
 
     ok, diagnostics = host.compile_check(

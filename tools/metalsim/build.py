@@ -65,6 +65,12 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lily" / "metalsim"
 
 
+def required() -> bool:
+    """LILY_METALSIM_REQUIRE=1 (set by CI): where the harness cannot run, its tests fail instead of skipping, so a
+    CI image that lost clang cannot turn the Metal verification silently off."""
+    return os.environ.get("LILY_METALSIM_REQUIRE", "") not in ("", "0")
+
+
 def unavailable_reason() -> str | None:
     """Why the harness cannot run on this machine, or None when it can. It targets Linux x86-64 (the fiber
     switch and the objc_msgSend trampoline are x86-64 assembly) and needs clang++ >= 17."""
