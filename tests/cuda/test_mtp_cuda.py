@@ -79,3 +79,24 @@ def test_state_after_rollback_matches_a_prefilled_session(path):
         cont = list(spec.generate(8, lily.SamplingParams(temperature=0), stop_token_ids=[], mtp="on", mtp_k=2))
         ref.step(base[-1])
         assert cont[:4] == list(ref.generate(8, lily.SamplingParams(temperature=0), stop_token_ids=[], mtp="off"))[:4]
+
+
+def test_seeded_sampling_follows_the_plain_stream_on_the_gpu(path):
+    """Rejected rows' draws are rolled back on the GPU too: with a seed, speculative sampling follows the plain
+    sampler's tokens. The verify forward's logits differ from the decode step's by bf16 rounding, which can flip a
+    draw that lands near a boundary, so this asks for long common prefixes rather than equality; without the
+    rollback the two part at the first rejected draft (the random head's drafts are nearly all rejected)."""
+    with lily.Engine.from_pretrained(path, backend="cuda", mtp="on") as gpu:
+        s = gpu.session(max_context=128)
+        s.prefill(PROMPT)
+        snap = s.snapshot()
+        agree = []
+        for seed in range(8):
+            sp = lily.SamplingParams(temperature=1.0, top_k=8, seed=seed)
+            s.restore(snap)
+            plain = list(s.generate(20, sp, stop_token_ids=[], mtp="off"))
+            s.restore(snap)
+            spec = list(s.generate(20, sp, stop_token_ids=[], mtp="on", mtp_k=3))
+            assert s.mtp_stats()["drafted"] > s.mtp_stats()["accepted"]
+            agree.append(next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), len(plain)))
+        assert np.median(agree) >= 15, agree
