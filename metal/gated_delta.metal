@@ -142,6 +142,97 @@ template [[host_name("gated_delta_scan_64")]] [[kernel]] decltype(gated_delta_sc
 template [[host_name("gated_delta_scan_128")]] [[kernel]] decltype(gated_delta_scan<128>) gated_delta_scan<128>;
 template [[host_name("gated_delta_scan_256")]] [[kernel]] decltype(gated_delta_scan<256>) gated_delta_scan<256>;
 
+// ---- gated_delta_scan_sg: the same recurrence for prefill rows (T >= 2), one state column per simdgroup ----
+// The per-thread form above holds Dk floats of S per thread (128 at the real model's Dk): on a GPU that many live
+// registers cap occupancy or spill, and a prefill chunk then runs 32 value heads on 32 threadgroups. Here a
+// simdgroup owns column e of value head j and spreads it over its 32 lanes (lane l holds rows i = l, l + 32, ..:
+// PerLane = ceil(Dk / 32) floats, 4 at Dk = 128), loaded once, carried through all T rows in registers and
+// written back once. The two per-row reductions (m = Sᵀk̂ and o = Sᵀq̂, and the norms of q and k) are a lane
+// partial in ascending row order then simd_sum: lanes exchange through simd operations, never threadgroup memory,
+// and no barrier is needed (simdgroups are independent). The sums are ordered differently from the CPU's (a tree
+// over lanes), so results agree to fp32 rounding, not bit for bit; single rows keep the per-thread form, whose
+// order conv_delta_norm repeats bit for bit (the host chooses by T and reports the calls of each).
+// Grid (⌈Dv / 4⌉, Hv), 4 simdgroups (128 threads) per threadgroup, simdgroup s of threadgroup x owns column
+// e = 4x + s (a whole simdgroup past Dv returns: nothing below waits for it). Captures: after token cap_first + i
+// each lane stores its rows of the column to slice i of cap, as the per-thread form does.
+// Reads: qkv [T, 2·Hk·Dk + Hv·Dv] (a key head's q and k rows are re-read, from cache, by every column of its value
+// heads), b, a [T, Hv], A_log, dt_bias [Hv], state_in [Hv·Dk, Dv]; writes out [T, Hv·Dv], state_out, cap.
+// Floor (real model, a 2K chunk): the state once each way (4 MiB per layer) plus qkv once (2K · 8 K floats ·
+// 4 B = 64 MiB per layer); T · Hv · Dk · Dv · 8 FLOPs.
+template <uint PerLane>
+[[kernel]] void gated_delta_scan_sg(device const float* qkv [[buffer(0)]],
+                                    device const float* b [[buffer(1)]],
+                                    device const float* a [[buffer(2)]],
+                                    device const float* A_log [[buffer(3)]],
+                                    device const float* dt_bias [[buffer(4)]],
+                                    device const float* state_in [[buffer(5)]],
+                                    device float* state_out [[buffer(6)]],
+                                    device float* out [[buffer(7)]],
+                                    constant DeltaScanShape& s [[buffer(8)]],
+                                    device float* cap [[buffer(9)]],
+                                    uint2 tg [[threadgroup_position_in_grid]],
+                                    uint simdgroup [[simdgroup_index_in_threadgroup]],
+                                    uint lane [[thread_index_in_simdgroup]]) {
+  const uint e = tg.x * 4 + simdgroup, j = tg.y;
+  if (e >= s.Dv) return;  // uniform over the simdgroup
+  const uint Dk = s.Dk, group = s.v_heads / s.k_heads, kh = j / group, key_dim = s.k_heads * Dk;
+  float S[PerLane];
+  for (uint p = 0; p < PerLane; ++p) {
+    const uint i = lane + 32 * p;
+    S[p] = i < Dk ? state_in[(ulong(j) * Dk + i) * s.ld_state_in + e] : 0.0f;
+  }
+  const float neg_A = -exp(A_log[j]);
+  const float q_scale = 1.0f / sqrt(float(Dk));
+  for (uint t = 0; t < s.T; ++t) {
+    device const float* row = qkv + ulong(t) * s.ld_qkv;
+    device const float* q = row + kh * Dk;
+    device const float* k = row + key_dim + kh * Dk;
+    float qv[PerLane], kv[PerLane];
+    float qq = 0.0f, kk = 0.0f;
+    for (uint p = 0; p < PerLane; ++p) {
+      const uint i = lane + 32 * p;
+      qv[p] = i < Dk ? q[i] : 0.0f;
+      kv[p] = i < Dk ? k[i] : 0.0f;
+      qq += qv[p] * qv[p];
+      kk += kv[p] * kv[p];
+    }
+    const float rq = q_scale / sqrt(simd_sum(qq) + 1e-6f);
+    const float rk = 1.0f / sqrt(simd_sum(kk) + 1e-6f);
+    const float beta = delta_sigmoid(b[ulong(t) * s.ld_b + j]);
+    const float alpha = exp(neg_A * delta_softplus(a[ulong(t) * s.ld_a + j] + dt_bias[j]));
+    const float v = row[2 * key_dim + j * s.Dv + e];
+    // §5.4: decay first, then read with the decayed state.
+    float m = 0.0f;
+    for (uint p = 0; p < PerLane; ++p) {
+      S[p] = S[p] * alpha;
+      m += (kv[p] * rk) * S[p];
+    }
+    const float delta = beta * (v - simd_sum(m));
+    float o = 0.0f;
+    for (uint p = 0; p < PerLane; ++p) {
+      S[p] += (kv[p] * rk) * delta;
+      o += (qv[p] * rq) * S[p];
+    }
+    o = simd_sum(o);
+    if (lane == 0) out[ulong(t) * s.ld_out + j * s.Dv + e] = o;
+    if (t >= s.cap_first && t < s.cap_first + s.cap_count)
+      for (uint p = 0; p < PerLane; ++p) {
+        const uint i = lane + 32 * p;
+        if (i < Dk) cap[((ulong(t - s.cap_first) * s.v_heads + j) * Dk + i) * s.ld_cap + e] = S[p];
+      }
+  }
+  for (uint p = 0; p < PerLane; ++p) {
+    const uint i = lane + 32 * p;
+    if (i < Dk) state_out[(ulong(j) * Dk + i) * s.ld_state_out + e] = S[p];
+  }
+}
+
+// Rows per lane by the key head dim (the host picks the smallest PerLane with 32 · PerLane >= Dk: 4 at Dk = 128).
+template [[host_name("gated_delta_scan_sg_1")]] [[kernel]] decltype(gated_delta_scan_sg<1>) gated_delta_scan_sg<1>;
+template [[host_name("gated_delta_scan_sg_2")]] [[kernel]] decltype(gated_delta_scan_sg<2>) gated_delta_scan_sg<2>;
+template [[host_name("gated_delta_scan_sg_4")]] [[kernel]] decltype(gated_delta_scan_sg<4>) gated_delta_scan_sg<4>;
+template [[host_name("gated_delta_scan_sg_8")]] [[kernel]] decltype(gated_delta_scan_sg<8>) gated_delta_scan_sg<8>;
+
 // ---- conv_delta_norm: conv1d_silu + gated_delta_scan + gated_rms_norm for one decode row (T = 1), one dispatch ----
 // Grid Hk threadgroups (one per key head kh), g·Dvp threads (g = Hv/Hk value heads of that key head, Dvp = Dv
 // rounded up to 32, so each value head owns whole simdgroups; host keeps g·Dvp ≤ the pipeline's limit, Dv ≤ 256).

@@ -373,7 +373,15 @@ std::vector<std::string> MetalOps::optimizations() const {
           "no moe_combine dispatch; " + std::to_string(counters_.moe_down_combined_calls) + " calls fused, " +
           std::to_string(counters_.moe_combine_calls) + " with moe_combine after the down pass" +
           (counters_.moe_combine_calls ? ", the last for " + counters_.moe_combine_reason : std::string()) + ")",
-      "active: fused q/k RMSNorm + RoPE prep; register-resident DeltaNet scan (one state column per thread)",
+      "active: fused q/k RMSNorm + RoPE prep",
+      std::string(counters_.delta_scan_sg_calls ? "active" : "inactive") +
+          ": register-resident DeltaNet scan with one state column per simdgroup for prefill rows (gated_delta_scan_sg: "
+          "the column over the 32 lanes, reductions by simd_sum; " + std::to_string(counters_.delta_scan_sg_calls) +
+          " calls; " + std::to_string(counters_.delta_scan_thread_calls) + " calls with one column per thread" +
+          (delta_scan_ == "auto" ? std::string(", the form of single rows, whose sums conv_delta_norm repeats bit "
+                                               "for bit)")
+                                 : ", every call forced to the " + delta_scan_ + " form)"),
+      "inactive: chunked (WY) DeltaNet prefill form (the scan carries the state through every row)",
       std::string(counters_.delta_fused_calls ? "active" : "inactive") +
           ": fused conv + recurrent update + gated norm for decode rows (conv_delta_norm: one dispatch per DeltaNet "
           "layer at T = 1; " + std::to_string(counters_.delta_fused_calls) + " calls fused, " +

@@ -94,6 +94,8 @@ class MetalOps final : public Ops {
     // were not, and why the last one was not.
     int64_t attention_split_calls = 0, attention_unsplit_calls = 0;
     std::string attention_unsplit_reason;
+    // gated_delta: calls scanned with one state column per simdgroup (gated_delta_scan_sg) and per thread.
+    int64_t delta_scan_sg_calls = 0, delta_scan_thread_calls = 0;
   };
   const Counters& counters() const { return counters_; }
   Device& metal_device() { return dev_; }
@@ -110,6 +112,10 @@ class MetalOps final : public Ops {
   // rows. Defaults 32768 and 1024; LILY_METAL_SPLIT_ATTENTION_MIN and LILY_METAL_SPLIT_ATTENTION_BLOCK set them at
   // construction (a minimum above every context turns the path off). Set before workspace_bytes.
   void set_split_attention(int64_t min_ctx, int64_t block);
+  // The DeltaNet scan's form: "auto" (one state column per thread for a single row, whose sums conv_delta_norm
+  // repeats bit for bit; one column per simdgroup for two rows and more), or one form for every call (the tests
+  // compare each with the CPU on every shape).
+  void set_delta_scan(const std::string& form);
   static constexpr int64_t kMaxSplitRows = 8;  // the partials of at most 8 query rows (decode, a speculative verify)
   // The split path's partials, f32 [min(rows, 8), heads, ⌈max_ctx / block⌉, head_dim + 2] (csrc/metal/attention.cpp).
   size_t split_attention_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const;
@@ -229,6 +235,7 @@ class MetalOps final : public Ops {
   bool fuse_moe_combine_ = true;  // LILY_METAL_FUSE_MOE_COMBINE=0: decode MoE ends with its own moe_combine
   std::string attention_variant_ = "auto";
   int64_t split_min_ = 32768, split_block_ = 1024;  // set_split_attention
+  std::string delta_scan_ = "auto";                  // set_delta_scan
 };
 
 }  // namespace lily::metal

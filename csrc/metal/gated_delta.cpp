@@ -1,6 +1,7 @@
 // MetalOps: conv1d_silu, gated_delta and their fusion with gated_rms_norm, conv_delta_norm (metal/gated_delta.metal;
 // oracle csrc/cpu/gated_delta.cpp and the composed default of csrc/backend/ops.cpp).
 #include <string>
+#include <vector>
 
 #include "metal/backend.h"
 
@@ -51,11 +52,26 @@ void MetalOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor
                           uint32_t(b.stride),        uint32_t(a.stride),        uint32_t(out.stride),
                           uint32_t(state_in.stride), uint32_t(state_out.stride), uint32_t(capture.first),
                           uint32_t(capture.count),   uint32_t(cap.stride)};
+  const std::vector<Arg> args = {arg(qkv),      arg(b),         arg(a),   arg(A_log),     arg(dt_bias),
+                                 arg(state_in), arg(state_out), arg(out), Arg::value(sh), arg(cap)};
+  const bool sg = delta_scan_ == "simdgroup" || (delta_scan_ == "auto" && qkv.rows >= 2);
+  if (sg) {  // gated_delta_scan_sg: 4 columns (simdgroups) per threadgroup, Dk spread over the 32 lanes
+    ++counters_.delta_scan_sg_calls;
+    const int64_t per_lane = s.k_dim <= 32 ? 1 : s.k_dim <= 64 ? 2 : s.k_dim <= 128 ? 4 : 8;
+    dispatch("gated_delta_scan_sg_" + std::to_string(per_lane), {}, args,
+             MTL::Size(NS::UInteger((s.v_dim + 3) / 4), NS::UInteger(s.v_heads), 1), MTL::Size(128, 1, 1));
+    return;
+  }
+  ++counters_.delta_scan_thread_calls;
   const int64_t threads = (s.v_dim + 31) / 32 * 32;
-  dispatch("gated_delta_scan_" + std::to_string(register_budget(s.k_dim)), {},
-           {arg(qkv), arg(b), arg(a), arg(A_log), arg(dt_bias), arg(state_in), arg(state_out), arg(out), Arg::value(sh),
-            arg(cap)},
+  dispatch("gated_delta_scan_" + std::to_string(register_budget(s.k_dim)), {}, args,
            MTL::Size(NS::UInteger(s.v_heads), 1, 1), MTL::Size(NS::UInteger(threads), 1, 1));
+}
+
+void MetalOps::set_delta_scan(const std::string& form) {
+  if (form != "auto" && form != "thread" && form != "simdgroup")
+    throw std::invalid_argument("delta scan form must be 'auto', 'thread' or 'simdgroup', got '" + form + "'");
+  delta_scan_ = form;
 }
 
 // One dispatch for a decode row (metal/gated_delta.metal conv_delta_norm); every other call composes the three

@@ -156,6 +156,10 @@ def test_tiny_model_matches_cpu_backend_end_to_end(program, spec, order):
     m = re.search(r"metal active: fused conv \+ recurrent update \+ gated norm .*; (\d+) calls fused, (\d+) composed .* the last "
                   r"for (\d+) rows", r.stdout)
     assert m and int(m[1]) > 0 and int(m[2]) > 0 and int(m[3]) > 1, r.stdout
+    # The prefill chunks' composed scans took one state column per simdgroup.
+    m = re.search(r"metal active: register-resident DeltaNet scan with one state column per simdgroup .*; (\d+) calls; "
+                  r"(\d+) calls with one column per thread", r.stdout)
+    assert m and int(m[1]) > 0, r.stdout
     # Decode rows ran each layer's 4-bit projections as one qmv4_multi; prefill chunks as one matmul_rows_multi.
     m = re.search(r"metal active: one dispatch per MatmulGroup .*; (\d+) calls grouped, (\d+) products in (\d+) qmv4_multi "
                   r"and (\d+) matmul_rows_multi dispatches", r.stdout)
@@ -246,6 +250,15 @@ MUTATIONS = [
      "gated_delta"),
     ("gated_delta.metal", "int(s.cap_first + i + r + 1) - int(S)", "int(s.cap_first + i + r + 2) - int(S)",
      "conv1d_silu"),
+    # The simdgroup scan (prefill rows): value heads mapped to key heads modulo, the decay after the read, the read
+    # m = Sᵀk̂ left as each lane's partial (no simd_sum: the lanes never exchange), captures one row late.
+    ("gated_delta.metal", "kh = j / group", "kh = j % s.k_heads", "gated_delta"),
+    ("gated_delta.metal", "S[p] = S[p] * alpha;\n      m += (kv[p] * rk) * S[p];",
+     "m += (kv[p] * rk) * S[p];\n      S[p] = S[p] * alpha;", "gated_delta"),
+    ("gated_delta.metal", "const float delta = beta * (v - simd_sum(m));", "const float delta = beta * (v - m);",
+     "gated_delta"),
+    ("gated_delta.metal", "if (t >= s.cap_first && t < s.cap_first + s.cap_count)",
+     "if (t > s.cap_first && t <= s.cap_first + s.cap_count)", "gated_delta"),
     # The fused DeltaNet decode kernel normalises every value head with the first head's sum of squares.
     ("gated_delta.metal", "partials[h * per_head + lane]", "partials[lane]", "conv_delta_norm"),
     # The grouped prefill experts lose every partial tile (an expert's last rows when its count is not a multiple of 8).

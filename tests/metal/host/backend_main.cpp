@@ -524,7 +524,8 @@ int run_ops(const std::string& msl) {
   // ---- DeltaNet: conv, the scan (in and out of place), each with a capture of the state after rows T/3 .. T-1 ----
   struct DeltaCase { int64_t Hk, Hv, Dk, Dv, T; bool in_place; };
   for (const auto& c : std::vector<DeltaCase>{{2, 4, 16, 24, 1, false}, {2, 4, 16, 24, 6, true}, {3, 3, 32, 32, 3, false},
-                                              {1, 2, 128, 128, 2, true}, {1, 1, 48, 40, 3, false}}) {
+                                              {1, 2, 128, 128, 2, true}, {1, 1, 48, 40, 3, false},
+                                              {2, 2, 200, 30, 4, false}}) {  // Dk past 128, Dv not /4
     const std::string name = "Hk=" + std::to_string(c.Hk) + " Hv=" + std::to_string(c.Hv) + " Dk=" + std::to_string(c.Dk) +
                              " Dv=" + std::to_string(c.Dv) + " T=" + std::to_string(c.T) + (c.in_place ? " in-place" : "");
     const int64_t C = 2 * c.Hk * c.Dk + c.Hv * c.Dv, K = 4;
@@ -542,23 +543,29 @@ int run_ops(const std::string& msl) {
       check_f32(b, "conv1d_silu", name + " captured states", ccap, 0);
     }
     if (!wanted("gated_delta")) continue;
-    auto x = b.f32(c.T, C), bb = b.f32(c.T, c.Hv, 2.f), aa = b.f32(c.T, c.Hv, 2.f), Al = b.f32(1, c.Hv),
-         dt = b.f32(1, c.Hv), S = b.f32(c.Hv * c.Dk, c.Dv, 0.5f);
-    auto S2 = c.in_place ? S : b.alloc(DType::F32, c.Hv * c.Dk, c.Dv);
-    auto out = b.alloc(DType::F32, c.T, c.Hv * c.Dv);
-    ModelConfig cfg;
-    cfg.lin_k_dim = c.Dk, cfg.lin_v_dim = c.Dv;
-    auto ws = b.alloc(DType::F32, 1, int64_t(cpu::delta_workspace_bytes(cfg, 1) / 4 + 16));
-    DeltaShape ds{c.Hk, c.Hv, c.Dk, c.Dv, K, 1e-6f};
-    auto rcap = b.alloc(DType::F32, cap_count * c.Hv * c.Dk, c.Dv);
-    b.run(Phase::Prefill, [&](Ops& o, bool m) {
-      o.gated_delta(m ? x.m : x.c, m ? bb.m : bb.c, m ? aa.m : aa.c, m ? Al.m : Al.c, m ? dt.m : dt.c, m ? S.m : S.c,
-                    m ? S2.m : S2.c, ds, m ? ws.m : ws.c, m ? out.m : out.c,
-                    StateCapture{m ? rcap.m : rcap.c, cap_first, cap_count});
-    });
-    check_f32(b, "gated_delta", name + " out", out, 1e-5);
-    check_f32(b, "gated_delta", name + " state", S2, 1e-5);
-    check_f32(b, "gated_delta", name + " captured states", rcap, 1e-5);
+    // Both scan forms on every shape (one state column per thread, and per simdgroup), each on fresh inputs.
+    for (const char* form : {"thread", "simdgroup"}) {
+      b.mtl.set_delta_scan(form);
+      const std::string fname = name + " " + form;
+      auto x = b.f32(c.T, C), bb = b.f32(c.T, c.Hv, 2.f), aa = b.f32(c.T, c.Hv, 2.f), Al = b.f32(1, c.Hv),
+           dt = b.f32(1, c.Hv), S = b.f32(c.Hv * c.Dk, c.Dv, 0.5f);
+      auto S2 = c.in_place ? S : b.alloc(DType::F32, c.Hv * c.Dk, c.Dv);
+      auto out = b.alloc(DType::F32, c.T, c.Hv * c.Dv);
+      ModelConfig cfg;
+      cfg.lin_k_dim = c.Dk, cfg.lin_v_dim = c.Dv;
+      auto ws = b.alloc(DType::F32, 1, int64_t(cpu::delta_workspace_bytes(cfg, 1) / 4 + 16));
+      DeltaShape ds{c.Hk, c.Hv, c.Dk, c.Dv, K, 1e-6f};
+      auto rcap = b.alloc(DType::F32, cap_count * c.Hv * c.Dk, c.Dv);
+      b.run(Phase::Prefill, [&](Ops& o, bool m) {
+        o.gated_delta(m ? x.m : x.c, m ? bb.m : bb.c, m ? aa.m : aa.c, m ? Al.m : Al.c, m ? dt.m : dt.c, m ? S.m : S.c,
+                      m ? S2.m : S2.c, ds, m ? ws.m : ws.c, m ? out.m : out.c,
+                      StateCapture{m ? rcap.m : rcap.c, cap_first, cap_count});
+      });
+      check_f32(b, "gated_delta", fname + " out", out, 1e-5);
+      check_f32(b, "gated_delta", fname + " state", S2, 1e-5);
+      check_f32(b, "gated_delta", fname + " captured states", rcap, 1e-5);
+    }
+    b.mtl.set_delta_scan("auto");
   }
 
   // ---- conv_delta_norm: the DeltaNet recurrence as one op. Against the CPU (which composes the three ops), and the
