@@ -1106,7 +1106,7 @@ int run_model(const std::string& msl, const std::string& spec) {
   for (const std::string& line : mtl_ops.optimizations())
     if (line.find("conv_delta_norm") != std::string::npos || line.find("MatmulGroup") != std::string::npos ||
         line.find("split decode attention") != std::string::npos ||
-        line.find("moe_down_combine") != std::string::npos)
+        line.find("moe_down_combine") != std::string::npos || line.find("moe_gate_up_mma") != std::string::npos)
       printf("model %s metal %s\n", spec.c_str(), line.c_str());
   // Snapshot, run on, restore: the same continuation again, on Metal and equal to the CPU's.
   auto snap = ms.snapshot();
