@@ -438,26 +438,30 @@ struct DownCombineShape {
 // ------------------------------------------------------------------------------------------------------------
 // Prefill experts, grouped on the GPU (GPU-resident routing: the host never sees ids, counts or offsets).
 //   moe_group:        one threadgroup, thread e owns expert e (E ≤ 1024): its histogram count over the T·k (token,
-//                     slot) pairs, an exclusive prefix scan of counts and of tiles (⌈count / 8⌉ tiles of 8 rows),
+//                     slot) pairs, an exclusive prefix scan of counts and of tiles (⌈count / R⌉ tiles of R =
+//                     s.tile_rows rows: 8, 16 or 32, the host's choice for the chunk),
 //                     the scatter of its pairs in ascending pair (so token) order, and its tile map entries.
 //                     Writes, in the workspace (I32): offsets [E + 1], pair_of [T·k] (grouped position -> pair),
 //                     position_of [T·k] (pair -> grouped position), tiles [max_tiles, 2] (expert, first position),
 //                     tile_count [1].
 //   moe_gate_up_tiles: act[g, i] = silu(gate_e(x)) ⊙ up_e(x) for the ≤ 8 grouped rows g of one tile: each weight
 //                     word is dequantized once per tile and used for all its rows (the weight traffic of a prefill
-//                     chunk falls by the tile's row count). Grid (⌈I/8⌉, max_tiles), 2 simdgroups × 4 rows.
+//                     chunk falls by the tile's row count). Grid (⌈I/8⌉, min(⌈T·k/8⌉ + E, T·k)), 2 simdgroups ×
+//                     4 rows. The fallback of the simdgroup-matrix tiles below (LILY_METAL_MOE_MMA=0, or a device
+//                     whose threadgroup memory or threads neither R fits).
 //   moe_down_tiles:   y[g, c] = down_e(act[g])[c], same geometry over H.
 //   moe_gather_sum:   out[t, c] = Σ_s w[t, s] · y[position_of[t·k + s], c], slots in ascending expert id.
 //                     Grid (⌈H/64⌉, T), 64 threads.
-// Each (row, output) sum is built lane by lane exactly as mm_lane_dot builds it, so the grouped path gives the
-// same bits as the per-pair kernels above; tiles past tile_count return at once (the grid is the upper bound
-// ⌈T·k/8⌉ + E).
+// moe_group builds tiles of s.tile_rows rows (8 for the lane-dot tiles here; 16 or 32 for the simdgroup-matrix
+// tiles below, moe_gate_up_mma / moe_down_mma, chosen by the host per chunk). In the lane-dot tiles each (row,
+// output) sum is built lane by lane exactly as mm_lane_dot builds it, so that path gives the same bits as the
+// per-pair kernels above; tiles past tile_count return at once (the grid is an upper bound, ⌈T·k/R⌉ + E).
 
 struct GroupShape {
-  uint T, k, E, max_tiles;
+  uint T, k, E, max_tiles, tile_rows;
 };
 
-constant constexpr uint kTileRows = 8;  // must match kTileRows in csrc/metal/matmul.cpp
+constant constexpr uint kTileRows = 8;  // the lane-dot tiles' rows: must match kLaneTileRows in csrc/metal/matmul.cpp
 
 [[kernel]] void moe_group(device const int* ids [[buffer(0)]],
                           device int* offsets [[buffer(1)]],
@@ -483,7 +487,7 @@ constant constexpr uint kTileRows = 8;  // must match kTileRows in csrc/metal/ma
       counts[x] = run;
       counts[s.E + 1 + x] = tile_run;
       run += c;
-      tile_run += (c + int(kTileRows) - 1) / int(kTileRows);
+      tile_run += (c + int(s.tile_rows) - 1) / int(s.tile_rows);
     }
     counts[s.E] = run;
     counts[2 * s.E + 1] = tile_run;
@@ -501,7 +505,7 @@ constant constexpr uint kTileRows = 8;  // must match kTileRows in csrc/metal/ma
       ++at;
     }
   const int tile0 = counts[s.E + 1 + e];
-  for (int r = first, i = 0; r < at; r += int(kTileRows), ++i) {
+  for (int r = first, i = 0; r < at; r += int(s.tile_rows), ++i) {
     tiles[2 * (tile0 + i)] = int(e);
     tiles[2 * (tile0 + i) + 1] = r;
   }
@@ -635,3 +639,199 @@ inline void mm_lane_dot_tile(device const uchar* data, device const ushort* scal
   }
   out[ulong(t) * s.ldy + c] = o;
 }
+
+// ------------------------------------------------------------------------------------------------------------
+// Prefill experts as a grouped GEMM on simdgroup matrices, over moe_group's tile map (tiles of R = 16 or 32 grouped
+// rows of one expert; the host picks R per chunk from T·k / E, csrc/metal/matmul.cpp choose_moe_tiles):
+//   moe_gate_up_mma_r{16,32}: act[g, i] = silu(Σ_c x[t_g, c] · gate_e[i, c]) · (Σ_c x[t_g, c] · up_e[i, c]) for the
+//                     tile's grouped rows g (t_g = pair_of[g] / k). Reads gate/up (any format: f32/f16/bf16 dense,
+//                     4- or 8-bit affine with f16/bf16 scales and biases, function constants 1-3 as above), x f32
+//                     [T, ldx], offsets, pair_of, tiles, tile_count (moe_group); writes act f32 [T·k, I] (grouped
+//                     positions, row stride I). Buffers as moe_gate_up_tiles.
+//   moe_down_mma_r{16,32}:   y[g, n] = Σ_i act[g, i] · down_e[n, i]. Reads down, act, offsets, tiles, tile_count;
+//                     writes y f32 [T·k, H] (grouped positions). Buffers as moe_down_tiles.
+// Grid (⌈N/32⌉, ⌈T·k/R⌉ + E clamped to T·k): threadgroup (b, tile) owns the tile's R rows × output columns
+// [32b, 32b + 32); tiles past tile_count return at once (uniform over the threadgroup, before any barrier).
+// Threadgroup: R/8 simdgroups (64 or 128 threads); simdgroup s owns rows [8s, 8s + 8) × the 32 columns: four
+// simdgroup_float8x8 accumulators per product (gate and up: eight). The K loop takes blocks of 32 columns:
+//   stage  xs [R, 32] f32: the tile's rows of x (act), zero for rows ≥ the tile's count and columns ≥ K;
+//          ws [32, 32] f32 per weight, k-major (ws[kk·32 + n] = W[n0 + n, k0 + kk]): the weight block dequantized
+//          (scale · code + bias, computed in registers from the codes; no dequantized copy reaches device memory),
+//          zero outside [N, K], so partial blocks add exact zeros;
+//   barrier, then 4 steps of 8: A = xs[8s.., kk..] (simdgroup_load), B = ws[kk.., 8c..], C_c += A·B (fp32), barrier.
+// Epilogue: the accumulators go to threadgroup memory (simdgroup_store; xs and ws reused), then the threads write
+// the tile's rows < count and columns < N (gate/up: silu(g)·u there), so partial tiles never write past their rows.
+// Threadgroup memory: R·32·4 + 32·32·4 per weight + R·4 bytes: gate/up 10.1 KB (R 16) / 12.1 KB (R 32), down 6.1 /
+// 8.1 KB, under 16 KB (the small limits; the host checks these counts against the device's limit before building
+// the pipelines, choose_moe_tiles, and takes the other R or the lane-dot tiles, reported, where one does not fit).
+// Sum order: for each output, Σ over K in ascending order, one fp32 add per column (the 8x8 products accumulate
+// k = 0..7 in order in the emulator; on a GPU the order inside one 8-step product is the hardware's). It depends
+// on K only, never on R, the tile a row falls in, T or the chunking: R = 16 and R = 32 give the same bits (the
+// test checks it), not the bits of the lane-dot tiles (which sum s·Σq·x + b·Σx per word).
+// Floor (the real model, MODEL.md §10: H 2048, I 512, q4g64 bf16): each tile reads its expert's gate, up and down
+// once, 3 · 512 · 2048 · 0.5625 B = 1.77 MB, so a chunk reads Σ_e ⌈c_e / R⌉ · 1.77 MB of weights per layer (R = 32
+// halves R = 16's re-reads once experts hold ≥ 32 rows); x and act cross once per column block (L2 traffic);
+// 6 · T·k · 512 · 2048 FLOPs per layer (T·k = 8T routed rows).
+// Oracle: CpuOps::moe_experts_impl (csrc/cpu/moe.cpp); tests/metal/host/backend_main.cpp `ops --only moe_experts`.
+
+// Both must match kMmaColumns in csrc/metal/matmul.cpp (the grid and the threadgroup-memory check).
+constant constexpr uint kMmaBK = 32;  // K block (columns staged per step)
+constant constexpr uint kMmaBN = 32;  // output columns per threadgroup; the epilogue reuses xs [R, BK] as [R, BN]
+
+// One weight block, dequantized, k-major into ws[kk · BN + n] = W_e[n0 + n, k0 + kk] (zero outside [N, K]).
+inline void mma_stage_weight(device const uchar* data, device const ushort* scales, device const ushort* biases,
+                             constant WeightRef& w, uint e, uint n0, uint k0, threadgroup float* ws, uint tid,
+                             uint threads) {
+  const ulong base = ulong(w.data_off) + ulong(e) * w.data_stride;
+  if (mm_format < 4) {
+    for (uint i = tid; i < kMmaBN * kMmaBK; i += threads) {
+      const uint n = i / kMmaBK, kk = i % kMmaBK, row = n0 + n, col = k0 + kk;
+      float v = 0.0f;
+      if (row < w.N && col < w.K) {
+        const ulong at = base + ulong(row) * w.K + col;
+        v = mm_format == 0 ? ((device const float*)data)[at]
+            : mm_format == 1 ? mm_half_bits(((device const ushort*)data)[at])
+                             : mm_bf16_bits(((device const ushort*)data)[at]);
+      }
+      ws[kk * kMmaBN + n] = v;
+    }
+    return;
+  }
+  // Affine: one code word (8 or 4 elements of one group) per thread and step; K is a multiple of the group and
+  // the group of the word size, so a word is wholly inside or outside [0, K).
+  const uint per_word = 32 / mm_format, words_per_row = kMmaBK / per_word;
+  const uint words = w.K / per_word, groups = w.K / mm_group, mask = (1u << mm_format) - 1u;
+  for (uint i = tid; i < kMmaBN * words_per_row; i += threads) {
+    const uint n = i / words_per_row, kw = i % words_per_row, row = n0 + n, col = k0 + kw * per_word;
+    const bool inside = row < w.N && col < w.K;
+    uint word = 0;
+    float sc = 0.0f, bi = 0.0f;
+    if (inside) {
+      word = ((device const uint*)data)[base + ulong(row) * words + col / per_word];
+      const ulong g = ulong(row) * groups + col / mm_group;
+      sc = mm_scale_value(scales, w.scale_off + ulong(e) * w.scale_stride + g);
+      bi = mm_scale_value(biases, w.bias_off + ulong(e) * w.bias_stride + g);
+    }
+    for (uint j = 0; j < per_word; ++j)
+      ws[(kw * per_word + j) * kMmaBN + n] = inside ? sc * float((word >> (mm_format * j)) & mask) + bi : 0.0f;
+  }
+}
+
+// The tile's rows of x (row j at x + xrow[j]), columns k0 .. k0 + BK, into xs [R, BK]; zero past `rows` and K.
+template <uint R>
+inline void mma_stage_rows(device const float* x, threadgroup const uint* xrow, uint rows, uint K, uint k0,
+                           threadgroup float* xs, uint tid) {
+  for (uint i = tid; i < R * kMmaBK; i += R / 8 * 32) {
+    const uint j = i / kMmaBK, col = k0 + i % kMmaBK;
+    xs[i] = j < rows && col < K ? x[ulong(xrow[j]) + col] : 0.0f;
+  }
+}
+
+// C_c += xs[8s .. 8s + 8, :] · ws[:, 8c .. 8c + 8] for the four column blocks c, over the staged K block.
+inline void mma_block(threadgroup const float* xs, threadgroup const float* ws, uint sg,
+                      thread simdgroup_float8x8* acc) {
+  for (uint kk = 0; kk < kMmaBK; kk += 8) {
+    simdgroup_float8x8 a;
+    simdgroup_load(a, xs + sg * 8 * kMmaBK + kk, kMmaBK);
+    for (uint c = 0; c < kMmaBN / 8; ++c) {
+      simdgroup_float8x8 b;
+      simdgroup_load(b, ws + kk * kMmaBN + c * 8, kMmaBN);
+      simdgroup_multiply_accumulate(acc[c], a, b, acc[c]);
+    }
+  }
+}
+
+template <uint R>
+[[kernel]] void moe_gate_up_mma(device const uchar* g_data [[buffer(0)]],
+                                device const ushort* g_scales [[buffer(1)]],
+                                device const ushort* g_biases [[buffer(2)]],
+                                constant WeightRef& gw [[buffer(3)]],
+                                device const uchar* u_data [[buffer(4)]],
+                                device const ushort* u_scales [[buffer(5)]],
+                                device const ushort* u_biases [[buffer(6)]],
+                                constant WeightRef& uw [[buffer(7)]],
+                                device const float* x [[buffer(8)]],
+                                device const int* offsets [[buffer(9)]],
+                                device const int* pair_of [[buffer(10)]],
+                                device const int* tiles [[buffer(11)]],
+                                device const int* tile_count [[buffer(12)]],
+                                device float* act [[buffer(13)]],
+                                constant MatmulShape& s [[buffer(14)]],
+                                uint2 tg [[threadgroup_position_in_grid]],
+                                uint tid [[thread_index_in_threadgroup]],
+                                uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float xs[R * kMmaBK];         // x rows; after the K loop the gate sums [R, BN]
+  threadgroup float gs[kMmaBK * kMmaBN];    // gate block; after the K loop the up sums [R, BN]
+  threadgroup float us[kMmaBK * kMmaBN];    // up block
+  threadgroup uint xrow[R];                 // x offset of each tile row (the last real row repeated)
+  if (int(tg.y) >= tile_count[0]) return;  // uniform over the threadgroup: no barrier or collective is split
+  const uint e = uint(tiles[2 * tg.y]), first = uint(tiles[2 * tg.y + 1]);
+  const uint rows = min(R, uint(offsets[e + 1]) - first), n0 = tg.x * kMmaBN, N = gw.N;
+  if (tid < R) xrow[tid] = uint(pair_of[first + min(tid, rows - 1)]) / s.k * s.ldx;
+  simdgroup_float8x8 ga[kMmaBN / 8], ua[kMmaBN / 8];
+  for (uint c = 0; c < kMmaBN / 8; ++c)
+    ga[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f), ua[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  for (uint k0 = 0; k0 < gw.K; k0 += kMmaBK) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the last block's products are done (and xrow is written)
+    mma_stage_rows<R>(x, xrow, rows, gw.K, k0, xs, tid);
+    mma_stage_weight(g_data, g_scales, g_biases, gw, e, n0, k0, gs, tid, R / 8 * 32);
+    mma_stage_weight(u_data, u_scales, u_biases, uw, e, n0, k0, us, tid, R / 8 * 32);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // every staged element is written before any simdgroup loads
+    mma_block(xs, gs, sg, ga);
+    mma_block(xs, us, sg, ua);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // the products have read xs and gs
+  for (uint c = 0; c < kMmaBN / 8; ++c) {
+    simdgroup_store(ga[c], xs + sg * 8 * kMmaBN + c * 8, kMmaBN);
+    simdgroup_store(ua[c], gs + sg * 8 * kMmaBN + c * 8, kMmaBN);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint i = tid; i < R * kMmaBN; i += R / 8 * 32) {
+    const uint j = i / kMmaBN, n = n0 + i % kMmaBN;
+    const float g = xs[i], u = gs[i];
+    if (j < rows && n < N) act[ulong(first + j) * N + n] = g / (1.0f + exp(-g)) * u;
+  }
+}
+
+template <uint R>
+[[kernel]] void moe_down_mma(device const uchar* data [[buffer(0)]],
+                             device const ushort* scales [[buffer(1)]],
+                             device const ushort* biases [[buffer(2)]],
+                             constant WeightRef& w [[buffer(3)]],
+                             device const float* act [[buffer(4)]],
+                             device const int* offsets [[buffer(5)]],
+                             device const int* tiles [[buffer(6)]],
+                             device const int* tile_count [[buffer(7)]],
+                             device float* y [[buffer(8)]],
+                             uint2 tg [[threadgroup_position_in_grid]],
+                             uint tid [[thread_index_in_threadgroup]],
+                             uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float xs[R * kMmaBK];       // act rows; after the K loop the sums [R, BN]
+  threadgroup float ws[kMmaBK * kMmaBN];  // down block
+  threadgroup uint xrow[R];
+  if (int(tg.y) >= tile_count[0]) return;  // uniform over the threadgroup
+  const uint e = uint(tiles[2 * tg.y]), first = uint(tiles[2 * tg.y + 1]);
+  const uint rows = min(R, uint(offsets[e + 1]) - first), n0 = tg.x * kMmaBN;
+  if (tid < R) xrow[tid] = (first + min(tid, rows - 1)) * w.K;
+  simdgroup_float8x8 acc[kMmaBN / 8];
+  for (uint c = 0; c < kMmaBN / 8; ++c) acc[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  for (uint k0 = 0; k0 < w.K; k0 += kMmaBK) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    mma_stage_rows<R>(act, xrow, rows, w.K, k0, xs, tid);
+    mma_stage_weight(data, scales, biases, w, e, n0, k0, ws, tid, R / 8 * 32);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    mma_block(xs, ws, sg, acc);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint c = 0; c < kMmaBN / 8; ++c) simdgroup_store(acc[c], xs + sg * 8 * kMmaBN + c * 8, kMmaBN);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint i = tid; i < R * kMmaBN; i += R / 8 * 32) {
+    const uint j = i / kMmaBN, n = n0 + i % kMmaBN;
+    if (j < rows && n < w.N) y[ulong(first + j) * w.N + n] = xs[i];
+  }
+}
+
+template [[host_name("moe_gate_up_mma_r16")]] [[kernel]] decltype(moe_gate_up_mma<16>) moe_gate_up_mma<16>;
+template [[host_name("moe_gate_up_mma_r32")]] [[kernel]] decltype(moe_gate_up_mma<32>) moe_gate_up_mma<32>;
+template [[host_name("moe_down_mma_r16")]] [[kernel]] decltype(moe_down_mma<16>) moe_down_mma<16>;
+template [[host_name("moe_down_mma_r32")]] [[kernel]] decltype(moe_down_mma<32>) moe_down_mma<32>;

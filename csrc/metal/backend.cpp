@@ -4,6 +4,7 @@
 #include "metal/backend.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <unistd.h>
@@ -50,6 +51,10 @@ MetalOps::MetalOps(const std::string& msl) : dev_(msl), fences_(std::make_shared
   group_matmuls_ = !(group && std::string(group) == "0");
   const char* combine = std::getenv("LILY_METAL_FUSE_MOE_COMBINE");
   fuse_moe_combine_ = !(combine && std::string(combine) == "0");
+  const char* mma = std::getenv("LILY_METAL_MOE_MMA");
+  moe_mma_ = !(mma && std::string(mma) == "0");
+  const char* tile_rows = std::getenv("LILY_METAL_MOE_TILE_ROWS");
+  if (tile_rows && *tile_rows) set_moe_tile_rows(std::stoll(tile_rows));
   const char* split_min = std::getenv("LILY_METAL_SPLIT_ATTENTION_MIN");
   const char* split_block = std::getenv("LILY_METAL_SPLIT_ATTENTION_BLOCK");
   set_split_attention(split_min && *split_min ? std::stoll(split_min) : split_min_,
@@ -345,11 +350,25 @@ void MetalOps::fill_impl(const Tensor& dst, double value) {
            MTL::Size(64, 1, 1));
 }
 
+void MetalOps::set_moe_tile_rows(int64_t rows) {
+  if (rows != 0 && rows != 16 && rows != 32)
+    throw MetalError("metal moe_experts: tile rows must be 0 (chosen per chunk), 16 or 32, got " + std::to_string(rows));
+  moe_tile_rows_ = rows;
+}
+
 void MetalOps::advance_position_impl(const Tensor& pos_in, const Tensor& pos_out, int64_t T) {
   const int32_t t = int32_t(T);
   dispatch("advance_position", {}, {arg(pos_in), arg(pos_out), Arg::value(t)}, MTL::Size(1, 1, 1),
            MTL::Size(32, 1, 1));
 }
+
+namespace {
+std::string fixed1(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f", v);
+  return b;
+}
+}  // namespace
 
 std::vector<std::string> MetalOps::optimizations() const {
   std::vector<std::string> v = {
@@ -405,8 +424,24 @@ std::vector<std::string> MetalOps::optimizations() const {
           ")",
       "active: GPU-resident routing (top-k on the GPU; ids never read by the host)",
       "active: sampling on the GPU, greedy and seeded (the id goes straight into the next step's slot)",
-      "active: experts grouped on the GPU for prefill (moe_group, tiles of up to 8 rows of one expert); inactive: "
-      "simdgroup-matrix tiles and 16/32-row tiles chosen by rows per expert",
+      "active: experts grouped on the GPU for prefill (moe_group: histogram, scan, scatter and a tile map of the "
+      "chunk's tile rows)",
+      std::string(counters_.moe_mma16_calls + counters_.moe_mma32_calls ? "active" : "inactive") +
+          ": grouped expert GEMM on simdgroup matrices for prefill (moe_gate_up_mma / moe_down_mma: routed x rows and "
+          "weight blocks dequantized into threadgroup memory, 8x8 float products, fp32 accumulate, every weight "
+          "format; tiles of " +
+          (moe_tile_rows_ ? std::to_string(moe_tile_rows_) + " rows (set)"
+                          : std::string("16 rows (2 simdgroups) below 24 rows per expert on average (T·k / E), 32 rows "
+                                        "(4 simdgroups) from 24")) +
+          (moe_mma_ ? std::string() : std::string("; off: LILY_METAL_MOE_MMA=0")) + "; " +
+          std::to_string(counters_.moe_mma16_calls) + " chunks with 16-row tiles, " +
+          std::to_string(counters_.moe_mma32_calls) + " with 32-row tiles, " +
+          std::to_string(counters_.moe_lane_tile_calls) + " on the 8-row lane-dot tiles (moe_gate_up_tiles)" +
+          (counters_.moe_mma16_calls + counters_.moe_mma32_calls + counters_.moe_lane_tile_calls
+               ? ", the last at " + fixed1(counters_.moe_tiles_last_rows_per_expert) + " rows per expert"
+               : std::string()) +
+          (counters_.moe_tiles_reason.empty() ? std::string() : "; the last fallback: " + counters_.moe_tiles_reason) +
+          ")",
       "active: GQA packing and coalesced KV reads in decode attention (attention_gqa: 4 query heads per cached row)",
       std::string(counters_.attention_split_calls ? "active" : "inactive") +
           ": split decode attention for long contexts (attention_split + attention_split_reduce: fixed blocks of " +

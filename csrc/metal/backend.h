@@ -96,6 +96,12 @@ class MetalOps final : public Ops {
     std::string attention_unsplit_reason;
     // gated_delta: calls scanned with one state column per simdgroup (gated_delta_scan_sg) and per thread.
     int64_t delta_scan_sg_calls = 0, delta_scan_thread_calls = 0;
+    // Grouped prefill experts: chunks on the simdgroup-matrix GEMM with 16- and 32-row tiles, chunks on the 8-row
+    // lane-dot tiles, T·k / E of the last chunk, and the last reason a chunk did not get the R it was meant to
+    // (the other R, or the lane-dot tiles).
+    int64_t moe_mma16_calls = 0, moe_mma32_calls = 0, moe_lane_tile_calls = 0;
+    double moe_tiles_last_rows_per_expert = 0;
+    std::string moe_tiles_reason, moe_tiles_last_reason;  // the last fallback's reason; the last chunk's ("" if none)
   };
   const Counters& counters() const { return counters_; }
   Device& metal_device() { return dev_; }
@@ -108,6 +114,13 @@ class MetalOps final : public Ops {
   // moe_combine runs after it (LILY_METAL_FUSE_MOE_COMBINE=0; the tests compare the two).
   void set_fuse_moe_combine(bool on) { fuse_moe_combine_ = on; }
   bool fuse_moe_combine() const { return fuse_moe_combine_; }
+  // Grouped prefill experts: the simdgroup-matrix GEMM (on; LILY_METAL_MOE_MMA=0 takes the 8-row lane-dot tiles)
+  // and its tile rows (0: chosen per chunk from T·k / E; 16 or 32 forced, LILY_METAL_MOE_TILE_ROWS). The tests run
+  // every choice against the CPU.
+  void set_moe_mma(bool on) { moe_mma_ = on; }
+  bool moe_mma() const { return moe_mma_; }
+  void set_moe_tile_rows(int64_t rows);
+  int64_t moe_tile_rows() const { return moe_tile_rows_; }
   // The split path: contexts of at least min_ctx rows (pos + 1, decided on the GPU) are cut into blocks of `block`
   // rows. Defaults 32768 and 1024; LILY_METAL_SPLIT_ATTENTION_MIN and LILY_METAL_SPLIT_ATTENTION_BLOCK set them at
   // construction (a minimum above every context turns the path off). Set before workspace_bytes.
@@ -188,6 +201,13 @@ class MetalOps final : public Ops {
                 MTL::Size groups, MTL::Size threads, const std::vector<size_t>& threadgroup_bytes = {});
   void barrier_in_op() override;  // between two dependent kernels of one op
   bool grouped_experts(int64_t T, int64_t E) const;  // prefill rows: experts grouped on the GPU
+  struct MoeTiles {
+    bool mma = false;   // the simdgroup-matrix GEMM, else the lane-dot tiles of 8 rows
+    int64_t rows = 8;   // R
+    std::string reason;  // why not the GEMM, or not the R the rule or the setting asked for; empty when it got it
+  };
+  MoeTiles choose_moe_tiles(int64_t T, int64_t k, int64_t E, const std::vector<FunctionConstant>& gate_constants,
+                            const std::vector<FunctionConstant>& down_constants);
   void moe_experts_grouped(const Tensor& x, const Tensor& ids, const Tensor& weights, const WeightBinding& g,
                            const WeightBinding& u, const WeightBinding& d, int64_t E, const Tensor& ws,
                            const Tensor& out);
@@ -233,6 +253,8 @@ class MetalOps final : public Ops {
   bool drop_barriers_ = false;  // LILY_METAL_DROP_BARRIERS=1: the planted bug of the harness tests
   bool group_matmuls_ = true;  // LILY_METAL_GROUP_MATMULS=0: every product of a MatmulGroup its own dispatch
   bool fuse_moe_combine_ = true;  // LILY_METAL_FUSE_MOE_COMBINE=0: decode MoE ends with its own moe_combine
+  bool moe_mma_ = true;           // LILY_METAL_MOE_MMA=0: grouped prefill experts on the 8-row lane-dot tiles
+  int64_t moe_tile_rows_ = 0;     // LILY_METAL_MOE_TILE_ROWS: 0 (by rows per expert), 16 or 32
   std::string attention_variant_ = "auto";
   int64_t split_min_ = 32768, split_block_ = 1024;  // set_split_attention
   std::string delta_scan_ = "auto";                  // set_delta_scan

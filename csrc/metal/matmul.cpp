@@ -54,11 +54,21 @@ struct DownCombineShape {  // metal/matmul.metal (moe_down_combine)
 };
 static_assert(sizeof(DownCombineShape) == 16, "DownCombineShape must match metal/matmul.metal");
 constexpr int64_t kRowsPerGroup = 8;  // matmul_rows / moe_*: 2 simdgroups × 4 rows (metal/matmul.metal)
-constexpr int64_t kTileRows = 8;      // grouped expert tiles: must match kTileRows in metal/matmul.metal
+// Grouped expert tiles: the lane-dot tiles (moe_gate_up_tiles / moe_down_tiles) take 8 rows (must match kTileRows in
+// metal/matmul.metal); the simdgroup-matrix tiles (moe_*_mma_r16 / _r32) 16 or 32, R / 8 simdgroups of 32 lanes. The
+// workspace's tile map is sized for the smallest, 8, which bounds every R.
+constexpr int64_t kLaneTileRows = 8;
+constexpr int64_t kMmaColumns = 32;  // output columns per mma threadgroup and K block: kMmaBN = kMmaBK in metal/matmul.metal
+// Rows per expert on average (T·k / E) from which a chunk takes 32-row tiles. Below it most active experts hold
+// fewer than 32 rows, so a 32-row tile would be mostly masked rows (work and threadgroup memory for nothing) while
+// a 16-row tile is at least half full for experts with ≥ 8 rows; from 24 rows on average a 32-row tile is ≥ 3/4 full
+// for the typical expert and halves the weight re-reads of experts above 16 rows. For the real model (E 256, k 8)
+// that is chunks of ≥ 768 tokens: 512-token chunks take 16 rows, 2K chunks 32 (issue 12's ablation points).
+constexpr int64_t kRowsPerExpertFor32 = 24;
 struct GroupShape {                   // metal/matmul.metal
-  uint32_t T, k, E, max_tiles;
+  uint32_t T, k, E, max_tiles, tile_rows;
 };
-static_assert(sizeof(GroupShape) == 16, "GroupShape must match metal/matmul.metal");
+static_assert(sizeof(GroupShape) == 20, "GroupShape must match metal/matmul.metal");
 
 uint32_t format_code(const WeightFormat& f) {
   if (f.quantized()) {
@@ -271,7 +281,7 @@ void MetalOps::embed_impl(const Tensor& ids, const Weight& table, const Tensor& 
 MoeWorkspace moe_workspace(int64_t T, int64_t k, int64_t E, int64_t I, int64_t H) {
   auto r16 = [](size_t n) { return (n + 15) / 16 * 16; };
   MoeWorkspace w;
-  w.max_tiles = (T * k + kTileRows - 1) / kTileRows + E;
+  w.max_tiles = (T * k + kLaneTileRows - 1) / kLaneTileRows + E;
   w.offsets = 0;
   w.pair_of = w.offsets + r16(size_t(E + 1) * 4);
   w.position_of = w.pair_of + r16(size_t(T * k) * 4);
@@ -351,22 +361,80 @@ void MetalOps::moe_pairs_down(const Tensor& ids, const Tensor& weights, const We
   dispatch("moe_down_combine", d.constants, a2, grid, MTL::Size(64, 1, 1));
 }
 
-// Prefill: group the (token, slot) pairs by expert on the GPU, then tiles of up to 8 rows of one expert, each weight
-// word dequantized once per tile, then the per-token sums in ascending expert id (metal/matmul.metal).
+// Which tiles a prefill chunk's grouped experts take (one decision, used by the encoder and reported): the
+// simdgroup-matrix GEMM with R = 16 or 32 rows (forced by set_moe_tile_rows / LILY_METAL_MOE_TILE_ROWS, else 32 from
+// kRowsPerExpertFor32 rows per expert on average), unless LILY_METAL_MOE_MMA=0 or neither R's pipelines fit the
+// device (threads, threadgroup memory): then the 8-row lane-dot tiles, with the reason.
+MetalOps::MoeTiles MetalOps::choose_moe_tiles(int64_t T, int64_t k, int64_t E,
+                                              const std::vector<FunctionConstant>& gate_constants,
+                                              const std::vector<FunctionConstant>& down_constants) {
+  MoeTiles c;
+  if (!moe_mma_) {
+    c.reason = "LILY_METAL_MOE_MMA=0";
+    return c;
+  }
+  const int64_t wanted = moe_tile_rows_ ? moe_tile_rows_ : T * k >= kRowsPerExpertFor32 * E ? 32 : 16;
+  const size_t limit = dev_.device()->maxThreadgroupMemoryLength();
+  std::string why;
+  for (int64_t R : {wanted, wanted == 32 ? int64_t(16) : int64_t(32)}) {
+    if (moe_tile_rows_ && R != moe_tile_rows_) break;  // a forced R has no second choice
+    bool fits = true;
+    for (int weights : {2, 1}) {  // gate/up stages two weight blocks, down one
+      const std::string name = std::string(weights == 2 ? "moe_gate_up_mma_r" : "moe_down_mma_r") + std::to_string(R);
+      // Must match the threadgroup arrays of moe_gate_up_mma / moe_down_mma (metal/matmul.metal): xs [R, BK],
+      // one [BK, BN] block per weight, xrow [R], all 4-byte. Checked before the pipeline is built: a device refuses
+      // to build a pipeline over its threadgroup memory.
+      const size_t bytes = size_t(R) * kMmaColumns * 4 + size_t(weights) * kMmaColumns * kMmaColumns * 4 + size_t(R) * 4;
+      const size_t threads = size_t(R / 8 * 32);
+      std::string miss;
+      if (bytes > limit)
+        miss = "needs " + std::to_string(bytes) + " bytes of threadgroup memory, the device allows " + std::to_string(limit);
+      else if (const size_t t = dev_.pipeline(name, weights == 2 ? gate_constants : down_constants)
+                                    ->maxTotalThreadsPerThreadgroup();
+               threads > t)
+        miss = "needs " + std::to_string(threads) + " threads, the pipeline allows " + std::to_string(t);
+      if (!miss.empty()) fits = false, why += (why.empty() ? "" : "; ") + name + " " + miss;
+    }
+    if (fits) {
+      c.rows = R;
+      c.mma = true;
+      c.reason = R == wanted ? "" : why;  // the other R fitted where the chosen one did not
+      return c;
+    }
+  }
+  c.reason = why;
+  return c;
+}
+
+// Prefill: group the (token, slot) pairs by expert on the GPU (moe_group), then per tile of R rows of one expert the
+// grouped GEMM (moe_gate_up_mma / moe_down_mma, simdgroup matrices over dequantized blocks in threadgroup memory),
+// or the 8-row lane-dot tiles (each weight word dequantized once per tile), then the per-token sums in ascending
+// expert id (metal/matmul.metal).
 void MetalOps::moe_experts_grouped(const Tensor& x, const Tensor& ids, const Tensor& weights, const WeightBinding& g,
                                    const WeightBinding& u, const WeightBinding& d, int64_t E, const Tensor& ws,
                                    const Tensor& out) {
   const int64_t T = x.rows, k = ids.cols, I = g.ref.N, H = x.cols;
   const MoeWorkspace w = moe_workspace(T, k, E, I, H);
   if (w.bytes > ws.bytes()) throw std::logic_error("workspace too small for moe_experts (grouped)");
+  const MoeTiles tiles = choose_moe_tiles(T, k, E, g.constants, d.constants);
+  const int64_t R = tiles.mma ? tiles.rows : kLaneTileRows;
+  // Tiles: Σ_e ⌈c_e / R⌉ ≤ ⌈T·k / R⌉ + E, and never more than the T·k rows; the threadgroups past tile_count return.
+  const int64_t grid_tiles = std::min((T * k + R - 1) / R + E, T * k);
+  ++(tiles.mma ? (R == 16 ? counters_.moe_mma16_calls : counters_.moe_mma32_calls) : counters_.moe_lane_tile_calls);
+  counters_.moe_tiles_last_rows_per_expert = double(T * k) / double(E);
+  counters_.moe_tiles_last_reason = tiles.reason;
+  if (!tiles.reason.empty()) counters_.moe_tiles_reason = tiles.reason;
   const Arg base = arg(ws);
   auto at = [&](size_t off) { return Arg::buf(base.buffer, base.offset + off); };
-  const GroupShape gs{uint32_t(T), uint32_t(k), uint32_t(E), uint32_t(w.max_tiles)};
+  const GroupShape gs{uint32_t(T), uint32_t(k), uint32_t(E), uint32_t(w.max_tiles), uint32_t(R)};
   const int64_t threads = (E + 31) / 32 * 32;
   dispatch("moe_group", {},
            {arg(ids), at(w.offsets), at(w.pair_of), at(w.position_of), at(w.tiles), at(w.tile_count), Arg::value(gs)},
            MTL::Size(1, 1, 1), MTL::Size(NS::UInteger(threads), 1, 1), {size_t(2 * (E + 1)) * 4});
   barrier_in_op();
+  const int64_t cols = tiles.mma ? kMmaColumns : kRowsPerGroup;  // output columns per threadgroup
+  const MTL::Size tg_threads(NS::UInteger(tiles.mma ? R / 8 * 32 : 64), 1, 1);
+  const std::string suffix = tiles.mma ? "_mma_r" + std::to_string(R) : "_tiles";
   const MatmulShape s1{uint32_t(T), uint32_t(x.stride), uint32_t(I), uint32_t(k)};
   std::vector<Arg> a1 = g.args();
   a1.push_back(Arg::value(g.ref));
@@ -374,16 +442,14 @@ void MetalOps::moe_experts_grouped(const Tensor& x, const Tensor& ids, const Ten
   a1.push_back(Arg::value(u.ref));
   for (const Arg& a : {arg(x), at(w.offsets), at(w.pair_of), at(w.tiles), at(w.tile_count), at(w.act)}) a1.push_back(a);
   a1.push_back(Arg::value(s1));
-  dispatch("moe_gate_up_tiles", g.constants, a1,
-           MTL::Size(NS::UInteger((I + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(w.max_tiles), 1),
-           MTL::Size(64, 1, 1));
+  dispatch("moe_gate_up" + suffix, g.constants, a1,
+           MTL::Size(NS::UInteger((I + cols - 1) / cols), NS::UInteger(grid_tiles), 1), tg_threads);
   barrier_in_op();
   std::vector<Arg> a2 = d.args();
   a2.push_back(Arg::value(d.ref));
   for (const Arg& a : {at(w.act), at(w.offsets), at(w.tiles), at(w.tile_count), at(w.y)}) a2.push_back(a);
-  dispatch("moe_down_tiles", d.constants, a2,
-           MTL::Size(NS::UInteger((H + kRowsPerGroup - 1) / kRowsPerGroup), NS::UInteger(w.max_tiles), 1),
-           MTL::Size(64, 1, 1));
+  dispatch("moe_down" + suffix, d.constants, a2,
+           MTL::Size(NS::UInteger((H + cols - 1) / cols), NS::UInteger(grid_tiles), 1), tg_threads);
   barrier_in_op();
   const MatmulShape s3{uint32_t(T), 0, uint32_t(out.stride), uint32_t(k)};
   const uint32_t h32 = uint32_t(H);

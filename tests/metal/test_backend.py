@@ -35,7 +35,8 @@ FAKE_ENV = ("FAKEMETAL_REVERSE", "FAKEMETAL_SHUFFLE", "FAKEMETAL_LEAKS_FATAL", "
             "FAKEMETAL_ORDER_SEED", "FAKEMETAL_ALLOW_FAST_MATH", "FAKEMETAL_HAZARDS", "FAKEMETAL_GPU_DELAY_MS",
             "LILY_METALSIM_MAX_THREADS_PER_THREADGROUP", "LILY_METALSIM_MAX_THREADGROUP_MEMORY",
             "LILY_METALSIM_MAX_BUFFER_LENGTH", "LILY_METALSIM_WORKING_SET_SIZE", "LILY_METAL_DROP_BARRIERS",
-            "LILY_METAL_GROUP_MATMULS", "LILY_METAL_SPLIT_ATTENTION_MIN", "LILY_METAL_SPLIT_ATTENTION_BLOCK")
+            "LILY_METAL_GROUP_MATMULS", "LILY_METAL_SPLIT_ATTENTION_MIN", "LILY_METAL_SPLIT_ATTENTION_BLOCK",
+            "LILY_METAL_MOE_MMA", "LILY_METAL_MOE_TILE_ROWS")
 
 
 def _build(mode: str) -> Path:
@@ -115,9 +116,36 @@ def test_every_op_matches_cpu_backend(program, order):
             (case, r.stdout)
     assert "op moe T=7 E=16 k=4 H=128 I=64 q4g64-f16 prefill: path composed (7 prefill rows (experts grouped on the " \
            "GPU)), 9 dispatches" in r.stdout, r.stdout
+    check_moe_tiles(r.stdout)
     # The no-copy path, the copied mapping and the misaligned part were each taken.
     assert "mappings wrapped 1 copied 1; parts copied 1" in r.stdout, r.stdout
     assert "leaked" not in r.stderr, r.stderr
+
+
+# The grouped prefill experts' tile cases (tests/metal/host/backend_main.cpp, "grouped prefill tiles") and the path
+# each setting must take at the default device limits: forced R, the rule (32 from 24 rows per expert), mma off.
+TILE_CASES = {"edges T=72 E=9 k=3 H=100 I=40 bf16": 32, "q4 T=40 E=6 k=2 H=192 I=128 q4g64-bf16": 16,
+              "q8 T=9 E=5 k=3 H=96 I=64 q8g32-f16": 16, "f16 T=11 E=4 k=2 H=48 I=36 f16": 16,
+              "f32 T=5 E=3 k=2 H=70 I=24 f32": 16, "real T=6 E=256 k=8 H=2048 I=512 q4g64-bf16": None}
+
+
+def check_moe_tiles(out: str, expect=None, same_bits=True) -> None:
+    """Every tile case ran each setting on the path `expect(case, setting)` names (default: the setting's own), was
+    compared with the CPU (the check lines are "ok" or the run failed), and R = 16 and R = 32 gave the same bits."""
+    for case, auto in TILE_CASES.items():
+        settings = {"R=16": "mma R=16", "R=32": "mma R=32"}
+        if auto:
+            settings |= {"auto": f"mma R={auto}", "mma off": "lane-dot tiles (LILY_METAL_MOE_MMA=0)"}
+        for setting, path in settings.items():
+            want = expect(case, setting, path) if expect else path
+            assert re.search(rf"^op moe_experts tiles {re.escape(case)} {setting}: path {re.escape(want)}$", out, re.M), \
+                (case, setting, want, out)
+            assert re.search(rf"^op moe_experts tiles {re.escape(case)} {setting}: max_err \S+ tol 1e-05 ok$", out, re.M), \
+                (case, setting, out)
+        verdict = "bitwise ok" if same_bits else "not compared (a fallback ran)"
+        assert f"op moe_experts tiles {case} R=16 == R=32: {verdict}" in out, (case, out)
+    # The 8-row lane-dot tiles (the fallback) keep the per-pair kernels' bits.
+    assert out.count("lane-dot tiles == per-pair: bitwise ok") == 3, out
 
 
 def test_every_op_under_asan(program_asan):
@@ -138,9 +166,25 @@ def test_ops_within_small_device_limits(program):
     assert passed(r), r.stdout + r.stderr
     assert re.search(r"mapping buffers (\d+)", r.stdout) and int(re.search(r"mapping buffers (\d+)", r.stdout)[1]) > 2, \
         r.stdout
+    # The simdgroup-matrix expert tiles fit (at most 128 threads and 12.1 KB of threadgroup memory): no fallback.
+    check_moe_tiles(r.stdout)
     # 512 threads for one key head's four value heads do not fit in 256: that call composes the three kernels.
     assert "op conv_delta_norm Hk=1 Hv=4 Dk=32 Dv=128 K=3 T=1 in-place: path composed (512 threads per key head " \
            "above the pipeline's 256)" in r.stdout, r.stdout
+
+
+def test_moe_tiles_fall_back_where_threadgroup_memory_is_short(program):
+    # 11 KB of threadgroup memory: the 16-row tiles fit (gate/up 10.1 KB), the 32-row ones do not (12.1 KB). The rule's
+    # 32 becomes 16 and a forced 32 the 8-row lane-dot tiles, each with its reason; the results still match the CPU.
+    r = run(program, ["ops", "--only", "moe_experts"], {"LILY_METALSIM_MAX_THREADGROUP_MEMORY": "11264"})
+    assert passed(r), r.stdout + r.stderr
+    why = "moe_gate_up_mma_r32 needs 12416 bytes of threadgroup memory, the device allows 11264"
+
+    def expect(case, setting, path):
+        if setting == "R=32":
+            return f"lane-dot tiles ({why})"
+        return f"mma R=16 ({why})" if path == "mma R=32" else path
+    check_moe_tiles(r.stdout, expect, same_bits=False)
 
 
 @pytest.mark.parametrize("spec,order", [("mixed", "recorded"), ("mixed", "reversed"), ("wide", "seeded-shuffled-lanes")])
@@ -168,6 +212,10 @@ def test_tiny_model_matches_cpu_backend_end_to_end(program, spec, order):
     m = re.search(r"metal active: fused expert down \+ routing weight \+ gated shared expert \+ residual .*; (\d+) calls "
                   r"fused, (\d+) with moe_combine after the down pass, the last for (\d+) prefill rows", r.stdout)
     assert m and int(m[1]) > 0 and int(m[2]) > 0 and int(m[3]) > 1, r.stdout
+    # Prefill chunks ran the grouped experts on the simdgroup-matrix tiles, never on the 8-row lane-dot fallback.
+    m = re.search(r"metal active: grouped expert GEMM on simdgroup matrices .*; (\d+) chunks with 16-row tiles, (\d+) "
+                  r"with 32-row tiles, (\d+) on the 8-row lane-dot tiles", r.stdout)
+    assert m and int(m[1]) + int(m[2]) > 0 and int(m[3]) == 0, r.stdout
     # A fork mid-generation: parent and child each equal a fresh session of their tokens and continue as alone.
     assert "fork: parent same as a fresh session of its tokens, child same" in r.stdout, r.stdout
     assert "fork: parent continuation unchanged, child continuation unchanged" in r.stdout, r.stdout
@@ -262,8 +310,15 @@ MUTATIONS = [
     # The fused DeltaNet decode kernel normalises every value head with the first head's sum of squares.
     ("gated_delta.metal", "partials[h * per_head + lane]", "partials[lane]", "conv_delta_norm"),
     # The grouped prefill experts lose every partial tile (an expert's last rows when its count is not a multiple of 8).
-    ("matmul.metal", "tile_run += (c + int(kTileRows) - 1) / int(kTileRows);", "tile_run += c / int(kTileRows);",
+    ("matmul.metal", "tile_run += (c + int(s.tile_rows) - 1) / int(s.tile_rows);", "tile_run += c / int(s.tile_rows);",
      "moe_experts"),
+    # The simdgroup-matrix expert GEMM: no barrier between staging the x rows and weight blocks and the 8x8 products
+    # (a simdgroup loads elements other simdgroups have not staged yet: poisoned threadgroup memory).
+    ("matmul.metal", "    threadgroup_barrier(mem_flags::mem_threadgroup);  // every staged element is written before "
+     "any simdgroup loads\n", "", "moe_experts"),
+    # ... and a tile's row mask off by one: the last row of every tile of the down product is never written.
+    ("matmul.metal", "if (j < rows && n < w.N) y[ulong(first + j) * w.N + n] = xs[i];",
+     "if (j + 1 < rows && n < w.N) y[ulong(first + j) * w.N + n] = xs[i];", "moe_experts"),
     # One dispatch per MatmulGroup: a threadgroup forgets its product's first threadgroup (rows from the grid's start).
     ("matmul.metal", "const uint row0 = ((group_id - start) * 2 + simdgroup) * 4;",
      "const uint row0 = (group_id * 2 + simdgroup) * 4;", "matmuls"),

@@ -666,14 +666,112 @@ int run_ops(const std::string& msl) {
     });
     check_f32(b, "moe_experts", name + (c.ph == Phase::Prefill ? " grouped" : " per-pair"), out, 2e-5);
     if (c.ph == Phase::Prefill) {
-      // The grouped prefill path and the per-pair (decode) kernels build every sum in the same order: same bits.
-      auto again = b.alloc(DType::F32, c.T, c.H);
+      // The 8-row lane-dot tiles (the fallback) and the per-pair (decode) kernels build every sum in the same
+      // order: same bits. (The simdgroup-matrix tiles sum in another order: tested against the CPU below.)
+      auto again = b.alloc(DType::F32, c.T, c.H), lane = b.alloc(DType::F32, c.T, c.H);
+      poison(b, again), poison(b, lane);
       b.mtl.begin(Phase::Decode);
       b.mtl.moe_experts(x.m, ids.m, wts.m, g, u, d, ws.m, again.m);
       b.mtl.wait(b.mtl.submit());
-      const auto grouped = b.get<float>(b.mtl, out.m), pairs = b.get<float>(b.mtl, again.m);
-      const bool same = std::memcmp(grouped.data(), pairs.data(), grouped.size() * 4) == 0;
-      printf("op moe_experts %s grouped == per-pair: %s\n", name.c_str(), same ? "bitwise ok" : "DIFFER FAIL");
+      const int64_t lane0 = b.mtl.counters().moe_lane_tile_calls;
+      b.mtl.set_moe_mma(false);
+      b.mtl.begin(Phase::Prefill);
+      b.mtl.moe_experts(x.m, ids.m, wts.m, g, u, d, ws.m, lane.m);
+      b.mtl.wait(b.mtl.submit());
+      b.mtl.set_moe_mma(true);
+      const auto grouped = b.get<float>(b.mtl, lane.m), pairs = b.get<float>(b.mtl, again.m);
+      const bool same = b.mtl.counters().moe_lane_tile_calls == lane0 + 1 &&
+                        std::memcmp(grouped.data(), pairs.data(), grouped.size() * 4) == 0;
+      printf("op moe_experts %s lane-dot tiles == per-pair: %s\n", name.c_str(), same ? "bitwise ok" : "DIFFER FAIL");
+      g_failures += !same;
+    }
+  }
+
+  // ---- moe_experts, grouped prefill tiles: the simdgroup-matrix GEMM (moe_gate_up_mma / moe_down_mma) with R = 16
+  // and R = 32 forced, the rule's choice, and the 8-row lane-dot tiles, each against the CPU on routings built to
+  // hit the tile edges: experts with 0, 1, R − 1, R, R + 1 and many rows, T·k not a multiple of R, K and N not
+  // multiples of the 32-column blocks (dense formats: affine K is a multiple of its group), every weight format.
+  // Tolerance 1e-5 of the largest output: the operands are the CPU's floats (x, act, and scale · code + bias in fp32,
+  // as the CPU's prefill GEMM dequantizes) and both sum each output over K in ascending order, so the emulator gives
+  // the CPU's bits (max_err 0); a GPU's 8x8 products may order and fuse their adds differently, fp32 over K ≤ 2048
+  // (~1e-6 of the output at worst, the lane-dot tiles' 5e-7 here), while a wrong row, column, mask or a missing
+  // block is O(1). R = 16 and R = 32 sum every output in the same order (K ascending): bitwise equal. ----
+  if (wanted("moe_experts")) {
+    struct TileCase { std::string name, fmt; int64_t H, I, T, k; std::vector<int64_t> counts; bool overlapped; };
+    const std::vector<TileCase> tcases = {
+        {"edges", "bf16", 100, 40, 72, 3, {0, 1, 15, 16, 17, 31, 32, 33, 71}, false},  // 24 rows per expert: auto takes 32
+        {"q4", "q4g64-bf16", 192, 128, 40, 2, {1, 7, 0, 40, 25, 7}, false},
+        {"q8", "q8g32-f16", 96, 64, 9, 3, {9, 9, 0, 8, 1}, false},
+        {"f16", "f16", 48, 36, 11, 2, {11, 0, 6, 5}, false},
+        {"f32", "f32", 70, 24, 5, 2, {5, 2, 3}, false},
+        {"real", "q4g64-bf16", 2048, 512, 6, 8, {}, true},
+    };
+    for (const auto& c : tcases) {
+      std::vector<int64_t> counts = c.counts;
+      if (c.name == "real") {  // 256 experts, 10 of them routed, 3 to 6 rows each (T·k = 48)
+        counts.assign(256, 0);
+        const int64_t hit[][2] = {{3, 6}, {17, 6}, {50, 4}, {51, 4}, {52, 3}, {53, 3}, {100, 5}, {101, 5}, {200, 6}, {255, 6}};
+        for (const auto& h : hit) counts[size_t(h[0])] = h[1];
+      }
+      const int64_t E = int64_t(counts.size());
+      // Pair i of the experts' rows listed in expert order goes to token i % T, slot i / T: an expert's rows (≤ T)
+      // land on distinct tokens, so each token's k ids are distinct, as moe_route gives them.
+      std::vector<int32_t> idv(size_t(c.T * c.k));
+      int64_t i = 0;
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t r = 0; r < counts[size_t(e)]; ++r, ++i) idv[size_t((i % c.T) * c.k + i / c.T)] = int32_t(e);
+      if (i != c.T * c.k) throw std::runtime_error("tile case " + c.name + ": counts do not sum to T·k");
+      std::vector<float> wv(size_t(c.T * c.k));
+      for (auto& v : wv) v = std::fabs(signed_uniform());
+      const std::string name = c.name + " T=" + std::to_string(c.T) + " E=" + std::to_string(E) + " k=" +
+                               std::to_string(c.k) + " H=" + std::to_string(c.H) + " I=" + std::to_string(c.I) + " " +
+                               c.fmt;
+      auto ids = b.i32(c.T, c.k, idv);
+      auto wts = b.alloc(DType::F32, c.T, c.k, wv.data());
+      ModelConfig cfg;
+      cfg.experts = E, cfg.topk = c.k, cfg.hidden = c.H, cfg.moe_inter = c.I;
+      const size_t wsb = std::max(cpu::moe_workspace_bytes(cfg, c.T, 1), b.mtl.workspace_bytes(cfg, c.T, 1));
+      auto ws = b.alloc(DType::F32, 1, int64_t(wsb / 4 + 16));
+      auto experts = [&](int64_t rows, int64_t cols) {
+        return c.overlapped ? make_overlapped_experts(blob, mc, c.fmt, rows, cols, E)
+                            : make_weight(blob, mc, c.fmt, rows, cols, E);
+      };
+      const Weight g = experts(c.I, c.H), u = experts(c.I, c.H), d = experts(c.H, c.I);
+      auto x = b.f32(c.T, c.H);
+      std::map<int64_t, std::vector<float>> got;
+      // R: 16, 32 (forced), 0 (the rule: 32 from 24 rows per expert), -1 (the lane-dot tiles, LILY_METAL_MOE_MMA=0).
+      for (int64_t R : {int64_t(16), int64_t(32), int64_t(0), int64_t(-1)}) {
+        if (c.name == "real" && R < 1) continue;  // the slow case once per R
+        auto out = b.alloc(DType::F32, c.T, c.H);
+        poison(b, out);
+        // NaN in Metal's workspace too: an act or y row a tile forgets to write reaches the output as NaN.
+        b.mtl.upload(ws.m, std::vector<float>(size_t(ws.m.cols), NAN).data());
+        const bool mma0 = b.mtl.moe_mma();
+        const int64_t rows0 = b.mtl.moe_tile_rows();
+        b.mtl.set_moe_mma(R >= 0);
+        b.mtl.set_moe_tile_rows(R > 0 ? R : 0);
+        const auto before = b.mtl.counters();
+        b.run(Phase::Prefill, [&](Ops& o, bool m) {
+          o.moe_experts(m ? x.m : x.c, m ? ids.m : ids.c, m ? wts.m : wts.c, g, u, d, m ? ws.m : ws.c, m ? out.m : out.c);
+        });
+        b.mtl.set_moe_mma(mma0);
+        b.mtl.set_moe_tile_rows(rows0);
+        const auto& after = b.mtl.counters();
+        const std::string path = after.moe_mma16_calls > before.moe_mma16_calls   ? "mma R=16"
+                           : after.moe_mma32_calls > before.moe_mma32_calls ? "mma R=32"
+                                                                            : "lane-dot tiles";
+        const std::string setting = R == 16 ? "R=16" : R == 32 ? "R=32" : R == 0 ? "auto" : "mma off";
+        printf("op moe_experts tiles %s %s: path %s%s\n", name.c_str(), setting.c_str(), path.c_str(),
+               after.moe_tiles_last_reason.empty() ? "" : (" (" + after.moe_tiles_last_reason + ")").c_str());
+        check_f32(b, "moe_experts", "tiles " + name + " " + setting, out, 1e-5);
+        if (R > 0 && path == "mma R=" + std::to_string(R)) got[R] = b.get<float>(b.mtl, out.m);
+      }
+      if (got.size() < 2) {  // a device where one R did not fit: nothing to compare
+        printf("op moe_experts tiles %s R=16 == R=32: not compared (a fallback ran)\n", name.c_str());
+        continue;
+      }
+      const bool same = std::memcmp(got[16].data(), got[32].data(), got[16].size() * 4) == 0;
+      printf("op moe_experts tiles %s R=16 == R=32: %s\n", name.c_str(), same ? "bitwise ok" : "DIFFER FAIL");
       g_failures += !same;
     }
   }
@@ -1015,7 +1113,7 @@ int run_model(const std::string& msl, const std::string& spec) {
   for (const std::string& line : mtl_ops.optimizations())
     if (line.find("conv_delta_norm") != std::string::npos || line.find("MatmulGroup") != std::string::npos ||
         line.find("split decode attention") != std::string::npos ||
-        line.find("moe_down_combine") != std::string::npos)
+        line.find("moe_down_combine") != std::string::npos || line.find("moe_gate_up_mma") != std::string::npos)
       printf("model %s metal %s\n", spec.c_str(), line.c_str());
   // Snapshot, run on, restore: the same continuation again, on Metal and equal to the CPU's.
   auto snap = ms.snapshot();
