@@ -7,7 +7,9 @@ wall time, which includes the per-step submit + wait overhead (a few µs): the "
 Bandwidth: weight bytes (codes + scales + biases, read once per GEMV call) / time, against a measured device
 copy: `copy` of a 1 GiB f32 tensor (read + write bytes), timed the same way. Prefill: 2·T·N·K FLOP / time.
 
-    python benchmarks/bench_cuda_matmul.py [--repeats 200] [--prefill-rows 512]
+    python benchmarks/bench_cuda_matmul.py [--repeats 200] [--prefill-rows 512] [--options '{"gemv_dp4a": false}']
+
+--options: backend options of the bench (A/B of one kernel choice); the variant column names what ran.
 
 Not collected by pytest (no test_ prefix; benchmarks/ is outside testpaths).
 """
@@ -15,6 +17,7 @@ Not collected by pytest (no test_ prefix; benchmarks/ is outside testpaths).
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import numpy as np
@@ -69,15 +72,32 @@ def timed(b, repeats: int, op: str, **kw) -> tuple[float, str]:
     return (time.perf_counter() - t0) / repeats, "wall/op"
 
 
+def decode_variant(b, n: int, k: int) -> str:
+    """The variant name the report gives for the decode matmul of an [n, k] weight."""
+    def find(d):
+        if isinstance(d, dict):
+            for key, v in d.items():
+                if isinstance(key, str) and key.startswith("matmul.decode.") and key.endswith(f"[{n}, {k}]"):
+                    return v.split(":")[0]
+                got = find(v)
+                if got:
+                    return got
+        return ""
+    return find(b.report())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--prefill-rows", type=int, default=512)
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--options", default="{}", help="JSON backend options, e.g. '{\"gemv_dp4a\": false}'")
     a = ap.parse_args()
     if not core.backends()["cuda"]["usable"]:
         raise SystemExit(f"cuda backend not usable: {core.backends()['cuda']['status']}")
-    b = core.OpBench("cuda")
+    options = json.loads(a.options)
+    b = core.OpBench("cuda", options) if options else core.OpBench("cuda")
+    print(f"backend options: {options or 'defaults'}")
     rng = np.random.default_rng(0)
 
     n_copy = 1 << 28  # 1 GiB of f32
@@ -94,7 +114,16 @@ def main() -> None:
         out = b.empty(1, n, dtype="f32")
         t, how = timed(b, a.repeats, "matmul", phase="decode", x=x, w=w, out=out)
         bw = weight_bytes(n, k, bits) / t
-        print(f"{name:36s} {t * 1e6:9.1f} {bw / 1e9:8.0f} {bw / copy_bw:8.1%}  ({how})")
+        print(f"{name:36s} {t * 1e6:9.1f} {bw / 1e9:8.0f} {bw / copy_bw:8.1%}  ({how}) {decode_variant(b, n, k)}")
+    # The DeltaNet layer's four input projections as the model runs them: one matmuls launch.
+    parts = [(8192, 2048), (4096, 2048), (32, 2048), (32, 2048)]
+    kw = {}
+    for i, (n, k) in enumerate(parts):
+        kw[f"w{i}"], kw[f"out{i}"] = b.weight(make_affine(rng, n, k, 4)), b.empty(1, n, dtype="f32")
+    x = b.tensor(rng.uniform(-1, 1, (1, 2048)).astype(np.float32), dtype="f32")
+    t, how = timed(b, a.repeats, "matmuls", phase="decode", x=x, **kw)
+    bw = sum(weight_bytes(n, k, 4) for n, k in parts) / t
+    print(f"{'in_proj qkv|z|b|a, one launch':36s} {t * 1e6:9.1f} {bw / 1e9:8.0f} {bw / copy_bw:8.1%}  ({how})")
 
     # The online low-bit LM head (lily.lm_head): a bf16 head as stored vs quantized at load to 8-bit affine.
     n, k = 248320, 2048

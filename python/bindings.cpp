@@ -204,6 +204,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("pdl").is_none()) o.pdl = nb::cast<bool>(opt("pdl"));
     if (!opt("encode_memo").is_none()) o.encode_memo = nb::cast<bool>(opt("encode_memo"));
     if (!opt("gemv_async").is_none()) o.gemv_async = nb::cast<bool>(opt("gemv_async"));
+    if (!opt("gemv_dp4a").is_none()) o.gemv_dp4a = nb::cast<bool>(opt("gemv_dp4a"));
     if (!opt("fused_norm").is_none()) o.fused_norm = nb::cast<bool>(opt("fused_norm"));
     if (!opt("fused_delta").is_none()) o.fused_delta = nb::cast<bool>(opt("fused_delta"));
     if (!opt("prefill_x_terms").is_none()) o.prefill_x_terms = nb::cast<int>(opt("prefill_x_terms"));

@@ -59,6 +59,10 @@ struct CudaOptions {
   // Decode GEMV with its weight loads staged through shared memory by cp.async, 4 batches deep
   // (matmul_gemv_async); false: the register double buffer (matmul_gemv).
   bool gemv_async = true;
+  // Decode GEMV of 4/8-bit affine weights (16-byte rows, aligned scales, groups of whole chunks) with x as three
+  // int8 terms per chunk and dp4a integer dot products (matmul_gemv_dp4a; error ~1e-7 relative, the fp32 form's
+  // level); false: the fp32 CUDA-core forms above.
+  bool gemv_dp4a = true;
   // Decode: the RMSNorm in front of a layer's projections (Ops::rms_norm_matmuls / add_rms_norm_matmuls) done by
   // every block of their GEMV launch; false: the norm's own launch, then the GEMV (the same bits).
   bool fused_norm = true;

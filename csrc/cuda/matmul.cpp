@@ -2,12 +2,13 @@
 //
 // Variants (select_matmul is the one place that decides; matmul_impl launches what it returns and
 // matmul_variant reports the same name):
-// - phase Decode: matmul_gemv for T <= 16 (x in registers, W streamed once with 16-byte loads; more than 16
-//   rows in a decode step is refused). Weights of 32 MiB and more in q4 (group 64 or a multiple of 128,
-//   K % 128 == 0: the lm_head) take matmul_gemv_mma for T <= 8: the CUDA-core GEMV spends ~3.8
-//   instructions per code, which puts its issue ceiling near the HBM rate; the tensor-core form spends
-//   ~2.4. Smaller weights keep the CUDA-core GEMV: the mma form walks K sequentially per warp, which is
-//   latency bound when each warp has only a few rows. Prefill: matmul_gemm for every T (tensor cores, W dequantized into
+// - phase Decode, T <= 16 (more rows in a decode step are refused): 4/8-bit affine weights with 16-byte rows,
+//   aligned scales and groups of whole chunks (every projection of the real model, the lm_head included) take
+//   matmul_gemv_dp4a (x as three int8 terms, integer dot products: ~1.4 instructions per 4-bit code; measured
+//   +5.5% decode over the fp32 forms, +9% with the lm_head on it: benchmarks/NOTES.md). Otherwise, or with
+//   gemv_dp4a=False: weights of 32 MiB and more in q4 (group 64 or a multiple of 128, K % 128 == 0) take
+//   matmul_gemv_mma for T <= 8 (the fp32 CUDA-core GEMV spends ~3.8 instructions per code, the tensor-core form
+//   ~2.4), the rest matmul_gemv (x in registers, W streamed once with 16-byte loads). Prefill: matmul_gemm for every T (tensor cores, W dequantized into
 //   shared memory tile by tile), never the GEMV, so a prefill in chunks of any size gives the same bits as
 //   one prefill (STYLE.md §5: select by phase and weight, not by T).
 // - Alignment (checkpoints map tensors at any byte offset): the code loads are 16-byte (AL 16) when data(w)
@@ -167,8 +168,24 @@ GemvAsync gemv_async(const CudaOps& ops, const Weight* w, int n, bool u1) {
   return {};
 }
 
+// matmul_gemv_dp4a's conditions (the #if in matmul.cu): 4/8-bit affine, 16-byte-aligned codes and rows, scales and
+// biases aligned to their dtype, groups of whole 16-byte chunks, x stageable in 36 KB; and the option.
+bool gemv_dp4a_fits(const CudaOps& ops, const Weight& w) {
+  if (!ops.options().gemv_dp4a || !w.quantized() || (w.bits != 4 && w.bits != 8)) return false;
+  const int64_t epc = 128 / w.bits, chunks = ceil_div(int64_t(w.row_bytes()), 16);
+  const uint64_t es = dtype_size(w.scale_dtype);
+  return alignment_of(uint64_t(ops.data(w)), w.row_bytes()) == 16 && uint64_t(ops.scales(w)) % es == 0 &&
+         uint64_t(ops.biases(w)) % es == 0 && w.group % epc == 0 && chunks * (epc + 4) * 4 <= 36 * 1024;
+}
+// Rows of one warp batch of matmul_gemv_dp4a (RB8 = RU8 · RWP8 in matmul.cu).
+int64_t gemv_dp4a_rows(const Weight& w) {
+  const int64_t chunks = ceil_div(int64_t(w.row_bytes()), 16);
+  const int64_t tpr = std::min<int64_t>(pow2ceil(chunks), 32), j = ceil_div(chunks, tpr);
+  return (j >= 4 ? 1 : 4 / j) * (32 / tpr);
+}
+
 struct MatmulVariant {
-  bool gemm = false, mma = false;
+  bool gemm = false, mma = false, dp4a = false;
   std::string name, reason;
   Defines defines;
 };
@@ -196,13 +213,21 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
   const std::string ld_suffix = al == 16 ? "" : al == 4 ? "_ld4" : "_ldfunnel";
   const std::string sc_suffix = sal ? "" : "_scalebytes";
   const std::string sc_reason = sal ? "" : ", scales/biases read byte-wise (not aligned to their dtype)";
-  if (!v.gemm && gemv_mma_fits(w) && gemv_mma_smem(w, kMmaMaxRows) <= ops.info().max_smem_optin) {
+  if (!v.gemm && gemv_dp4a_fits(ops, w)) {
+    v.dp4a = true;
+    const int64_t rb = gemv_dp4a_rows(w);
+    v.name = "gemv_" + kind + "_dp4a_" + fmt;
+    v.reason = "x quantized per 16-byte chunk into three int8 terms (error ~1e-7 relative) and dotted with the codes "
+               "by dp4a, fp32 per-chunk combine with the group's scale and bias; a warp per " + std::to_string(rb) +
+               (rb == 1 ? " row" : " rows") + " per batch, the next batch's 16-byte loads in flight during this one's "
+               "arithmetic, persistent grid, 16-byte loads";
+  } else if (!v.gemm && gemv_mma_fits(w) && gemv_mma_smem(w, kMmaMaxRows) <= ops.info().max_smem_optin) {
     v.mma = true;
     v.name = "gemv_" + kind + "_mma_" + fmt + ld_suffix + sc_suffix;
     v.reason = "tensor-core GEMV for T <= 8 (codes as bf16 A operand, x as bf16 hi+lo B operand, fp32 per-group "
                "scale/bias staged per 32-row tile in shared memory), warps own balanced row ranges, 2 tiles of 16 "
                "rows per pass, 2 spans of codes in flight, " + loads + sc_reason +
-               "; T > 8 takes the CUDA-core GEMV";
+               "; T > 8 takes the CUDA-core GEMV" + std::string(ops.options().gemv_dp4a ? "" : " (gemv_dp4a=False)");
   } else if (!v.gemm) {
     const int64_t rpp = gemv_rows_per_pass(w);
     const bool u1 = gemv_one_row(ops, w);
@@ -215,7 +240,8 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
                "), " + loads + sc_reason +
                (as.stages ? ", codes/scales/biases staged by cp.async " + std::to_string(as.stages) + " batches deep"
                           : ", register double buffer" + std::string(ops.options().gemv_async ? " (dense or unaligned weights)"
-                                                                                           : " (gemv_async=False)"));
+                                                                                           : " (gemv_async=False)")) +
+               (w.quantized() && !ops.options().gemv_dp4a ? "; fp32 x (gemv_dp4a=False)" : "");
   } else {
     const bool codes = w.quantized() && w.group % 16 == 0 && (w.group % kGemmBK == 0 || kGemmBK % w.group == 0);
     const std::string mode = codes ? "codes" : (!w.quantized() && w.dtype == DType::BF16) ? "bf16" : "split";
@@ -290,6 +316,35 @@ void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, i
   const int64_t T = x.rows;
   int64_t rows = 0;
   for (int i = 0; i < n; ++i) rows += w[i].rows;
+  if (gemv_dp4a_fits(*this, w[0])) {  // every part has w[0]'s module defines, so the same conditions
+    const int64_t rb = gemv_dp4a_rows(w[0]);
+    Defines d = defines;
+    if (norm) d.push_back({"NORM", norm->b ? 2 : 1});
+    const Kernel& k = kernel("matmul", "matmul_gemv_dp4a", d);
+    GemvParts P{};
+    P.np = n;
+    int64_t batches = 0;  // warp batches of rb rows
+    for (int i = 0; i < n; ++i) {
+      P.W[i] = data(w[i]);
+      P.S[i] = scales(w[i]);
+      P.B[i] = biases(w[i]);
+      P.y[i] = ptr(out[i]);
+      P.ldy[i] = out[i].stride;
+      P.N[i] = int32_t(w[i].rows);
+      P.bstart[i] = int32_t(batches);
+      batches += ceil_div(w[i].rows, rb);
+    }
+    if (batches > INT_MAX) throw std::invalid_argument("cuda matmul: too many rows in one GEMV launch");
+    for (int i = n; i <= kGemvParts; ++i) P.bstart[i] = int32_t(batches);
+    const int64_t slots = std::max<int64_t>(1, int64_t(kGemvBlocksPerSm) * std::max(1, info().sms) / T);
+    const int64_t nb = std::min(ceil_div(batches, kThreads / 32), slots);
+    const Dim3 grid{unsigned(nb * T), 1, 1}, block{unsigned(kThreads), 1, 1};
+    if (norm)
+      launch(k, grid, block, 0, ptr(x), int(T), int64_t(x.stride), P, *norm);
+    else
+      launch(k, grid, block, 0, ptr(x), int(T), int64_t(x.stride), P);
+    return;
+  }
   // Geometry as matmul.cu derives it (TPR, RPP, RB): must match. U from all the parts' rows, never from T.
   const int64_t rpp = gemv_rows_per_pass(w[0]);
   const bool u1 = gemv_one_row(*this, w[0], rows);

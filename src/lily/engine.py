@@ -287,6 +287,8 @@ class Engine:
         side by side, default True), ``pdl`` (programmatic dependent launch on sm_90+; default False: measured slower), ``encode_memo``
         (reuse the launches of a decode op whose arguments were seen before, skipping its host code; default
         True), ``gemv_async`` (decode GEMV weights staged through shared memory by cp.async; default True),
+        ``gemv_dp4a`` (decode GEMVs of 4/8-bit weights with x as three int8 terms and integer dot products,
+        ~1e-7 relative error, the lm_head included; default True; False: fp32 x, the lm_head on the tensor cores),
         ``fused_norm`` (decode: each layer's RMSNorms done inside the projection GEMV that follows them, one
         launch instead of two; default True), ``fused_delta`` (decode: a DeltaNet layer's conv, recurrent update
         and gated norm in one launch; default False: measured slower on the H200), ``prefill_x_terms`` (prefill

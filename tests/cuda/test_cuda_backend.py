@@ -115,14 +115,16 @@ def _ids(vocab, n, seed):
     return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
 
 
-# The default options, and the MoE expert GEMMs alone with x as one bf16 term (moe_x_terms = 1), which must stay
-# inside the same bf16 tolerance to be a candidate default (x as one term everywhere does not: benchmarks/NOTES.md).
+# The default options, and the MoE expert GEMMs alone with x as one bf16 term (moe_x_terms = 1). The latter was a
+# candidate default, but on these random models its logits leave the bf16 tolerance below (H200, 2026-12-04: 2.7%
+# and 7.1% relative for mlx8 and mlx4, as x as one term everywhere does: benchmarks/NOTES.md), so it stays an
+# option held to lily-tiny's bar (test_lily_tiny_teacher_forced_agreement) and to the chunking checks here.
 OPTION_SETS = [({}, "default"), ({"moe_x_terms": 1}, "moe_x_one_term")]
 
 
-@pytest.mark.parametrize("opts", [o for o, _ in OPTION_SETS], ids=[i for _, i in OPTION_SETS])
 @pytest.mark.parametrize("name", ["mlx4", "mlx8", "hf_bf16"])
-def test_logits_match_cpu(checkpoints, name, opts):
+def test_logits_match_cpu(checkpoints, name):
+    opts = {}
     path = checkpoints[name]
     ids = _ids(TINY_CONFIG["vocab_size"], PROMPT_LEN, 11)
     with lily.Engine.from_pretrained(path, backend="cpu") as cpu, \

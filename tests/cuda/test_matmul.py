@@ -160,12 +160,12 @@ def test_lm_head_decode(benches):
     x = make_x(rng, 1, k)
     _check(benches, desc, x, "decode", "lm_head")
     notes = [v for key, v in _variants(benches[1].report()).items() if "[248320, 2048]" in key]
-    assert notes and notes[0].startswith("gemv_q4_mma_g64_bf16s:"), notes
+    assert notes and notes[0].startswith("gemv_q4_dp4a_g64_bf16s:"), notes
 
 
 def test_lm_head_q8_decode(benches):
     """lm_head [248320, 2048] as lm_head="8bit" loads it (q8g64, bf16 scales: lily/lm_head.py): one decode row and
-    an MTP verify window of 5 rows through the CUDA-core 8-bit GEMV (the tensor-core form is q4 only), and the
+    an MTP verify window of 5 rows through the dp4a GEMV, and the
     prefill GEMM for a chunk's logits rows; the variant is pinned so a demotion shows."""
     rng = np.random.default_rng(248321)
     n, k, g = 248320, 2048, 64
@@ -182,14 +182,16 @@ def test_lm_head_q8_decode(benches):
     # The shared benches also ran the q4 head of the same shape (test_lm_head_decode): pick the 8-bit notes.
     dec = [v for key, v in variants.items() if key.startswith("matmul.decode.") and "[248320, 2048]" in key
            and v.startswith("gemv_q8")]
-    assert dec and dec[0].startswith("gemv_q8_cuda_async_g64_bf16s:"), variants
+    assert dec and dec[0].startswith("gemv_q8_dp4a_g64_bf16s:"), variants
 
 
 @pytest.mark.parametrize("n,k,spec", [(65537, 2048, "q4g64-bf16"), (50001, 1536, "q4g128-f16")])
 def test_large_q4_decode_tensor_core_gemv(benches, n, k, spec):
-    """Weights of 32 MiB and more take matmul_gemv_mma for T <= 8 (x as bf16 hi + lo: within 1e-5), the
-    CUDA-core GEMV for T = 9..16; odd N leaves a partial 16-row tile in some warp's range."""
-    _, gpu = benches
+    """With gemv_dp4a=False (the dp4a GEMV takes these weights by default) weights of 32 MiB and more take
+    matmul_gemv_mma for T <= 8 (x as bf16 hi + lo: within 1e-5), the CUDA-core GEMV for T = 9..16; odd N leaves a
+    partial 16-row tile in some warp's range."""
+    gpu = core.OpBench("cuda", {"gemv_dp4a": False})
+    benches = (benches[0], gpu)
     rng = np.random.default_rng(n)
     desc, _ = make_weight(rng, spec, n, k)
     x = make_x(rng, 9, k)
@@ -238,8 +240,8 @@ def test_variants_pinned_for_real_shapes(benches):
     for (spec, n, k), kind in expect.items():
         dec = [v for key, v in variants.items() if key.startswith("matmul.decode.") and f"[{n}, {k}]" in key]
         pre = [v for key, v in variants.items() if key.startswith("matmul.prefill.") and f"[{n}, {k}]" in key]
-        # cp.async staging (gemv_async, on by default) for every aligned real weight
-        assert dec and dec[0].startswith(f"gemv_{kind}_cuda_async_g64_bf16s:"), f"decode [{n}, {k}]: {text}"
+        # x as int8 terms and dp4a (gemv_dp4a, on by default) for every aligned real weight
+        assert dec and dec[0].startswith(f"gemv_{kind}_dp4a_g64_bf16s:"), f"decode [{n}, {k}]: {text}"
         assert pre and pre[0].startswith(f"gemm_{kind}_mma_codes_g64_bf16s_x2:"), f"prefill [{n}, {k}]: {text}"
 
 
@@ -313,13 +315,76 @@ def test_gemv_async_equals_register_form(benches, spec, n, k):
     rng = np.random.default_rng(zlib.crc32(f"async {spec} {n} {k}".encode()))
     desc, _ = make_weight(rng, spec, n, k)
     x = make_x(rng, 3, k)
-    reg = core.OpBench("cuda", {"gemv_async": False})
+    cpu = benches[0]
+    asy = core.OpBench("cuda", {"gemv_dp4a": False})  # the fp32 forms (dp4a takes these weights by default)
+    reg = core.OpBench("cuda", {"gemv_async": False, "gemv_dp4a": False})
     for t in (1, 3):
-        a = _check(benches, desc, x[:t], "decode", f"{spec} [{n}, {k}] T={t}")
+        a = _run(asy, desc, x[:t], "decode")
+        assert _rel(a, _run(cpu, desc, x[:t], "decode")) <= TOL["decode"]
         b = _run(reg, desc, x[:t], "decode")
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
-    assert any("cp.async" in v for v in _variants(benches[1].report()).values())
+    assert any("cp.async" in v for v in _variants(asy.report()).values())
     assert any("gemv_async=False" in v for v in _variants(reg.report()).values())
+
+
+# ------------------------------------------------------------------------------------------------
+# matmul_gemv_dp4a: x as three int8 terms per 16-byte chunk, integer dot products with the codes. Its error
+# against exact arithmetic is ~1e-7 relative, the fp32 form's level: both are held to 1e-6 against float64
+# here (ten times tighter than TOL; a lost third term gives ~1e-5 and fails).
+
+DP4A_CASES = [("q4g64-bf16", 8192, 2048), ("q4g64-bf16", 2048, 4096), ("q4g64-bf16", 2048, 512),
+              ("q8g64-bf16", 257, 2048), ("q4g32-f32", 100, 1088), ("q4g128-f16", 33, 384), ("q8g32-f16", 3, 192),
+              ("q8g128-bf16", 1000, 384), ("q4g64-f16", 1, 192)]
+
+
+def _f64(x, w64):
+    return x.astype(np.float64) @ w64.T
+
+
+@pytest.mark.parametrize("spec,n,k", DP4A_CASES)
+def test_gemv_dp4a_matches_float64(benches, spec, n, k):
+    """The dp4a GEMV (the default for these weights, and the report says so) and the fp32 form within 1e-6 of a
+    float64 product, T = 1 and 3, rows 0..2 of T = 3 equal to each row alone."""
+    _, gpu = benches
+    rng = np.random.default_rng(zlib.crc32(f"dp4a {spec} {n} {k}".encode()))
+    desc, w64 = make_weight(rng, spec, n, k)
+    x = make_x(rng, 3, k)
+    fp32 = core.OpBench("cuda", {"gemv_dp4a": False})
+    for t in (1, 3):
+        got, old = _run(gpu, desc, x[:t], "decode"), _run(fp32, desc, x[:t], "decode")
+        ref = _f64(x[:t], w64)
+        assert _rel(got, ref) <= 1e-6, f"dp4a {spec} [{n}, {k}] T={t}: {_rel(got, ref):.3g}"
+        assert _rel(old, ref) <= 1e-6, f"fp32 form {spec} [{n}, {k}] T={t}: {_rel(old, ref):.3g}"
+    three = _run(gpu, desc, x, "decode")
+    for r in range(3):
+        np.testing.assert_array_equal(_run(gpu, desc, x[r:r + 1], "decode").view(np.uint32), three[r:r + 1].view(np.uint32))
+    notes = [v for key, v in _variants(gpu.report()).items() if key.startswith("matmul.decode.") and f"[{n}, {k}]" in key]
+    assert notes and "_dp4a_" in notes[0], notes
+
+
+@pytest.mark.parametrize("spec", ["q4g64-bf16", "q8g64-f16"])
+def test_gemv_dp4a_dynamic_range_zeros_and_nan(benches, spec):
+    """Inputs spanning six decades inside a chunk, an all-zero chunk (its scale is 0: no division by it) and a
+    single huge outlier stay within 2e-6 of float64; a NaN in a row makes that row's outputs NaN (as the fp32
+    form's), the other rows stay finite and unchanged."""
+    _, gpu = benches
+    n, k = 300, 2048
+    rng = np.random.default_rng(zlib.crc32(f"dp4a range {spec}".encode()))
+    desc, w64 = make_weight(rng, spec, n, k)
+    x = make_x(rng, 3, k) * (10.0 ** rng.uniform(-3, 3, size=(3, k))).astype(np.float32)
+    x[:, 64:96] = 0.0
+    x[1, 700] = 3.0e4
+    got = _run(gpu, desc, x, "decode")
+    assert _rel(got, _f64(x, w64)) <= 2e-6, _rel(got, _f64(x, w64))
+    bad = x.copy()
+    bad[1, 5] = np.nan
+    fp32 = core.OpBench("cuda", {"gemv_dp4a": False})
+    for b in (gpu, fp32):
+        out = _run(b, desc, bad, "decode")
+        assert np.isnan(out[1]).all(), "a NaN input must reach every output of its row"
+        assert np.isfinite(out[[0, 2]]).all()
+    out = _run(gpu, desc, bad, "decode")
+    np.testing.assert_array_equal(out[[0, 2]].view(np.uint32), got[[0, 2]].view(np.uint32))
 
 
 # ------------------------------------------------------------------------------------------------

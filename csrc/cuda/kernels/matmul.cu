@@ -571,6 +571,285 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
 #endif
 
 // ------------------------------------------------------------------------------------------------------
+// matmul_gemv_dp4a (decode, T <= 16; the default for 4- and 8-bit affine weights with 16-byte-aligned rows,
+// scales/biases aligned to their dtype and groups of whole chunks: every decode projection of the real model).
+//
+// Why: the fp32 GEMV above spends ~8 instructions per 4-bit code (3 for the decode and FMA, the rest on
+// addressing, staging and reduction), so its big projections stopped at ~1.1 TB/s, bound by issue, not by HBM
+// (benchmarks/NOTES.md). Here the codes meet x in integer dot products (dp4a: 4 code bytes × 4 int8 x bytes per
+// instruction) and the per-chunk bookkeeping is a handful of 32-bit operations: ~45 instructions per 16-byte
+// chunk of a 4-bit row (32 codes) instead of ~260.
+//
+// x as three int8 terms. Each block quantizes its row t once, per 16-byte chunk c of a weight row (EPC inputs,
+// inside one affine group): s_c = max|x| / 127 over the chunk, y = x / s_c, h = rint(y), m = rint(254 (y − h)),
+// l = rint(254 (254 (y − h) − m)), so x = s_c (h + m/254 + l/254²) to within 0.5 s_c / 254² = 3.1e-8 max|x_c|
+// (plus fp32's rounding of y). Each term's dot product with the codes is exact in int32 (≤ 32 · 255 · 127 ·
+// 16); the three are combined in fp32 once per chunk. Against the CPU's fp32 sums the error is ~1e-7
+// relative, the fp32 form's own level (tests/cuda/test_matmul.py bounds both by 1e-5).
+//   4-bit: word i of a chunk holds codes 8i .. 8i+7, nibbles LSB first; w & 0x0F0F0F0F gives the even codes as
+//   bytes and w & 0xF0F0F0F0 the odd ones times 16, so the x terms are packed as even / odd byte quads and a
+//   chunk's integer sum is 16·Σeven + Σodd16 (= 16 Σ q·x_term): 8 LOP3 + 24 dp4a per chunk, no shifts.
+//   8-bit: each word is 4 codes as bytes: 12 dp4a per chunk.
+// The chunk's value: acc += scale_g · s_c · (H + (M + L/254)/254) (/16 for 4-bit) + bias_g · Σ_c x, with Σ_c x
+// the fp32 sum of the chunk's inputs in ascending order.
+//
+// Geometry: a warp owns a row slot of TPR8 lanes (TPR8 = the power of two ≥ chunks per row, at most 32; RWP8 =
+// 32 / TPR8 rows side by side), lane tr reads chunks tr, tr + TPR8, ... (J8 per row). A warp batch is RU8 row
+// slots (RU8 · J8 ≤ 4 chunk loads per lane), RB8 = RU8 · RWP8 rows; the warp's next batch is loaded into
+// registers (codes, raw scale/bias bits) before this one's arithmetic: up to 8 chunks, 128 bytes per lane in
+// flight. Batches are dealt to the warps of the grid round robin (persistent grid of 2 blocks per SM / T);
+// GemvParts' bstart counts warp batches. Block of 256 threads: x row t staged (or normalised, NORM 1/2) in
+// shared memory as the fp32 form does, then quantized by one thread per chunk into xq (the packed terms,
+// chunk-minor so a warp's 16-byte reads of consecutive chunks are conflict-free), xsc (s_c, /16 for 4-bit)
+// and xsm (Σ_c x). Row sums: xor shuffles within the TPR8 lanes. Shared memory ≤ 36 KB (x) + C · (QW · 4 + 8).
+// Floor: W.bytes() per call, as above; ~1.4 instructions per 4-bit code (~10 codes per clock per SMSP).
+// Determinism: a row's bits depend on K, the format and x's row only (not on T, the grid or the part).
+// (The preprocessor's form of: 4/8 bits, AL 16, SAL 1, GROUP % EPC == 0, XSH.)
+#if (BITS == 4 || BITS == 8) && AL == 16 && SAL == 1 && GROUP % (128 / (BITS ? BITS : 1)) == 0 && \
+    (K * BITS / 128) * (128 / (BITS ? BITS : 1) + 4) * 4 <= 36 * 1024
+static_assert(GROUP % EPC == 0 && XSH, "the dp4a GEMV's conditions");
+constexpr int TPR8 = imin(pow2ceil(C), 32);
+constexpr int J8 = (C + TPR8 - 1) / TPR8;
+constexpr int RWP8 = 32 / TPR8;
+constexpr int RU8 = J8 >= 4 ? 1 : 4 / J8;
+constexpr int RB8 = RU8 * RWP8;                // rows per warp batch (matmul.cpp gemv_dp4a_rows must match)
+constexpr int QW = BITS == 4 ? 24 : 12;        // packed x words per chunk: 3 terms × (even, odd) × 4 or 3 × 4
+constexpr int QV = QW / 4;                     // as uint4
+
+__device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {
+  int d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ u32 gemv_raw_scalar(const unsigned char* p, i64 i) {
+  if (DT == LILY_F32) return *reinterpret_cast<const u32*>(p + 4 * i);
+  return *reinterpret_cast<const u16*>(p + 2 * i);
+}
+__device__ __forceinline__ float gemv_raw_to_f32(u32 r) {
+  if (DT == LILY_F32) return __uint_as_float(r);
+  return DT == LILY_BF16 ? __uint_as_float(r << 16) : f16_to_f32(u16(r));
+}
+__device__ __forceinline__ u32 pack_i8x4(int a, int b, int c, int d) {
+  return (u32(a) & 0xffu) | ((u32(b) & 0xffu) << 8) | ((u32(c) & 0xffu) << 16) | (u32(d) << 24);
+}
+
+// One word's inputs of chunk c (EW = EPC / 4 floats: the 4 threads of a chunk take one code word each) into
+// their packed terms. Packed word (t, p, i) of a chunk, term t (h, m, l), parity p (4-bit: even / odd codes; one
+// quad for 8-bit), code word i, sits in uint4 xq[(t·NPAR + p)·C + c], component i.
+constexpr int EW = EPC / 4;
+constexpr int NPAR = BITS == 4 ? 2 : 1;
+__device__ __forceinline__ void dp4a_quantize_word(const float (&v)[EW], uint4* xq, float* xsc, float* xsm, int c,
+                                                   int i, bool live) {
+  float mx = 0.f, sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < EW; ++e) mx = fmaxf(mx, fabsf(v[e])), sum += v[e];
+  // The chunk's 4 threads are 4 neighbouring lanes: max and sum over them (a fixed tree: deterministic).
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  if (!live) return;
+  const float inv = mx > 0.f ? __fdiv_rn(127.f, mx) : 0.f;
+  int h[EW], m[EW], l[EW];
+#pragma unroll
+  for (int e = 0; e < EW; ++e) {
+    const float y = v[e] * inv;
+    const float hf = rintf(y);
+    const float r1 = (y - hf) * 254.f;
+    const float mf = rintf(r1);
+    h[e] = int(fminf(fmaxf(hf, -127.f), 127.f));
+    m[e] = int(mf);
+    l[e] = int(rintf((r1 - mf) * 254.f));
+  }
+  u32* q = reinterpret_cast<u32*>(xq);
+  auto store_term = [&](int t, const int (&a)[EW]) {
+    if (BITS == 4) {
+      q[((t * 2 + 0) * C + c) * 4 + i] = pack_i8x4(a[0], a[2], a[4], a[6 % EW]);
+      q[((t * 2 + 1) * C + c) * 4 + i] = pack_i8x4(a[1], a[3], a[5 % EW], a[7 % EW]);
+    } else {
+      q[(t * C + c) * 4 + i] = pack_i8x4(a[0], a[1], a[2], a[3]);
+    }
+  };
+  store_term(0, h);
+  store_term(1, m);
+  store_term(2, l);
+  if (i == 0) {
+    xsc[c] = (mx / 127.f) * (BITS == 4 ? 0.0625f : 1.f);
+    xsm[c] = sum;
+  }
+}
+
+// Σ over one chunk (codes wv, packed x terms xw) as scale·(...) + bias·Σx, added to acc.
+__device__ __forceinline__ float dp4a_chunk(const u32 (&wv)[4], const u32 (&xw)[QW], float xs, float xsum,
+                                            float sc, float bi, float acc) {
+  int t0 = 0, t1 = 0, t2 = 0;
+  if (BITS == 4) {
+    int o0 = 0, o1 = 0, o2 = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 ev = wv[i] & 0x0F0F0F0Fu, od = wv[i] & 0xF0F0F0F0u;
+      t0 = dp4a_us(ev, xw[0 * 4 + i], t0), o0 = dp4a_us(od, xw[1 * 4 + i], o0);
+      t1 = dp4a_us(ev, xw[2 * 4 + i], t1), o1 = dp4a_us(od, xw[3 * 4 + i], o1);
+      t2 = dp4a_us(ev, xw[4 * 4 + i], t2), o2 = dp4a_us(od, xw[5 * 4 + i], o2);
+    }
+    t0 = 16 * t0 + o0, t1 = 16 * t1 + o1, t2 = 16 * t2 + o2;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      t0 = dp4a_us(wv[i], xw[0 * 4 + i], t0);
+      t1 = dp4a_us(wv[i], xw[1 * 4 + i], t1);
+      t2 = dp4a_us(wv[i], xw[2 * 4 + i], t2);
+    }
+  }
+  const float f = fmaf(fmaf(float(t2), 1.f / 254.f, float(t1)), 1.f / 254.f, float(t0));
+  acc = fmaf(sc, f * xs, acc);
+  return fmaf(bi, xsum, acc);
+}
+
+template <int kUnused = 0>
+__device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int T, i64 ldx, const GemvParts& P,
+                                               const GemvNorm& NP) {
+  __shared__ __align__(16) float xsh[NORM ? C * XLD : 4];  // NORM: the normed row, as the fp32 form stages it
+  __shared__ uint4 xq[QV * C];
+  __shared__ float xsc[C], xsm[C];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tr = lane % TPR8, rs = lane / TPR8;  // lane within its row, row within the warp's pass
+  const int t = blockIdx.x % T, b0 = blockIdx.x / T, bstep = gridDim.x / T;
+  const int nbatches = gemv_pick(P.bstart, P.np);
+  const int wstep = bstep * (NT / 32);
+  const float* xr = x + i64(t) * ldx;
+
+  // The loads of warp batch bt: codes and raw scale/bias bits of RU8 row slots × J8 chunks.
+  u32 cw[RU8][J8][4], cs[RU8][J8], cb[RU8][J8];
+  auto load = [&](int bt, u32 (&vw)[RU8][J8][4], u32 (&vs)[RU8][J8], u32 (&vb)[RU8][J8]) {
+    const int p = gemv_part_of(P, bt);
+    const unsigned char* __restrict__ W = gemv_pick(P.W, p);
+    const unsigned char* __restrict__ S = static_cast<const unsigned char*>(gemv_pick(P.S, p));
+    const unsigned char* __restrict__ B = static_cast<const unsigned char*>(gemv_pick(P.B, p));
+    const int N = gemv_pick(P.N, p);
+    const int r0 = (bt - gemv_pick(P.bstart, p)) * RB8 + rs;
+#pragma unroll
+    for (int u = 0; u < RU8; ++u) {
+      const int n = r0 + u * RWP8;
+      const unsigned char* wrow = W + i64(n) * RBYTES;
+      const i64 g0 = i64(n) * NG;
+#pragma unroll
+      for (int j = 0; j < J8; ++j) {
+        const int c = tr + j * TPR8;
+        if (n < N && c < C) {
+          const uint4 q = mm_ld128(wrow + c * 16);
+          vw[u][j][0] = q.x, vw[u][j][1] = q.y, vw[u][j][2] = q.z, vw[u][j][3] = q.w;
+          const i64 gi = g0 + (c * EPC) / GROUP;
+          vs[u][j] = gemv_raw_scalar(S, gi);
+          vb[u][j] = gemv_raw_scalar(B, gi);
+        } else {
+          vw[u][j][0] = vw[u][j][1] = vw[u][j][2] = vw[u][j][3] = 0u;
+          vs[u][j] = vb[u][j] = 0u;  // +0.0 in every dtype: dead rows and chunks add nothing
+        }
+      }
+    }
+  };
+  int bt = b0 * (NT / 32) + warp;
+  if (bt < nbatches) load(bt, cw, cs, cb);  // the first weights are in flight while x is quantized
+
+  // x row t into the packed terms: thread (chunk c, word i) = (tid / 4, tid % 4), C · 4 threads in passes of NT.
+  if constexpr (NORM != 0) {
+    gemv_stage_normed<XLD>(xr, t, b0, bstep, NP, xsh);
+    __syncthreads();
+  }
+  const bool xvec = (reinterpret_cast<unsigned long long>(xr) & 15u) == 0;
+  for (int base = 0; base < C * 4; base += NT) {
+    const int q = base + tid, c = q >> 2, i = q & 3;
+    const bool live = c < C;
+    float v[EW];
+#pragma unroll
+    for (int e = 0; e < EW; ++e) v[e] = 0.f;
+    if (live) {
+      if (NORM != 0) {
+#pragma unroll
+        for (int e = 0; e < EW; e += 4) {
+          const float4 f = *reinterpret_cast<const float4*>(xsh + c * XLD + i * EW + e);
+          v[e] = f.x, v[e + 1] = f.y, v[e + 2] = f.z, v[e + 3] = f.w;
+        }
+      } else if (xvec) {
+#pragma unroll
+        for (int e = 0; e < EW; e += 4) {
+          const float4 f = *reinterpret_cast<const float4*>(xr + c * EPC + i * EW + e);
+          v[e] = f.x, v[e + 1] = f.y, v[e + 2] = f.z, v[e + 3] = f.w;
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < EW; ++e) v[e] = xr[c * EPC + i * EW + e];
+      }
+    }
+    dp4a_quantize_word(v, xq, xsc, xsm, c, i, live);
+  }
+  __syncthreads();
+
+  // Batch bt's products from buffer (vw, vs, vb): RU8 rows, reduced over the row's lanes, stored.
+  auto compute = [&](int bt, const u32 (&vw)[RU8][J8][4], const u32 (&vs)[RU8][J8], const u32 (&vb)[RU8][J8]) {
+    float acc[RU8];
+#pragma unroll
+    for (int u = 0; u < RU8; ++u) acc[u] = 0.f;
+#pragma unroll
+    for (int j = 0; j < J8; ++j) {
+      const int c = tr + j * TPR8;
+      if (c < C) {
+        u32 xw[QW];
+#pragma unroll
+        for (int q = 0; q < QV; ++q) {
+          const uint4 v = xq[q * C + c];
+          xw[4 * q] = v.x, xw[4 * q + 1] = v.y, xw[4 * q + 2] = v.z, xw[4 * q + 3] = v.w;
+        }
+        const float xs = xsc[c], xsum = xsm[c];
+#pragma unroll
+        for (int u = 0; u < RU8; ++u)
+          acc[u] = dp4a_chunk(vw[u][j], xw, xs, xsum, gemv_raw_to_f32(vs[u][j]), gemv_raw_to_f32(vb[u][j]), acc[u]);
+      }
+    }
+    const int p = gemv_part_of(P, bt);
+    float* __restrict__ y = gemv_pick(P.y, p);
+    const i64 ldy = gemv_pick(P.ldy, p);
+    const int N = gemv_pick(P.N, p);
+    const int r0 = (bt - gemv_pick(P.bstart, p)) * RB8 + rs;
+#pragma unroll
+    for (int u = 0; u < RU8; ++u) {
+      float s = acc[u];
+#pragma unroll
+      for (int o = TPR8 / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      const int n = r0 + u * RWP8;
+      if (tr == 0 && n < N) y[i64(t) * ldy + n] = s;
+    }
+  };
+  // The next batch's loads go out before this one's arithmetic (a register double buffer).
+  for (; bt < nbatches; bt += wstep) {
+    u32 nw[RU8][J8][4], ns[RU8][J8], nb[RU8][J8];
+    const bool more = bt + wstep < nbatches;
+    if (more) load(bt + wstep, nw, ns, nb);
+    compute(bt, cw, cs, cb);
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < RU8; ++u)
+#pragma unroll
+        for (int j = 0; j < J8; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) cw[u][j][i] = nw[u][j][i];
+          cs[u][j] = ns[u][j], cb[u][j] = nb[u][j];
+        }
+    }
+  }
+}
+#ifndef DP4A_MINB
+#define DP4A_MINB GEMV_MINB
+#endif
+extern "C" __global__ void __launch_bounds__(NT, DP4A_MINB)
+    matmul_gemv_dp4a(const float* __restrict__ x, int T, i64 ldx, const GemvParts P GEMV_NORM_PARAM) {
+  LILY_PDL_PROLOGUE();
+  gemv_dp4a_body(x, T, ldx, P, GEMV_NORM_ARG);
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------------
 // GEMM (prefill) and the tensor-core GEMV: not in NORM modules (the fused norm is a CUDA-core GEMV form only).
 #if NORM == 0
 
