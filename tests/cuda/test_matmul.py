@@ -358,7 +358,7 @@ def test_gemv_dp4a_matches_float64(benches, spec, n, k):
     three = _run(gpu, desc, x, "decode")
     for r in range(3):
         np.testing.assert_array_equal(_run(gpu, desc, x[r:r + 1], "decode").view(np.uint32), three[r:r + 1].view(np.uint32))
-    notes = [v for key, v in _variants(gpu.report()).items() if key.startswith("matmul.decode.") and f"[{n}, {k}]" in key]
+    notes = [v for key, v in _variants(gpu.report()).items() if key == f"matmul.decode.{spec} [{n}, {k}]"]
     assert notes and "_dp4a_" in notes[0], notes
 
 
