@@ -135,10 +135,14 @@ void CudaOps::moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, 
 namespace {
 
 // The kernels' constants for this weight format, shape and phase (and whether 16-byte loads are legal).
-ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned, int x_terms) {
+ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned, int x_terms,
+                              bool dp4a_option) {
   const int64_t E = gate.experts, H = gate.cols, I = gate.rows;
   const int cpv = codes_per_vector(gate);
   ExpertsVariant v;
+  // Decode with x / act as three int8 terms and dp4a (kernels/moe.cu DP4A): the option, and its conditions.
+  const bool dp4a = phase == Phase::Decode && dp4a_option && gate.quantized() && (gate.bits == 4 || gate.bits == 8) &&
+                    aligned && gate.group % cpv == 0;
   const int64_t nit = (H / cpv + 31) / 32;  // 16-byte vectors per lane per gate/up row
   v.rows_g = int(std::max<int64_t>(1, std::min<int64_t>(4, 4 / nit)));
   const int lpr = next_pow2(I / cpv);
@@ -159,12 +163,15 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
                {"ROWS_D", kDecodeRowsDown},
                {"LPR", lpr},
                {"BM", v.bm},
-               {"XS", phase == Phase::Prefill ? x_terms : 2}};
+               {"XS", phase == Phase::Prefill ? x_terms : 2},
+               {"DP4A", dp4a ? 1 : 0}};
   const std::string fmt = gate.describe() + (aligned ? ", 16-byte loads" : ", byte loads (unaligned weights)");
   if (phase == Phase::Decode)
     v.text = "moe_gate_up_decode (" + std::to_string(v.rows_g) + " gate+up rows per warp) + moe_down_decode (" +
              std::to_string(lpr) + " lanes per expert row, " + std::to_string(kDecodeRowsDown) +
-             " rows per block), " + fmt;
+             " rows per block), " + fmt +
+             (dp4a ? ", x and act as three int8 terms per 16-byte vector, dp4a dot products"
+                   : gate.quantized() && !dp4a_option ? ", fp32 x and act (gemv_dp4a=False)" : ", fp32 x and act");
   else
     v.text = "moe_group + moe_gate_up_mma / moe_down_mma (mma.sync m16n8k16 bf16, x as " +
              std::string(x_terms == 2 ? "hi + lo bf16" : "one bf16 term (prefill_x_terms or moe_x_terms = 1)") + ", " +
@@ -259,7 +266,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   MoeArgs a = experts_args(x, ids, weights, gate, up, down, ws, out, what, aligned);
   if (T == 0) return;
   const Phase ph = phase();
-  const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x_terms());
+  const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x_terms(), options().gemv_dp4a);
   if (ph == Phase::Decode) {
     note_variant("moe.experts.decode", v.text);
     const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
@@ -343,7 +350,7 @@ void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tenso
   a.logits_stride = router_logits.stride;
   a.sgate = ptr(shared_gate_logit);
   a.sgate_stride = shared_gate_logit.stride;
-  ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned, 2);
+  ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned, 2, options().gemv_dp4a);
   v.defines.push_back({"FUSED", 1});
   note_variant("moe.block.decode", "fused, 2 launches: routing in every block + the shared expert as slot k of " +
                                        v.text + ", the down pass adding σ(gate)·shared and the residual");

@@ -2,8 +2,9 @@
 
 moe_route: ids must equal the CPU's exactly (random logits, and logits with exact ties, which both break
 toward the lower id); the weights within 1e-6 (the GPU's softmax sum is a warp tree and its expf is within
-2 ulp of libm's, so p differs by a few ulp). moe_experts, decode: fp32 throughout, in another order than
-the CPU (per 32-input half-group partials, warp trees): 1e-5 relative (‖gpu − cpu‖ / ‖cpu‖). Prefill runs
+2 ulp of libm's, so p differs by a few ulp). moe_experts, decode: fp32 accumulation in another order than
+the CPU (per 16-byte vector partials, warp trees), and for 4/8-bit experts x and act as three int8 terms with
+dp4a products (quant.cuh, ~1e-7): 1e-5 relative (‖gpu − cpu‖ / ‖cpu‖); the dp4a and fp32 forms within 1e-6. Prefill runs
 on tensor cores (bf16 MMAs, fp32 accumulation) with the weights exact (affine codes, scales and biases
 applied per group in fp32; dense bf16 as stored; dense f16/f32 as hi + lo bf16) and the activations x and
 act as two bf16 terms hi + lo (residual ≤ 2^-17 relative per element): a numpy emulation of that scheme at
@@ -232,6 +233,27 @@ def test_experts_prefill_tiles_and_T(benches):
     _, part = run_experts(benches, handles, "prefill", x[:7], ids[:7], w[:7], E, k, H, I)
     assert "16-row tiles" in str(benches[1].report())
     np.testing.assert_array_equal(part.view(np.uint32), full[:7].view(np.uint32))
+
+
+@pytest.fixture(scope="module")
+def fp32_benches():
+    return core.OpBench("cpu"), core.OpBench("cuda", {"gemv_dp4a": False})
+
+
+@pytest.mark.parametrize("spec,E,k,H,I", [c for c in EXPERT_CASES if c[0].startswith("q")])
+def test_experts_decode_dp4a_matches_the_fp32_form(benches, fp32_benches, spec, E, k, H, I):
+    """Decode's default for 4/8-bit experts takes x and act as three int8 terms with dp4a dot products
+    (quant.cuh): within 1e-6 of the fp32 form (each is ~1e-7 from exact; a lost third term gives ~1e-5), and the
+    report names which ran."""
+    dp, fp = weights_for(benches, spec, E, k, H, I), weights_for(fp32_benches, spec, E, k, H, I)
+    for T in (1, 2):
+        x, ids, w = token_inputs(31 + T, E, k, H, T)
+        _, got = run_experts(benches, dp, "decode", x, ids, w, E, k, H, I)
+        _, ref = run_experts(fp32_benches, fp, "decode", x, ids, w, E, k, H, I)
+        err = rel_err(got, ref)
+        assert err < 1e-6, f"decode dp4a vs fp32 {spec} E={E} H={H} I={I} T={T}: {err:.3g}"
+    assert "three int8 terms per 16-byte vector, dp4a" in str(benches[1].report())
+    assert "fp32 x and act (gemv_dp4a=False)" in str(fp32_benches[1].report())
 
 
 def test_experts_variants_reported(benches):

@@ -580,28 +580,21 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
 // instruction) and the per-chunk bookkeeping is a handful of 32-bit operations: ~45 instructions per 16-byte
 // chunk of a 4-bit row (32 codes) instead of ~260.
 //
-// x as three int8 terms. Each block quantizes its row t once, per 16-byte chunk c of a weight row (EPC inputs,
-// inside one affine group): s_c = max|x| / 127 over the chunk, y = x / s_c, h = rint(y), m = rint(254 (y − h)),
-// l = rint(254 (254 (y − h) − m)), so x = s_c (h + m/254 + l/254²) to within 0.5 s_c / 254² = 3.1e-8 max|x_c|
-// (plus fp32's rounding of y). Each term's dot product with the codes is exact in int32 (≤ 32 · 255 · 127 ·
-// 16); the three are combined in fp32 once per chunk. Against the CPU's fp32 sums the error is ~1e-7
-// relative, the fp32 form's own level (tests/cuda/test_matmul.py bounds both by 1e-5).
-//   4-bit: word i of a chunk holds codes 8i .. 8i+7, nibbles LSB first; w & 0x0F0F0F0F gives the even codes as
-//   bytes and w & 0xF0F0F0F0 the odd ones times 16, so the x terms are packed as even / odd byte quads and a
-//   chunk's integer sum is 16·Σeven + Σodd16 (= 16 Σ q·x_term): 8 LOP3 + 24 dp4a per chunk, no shifts.
-//   8-bit: each word is 4 codes as bytes: 12 dp4a per chunk.
-// The chunk's value: acc += scale_g · s_c · (H + (M + L/254)/254) (/16 for 4-bit) + bias_g · Σ_c x, with Σ_c x
-// the fp32 sum of the chunk's inputs in ascending order.
+// x as three int8 terms (quant.cuh, Dp4a): each block quantizes its row t once, per 16-byte chunk of a weight row
+// (EPC inputs, inside one affine group), to within 3.1e-8 of the chunk's max|x|; each term's dot product with the
+// codes is exact in int32 and the three combine in fp32 once per chunk: ~1e-7 relative against exact sums, the fp32
+// form's own level (tests/cuda/test_matmul.py holds both to 1e-6 against float64). acc += scale_g · s_c · (H +
+// (M + L/254)/254) + bias_g · Σ_c x, with Σ_c x the fp32 sum of the chunk's inputs in a fixed order.
 //
 // Geometry: a warp owns a row slot of TPR8 lanes (TPR8 = the power of two ≥ chunks per row, at most 32; RWP8 =
 // 32 / TPR8 rows side by side), lane tr reads chunks tr, tr + TPR8, ... (J8 per row). A warp batch is RU8 row
 // slots (RU8 · J8 ≤ 4 chunk loads per lane), RB8 = RU8 · RWP8 rows; the warp's next batch is loaded into
 // registers (codes, raw scale/bias bits) before this one's arithmetic: up to 8 chunks, 128 bytes per lane in
 // flight. Batches are dealt to the warps of the grid round robin (persistent grid of 2 blocks per SM / T);
-// GemvParts' bstart counts warp batches. Block of 256 threads: x row t staged (or normalised, NORM 1/2) in
-// shared memory as the fp32 form does, then quantized by one thread per chunk into xq (the packed terms,
+// GemvParts' bstart counts warp batches. Block of 256 threads: x row t (NORM 1/2: normalised in shared memory
+// as the fp32 form does) quantized by 4 threads per chunk, one code word each, into xq (the packed terms,
 // chunk-minor so a warp's 16-byte reads of consecutive chunks are conflict-free), xsc (s_c, /16 for 4-bit)
-// and xsm (Σ_c x). Row sums: xor shuffles within the TPR8 lanes. Shared memory ≤ 36 KB (x) + C · (QW · 4 + 8).
+// and xsm (Σ_c x). Row sums: xor shuffles within the TPR8 lanes. Shared memory C · (QW · 4 + 8) (+ NORM's row).
 // Floor: W.bytes() per call, as above; ~1.4 instructions per 4-bit code (~10 codes per clock per SMSP).
 // Determinism: a row's bits depend on K, the format and x's row only (not on T, the grid or the part).
 // (The preprocessor's form of: 4/8 bits, AL 16, SAL 1, GROUP % EPC == 0, XSH.)
@@ -613,14 +606,10 @@ constexpr int J8 = (C + TPR8 - 1) / TPR8;
 constexpr int RWP8 = 32 / TPR8;
 constexpr int RU8 = J8 >= 4 ? 1 : 4 / J8;
 constexpr int RB8 = RU8 * RWP8;                // rows per warp batch (matmul.cpp gemv_dp4a_rows must match)
-constexpr int QW = BITS == 4 ? 24 : 12;        // packed x words per chunk: 3 terms × (even, odd) × 4 or 3 × 4
+constexpr int QW = Dp4a<BITS>::QW;             // packed x words per chunk (quant.cuh)
 constexpr int QV = QW / 4;                     // as uint4
+constexpr int EW = Dp4a<BITS>::EW;
 
-__device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {
-  int d;
-  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
 __device__ __forceinline__ u32 gemv_raw_scalar(const unsigned char* p, i64 i) {
   if (DT == LILY_F32) return *reinterpret_cast<const u32*>(p + 4 * i);
   return *reinterpret_cast<const u16*>(p + 2 * i);
@@ -628,82 +617,6 @@ __device__ __forceinline__ u32 gemv_raw_scalar(const unsigned char* p, i64 i) {
 __device__ __forceinline__ float gemv_raw_to_f32(u32 r) {
   if (DT == LILY_F32) return __uint_as_float(r);
   return DT == LILY_BF16 ? __uint_as_float(r << 16) : f16_to_f32(u16(r));
-}
-__device__ __forceinline__ u32 pack_i8x4(int a, int b, int c, int d) {
-  return (u32(a) & 0xffu) | ((u32(b) & 0xffu) << 8) | ((u32(c) & 0xffu) << 16) | (u32(d) << 24);
-}
-
-// One word's inputs of chunk c (EW = EPC / 4 floats: the 4 threads of a chunk take one code word each) into
-// their packed terms. Packed word (t, p, i) of a chunk, term t (h, m, l), parity p (4-bit: even / odd codes; one
-// quad for 8-bit), code word i, sits in uint4 xq[(t·NPAR + p)·C + c], component i.
-constexpr int EW = EPC / 4;
-constexpr int NPAR = BITS == 4 ? 2 : 1;
-__device__ __forceinline__ void dp4a_quantize_word(const float (&v)[EW], uint4* xq, float* xsc, float* xsm, int c,
-                                                   int i, bool live) {
-  float mx = 0.f, sum = 0.f;
-#pragma unroll
-  for (int e = 0; e < EW; ++e) mx = fmaxf(mx, fabsf(v[e])), sum += v[e];
-  // The chunk's 4 threads are 4 neighbouring lanes: max and sum over them (a fixed tree: deterministic).
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-  if (!live) return;
-  const float inv = mx > 0.f ? __fdiv_rn(127.f, mx) : 0.f;
-  int h[EW], m[EW], l[EW];
-#pragma unroll
-  for (int e = 0; e < EW; ++e) {
-    const float y = v[e] * inv;
-    const float hf = rintf(y);
-    const float r1 = (y - hf) * 254.f;
-    const float mf = rintf(r1);
-    h[e] = int(fminf(fmaxf(hf, -127.f), 127.f));
-    m[e] = int(mf);
-    l[e] = int(rintf((r1 - mf) * 254.f));
-  }
-  u32* q = reinterpret_cast<u32*>(xq);
-  auto store_term = [&](int t, const int (&a)[EW]) {
-    if (BITS == 4) {
-      q[((t * 2 + 0) * C + c) * 4 + i] = pack_i8x4(a[0], a[2], a[4], a[6 % EW]);
-      q[((t * 2 + 1) * C + c) * 4 + i] = pack_i8x4(a[1], a[3], a[5 % EW], a[7 % EW]);
-    } else {
-      q[(t * C + c) * 4 + i] = pack_i8x4(a[0], a[1], a[2], a[3]);
-    }
-  };
-  store_term(0, h);
-  store_term(1, m);
-  store_term(2, l);
-  if (i == 0) {
-    xsc[c] = (mx / 127.f) * (BITS == 4 ? 0.0625f : 1.f);
-    xsm[c] = sum;
-  }
-}
-
-// Σ over one chunk (codes wv, packed x terms xw) as scale·(...) + bias·Σx, added to acc.
-__device__ __forceinline__ float dp4a_chunk(const u32 (&wv)[4], const u32 (&xw)[QW], float xs, float xsum,
-                                            float sc, float bi, float acc) {
-  int t0 = 0, t1 = 0, t2 = 0;
-  if (BITS == 4) {
-    int o0 = 0, o1 = 0, o2 = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const u32 ev = wv[i] & 0x0F0F0F0Fu, od = wv[i] & 0xF0F0F0F0u;
-      t0 = dp4a_us(ev, xw[0 * 4 + i], t0), o0 = dp4a_us(od, xw[1 * 4 + i], o0);
-      t1 = dp4a_us(ev, xw[2 * 4 + i], t1), o1 = dp4a_us(od, xw[3 * 4 + i], o1);
-      t2 = dp4a_us(ev, xw[4 * 4 + i], t2), o2 = dp4a_us(od, xw[5 * 4 + i], o2);
-    }
-    t0 = 16 * t0 + o0, t1 = 16 * t1 + o1, t2 = 16 * t2 + o2;
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      t0 = dp4a_us(wv[i], xw[0 * 4 + i], t0);
-      t1 = dp4a_us(wv[i], xw[1 * 4 + i], t1);
-      t2 = dp4a_us(wv[i], xw[2 * 4 + i], t2);
-    }
-  }
-  const float f = fmaf(fmaf(float(t2), 1.f / 254.f, float(t1)), 1.f / 254.f, float(t0));
-  acc = fmaf(sc, f * xs, acc);
-  return fmaf(bi, xsum, acc);
 }
 
 template <int kUnused = 0>
@@ -782,7 +695,7 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
         for (int e = 0; e < EW; ++e) v[e] = xr[c * EPC + i * EW + e];
       }
     }
-    dp4a_quantize_word(v, xq, xsc, xsm, c, i, live);
+    dp4a_quantize_word<BITS>(v, xq, C, xsc, xsm, c, i, live);
   }
   __syncthreads();
 
@@ -796,15 +709,11 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
       const int c = tr + j * TPR8;
       if (c < C) {
         u32 xw[QW];
-#pragma unroll
-        for (int q = 0; q < QV; ++q) {
-          const uint4 v = xq[q * C + c];
-          xw[4 * q] = v.x, xw[4 * q + 1] = v.y, xw[4 * q + 2] = v.z, xw[4 * q + 3] = v.w;
-        }
+        dp4a_load_x<BITS>(xq, C, c, xw);
         const float xs = xsc[c], xsum = xsm[c];
 #pragma unroll
         for (int u = 0; u < RU8; ++u)
-          acc[u] = dp4a_chunk(vw[u][j], xw, xs, xsum, gemv_raw_to_f32(vs[u][j]), gemv_raw_to_f32(vb[u][j]), acc[u]);
+          acc[u] = dp4a_chunk<BITS>(vw[u][j], xw, xs, xsum, gemv_raw_to_f32(vs[u][j]), gemv_raw_to_f32(vb[u][j]), acc[u]);
       }
     }
     const int p = gemv_part_of(P, bt);

@@ -31,6 +31,10 @@
 //       (swizzled as above); a group of LPR lanes (LPR = the power of two ≥ I/CPV, ≤ 32) owns one (row,
 //       slot) dot product, the ROWS_D·k partials land in shared memory and thread r sums row r's k of them
 //       in (id, slot) order times the routing weights. No atomics.
+//     DP4A (4/8-bit affine experts, 16-byte loads, groups of whole vectors; the host's gemv_dp4a, on by
+//       default): x and the act rows are staged as three int8 terms per 16-byte vector instead of fp32 (quant.cuh;
+//       4 threads per vector) and each vector's products are dp4a integer dot products combined in fp32 per
+//       vector: ~45 instructions per 4-bit vector instead of ~190 (3 per code plus the x reads), error ~1e-7.
 //   Prefill (4 launches; grids sized for the worst case, so no host knowledge of the routing):
 //     moe_group (1 block of 1024): histogram of rows per expert (shared atomics: counts only), exclusive
 //       scans of rows and of tiles (⌈n_e/BM⌉) per expert, the tile map (expert, first sorted row, rows),
@@ -52,7 +56,7 @@
 //     moe_expert_sum: grid T, block 256: out[t] = Σ_s w[t,s]·y[pair_pos[t,s]] in (id, slot) order.
 //   -D WKIND (0 dense, 1 affine), WDT (dense dtype code), BITS, GROUP, SDT (scale dtype code), ALIGNED
 //   (1: every weight/activation address and stride allows 16-byte loads; 0: byte loads, a slow but
-//   correct path for unpadded checkpoints), NEXP, TOPK, HID, INTER, ROWS_G, ROWS_D, LPR, BM (16 or 64,
+//   correct path for unpadded checkpoints), DP4A (decode, above), NEXP, TOPK, HID, INTER, ROWS_G, ROWS_D, LPR, BM (16 or 64,
 //   picked on the host from the expected rows per expert T·k/E; the sums do not depend on it: each output
 //   element accumulates its K steps in the same order whatever BM is).
 //   Floors (Qwen3.6 q4g64): decode streams the k = 8 hit experts' 3·512·2048 weights at 0.5625 B each,
@@ -250,6 +254,46 @@ __device__ __forceinline__ void moe_unpack(const uint4 v, float* w) {
 
 __device__ __forceinline__ int moe_swz(int f) { return f ^ ((f >> 3) & 7); }
 
+// Decode with x / act as three int8 terms and dp4a (quant.cuh; the host's option gemv_dp4a): 4/8-bit affine
+// experts, 16-byte loads, groups of whole 16-byte vectors. The packed terms of a row of n vectors take the
+// dynamic shared memory the fp32 rows would (3.25 or 3.5 bytes per input instead of 4).
+#ifndef DP4A
+#define DP4A 0
+#endif
+#if DP4A && !(WKIND == 1 && (BITS == 4 || BITS == 8) && ALIGNED && GROUP % CPV == 0)
+#error "DP4A needs 4/8-bit affine experts, 16-byte loads and groups of whole vectors"
+#endif
+#if DP4A
+constexpr int MQV = Dp4a<BITS>::QW / 4;  // uint4 of packed terms per vector
+// Row r (of `rows`, each `n` vectors of CPV inputs at src + r·stride floats) into its packed terms at
+// xq + r·MQV·n, scales xsc + r·n, sums xsm + r·n: the whole block, 4 threads per vector.
+__device__ __forceinline__ void moe_quantize_rows(const float* src, i64 stride, int rows, int n, uint4* xq, float* xsc,
+                                                  float* xsm) {
+  constexpr int EW = Dp4a<BITS>::EW;
+  for (int base = 0; base < rows * n * 4; base += 256) {
+    const int q = base + int(threadIdx.x), r = q / (n * 4), c = (q >> 2) - r * n, i = q & 3;
+    const bool live = r < rows;
+    float v[EW];
+#pragma unroll
+    for (int e = 0; e < EW; e += 4) {
+      float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (live) f = *reinterpret_cast<const float4*>(src + i64(r) * stride + c * CPV + i * EW + e);
+      v[e] = f.x, v[e + 1] = f.y, v[e + 2] = f.z, v[e + 3] = f.w;
+    }
+    const int rr = live ? r : 0;
+    dp4a_quantize_word<BITS>(v, xq + rr * MQV * n, n, xsc + rr * n, xsm + rr * n, c, i, live);
+  }
+}
+// The dp4a form of moe_vec_dot: vector c of a row whose packed terms start at xq (n vectors per row).
+__device__ __forceinline__ float moe_vec_dot_dp4a(const uint4 wv, const uint4* xq, const float* xsc, const float* xsm,
+                                                  int n, int c, float s, float b, float acc) {
+  u32 xw[Dp4a<BITS>::QW];
+  dp4a_load_x<BITS>(xq, n, c, xw);
+  const u32 w4[4] = {wv.x, wv.y, wv.z, wv.w};
+  return dp4a_chunk<BITS>(w4, xw, xsc[c], xsm[c], s, b, acc);
+}
+#endif
+
 __device__ __forceinline__ bool moe_valid_expert(int e) { return e >= 0 && e < NEXP; }
 
 // ---------------------------------------------------------------------------------------------
@@ -308,6 +352,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
   constexpr bool shared_slot = false;
 #endif
   const float* x = reinterpret_cast<const float*>(a.x) + i64(t) * a.x_stride;
+#if DP4A
+  uint4* xq = reinterpret_cast<uint4*>(moe_smem);
+  float* xsc = reinterpret_cast<float*>(xq + MQV * NV);
+  float* xsm = xsc + NV;
+  moe_quantize_rows(x, 0, 1, NV, xq, xsc, xsm);
+  (void)xs;
+#else
   for (int f = tid; f < XF4; f += 256) {
     float4 v;
     v.x = 4 * f < HID ? x[4 * f] : 0.f;
@@ -316,6 +367,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
     v.w = 4 * f + 3 < HID ? x[4 * f + 3] : 0.f;
     xs[moe_swz(f)] = v;
   }
+#endif
   __syncthreads();
 #if FUSED
   const int e = shared_slot ? 0 : route_id[s];
@@ -366,9 +418,29 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
 #endif
         }
       }
+#if DP4A
+  // Vector-major: each vector's packed x is read once for the warp's ROWS_G gate and up rows.
+  float accd[ROWS_G][2];
+#pragma unroll
+  for (int r = 0; r < ROWS_G; ++r) accd[r][0] = accd[r][1] = 0.f;
+#pragma unroll
+  for (int it = 0; it < NIT; ++it) {
+    const int c = lane + 32 * it;
+    if (c < NV) {
+#pragma unroll
+      for (int r = 0; r < ROWS_G; ++r)
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+          accd[r][m] = moe_vec_dot_dp4a(wv[r][m][it], xq, xsc, xsm, NV, c, sc[r][m][it], bi[r][m][it], accd[r][m]);
+    }
+  }
+#endif
 #pragma unroll
   for (int r = 0; r < ROWS_G; ++r) {
     float acc[2] = {0.f, 0.f};
+#if DP4A
+    acc[0] = accd[r][0], acc[1] = accd[r][1];
+#else
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -376,6 +448,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
         const int c = lane + 32 * it;
         if (c < NV) acc[m] += moe_vec_dot(wv[r][m][it], xs, c, sc[r][m][it], bi[r][m][it]);
       }
+#endif
     const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
     const int row = row0 + r;
     if (lane == 0 && row < INTER) act[row] = silu(g) * u;
@@ -405,12 +478,20 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs 
   }
   if (FUSED && tid == TOPK) eid[tid] = 0;  // the shared expert's slot: one matrix, always present
   const float* act = reinterpret_cast<const float*>(a.act) + i64(t) * SLOTS * INTER;
+#if DP4A
+  uint4* aq = reinterpret_cast<uint4*>(moe_smem);  // slot s's packed terms at aq + s·MQV·NVI
+  float* asc = reinterpret_cast<float*>(aq + SLOTS * MQV * NVI);
+  float* asm_ = asc + SLOTS * NVI;
+  moe_quantize_rows(act, INTER, SLOTS, NVI, aq, asc, asm_);
+  (void)acts;
+#else
   for (int i = tid; i < SLOTS * AF4; i += 256) {
     const int s = i / AF4, f = i - s * AF4;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     if (4 * f < INTER) v = *reinterpret_cast<const float4*>(act + i64(s) * INTER + 4 * f);  // INTER % 4 == 0
     acts[s * AF4 + moe_swz(f)] = v;
   }
+#endif
   __syncthreads();
   if (tid < TOPK) {  // rank of slot tid by (expert id, slot)
     int rank = 0;
@@ -456,7 +537,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs 
 #pragma unroll
     for (int j = 0; j < NITD; ++j) {
       const int c = gl + LPR * j;
+#if DP4A
+      if (c < NVI && item < ITEMS)
+        d = moe_vec_dot_dp4a(wv[p][j], aq + s * MQV * NVI, asc + s * NVI, asm_ + s * NVI, NVI, c, sc[p][j], bi[p][j], d);
+#else
       if (c < NVI && item < ITEMS) d += moe_vec_dot(wv[p][j], acts + s * AF4, c, sc[p][j], bi[p][j]);
+#endif
     }
 #pragma unroll
     for (int o = LPR / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);

@@ -193,3 +193,111 @@ __device__ __forceinline__ void q4_word_bf16(u32 w, u32* out) {
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out[j]) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
   }
 }
+
+// ---- x as three int8 terms for dp4a (the decode GEMV matmul_gemv_dp4a and the decode MoE experts) ----
+//
+// A 16-byte chunk of a kBits affine row (EPC = 128 / kBits codes, inside one group) meets x as three int8 terms:
+// s_c = max|x| / 127 over the chunk's inputs, y = x / s_c, h = rint(y), m = rint(254 (y − h)), l = rint(254 (254
+// (y − h) − m)): x = s_c (h + m/254 + l/254²) to within 0.5 s_c / 254² = 3.1e-8 max|x_c| (plus fp32's rounding of
+// y). Each term's dot product with the codes is exact in int32; the three combine in fp32 once per chunk.
+// 4-bit: word i of a chunk holds codes 8i .. 8i+7, nibbles LSB first; w & 0x0F0F0F0F gives the even codes as bytes
+// and w & 0xF0F0F0F0 the odd ones times 16, so each term is packed as even / odd byte quads and a chunk's integer
+// sum is 16·Σeven + Σodd16 (= 16 Σ q·x_term): 8 LOP3 + 24 dp4a per chunk, no shifts. 8-bit: each word is 4 codes
+// as bytes: 12 dp4a per chunk. Packed word (term t, parity p, code word i) of chunk c of an x row of nchunks chunks
+// sits in uint4 xq[(t·NPAR + p)·nchunks + c], component i (chunk-minor: consecutive lanes reading consecutive chunks
+// are conflict-free); xsc[c] = s_c (/16 for 4-bit), xsm[c] = Σ_c x in a fixed order.
+template <int kBits>
+struct Dp4a {
+  static_assert(kBits == 4 || kBits == 8, "dp4a: 4- or 8-bit codes");
+  static constexpr int EPC = 128 / kBits;      // inputs per chunk
+  static constexpr int EW = EPC / 4;           // inputs per code word
+  static constexpr int NPAR = kBits == 4 ? 2 : 1;
+  static constexpr int QW = 3 * NPAR * 4;      // packed words per chunk
+};
+__device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {
+  int d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ u32 pack_i8x4(int a, int b, int c, int d) {
+  return (u32(a) & 0xffu) | ((u32(b) & 0xffu) << 8) | ((u32(c) & 0xffu) << 16) | (u32(d) << 24);
+}
+// Code word i's inputs v of chunk c into their packed terms. The chunk's 4 words are taken by 4 neighbouring lanes
+// (lane & 3 = i), all of which must call this (the max and sum are shuffles); live = false only pads a pass.
+template <int kBits>
+__device__ __forceinline__ void dp4a_quantize_word(const float (&v)[Dp4a<kBits>::EW], uint4* xq, int nchunks,
+                                                   float* xsc, float* xsm, int c, int i, bool live) {
+  constexpr int EW = Dp4a<kBits>::EW;
+  float mx = 0.f, sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < EW; ++e) mx = fmaxf(mx, fabsf(v[e])), sum += v[e];
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // a fixed tree: deterministic (a NaN input reaches the sum)
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  if (!live) return;
+  const float inv = mx > 0.f ? __fdiv_rn(127.f, mx) : 0.f;  // an all-zero chunk: every term 0
+  int h[EW], m[EW], l[EW];
+#pragma unroll
+  for (int e = 0; e < EW; ++e) {
+    const float y = v[e] * inv;
+    const float hf = rintf(y);
+    const float r1 = (y - hf) * 254.f;
+    const float mf = rintf(r1);
+    h[e] = int(fminf(fmaxf(hf, -127.f), 127.f));
+    m[e] = int(mf);
+    l[e] = int(rintf((r1 - mf) * 254.f));
+  }
+  u32* q = reinterpret_cast<u32*>(xq);
+  auto store_term = [&](int t, const int (&a)[EW]) {
+    if (kBits == 4) {
+      q[((t * 2 + 0) * nchunks + c) * 4 + i] = pack_i8x4(a[0], a[2], a[4 % EW], a[6 % EW]);
+      q[((t * 2 + 1) * nchunks + c) * 4 + i] = pack_i8x4(a[1], a[3], a[5 % EW], a[7 % EW]);
+    } else {
+      q[(t * nchunks + c) * 4 + i] = pack_i8x4(a[0], a[1], a[2], a[3]);
+    }
+  };
+  store_term(0, h);
+  store_term(1, m);
+  store_term(2, l);
+  if (i == 0) {
+    xsc[c] = (mx / 127.f) * (kBits == 4 ? 0.0625f : 1.f);
+    xsm[c] = sum;
+  }
+}
+// Chunk c's packed terms.
+template <int kBits>
+__device__ __forceinline__ void dp4a_load_x(const uint4* xq, int nchunks, int c, u32 (&xw)[Dp4a<kBits>::QW]) {
+#pragma unroll
+  for (int q = 0; q < Dp4a<kBits>::QW / 4; ++q) {
+    const uint4 v = xq[q * nchunks + c];
+    xw[4 * q] = v.x, xw[4 * q + 1] = v.y, xw[4 * q + 2] = v.z, xw[4 * q + 3] = v.w;
+  }
+}
+// acc + scale·s_c·(H + (M + L/254)/254) + bias·Σ_c x over one chunk (codes wv, packed terms xw).
+template <int kBits>
+__device__ __forceinline__ float dp4a_chunk(const u32 (&wv)[4], const u32 (&xw)[Dp4a<kBits>::QW], float xs,
+                                            float xsum, float sc, float bi, float acc) {
+  int t0 = 0, t1 = 0, t2 = 0;
+  if (kBits == 4) {
+    int o0 = 0, o1 = 0, o2 = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 ev = wv[i] & 0x0F0F0F0Fu, od = wv[i] & 0xF0F0F0F0u;
+      t0 = dp4a_us(ev, xw[0 * 4 + i], t0), o0 = dp4a_us(od, xw[1 * 4 + i], o0);
+      t1 = dp4a_us(ev, xw[2 * 4 + i], t1), o1 = dp4a_us(od, xw[3 * 4 + i], o1);
+      t2 = dp4a_us(ev, xw[4 * 4 + i], t2), o2 = dp4a_us(od, xw[5 * 4 + i], o2);
+    }
+    t0 = 16 * t0 + o0, t1 = 16 * t1 + o1, t2 = 16 * t2 + o2;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      t0 = dp4a_us(wv[i], xw[0 * 4 + i], t0);
+      t1 = dp4a_us(wv[i], xw[1 * 4 + i], t1);
+      t2 = dp4a_us(wv[i], xw[2 * 4 + i], t2);
+    }
+  }
+  const float f = fmaf(fmaf(float(t2), 1.f / 254.f, float(t1)), 1.f / 254.f, float(t0));
+  acc = fmaf(sc, f * xs, acc);
+  return fmaf(bi, xsum, acc);
+}
