@@ -316,48 +316,28 @@ void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, i
   const int64_t T = x.rows;
   int64_t rows = 0;
   for (int i = 0; i < n; ++i) rows += w[i].rows;
-  if (gemv_dp4a_fits(*this, w[0])) {  // every part has w[0]'s module defines, so the same conditions
-    const int64_t rb = gemv_dp4a_rows(w[0]);
-    Defines d = defines;
-    if (norm) d.push_back({"NORM", norm->b ? 2 : 1});
-    const Kernel& k = kernel("matmul", "matmul_gemv_dp4a", d);
-    GemvParts P{};
-    P.np = n;
-    int64_t batches = 0;  // warp batches of rb rows
-    for (int i = 0; i < n; ++i) {
-      P.W[i] = data(w[i]);
-      P.S[i] = scales(w[i]);
-      P.B[i] = biases(w[i]);
-      P.y[i] = ptr(out[i]);
-      P.ldy[i] = out[i].stride;
-      P.N[i] = int32_t(w[i].rows);
-      P.bstart[i] = int32_t(batches);
-      batches += ceil_div(w[i].rows, rb);
-    }
-    if (batches > INT_MAX) throw std::invalid_argument("cuda matmul: too many rows in one GEMV launch");
-    for (int i = n; i <= kGemvParts; ++i) P.bstart[i] = int32_t(batches);
-    const int64_t slots = std::max<int64_t>(1, int64_t(kGemvBlocksPerSm) * std::max(1, info().sms) / T);
-    const int64_t nb = std::min(ceil_div(batches, kThreads / 32), slots);
-    const Dim3 grid{unsigned(nb * T), 1, 1}, block{unsigned(kThreads), 1, 1};
-    if (norm)
-      launch(k, grid, block, 0, ptr(x), int(T), int64_t(x.stride), P, *norm);
-    else
-      launch(k, grid, block, 0, ptr(x), int(T), int64_t(x.stride), P);
-    return;
-  }
-  // Geometry as matmul.cu derives it (TPR, RPP, RB): must match. U from all the parts' rows, never from T.
-  const int64_t rpp = gemv_rows_per_pass(w[0]);
-  const bool u1 = gemv_one_row(*this, w[0], rows);
-  const GemvAsync as = gemv_async(*this, w, n, u1);
-  const int async_smem = as.smem;
-  const char* name = as.stages ? (u1 ? "matmul_gemv_async_u1" : "matmul_gemv_async")
-                               : (u1 ? "matmul_gemv_u1" : "matmul_gemv");
+  // The kernel and its geometry (as matmul.cu derives it: must match). Every part has w[0]'s module defines, so
+  // the same conditions. rb: rows per batch; per_block: batches one block serves at once (dp4a: one per warp).
   Defines d = defines;
-  if (as.stages && as.stages != 4) d.push_back({"GEMV_STAGES", as.stages});
+  const char* name;
+  int smem = 0;
+  int64_t rb, per_block = 1;
+  if (gemv_dp4a_fits(*this, w[0])) {
+    name = "matmul_gemv_dp4a";
+    rb = gemv_dp4a_rows(w[0]);
+    per_block = kThreads / 32;
+  } else {  // U from all the parts' rows, never from T
+    const int64_t rpp = gemv_rows_per_pass(w[0]);
+    const bool u1 = gemv_one_row(*this, w[0], rows);
+    const GemvAsync as = gemv_async(*this, w, n, u1);
+    smem = as.smem;
+    name = as.stages ? (u1 ? "matmul_gemv_async_u1" : "matmul_gemv_async") : (u1 ? "matmul_gemv_u1" : "matmul_gemv");
+    if (as.stages && as.stages != 4) d.push_back({"GEMV_STAGES", as.stages});
+    rb = rpp * (u1 ? 1 : kGemvRows);
+  }
   if (norm) d.push_back({"NORM", norm->b ? 2 : 1});
   const Kernel& k = kernel("matmul", name, d);
-  if (async_smem > 48 * 1024 && k.max_dynamic_smem < async_smem) set_dynamic_smem(k, async_smem);
-  const int64_t rb = rpp * (u1 ? 1 : kGemvRows);
+  if (smem > 48 * 1024 && k.max_dynamic_smem < smem) set_dynamic_smem(k, smem);
   GemvParts P{};
   P.np = n;
   int64_t batches = 0;
@@ -374,12 +354,12 @@ void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, i
   if (batches > INT_MAX) throw std::invalid_argument("cuda matmul: too many rows in one GEMV launch");
   for (int i = n; i <= kGemvParts; ++i) P.bstart[i] = int32_t(batches);
   const int64_t slots = std::max<int64_t>(1, int64_t(kGemvBlocksPerSm) * std::max(1, info().sms) / T);
-  const int64_t nb = std::min(batches, slots);
+  const int64_t nb = std::min(ceil_div(batches, per_block), slots);
   const Dim3 grid{unsigned(nb * T), 1, 1}, block{unsigned(kThreads), 1, 1};
   if (norm)
-    launch(k, grid, block, uint32_t(async_smem), ptr(x), int(T), int64_t(x.stride), P, *norm);
+    launch(k, grid, block, uint32_t(smem), ptr(x), int(T), int64_t(x.stride), P, *norm);
   else
-    launch(k, grid, block, uint32_t(async_smem), ptr(x), int(T), int64_t(x.stride), P);
+    launch(k, grid, block, uint32_t(smem), ptr(x), int(T), int64_t(x.stride), P);
 }
 
 namespace {
