@@ -608,8 +608,9 @@ constexpr int RU8 = J8 >= 4 ? 1 : 4 / J8;
 constexpr int RB8 = RU8 * RWP8;                // rows per warp batch (matmul.cpp gemv_dp4a_rows must match)
 constexpr int QW = Dp4a<BITS>::QW;             // packed x words per chunk (quant.cuh)
 constexpr int QV = QW / 4;                     // as uint4
-constexpr int EW = Dp4a<BITS>::EW;
 
+// A scale/bias as its raw bits (mm_scalar converts at the load; these convert at the use, so a prefetched batch
+// does not wait for its loads before its arithmetic).
 __device__ __forceinline__ u32 gemv_raw_scalar(const unsigned char* p, i64 i) {
   if (DT == LILY_F32) return *reinterpret_cast<const u32*>(p + 4 * i);
   return *reinterpret_cast<const u16*>(p + 2 * i);
@@ -669,33 +670,9 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
   if constexpr (NORM != 0) {
     gemv_stage_normed<XLD>(xr, t, b0, bstep, NP, xsh);
     __syncthreads();
-  }
-  const bool xvec = (reinterpret_cast<unsigned long long>(xr) & 15u) == 0;
-  for (int base = 0; base < C * 4; base += NT) {
-    const int q = base + tid, c = q >> 2, i = q & 3;
-    const bool live = c < C;
-    float v[EW];
-#pragma unroll
-    for (int e = 0; e < EW; ++e) v[e] = 0.f;
-    if (live) {
-      if (NORM != 0) {
-#pragma unroll
-        for (int e = 0; e < EW; e += 4) {
-          const float4 f = *reinterpret_cast<const float4*>(xsh + c * XLD + i * EW + e);
-          v[e] = f.x, v[e + 1] = f.y, v[e + 2] = f.z, v[e + 3] = f.w;
-        }
-      } else if (xvec) {
-#pragma unroll
-        for (int e = 0; e < EW; e += 4) {
-          const float4 f = *reinterpret_cast<const float4*>(xr + c * EPC + i * EW + e);
-          v[e] = f.x, v[e + 1] = f.y, v[e + 2] = f.z, v[e + 3] = f.w;
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < EW; ++e) v[e] = xr[c * EPC + i * EW + e];
-      }
-    }
-    dp4a_quantize_word<BITS>(v, xq, C, xsc, xsm, c, i, live);
+    dp4a_quantize_rows<BITS>(xsh, 0, XLD, 1, C, true, xq, xsc, xsm);
+  } else {
+    dp4a_quantize_rows<BITS>(xr, 0, EPC, 1, C, (reinterpret_cast<unsigned long long>(xr) & 15u) == 0, xq, xsc, xsm);
   }
   __syncthreads();
 
@@ -748,10 +725,7 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
     }
   }
 }
-#ifndef DP4A_MINB
-#define DP4A_MINB GEMV_MINB
-#endif
-extern "C" __global__ void __launch_bounds__(NT, DP4A_MINB)
+extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
     matmul_gemv_dp4a(const float* __restrict__ x, int T, i64 ldx, const GemvParts P GEMV_NORM_PARAM) {
   LILY_PDL_PROLOGUE();
   gemv_dp4a_body(x, T, ldx, P, GEMV_NORM_ARG);

@@ -265,25 +265,6 @@ __device__ __forceinline__ int moe_swz(int f) { return f ^ ((f >> 3) & 7); }
 #endif
 #if DP4A
 constexpr int MQV = Dp4a<BITS>::QW / 4;  // uint4 of packed terms per vector
-// Row r (of `rows`, each `n` vectors of CPV inputs at src + r·stride floats) into its packed terms at
-// xq + r·MQV·n, scales xsc + r·n, sums xsm + r·n: the whole block, 4 threads per vector.
-__device__ __forceinline__ void moe_quantize_rows(const float* src, i64 stride, int rows, int n, uint4* xq, float* xsc,
-                                                  float* xsm) {
-  constexpr int EW = Dp4a<BITS>::EW;
-  for (int base = 0; base < rows * n * 4; base += 256) {
-    const int q = base + int(threadIdx.x), r = q / (n * 4), c = (q >> 2) - r * n, i = q & 3;
-    const bool live = r < rows;
-    float v[EW];
-#pragma unroll
-    for (int e = 0; e < EW; e += 4) {
-      float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (live) f = *reinterpret_cast<const float4*>(src + i64(r) * stride + c * CPV + i * EW + e);
-      v[e] = f.x, v[e + 1] = f.y, v[e + 2] = f.z, v[e + 3] = f.w;
-    }
-    const int rr = live ? r : 0;
-    dp4a_quantize_word<BITS>(v, xq + rr * MQV * n, n, xsc + rr * n, xsm + rr * n, c, i, live);
-  }
-}
 // The dp4a form of moe_vec_dot: vector c of a row whose packed terms start at xq (n vectors per row).
 __device__ __forceinline__ float moe_vec_dot_dp4a(const uint4 wv, const uint4* xq, const float* xsc, const float* xsm,
                                                   int n, int c, float s, float b, float acc) {
@@ -356,7 +337,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
   uint4* xq = reinterpret_cast<uint4*>(moe_smem);
   float* xsc = reinterpret_cast<float*>(xq + MQV * NV);
   float* xsm = xsc + NV;
-  moe_quantize_rows(x, 0, 1, NV, xq, xsc, xsm);
+  dp4a_quantize_rows<BITS>(x, 0, CPV, 1, NV, true, xq, xsc, xsm);
   (void)xs;
 #else
   for (int f = tid; f < XF4; f += 256) {
@@ -427,11 +408,16 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
   for (int it = 0; it < NIT; ++it) {
     const int c = lane + 32 * it;
     if (c < NV) {
+      u32 xw[Dp4a<BITS>::QW];
+      dp4a_load_x<BITS>(xq, NV, c, xw);
 #pragma unroll
       for (int r = 0; r < ROWS_G; ++r)
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
-          accd[r][m] = moe_vec_dot_dp4a(wv[r][m][it], xq, xsc, xsm, NV, c, sc[r][m][it], bi[r][m][it], accd[r][m]);
+        for (int m = 0; m < 2; ++m) {
+          const uint4 v = wv[r][m][it];
+          const u32 w4[4] = {v.x, v.y, v.z, v.w};
+          accd[r][m] = dp4a_chunk<BITS>(w4, xw, xsc[c], xsm[c], sc[r][m][it], bi[r][m][it], accd[r][m]);
+        }
     }
   }
 #endif
@@ -482,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs 
   uint4* aq = reinterpret_cast<uint4*>(moe_smem);  // slot s's packed terms at aq + s·MQV·NVI
   float* asc = reinterpret_cast<float*>(aq + SLOTS * MQV * NVI);
   float* asm_ = asc + SLOTS * NVI;
-  moe_quantize_rows(act, INTER, SLOTS, NVI, aq, asc, asm_);
+  dp4a_quantize_rows<BITS>(act, INTER, CPV, SLOTS, NVI, true, aq, asc, asm_);
   (void)acts;
 #else
   for (int i = tid; i < SLOTS * AF4; i += 256) {

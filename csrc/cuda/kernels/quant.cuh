@@ -265,6 +265,29 @@ __device__ __forceinline__ void dp4a_quantize_word(const float (&v)[Dp4a<kBits>:
     xsm[c] = sum;
   }
 }
+// Rows r < rows of n chunks each (chunk c of row r: EPC floats at src + r·rstride + c·cstride) into their packed
+// terms (row r's at xq + r·QW/4·n, xsc + r·n, xsm + r·n), by the whole block: 4 threads per chunk, passes of
+// blockDim.x (a multiple of 32). vec: src and both strides allow 16-byte loads. The block must reach this together.
+template <int kBits>
+__device__ __forceinline__ void dp4a_quantize_rows(const float* src, i64 rstride, int cstride, int rows, int n,
+                                                   bool vec, uint4* xq, float* xsc, float* xsm) {
+  constexpr int EW = Dp4a<kBits>::EW, QV = Dp4a<kBits>::QW / 4;
+  for (int base = 0; base < rows * n * 4; base += int(blockDim.x)) {
+    const int q = base + int(threadIdx.x), r = q / (n * 4), c = (q >> 2) - r * n, i = q & 3;
+    const bool live = r < rows;
+    const int rr = live ? r : 0;
+    const float* p = src + i64(rr) * rstride + i64(c) * cstride + i * EW;
+    float v[EW];
+#pragma unroll
+    for (int e = 0; e < EW; e += 4) {
+      float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (live && vec) f = *reinterpret_cast<const float4*>(p + e);
+      else if (live) f = make_float4(p[e], p[e + 1], p[e + 2], p[e + 3]);
+      v[e] = f.x, v[e + 1] = f.y, v[e + 2] = f.z, v[e + 3] = f.w;
+    }
+    dp4a_quantize_word<kBits>(v, xq + rr * QV * n, n, xsc + rr * n, xsm + rr * n, c, i, live);
+  }
+}
 // Chunk c's packed terms.
 template <int kBits>
 __device__ __forceinline__ void dp4a_load_x(const uint4* xq, int nchunks, int c, u32 (&xw)[Dp4a<kBits>::QW]) {
