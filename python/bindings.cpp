@@ -201,7 +201,22 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("graphs").is_none()) o.graphs = nb::cast<bool>(opt("graphs"));
     if (!opt("speculative_graphs").is_none()) o.speculative_graphs = nb::cast<bool>(opt("speculative_graphs"));
     if (!opt("branches").is_none()) o.branches = nb::cast<bool>(opt("branches"));
-    if (!opt("pdl").is_none()) o.pdl = nb::cast<bool>(opt("pdl"));
+    if (!opt("pdl").is_none()) {
+      // True / False as before ("all" / "off"), or "off", "decode", "all".
+      const nb::object v = opt("pdl");
+      if (nb::isinstance<nb::bool_>(v)) {
+        o.pdl = nb::cast<bool>(v) ? cuda::CudaOptions::Pdl::All : cuda::CudaOptions::Pdl::Off;
+      } else if (nb::isinstance<nb::str>(v)) {
+        const std::string m = nb::cast<std::string>(v);
+        if (m == "off") o.pdl = cuda::CudaOptions::Pdl::Off;
+        else if (m == "decode") o.pdl = cuda::CudaOptions::Pdl::Decode;
+        else if (m == "all") o.pdl = cuda::CudaOptions::Pdl::All;
+        else throw std::invalid_argument("backend option pdl must be \"off\", \"decode\", \"all\" or a bool, got \"" + m + "\"");
+      } else {
+        throw std::invalid_argument("backend option pdl must be \"off\", \"decode\", \"all\" or a bool, got " +
+                                    nb::cast<std::string>(nb::repr(v)));
+      }
+    }
     if (!opt("encode_memo").is_none()) o.encode_memo = nb::cast<bool>(opt("encode_memo"));
     if (!opt("gemv_async").is_none()) o.gemv_async = nb::cast<bool>(opt("gemv_async"));
     if (!opt("gemv_dp4a").is_none()) o.gemv_dp4a = nb::cast<bool>(opt("gemv_dp4a"));

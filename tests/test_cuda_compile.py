@@ -224,3 +224,36 @@ def test_moe_x_terms_option_reaches_only_the_expert_gemms(cache):
     for bad in (3, -1):
         with pytest.raises(ValueError, match="moe_x_terms"):
             core.OpBench("cuda", {"dry_arch": 90, "moe_x_terms": bad})
+
+
+@pytest.mark.parametrize("mode", [None, "decode", "all", True, "off", False])
+def test_pdl_modes_compile_and_report(checkpoints, cache, mode):
+    """pdl = "decode" (the default; or "all" / True) builds the decode step's programmatic forms (the MoE down pass routing and
+    loading its weights before it waits: PREROUTE) and the report says which launches get it; "off" / False
+    neither. On sm_80 it is reported not active, naming why."""
+    for arch in ARCHES:
+        with lily.Engine(lily.engine.load_checkpoint(checkpoints["mlx4"]), backend="cuda", prefill_chunk=16,
+                         backend_options={"dry_arch": arch, "cache_dir": cache,
+                                          **({} if mode is None else {"pdl": mode})}) as e:
+            s = e.session(max_context=64)
+            s.prefill(list(range(20)))
+            s.step(1)
+            opt = " ".join(e.report()["optimizations"])
+            moe = e.report()["cuda"]["variants"]["moe.block.decode"]
+            on = mode not in ("off", False) and arch >= 90
+            assert ("routes and loads its weights before waiting" in moe) == on, (arch, mode, moe)
+            if on:
+                label = "all" if mode in ("all", True) else "decode"
+                assert f'programmatic dependent launch (pdl="{label}")' in opt, opt
+                assert ("prefill launches without it" in opt) == (label == "decode"), opt
+            elif mode in ("off", False):
+                assert "not active: programmatic dependent launch (pdl=False" in opt, opt
+            else:
+                assert "not active: programmatic dependent launch (needs sm_90 or newer)" in opt, opt
+
+
+@pytest.mark.parametrize("bad", ["sometimes", "", 2, 1.0])
+def test_pdl_option_refuses_other_values(bad):
+    with pytest.raises(ValueError, match="backend option pdl must be"):
+        core.OpBench("cuda", {"dry_arch": 90, "pdl": bad})
+

@@ -12,6 +12,9 @@
 
 namespace lily::cuda {
 
+// Why programmatic dependent launch is off when the option says so (the report's line).
+constexpr const char* PDL_OFF_WHY = "pdl=False: the default is \"decode\", +16% decode at 4K on the H200";
+
 std::string cached_module(const std::string& dir, const std::string& family, const Defines& defines, int arch,
                           bool* hit, double* seconds);
 std::string default_cache_dir();
@@ -97,6 +100,7 @@ CudaOps::CudaOps(const CudaOptions& opt) : opt_(opt) {
     info_.l2_bytes = 50 << 20;
     info_.total_mem = size_t(141) << 30;
     norm_counters_ = CUdeviceptr(1) << 52;
+    pdl_active_ = opt_.pdl != CudaOptions::Pdl::Off && info_.cc_major >= 9;  // compiles what a device would run
     return;
   }
   const Availability a = availability_detail();
@@ -128,7 +132,7 @@ CudaOps::CudaOps(const CudaOptions& opt) : opt_(opt) {
   info_.peak_bandwidth = 2.0 * attr(CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE) * 1e3 *
                          attr(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH) / 8.0;
   check(d.cuDeviceTotalMem_v2(&info_.total_mem, dev), "cuDeviceTotalMem");
-  pdl_active_ = opt_.pdl && info_.cc_major >= 9 && d.cuLaunchKernelEx != nullptr;
+  pdl_active_ = opt_.pdl != CudaOptions::Pdl::Off && info_.cc_major >= 9 && d.cuLaunchKernelEx != nullptr;
   check(d.cuDevicePrimaryCtxRetain(&ctx_, dev), "cuDevicePrimaryCtxRetain");
   try {
     check(d.cuCtxSetCurrent(ctx_), "cuCtxSetCurrent");
@@ -548,7 +552,7 @@ void CudaOps::issue(const Launch& l, CUstream s) {
   void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, const_cast<unsigned char*>(args_.data() + l.args_at),
                    CU_LAUNCH_PARAM_BUFFER_SIZE, &size, CU_LAUNCH_PARAM_END};
   CUresult r;
-  if (pdl_active_) {
+  if (pdl_now()) {
     CUlaunchAttribute attr{};
     attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attr.value.programmaticStreamSerializationAllowed = 1;
@@ -918,13 +922,19 @@ std::vector<std::string> CudaOps::optimizations() const {
                               "forked and joined per stage)"
                             : "graph branches off (branches=False): launches run one after another");
   if (pdl_active_)
-    o.push_back("programmatic dependent launch: each kernel is scheduled while the one before it runs and waits "
-                "for it on the device (griddepcontrol), so launch latency overlaps work");
+    o.push_back(std::string("programmatic dependent launch (pdl=\"") +
+                (opt_.pdl == CudaOptions::Pdl::All ? "all" : "decode") +
+                "\"): each " + (opt_.pdl == CudaOptions::Pdl::All ? "" : "decode ") +
+                "kernel is scheduled while the one before it runs and waits for it on the device (griddepcontrol); "
+                "the decode GEMVs and the MoE down pass issue their weight loads before that wait" +
+                (opt_.pdl == CudaOptions::Pdl::All ? std::string("")
+                                                   : std::string("; prefill launches without it (measured -39% at "
+                                                                 "4K: the next GEMM's blocks sit on SM resources)")));
   else
     o.push_back(std::string("not active: programmatic dependent launch (") +
-                (!opt_.pdl ? "off by default, pdl=True turns it on: measured slower on the H200, decode -4% and "
-                             "prefill at 4K -39%, see benchmarks/NOTES.md"
-                 : info_.cc_major < 9 ? "needs sm_90 or newer" : "the driver lacks cuLaunchKernelEx") +
+                (opt_.pdl == CudaOptions::Pdl::Off ? PDL_OFF_WHY
+                 : info_.cc_major < 9              ? "needs sm_90 or newer"
+                                                   : "the driver lacks cuLaunchKernelEx") +
                 "): each launch starts after the previous one finished");
   for (const auto& [k, v] : variants_) o.push_back(k + ": " + v);
   return o;

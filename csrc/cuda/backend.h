@@ -78,9 +78,13 @@ struct CudaOptions {
   // reaches the logits differently, so each can be A/B'd alone.
   int moe_x_terms = 0;
   int moe_prefill_x_terms() const { return moe_x_terms ? moe_x_terms : prefill_x_terms; }
-  // Programmatic dependent launch (sm_90+). Off by default: measured slower on the H200 (benchmarks/NOTES.md,
-  // decode -4%, prefill at 4K -39%: the early-scheduled blocks of the next kernel sit on SM resources).
-  bool pdl = false;
+  // Programmatic dependent launch (sm_90+): which launches get it. Decode (the default): the decode steps' (their
+  // grids fit in one wave, so the next kernel's blocks take SM room its predecessor no longer needs; the decode
+  // GEMVs, the MoE down pass, the conv and the recurrence load weights and carried state before they wait):
+  // decode at 4K +16% on the H200. All: prefill too (measured -39% at 4K: the early-scheduled blocks of the next
+  // GEMM sit on the resources of the current one's later waves). Off: none. benchmarks/NOTES.md.
+  enum class Pdl { Off, Decode, All };
+  Pdl pdl = Pdl::Decode;
   std::string cache_dir;             // kernel cache ("" = LILY_CACHE_DIR, else ~/.cache/lily/cuda)
   int dry_arch = 0;                  // > 0: no device; compile for sm_<dry_arch> and record only (CI)
 };
@@ -152,6 +156,11 @@ class CudaOps final : public Ops {
   CUdeviceptr biases(const Weight& w) const { return ptr(w.bias_mapping, w.biases); }
   const DeviceInfo& info() const { return info_; }
   const CudaOptions& options() const { return opt_; }
+  // Whether this step's launches are programmatic dependent ones (kernels may then read weights, and what the
+  // kernel two back wrote, before their griddepcontrol.wait: common.cuh).
+  bool pdl_now() const {
+    return pdl_active_ && (opt_.pdl == CudaOptions::Pdl::All || phase() == Phase::Decode);
+  }
   // The variant each op family chose and why (engine.report()["cuda"]["variants"]); later notes for the
   // same key replace earlier ones.
   void note_variant(const std::string& key, const std::string& variant);
@@ -301,7 +310,7 @@ class CudaOps final : public Ops {
   std::vector<CUstream> side_streams_;
   std::vector<CUevent> join_events_;
   CUevent fork_event_ = nullptr;
-  bool pdl_active_ = false;  // opt_.pdl, the device is sm_90+ and the driver has cuLaunchKernelEx
+  bool pdl_active_ = false;  // opt_.pdl is not Off, the device is sm_90+ and the driver has cuLaunchKernelEx
   void* staging_ = nullptr;  // pinned host memory for small transfers
   size_t staging_bytes_ = 0;
   std::vector<Buffer> buffers_;

@@ -352,8 +352,15 @@ void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tenso
   a.sgate_stride = shared_gate_logit.stride;
   ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned, 2, options().gemv_dp4a);
   v.defines.push_back({"FUSED", 1});
+  // Under programmatic dependent launch the down pass routes its token itself and loads its weights before it
+  // waits for the gate/up pass (kernels/moe.cu PREROUTE); otherwise it reads the ids the gate/up pass stored.
+  const bool preroute = pdl_now();
+  if (preroute) v.defines.push_back({"PREROUTE", 1});
   note_variant("moe.block.decode", "fused, 2 launches: routing in every block + the shared expert as slot k of " +
-                                       v.text + ", the down pass adding σ(gate)·shared and the residual");
+                                       v.text + ", the down pass adding σ(gate)·shared and the residual" +
+                                       (preroute ? "; the down pass routes and loads its weights before waiting "
+                                                   "for the gate/up pass (programmatic dependent launch)"
+                                                 : ""));
   const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
   const Kernel& k2 = kernel("moe", "moe_down_decode", v.defines);
   const int smem1 = int((H / 4 + 7) / 8 * 8 * 16), smem2 = int((k + 1) * ((I / 4 + 7) / 8 * 8) * 16);

@@ -284,7 +284,9 @@ class Engine:
         ``backend_options``: backend settings. CPU: ``threads``; CUDA: ``device`` (ordinal, default 0),
         ``graphs`` (replay decode steps as CUDA graphs, default True), ``speculative_graphs`` (MTP iterations
         memoised and replayed as graphs too, default True), ``branches`` (independent launches
-        side by side, default True), ``pdl`` (programmatic dependent launch on sm_90+; default False: measured slower), ``encode_memo``
+        side by side, default True), ``pdl`` (programmatic dependent launch on sm_90+: ``"off"`` / False, ``"decode"`` (decode steps only; their
+        GEMVs and MoE down pass load weights before waiting for the kernel before them) or ``"all"`` / True
+        (prefill too: measured slower); default ``"decode"``: +16% decode at 4K on the H200), ``encode_memo``
         (reuse the launches of a decode op whose arguments were seen before, skipping its host code; default
         True), ``gemv_async`` (decode GEMV weights staged through shared memory by cp.async; default True),
         ``gemv_dp4a`` (decode GEMVs of 4/8-bit weights with x as three int8 terms and integer dot products,

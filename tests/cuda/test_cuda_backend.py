@@ -267,7 +267,8 @@ def test_launch_modes_give_the_same_bits(checkpoints):
     path = checkpoints["mlx4"]
     ids = _ids(TINY_CONFIG["vocab_size"], 40, 16)
     runs = {}
-    for name, opts in (("all", {"pdl": True}), ("no_pdl", {}), ("no_branches", {"branches": False, "pdl": True}),
+    for name, opts in (("all", {"pdl": True}), ("pdl_decode", {}), ("no_pdl", {"pdl": False}),
+                       ("no_branches", {"branches": False, "pdl": True}),
                        ("plain", {"graphs": False, "branches": False, "pdl": False, "encode_memo": False,
                                   "gemv_async": False, "fused_norm": False})):
         with lily.Engine.from_pretrained(path, backend="cuda", backend_options=opts) as gpu:
@@ -277,13 +278,16 @@ def test_launch_modes_give_the_same_bits(checkpoints):
             runs[name] = out
             opt = " ".join(gpu.report()["optimizations"])
             if name == "all" and gpu.report()["cuda"]["device"]["arch"] >= "sm_90":
-                assert "programmatic dependent launch:" in opt
+                assert 'programmatic dependent launch (pdl="all")' in opt
+            if name == "pdl_decode" and gpu.report()["cuda"]["device"]["arch"] >= "sm_90":
+                assert 'programmatic dependent launch (pdl="decode")' in opt
+                assert "routes and loads its weights before waiting" in gpu.report()["cuda"]["variants"]["moe.block.decode"]
             if name == "no_pdl":
-                assert "not active: programmatic dependent launch (off by default" in opt
+                assert "not active: programmatic dependent launch (pdl=False" in opt
             memo = gpu.report()["cuda"]["graphs"]["encode_memo"]
             assert (memo["hits"] > 0) == (name != "plain"), (name, memo)
             fused = [v for k, v in gpu.report()["cuda"]["variants"].items() if "norm_matmuls.decode" in k]
             assert fused and all(v.startswith("one launch") != (name == "plain") for v in fused), (name, fused)
-    for name in ("no_pdl", "no_branches", "plain"):
+    for name in ("pdl_decode", "no_pdl", "no_branches", "plain"):
         for a, b in zip(runs["all"], runs[name]):
             np.testing.assert_array_equal(a, b, err_msg=name)

@@ -367,6 +367,33 @@ def test_moe_block(benches, spec, E, k, H, I, Ish):
     assert rep and ("fused, 2 launches" in rep["moe.block.decode"]) == fused, rep
 
 
+@pytest.mark.parametrize("spec,E,k,H,I,Ish", [c for c in BLOCK_CASES if c[4] == c[5]])
+def test_moe_block_pdl_decode_same_bits(spec, E, k, H, I, Ish):
+    """Under pdl="decode" the fused down pass routes its token itself from the logits before it waits (PREROUTE):
+    the block's output, ids and weights equal the plain launch's bit for bit, with exact ties in the logits too
+    (both passes must pick the same experts)."""
+    benches = (core.OpBench("cuda", {"pdl": False}), core.OpBench("cuda", {"pdl": "decode"}))
+    rng = np.random.default_rng(zlib.crc32(f"block pdl {spec} {E}".encode()))
+    descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
+    handles = [tuple(b.weight(d) for d in descs) for b in benches]
+    sdescs = (stacked(rng, spec, 1, Ish, H), stacked(rng, spec, 1, Ish, H), stacked(rng, spec, 1, H, Ish))
+    for dsc in sdescs:
+        dsc.pop("experts")
+    shared = [tuple(b.weight(dsc) for dsc in sdescs) for b in benches]
+    for T in (1, 2):
+        x = signed(rng, T, H)
+        logits = np.round(rng.normal(0.0, 2.0, size=(T, E)) * 2.0).astype(np.float32) / 2.0  # many exact ties
+        sg = rng.normal(0.0, 2.0, size=(T, 1)).astype(np.float32)
+        h0 = signed(rng, T + 2, H)
+        (ah, ai, aw), (bh, bi, bw) = run_block(benches, handles, shared, "decode", x, logits, sg, h0, E, k, H, I, Ish)
+        np.testing.assert_array_equal(bi, ai)
+        np.testing.assert_array_equal(bw.view(np.uint32), aw.view(np.uint32))
+        np.testing.assert_array_equal(bh.view(np.uint32), ah.view(np.uint32))
+    rep = str_variants(benches[1].report())
+    on = 'programmatic dependent launch (pdl="decode")' in " ".join(benches[1].report()["optimizations"])
+    assert ("routes and loads its weights before waiting" in rep["moe.block.decode"]) == on, rep
+
+
 def str_variants(report) -> dict:
     if isinstance(report, dict):
         if "moe.block.decode" in report or "moe.block.prefill" in report:

@@ -14,21 +14,42 @@ typedef unsigned long long u64;
 #define LILY_BF16 2
 #define LILY_I32 3
 
-// Programmatic dependent launch (sm_90+, when the backend's pdl option launches kernels with it): a kernel first
-// waits until the kernel before it in the stream has finished and its writes are visible, then lets the
-// next one be scheduled, so the next launch's latency overlaps this kernel instead of following it. Every
-// extern "C" kernel opens with this, before any global memory access. Elsewhere it is empty.
+// Programmatic dependent launch (sm_90+, when the backend's pdl option launches a kernel with it): the next
+// kernel in the stream may be scheduled before this one ends; LILY_PDL_WAIT blocks until the kernel before it has
+// finished and its writes are visible, LILY_PDL_TRIGGER lets the next one be scheduled. Every extern "C" kernel
+// runs LILY_PDL_PROLOGUE (wait, then trigger) before it touches memory an earlier kernel wrote. Triggering only
+// after the wait keeps at most two grids in flight (the next one cannot take the SMs its predecessor still needs).
+// Before the wait a kernel may read only what no kernel of the step writes (the weights), and what the kernel
+// two back wrote (it completed before this kernel's predecessor passed its own wait), through the L2
+// (ld.global.cg: no stale L1 line). Without the launch attribute (pdl off) both instructions are no-ops.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define LILY_PDL_PROLOGUE()                                 \
-  do {                                                      \
-    asm volatile("griddepcontrol.wait;" ::: "memory");      \
-    asm volatile("griddepcontrol.launch_dependents;" :::);  \
-  } while (0)
+#define LILY_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define LILY_PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" :::)
 #else
-#define LILY_PDL_PROLOGUE() \
-  do {                      \
+#define LILY_PDL_WAIT() \
+  do {                  \
+  } while (0)
+#define LILY_PDL_TRIGGER() \
+  do {                     \
   } while (0)
 #endif
+#define LILY_PDL_PROLOGUE() \
+  do {                      \
+    LILY_PDL_WAIT();        \
+    LILY_PDL_TRIGGER();     \
+  } while (0)
+
+// Global loads through the L2 only (ld.global.cg), for reads before LILY_PDL_WAIT.
+__device__ __forceinline__ float ld_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float4 ld_cg4(const float* p) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
 
 __device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(u32(v) << 16); }
 // Round to nearest even; NaN stays a quiet NaN (the CPU's f32_to_bf16).

@@ -72,19 +72,27 @@ extern "C" __global__ void __launch_bounds__(128)
                 const float* state_in, i64 in_stride, float* state_out, i64 st_stride, float* __restrict__ out,
                 i64 out_stride, float* __restrict__ cap, i64 cap_stride, int cap_first, int cap_count, int T, int C,
                 int tpb) {
-  LILY_PDL_PROLOGUE();
   constexpr int S = KTAPS - 1;
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
   const int t0 = blockIdx.y * tpb, t1 = min(T, t0 + tpb);
-  float wk[KTAPS];
+  // The taps (weights) and the carried state (the previous call's output, never the kernel just before this
+  // one) before the wait (common.cuh); mixed is the projection's output, after it.
+  float wk[KTAPS], hist[S > 0 ? S : 1];
+  if (c < C) {
 #pragma unroll
-  for (int j = 0; j < KTAPS; ++j) wk[j] = w[i64(c) * w_stride + j];
-  float hist[S > 0 ? S : 1];
+    for (int j = 0; j < KTAPS; ++j) wk[j] = w[i64(c) * w_stride + j];
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+      const int src = t0 - S + j;  // token index; negative = row S + src of the carried state
+      if (src < 0) hist[j] = ld_cg(state_in + i64(S + src) * in_stride + c);
+    }
+  }
+  LILY_PDL_PROLOGUE();
+  if (c >= C) return;
 #pragma unroll
   for (int j = 0; j < S; ++j) {
-    const int src = t0 - S + j;  // token index; negative = row S + src of the carried state
-    hist[j] = src >= 0 ? mixed[i64(src) * mixed_stride + c] : state_in[i64(S + src) * in_stride + c];
+    const int src = t0 - S + j;
+    if (src >= 0) hist[j] = mixed[i64(src) * mixed_stride + c];
   }
   for (int t = t0; t < t1; ++t) {
     const float x = mixed[i64(t) * mixed_stride + c];
@@ -218,14 +226,16 @@ __device__ __forceinline__ void gated_delta_scan(const float* __restrict__ qkv, 
   const int kh = j / (Hv / Hk);
   const i64 key_dim = i64(Hk) * DK;
 
+  // The state (the previous call's output, never the kernel just before this one) and the head's constants
+  // (weights) before the wait (common.cuh); q, k, v, a, b are this step's, after it.
   float4 S[GD_R];
 #pragma unroll
   for (int r = 0; r < GD_R; ++r) {
     const int i = r * GD_RPP + rl;
-    S[r] = i < DK ? *reinterpret_cast<const float4*>(S_in + (i64(j) * DK + i) * in_stride + col)
-                  : make_float4(0.f, 0.f, 0.f, 0.f);
+    S[r] = i < DK ? ld_cg4(S_in + (i64(j) * DK + i) * in_stride + col) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
+  LILY_PDL_PROLOGUE();
   const float q_scale = 1.f / sqrtf(float(DK));
 
   auto load = [&](int t) {  // raw inputs (PREPPED = false) or the prepared ones (true)
@@ -348,7 +358,6 @@ __device__ __forceinline__ void gated_delta_scan(const float* __restrict__ qkv, 
       float *__restrict__ cap, i64 cap_stride, int cap_first, int cap_count, int T, int Hk, int Hv
 
 extern "C" __global__ void __launch_bounds__(64) gated_delta(GD_PARAMS, GD_STATE_PARAMS) {
-  LILY_PDL_PROLOGUE();
   gated_delta_scan<false>(qkv, qkv_stride, b, b_stride, a, a_stride, A_log, dt_bias, nullptr, nullptr, nullptr,
                           nullptr, S_in, in_stride, S_out, st_stride, out, out_stride, cap, cap_stride, cap_first,
                           cap_count, T, Hk, Hv);
@@ -356,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(64) gated_delta(GD_PARAMS, GD_STATE
 extern "C" __global__ void __launch_bounds__(64)
     gated_delta_prepped(GD_PARAMS, const float* __restrict__ qn, const float* __restrict__ kn,
                         const float* __restrict__ alpha, const float* __restrict__ beta, GD_STATE_PARAMS) {
-  LILY_PDL_PROLOGUE();
+  // the wait is inside the scan, after the state loads
   gated_delta_scan<true>(qkv, qkv_stride, b, b_stride, a, a_stride, A_log, dt_bias, qn, kn, alpha, beta, S_in,
                          in_stride, S_out, st_stride, out, out_stride, cap, cap_stride, cap_first, cap_count, T, Hk,
                          Hv);

@@ -665,6 +665,9 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
   };
   int bt = b0 * (NT / 32) + warp;
   if (bt < nbatches) load(bt, cw, cs, cb);  // the first weights are in flight while x is quantized
+  // Weights only so far: under programmatic dependent launch they stream while the kernel before this one
+  // finishes (common.cuh); x, the residual and the norm's counters are its output.
+  LILY_PDL_PROLOGUE();
 
   // x row t into the packed terms: thread (chunk c, word i) = (tid / 4, tid % 4), C · 4 threads in passes of NT.
   if constexpr (NORM != 0) {
@@ -727,7 +730,6 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
 }
 extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
     matmul_gemv_dp4a(const float* __restrict__ x, int T, i64 ldx, const GemvParts P GEMV_NORM_PARAM) {
-  LILY_PDL_PROLOGUE();
   gemv_dp4a_body(x, T, ldx, P, GEMV_NORM_ARG);
 }
 #endif

@@ -82,6 +82,8 @@
 
 // One warp routes one token: softmax over the NEXP logits at l, top-TOPK; lane s < TOPK gets slot s's id
 // and its renormalised weight (the rule above). Used by moe_route and by the fused decode MoE.
+// L2 = true reads the logits through the L2 only (ld.global.cg), for a read before LILY_PDL_WAIT (common.cuh).
+template <bool L2 = false>
 __device__ __forceinline__ void route_warp(const float* __restrict__ l, int lane, int& my_id, float& my_w) {
   constexpr int NJ = (NEXP + 31) / 32;
   float v[NJ];
@@ -89,7 +91,9 @@ __device__ __forceinline__ void route_warp(const float* __restrict__ l, int lane
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
     const int e = lane + 32 * j;
-    v[j] = e < NEXP ? l[e] : -3.402823466e38f;
+    float le = -3.402823466e38f;
+    if (e < NEXP) le = L2 ? ld_cg(l + e) : l[e];
+    v[j] = le;
     mx = fmaxf(mx, v[j]);
   }
   mx = warp_max(mx);
@@ -104,34 +108,38 @@ __device__ __forceinline__ void route_warp(const float* __restrict__ l, int lane
 #pragma unroll
   for (int j = 0; j < NJ; ++j) v[j] = lane + 32 * j < NEXP ? v[j] / sum : -1.f;  // -1: not selectable
 
-  // k rounds: the lane's best (higher p, then lower id), then the warp's best.
+  // k rounds: the lane's best (higher p, then lower id), then the warp's best by two warp reductions (redux:
+  // the highest key, then the lowest id holding it) instead of a 5-step shuffle tree over (p, id) pairs. Key
+  // = p's bits + 1 (p >= 0, so its bits order as its values), 0 for a taken entry or NaN (never selected, as
+  // before: an all-taken round yields the invalid id INT_MAX and p = -1).
+  u32 key[NJ];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) key[j] = v[j] >= 0.f ? __float_as_uint(v[j]) + 1u : 0u;
   my_id = 0;
   float my_p = 0.f, top = 0.f;
 #pragma unroll 1
   for (int s = 0; s < TOPK; ++s) {
-    float bp = -1.f;  // taken entries (-1) never win: k <= E is checked on the host
+    u32 bk = 0u;
     int bi = 0x7fffffff;
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
-      if (v[j] > bp) {  // j ascending = id ascending: the first of equal values is kept
-        bp = v[j];
+      if (key[j] > bk) {  // j ascending = id ascending: the first of equal values is kept
+        bk = key[j];
         bi = lane + 32 * j;
       }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float op = __shfl_xor_sync(0xffffffffu, bp, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (op > bp || (op == bp && oi < bi)) {
-        bp = op;
-        bi = oi;
-      }
-    }
+    u32 wk;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(wk) : "r"(bk));
+    const int cand = bk == wk ? bi : 0x7fffffff;
+    int wi;
+    asm volatile("redux.sync.min.s32 %0, %1, 0xffffffff;" : "=r"(wi) : "r"(cand));
+    const float bp = wk ? __uint_as_float(wk - 1u) : -1.f;
+    if (!wk) wi = 0x7fffffff;
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
-      if (lane + 32 * j == bi) v[j] = -1.f;
+      if (lane + 32 * j == wi) key[j] = 0u;
     top += bp;  // slot order, as the CPU sums
     if (lane == s) {
-      my_id = bi;
+      my_id = wi;
       my_p = bp;
     }
   }
@@ -444,41 +452,73 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
 // ---------------------------------------------------------------------------------------------
 // Decode 2: grouped down + routing weights, summed per output row in (id, slot) order.
 
+// The k (+ shared) act rows of a token into shared memory: the packed dp4a terms, or fp32 float4s swizzled per row.
+__device__ __forceinline__ void moe_down_stage_act(const float* act, float4* moe_smem) {
+#if DP4A
+  constexpr int NVI = INTER / CPV;
+  uint4* aq = reinterpret_cast<uint4*>(moe_smem);
+  float* asc = reinterpret_cast<float*>(aq + SLOTS * MQV * NVI);
+  float* asm_ = asc + SLOTS * NVI;
+  dp4a_quantize_rows<BITS>(act, INTER, CPV, SLOTS, NVI, true, aq, asc, asm_);
+#else
+  constexpr int AF4 = (INTER / 4 + 7) / 8 * 8;  // float4 per act row (padded for the swizzle)
+  for (int i = threadIdx.x; i < SLOTS * AF4; i += 256) {
+    const int s = i / AF4, f = i - s * AF4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (4 * f < INTER) v = *reinterpret_cast<const float4*>(act + i64(s) * INTER + 4 * f);  // INTER % 4 == 0
+    moe_smem[s * AF4 + moe_swz(f)] = v;
+  }
+#endif
+}
+
+// PREROUTE (FUSED only; the host sets it when the launch is a programmatic dependent one): the block routes its
+// token itself from the router logits, written two kernels back, and issues its weight loads before
+// LILY_PDL_WAIT, so routing and the first DRAM round trip overlap moe_gate_up_decode's run; only the act rows
+// wait for it. route_warp is the gate/up blocks' own, so the ids and weights are theirs bit for bit.
+#ifndef PREROUTE
+#define PREROUTE 0
+#endif
+#if PREROUTE && !FUSED
+#error "PREROUTE needs the fused decode MoE (its router logits)"
+#endif
 extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs a) {
+#if !PREROUTE
   LILY_PDL_PROLOGUE();
+#endif
   constexpr int NVI = INTER / CPV;                 // vectors per down row
   constexpr int NITD = (NVI + LPR - 1) / LPR;      // per lane of a group
   constexpr int NGRP = 256 / LPR;                  // (row, slot) items in flight per pass
   constexpr int ITEMS = ROWS_D * SLOTS;
   constexpr int PASSES = (ITEMS + NGRP - 1) / NGRP;
+#if !DP4A
   constexpr int AF4 = (INTER / 4 + 7) / 8 * 8;     // float4 per act row (padded for the swizzle)
+#endif
   extern __shared__ float4 moe_smem[];
-  float4* acts = moe_smem;  // [SLOTS][AF4], swizzled per row
   __shared__ float part[ITEMS];
   __shared__ int eid[SLOTS], ord[TOPK];
   __shared__ float ew[TOPK];
   const int tid = threadIdx.x, t = blockIdx.y, n0 = blockIdx.x * ROWS_D;
+#if PREROUTE
+  if (tid < 32) {
+    int id;
+    float wt;
+    route_warp<true>(reinterpret_cast<const float*>(a.logits) + i64(t) * a.logits_stride, tid, id, wt);
+    if (tid < TOPK) eid[tid] = id, ew[tid] = wt;
+  }
+#else
   if (tid < TOPK) {
     eid[tid] = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + tid];
     ew[tid] = reinterpret_cast<const float*>(a.wts)[i64(t) * a.wts_stride + tid];
   }
+#endif
   if (FUSED && tid == TOPK) eid[tid] = 0;  // the shared expert's slot: one matrix, always present
   const float* act = reinterpret_cast<const float*>(a.act) + i64(t) * SLOTS * INTER;
-#if DP4A
-  uint4* aq = reinterpret_cast<uint4*>(moe_smem);  // slot s's packed terms at aq + s·MQV·NVI
-  float* asc = reinterpret_cast<float*>(aq + SLOTS * MQV * NVI);
-  float* asm_ = asc + SLOTS * NVI;
-  dp4a_quantize_rows<BITS>(act, INTER, CPV, SLOTS, NVI, true, aq, asc, asm_);
-  (void)acts;
+#if PREROUTE
+  __syncthreads();  // eid for the weight loads below, which go out before the wait
 #else
-  for (int i = tid; i < SLOTS * AF4; i += 256) {
-    const int s = i / AF4, f = i - s * AF4;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (4 * f < INTER) v = *reinterpret_cast<const float4*>(act + i64(s) * INTER + 4 * f);  // INTER % 4 == 0
-    acts[s * AF4 + moe_swz(f)] = v;
-  }
-#endif
+  moe_down_stage_act(act, moe_smem);
   __syncthreads();
+#endif
   if (tid < TOPK) {  // rank of slot tid by (expert id, slot)
     int rank = 0;
     for (int j = 0; j < TOPK; ++j) rank += eid[j] < eid[tid] || (eid[j] == eid[tid] && j < tid);
@@ -516,6 +556,18 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs 
       }
     }
   }
+#if PREROUTE
+  LILY_PDL_PROLOGUE();  // the act rows are moe_gate_up_decode's output
+  moe_down_stage_act(act, moe_smem);
+  __syncthreads();
+#endif
+#if DP4A
+  const uint4* aq = reinterpret_cast<const uint4*>(moe_smem);  // slot s's packed terms at aq + s·MQV·NVI
+  const float* asc = reinterpret_cast<const float*>(aq + SLOTS * MQV * NVI);
+  const float* asm_ = asc + SLOTS * NVI;
+#else
+  const float4* acts = moe_smem;  // [SLOTS][AF4], swizzled per row
+#endif
 #pragma unroll
   for (int p = 0; p < PASSES; ++p) {
     const int item = grp + NGRP * p, r = item / SLOTS, s = item - r * SLOTS;
