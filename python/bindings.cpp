@@ -221,7 +221,23 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("gemv_async").is_none()) o.gemv_async = nb::cast<bool>(opt("gemv_async"));
     if (!opt("gemv_dp4a").is_none()) o.gemv_dp4a = nb::cast<bool>(opt("gemv_dp4a"));
     if (!opt("fused_norm").is_none()) o.fused_norm = nb::cast<bool>(opt("fused_norm"));
-    if (!opt("fused_delta").is_none()) o.fused_delta = nb::cast<bool>(opt("fused_delta"));
+    if (!opt("fused_delta").is_none()) {
+      // True / False as before ("narrow" / "off"), or "off", "narrow", "wide".
+      const nb::object v = opt("fused_delta");
+      using F = cuda::CudaOptions::FusedDelta;
+      const std::string bad = "backend option fused_delta must be \"off\", \"narrow\", \"wide\" or a bool, got ";
+      if (nb::isinstance<nb::bool_>(v)) {
+        o.fused_delta = nb::cast<bool>(v) ? F::Narrow : F::Off;
+      } else if (nb::isinstance<nb::str>(v)) {
+        const std::string m = nb::cast<std::string>(v);
+        if (m == "off") o.fused_delta = F::Off;
+        else if (m == "narrow") o.fused_delta = F::Narrow;
+        else if (m == "wide") o.fused_delta = F::Wide;
+        else throw std::invalid_argument(bad + "\"" + m + "\"");
+      } else {
+        throw std::invalid_argument(bad + nb::cast<std::string>(nb::repr(v)));
+      }
+    }
     if (!opt("prefill_x_terms").is_none()) o.prefill_x_terms = nb::cast<int>(opt("prefill_x_terms"));
     if (o.prefill_x_terms != 1 && o.prefill_x_terms != 2)
       throw std::invalid_argument("backend option prefill_x_terms must be 1 or 2, got " +

@@ -66,3 +66,22 @@ def test_plot_writes_png_or_says_what_is_missing(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
         with pytest.raises(Exception, match="bench"):
             bench.plot(result, tmp_path / "q.png")
+
+
+def test_trace_summary_counts_overlapping_kernels_once(capsys):
+    """benchmarks/trace_cuda.py's busy time is the union of kernel intervals (programmatic dependent launch makes
+    them overlap), idle time the gaps inside the span; per-kernel sums are per step."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "trace_cuda", Path(__file__).resolve().parents[1] / "benchmarks" / "trace_cuda.py")
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    rows = [("a(int)", 0.0, 10.0), ("b", 5.0, 12.0), ("a(int)", 20.0, 30.0), ("c", 21.0, 22.0)]
+    s = trace.summarise("t", rows, wall_us=40.0, per=2)
+    assert s["busy_us"] == (12.0 + 10.0) / 2 and s["span_us"] == 15.0 and s["wall_us"] == 20.0
+    assert s["kernels"] == 2
+    top = s["by_kernel"][0]
+    assert top["kernel"] == "a" and top["launches"] == 1 and top["summed_us"] == 10.0 and top["mean_us"] == 10.0
+    assert "idle inside the span 4.0 µs" in capsys.readouterr().out

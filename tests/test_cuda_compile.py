@@ -257,3 +257,25 @@ def test_pdl_option_refuses_other_values(bad):
     with pytest.raises(ValueError, match="backend option pdl must be"):
         core.OpBench("cuda", {"dry_arch": 90, "pdl": bad})
 
+
+
+@pytest.mark.parametrize("form", ["narrow", "wide"])
+def test_fused_delta_forms_compile_for_the_real_shape(cache, form):
+    """Both one-launch DeltaNet decode forms build for the real shape (sm_90) and the report names the form;
+    bad values of the option are refused naming it."""
+    c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
+                                          source="FULL_CONFIG").to_core()
+    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, "fused_delta": form})
+    e = lambda r, k, dt="f32": b.empty(r, k, dt, poison=False)  # noqa: E731
+    Hk, Hv, Dk, Dv, K = c["lin_k_heads"], c["lin_v_heads"], c["lin_k_dim"], c["lin_v_dim"], c["conv_kernel"]
+    C, VD = 2 * Hk * Dk + Hv * Dv, Hv * Dv
+    conv, st = e(K - 1, C), e(Hv * Dk, Dv)
+    b.run("conv_delta_norm", "decode", qkv=e(1, C), z=e(1, VD), b=e(1, Hv), a=e(1, Hv), conv_w=e(C, K),
+          A_log=e(1, Hv), dt_bias=e(1, Hv), norm_w=e(1, Dv), conv_in=conv, conv_out=conv, rec_in=st, rec_out=st,
+          mixed=e(1, C), delta_o=e(1, VD), ws=b.workspace(c, 1, 64), out=e(1, VD), k_heads=Hk, v_heads=Hv, k_dim=Dk,
+          v_dim=Dv, conv_kernel=K, eps=1e-6)
+    v = b.report()["variants"]["conv_delta_norm.decode"]
+    assert v.startswith("fused " + form), v
+    for bad in ("both", 2):
+        with pytest.raises(ValueError, match="backend option fused_delta must be"):
+            core.OpBench("cuda", {"dry_arch": 90, "fused_delta": bad})

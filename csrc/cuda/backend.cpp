@@ -149,8 +149,8 @@ CudaOps::CudaOps(const CudaOptions& opt) : opt_(opt) {
     check(d.cuEventCreate(&fork_event_, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     staging_bytes_ = size_t(4) << 20;
     check(d.cuMemAllocHost_v2(&staging_, staging_bytes_), "cuMemAllocHost (transfer staging)");
-    check(d.cuMemAlloc_v2(&norm_counters_, kNormCounterBytes), "cuMemAlloc (fused norm counters)");
-    check(d.cuMemsetD8Async(norm_counters_, 0, kNormCounterBytes, copy_stream_), "cuMemsetD8Async");
+    check(d.cuMemAlloc_v2(&norm_counters_, kCounterBytes), "cuMemAlloc (arrival counters)");
+    check(d.cuMemsetD8Async(norm_counters_, 0, kCounterBytes, copy_stream_), "cuMemsetD8Async");
     check(d.cuStreamSynchronize(copy_stream_), "cuStreamSynchronize");
   } catch (...) {
     if (norm_counters_) d.cuMemFree_v2(norm_counters_);

@@ -67,9 +67,12 @@ struct CudaOptions {
   // every block of their GEMV launch; false: the norm's own launch, then the GEMV (the same bits).
   bool fused_norm = true;
   // Decode: a DeltaNet layer's conv + recurrent update + gated RMSNorm (Ops::conv_delta_norm) as one launch per
-  // layer (the same bits as the three kernels). Off by default: measured slower on the H200 (decode at 4K 410.1
-  // -> 404.2 tok/s: 16 blocks stream the state where the scan has 256; benchmarks/NOTES.md).
-  bool fused_delta = false;
+  // layer (the same bits as the three kernels). Narrow: a block per key head (kernels/gated_delta.cu
+  // conv_delta_norm; measured slower on the H200: 16 blocks stream the state where the scan has 256). Wide:
+  // gated_delta's 256 blocks, each computing the conv of the channels it reads, arrival counters for the conv state
+  // and the norm (conv_delta_norm_wide). Off: the three kernels. benchmarks/NOTES.md.
+  enum class FusedDelta { Off, Narrow, Wide };
+  FusedDelta fused_delta = FusedDelta::Off;
   // Prefill GEMMs (dense and MoE): the activations enter the tensor cores as 2 bf16 terms (hi + lo, ~1e-5
   // relative per product) or 1 (~1.5e-3, half the MMAs: prefill at 4K +14% on the H200 and lily-tiny's bar
   // holds, but the random test models' logits leave the bf16 tolerance: not the default). benchmarks/NOTES.md.
@@ -276,6 +279,10 @@ class CudaOps final : public Ops {
   // sums: the hazard tracker orders ones writing the same) never share one; -1 when every slot is taken.
   static constexpr int kNormCounterSlots = 64;
   static constexpr size_t kNormCounterBytes = size_t(kNormCounterSlots) * 16 * 4;
+  // conv_delta_norm_wide's arrival counters (Hk + Hv ints, zero between launches) after them in the same
+  // allocation: one set for every layer, whose launches never overlap (each reads the h the one before wrote).
+  static constexpr int kDeltaCounters = 1024;
+  static constexpr size_t kCounterBytes = kNormCounterBytes + size_t(kDeltaCounters) * 4;
   CUdeviceptr norm_counters_ = 0;
   std::unordered_map<int32_t, int> norm_counter_slot_;
   int norm_counter_slot(int32_t sum_buf);

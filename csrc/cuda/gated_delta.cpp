@@ -129,9 +129,11 @@ void CudaOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Ten
   const bool norm_vec4 = Dv % 4 == 0 && ptr(delta_o) % 16 == 0 && ptr(z) % 16 == 0 && ptr(norm_w) % 16 == 0 &&
                          ptr(out) % 16 == 0 && delta_o.stride % 4 == 0 && z.stride % 4 == 0 && out.stride % 4 == 0;
   const std::string key = phase() == Phase::Decode ? "conv_delta_norm.decode" : "conv_delta_norm.prefill";
+  using F = CudaOptions::FusedDelta;
+  const bool wide = options().fused_delta == F::Wide;
   std::string why;  // empty: fused
-  if (!options().fused_delta)
-    why = "option fused_delta = false (the default: the three kernels measured faster on the H200)";
+  if (options().fused_delta == F::Off)
+    why = "option fused_delta = \"off\"";
   else if (qkv.rows != 1)
     why = std::to_string(qkv.rows) + " rows (the fused kernel takes one decode row)";
   else if (conv_cap.active() || rec_cap.active())
@@ -145,6 +147,9 @@ void CudaOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Ten
     why = "unaligned norm operands (the composed norm would take 4-byte loads, another sum order)";
   else if (rec_in.stride % 4 != 0 || rec_out.stride % 4 != 0 || ptr(rec_in) % 16 != 0 || ptr(rec_out) % 16 != 0)
     why = "recurrent state rows not 16-byte aligned";
+  else if (wide && (Hk + Hv > kDeltaCounters || delta_o.dtype != DType::F32 || delta_o.rows != 1 ||
+                    delta_o.cols != Hv * Dv))
+    why = "Hk + Hv over the " + std::to_string(kDeltaCounters) + " arrival counters, or delta_o not F32 [1, Hv·Dv]";
   if (!why.empty()) {
     note_variant(key, "composed (conv1d_silu, gated_delta, gated_rms_norm): " + why);
     return Ops::conv_delta_norm_impl(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, eps, s, conv_in, conv_out, rec_in,
@@ -159,6 +164,19 @@ void CudaOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Ten
       a.cols != Hv || A_log.cols != Hv || dt_bias.cols != Hv || rec_in.rows != Hv * Dk || rec_in.cols != Dv ||
       rec_out.rows != Hv * Dk || rec_out.cols != Dv)
     throw std::invalid_argument("conv_delta_norm (cuda): shapes do not match the DeltaShape");
+  if (wide) {
+    const Kernel& k = kernel("gated_delta", "conv_delta_norm_wide", {{"KTAPS", K}, {"DK", Dk}, {"DV", Dv}, {"WIDE", 1}});
+    const Dim3 grid{unsigned(Hv), unsigned((Dv + kDeltaColsPerBlock - 1) / kDeltaColsPerBlock), 1};
+    launch(k, grid, Dim3{kDeltaThreads, 1, 1}, 0, ptr(qkv), ptr(z), ptr(b), ptr(a), ptr(conv_w), int64_t(conv_w.stride),
+           ptr(A_log), ptr(dt_bias), ptr(norm_w), eps, ptr(conv_in), int64_t(conv_in.stride), ptr(conv_out),
+           int64_t(conv_out.stride), ptr(rec_in), int64_t(rec_in.stride), ptr(rec_out), int64_t(rec_out.stride),
+           ptr(delta_o), ptr(out), norm_counters_ + kNormCounterBytes, int(Hk), int(Hv));
+    note_variant(key, "fused wide: one launch on gated_delta's grid (" + std::to_string(grid.x) + ", " +
+                          std::to_string(grid.y) + ") × 64 threads, each block computing the conv of the channels it "
+                          "reads; the last block of a key head writes its conv state, the last of a value head "
+                          "normalises it (arrival counters); mixed stays in shared memory");
+    return;
+  }
   const int warps = int(std::min<int64_t>(kFusedWarps, G * Dv / 8));
   const Kernel& k = kernel("gated_delta", "conv_delta_norm",
                            {{"KTAPS", K}, {"DK", Dk}, {"DV", Dv}, {"FUSED_WARPS", warps}});
@@ -166,7 +184,7 @@ void CudaOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Ten
          ptr(a), ptr(conv_w), int64_t(conv_w.stride), ptr(A_log), ptr(dt_bias), ptr(norm_w), eps, ptr(conv_in),
          int64_t(conv_in.stride), ptr(conv_out), int64_t(conv_out.stride), ptr(rec_in), int64_t(rec_in.stride),
          ptr(rec_out), int64_t(rec_out.stride), ptr(out), int(Hk), int(Hv));
-  note_variant(key, "fused: one launch, a block of " + std::to_string(warps * 32) +
+  note_variant(key, "fused narrow: one launch, a block of " + std::to_string(warps * 32) +
                                       " threads per key head (grid " + std::to_string(Hk) + "), " +
                                       std::to_string(G * Dv / 8) + " 8-column state slices per block; mixed and "
                                       "delta_o stay in shared memory");

@@ -1,5 +1,6 @@
-"""CUDA conv_delta_norm (ops.h): the fused decode kernel (kernels/gated_delta.cu conv_delta_norm) against the
-composed three kernels (conv1d_silu, gated_delta, gated_rms_norm; backend option fused_delta = false) bit for
+"""CUDA conv_delta_norm (ops.h): the fused decode kernels (kernels/gated_delta.cu conv_delta_norm, a block per key
+head, fused_delta = "narrow"; conv_delta_norm_wide, gated_delta's grid with arrival counters, "wide") against the
+composed three kernels (conv1d_silu, gated_delta, gated_rms_norm; fused_delta = "off") bit for
 bit, and against the CPU oracle within fp32 tolerance (the composed kernels' own bound, tests/cuda/
 test_gated_delta.py). T > 1 and state captures take the composed path and the report says why. End to end:
 greedy decode on a random model gives the same logits with and without the fusion, and the decode step has
@@ -24,9 +25,19 @@ REAL = (16, 32, 128, 128)  # Hk, Hv, Dk, Dv
 SHAPES = [REAL, (2, 6, 32, 48), (3, 3, 64, 64), (2, 4, 32, 32), (1, 8, 40, 24)]
 
 
+FORMS = ["narrow", "wide"]
+
+
 @pytest.fixture(scope="module")
-def benches():
-    return core.OpBench("cpu"), core.OpBench("cuda", {"fused_delta": True}), core.OpBench("cuda", {"fused_delta": False})
+def all_benches():
+    return {"cpu": core.OpBench("cpu"), "narrow": core.OpBench("cuda", {"fused_delta": "narrow"}),
+            "wide": core.OpBench("cuda", {"fused_delta": "wide"}), "off": core.OpBench("cuda", {"fused_delta": "off"})}
+
+
+@pytest.fixture(params=FORMS)
+def benches(all_benches, request):
+    """(cpu, the fused form, the composed kernels)."""
+    return all_benches["cpu"], all_benches[request.param], all_benches["off"]
 
 
 def rel(x: np.ndarray, ref: np.ndarray) -> float:
@@ -82,7 +93,7 @@ def test_fused_decode_is_bitwise_composed_and_near_cpu(benches, shape, inplace):
         got = run(fused, x, shape, inplace)
         assert variant(fused).startswith("fused"), variant(fused)
         want = run(composed, x, shape, inplace)
-        assert "option fused_delta = false" in variant(composed), variant(composed)
+        assert 'option fused_delta = "off"' in variant(composed), variant(composed)
         ref = run(cpu, x, shape, inplace)
         for name, g, w, r in zip(("out", "conv state", "recurrent state"), got, want, ref):
             assert np.isfinite(g).all(), name
@@ -109,11 +120,12 @@ def test_prefill_and_capture_take_the_composed_path(benches, shape):
         assert rel(g, r) < TOL
 
 
-def test_greedy_decode_same_logits_and_fewer_launches(tmp_path):
+@pytest.mark.parametrize("form", FORMS)
+def test_greedy_decode_same_logits_and_fewer_launches(tmp_path, form):
     path = write_synthetic_checkpoint(tmp_path / "mlx4", TINY_CONFIG, fmt="mlx", bits=4, seed=5)
     prompt = np.random.default_rng(3).integers(0, TINY_CONFIG["vocab_size"], 24).tolist()
     runs, launches = {}, {}
-    for name, opts in (("fused", {"fused_delta": True}), ("composed", {"fused_delta": False})):
+    for name, opts in (("fused", {"fused_delta": form}), ("composed", {"fused_delta": "off"})):
         with lily.Engine.from_pretrained(path, backend="cuda", backend_options=opts) as gpu:
             s = gpu.session()
             logits = [s.prefill(prompt)]
@@ -125,7 +137,7 @@ def test_greedy_decode_same_logits_and_fewer_launches(tmp_path):
             rep = gpu.report()
             launches[name] = rep["cuda"]["graphs"]["launches_per_decode_step"]
             v = str(rep["cuda"]["variants"].get("conv_delta_norm.decode", ""))
-            assert v.startswith("fused") if name == "fused" else "option fused_delta = false" in v, (name, v)
+            assert v.startswith("fused " + form) if name == "fused" else 'option fused_delta = "off"' in v, (name, v)
     for a, b in zip(runs["fused"], runs["composed"]):
         np.testing.assert_array_equal(a, b)
     layers = TINY_CONFIG["num_hidden_layers"]

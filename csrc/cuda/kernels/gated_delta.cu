@@ -372,6 +372,105 @@ extern "C" __global__ void __launch_bounds__(64)
 }
 #endif  // DK && DV
 
+#if defined(DK) && defined(DV)
+// One decode token's update of one warp's 8-column state slice (lane map as gated_delta: column quad lane & 1,
+// rows 16·r + (lane >> 1)), from the conv outputs q, k of its key head at sq, sk (raw, normalised here exactly as
+// gated_delta's decode entry does), the lane's 4 v columns, -exp(A_log), dt_bias, b, a of its value head. St is
+// updated in place; returns o of column 2·bit4 + bit3 of the lane (quad_sum_t). The one-launch kernels below
+// share it, so their bits equal the three kernels' (tests/cuda/test_conv_delta_norm.py).
+__device__ __forceinline__ float delta_slice_decode(float4 (&St)[GD_R], const float* sq, const float* sk,
+                                                    const float (&v)[4], float neg_A, float dtb, float bj, float aj,
+                                                    int lane) {
+  const int quad = lane & (GD_QUADS - 1), rl = lane / GD_QUADS;
+  const float q_scale = 1.f / sqrtf(float(DK));
+  float q[GD_R], k[GD_R];
+  float sq2 = 0.f, sk2 = 0.f;
+#pragma unroll
+  for (int r = 0; r < GD_R; ++r) {
+    const int i = r * GD_RPP + rl;
+    q[r] = i < DK ? sq[i] : 0.f;
+    k[r] = i < DK ? sk[i] : 0.f;
+    sq2 += q[r] * q[r];
+    sk2 += k[r] * k[r];
+  }
+  sq2 = quad_sum(sq2);
+  sk2 = quad_sum(sk2);
+  const float rq = q_scale / sqrtf(sq2 + 1e-6f), rk = 1.f / sqrtf(sk2 + 1e-6f);
+#pragma unroll
+  for (int r = 0; r < GD_R; ++r) {
+    q[r] = q[r] * rq;
+    k[r] = k[r] * rk;
+  }
+  const float beta = sigmoid(bj);
+  const float alpha = expf(neg_A * softplus(aj + dtb));
+  float4 m0 = make_float4(0.f, 0.f, 0.f, 0.f), m1 = m0;
+#pragma unroll
+  for (int r = 0; r < GD_R; ++r) {
+    float4& s = St[r];
+    s.x *= alpha;
+    s.y *= alpha;
+    s.z *= alpha;
+    s.w *= alpha;
+    float4& m = (r & 1) ? m1 : m0;
+    m.x += k[r] * s.x;
+    m.y += k[r] * s.y;
+    m.z += k[r] * s.z;
+    m.w += k[r] * s.w;
+  }
+  const float ms = quad_sum_t(m0.x + m1.x, m0.y + m1.y, m0.z + m1.z, m0.w + m1.w, lane);
+  const float d0 = beta * (v[0] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 0)));
+  const float d1 = beta * (v[1] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 1)));
+  const float d2 = beta * (v[2] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 2)));
+  const float d3 = beta * (v[3] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 3)));
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int r = 0; r < GD_R; ++r) {
+    float4& s = St[r];
+    s.x += k[r] * d0;
+    s.y += k[r] * d1;
+    s.z += k[r] * d2;
+    s.w += k[r] * d3;
+    o.x += q[r] * s.x;
+    o.y += q[r] * s.y;
+    o.z += q[r] * s.z;
+    o.w += q[r] * s.w;
+  }
+  return quad_sum_t(o.x, o.y, o.z, o.w, lane);
+}
+
+// One warp's gated RMSNorm of one value head's DV outputs o: norm.cu gated_rms_norm with SEG = DV, NT = 32,
+// VEC = 4 (lane l sums elements 4l .. 4l+3, + 128 per pass, with fmaf, then warp_sum), silu(z) by the CPU's
+// formula. L2: o read through the L2 only (other blocks wrote it).
+template <bool L2>
+__device__ __forceinline__ void gated_norm_head_warp(const float* os, const float* __restrict__ zj,
+                                                     const float* __restrict__ norm_w, float eps, float* outj,
+                                                     int lane) {
+  float ss = 0.f;
+  float ov[(DV + 127) / 128][4];
+#pragma unroll
+  for (int p = 0; p < (DV + 127) / 128; ++p) {
+    const int i = lane * 4 + 128 * p;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      ov[p][e] = i < DV ? (L2 ? ld_cg(os + i + e) : os[i + e]) : 0.f;
+      if (i < DV) ss = fmaf(ov[p][e], ov[p][e], ss);
+    }
+  }
+  const float r = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(warp_sum(ss), float(DV)), eps)));
+#pragma unroll
+  for (int p = 0; p < (DV + 127) / 128; ++p) {
+    const int i = lane * 4 + 128 * p;
+    if (i < DV)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float gz = zj[i + e];
+        const float sg = __fdiv_rn(gz, __fadd_rn(1.f, expf(-gz)));  // silu, the CPU's formula
+        outj[i + e] = __fmul_rn(__fmul_rn(norm_w[i + e], __fmul_rn(ov[p][e], r)), sg);
+      }
+  }
+}
+#endif  // DK, DV
+
 // ---- conv_delta_norm (-D FUSED_WARPS = warps per block, with KTAPS, DK, DV): one decode row (T = 1) ----
 //   The three kernels above plus norm.cu gated_rms_norm in one launch (Ops::conv_delta_norm, ops.h):
 //     mixed = silu(conv(qkv; conv_in -> conv_out)),  o = gated_delta(mixed, b, a; rec_in -> rec_out),
@@ -401,7 +500,6 @@ extern "C" __global__ void __launch_bounds__(FUSED_WARPS * 32)
                     const float* __restrict__ norm_w, float eps, const float* conv_in, i64 cin_stride,
                     float* conv_out, i64 cout_stride, const float* rec_in, i64 rin_stride, float* rec_out,
                     i64 rout_stride, float* __restrict__ out, int Hk, int Hv) {
-  LILY_PDL_PROLOGUE();
   extern __shared__ float smem[];
   constexpr int S = KTAPS - 1;
   const int kh = blockIdx.x, G = Hv / Hk;
@@ -410,19 +508,54 @@ extern "C" __global__ void __launch_bounds__(FUSED_WARPS * 32)
   float* sk_ = sq_ + DK;            // k [DK]
   float* sv_ = sk_ + DK;            // v of the G value heads [G·DV]
   float* so_ = sv_ + i64(G) * DV;   // o [G·DV]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int quad = lane & (GD_QUADS - 1), rl = lane / GD_QUADS;
+  const int slices = G * (DV / GD_WCOLS);
+
+  // Before the wait (common.cuh): the first conv channel's taps and carried rows, and the first state slice of
+  // every warp (weights and the previous step's state; qkv, z, b, a are the projection's output, after it).
+  const int nch = 2 * DK + G * DV;
+  auto channel = [&](int t) -> i64 {
+    return t < DK ? i64(kh) * DK + t
+           : t < 2 * DK ? key_dim + i64(kh) * DK + (t - DK)
+                        : 2 * key_dim + i64(kh) * G * DV + (t - 2 * DK);
+  };
+  float wk0[KTAPS], hist0[S > 0 ? S : 1];
+  if (int(threadIdx.x) < nch) {
+    const i64 c = channel(threadIdx.x);
+#pragma unroll
+    for (int j = 0; j < KTAPS; ++j) wk0[j] = conv_w[c * w_stride + j];
+#pragma unroll
+    for (int j = 0; j < S; ++j) hist0[j] = ld_cg(conv_in + i64(j) * cin_stride + c);
+  }
+  float4 St0[GD_R];
+  if (warp < slices) {
+    const int g = warp / (DV / GD_WCOLS), c0 = (warp % (DV / GD_WCOLS)) * GD_WCOLS;
+    const int j = kh * G + g, col = c0 + 4 * quad;
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      const int i = r * GD_RPP + rl;
+      St0[r] = i < DK ? ld_cg4(rec_in + (i64(j) * DK + i) * rin_stride + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  LILY_PDL_PROLOGUE();
 
   // 1. conv + silu of this key head's channels.
-  const int nch = 2 * DK + G * DV;
   for (int t = threadIdx.x; t < nch; t += blockDim.x) {
-    const i64 c = t < DK ? i64(kh) * DK + t
-                  : t < 2 * DK ? key_dim + i64(kh) * DK + (t - DK)
-                               : 2 * key_dim + i64(kh) * G * DV + (t - 2 * DK);
+    const i64 c = channel(t);
     float wk[KTAPS];
-#pragma unroll
-    for (int j = 0; j < KTAPS; ++j) wk[j] = conv_w[c * w_stride + j];
     float hist[S > 0 ? S : 1];
+    if (t == int(threadIdx.x)) {
 #pragma unroll
-    for (int j = 0; j < S; ++j) hist[j] = conv_in[i64(j) * cin_stride + c];
+      for (int j = 0; j < KTAPS; ++j) wk[j] = wk0[j];
+#pragma unroll
+      for (int j = 0; j < S; ++j) hist[j] = hist0[j];
+    } else {
+#pragma unroll
+      for (int j = 0; j < KTAPS; ++j) wk[j] = conv_w[c * w_stride + j];
+#pragma unroll
+      for (int j = 0; j < S; ++j) hist[j] = conv_in[i64(j) * cin_stride + c];
+    }
     const float x = qkv[c];
     smem[t] = silu(conv_taps(wk, hist, x));  // sq_, sk_, sv_ are contiguous in channel order t
 #pragma unroll
@@ -431,10 +564,6 @@ extern "C" __global__ void __launch_bounds__(FUSED_WARPS * 32)
   __syncthreads();
 
   // 2. the recurrent update, gated_delta's decode body per warp slice.
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int quad = lane & (GD_QUADS - 1), rl = lane / GD_QUADS;
-  const int slices = G * (DV / GD_WCOLS);
-  const float q_scale = 1.f / sqrtf(float(DK));
   for (int u = warp; u < slices; u += FUSED_WARPS) {  // warp-uniform
     const int g = u / (DV / GD_WCOLS), c0 = (u % (DV / GD_WCOLS)) * GD_WCOLS;
     const int j = kh * G + g, col = c0 + 4 * quad;
@@ -442,66 +571,14 @@ extern "C" __global__ void __launch_bounds__(FUSED_WARPS * 32)
 #pragma unroll
     for (int r = 0; r < GD_R; ++r) {
       const int i = r * GD_RPP + rl;
-      St[r] = i < DK ? *reinterpret_cast<const float4*>(rec_in + (i64(j) * DK + i) * rin_stride + col)
-                     : make_float4(0.f, 0.f, 0.f, 0.f);
+      St[r] = u == warp ? St0[r]
+              : i < DK  ? *reinterpret_cast<const float4*>(rec_in + (i64(j) * DK + i) * rin_stride + col)
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
-    float q[GD_R], k[GD_R];
-    float sq = 0.f, sk = 0.f;
-#pragma unroll
-    for (int r = 0; r < GD_R; ++r) {
-      const int i = r * GD_RPP + rl;
-      q[r] = i < DK ? sq_[i] : 0.f;
-      k[r] = i < DK ? sk_[i] : 0.f;
-      sq += q[r] * q[r];
-      sk += k[r] * k[r];
-    }
-    sq = quad_sum(sq);
-    sk = quad_sum(sk);
-    const float rq = q_scale / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f);
-#pragma unroll
-    for (int r = 0; r < GD_R; ++r) {
-      q[r] = q[r] * rq;
-      k[r] = k[r] * rk;
-    }
-    const float beta = sigmoid(b[j]);
-    const float alpha = expf(neg_A * softplus(a[j] + dtb));
     float v[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) v[e] = sv_[g * DV + col + e];
-    float4 m0 = make_float4(0.f, 0.f, 0.f, 0.f), m1 = m0;
-#pragma unroll
-    for (int r = 0; r < GD_R; ++r) {
-      float4& s = St[r];
-      s.x *= alpha;
-      s.y *= alpha;
-      s.z *= alpha;
-      s.w *= alpha;
-      float4& m = (r & 1) ? m1 : m0;
-      m.x += k[r] * s.x;
-      m.y += k[r] * s.y;
-      m.z += k[r] * s.z;
-      m.w += k[r] * s.w;
-    }
-    const float ms = quad_sum_t(m0.x + m1.x, m0.y + m1.y, m0.z + m1.z, m0.w + m1.w, lane);
-    const float d0 = beta * (v[0] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 0)));
-    const float d1 = beta * (v[1] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 1)));
-    const float d2 = beta * (v[2] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 2)));
-    const float d3 = beta * (v[3] - __shfl_sync(0xffffffffu, ms, quad_sum_t_lane(quad, 3)));
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int r = 0; r < GD_R; ++r) {
-      float4& s = St[r];
-      s.x += k[r] * d0;
-      s.y += k[r] * d1;
-      s.z += k[r] * d2;
-      s.w += k[r] * d3;
-      o.x += q[r] * s.x;
-      o.y += q[r] * s.y;
-      o.z += q[r] * s.z;
-      o.w += q[r] * s.w;
-    }
-    const float os = quad_sum_t(o.x, o.y, o.z, o.w, lane);
+    const float os = delta_slice_decode(St, sq_, sk_, v, -expf(A_log[j]), dt_bias[j], b[j], a[j], lane);
     if ((lane & 6) == 0) so_[g * DV + col + ((lane >> 3) & 1) + 2 * (lane >> 4)] = os;
 #pragma unroll
     for (int r = 0; r < GD_R; ++r) {
@@ -514,19 +591,125 @@ extern "C" __global__ void __launch_bounds__(FUSED_WARPS * 32)
   // 3. gated RMSNorm per value head: norm.cu gated_rms_norm with SEG = DV, NT = 32, VEC = 4.
   for (int g = warp; g < G; g += FUSED_WARPS) {  // warp-uniform
     const int j = kh * G + g;
-    const float* os = so_ + g * DV;
-    float ss = 0.f;
-    for (int i = lane * 4; i < DV; i += 128)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ss = fmaf(os[i + e], os[i + e], ss);
-    const float r = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(warp_sum(ss), float(DV)), eps)));
-    for (int i = lane * 4; i < DV; i += 128)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float gz = z[i64(j) * DV + i + e];
-        const float sg = __fdiv_rn(gz, __fadd_rn(1.f, expf(-gz)));  // silu, the CPU's formula
-        out[i64(j) * DV + i + e] = __fmul_rn(__fmul_rn(norm_w[i + e], __fmul_rn(os[i + e], r)), sg);
-      }
+    gated_norm_head_warp<false>(so_ + g * DV, z + i64(j) * DV, norm_w, eps, out + i64(j) * DV, lane);
   }
 }
 #endif  // FUSED_WARPS && KTAPS && DK && DV
+
+// ---- conv_delta_norm_wide (-D WIDE = 1, with KTAPS, DK, DV): one decode row (T = 1) ----
+//   conv_delta_norm's product on gated_delta's geometry: grid (Hv, ⌈DV/16⌉) × 64 threads, warp w of block (j, y)
+//   owns the 8 state columns c0 = (2y + w)·8 of value head j (256 blocks at the real shape, where
+//   conv_delta_norm has 16). Each block computes the conv (+ silu) of the channels it reads itself, into shared
+//   memory: q and k of its key head (2·DK) and its own 16 v columns. Two kinds of arrival counters (ints at
+//   `counters`, zero between launches, reset by the last arrival; the host owns them):
+//     counters[kh], over the key head's G·⌈DV/16⌉ blocks: each counts itself in after its conv reads, and the
+//       last writes the key head's new conv state (2·DK + G·DV channels), so no block reads a carried row the
+//       in-place update has replaced;
+//     counters[Hk + j], over the value head's ⌈DV/16⌉ blocks: each counts itself in after storing its o columns
+//       to delta_o, and the last normalises the head into out (gated_norm_head_warp).
+//   Before the wait (common.cuh): the taps, the carried conv rows and the warp's state slice. mixed is not
+//   written (ops.h allows it); delta_o is (the norm reads it back).
+//   Floor: the state, 4 MiB each way per layer at the real shape; the rest a few KiB per block.
+//   Bits: equal to conv1d_silu + gated_delta + gated_rms_norm (tests/cuda/test_conv_delta_norm.py).
+#if defined(WIDE) && defined(KTAPS) && defined(DK) && defined(DV)
+#define WIDE_CH (2 * DK + 16)          // conv channels one block computes
+#define WIDE_PT ((WIDE_CH + 63) / 64)  // per thread
+extern "C" __global__ void __launch_bounds__(64)
+    conv_delta_norm_wide(const float* __restrict__ qkv, const float* __restrict__ z, const float* __restrict__ b,
+                         const float* __restrict__ a, const float* __restrict__ conv_w, i64 w_stride,
+                         const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                         const float* __restrict__ norm_w, float eps, const float* conv_in, i64 cin_stride,
+                         float* conv_out, i64 cout_stride, const float* rec_in, i64 rin_stride, float* rec_out,
+                         i64 rout_stride, float* delta_o, float* __restrict__ out, int* counters, int Hk, int Hv) {
+  constexpr int S = KTAPS - 1;
+  __shared__ float sq_[DK], sk_[DK], sv_[16];
+  __shared__ int last_k, last_v;
+  const int j = blockIdx.x, y = blockIdx.y, G = Hv / Hk, kh = j / G;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int quad = lane & (GD_QUADS - 1), rl = lane / GD_QUADS;
+  const i64 key_dim = i64(Hk) * DK;
+  const int c0 = (2 * y + warp) * GD_WCOLS, col = c0 + 4 * quad;
+  const bool live = c0 < DV;  // warp-uniform
+  // Local channel t: q (t < DK), k (t < 2·DK), then v column 16·y + t - 2·DK of head j.
+  auto channel = [&](int t) -> i64 {
+    return t < DK ? i64(kh) * DK + t
+           : t < 2 * DK ? key_dim + i64(kh) * DK + (t - DK)
+                        : 2 * key_dim + i64(j) * DV + 16 * y + (t - 2 * DK);
+  };
+  auto valid = [&](int t) { return t < 2 * DK || (t < WIDE_CH && 16 * y + (t - 2 * DK) < DV); };
+
+  float wk[WIDE_PT][KTAPS], hist[WIDE_PT][S > 0 ? S : 1];
+#pragma unroll
+  for (int p = 0; p < WIDE_PT; ++p) {
+    const int t = tid + 64 * p;
+    if (valid(t)) {
+      const i64 c = channel(t);
+#pragma unroll
+      for (int q = 0; q < KTAPS; ++q) wk[p][q] = conv_w[c * w_stride + q];
+#pragma unroll
+      for (int q = 0; q < S; ++q) hist[p][q] = ld_cg(conv_in + i64(q) * cin_stride + c);
+    }
+  }
+  float4 St[GD_R];
+  if (live) {
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      const int i = r * GD_RPP + rl;
+      St[r] = i < DK ? ld_cg4(rec_in + (i64(j) * DK + i) * rin_stride + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
+  LILY_PDL_PROLOGUE();  // qkv, z, b, a are the projection's output
+
+#pragma unroll
+  for (int p = 0; p < WIDE_PT; ++p) {
+    const int t = tid + 64 * p;
+    if (valid(t)) {
+      const float v = silu(conv_taps(wk[p], hist[p], qkv[channel(t)]));
+      if (t < DK) sq_[t] = v;
+      else if (t < 2 * DK) sk_[t - DK] = v;
+      else sv_[t - 2 * DK] = v;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {  // every thread's conv reads are done: count the block in for the key head's state write
+    __threadfence();
+    last_k = atomicAdd(&counters[kh], 1) == G * int(gridDim.y) - 1;
+  }
+  if (live) {
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = sv_[col - 16 * y + e];
+    const float os = delta_slice_decode(St, sq_, sk_, v, neg_A, dtb, b[j], a[j], lane);
+    if ((lane & 6) == 0) delta_o[i64(j) * DV + col + ((lane >> 3) & 1) + 2 * (lane >> 4)] = os;
+#pragma unroll
+    for (int r = 0; r < GD_R; ++r) {
+      const int i = r * GD_RPP + rl;
+      if (i < DK) *reinterpret_cast<float4*>(rec_out + (i64(j) * DK + i) * rout_stride + col) = St[r];
+    }
+  }
+  __threadfence();  // this block's o columns visible before it counts itself in for the norm
+  __syncthreads();
+  if (tid == 0) last_v = atomicAdd(&counters[Hk + j], 1) == int(gridDim.y) - 1;
+  __syncthreads();
+  if (last_k) {  // block-uniform: every block of the key head has read the carried rows
+    __threadfence();
+    const int nch = 2 * DK + G * DV;
+    for (int t = tid; t < nch; t += 64) {
+      const i64 c = t < 2 * DK ? channel(t) : 2 * key_dim + i64(kh) * G * DV + (t - 2 * DK);
+      float row[S > 0 ? S : 1];
+#pragma unroll
+      for (int q = 0; q + 1 < S; ++q) row[q] = ld_cg(conv_in + i64(q + 1) * cin_stride + c);
+      if (S > 0) row[S > 0 ? S - 1 : 0] = qkv[c];
+#pragma unroll
+      for (int q = 0; q < S; ++q) conv_out[i64(q) * cout_stride + c] = row[q];
+    }
+    if (tid == 0) counters[kh] = 0;
+  }
+  if (last_v) {  // block-uniform: every block of the value head has stored its o columns
+    __threadfence();
+    if (warp == 0) gated_norm_head_warp<true>(delta_o + i64(j) * DV, z + i64(j) * DV, norm_w, eps, out + i64(j) * DV, lane);
+    if (tid == 0) counters[Hk + j] = 0;
+  }
+}
+#endif  // WIDE

@@ -1,0 +1,115 @@
+"""A CUDA prefill and decode timeline on the full-size synthetic model, from a CUPTI trace (issue 11).
+
+    python benchmarks/trace_cuda.py --cache DIR [--prompt 512] [--context 4096] [--decode-tokens 16] [--json F]
+
+Unlike `profile_cuda_step.py` (Nsight Compute: kernels serialised, caches flushed, graphs off), this records the
+kernels as they really run, with graphs, stage branches and programmatic dependent launch, through PyTorch's
+profiler (CUPTI sees every kernel of the process, Lily's driver-API launches included; PyTorch is only this
+script's dependency, never the library's). For one prefill of --prompt tokens and for --decode-tokens greedy decode
+steps at --context positions of KV cache it prints the wall time, the GPU's busy time (the union of the kernels'
+intervals: overlap counted once) and idle time, and per kernel name the launches, the summed duration and the
+mean. Under programmatic dependent launch a kernel's interval includes the time its blocks sit in
+griddepcontrol.wait, so summed durations exceed the busy time: read the busy/idle split and the order, not the sums.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+
+
+def kernel_intervals(prof) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of every GPU kernel in the trace."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            out.append((e.name, float(e.time_range.start), float(e.time_range.end)))
+    return sorted(out, key=lambda r: r[1])
+
+
+def summarise(label: str, rows: list[tuple[str, float, float]], wall_us: float, per: int) -> dict:
+    busy, cur_s, cur_e = 0.0, None, None
+    for _, s, e in rows:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    span = (max(e for _, _, e in rows) - min(s for _, s, _ in rows)) if rows else 0.0
+    by: dict[str, list[float]] = defaultdict(list)
+    for name, s, e in rows:
+        by[name.split("(")[0]].append(e - s)
+    print(f"\n{label}: wall {wall_us / per:.1f} µs, first kernel to last {span / per:.1f} µs, GPU busy {busy / per:.1f} µs, "
+          f"idle inside the span {(span - busy) / per:.1f} µs, {len(rows) / per:.0f} kernels (per {'step' if per > 1 else 'call'})")
+    print(f"{'kernel':40s} {'launches':>9s} {'summed µs':>10s} {'mean µs':>8s}")
+    table = []
+    for name, v in sorted(by.items(), key=lambda kv: -sum(kv[1])):
+        table.append({"kernel": name, "launches": len(v) / per, "summed_us": sum(v) / per, "mean_us": sum(v) / len(v)})
+        print(f"{name[:40]:40s} {len(v) / per:9.1f} {sum(v) / per:10.1f} {sum(v) / len(v):8.2f}")
+    return {"wall_us": wall_us / per, "span_us": span / per, "busy_us": busy / per, "kernels": len(rows) / per,
+            "by_kernel": table}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache", default=None, help="folder of the synthetic checkpoint (default: temp dir)")
+    ap.add_argument("--prompt", type=int, default=512, help="tokens of the traced prefill")
+    ap.add_argument("--context", type=int, default=4096, help="KV positions before the traced decode steps")
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--backend-options", default="{}", help="JSON for Engine backend_options")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        print("trace_cuda.py needs PyTorch (its profiler reads the CUPTI trace)", file=sys.stderr)
+        return 2
+    import numpy as np
+
+    import lily
+    from lily import bench
+
+    path = bench.synthetic_checkpoint("full", a.cache)
+    engine = lily.Engine.from_pretrained(path, backend="cuda", kv_cache_dtype="bf16",
+                                         backend_options=json.loads(a.backend_options))
+    engine.report()  # the probe step runs now
+    torch.cuda.init()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 1000, a.prompt, dtype=np.int32)
+    engine.session(max_context=a.prompt + 8).prefill(ids)  # warm: modules loaded, workspace reserved
+    result = {}
+
+    s = engine.session(max_context=a.prompt + 8)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        s.prefill(ids)  # returns host logits: the work is done
+        wall = (time.perf_counter() - t0) * 1e6
+    result["prefill"] = summarise(f"prefill of {a.prompt} tokens", kernel_intervals(prof), wall, 1)
+
+    s = engine.session(max_context=a.context + a.decode_tokens + 64)
+    s.prefill(rng.integers(0, 1000, a.context, dtype=np.int32))
+    greedy = lily.SamplingParams(temperature=0)
+    list(s.generate(8, greedy, stop_token_ids=[]))  # warm: the decode graphs are captured
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        list(s.generate(a.decode_tokens, greedy, stop_token_ids=[]))
+        wall = (time.perf_counter() - t0) * 1e6
+    result["decode"] = summarise(f"decode at {a.context} context", kernel_intervals(prof), wall, a.decode_tokens)
+    result["settings"] = vars(a)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
