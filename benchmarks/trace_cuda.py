@@ -44,6 +44,15 @@ def summarise(label: str, rows: list[tuple[str, float, float]], wall_us: float, 
     if cur_e is not None:
         busy += cur_e - cur_s
     span = (max(e for _, _, e in rows) - min(s for _, s, _ in rows)) if rows else 0.0
+    # Idle gaps (no kernel running), by the kernel that ended last before each and the one that starts it.
+    gaps: dict[tuple[str, str], list[float]] = defaultdict(list)
+    last_end, last_name = None, ""
+    for name, s, e in rows:
+        short = name.split("(")[0]
+        if last_end is not None and s > last_end:
+            gaps[(last_name, short)].append(s - last_end)
+        if last_end is None or e >= last_end:
+            last_end, last_name = e, short
     by: dict[str, list[float]] = defaultdict(list)
     for name, s, e in rows:
         by[name.split("(")[0]].append(e - s)
@@ -54,8 +63,15 @@ def summarise(label: str, rows: list[tuple[str, float, float]], wall_us: float, 
     for name, v in sorted(by.items(), key=lambda kv: -sum(kv[1])):
         table.append({"kernel": name, "launches": len(v) / per, "summed_us": sum(v) / per, "mean_us": sum(v) / len(v)})
         print(f"{name[:40]:40s} {len(v) / per:9.1f} {sum(v) / per:10.1f} {sum(v) / len(v):8.2f}")
+    gap_table = [{"after": a, "before": b, "count": len(v) / per, "idle_us": sum(v) / per, "mean_us": sum(v) / len(v)}
+                 for (a, b), v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))]
+    if gap_table:
+        print(f"{'idle gap: after -> before':58s} {'count':>6s} {'idle µs':>8s} {'mean µs':>8s}")
+        for g in gap_table[:12]:
+            print(f"{(g['after'][:27] + ' -> ' + g['before'][:27]):58s} {g['count']:6.1f} {g['idle_us']:8.1f} "
+                  f"{g['mean_us']:8.2f}")
     return {"wall_us": wall_us / per, "span_us": span / per, "busy_us": busy / per, "kernels": len(rows) / per,
-            "by_kernel": table}
+            "by_kernel": table, "idle_gaps": gap_table}
 
 
 def main() -> int:

@@ -85,3 +85,4 @@ def test_trace_summary_counts_overlapping_kernels_once(capsys):
     top = s["by_kernel"][0]
     assert top["kernel"] == "a" and top["launches"] == 1 and top["summed_us"] == 10.0 and top["mean_us"] == 10.0
     assert "idle inside the span 4.0 µs" in capsys.readouterr().out
+    assert s["idle_gaps"] == [{"after": "b", "before": "a", "count": 0.5, "idle_us": 4.0, "mean_us": 8.0}]

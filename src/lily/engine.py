@@ -293,7 +293,8 @@ class Engine:
         ~1e-7 relative error, the lm_head included; default True; False: fp32 x, the lm_head on the tensor cores),
         ``fused_norm`` (decode: each layer's RMSNorms done inside the projection GEMV that follows them, one
         launch instead of two; default True), ``fused_delta`` (decode: a DeltaNet layer's conv, recurrent update
-        and gated norm in one launch; default False: measured slower on the H200), ``prefill_x_terms`` (prefill
+        and gated norm in one launch: ``"narrow"`` / True a block per key head, ``"wide"`` 256 blocks with arrival
+        counters; default ``"off"`` / False, the three kernels: both measured slower on the H200), ``prefill_x_terms`` (prefill
         GEMMs: activations as 2 bf16 terms, hi + lo, ~1e-5 relative error per product, or 1, ~1.5e-3 and half the
         MMAs: +14% prefill at 4K on the H200, but the random test models' logits then leave the bf16 tolerance;
         default 2), ``moe_x_terms`` (the same for the MoE expert GEMMs alone: 1, 2, or 0 = follow

@@ -596,6 +596,8 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
 // chunk-minor so a warp's 16-byte reads of consecutive chunks are conflict-free), xsc (s_c, /16 for 4-bit)
 // and xsm (Σ_c x). Row sums: xor shuffles within the TPR8 lanes. Shared memory C · (QW · 4 + 8) (+ NORM's row).
 // Floor: W.bytes() per call, as above; ~1.4 instructions per 4-bit code (~10 codes per clock per SMSP).
+// Under programmatic dependent launch the first batch's weight loads go out before the wait for the kernel before
+// (common.cuh), so they stream while it finishes; x, the residual and the norm counters come after.
 // Determinism: a row's bits depend on K, the format and x's row only (not on T, the grid or the part).
 // (The preprocessor's form of: 4/8 bits, AL 16, SAL 1, GROUP % EPC == 0, XSH.)
 #if (BITS == 4 || BITS == 8) && AL == 16 && SAL == 1 && GROUP % (128 / (BITS ? BITS : 1)) == 0 && \

@@ -30,7 +30,9 @@
 //     moe_down_decode: grid (⌈H / ROWS_D⌉, T), block 256. The k act rows of token t in shared memory
 //       (swizzled as above); a group of LPR lanes (LPR = the power of two ≥ I/CPV, ≤ 32) owns one (row,
 //       slot) dot product, the ROWS_D·k partials land in shared memory and thread r sums row r's k of them
-//       in (id, slot) order times the routing weights. No atomics.
+//       in (id, slot) order times the routing weights. No atomics. PREROUTE (fused, under programmatic dependent
+//       launch): the block routes its token from the router logits and issues its weight loads before it waits
+//       for the gate/up pass (common.cuh's contract); only the act rows come after the wait.
 //     DP4A (4/8-bit affine experts, 16-byte loads, groups of whole vectors; the host's gemv_dp4a, on by
 //       default): x and the act rows are staged as three int8 terms per 16-byte vector instead of fp32 (quant.cuh;
 //       4 threads per vector) and each vector's products are dp4a integer dot products combined in fp32 per
