@@ -14,6 +14,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <atomic>
+#include <initializer_list>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -185,6 +186,26 @@ nb::dict backends_dict() {
   return d;
 }
 
+// A backend option that takes one of a few names, or a bool standing for one of them (what it meant when it was a
+// bool); anything else is refused naming the option and the accepted values.
+template <class E>
+E mode_option(const char* key, const nb::object& v, std::initializer_list<std::pair<const char*, E>> names,
+              E if_true, E if_false) {
+  if (nb::isinstance<nb::bool_>(v)) return nb::cast<bool>(v) ? if_true : if_false;
+  std::string accepted;
+  for (const auto& [n, e] : names) accepted += std::string(accepted.empty() ? "" : ", ") + "\"" + n + "\"";
+  std::string got;
+  if (nb::isinstance<nb::str>(v)) {
+    got = nb::cast<std::string>(v);
+    for (const auto& [n, e] : names)
+      if (got == n) return e;
+    got = "\"" + got + "\"";
+  } else {
+    got = nb::cast<std::string>(nb::repr(v));
+  }
+  throw std::invalid_argument(std::string("backend option ") + key + " must be " + accepted + " or a bool, got " + got);
+}
+
 std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& options) {
   nb::dict all = backends_dict();
   if (!all.contains(name.c_str())) {
@@ -201,43 +222,21 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("graphs").is_none()) o.graphs = nb::cast<bool>(opt("graphs"));
     if (!opt("speculative_graphs").is_none()) o.speculative_graphs = nb::cast<bool>(opt("speculative_graphs"));
     if (!opt("branches").is_none()) o.branches = nb::cast<bool>(opt("branches"));
-    if (!opt("pdl").is_none()) {
-      // True / False as before ("all" / "off"), or "off", "decode", "all".
-      const nb::object v = opt("pdl");
-      if (nb::isinstance<nb::bool_>(v)) {
-        o.pdl = nb::cast<bool>(v) ? cuda::CudaOptions::Pdl::All : cuda::CudaOptions::Pdl::Off;
-      } else if (nb::isinstance<nb::str>(v)) {
-        const std::string m = nb::cast<std::string>(v);
-        if (m == "off") o.pdl = cuda::CudaOptions::Pdl::Off;
-        else if (m == "decode") o.pdl = cuda::CudaOptions::Pdl::Decode;
-        else if (m == "all") o.pdl = cuda::CudaOptions::Pdl::All;
-        else throw std::invalid_argument("backend option pdl must be \"off\", \"decode\", \"all\" or a bool, got \"" + m + "\"");
-      } else {
-        throw std::invalid_argument("backend option pdl must be \"off\", \"decode\", \"all\" or a bool, got " +
-                                    nb::cast<std::string>(nb::repr(v)));
-      }
-    }
+    if (!opt("pdl").is_none())  // True / False as before ("all" / "off")
+      o.pdl = mode_option("pdl", opt("pdl"),
+                          {{"off", cuda::CudaOptions::Pdl::Off}, {"decode", cuda::CudaOptions::Pdl::Decode},
+                           {"all", cuda::CudaOptions::Pdl::All}},
+                          cuda::CudaOptions::Pdl::All, cuda::CudaOptions::Pdl::Off);
     if (!opt("encode_memo").is_none()) o.encode_memo = nb::cast<bool>(opt("encode_memo"));
     if (!opt("gemv_async").is_none()) o.gemv_async = nb::cast<bool>(opt("gemv_async"));
     if (!opt("gemv_dp4a").is_none()) o.gemv_dp4a = nb::cast<bool>(opt("gemv_dp4a"));
     if (!opt("fused_norm").is_none()) o.fused_norm = nb::cast<bool>(opt("fused_norm"));
-    if (!opt("fused_delta").is_none()) {
-      // True / False as before ("narrow" / "off"), or "off", "narrow", "wide".
-      const nb::object v = opt("fused_delta");
-      using F = cuda::CudaOptions::FusedDelta;
-      const std::string bad = "backend option fused_delta must be \"off\", \"narrow\", \"wide\" or a bool, got ";
-      if (nb::isinstance<nb::bool_>(v)) {
-        o.fused_delta = nb::cast<bool>(v) ? F::Narrow : F::Off;
-      } else if (nb::isinstance<nb::str>(v)) {
-        const std::string m = nb::cast<std::string>(v);
-        if (m == "off") o.fused_delta = F::Off;
-        else if (m == "narrow") o.fused_delta = F::Narrow;
-        else if (m == "wide") o.fused_delta = F::Wide;
-        else throw std::invalid_argument(bad + "\"" + m + "\"");
-      } else {
-        throw std::invalid_argument(bad + nb::cast<std::string>(nb::repr(v)));
-      }
-    }
+    if (!opt("fused_delta").is_none())  // True / False as before ("narrow" / "off")
+      o.fused_delta = mode_option("fused_delta", opt("fused_delta"),
+                                  {{"off", cuda::CudaOptions::FusedDelta::Off},
+                                   {"narrow", cuda::CudaOptions::FusedDelta::Narrow},
+                                   {"wide", cuda::CudaOptions::FusedDelta::Wide}},
+                                  cuda::CudaOptions::FusedDelta::Narrow, cuda::CudaOptions::FusedDelta::Off);
     if (!opt("prefill_x_terms").is_none()) o.prefill_x_terms = nb::cast<int>(opt("prefill_x_terms"));
     if (o.prefill_x_terms != 1 && o.prefill_x_terms != 2)
       throw std::invalid_argument("backend option prefill_x_terms must be 1 or 2, got " +
