@@ -520,46 +520,37 @@ extern "C" __global__ void __launch_bounds__(FUSED_WARPS * 32)
            : t < 2 * DK ? key_dim + i64(kh) * DK + (t - DK)
                         : 2 * key_dim + i64(kh) * G * DV + (t - 2 * DK);
   };
-  float wk0[KTAPS], hist0[S > 0 ? S : 1];
-  if (int(threadIdx.x) < nch) {
-    const i64 c = channel(threadIdx.x);
+  // A channel's taps and carried rows; a warp slice u's state rows (in place, each is read before it is written,
+  // by the thread or warp that writes it).
+  float wk[KTAPS], hist[S > 0 ? S : 1];
+  auto load_conv = [&](int t) {
+    const i64 c = channel(t);
 #pragma unroll
-    for (int j = 0; j < KTAPS; ++j) wk0[j] = conv_w[c * w_stride + j];
+    for (int j = 0; j < KTAPS; ++j) wk[j] = conv_w[c * w_stride + j];
 #pragma unroll
-    for (int j = 0; j < S; ++j) hist0[j] = ld_cg(conv_in + i64(j) * cin_stride + c);
-  }
-  float4 St0[GD_R];
-  if (warp < slices) {
-    const int g = warp / (DV / GD_WCOLS), c0 = (warp % (DV / GD_WCOLS)) * GD_WCOLS;
-    const int j = kh * G + g, col = c0 + 4 * quad;
+    for (int j = 0; j < S; ++j) hist[j] = ld_cg(conv_in + i64(j) * cin_stride + c);
+  };
+  float4 St[GD_R];
+  auto load_slice = [&](int u) {
+    const int j = kh * G + u / (DV / GD_WCOLS), col = (u % (DV / GD_WCOLS)) * GD_WCOLS + 4 * quad;
 #pragma unroll
     for (int r = 0; r < GD_R; ++r) {
       const int i = r * GD_RPP + rl;
-      St0[r] = i < DK ? ld_cg4(rec_in + (i64(j) * DK + i) * rin_stride + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+      St[r] = i < DK ? ld_cg4(rec_in + (i64(j) * DK + i) * rin_stride + col) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-  }
+  };
+  if (int(threadIdx.x) < nch) load_conv(threadIdx.x);
+  if (warp < slices) load_slice(warp);
   LILY_PDL_PROLOGUE();
 
-  // 1. conv + silu of this key head's channels.
+  // 1. conv + silu of this key head's channels (the next channel's taps and rows loaded after this one's writes).
   for (int t = threadIdx.x; t < nch; t += blockDim.x) {
     const i64 c = channel(t);
-    float wk[KTAPS];
-    float hist[S > 0 ? S : 1];
-    if (t == int(threadIdx.x)) {
-#pragma unroll
-      for (int j = 0; j < KTAPS; ++j) wk[j] = wk0[j];
-#pragma unroll
-      for (int j = 0; j < S; ++j) hist[j] = hist0[j];
-    } else {
-#pragma unroll
-      for (int j = 0; j < KTAPS; ++j) wk[j] = conv_w[c * w_stride + j];
-#pragma unroll
-      for (int j = 0; j < S; ++j) hist[j] = conv_in[i64(j) * cin_stride + c];
-    }
     const float x = qkv[c];
     smem[t] = silu(conv_taps(wk, hist, x));  // sq_, sk_, sv_ are contiguous in channel order t
 #pragma unroll
     for (int r = 0; r < S; ++r) conv_out[i64(r) * cout_stride + c] = r + 1 < S ? hist[r + 1] : x;
+    if (t + int(blockDim.x) < nch) load_conv(t + blockDim.x);
   }
   __syncthreads();
 
@@ -567,14 +558,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_WARPS * 32)
   for (int u = warp; u < slices; u += FUSED_WARPS) {  // warp-uniform
     const int g = u / (DV / GD_WCOLS), c0 = (u % (DV / GD_WCOLS)) * GD_WCOLS;
     const int j = kh * G + g, col = c0 + 4 * quad;
-    float4 St[GD_R];
-#pragma unroll
-    for (int r = 0; r < GD_R; ++r) {
-      const int i = r * GD_RPP + rl;
-      St[r] = u == warp ? St0[r]
-              : i < DK  ? *reinterpret_cast<const float4*>(rec_in + (i64(j) * DK + i) * rin_stride + col)
-                        : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    if (u != warp) load_slice(u);
     float v[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) v[e] = sv_[g * DV + col + e];

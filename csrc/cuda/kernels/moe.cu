@@ -454,6 +454,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeAr
 // ---------------------------------------------------------------------------------------------
 // Decode 2: grouped down + routing weights, summed per output row in (id, slot) order.
 
+constexpr int AF4 = (INTER / 4 + 7) / 8 * 8;  // float4 per fp32 act row in shared memory (padded for the swizzle)
+
 // The k (+ shared) act rows of a token into shared memory: the packed dp4a terms, or fp32 float4s swizzled per row.
 __device__ __forceinline__ void moe_down_stage_act(const float* act, float4* moe_smem) {
 #if DP4A
@@ -463,7 +465,6 @@ __device__ __forceinline__ void moe_down_stage_act(const float* act, float4* moe
   float* asm_ = asc + SLOTS * NVI;
   dp4a_quantize_rows<BITS>(act, INTER, CPV, SLOTS, NVI, true, aq, asc, asm_);
 #else
-  constexpr int AF4 = (INTER / 4 + 7) / 8 * 8;  // float4 per act row (padded for the swizzle)
   for (int i = threadIdx.x; i < SLOTS * AF4; i += 256) {
     const int s = i / AF4, f = i - s * AF4;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -492,9 +493,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs 
   constexpr int NGRP = 256 / LPR;                  // (row, slot) items in flight per pass
   constexpr int ITEMS = ROWS_D * SLOTS;
   constexpr int PASSES = (ITEMS + NGRP - 1) / NGRP;
-#if !DP4A
-  constexpr int AF4 = (INTER / 4 + 7) / 8 * 8;     // float4 per act row (padded for the swizzle)
-#endif
   extern __shared__ float4 moe_smem[];
   __shared__ float part[ITEMS];
   __shared__ int eid[SLOTS], ord[TOPK];
