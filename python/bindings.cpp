@@ -245,6 +245,11 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (o.moe_x_terms < 0 || o.moe_x_terms > 2)
       throw std::invalid_argument("backend option moe_x_terms must be 1, 2 or 0 (= prefill_x_terms), got " +
                                   std::to_string(o.moe_x_terms));
+    if (!opt("gemm_small_tiles").is_none()) o.gemm_small_tiles = nb::cast<bool>(opt("gemm_small_tiles"));
+    if (!opt("moe_pipe").is_none()) o.moe_pipe = nb::cast<int>(opt("moe_pipe"));
+    if (o.moe_pipe != 0 && (o.moe_pipe < 2 || o.moe_pipe > 4))
+      throw std::invalid_argument("backend option moe_pipe must be 0 (off) or 2, 3 or 4 stages, got " +
+                                  std::to_string(o.moe_pipe));
     if (!opt("cache_dir").is_none()) o.cache_dir = nb::cast<std::string>(opt("cache_dir"));
     if (!opt("dry_arch").is_none()) o.dry_arch = nb::cast<int>(opt("dry_arch"));
     if (o.dry_arch == 0 && !nb::cast<bool>(b["usable"]))

@@ -226,6 +226,79 @@ def test_moe_x_terms_option_reaches_only_the_expert_gemms(cache):
             core.OpBench("cuda", {"dry_arch": 90, "moe_x_terms": bad})
 
 
+@pytest.mark.parametrize("small", [None, False])
+def test_gemm_small_tiles_compile_and_report(cache, small):
+    """The real model's prefill GEMMs whose 64-row grid uses at most a quarter / half of the SMs (132 in a dry run:
+    the small-N ones at T <= 512, out_proj at T = 256) compile and run 16 / 32-row tiles (unless
+    gemm_small_tiles=False), the others 64-row tiles; the report says which and why."""
+    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache,
+                              **({} if small is None else {"gemm_small_tiles": small})})
+    for T, n, k, fmt, rows in ((64, 512, 2048, "q4", 16), (512, 32, 2048, "q4", 16), (512, 256, 2048, "q8", 16),
+                               (512, 512, 2048, "q4", 16), (256, 2048, 4096, "q4", 32), (64, 8192, 2048, "q4", 32),
+                               (512, 2048, 4096, "q4", 64), (512, 4096, 2048, "q4", 64),
+                               (64, 2048, 4096, "bf16", 16), (64, 300, 100, "bf16", 16)):
+        w = b.weight(_zeros_weight(n, k, fmt))
+        b.run("matmul", "prefill", x=b.empty(T, k, poison=False), w=w, out=b.empty(T, n, poison=False))
+        text = next(v for key, v in b.report()["variants"].items()
+                    if key.startswith("matmul.prefill") and f"[{n}, {k}]" in key)
+        blocks = -(-T // 64) * -(-n // 128)
+        if small is False:
+            assert "64-row tiles (gemm_small_tiles=False)" in text and "_m16" not in text and "_m32" not in text, text
+        elif rows == 16:
+            assert f"16-row tiles (the 64-row grid, {blocks} blocks, is at most a quarter of the SMs" in text, text
+            assert "_m16:" in text, text
+        elif rows == 32:
+            assert f"32-row tiles (the 64-row grid, {blocks} blocks, is at most half the SMs" in text, text
+            assert "_m32:" in text, text
+        else:
+            assert f"64-row tiles ({blocks} blocks, over half the SMs)" in text, text
+
+
+@pytest.mark.parametrize("pipe", [None, 0, 2, 4])
+def test_moe_pipe_option_compiles_and_reports(cache, pipe):
+    """moe_pipe: the MoE prefill GEMMs of the real shapes with 64-row tiles (T = 1024) stage their K blocks through
+    a cp.async ring of that many stages (default 3, fitted to the device's shared memory), or, 0, through registers
+    one block ahead; 16-row tiles (T = 64) keep the registers (the ring measured slower there); the report says which
+    and why; decode is untouched; bad values are refused naming the option."""
+    c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
+                                          source="FULL_CONFIG").to_core()
+    H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
+    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **({} if pipe is None else {"moe_pipe": pipe})})
+    for T, bm in ((64, 16), (1024, 64)):
+        x = b.empty(T, H, poison=False)
+        g, u, d = (b.weight(_zeros_weight(I, H, "q4", E)), b.weight(_zeros_weight(I, H, "q4", E)),
+                   b.weight(_zeros_weight(H, I, "q4", E)))
+        ws = b.workspace(c, T, 4096)
+        ids, wts = b.empty(T, K, "i32", poison=False), b.empty(T, K, poison=False)
+        b.run("moe_experts", "prefill", x=x, ids=ids, weights=wts, gate=g, up=u, down=d, ws=ws,
+              out=b.empty(T, H, poison=False))
+        text = b.report()["variants"]["moe.experts.prefill"]
+        assert f"{bm}-row tiles" in text, text
+        stages = 3 if pipe is None else pipe
+        if stages and bm == 16:
+            assert "register prefetch one K block ahead (16-row tiles: the ring measured slower)" in text, text
+        elif stages:
+            stage = bm * 64 * 4 + 128 * 32 + 2 * 128 * 4  # A rows f32, q4 codes, scale and bias words
+            assert f"cp.async ring of {stages} K blocks ({stages * stage} bytes of shared memory)" in text, text
+        else:
+            assert "register prefetch one K block ahead (moe_pipe = 0)" in text, text
+        b.run("moe_experts", "decode", x=b.empty(1, H, poison=False), ids=b.empty(1, K, "i32", poison=False),
+              weights=b.empty(1, K, poison=False), gate=g, up=u, down=d, ws=ws, out=b.empty(1, H, poison=False))
+        assert "ring" not in b.report()["variants"]["moe.experts.decode"]
+    # Dense bf16 experts keep the register path (the ring is for affine codes), and say so.
+    g, u, d = (b.weight(_zeros_weight(I, H, "bf16", E)), b.weight(_zeros_weight(I, H, "bf16", E)),
+               b.weight(_zeros_weight(H, I, "bf16", E)))
+    T = 64
+    ws = b.workspace(c, T, 4096)
+    b.run("moe_experts", "prefill", x=b.empty(T, H, poison=False), ids=b.empty(T, K, "i32", poison=False),
+          weights=b.empty(T, K, poison=False), gate=g, up=u, down=d, ws=ws, out=b.empty(T, H, poison=False))
+    text = b.report()["variants"]["moe.experts.prefill"]
+    assert ("dense weights: no cp.async ring" in text) == (pipe != 0), text
+    for bad in (1, 5, -1):
+        with pytest.raises(ValueError, match="moe_pipe"):
+            core.OpBench("cuda", {"dry_arch": 90, "moe_pipe": bad})
+
+
 @pytest.mark.parametrize("mode", [None, "decode", "all", True, "off", False])
 def test_pdl_modes_compile_and_report(checkpoints, cache, mode):
     """pdl = "decode" (the default; or "all" / True) builds the decode step's programmatic forms (the MoE down pass routing and

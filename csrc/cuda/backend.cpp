@@ -482,18 +482,19 @@ const Kernel& CudaOps::kernel(const std::string& family, const char* name, const
   return *k->second;
 }
 
-void CudaOps::set_dynamic_smem(const Kernel& k, int bytes) {
-  if (bytes > info_.max_smem_optin)
-    throw std::invalid_argument("kernel '" + k.name + "' asks for " + std::to_string(bytes) +
+void CudaOps::set_dynamic_smem(const Kernel& k, int bytes, int static_bytes) {
+  if (bytes + static_bytes > info_.max_smem_optin)
+    throw std::invalid_argument("kernel '" + k.name + "' asks for " + std::to_string(bytes + static_bytes) +
                                 " bytes of shared memory; " + info_.name + " allows " +
                                 std::to_string(info_.max_smem_optin));
-  if (bytes <= k.max_dynamic_smem) return;
+  // Past 48 KB in all (static arrays included) a launch needs the opt-in attribute for its dynamic part.
+  if (bytes + static_bytes <= k.max_dynamic_smem) return;
   if (!opt_.dry_arch)
     guarded([&] {
       check(drv().cuFuncSetAttribute(k.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes),
             "cuFuncSetAttribute (dynamic shared memory)");
     });
-  const_cast<Kernel&>(k).max_dynamic_smem = bytes;
+  const_cast<Kernel&>(k).max_dynamic_smem = bytes + static_bytes;
 }
 
 void CudaOps::note_variant(const std::string& key, const std::string& variant) { variants_[key] = variant; }

@@ -42,7 +42,7 @@ struct Dim3 {
 struct Kernel {
   CUfunction fn = nullptr;
   std::string family, name;
-  int max_dynamic_smem = 48 * 1024;  // raised with set_dynamic_smem
+  int max_dynamic_smem = 48 * 1024;  // static + dynamic bytes a launch may use; raised with set_dynamic_smem
 };
 
 struct CudaOptions {
@@ -81,6 +81,12 @@ struct CudaOptions {
   // reaches the logits differently, so each can be A/B'd alone.
   int moe_x_terms = 0;
   int moe_prefill_x_terms() const { return moe_x_terms ? moe_x_terms : prefill_x_terms; }
+  // MoE prefill GEMMs of affine experts: K blocks staged by cp.async in a ring of this many stages (2..4; fewer if
+  // the device's shared memory is smaller), 0 = the register prefetch one block ahead. benchmarks/NOTES.md.
+  int moe_pipe = 3;
+  // Prefill GEMMs whose 64-row grid has at most a quarter (half) as many blocks as there are SMs (small T and small
+  // N) run 16-row (32-row) tiles: 4x (2x) the blocks, the same bits. False: always 64 rows (A/B). benchmarks/NOTES.md.
+  bool gemm_small_tiles = true;
   // Programmatic dependent launch (sm_90+): which launches get it. Decode (the default): the decode steps' (their
   // grids fit in one wave, so the next kernel's blocks take SM room its predecessor no longer needs; the decode
   // GEMVs, the MoE down pass, the conv and the recurrence load weights and carried state before they wait):
@@ -132,8 +138,9 @@ class CudaOps final : public Ops {
   // Kernel `name` (an extern "C" __global__ function) of kernels/<family>.cu compiled with `defines`.
   // Compiled once per (family, defines) for this device (or taken from the disk cache).
   const Kernel& kernel(const std::string& family, const char* name, const Defines& defines = {});
-  // Allows k more than 48 KB of dynamic shared memory (up to the device's opt-in limit).
-  void set_dynamic_smem(const Kernel& k, int bytes);
+  // Allows k `bytes` of dynamic shared memory next to its `static_bytes` of static arrays when the two pass 48 KB
+  // (up to the device's opt-in limit).
+  void set_dynamic_smem(const Kernel& k, int bytes, int static_bytes = 0);
   // Records one launch in the current step. Arguments are packed with their natural alignment, the layout
   // the kernel's parameter list has: pass scalars (int, int64_t, float, unsigned, CUdeviceptr) or small
   // trivially copyable structs, exactly the kernel's parameter types, in order.

@@ -20,8 +20,15 @@
 //   bf16 is staged as is; dense f32/f16 and other affine groups as bf16 hi + lo of the fp32 value. x is
 //   hi + lo (kXSplit = 2, error ~1e-5) unless the backend option prefill_x_terms = 1 asks for plain bf16 x
 //   (error ~1.5e-3, half the MMAs) in prefill GEMMs; decode GEMVs keep hi + lo.
-// Module defines come from the weight alone (K, BITS, DT, GROUP, AL, SAL, XS): one module serves both
-// phases for one (K, format, alignment); the real Qwen3.6 checkpoint needs about six.
+// - GEMM tiles: 64 rows, or 16 when even 4x the 64-row grid's blocks fit on the SMs at one each (small T and small
+//   N: the router, the shared expert, b/a, k/v at T <= 512), 32 when 2x does (out_proj at T = 256): those few blocks
+//   each walked the whole K alone; smaller tiles make more blocks with fewer MMAs per K block each (each still
+//   converts a whole W tile, so grids closer to the SM count measured slower with 16 rows). Each output's sums (Σx
+//   per 16-input run, the MMAs per k16 step, the group folds) are the same at any height, so the bits are too and
+//   choosing by T keeps a prefill in chunks equal to one prefill (backend option gemm_small_tiles).
+// Module defines come from the weight alone (K, BITS, DT, GROUP, AL, SAL, XS; GBM 16 for the small-grid GEMM's
+// module): one module serves both phases for one (K, format, alignment); the real Qwen3.6 checkpoint needs about
+// six, and a 16-row GEMM module per format.
 #include <algorithm>
 #include <climits>
 #include <stdexcept>
@@ -50,8 +57,10 @@ namespace {
 constexpr int kThreads = 256;          // NT in matmul.cu
 constexpr int kGemvRows = 4;           // GEMV_U
 constexpr int kGemvBlocksPerSm = 2;    // GEMV_MINB (__launch_bounds__ guarantees the registers)
-constexpr int kGemmSmem = 60416;       // GEMM_SMEM
-constexpr int kGemmBM = 64, kGemmBN = 128;  // BM, BN
+constexpr int kGemmBM = 64, kGemmBN = 128;  // BM (the big tiles; 16 for small grids), BN
+// GEMM_SMEM of matmul_gemm at tile rows bm: x hi + lo [bm][72] bf16, W hi + lo [128][72] bf16, Σx [bm][4] f32,
+// scales and biases [128][4] f32 (60,416 bytes at 64, 50,688 at 32, 45,824 at 16).
+int gemm_smem(int bm) { return 2 * bm * 144 + 2 * kGemmBN * 144 + bm * 16 + 2 * kGemmBN * 16; }
 constexpr int kGemmBK = 64;            // BK
 constexpr int kXSplit = 2;             // XS
 constexpr int64_t kMaxDecodeRows = 16;
@@ -280,12 +289,12 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
   if (T > INT_MAX) throw std::invalid_argument("cuda matmul: too many rows");
 
   const std::string key = std::string("matmul.") + (v.gemm ? "prefill." : "decode.") + describe(w);
-  note_variant(key, v.name + ": " + v.reason);
   const CUdeviceptr S = w.quantized() ? scales(w) : 0, B = w.quantized() ? biases(w) : 0;
   const int Ti = int(T), Ni = int(N);
   const int64_t ldx = x.stride, ldy = out.stride;
 
   if (!v.gemm) {
+    note_variant(key, v.name + ": " + v.reason);
     if (T > kMaxDecodeRows)
       throw std::invalid_argument("cuda matmul: decode GEMV takes at most " + std::to_string(kMaxDecodeRows) +
                                   " rows, got " + std::to_string(T) + " (weight " + describe(w) + ")");
@@ -302,12 +311,31 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
     launch_gemv(x, &w, &out, 1, v.defines);
     return;
   }
-  const Kernel& k = kernel("matmul", "matmul_gemm", v.defines);
-  if (k.max_dynamic_smem < kGemmSmem) set_dynamic_smem(k, kGemmSmem);
   const int64_t gy = ceil_div(N, kGemmBN);
   if (gy > 65535) throw std::invalid_argument("cuda matmul: weight " + describe(w) + " has too many rows for the GEMM grid");
-  launch(k, Dim3{unsigned(ceil_div(T, kGemmBM)), unsigned(gy), 1}, Dim3{unsigned(kThreads), 1, 1}, kGemmSmem,
-         ptr(x), Ti, ldx, data(w), S, B, ptr(out), ldy, Ni);
+  // 16 / 32-row tiles when 4x / 2x the 64-row grid still fits the SMs one block each (see the header): the same bits.
+  const int64_t big_blocks = ceil_div(T, kGemmBM) * gy, sms = std::max(1, info().sms);
+  const int bm = !options().gemm_small_tiles ? kGemmBM
+                 : 4 * big_blocks <= sms ? 16
+                 : 2 * big_blocks <= sms ? 32
+                                         : kGemmBM;
+  Defines d = v.defines;
+  if (bm != kGemmBM) d.push_back({"GBM", bm});
+  const int smem = gemm_smem(bm);
+  const std::string grid = std::to_string(big_blocks) + " blocks";
+  note_variant(key, v.name + (bm != kGemmBM ? "_m" + std::to_string(bm) : "") + ": " + v.reason + "; " +
+                        (bm == 16   ? "16-row tiles (the 64-row grid, " + grid +
+                                        ", is at most a quarter of the SMs: 4x the blocks, a quarter of the MMAs each)"
+                         : bm == 32 ? "32-row tiles (the 64-row grid, " + grid +
+                                        ", is at most half the SMs: 2x the blocks, half the MMAs each)"
+                                    : "64-row tiles (" + std::string(options().gemm_small_tiles
+                                                                         ? grid + ", over half the SMs"
+                                                                         : "gemm_small_tiles=False") +
+                                          ")"));
+  const Kernel& k = kernel("matmul", "matmul_gemm", d);
+  if (k.max_dynamic_smem < smem) set_dynamic_smem(k, smem);
+  launch(k, Dim3{unsigned(ceil_div(T, bm)), unsigned(gy), 1}, Dim3{unsigned(kThreads), 1, 1}, uint32_t(smem), ptr(x),
+         Ti, ldx, data(w), S, B, ptr(out), ldy, Ni);
 }
 
 // The CUDA-core GEMV over n parts (one weight format, the same x): each part's rows start on a block batch.

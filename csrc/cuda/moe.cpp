@@ -98,6 +98,7 @@ struct ExpertsVariant {
   Defines defines;
   std::string text;  // for note_variant
   int rows_g = 1, bm = 16;
+  int pipe = 0, pipe_smem = 0;  // prefill's cp.async ring: stages and dynamic shared memory bytes
 };
 
 }  // namespace
@@ -135,8 +136,26 @@ void CudaOps::moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, 
 namespace {
 
 // The kernels' constants for this weight format, shape and phase (and whether 16-byte loads are legal).
+// Prefill's cp.async ring (kernels/moe.cu PIPE): one stage's bytes for this format and tile height (the same for
+// the gate/up and the down pass: both stage 128 weight rows of a 64-input K block).
+int64_t pipe_stage_bytes(const WeightFormat& w, int bm) {
+  const int64_t gp = (w.group % 64 == 0 || 64 % w.group == 0) ? std::min<int64_t>(w.group, 64) : 16;
+  return int64_t(bm) * 64 * 4 + 128 * 64 * w.bits / 8 + 2 * 128 * (64 / gp) * 4;
+}
+
+// The static shared memory of kernels/moe.cu moe_mma_block (its arrays: A hi, A lo when x_terms = 2, 128 weight
+// rows of pitch 72 halves, Σx and the scale/bias parts, the row map): with the ring it must fit the device.
+int64_t mma_static_smem(const WeightFormat& w, int bm, int x_terms) {
+  const int64_t np = 64 / ((w.group % 64 == 0 || 64 % w.group == 0) ? std::min<int64_t>(w.group, 64) : 16);
+  return int64_t(bm) * 72 * 2 * (x_terms == 2 ? 2 : 1) + (x_terms == 2 ? 0 : 16) + 128 * 72 * 2 + bm * np * 4 +
+         2 * 128 * np * 4 + bm * 4;
+}
+
+// pipe: the backend option's stage count (0: the register path), lowered to what fits smem_cap next to the
+// static arrays; `scales4`: whether every scale and bias base and per-expert stride is 4-byte aligned (the ring
+// copies them as aligned 4-byte words).
 ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned, int x_terms,
-                              bool dp4a_option) {
+                              bool dp4a_option, int pipe = 0, bool scales4 = false, int64_t smem_cap = 0) {
   const int64_t E = gate.experts, H = gate.cols, I = gate.rows;
   const int cpv = codes_per_vector(gate);
   ExpertsVariant v;
@@ -148,6 +167,30 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
   const int lpr = next_pow2(I / cpv);
   // Expected rows per expert T·k/E: ≥ 32 fills 64-row tiles; below, 16-row tiles waste less.
   v.bm = phase == Phase::Prefill && T * k >= 32 * E ? 64 : 16;
+  std::string pipe_text;
+  if (phase == Phase::Prefill) {
+    if (pipe == 0) pipe_text = "register prefetch one K block ahead (moe_pipe = 0)";
+    else if (!gate.quantized()) pipe_text = "register prefetch one K block ahead (dense weights: no cp.async ring)";
+    else if (!aligned || !scales4) pipe_text = "register prefetch one K block ahead (unaligned weights or scales)";
+    else if (v.bm != 64) pipe_text = "register prefetch one K block ahead (16-row tiles: the ring measured slower)";
+    else {
+      const int64_t stage = pipe_stage_bytes(gate, v.bm), fixed = mma_static_smem(gate, v.bm, x_terms);
+      int stages = pipe;
+      while (stages >= 2 && stages * stage + fixed > smem_cap) --stages;
+      if (stages < 2) {
+        pipe_text = "register prefetch one K block ahead (a 2-stage cp.async ring exceeds the device's " +
+                    std::to_string(smem_cap) + " bytes of shared memory per block)";
+      } else {
+        v.pipe = stages;
+        v.pipe_smem = int(stages * stage);
+        pipe_text = "cp.async ring of " + std::to_string(stages) + " K blocks (" + std::to_string(v.pipe_smem) +
+                    " bytes of shared memory" + (stages < pipe ? ", fewer than moe_pipe = " + std::to_string(pipe) +
+                                                                   " to fit the device"
+                                                             : std::string()) +
+                    ")";
+      }
+    }
+  }
   v.defines = {{"MOE_PART", 2},
                {"WKIND", gate.quantized() ? 1 : 0},
                {"WDT", int64_t(gate.dtype)},
@@ -164,7 +207,8 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
                {"LPR", lpr},
                {"BM", v.bm},
                {"XS", phase == Phase::Prefill ? x_terms : 2},
-               {"DP4A", dp4a ? 1 : 0}};
+               {"DP4A", dp4a ? 1 : 0},
+               {"PIPE", v.pipe}};
   const std::string fmt = gate.describe() + (aligned ? ", 16-byte loads" : ", byte loads (unaligned weights)");
   if (phase == Phase::Decode)
     v.text = "moe_gate_up_decode (" + std::to_string(v.rows_g) + " gate+up rows per warp) + moe_down_decode (" +
@@ -178,7 +222,8 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
              std::string(gate.quantized() ? "exact codes with fp32 per-group scale/bias"
                          : gate.dtype == DType::BF16 ? "exact bf16 weights"
                                                      : "weights as hi + lo bf16") +
-             ", " + std::to_string(v.bm) + "-row tiles, 2 blocks per SM" + (v.bm == 64 ? ", T·k/E ≥ 32" : ", T·k/E < 32") +
+             ", " + std::to_string(v.bm) + "-row tiles" + (v.bm == 64 ? " (T·k/E ≥ 32)" : " (T·k/E < 32)") + ", " +
+             pipe_text +
              ") + moe_expert_sum, " + fmt;
   return v;
 }
@@ -266,7 +311,11 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   MoeArgs a = experts_args(x, ids, weights, gate, up, down, ws, out, what, aligned);
   if (T == 0) return;
   const Phase ph = phase();
-  const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x_terms(), options().gemv_dp4a);
+  bool scales4 = gate.quantized();
+  for (int m = 0; m < 3 && scales4; ++m)
+    scales4 = a.scales[m] % 4 == 0 && a.biases[m] % 4 == 0 && a.scale_stride[m] % 4 == 0 && a.bias_stride[m] % 4 == 0;
+  const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x_terms(), options().gemv_dp4a,
+                                          options().moe_pipe, scales4, info().max_smem_optin);
   if (ph == Phase::Decode) {
     note_variant("moe.experts.decode", v.text);
     const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
@@ -288,11 +337,16 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   const Kernel& k1 = kernel("moe", "moe_gate_up_mma", v.defines);
   const Kernel& k2 = kernel("moe", "moe_down_mma", v.defines);
   const Kernel& k3 = kernel("moe", "moe_expert_sum", v.defines);
+  if (v.pipe_smem > 0) {  // the ring is dynamic shared memory next to the tiles (select_experts fitted both)
+    const int fixed = int(mma_static_smem(gate, v.bm, options().moe_prefill_x_terms()));
+    set_dynamic_smem(k1, v.pipe_smem, fixed);
+    set_dynamic_smem(k2, v.pipe_smem, fixed);
+  }
   launch(kg, Dim3{1, 1, 1}, Dim3{1024, 1, 1}, 0, a);
-  launch(k1, Dim3{unsigned(a.max_tiles), unsigned((I + kMmaBlockN - 1) / kMmaBlockN), 1}, Dim3{kMmaThreads, 1, 1}, 0,
-         a);
+  launch(k1, Dim3{unsigned(a.max_tiles), unsigned((I + kMmaBlockN - 1) / kMmaBlockN), 1}, Dim3{kMmaThreads, 1, 1},
+         uint32_t(v.pipe_smem), a);
   launch(k2, Dim3{unsigned(a.max_tiles), unsigned((H + kMmaBlockNDown - 1) / kMmaBlockNDown), 1},
-         Dim3{kMmaThreads, 1, 1}, 0, a);
+         Dim3{kMmaThreads, 1, 1}, uint32_t(v.pipe_smem), a);
   launch(k3, Dim3{unsigned(T), 1, 1}, Dim3{256, 1, 1}, 0, a);
 }
 

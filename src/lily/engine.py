@@ -298,7 +298,10 @@ class Engine:
         GEMMs: activations as 2 bf16 terms, hi + lo, ~1e-5 relative error per product, or 1, ~1.5e-3 and half the
         MMAs: +14% prefill at 4K on the H200, but the random test models' logits then leave the bf16 tolerance;
         default 2), ``moe_x_terms`` (the same for the MoE expert GEMMs alone: 1, 2, or 0 = follow
-        ``prefill_x_terms``; default 0),
+        ``prefill_x_terms``; default 0), ``moe_pipe`` (MoE prefill GEMMs of affine experts with 64-row tiles: K
+        blocks staged by cp.async in a ring of 2-4 stages, or 0 = registers one block ahead; default 3),
+        ``gemm_small_tiles`` (prefill GEMMs whose grid would use at most a quarter (half) of the SMs run 16-row
+        (32-row) tiles, the same bits; default True),
         ``cache_dir`` (compiled kernels;
         default ``$LILY_CACHE_DIR/cuda`` or ``~/.cache/lily/cuda``), ``dry_arch`` (compile for sm_N and run
         nothing: a compile check without a GPU)."""

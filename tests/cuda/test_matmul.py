@@ -216,6 +216,67 @@ def test_rows_do_not_depend_on_t(benches):
         assert np.array_equal(alone.view(np.uint32), d7[r:r + 1].view(np.uint32)), f"decode row {r} alone vs T=7"
 
 
+def gemm_tile_rows(t: int, n: int, sms: int = 132) -> int:
+    """matmul.cpp's tile height for a prefill GEMM of t rows and n outputs (the H200's 132 SMs)."""
+    blocks = -(-t // 64) * -(-n // 128)
+    return 16 if 4 * blocks <= sms else 32 if 2 * blocks <= sms else 64
+
+
+SMALL_TILE_CASES = [
+    # (spec, n, k): the real in_proj_z (16-row tiles up to T = 64, 64-row tiles at 130), out_proj (32-row tiles at
+    # T = 130), 8-bit codes with f16 scales and 7 groups per row, group 32 with f32 scales,
+    # group 128, dense bf16 with a K tail (1000 = 15 blocks of 64 + 40), dense f16 (weights as hi + lo), dense f32
+    # with 4-byte loads.
+    ("q4g64-bf16", 4096, 2048),
+    ("q4g64-bf16", 2048, 4096),
+    ("q8g64-f16", 257, 448),
+    ("q4g32-f32", 300, 256),
+    ("q4g128-bf16", 130, 384),
+    ("bf16", 300, 1000),
+    ("f16", 200, 192),
+    ("f32", 100, 100),
+]
+
+
+@pytest.mark.parametrize("spec,n,k", SMALL_TILE_CASES)
+def test_gemm_small_tiles_same_bits(benches, spec, n, k):
+    """16- and 32-row GEMM tiles (grids of at most a quarter / half as many 64-row blocks as SMs) give the 64-row
+    tiles' bits (gemm_small_tiles=False), so a prefill in small chunks equals one big prefill; the report names the
+    tile."""
+    rng = np.random.default_rng(zlib.crc32(f"tiles {spec} {n} {k}".encode()))
+    desc, _ = make_weight(rng, spec, n, k)
+    x = make_x(rng, 130, k)
+    small, big = core.OpBench("cuda", {"prefill_x_terms": 2}), core.OpBench("cuda", {"prefill_x_terms": 2,
+                                                                                     "gemm_small_tiles": False})
+    for t in (1, 7, 64, 130):
+        ref = _check((benches[0], big), desc, x[:t], "prefill", f"{spec} T={t} 64-row tiles")
+        got = _run(small, desc, x[:t], "prefill")
+        np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32), err_msg=f"{spec} T={t}")
+        note = next(v for key, v in _variants(small.report()).items() if key.startswith("matmul.prefill"))
+        assert f"{gemm_tile_rows(t, n)}-row tiles" in note, (t, n, note)
+    note = next(v for key, v in _variants(big.report()).items() if key.startswith("matmul.prefill"))
+    assert "64-row tiles (gemm_small_tiles=False)" in note, note
+
+
+def test_gemm_chunks_across_the_tile_switch(benches):
+    """With the default switch, a 600-row prefill of a [1024, 2048] weight (64-row tiles: 80 blocks) equals
+    prefills of 7 and 64 rows (16-row tiles: 8 blocks) and of 300 rows (32-row tiles: 40 blocks) bit for bit."""
+    _, gpu = benches
+    rng = np.random.default_rng(29)
+    desc, _ = make_weight(rng, "q4g64-bf16", 1024, 2048)
+    x = make_x(rng, 600, 2048)
+    def note():
+        return next(v for key, v in _variants(gpu.report()).items()
+                    if key.startswith("matmul.prefill") and "[1024, 2048]" in key)
+
+    full = _run(gpu, desc, x, "prefill")
+    assert "64-row tiles (80 blocks" in note(), note()
+    for a, b, rows in ((0, 7, 16), (7, 71, 16), (300, 600, 32)):
+        part = _run(gpu, desc, x[a:b], "prefill")
+        np.testing.assert_array_equal(part.view(np.uint32), full[a:b].view(np.uint32), err_msg=f"rows {a}:{b}")
+        assert f"{rows}-row tiles" in note(), (a, b, note())
+
+
 def test_decode_refuses_more_than_16_rows(benches):
     _, gpu = benches
     rng = np.random.default_rng(2)
@@ -242,7 +303,9 @@ def test_variants_pinned_for_real_shapes(benches):
         pre = [v for key, v in variants.items() if key.startswith("matmul.prefill.") and f"[{n}, {k}]" in key]
         # x as int8 terms and dp4a (gemv_dp4a, on by default) for every aligned real weight
         assert dec and dec[0].startswith(f"gemv_{kind}_dp4a_g64_bf16s:"), f"decode [{n}, {k}]: {text}"
-        assert pre and pre[0].startswith(f"gemm_{kind}_mma_codes_g64_bf16s_x2:"), f"prefill [{n}, {k}]: {text}"
+        # T = 1: smaller tiles where 4x / 2x the grid still fits the H200's 132 SMs
+        tile = {16: "_m16", 32: "_m32", 64: ""}[gemm_tile_rows(1, n)]
+        assert pre and pre[0].startswith(f"gemm_{kind}_mma_codes_g64_bf16s_x2{tile}:"), f"prefill [{n}, {k}]: {text}"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -235,6 +235,54 @@ def test_experts_prefill_tiles_and_T(benches):
     np.testing.assert_array_equal(part.view(np.uint32), full[:7].view(np.uint32))
 
 
+RING_CASES = [
+    # (spec, E, k, H, I): the real shape; 8-bit codes with f16 scales and 7 groups per gate/up row (odd: the
+    # scale words' halves alternate between rows); group 32 with f32 scales (two group parts per K block);
+    # group 128 (a group spans two K blocks); inter 320 (5 K blocks of the down pass; a 2-stage ring wraps).
+    ("q4g64-bf16", 256, 8, 2048, 512),
+    ("q8g64-f16", 7, 3, 448, 192),
+    ("q4g32-f32", 12, 3, 256, 160),
+    ("q4g128-bf16", 6, 2, 256, 384),
+    ("q4g64-bf16", 5, 3, 192, 320),
+]
+
+
+@pytest.mark.parametrize("spec,E,k,H,I", RING_CASES)
+def test_experts_prefill_ring_same_bits(spec, E, k, H, I):
+    """The cp.async ring (moe_pipe 2, 3, 4 stages; 64-row tiles, T·k/E ≥ 32) converts and multiplies what the
+    register path (moe_pipe = 0) does: the same bits, equal to the 16-row tiles' (T = 7: the first rows), within the
+    prefill tolerance of the CPU, and the report names the ring."""
+    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {"moe_pipe": p}) for p in (0, 2, 3, 4)]
+    rng = np.random.default_rng(zlib.crc32(f"ring {spec} {E} {H} {I}".encode()))
+    descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
+    handles = [tuple(b.weight(d) for d in descs) for b in benches]
+    big = max(80, -(-32 * E // k))
+    x, ids, w = token_inputs(41 + big, E, k, H, big)
+    cpu, ref = run_experts(benches[:2], handles[:2], "prefill", x, ids, w, E, k, H, I)
+    assert rel_err(ref, cpu) < PREFILL_TOL, spec
+    assert "64-row tiles" in str_variants_experts(benches[1].report())
+    for p, b, h in zip((2, 3, 4), benches[2:], handles[2:]):
+        _, gpu = run_experts((b, b), (h, h), "prefill", x, ids, w, E, k, H, I)
+        np.testing.assert_array_equal(gpu.view(np.uint32), ref.view(np.uint32))
+        assert f"cp.async ring of {p} K blocks" in str_variants_experts(b.report())
+    assert "register prefetch one K block ahead (moe_pipe = 0)" in str_variants_experts(benches[1].report())
+    # 16-row tiles (their own BN) keep the registers whatever moe_pipe says: the first 7 rows, the same bits.
+    _, part = run_experts(benches[3:5], handles[3:5], "prefill", x[:7], ids[:7], w[:7], E, k, H, I)
+    np.testing.assert_array_equal(part.view(np.uint32), ref[:7].view(np.uint32))
+    assert "16-row tiles: the ring measured slower" in str_variants_experts(benches[4].report())
+
+
+def str_variants_experts(report) -> str:
+    if isinstance(report, dict):
+        if "moe.experts.prefill" in report:
+            return report["moe.experts.prefill"]
+        for v in report.values():
+            found = str_variants_experts(v)
+            if found:
+                return found
+    return ""
+
+
 @pytest.fixture(scope="module")
 def fp32_benches():
     return core.OpBench("cpu"), core.OpBench("cuda", {"gemv_dp4a": False})

@@ -393,19 +393,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_reduce(
 // ---------------------------------------------------------------------------------------------------
 // prefill
 // ---------------------------------------------------------------------------------------------------
-// ---- PTX wrappers (sm_80+): cp.async, ldmatrix, mma.sync ----
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;  // 0: zero fill, nothing read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+// ---- PTX wrappers (sm_80+): ldmatrix, mma.sync (cp.async: common.cuh) ----
 // Four 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
 __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

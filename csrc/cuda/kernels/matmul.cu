@@ -42,8 +42,11 @@
 // above: 286 MB for the lm_head; ~2.4 instructions per code instead of ~3.8.
 //
 // matmul_gemm (prefill, any T): mma.sync m16n8k16 bf16 → f32. Block 256 threads = 8 warps (2 along T × 4
-// along N), tile BM 64 (T) × BN 128 (N) × BK 64 (K), warp tile 32 × 32; grid (ceil(T/64), ceil(N/128)), T
-// fastest so the T-blocks sharing a W tile run together and W is read from DRAM about once. Per K block:
+// along N), tile BM 64 (T) × BN 128 (N) × BK 64 (K), warp tile 32 × 32; grid (ceil(T/BM), ceil(N/128)), T
+// fastest so the T-blocks sharing a W tile run together and W is read from DRAM about once. GBM 32 / 16 (grids
+// of a few blocks, matmul.cpp): BM 32 / 16, warps 1 × 8 of 32 × 16 / 16 × 16, 2x / 4x the blocks; the x rows are
+// staged by the first 4·BM threads exactly as at BM 64, and every output's sums run in the same order, so the
+// same bits. Per K block:
 // x (f32, masked) → bf16 hi (+ lo = bf16(x − hi)) in shared memory; W → shared memory as
 //   WM 0 (affine, GROUP % 16 == 0 and GROUP tiles BK or BK tiles GROUP): the integer codes as bf16 (exact);
 //        the MMA accumulates Σ x·q per group in a second accumulator set that is folded in at the group's
@@ -85,6 +88,9 @@
 #endif
 #ifndef NORM
 #define NORM 0
+#endif
+#ifndef GBM
+#define GBM 64  // GEMM only: tile rows, 64, or 32 / 16 for small grids (matmul.cpp)
 #endif
 
 #define NT 256
@@ -740,8 +746,16 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
 // GEMM (prefill) and the tensor-core GEMV: not in NORM modules (the fused norm is a CUDA-core GEMV form only).
 #if NORM == 0
 
-#define BM 64
+#define BM GBM
 #define BN 128
+static_assert(BM == 64 || BM == 32 || BM == 16, "GEMM tile rows: 64, or 32 / 16 for small grids");
+// Warps: 2 along T × 4 along N with warp tiles of 32 × 32 (BM 64), or 1 × 8 with 32 × 16 (BM 32) / 16 × 16 (BM 16).
+#define G_WARPS_M (BM == 64 ? 2 : 1)
+#define G_WARPS_N (8 / G_WARPS_M)
+#define G_WTM (BM / G_WARPS_M)
+#define G_WTN (BN / G_WARPS_N)
+#define G_MI (G_WTM / 16)
+#define G_NI (G_WTN / 8)
 #define BK 64
 #define LDS (BK + 8)  // bf16 per shared row: 144 bytes, so the 8 rows of an ldmatrix hit distinct banks
 
@@ -754,7 +768,7 @@ constexpr int CPR = BK * EB / 8 / 16;            // 16-byte chunks of a row per 
 constexpr int KB = (K + BK - 1) / BK;
 
 // Shared layout (bytes): x hi, x lo [BM][LDS] bf16; W hi, W lo [BN][LDS] bf16; Σx [BM][4] f32;
-// scales, biases [BN][4] f32. 60,416 bytes in all (matmul.cpp kGemmSmem must match).
+// scales, biases [BN][4] f32. 60,416 bytes in all at BM 64, 50,688 at 32, 45,824 at 16 (matmul.cpp gemm_smem).
 #define SM_XH 0
 #define SM_XL (SM_XH + BM * LDS * 2)
 #define SM_WH (SM_XL + BM * LDS * 2)
@@ -763,7 +777,7 @@ constexpr int KB = (K + BK - 1) / BK;
 #define SM_SS (SM_SX + BM * 4 * 4)
 #define SM_BS (SM_SS + BN * 4 * 4)
 #define GEMM_SMEM (SM_BS + BN * 4 * 4)
-static_assert(GEMM_SMEM == 60416, "matmul.cpp kGemmSmem");
+static_assert(GEMM_SMEM == (BM == 64 ? 60416 : BM == 32 ? 50688 : 45824), "matmul.cpp gemm_smem");
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
   u32 a;
@@ -798,7 +812,7 @@ constexpr int GEMM_WCH = (BN * CPR + NT - 1) / NT;  // W chunks per thread per K
 constexpr bool GEMM_WPRE = GEMM_WCH <= GEMM_WPF;
 constexpr int GEMM_SCH = WM == 0 ? (BN * NP + NT - 1) / NT : 1;  // group scales per thread per K block
 
-extern "C" __global__ void __launch_bounds__(NT, 2)
+extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
     matmul_gemm(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
                 const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
   LILY_PDL_PROLOGUE();
@@ -812,19 +826,22 @@ extern "C" __global__ void __launch_bounds__(NT, 2)
   float* bs = reinterpret_cast<float*>(smem + SM_BS);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp >> 2, wn = warp & 3;
+  const int wm = warp / G_WARPS_N, wn = warp % G_WARPS_N;
   const i64 t0 = i64(blockIdx.x) * BM, n0 = i64(blockIdx.y) * BN;
-  // x tile: thread → row xr, columns xq·16 .. +16. Whole-float4 loads when x's base and row stride allow.
+  // x tile: thread → row xr, columns xq·16 .. +16 (threads past the tile's BM rows stage no x: each row's 16-input
+  // runs and their Σx are summed the same way at either tile height, so the bits do not depend on it).
+  // Whole-float4 loads when x's base and row stride allow.
   const int xr = tid >> 2, xq = tid & 3;
-  const bool xrow = t0 + xr < T;
+  const bool xmine = xr < BM;
+  const bool xrow = xmine && t0 + xr < T;
   const bool xvec = ((reinterpret_cast<unsigned long long>(x) & 15u) == 0) && (ldx % 4 == 0);
   const float* xrowp = x + (xrow ? (t0 + xr) * ldx : 0);
 
-  float acc[2][4][4], accg[2][4][4];
+  float acc[G_MI][G_NI][4], accg[G_MI][G_NI][4];
 #pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
+  for (int mi = 0; mi < G_MI; ++mi)
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni)
+    for (int ni = 0; ni < G_NI; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mi][ni][e] = accg[mi][ni][e] = 0.f;
 
@@ -876,7 +893,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2)
   // Converts the carried block into the shared tile (the previous block's MMAs are done: barrier before).
   auto store_block = [&](int kb) {
     const i64 kbase = i64(kb) * BK;
-    {
+    if (xmine) {  // warp-uniform (BM · 4 threads are whole warps)
       u32 ph[8], pl[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) split2_bf16(xv[2 * i], xv[2 * i + 1], ph[i], pl[i]);
@@ -983,16 +1000,16 @@ extern "C" __global__ void __launch_bounds__(NT, 2)
     for (int ks = 0; ks < BK / 16; ++ks) {
       const i64 kg = kbase + ks * 16;
       if (kg >= K) break;  // uniform: past the last group (zeros), nothing to add
-      u32 ah[2][4], al[2][4], bh[4][2], bl[4][2];
+      u32 ah[G_MI][4], al[G_MI][4], bh[G_NI][2], bl[G_NI][2];
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi) {
-        const int row = wm * 32 + mi * 16 + (lane & 15), col = ks * 16 + (lane >> 4) * 8;
+      for (int mi = 0; mi < G_MI; ++mi) {
+        const int row = wm * G_WTM + mi * 16 + (lane & 15), col = ks * 16 + (lane >> 4) * 8;
         ldsm_x4(smem_u32(xh + row * LDS + col), ah[mi]);
         if (XS == 2) ldsm_x4(smem_u32(xl + row * LDS + col), al[mi]);
       }
 #pragma unroll
-      for (int nj = 0; nj < 2; ++nj) {
-        const int row = wn * 32 + nj * 16 + (lane & 7) + (lane >> 4) * 8, col = ks * 16 + ((lane >> 3) & 1) * 8;
+      for (int nj = 0; nj < G_NI / 2; ++nj) {
+        const int row = wn * G_WTN + nj * 16 + (lane & 7) + (lane >> 4) * 8, col = ks * 16 + ((lane >> 3) & 1) * 8;
         u32 r[4];
         ldsm_x4(smem_u32(wh + row * LDS + col), r);
         bh[2 * nj][0] = r[0], bh[2 * nj][1] = r[1], bh[2 * nj + 1][0] = r[2], bh[2 * nj + 1][1] = r[3];
@@ -1002,9 +1019,9 @@ extern "C" __global__ void __launch_bounds__(NT, 2)
         }
       }
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
+      for (int mi = 0; mi < G_MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni) {
+        for (int ni = 0; ni < G_NI; ++ni) {
           float* c = WM == 0 ? accg[mi][ni] : acc[mi][ni];
           mma_bf16(c, ah[mi], bh[ni][0], bh[ni][1]);
           if (XS == 2) mma_bf16(c, al[mi], bh[ni][0], bh[ni][1]);
@@ -1016,13 +1033,13 @@ extern "C" __global__ void __launch_bounds__(NT, 2)
         const bool group_end = ((kg + 16) % (GROUP ? GROUP : 16)) == 0;
         if (group_end || part_end) {
 #pragma unroll
-          for (int mi = 0; mi < 2; ++mi)
+          for (int mi = 0; mi < G_MI; ++mi)
 #pragma unroll
-            for (int ni = 0; ni < 4; ++ni)
+            for (int ni = 0; ni < G_NI; ++ni)
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
-                const int nl = wn * 32 + ni * 8 + 2 * (lane & 3) + (e & 1);
-                const int tl = wm * 32 + mi * 16 + (lane >> 2) + (e >> 1) * 8;
+                const int nl = wn * G_WTN + ni * 8 + 2 * (lane & 3) + (e & 1);
+                const int tl = wm * G_WTM + mi * 16 + (lane >> 2) + (e >> 1) * 8;
                 if (group_end) {
                   acc[mi][ni][e] = fmaf(ss[nl * 4 + p], accg[mi][ni][e], acc[mi][ni][e]);
                   accg[mi][ni][e] = 0.f;
@@ -1037,13 +1054,13 @@ extern "C" __global__ void __launch_bounds__(NT, 2)
 
   // ---- epilogue
 #pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
+  for (int mi = 0; mi < G_MI; ++mi)
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni)
+    for (int ni = 0; ni < G_NI; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const i64 n = n0 + wn * 32 + ni * 8 + 2 * (lane & 3) + (e & 1);
-        const i64 t = t0 + wm * 32 + mi * 16 + (lane >> 2) + (e >> 1) * 8;
+        const i64 n = n0 + wn * G_WTN + ni * 8 + 2 * (lane & 3) + (e & 1);
+        const i64 t = t0 + wm * G_WTM + mi * 16 + (lane >> 2) + (e >> 1) * 8;
         if (t < T && n < N) y[t * ldy + n] = acc[mi][ni][e];
       }
 }

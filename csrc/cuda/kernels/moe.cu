@@ -49,7 +49,8 @@
 //       weights). Per step the x rows are loaded (float4) and split into bf16 hi + lo, the weight vectors
 //       (16 B) converted in registers (affine: the integer codes, exact; dense bf16: as stored; dense
 //       f16/f32: hi + lo bf16), all stored to shared memory (row pitch BK + 8 halves: fragment loads
-//       conflict-free); the next step's global loads are issued before this step's MMAs. mma.sync m16n8k16
+//       conflict-free); the next step's global loads are issued before this step's MMAs (PIPE = S: the raw
+//       blocks come through a ring of S stages of cp.async copies instead, S - 1 blocks ahead). mma.sync m16n8k16
 //       bf16×bf16 -> f32: x_hi·W + x_lo·W (+ x_hi·W_lo for f16/f32). Affine: Σ x·q per group in its own
 //       fp32 fragments, folded in as acc += s·D at the group's end, plus acc += b·Σx (Σx from the f32 x).
 //       Epilogue: act = silu(g)·u to the workspace (sorted rows). Tiles past the map's count exit at once.
@@ -58,7 +59,8 @@
 //     moe_expert_sum: grid T, block 256: out[t] = Σ_s w[t,s]·y[pair_pos[t,s]] in (id, slot) order.
 //   -D WKIND (0 dense, 1 affine), WDT (dense dtype code), BITS, GROUP, SDT (scale dtype code), ALIGNED
 //   (1: every weight/activation address and stride allows 16-byte loads; 0: byte loads, a slow but
-//   correct path for unpadded checkpoints), DP4A (decode, above), NEXP, TOPK, HID, INTER, ROWS_G, ROWS_D, LPR, BM (16 or 64,
+//   correct path for unpadded checkpoints), DP4A (decode, above), PIPE (prefill ring stages, 0 = off), NEXP, TOPK, HID,
+//   INTER, ROWS_G, ROWS_D, LPR, BM (16 or 64,
 //   picked on the host from the expected rows per expert T·k/E; the sums do not depend on it: each output
 //   element accumulates its K steps in the same order whatever BM is).
 //   Floors (Qwen3.6 q4g64): decode streams the k = 8 hit experts' 3·512·2048 weights at 0.5625 B each,
@@ -731,6 +733,22 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const MoeArgs a) {
 #define MMA_WM 2
 #endif
 
+// PIPE = S > 0 (affine weights, ALIGNED; the host sets it for 64-row tiles): the raw K blocks (activation rows f32,
+// weight codes, the 4-byte words holding the group scales and biases) are copied global -> shared by cp.async into a
+// ring of S stages in dynamic shared memory, S - 1 blocks ahead of the one being converted, instead of one block
+// ahead through registers (whose staging spilled at the 128-register cap). Measured +1% prefill at 2K-8K on the
+// H200, and slower with 16-row tiles, which are bound by shared-memory traffic, not by load latency (ncu:
+// benchmarks/NOTES.md). The conversion and the MMAs are the register path's, so the bits are the same.
+#ifndef PIPE
+#define PIPE 0
+#endif
+#if PIPE && !(MMA_WM == 0 && ALIGNED)
+#error "PIPE needs affine weights with 16-byte loads"
+#endif
+#if PIPE
+extern __shared__ __align__(16) unsigned char moe_ring[];
+#endif
+
 __device__ __forceinline__ void moe_mma_bf16(float* c, const u32* a, const u32* b) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -845,6 +863,86 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
     }
 #endif
   };
+#if PIPE
+  // Ring stage: A rows [BM][BK] f32, then the codes [BROWS][BK·BITS/8], then S_CH scale words and S_CH bias words.
+  constexpr int ST_A = BM * BK * 4, ST_B = BROWS * BK * BITS / 8, ST_S = S_CH * 4;
+  constexpr int STAGE = ST_A + ST_B + 2 * ST_S;
+  static_assert(BROWS == 128, "moe.cpp pipe_stage_bytes stages 128 weight rows");
+  static_assert(ST_A % 16 == 0 && ST_B % 16 == 0 && ST_S % 16 == 0, "16-byte stage parts");
+  const u32 ring = smem_addr(moe_ring);
+  // The scale / bias element gi of matrix m lies in the 4-byte word at its address rounded down (the host checks
+  // that the per-expert bases are 4-byte aligned, so a 2-byte element's half is gi's parity).
+  auto issue = [&](int kt) {
+    if (kt < KT) {
+      const u32 st = ring + u32((kt % PIPE) * STAGE);
+#pragma unroll
+      for (int i = 0; i < A_PER; ++i) {
+        const int c = tid + MMA_NT * i, row = c / (BK / 4), k = kt * BK + (c % (BK / 4)) * 4;
+        if (c < A_CH) {
+          const int src = rowsrc[row];
+          const bool ok = src >= 0 && k < KDIM;
+          cp_async16(st + u32(c * 16), ok ? asrc + i64(src) * astride + k : asrc, ok);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < B_PER; ++i) {
+        const int c = tid + MMA_NT * i, row = c / (BK / CPV), k = kt * BK + (c % (BK / CPV)) * CPV;
+        const int m = row / BN, n = n0 + row % BN;
+        if (c < B_CH) {
+          const bool ok = n < NDIM && k < KDIM;
+          const unsigned char* wb = NMAT > 1 && m > 0 ? wbase[NMAT - 1] : wbase[0];
+          cp_async16(st + u32(ST_A + c * 16), ok ? wb + i64(n) * ROW_BYTES(KDIM) + VEC_BYTES_AT(k) : wb, ok);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < S_PER; ++i) {
+        const int idx = tid + MMA_NT * i, row = idx / NP, p = idx % NP;
+        const int m = row / BN, n = n0 + row % BN, k0 = kt * BK + p * GP;
+        if (idx < S_CH) {
+          const bool ok = n < NDIM && k0 < KDIM, m1 = NMAT > 1 && m > 0;
+          const i64 gi = ok ? i64(n) * (KDIM / GROUP) + k0 / GROUP : 0;
+          const i64 off = (gi * ESIZE_SCALE) & ~i64(3);
+          cp_async4(st + u32(ST_A + ST_B + idx * 4), (m1 ? sbase[NMAT - 1] : sbase[0]) + off, ok);
+          cp_async4(st + u32(ST_A + ST_B + ST_S + idx * 4), (m1 ? bbase[NMAT - 1] : bbase[0]) + off, ok);
+        }
+      }
+    }
+    cp_async_commit();  // every thread, every call: the wait below counts groups
+  };
+  // Stage kt -> the registers the register path's load() fills (zeros where the copy zero-filled).
+  auto fetch = [&](int kt) {
+    const unsigned char* st = moe_ring + (kt % PIPE) * STAGE;
+#pragma unroll
+    for (int i = 0; i < A_PER; ++i) {
+      const int c = tid + MMA_NT * i;
+      ra[i] = c < A_CH ? *reinterpret_cast<const float4*>(st + c * 16) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int i = 0; i < B_PER; ++i) {
+      const int c = tid + MMA_NT * i;
+      rb[i] = c < B_CH ? *reinterpret_cast<const uint4*>(st + ST_A + c * 16) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < S_PER; ++i) {
+      const int idx = tid + MMA_NT * i, row = idx / NP, p = idx % NP;
+      const int n = n0 + row % BN, k0 = kt * BK + p * GP;
+      rs[i] = rz[i] = 0.f;
+      if (idx < S_CH) {
+        const u32 ws = *reinterpret_cast<const u32*>(st + ST_A + ST_B + idx * 4);
+        const u32 wz = *reinterpret_cast<const u32*>(st + ST_A + ST_B + ST_S + idx * 4);
+        if (SDT == LILY_F32) {
+          rs[i] = __uint_as_float(ws);
+          rz[i] = __uint_as_float(wz);
+        } else {
+          const int sh = ((i64(n) * (KDIM / GROUP) + k0 / GROUP) & 1) * 16;  // zero-filled words give 0 either way
+          const u16 hs = u16(ws >> sh), hz = u16(wz >> sh);
+          rs[i] = SDT == LILY_BF16 ? bf16_to_f32(hs) : f16_to_f32(hs);
+          rz[i] = SDT == LILY_BF16 ? bf16_to_f32(hz) : f16_to_f32(hz);
+        }
+      }
+    }
+  };
+#endif
   auto store = [&]() {
 #pragma unroll
     for (int i = 0; i < A_PER; ++i) {
@@ -943,12 +1041,28 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #if MMA_WM == 2
   const u32* Bl32 = reinterpret_cast<const u32*>(Bl);
 #endif
+#if PIPE
+  // Blocks 0 .. PIPE-2 in flight; at step kt, block kt + PIPE - 1 goes into the slot block kt - 1 left (every
+  // thread converted it before the barrier that also ends block kt - 1's MMAs).
+#pragma unroll
+  for (int s = 0; s + 1 < PIPE; ++s) issue(s);
+#else
   load(0);
+#endif
 #pragma unroll 1
   for (int kt = 0; kt < KT; ++kt) {
+#if PIPE
+    cp_async_wait<PIPE - 2>();  // this thread's copies of block kt have landed
+    __syncthreads();            // everyone's have; block kt - 1's MMAs are done with the tiles
+    fetch(kt);
+    store();
+    issue(kt + PIPE - 1);
+    __syncthreads();
+#else
     store();
     __syncthreads();
     if (kt + 1 < KT) load(kt + 1);  // in flight during this step's MMAs
+#endif
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
       const int k = kt * BK + kk * 16;
@@ -1015,7 +1129,9 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
       }
 #endif
     }
+#if !PIPE
     __syncthreads();
+#endif
   }
 
   // Epilogue: c0,c1 at (row g, cols 2·t4, 2·t4+1), c2,c3 at row g + 8.
