@@ -235,16 +235,10 @@ def test_experts_prefill_tiles_and_T(benches):
     np.testing.assert_array_equal(part.view(np.uint32), full[:7].view(np.uint32))
 
 
-RING_CASES = [
-    # (spec, E, k, H, I): the real shape; 8-bit codes with f16 scales and 7 groups per gate/up row (odd: the
-    # scale words' halves alternate between rows); group 32 with f32 scales (two group parts per K block);
-    # group 128 (a group spans two K blocks); inter 320 (5 K blocks of the down pass; a 2-stage ring wraps).
-    ("q4g64-bf16", 256, 8, 2048, 512),
-    ("q8g64-f16", 7, 3, 448, 192),
-    ("q4g32-f32", 12, 3, 256, 160),
-    ("q4g128-bf16", 6, 2, 256, 384),
-    ("q4g64-bf16", 5, 3, 192, 320),
-]
+# The affine cases above (the real shape; inter 320: 5 K blocks of the down pass, a 2-stage ring wraps; 8-bit codes
+# with f16 scales and 7 groups per gate/up row: the scale words' halves alternate between rows; group 32 with f32
+# scales: two group parts per K block) and group 128 (a group spans two K blocks).
+RING_CASES = [c for c in EXPERT_CASES if c[0].startswith("q")] + [("q4g128-bf16", 6, 2, 256, 384)]
 
 
 @pytest.mark.parametrize("spec,E,k,H,I", RING_CASES)
