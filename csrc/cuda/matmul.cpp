@@ -26,9 +26,9 @@
 //   converts a whole W tile, so grids closer to the SM count measured slower with 16 rows). Each output's sums (Σx
 //   per 16-input run, the MMAs per k16 step, the group folds) are the same at any height, so the bits are too and
 //   choosing by T keeps a prefill in chunks equal to one prefill (backend option gemm_small_tiles).
-// Module defines come from the weight alone (K, BITS, DT, GROUP, AL, SAL, XS; GBM 16 for the small-grid GEMM's
-// module): one module serves both phases for one (K, format, alignment); the real Qwen3.6 checkpoint needs about
-// six, and a 16-row GEMM module per format.
+// Module defines come from the weight alone (K, BITS, DT, GROUP, AL, SAL, XS; GBM 32 / 16 for the small-grid GEMM
+// modules): one module serves both phases for one (K, format, alignment); the real Qwen3.6 checkpoint needs about
+// six, and a 32 and a 16-row GEMM module per format its small grids use.
 #include <algorithm>
 #include <climits>
 #include <stdexcept>
@@ -57,7 +57,7 @@ namespace {
 constexpr int kThreads = 256;          // NT in matmul.cu
 constexpr int kGemvRows = 4;           // GEMV_U
 constexpr int kGemvBlocksPerSm = 2;    // GEMV_MINB (__launch_bounds__ guarantees the registers)
-constexpr int kGemmBM = 64, kGemmBN = 128;  // BM (the big tiles; 16 for small grids), BN
+constexpr int kGemmBM = 64, kGemmBN = 128;  // BM (the big tiles; 32 / 16 for small grids), BN
 // GEMM_SMEM of matmul_gemm at tile rows bm: x hi + lo [bm][72] bf16, W hi + lo [128][72] bf16, Σx [bm][4] f32,
 // scales and biases [128][4] f32 (60,416 bytes at 64, 50,688 at 32, 45,824 at 16).
 int gemm_smem(int bm) { return 2 * bm * 144 + 2 * kGemmBN * 144 + bm * 16 + 2 * kGemmBN * 16; }

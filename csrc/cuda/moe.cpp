@@ -98,7 +98,7 @@ struct ExpertsVariant {
   Defines defines;
   std::string text;  // for note_variant
   int rows_g = 1, bm = 16;
-  int pipe = 0, pipe_smem = 0;  // prefill's cp.async ring: stages and dynamic shared memory bytes
+  int pipe = 0, pipe_smem = 0, static_smem = 0;  // prefill's cp.async ring: stages, its bytes, the tiles' bytes
 };
 
 }  // namespace
@@ -136,17 +136,22 @@ void CudaOps::moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, 
 namespace {
 
 // The kernels' constants for this weight format, shape and phase (and whether 16-byte loads are legal).
+// Group parts per 64-input K block of the prefill GEMMs (moe_mma_block's NP: a group tiles the block or the block
+// tiles it, else parts of 16).
+int64_t group_parts(const WeightFormat& w) {
+  return 64 / ((w.group % 64 == 0 || 64 % w.group == 0) ? std::min<int64_t>(w.group, 64) : 16);
+}
+
 // Prefill's cp.async ring (kernels/moe.cu PIPE): one stage's bytes for this format and tile height (the same for
 // the gate/up and the down pass: both stage 128 weight rows of a 64-input K block).
 int64_t pipe_stage_bytes(const WeightFormat& w, int bm) {
-  const int64_t gp = (w.group % 64 == 0 || 64 % w.group == 0) ? std::min<int64_t>(w.group, 64) : 16;
-  return int64_t(bm) * 64 * 4 + 128 * 64 * w.bits / 8 + 2 * 128 * (64 / gp) * 4;
+  return int64_t(bm) * 64 * 4 + 128 * 64 * w.bits / 8 + 2 * 128 * group_parts(w) * 4;
 }
 
 // The static shared memory of kernels/moe.cu moe_mma_block (its arrays: A hi, A lo when x_terms = 2, 128 weight
 // rows of pitch 72 halves, Σx and the scale/bias parts, the row map): with the ring it must fit the device.
 int64_t mma_static_smem(const WeightFormat& w, int bm, int x_terms) {
-  const int64_t np = 64 / ((w.group % 64 == 0 || 64 % w.group == 0) ? std::min<int64_t>(w.group, 64) : 16);
+  const int64_t np = group_parts(w);
   return int64_t(bm) * 72 * 2 * (x_terms == 2 ? 2 : 1) + (x_terms == 2 ? 0 : 16) + 128 * 72 * 2 + bm * np * 4 +
          2 * 128 * np * 4 + bm * 4;
 }
@@ -183,6 +188,7 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
       } else {
         v.pipe = stages;
         v.pipe_smem = int(stages * stage);
+        v.static_smem = int(fixed);
         pipe_text = "cp.async ring of " + std::to_string(stages) + " K blocks (" + std::to_string(v.pipe_smem) +
                     " bytes of shared memory" + (stages < pipe ? ", fewer than moe_pipe = " + std::to_string(pipe) +
                                                                    " to fit the device"
@@ -338,9 +344,8 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   const Kernel& k2 = kernel("moe", "moe_down_mma", v.defines);
   const Kernel& k3 = kernel("moe", "moe_expert_sum", v.defines);
   if (v.pipe_smem > 0) {  // the ring is dynamic shared memory next to the tiles (select_experts fitted both)
-    const int fixed = int(mma_static_smem(gate, v.bm, options().moe_prefill_x_terms()));
-    set_dynamic_smem(k1, v.pipe_smem, fixed);
-    set_dynamic_smem(k2, v.pipe_smem, fixed);
+    set_dynamic_smem(k1, v.pipe_smem, v.static_smem);
+    set_dynamic_smem(k2, v.pipe_smem, v.static_smem);
   }
   launch(kg, Dim3{1, 1, 1}, Dim3{1024, 1, 1}, 0, a);
   launch(k1, Dim3{unsigned(a.max_tiles), unsigned((I + kMmaBlockN - 1) / kMmaBlockN), 1}, Dim3{kMmaThreads, 1, 1},

@@ -445,7 +445,7 @@ __device__ __forceinline__ void pf_load(unsigned char* stage, const unsigned cha
     const int which = ci / N16, cj = ci % N16, r = cj / ROW16;
     const bool ok = j0 + r < len;
     const unsigned char* src = (which ? vb : kb) + (ok ? (i64(j0) * ROW16 + cj) * 16 : 0);
-    cp_async16(s0 + u32(ci) * 16u, src, ok);
+    cp_async16(s0 + u32(ci) * 16u, src, ok ? 16 : 0);
   }
 }
 
@@ -560,7 +560,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
       const int which = ci / (MM_BN * ROW16), cj = ci % (MM_BN * ROW16), r = cj / ROW16, c16 = cj % ROW16;
       const bool ok = j0 + r < len_block;
       const unsigned char* src = (which ? vb : kb) + (ok ? (i64(j0 + r) * ROW16 + c16) * 16 : 0);
-      cp_async16(base + u32((which * MM_BN + r) * MM_PITCH + c16 * 16), src, ok);
+      cp_async16(base + u32((which * MM_BN + r) * MM_PITCH + c16 * 16), src, ok ? 16 : 0);
     }
   };
   load_tile(0, 0);
@@ -761,7 +761,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
       const int which = ci / (DM_BN * ROW16), cj = ci % (DM_BN * ROW16), r = cj / ROW16, c16 = cj % ROW16;
       const bool ok = js + r < j1;
       const unsigned char* src = (which ? vb : kb) + (ok ? (i64(js + r) * ROW16 + c16) * 16 : 0);
-      cp_async16(base + u32((which * DM_BN + r) * DM_PITCH + c16 * 16), src, ok);
+      cp_async16(base + u32((which * DM_BN + r) * DM_PITCH + c16 * 16), src, ok ? 16 : 0);
     }
   };
   if (my_tiles > 0) load_tile(0, j0 + DM_BN * warp);

@@ -51,16 +51,17 @@ __device__ __forceinline__ float4 ld_cg4(const float* p) {
   return v;
 }
 
-// cp.async (sm_80+): global -> shared without registers; a copy of valid = false reads nothing and zero-fills.
+// cp.async (sm_80+): global -> shared without registers. The first `bytes` of src are copied (at most 16 / 4) and
+// the rest of the 16 / 4 zero-filled; 0 reads nothing. A bool would silently mean 1 byte, so it does not compile.
 __device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool valid) {
-  const int n = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
+__device__ void cp_async16(u32, const void*, bool) = delete;
+__device__ void cp_async4(u32, const void*, bool) = delete;
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

@@ -192,23 +192,6 @@ __device__ __forceinline__ V gemv_pick(V const (&a)[L], int p) {
 #ifndef GEMV_STAGES
 #define GEMV_STAGES 4
 #endif
-__device__ __forceinline__ void gemv_cp16(void* dst, const void* src, int bytes) {
-  const u32 d = static_cast<u32>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void gemv_cp4(void* dst, const void* src, int bytes) {
-  const u32 d = static_cast<u32>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void gemv_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void gemv_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-// Scale/bias element gi from the aligned 4-byte word holding it.
-__device__ __forceinline__ float gemv_word_scalar(u32 w, i64 gi) {
-  if (DT == LILY_F32) return __uint_as_float(w);
-  const u16 h = u16((gi & 1) ? (w >> 16) : (w & 0xffffu));
-  return DT == LILY_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
-}
 
 // NORM: stages normed row t of x into xsh (the layout below), stores normed (blocks b0 == 0) and, NORM 2, sum.
 // Σ sum² in norm.cu's order for this row length: K > 512 its one-block form (thread i sums its float4s at
@@ -360,21 +343,21 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
           const int c = tr + j * TPR;
           const i64 off = i64(c) * 16;
           const bool live = n < N && c < C;
-          gemv_cp16(code_slot(st, u, j), live ? W + n * RBYTES + off : W,
-                    live ? (RBYTES - off >= 16 ? 16 : int(RBYTES - off)) : 0);
+          cp_async16(smem_addr(code_slot(st, u, j)), live ? W + n * RBYTES + off : W,
+                     live ? (RBYTES - off >= 16 ? 16 : int(RBYTES - off)) : 0);
 #pragma unroll
           for (int sg = 0; sg < NSG; ++sg) {
             const i64 k0 = i64(c) * EPC + sg * SG;
             const bool ok = live && k0 < K;
             const i64 gi = ok ? n * NG + k0 / (GROUP ? GROUP : 1) : 0;
             const i64 wb = (gi * ES) & ~i64(3);
-            gemv_cp4(word_slot(st, u, j, sg, 0), S + wb, ok ? 4 : 0);
-            gemv_cp4(word_slot(st, u, j, sg, 1), B + wb, ok ? 4 : 0);
+            cp_async4(smem_addr(word_slot(st, u, j, sg, 0)), S + wb, ok ? 4 : 0);
+            cp_async4(smem_addr(word_slot(st, u, j, sg, 1)), B + wb, ok ? 4 : 0);
           }
         }
       }
     }
-    gemv_cp_commit();
+    cp_async_commit();
   };
   // The first batch's W loads go out before x is staged: the two latencies overlap.
   if constexpr (ASYNC) {
@@ -428,7 +411,7 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
     if constexpr (ASYNC) {
       // Refill the stage this thread finished last iteration, then wait for this batch's group.
       issue_batch(bt + i64(GEMV_STAGES - 1) * bstep, (it + GEMV_STAGES - 1) % GEMV_STAGES);
-      gemv_cp_wait<GEMV_STAGES - 1>();
+      cp_async_wait<GEMV_STAGES - 1>();
       const int st = it % GEMV_STAGES;
       const i64 lb0 = bt - gemv_pick(P.bstart, gemv_part_of(P, bt));
       const int N0 = gemv_pick(P.N, gemv_part_of(P, bt));
@@ -445,8 +428,8 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, int T, i6
             const i64 k0 = i64(c) * EPC + sg * SG;
             const bool ok = n < N0 && c < C && k0 < K;
             const i64 gi = ok ? n * NG + k0 / (GROUP ? GROUP : 1) : 0;
-            sc[u][j][sg] = ok ? gemv_word_scalar(*word_slot(st, u, j, sg, 0), gi) : 0.f;
-            bi[u][j][sg] = ok ? gemv_word_scalar(*word_slot(st, u, j, sg, 1), gi) : 0.f;
+            sc[u][j][sg] = ok ? word_scalar<DT>(*word_slot(st, u, j, sg, 0), gi) : 0.f;
+            bi[u][j][sg] = ok ? word_scalar<DT>(*word_slot(st, u, j, sg, 1), gi) : 0.f;
           }
         }
       }
@@ -779,6 +762,8 @@ constexpr int KB = (K + BK - 1) / BK;
 #define GEMM_SMEM (SM_BS + BN * 4 * 4)
 static_assert(GEMM_SMEM == (BM == 64 ? 60416 : BM == 32 ? 50688 : 45824), "matmul.cpp gemm_smem");
 
+// The GEMM's own shared-address form (common.cuh's smem_addr is the intrinsic; this asm form is what the GEMM was
+// measured with: the intrinsic lets ptxas fold the address arithmetic differently).
 __device__ __forceinline__ u32 smem_u32(const void* p) {
   u32 a;
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));

@@ -881,7 +881,7 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
         if (c < A_CH) {
           const int src = rowsrc[row];
           const bool ok = src >= 0 && k < KDIM;
-          cp_async16(st + u32(c * 16), ok ? asrc + i64(src) * astride + k : asrc, ok);
+          cp_async16(st + u32(c * 16), ok ? asrc + i64(src) * astride + k : asrc, ok ? 16 : 0);
         }
       }
 #pragma unroll
@@ -891,7 +891,7 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
         if (c < B_CH) {
           const bool ok = n < NDIM && k < KDIM;
           const unsigned char* wb = NMAT > 1 && m > 0 ? wbase[NMAT - 1] : wbase[0];
-          cp_async16(st + u32(ST_A + c * 16), ok ? wb + i64(n) * ROW_BYTES(KDIM) + VEC_BYTES_AT(k) : wb, ok);
+          cp_async16(st + u32(ST_A + c * 16), ok ? wb + i64(n) * ROW_BYTES(KDIM) + VEC_BYTES_AT(k) : wb, ok ? 16 : 0);
         }
       }
 #pragma unroll
@@ -902,8 +902,8 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
           const bool ok = n < NDIM && k0 < KDIM, m1 = NMAT > 1 && m > 0;
           const i64 gi = ok ? i64(n) * (KDIM / GROUP) + k0 / GROUP : 0;
           const i64 off = (gi * ESIZE_SCALE) & ~i64(3);
-          cp_async4(st + u32(ST_A + ST_B + idx * 4), (m1 ? sbase[NMAT - 1] : sbase[0]) + off, ok);
-          cp_async4(st + u32(ST_A + ST_B + ST_S + idx * 4), (m1 ? bbase[NMAT - 1] : bbase[0]) + off, ok);
+          cp_async4(st + u32(ST_A + ST_B + idx * 4), (m1 ? sbase[NMAT - 1] : sbase[0]) + off, ok ? 4 : 0);
+          cp_async4(st + u32(ST_A + ST_B + ST_S + idx * 4), (m1 ? bbase[NMAT - 1] : bbase[0]) + off, ok ? 4 : 0);
         }
       }
     }
@@ -927,18 +927,10 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
       const int idx = tid + MMA_NT * i, row = idx / NP, p = idx % NP;
       const int n = n0 + row % BN, k0 = kt * BK + p * GP;
       rs[i] = rz[i] = 0.f;
-      if (idx < S_CH) {
-        const u32 ws = *reinterpret_cast<const u32*>(st + ST_A + ST_B + idx * 4);
-        const u32 wz = *reinterpret_cast<const u32*>(st + ST_A + ST_B + ST_S + idx * 4);
-        if (SDT == LILY_F32) {
-          rs[i] = __uint_as_float(ws);
-          rz[i] = __uint_as_float(wz);
-        } else {
-          const int sh = ((i64(n) * (KDIM / GROUP) + k0 / GROUP) & 1) * 16;  // zero-filled words give 0 either way
-          const u16 hs = u16(ws >> sh), hz = u16(wz >> sh);
-          rs[i] = SDT == LILY_BF16 ? bf16_to_f32(hs) : f16_to_f32(hs);
-          rz[i] = SDT == LILY_BF16 ? bf16_to_f32(hz) : f16_to_f32(hz);
-        }
+      if (idx < S_CH) {  // zero-filled words give 0 whichever half is taken
+        const i64 gi = i64(n) * (KDIM / GROUP) + k0 / GROUP;
+        rs[i] = word_scalar<SDT>(*reinterpret_cast<const u32*>(st + ST_A + ST_B + idx * 4), gi);
+        rz[i] = word_scalar<SDT>(*reinterpret_cast<const u32*>(st + ST_A + ST_B + ST_S + idx * 4), gi);
       }
     }
   };

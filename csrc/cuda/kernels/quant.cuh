@@ -106,6 +106,15 @@ __device__ __forceinline__ float mm_scalar(const void* p, i64 i) {
   return kDt == LILY_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
 }
 
+// Element gi of dtype kDt (f32, or a 2-byte type whose array is 4-byte aligned) from the aligned 4-byte word holding
+// it, as a cp.async of 4 bytes staged it: a 2-byte element's half is gi's parity.
+template <int kDt>
+__device__ __forceinline__ float word_scalar(u32 w, i64 gi) {
+  if (kDt == LILY_F32) return __uint_as_float(w);
+  const u16 h = u16(w >> ((gi & 1) * 16));
+  return kDt == LILY_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
 // ---- affine codes ----
 
 // Bit offset of code i (0 <= i < 32/kBits) within the word it is decoded from (see the file comment).
