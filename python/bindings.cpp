@@ -250,6 +250,10 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (o.moe_pipe != 0 && (o.moe_pipe < 2 || o.moe_pipe > 4))
       throw std::invalid_argument("backend option moe_pipe must be 0 (off) or 2, 3 or 4 stages, got " +
                                   std::to_string(o.moe_pipe));
+    if (!opt("moe_frag").is_none()) o.moe_frag = nb::cast<int>(opt("moe_frag"));
+    if (o.moe_frag != 0 && (o.moe_frag < 3 || o.moe_frag > 6))
+      throw std::invalid_argument("backend option moe_frag must be 0 (off) or 3 to 6 stages, got " +
+                                  std::to_string(o.moe_frag));
     if (!opt("cache_dir").is_none()) o.cache_dir = nb::cast<std::string>(opt("cache_dir"));
     if (!opt("dry_arch").is_none()) o.dry_arch = nb::cast<int>(opt("dry_arch"));
     if (o.dry_arch == 0 && !nb::cast<bool>(b["usable"]))

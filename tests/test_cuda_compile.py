@@ -275,8 +275,8 @@ def test_moe_pipe_option_compiles_and_reports(cache, pipe):
         text = b.report()["variants"]["moe.experts.prefill"]
         assert f"{bm}-row tiles" in text, text
         stages = 3 if pipe is None else pipe
-        if stages and bm == 16:
-            assert "register prefetch one K block ahead (16-row tiles: the ring measured slower)" in text, text
+        if bm == 16:  # moe_frag's form, whatever moe_pipe says (test_moe_frag_option_compiles_and_reports)
+            assert "each warp's weight codes widened to B fragments in registers" in text, text
         elif stages:
             stage = bm * 64 * 4 + 128 * 32 + 2 * 128 * 4  # A rows f32, q4 codes, scale and bias words
             assert f"cp.async ring of {stages} K blocks ({stages * stage} bytes of shared memory)" in text, text
@@ -293,10 +293,41 @@ def test_moe_pipe_option_compiles_and_reports(cache, pipe):
     b.run("moe_experts", "prefill", x=b.empty(T, H, poison=False), ids=b.empty(T, K, "i32", poison=False),
           weights=b.empty(T, K, poison=False), gate=g, up=u, down=d, ws=ws, out=b.empty(T, H, poison=False))
     text = b.report()["variants"]["moe.experts.prefill"]
-    assert ("dense weights: no cp.async ring" in text) == (pipe != 0), text
+    assert "a shared bf16 weight tile, register prefetch one K block ahead (dense weights)" in text, text
     for bad in (1, 5, -1):
         with pytest.raises(ValueError, match="moe_pipe"):
             core.OpBench("cuda", {"dry_arch": 90, "moe_pipe": bad})
+
+
+@pytest.mark.parametrize("frag", [None, 0, 3, 6])
+def test_moe_frag_option_compiles_and_reports(cache, frag):
+    """moe_frag: the MoE prefill GEMMs of the real shapes with 16-row tiles (T = 64, T·k/E < 32) widen each warp's
+    4-bit codes into B fragments in registers, their K blocks through a cp.async ring of that many stages (default 4);
+    0 keeps the shared bf16 weight tile; 8-bit experts keep it too, and the report says why; bad values are refused."""
+    c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
+                                          source="FULL_CONFIG").to_core()
+    H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
+    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **({} if frag is None else {"moe_frag": frag})})
+    T = 64
+    for kind in ("q4", "q8"):
+        g, u, d = (b.weight(_zeros_weight(I, H, kind, E)), b.weight(_zeros_weight(I, H, kind, E)),
+                   b.weight(_zeros_weight(H, I, kind, E)))
+        ws = b.workspace(c, T, 4096)
+        b.run("moe_experts", "prefill", x=b.empty(T, H, poison=False), ids=b.empty(T, K, "i32", poison=False),
+              weights=b.empty(T, K, poison=False), gate=g, up=u, down=d, ws=ws, out=b.empty(T, H, poison=False))
+        text = b.report()["variants"]["moe.experts.prefill"]
+        assert "16-row tiles" in text, text
+        stages = 4 if frag is None else frag
+        if kind == "q4" and stages:
+            stage = 16 * 64 * 4 + 256 * 48 + 2 * 256 * 4  # x rows f32, codes at a 48-byte pitch, scale and bias words
+            assert (f"each warp's weight codes widened to B fragments in registers, no bf16 weight tile; a cp.async "
+                    f"ring of {stages} K blocks ({stages * stage} bytes of shared memory)") in text, text
+        else:
+            why = "8-bit codes" if stages else "moe_frag = 0"
+            assert f"a shared bf16 weight tile, register prefetch one K block ahead ({why})" in text, text
+    for bad in (1, 2, 7, -1):
+        with pytest.raises(ValueError, match="moe_frag"):
+            core.OpBench("cuda", {"dry_arch": 90, "moe_frag": bad})
 
 
 @pytest.mark.parametrize("mode", [None, "decode", "all", True, "off", False])

@@ -84,6 +84,11 @@ struct CudaOptions {
   // MoE prefill GEMMs of affine experts: K blocks staged by cp.async in a ring of this many stages (2..4; fewer if
   // the device's shared memory is smaller), 0 = the register prefetch one block ahead. benchmarks/NOTES.md.
   int moe_pipe = 3;
+  // MoE prefill GEMMs of 4-bit affine experts with 16-row tiles (T·k/E < 32): each warp widens its own columns' codes
+  // into B fragments in registers (no bf16 weight tile in shared memory), the raw K blocks through a cp.async ring of
+  // this many stages (3..6; fewer if the device's shared memory is smaller); 0 = the shared bf16 tile. The same bits.
+  // benchmarks/NOTES.md.
+  int moe_frag = 4;
   // Prefill GEMMs whose 64-row grid has at most a quarter (half) as many blocks as there are SMs (small T and small
   // N) run 16-row (32-row) tiles: 4x (2x) the blocks, the same bits. False: always 64 rows (A/B). benchmarks/NOTES.md.
   bool gemm_small_tiles = true;

@@ -47,6 +47,8 @@ constexpr int64_t kMaxTopk = 16;
 constexpr int kDecodeRowsDown = 8;    // ROWS_D: output rows per moe_down_decode block
 constexpr int kMmaBlockN = 64;        // moe_gate_up_mma columns of gate (and of up) per block
 constexpr int kMmaBlockNDown = 128;   // moe_down_mma columns per block
+constexpr int kFragBlockN = 128;      // FRAG (16-row tiles, codes widened in registers): gate (and up) columns per block
+constexpr int kFragBlockNDown = 256;  // FRAG: down columns per block
 constexpr unsigned kMmaThreads = 256;  // MMA_NT in kernels/moe.cu: threads of a GEMM block
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
@@ -99,6 +101,7 @@ struct ExpertsVariant {
   std::string text;  // for note_variant
   int rows_g = 1, bm = 16;
   int pipe = 0, pipe_smem = 0, static_smem = 0;  // prefill's cp.async ring: stages, its bytes, the tiles' bytes
+  int frag = 0;  // 16-row tiles with the codes widened in registers (kernels/moe.cu FRAG): ring stages, 0 = off
 };
 
 }  // namespace
@@ -156,11 +159,19 @@ int64_t mma_static_smem(const WeightFormat& w, int bm, int x_terms) {
          2 * 128 * np * 4 + bm * 4;
 }
 
+// FRAG's ring (kernels/moe.cu moe_frag_block): one stage's bytes (16 x rows of 64 f32, 256 weight rows of 48 bytes,
+// a scale and a bias word per row and group part), and the kernel's static arrays (two A tiles hi (+ lo), Σx, rows).
+int64_t frag_stage_bytes(const WeightFormat& w) { return 16 * 64 * 4 + 256 * 48 + 2 * 256 * group_parts(w) * 4; }
+int64_t frag_static_smem(const WeightFormat& w, int x_terms) {
+  return 2 * 16 * 72 * 2 * (x_terms == 2 ? 2 : 1) + (x_terms == 2 ? 0 : 2 * 16) + 2 * 16 * group_parts(w) * 4 + 16 * 4;
+}
+
 // pipe: the backend option's stage count (0: the register path), lowered to what fits smem_cap next to the
 // static arrays; `scales4`: whether every scale and bias base and per-expert stride is 4-byte aligned (the ring
 // copies them as aligned 4-byte words).
 ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned, int x_terms,
-                              bool dp4a_option, int pipe = 0, bool scales4 = false, int64_t smem_cap = 0) {
+                              bool dp4a_option, int pipe = 0, bool scales4 = false, int64_t smem_cap = 0,
+                              int frag = 0) {
   const int64_t E = gate.experts, H = gate.cols, I = gate.rows;
   const int cpv = codes_per_vector(gate);
   ExpertsVariant v;
@@ -173,11 +184,35 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
   // Expected rows per expert T·k/E: ≥ 32 fills 64-row tiles; below, 16-row tiles waste less.
   v.bm = phase == Phase::Prefill && T * k >= 32 * E ? 64 : 16;
   std::string pipe_text;
-  if (phase == Phase::Prefill) {
+  if (phase == Phase::Prefill && v.bm == 16) {
+    // 16-row tiles: each warp's codes widened to B fragments in registers (FRAG) where the format allows, else the
+    // shared bf16 weight tile with register prefetch (a ring for that form measured slower: benchmarks/NOTES.md).
+    const char* no_frag = frag == 0                ? "moe_frag = 0"
+                          : !gate.quantized()      ? "dense weights"
+                          : gate.bits != 4         ? "8-bit codes"
+                          : !aligned || !scales4   ? "unaligned weights or scales"
+                                                   : nullptr;
+    const int64_t stage = no_frag ? 0 : frag_stage_bytes(gate), fixed = no_frag ? 0 : frag_static_smem(gate, x_terms);
+    int stages = frag;
+    while (!no_frag && stages >= 3 && stages * stage + fixed > smem_cap) --stages;
+    if (no_frag || stages < 3) {
+      pipe_text = std::string("a shared bf16 weight tile, register prefetch one K block ahead (") +
+                  (no_frag ? no_frag : "a 3-stage ring exceeds the device's shared memory per block") + ")";
+    } else {
+      v.frag = stages;
+      v.pipe_smem = int(stages * stage);
+      v.static_smem = int(fixed);
+      pipe_text = "each warp's weight codes widened to B fragments in registers, no bf16 weight tile; a cp.async ring "
+                  "of " + std::to_string(stages) + " K blocks (" + std::to_string(v.pipe_smem) +
+                  " bytes of shared memory" +
+                  (stages < frag ? ", fewer than moe_frag = " + std::to_string(frag) + " to fit the device"
+                                 : std::string()) +
+                  ")";
+    }
+  } else if (phase == Phase::Prefill) {
     if (pipe == 0) pipe_text = "register prefetch one K block ahead (moe_pipe = 0)";
     else if (!gate.quantized()) pipe_text = "register prefetch one K block ahead (dense weights: no cp.async ring)";
     else if (!aligned || !scales4) pipe_text = "register prefetch one K block ahead (unaligned weights or scales)";
-    else if (v.bm != 64) pipe_text = "register prefetch one K block ahead (16-row tiles: the ring measured slower)";
     else {
       const int64_t stage = pipe_stage_bytes(gate, v.bm), fixed = mma_static_smem(gate, v.bm, x_terms);
       int stages = pipe;
@@ -214,7 +249,8 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
                {"BM", v.bm},
                {"XS", phase == Phase::Prefill ? x_terms : 2},
                {"DP4A", dp4a ? 1 : 0},
-               {"PIPE", v.pipe}};
+               {"PIPE", v.pipe},
+               {"FRAG", v.frag}};
   const std::string fmt = gate.describe() + (aligned ? ", 16-byte loads" : ", byte loads (unaligned weights)");
   if (phase == Phase::Decode)
     v.text = "moe_gate_up_decode (" + std::to_string(v.rows_g) + " gate+up rows per warp) + moe_down_decode (" +
@@ -321,7 +357,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   for (int m = 0; m < 3 && scales4; ++m)
     scales4 = a.scales[m] % 4 == 0 && a.biases[m] % 4 == 0 && a.scale_stride[m] % 4 == 0 && a.bias_stride[m] % 4 == 0;
   const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x_terms(), options().gemv_dp4a,
-                                          options().moe_pipe, scales4, info().max_smem_optin);
+                                          options().moe_pipe, scales4, info().max_smem_optin, options().moe_frag);
   if (ph == Phase::Decode) {
     note_variant("moe.experts.decode", v.text);
     const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
@@ -343,15 +379,16 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   const Kernel& k1 = kernel("moe", "moe_gate_up_mma", v.defines);
   const Kernel& k2 = kernel("moe", "moe_down_mma", v.defines);
   const Kernel& k3 = kernel("moe", "moe_expert_sum", v.defines);
-  if (v.pipe_smem > 0) {  // the ring is dynamic shared memory next to the tiles (select_experts fitted both)
+  if (v.pipe_smem > 0) {  // a ring is dynamic shared memory next to the tiles (select_experts fitted both)
     set_dynamic_smem(k1, v.pipe_smem, v.static_smem);
     set_dynamic_smem(k2, v.pipe_smem, v.static_smem);
   }
   launch(kg, Dim3{1, 1, 1}, Dim3{1024, 1, 1}, 0, a);
-  launch(k1, Dim3{unsigned(a.max_tiles), unsigned((I + kMmaBlockN - 1) / kMmaBlockN), 1}, Dim3{kMmaThreads, 1, 1},
+  const int bn1 = v.frag ? kFragBlockN : kMmaBlockN, bn2 = v.frag ? kFragBlockNDown : kMmaBlockNDown;
+  launch(k1, Dim3{unsigned(a.max_tiles), unsigned((I + bn1 - 1) / bn1), 1}, Dim3{kMmaThreads, 1, 1},
          uint32_t(v.pipe_smem), a);
-  launch(k2, Dim3{unsigned(a.max_tiles), unsigned((H + kMmaBlockNDown - 1) / kMmaBlockNDown), 1},
-         Dim3{kMmaThreads, 1, 1}, uint32_t(v.pipe_smem), a);
+  launch(k2, Dim3{unsigned(a.max_tiles), unsigned((H + bn2 - 1) / bn2), 1}, Dim3{kMmaThreads, 1, 1},
+         uint32_t(v.pipe_smem), a);
   launch(k3, Dim3{unsigned(T), 1, 1}, Dim3{256, 1, 1}, 0, a);
 }
 

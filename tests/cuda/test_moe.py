@@ -260,10 +260,38 @@ def test_experts_prefill_ring_same_bits(spec, E, k, H, I):
         np.testing.assert_array_equal(gpu.view(np.uint32), ref.view(np.uint32))
         assert f"cp.async ring of {p} K blocks" in str_variants_experts(b.report())
     assert "register prefetch one K block ahead (moe_pipe = 0)" in str_variants_experts(benches[1].report())
-    # 16-row tiles (their own BN) keep the registers whatever moe_pipe says: the first 7 rows, the same bits.
+    # 16-row tiles (moe_frag's form or the shared bf16 tile, whatever moe_pipe says): the first 7 rows, the same bits.
     _, part = run_experts(benches[3:5], handles[3:5], "prefill", x[:7], ids[:7], w[:7], E, k, H, I)
     np.testing.assert_array_equal(part.view(np.uint32), ref[:7].view(np.uint32))
-    assert "16-row tiles: the ring measured slower" in str_variants_experts(benches[4].report())
+    assert "16-row tiles" in str_variants_experts(benches[4].report())
+
+
+@pytest.mark.parametrize("spec,E,k,H,I", RING_CASES)
+def test_experts_prefill_frag_same_bits(spec, E, k, H, I):
+    """moe_frag (16-row tiles, T·k/E < 32: each warp widens its 4-bit codes into B fragments in registers, the K
+    blocks through a ring of 3 or 6 stages) multiplies what the shared bf16 weight tile (moe_frag = 0) does: the same
+    bits, within the prefill tolerance of the CPU, at T = 1, 7 and the most 16-row tokens; 8-bit experts keep the
+    shared tile, and the reports say which form ran."""
+    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {"moe_frag": f}) for f in (0, 3, 6)]
+    rng = np.random.default_rng(zlib.crc32(f"frag {spec} {E} {H} {I}".encode()))
+    descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
+    handles = [tuple(b.weight(d) for d in descs) for b in benches]
+    four_bit = spec.startswith("q4")
+    for T in (1, 7, min(300, (32 * E - 1) // k)):  # the last: expert 1 (in every token) spans many 16-row tiles
+        x, ids, w = token_inputs(59 + T, E, k, H, T)
+        cpu, ref = run_experts(benches[:2], handles[:2], "prefill", x, ids, w, E, k, H, I)
+        assert rel_err(ref, cpu) < PREFILL_TOL, (spec, T)
+        assert "16-row tiles" in str_variants_experts(benches[1].report())
+        assert "shared bf16 weight tile, register prefetch one K block ahead (moe_frag = 0)" in \
+            str_variants_experts(benches[1].report())
+        for f, b, h in zip((3, 6), benches[2:], handles[2:]):
+            _, gpu = run_experts((b, b), (h, h), "prefill", x, ids, w, E, k, H, I)
+            np.testing.assert_array_equal(gpu.view(np.uint32), ref.view(np.uint32), err_msg=f"{spec} T={T} frag={f}")
+            text = str_variants_experts(b.report())
+            if four_bit:
+                assert f"B fragments in registers, no bf16 weight tile; a cp.async ring of {f} K blocks" in text, text
+            else:
+                assert "shared bf16 weight tile, register prefetch one K block ahead (8-bit codes)" in text, text
 
 
 def str_variants_experts(report) -> str:

@@ -745,7 +745,10 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const MoeArgs a) {
 #if PIPE && !(MMA_WM == 0 && ALIGNED)
 #error "PIPE needs affine weights with 16-byte loads"
 #endif
-#if PIPE
+#ifndef FRAG
+#define FRAG 0
+#endif
+#if PIPE || FRAG
 extern __shared__ __align__(16) unsigned char moe_ring[];
 #endif
 
@@ -1148,14 +1151,244 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
       }
 }
 
+#if FRAG
+// ---------------------------------------------------------------------------------------------
+// FRAG = S (the host's moe_frag; 4-bit affine experts, 16-byte loads, 16-row tiles): the weights never become a bf16
+// tile in shared memory. Each warp owns its own columns (every B element has one consumer when the tile is a single
+// m16), so the lanes widen their codes straight into B fragments in registers. The 16-row tiles were bound by
+// shared-memory traffic (ncu at T = 512: L1/TEX 88%): per K block a 128-row block stored 16 KB of bf16 weights,
+// read them back, and every warp read the whole A tile for 2 n8 tiles. Here a block stages 256 weight rows as raw
+// codes (8 KB, pitch 48 bytes: conflict-free 16-byte reads), each warp reads its rows' 32-byte K blocks and the A
+// tile once (ldmatrix) for 4 n8 tiles. The raw K blocks (gathered x rows f32, codes, scale and bias words) come by
+// cp.async through a ring of S stages (S - 2 blocks in flight during a block's MMAs); the A tile is double
+// buffered, so a K block costs one barrier. Same MMA operands (the codes, x hi / lo), same order per output
+// (k16 steps, hi then lo, the group folds), same Σx tree: the bits of moe_mma_block at any BM.
+#if !(MMA_WM == 0 && BITS == 4 && ALIGNED && BM == 16)
+#error "FRAG needs 4-bit affine weights with 16-byte loads and 16-row tiles"
+#endif
+#if FRAG < 3 || PIPE
+#error "FRAG: at least 3 ring stages, and not with PIPE"
+#endif
+
+// bf16x2 (lo nibble, hi nibble) of byte t4 of w (sel = t4 | (4 + t4) << 8): byte t4 of w and of w >> 4 land in
+// bytes 0 and 2, the mask keeps each one's low nibble, so the halves are bf16 128 + q_lo and 128 + q_hi (a nibble
+// at bit 4 of a half would reach the exponent); one FMA subtracts 128 exactly (quant.cuh q4_word_bf16's numbers).
+__device__ __forceinline__ u32 q4_byte_bf16x2(u32 w, u32 sel) {
+  u32 p;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(w), "r"(w >> 4), "r"(sel));
+  p = (p & 0x000F000Fu) | 0x43004300u;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
+  return p;
+}
+
+// The A fragment of one m16 × k16 step: matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
+__device__ __forceinline__ void ldsm_x4(u32* r, u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// One block: 16 sorted rows of one expert × FBN columns of each of NMAT matrices (NMAT · FBN = 256 weight rows);
+// warp w owns columns [w·WC, (w+1)·WC) of every matrix, NTM n8 tiles each.
+template <int NMAT, int FBN, int KDIM, int NDIM, bool GATHER>
+__device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
+  constexpr int BK = 64, PITCH = BK + 8;  // A tile: halves per row (144 bytes: ldmatrix rows conflict-free)
+  constexpr int BROWS = NMAT * FBN, WC = FBN / 8, NTM = WC / 8, NTW = NMAT * NTM;
+  static_assert(BROWS == 256 && NTM >= 1, "moe.cpp frag_stage_bytes stages 256 weight rows");
+  constexpr int GP = (GROUP % BK == 0 || BK % GROUP == 0) ? (GROUP < BK ? GROUP : BK) : 16;
+  constexpr int NP = BK / GP, LP = GP / 4, KT = (KDIM + BK - 1) / BK;
+  constexpr int CPITCH = 48;  // bytes per weight row of a stage: its 32 bytes of codes, 16 of padding
+  constexpr int ST_X = 16 * BK * 4, ST_C = BROWS * CPITCH, ST_S = BROWS * NP * 4;
+  constexpr int STAGE = ST_X + ST_C + 2 * ST_S;
+  static_assert(ST_X % 16 == 0 && ST_C % 16 == 0 && ST_S % 16 == 0, "16-byte stage parts");
+  __shared__ __align__(16) u16 Ah[2][16 * PITCH];
+  __shared__ __align__(16) u16 Al[2][XS == 2 ? 16 * PITCH : 8];
+  __shared__ float sxs[2][16 * NP];
+  __shared__ int rowsrc[16];
+
+  const int* tiles = reinterpret_cast<const int*>(a.tiles);
+  const int tile = blockIdx.x;
+  if (tile >= tiles[0]) return;  // uniform over the block
+  const int e = tiles[1 + 3 * tile], r0 = tiles[2 + 3 * tile], rn = tiles[3 + 3 * tile];
+  const int n0 = blockIdx.y * FBN;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+  if (tid < 16)
+    rowsrc[tid] = tid < rn ? (GATHER ? reinterpret_cast<const int*>(a.pair_token)[r0 + tid] : r0 + tid) : -1;
+  __syncthreads();
+
+  const float* asrc = reinterpret_cast<const float*>(GATHER ? a.x : a.act);
+  const i64 astride = GATHER ? a.x_stride : i64(KDIM);
+  const unsigned char* wbase[NMAT];
+  const unsigned char* sbase[NMAT];
+  const unsigned char* bbase[NMAT];
+#pragma unroll
+  for (int m = 0; m < NMAT; ++m) {
+    wbase[m] = reinterpret_cast<const unsigned char*>(a.data[mat0 + m]) + i64(e) * i64(a.data_stride[mat0 + m]);
+    sbase[m] = reinterpret_cast<const unsigned char*>(a.scales[mat0 + m]) + i64(e) * i64(a.scale_stride[mat0 + m]);
+    bbase[m] = reinterpret_cast<const unsigned char*>(a.biases[mat0 + m]) + i64(e) * i64(a.bias_stride[mat0 + m]);
+  }
+
+  const u32 ring = smem_addr(moe_ring);
+  // Stage kt: x rows [16][BK] f32 (one 16-byte chunk per thread), codes [256][CPITCH] (two chunks per thread), then
+  // the scale words and the bias words of the 256 rows' group parts (moe_mma_block's PIPE copies them so too).
+  auto issue = [&](int kt) {
+    if (kt < KT) {
+      const u32 st = ring + u32((kt % FRAG) * STAGE);
+      {
+        const int row = tid / (BK / 4), k = kt * BK + (tid % (BK / 4)) * 4, src = rowsrc[row];
+        const bool ok = src >= 0 && k < KDIM;
+        cp_async16(st + u32(tid * 16), ok ? asrc + i64(src) * astride + k : asrc, ok ? 16 : 0);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int c = tid + MMA_NT * i, row = c >> 1, half = c & 1;
+        const int m = row / FBN, n = n0 + row % FBN, k = kt * BK + half * 32;
+        const bool ok = n < NDIM && k < KDIM;  // KDIM % 32 == 0 (a group is whole 16-byte vectors)
+        const unsigned char* wb = NMAT > 1 && m > 0 ? wbase[NMAT - 1] : wbase[0];
+        cp_async16(st + u32(ST_X + row * CPITCH + half * 16), ok ? wb + i64(n) * ROW_BYTES(KDIM) + VEC_BYTES_AT(k) : wb,
+                   ok ? 16 : 0);
+      }
+#pragma unroll
+      for (int i = 0; i < (BROWS * NP + MMA_NT - 1) / MMA_NT; ++i) {
+        const int idx = tid + MMA_NT * i, row = idx / NP, p = idx % NP;
+        if (idx < BROWS * NP) {
+          const int m = row / FBN, n = n0 + row % FBN, k0 = kt * BK + p * GP;
+          const bool ok = n < NDIM && k0 < KDIM, m1 = NMAT > 1 && m > 0;
+          const i64 gi = ok ? i64(n) * (KDIM / GROUP) + k0 / GROUP : 0;
+          const i64 off = (gi * ESIZE_SCALE) & ~i64(3);
+          cp_async4(st + u32(ST_X + ST_C + idx * 4), (m1 ? sbase[NMAT - 1] : sbase[0]) + off, ok ? 4 : 0);
+          cp_async4(st + u32(ST_X + ST_C + ST_S + idx * 4), (m1 ? bbase[NMAT - 1] : bbase[0]) + off, ok ? 4 : 0);
+        }
+      }
+    }
+    cp_async_commit();  // every thread, every call: the waits count groups
+  };
+  // Stage kt's x rows -> A tile (kt & 1) as bf16 hi (+ lo), and Σx per group part: moe_mma_block's store() for a
+  // 16-row tile (the same thread per chunk, the same xor tree).
+  auto convert = [&](int kt) {
+    const int b = kt & 1, row = tid / (BK / 4), col = (tid % (BK / 4)) * 4;
+    const float4 v = *reinterpret_cast<const float4*>(moe_ring + (kt % FRAG) * STAGE + tid * 16);
+    u32 h0, l0, h1, l1;
+    split2_bf16(v.x, v.y, h0, l0);
+    split2_bf16(v.z, v.w, h1, l1);
+    *reinterpret_cast<uint2*>(&Ah[b][row * PITCH + col]) = make_uint2(h0, h1);
+    if (XS == 2) *reinterpret_cast<uint2*>(&Al[b][row * PITCH + col]) = make_uint2(l0, l1);
+    float ps = (v.x + v.y) + (v.z + v.w);
+#pragma unroll
+    for (int o = LP / 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+    const int q = tid % (BK / 4);
+    if (q % LP == 0) sxs[b][row * NP + q / LP] = ps;
+  };
+
+  float acc[NTW][4], accg[NTW][4];
+#pragma unroll
+  for (int j = 0; j < NTW; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[j][q] = accg[j][q] = 0.f;
+  // n8 tile j of this warp: matrix j / NTM, columns w·WC + 8·(j % NTM) .. + 7 of it; its stage row for lane group g.
+  auto tile_row = [&](int j) { return (j / NTM) * FBN + warp * WC + 8 * (j % NTM); };
+  const u32 sel = u32(t4) | u32(4 + t4) << 8;
+  // ldmatrix: lane l gives row (l & 15) at k offset 8·(l >> 4) of the step.
+  const u32 a_lane = u32(((lane & 15) * PITCH + 8 * (lane >> 4)) * 2);
+  const u32 ah0 = smem_addr(&Ah[0][0]) + a_lane, al0 = smem_addr(&Al[0][0]) + a_lane;
+  constexpr u32 AH_BYTES = sizeof(Ah[0]), AL_BYTES = sizeof(Al[0]);  // one buffer (a selector, not an array index)
+
+#pragma unroll
+  for (int s = 0; s + 1 < FRAG; ++s) issue(s);
+  cp_async_wait<FRAG - 2>();
+  __syncthreads();
+  convert(0);
+#pragma unroll 1
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<FRAG - 3>();  // this thread's copies of block kt + 1 have landed
+    __syncthreads();            // everyone's have; A tile kt & 1 is written; block kt - 1's reads are done
+    issue(kt + FRAG - 1);       // into the slot block kt - 1 left
+    if (kt + 1 < KT) convert(kt + 1);
+    const unsigned char* st = moe_ring + (kt % FRAG) * STAGE;
+    const int b = kt & 1;
+    uint4 cw[NTW][2];  // the 32 bytes of codes of this lane's row of each n8 tile: words 2·kk, 2·kk + 1 per k16 step
+#pragma unroll
+    for (int j = 0; j < NTW; ++j) {
+      const uint4* src = reinterpret_cast<const uint4*>(st + ST_X + (tile_row(j) + g) * CPITCH);
+      cw[j][0] = src[0];
+      cw[j][1] = src[1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const int k = kt * BK + kk * 16;
+      if (k >= KDIM) break;  // uniform; the K tail of a block holds zeros
+      u32 ah[4], al[4];
+      ldsm_x4(ah, ah0 + b * AH_BYTES + kk * 32);
+      if (XS == 2) ldsm_x4(al, al0 + b * AL_BYTES + kk * 32);
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) {
+        const uint4 c = cw[j][kk >> 1];
+        const u32 bq[2] = {q4_byte_bf16x2((kk & 1) ? c.z : c.x, sel), q4_byte_bf16x2((kk & 1) ? c.w : c.y, sel)};
+        moe_mma_bf16(accg[j], ah, bq);
+        if (XS == 2) moe_mma_bf16(accg[j], al, bq);
+      }
+      const int p = (kk * 16) / GP;
+      const bool part_end = (kk * 16 + 16) % GP == 0;  // compile time
+      const bool group_end = (k + 16) % GROUP == 0;
+      if (group_end || part_end) {
+        const u32* sw = reinterpret_cast<const u32*>(st + ST_X + ST_C);
+        const u32* bw = reinterpret_cast<const u32*>(st + ST_X + ST_C + ST_S);
+        const int k0 = kt * BK + p * GP;
+#pragma unroll
+        for (int j = 0; j < NTW; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int col = tile_row(j) + 2 * t4 + (q & 1), row = g + 8 * (q >> 1);
+            const i64 gi = i64(n0 + col % FBN) * (KDIM / GROUP) + k0 / GROUP;  // the word's half (2-byte scales)
+            if (group_end) {
+              acc[j][q] = fmaf(word_scalar<SDT>(sw[col * NP + p], gi), accg[j][q], acc[j][q]);
+              accg[j][q] = 0.f;
+            }
+            if (part_end) acc[j][q] = fmaf(word_scalar<SDT>(bw[col * NP + p], gi), sxs[b][row * NP + p], acc[j][q]);
+          }
+      }
+    }
+  }
+  cp_async_wait<0>();  // no copy may still target this block's shared memory when it exits
+
+  // Epilogue: c0,c1 at (row g, cols 2·t4, 2·t4+1), c2,c3 at row g + 8.
+#pragma unroll
+  for (int jj = 0; jj < NTM; ++jj)
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+      const int row = g + 8 * hrow, n = n0 + warp * WC + 8 * jj + 2 * t4;
+      if (row >= rn || n >= NDIM) continue;  // NDIM is even (a multiple of CPV)
+      float2 v;
+      if constexpr (NMAT == 2) {  // gate, up -> act = silu(gate) · up
+        v.x = silu(acc[jj][2 * hrow]) * acc[NTM + jj][2 * hrow];
+        v.y = silu(acc[jj][2 * hrow + 1]) * acc[NTM + jj][2 * hrow + 1];
+        *reinterpret_cast<float2*>(reinterpret_cast<float*>(a.act) + i64(r0 + row) * INTER + n) = v;
+      } else {
+        v.x = acc[0 + jj][2 * hrow];
+        v.y = acc[0 + jj][2 * hrow + 1];
+        *reinterpret_cast<float2*>(reinterpret_cast<float*>(a.y) + i64(r0 + row) * HID + n) = v;
+      }
+    }
+}
+#endif  // FRAG
+
 extern "C" __global__ void __launch_bounds__(MMA_NT, 2) moe_gate_up_mma(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
+#if FRAG
+  moe_frag_block<2, 128, HID, INTER, true>(a, 0);
+#else
   moe_mma_block<2, 64, HID, INTER, true>(a, 0);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_NT, 2) moe_down_mma(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
+#if FRAG
+  moe_frag_block<1, 256, INTER, HID, false>(a, 2);
+#else
   moe_mma_block<1, 128, INTER, HID, false>(a, 2);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
