@@ -254,6 +254,10 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (o.moe_frag != 0 && (o.moe_frag < 3 || o.moe_frag > 6))
       throw std::invalid_argument("backend option moe_frag must be 0 (off) or 3 to 6 stages, got " +
                                   std::to_string(o.moe_frag));
+    if (!opt("attn_prefill_keys").is_none()) o.attn_prefill_keys = nb::cast<int>(opt("attn_prefill_keys"));
+    if (o.attn_prefill_keys != 16 && o.attn_prefill_keys != 32)
+      throw std::invalid_argument("backend option attn_prefill_keys must be 16 or 32, got " +
+                                  std::to_string(o.attn_prefill_keys));
     if (!opt("cache_dir").is_none()) o.cache_dir = nb::cast<std::string>(opt("cache_dir"));
     if (!opt("dry_arch").is_none()) o.dry_arch = nb::cast<int>(opt("dry_arch"));
     if (o.dry_arch == 0 && !nb::cast<bool>(b["usable"]))

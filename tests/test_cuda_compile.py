@@ -299,10 +299,10 @@ def test_moe_pipe_option_compiles_and_reports(cache, pipe):
             core.OpBench("cuda", {"dry_arch": 90, "moe_pipe": bad})
 
 
-@pytest.mark.parametrize("frag", [None, 0, 3, 6])
+@pytest.mark.parametrize("frag", [None, 0, 4, 6])
 def test_moe_frag_option_compiles_and_reports(cache, frag):
     """moe_frag: the MoE prefill GEMMs of the real shapes with 16-row tiles (T = 64, T·k/E < 32) widen each warp's
-    4-bit codes into B fragments in registers, their K blocks through a cp.async ring of that many stages (default 4);
+    4-bit codes into B fragments in registers, their K blocks through a cp.async ring of that many stages (default 3);
     0 keeps the shared bf16 weight tile; 8-bit experts keep it too, and the report says why; bad values are refused."""
     c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
                                           source="FULL_CONFIG").to_core()
@@ -317,11 +317,13 @@ def test_moe_frag_option_compiles_and_reports(cache, frag):
               weights=b.empty(T, K, poison=False), gate=g, up=u, down=d, ws=ws, out=b.empty(T, H, poison=False))
         text = b.report()["variants"]["moe.experts.prefill"]
         assert "16-row tiles" in text, text
-        stages = 4 if frag is None else frag
+        stages = 3 if frag is None else frag
         if kind == "q4" and stages:
             stage = 16 * 64 * 4 + 256 * 48 + 2 * 256 * 4  # x rows f32, codes at a 48-byte pitch, scale and bias words
+            per_sm = 3 if stages == 3 else 2  # 3 blocks' shared memory fits an H100's 228 KB with 3 stages only
             assert (f"each warp's weight codes widened to B fragments in registers, no bf16 weight tile; a cp.async "
-                    f"ring of {stages} K blocks ({stages * stage} bytes of shared memory)") in text, text
+                    f"ring of {stages} K blocks ({stages * stage} bytes of shared memory, {per_sm} blocks per SM)"
+                    ) in text, text
         else:
             why = "8-bit codes" if stages else "moe_frag = 0"
             assert f"a shared bf16 weight tile, register prefetch one K block ahead ({why})" in text, text
@@ -383,3 +385,26 @@ def test_fused_delta_forms_compile_for_the_real_shape(cache, form):
     for bad in ("both", 2):
         with pytest.raises(ValueError, match="backend option fused_delta must be"):
             core.OpBench("cuda", {"dry_arch": 90, "fused_delta": bad})
+
+
+@pytest.mark.parametrize("keys", [None, 16, 32])
+def test_attn_prefill_keys_option_compiles_and_reports(cache, keys):
+    """attn_prefill_keys: the tensor-core prefill attention of the real shape (bf16 caches) compiles with K/V tiles of
+    16 keys (the default: 101 KB of shared memory, two blocks per SM) or 32 (135 KB), and the report says which;
+    other values are refused naming the option."""
+    c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
+                                          source="FULL_CONFIG").to_core()
+    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **({} if keys is None else {"attn_prefill_keys": keys})})
+    shape = dict(heads=c["heads"], kv_heads=c["kv_heads"], head_dim=c["head_dim"], rotary_dim=c["rotary_dim"],
+                 rope_theta=c["rope_theta"], eps=1e-6)
+    hd, qh, kvh, T = c["head_dim"], c["heads"], c["kv_heads"], 64
+    kc, vc = b.empty(kvh * 4096, hd, "bf16", poison=False), b.empty(kvh * 4096, hd, "bf16", poison=False)
+    b.run("attention", "prefill", q=b.empty(T, qh * hd, poison=False), gate=b.empty(T, qh * hd, poison=False),
+          k_cache=kc, v_cache=vc, pos=b.empty(1, 1, "i32", poison=False), max_ctx=4096,
+          ws=b.workspace(c, T, 4096), out=b.empty(T, qh * hd, poison=False), **shape)
+    n = 16 if keys is None else keys
+    text = b.report()["variants"]["attention.prefill"]
+    assert f"K/V tiles of {n} rows via cp.async (2 stages, {(2 * 64 + 4 * n) * (hd * 2 + 16)} bytes" in text, text
+    for bad in (8, 64, 0):
+        with pytest.raises(ValueError, match="attn_prefill_keys"):
+            core.OpBench("cuda", {"dry_arch": 90, "attn_prefill_keys": bad})

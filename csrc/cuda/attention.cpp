@@ -153,17 +153,22 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
   // the fp32 kernel (tests compare the two).
   const char* force = std::getenv("LILY_CUDA_ATTENTION_PREFILL");
   const bool want_fp32 = force && std::string(force) == "fp32";
-  const int mm_smem = int((2 * 64 + 4 * 32) * (D * 2 + 16));
+  const int keys = options().attn_prefill_keys;
+  const int mm_smem = int((2 * 64 + 4 * keys) * (D * 2 + 16));
   if (code == 2 && 64 % G == 0 && !want_fp32 && mm_smem <= info().max_smem_optin) {
-    const Kernel& mm = kernel("attention", "attn_prefill_mma", defs);
+    Defines mm_defs = defs;
+    mm_defs.push_back({"MM_BN", keys});
+    const Kernel& mm = kernel("attention", "attn_prefill_mma", mm_defs);
     if (mm_smem > 48 * 1024) set_dynamic_smem(mm, mm_smem);
     const int64_t qt = 64 / G;
     launch(mm, Dim3{unsigned(ceil_div(T, qt)), unsigned(s.kv_heads), 1}, Dim3{128, 1, 1}, uint32_t(mm_smem), ptr(q),
            int64_t(q.stride), ptr(gate), int64_t(gate.stride), ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx),
            int(T), scale, ptr(out), int64_t(out.stride));
     note_variant("attention.prefill", "mma.sync bf16 flash: 64 query rows (" + std::to_string(qt) + " tokens × " +
-                                          std::to_string(G) + " heads) per block of 4 warps, K/V tiles of 32 rows " +
-                                          "via cp.async (2 stages), q and p as bf16 hi + lo, fp32 softmax");
+                                          std::to_string(G) + " heads) per block of 4 warps, K/V tiles of " +
+                                          std::to_string(keys) + " rows via cp.async (2 stages, " +
+                                          std::to_string(mm_smem) + " bytes of shared memory), q and p as bf16 " +
+                                          "hi + lo, fp32 softmax");
     return;
   }
   const int64_t es = code == 2 ? 2 : 4;

@@ -86,9 +86,12 @@ struct CudaOptions {
   int moe_pipe = 3;
   // MoE prefill GEMMs of 4-bit affine experts with 16-row tiles (T·k/E < 32): each warp widens its own columns' codes
   // into B fragments in registers (no bf16 weight tile in shared memory), the raw K blocks through a cp.async ring of
-  // this many stages (3..6; fewer if the device's shared memory is smaller); 0 = the shared bf16 tile. The same bits.
-  // benchmarks/NOTES.md.
-  int moe_frag = 4;
+  // this many stages (3..6; fewer if the device's shared memory is smaller; 3 leave room for 3 blocks per SM); 0 = the
+  // shared bf16 tile. The same bits. benchmarks/NOTES.md.
+  int moe_frag = 3;
+  // Prefill attention on tensor cores (bf16 caches): keys per K/V tile, 16 or 32. Shared memory per block is 101 KB or
+  // 135 KB at head dim 256: two blocks per SM or one. benchmarks/NOTES.md.
+  int attn_prefill_keys = 16;
   // Prefill GEMMs whose 64-row grid has at most a quarter (half) as many blocks as there are SMs (small T and small
   // N) run 16-row (32-row) tiles: 4x (2x) the blocks, the same bits. False: always 64 rows (A/B). benchmarks/NOTES.md.
   bool gemm_small_tiles = true;

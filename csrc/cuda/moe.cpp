@@ -102,6 +102,7 @@ struct ExpertsVariant {
   int rows_g = 1, bm = 16;
   int pipe = 0, pipe_smem = 0, static_smem = 0;  // prefill's cp.async ring: stages, its bytes, the tiles' bytes
   int frag = 0;  // 16-row tiles with the codes widened in registers (kernels/moe.cu FRAG): ring stages, 0 = off
+  int min_blocks = 2;  // blocks per SM the GEMMs' registers must allow (MMA_MINB)
 };
 
 }  // namespace
@@ -202,9 +203,13 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
       v.frag = stages;
       v.pipe_smem = int(stages * stage);
       v.static_smem = int(fixed);
+      // Three blocks per SM where their shared memory fits (the SM has the opt-in limit + 1 KB; each block costs 1 KB
+      // more): 24 warps to hide the latencies of a latency-bound kernel (ncu: 0.5 instructions per scheduler per
+      // cycle at 2 blocks), registers capped at 80 for it.
+      v.min_blocks = 3 * (stages * stage + fixed + 1024) <= smem_cap + 1024 ? 3 : 2;
       pipe_text = "each warp's weight codes widened to B fragments in registers, no bf16 weight tile; a cp.async ring "
                   "of " + std::to_string(stages) + " K blocks (" + std::to_string(v.pipe_smem) +
-                  " bytes of shared memory" +
+                  " bytes of shared memory, " + std::to_string(v.min_blocks) + " blocks per SM" +
                   (stages < frag ? ", fewer than moe_frag = " + std::to_string(frag) + " to fit the device"
                                  : std::string()) +
                   ")";
@@ -250,7 +255,8 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
                {"XS", phase == Phase::Prefill ? x_terms : 2},
                {"DP4A", dp4a ? 1 : 0},
                {"PIPE", v.pipe},
-               {"FRAG", v.frag}};
+               {"FRAG", v.frag},
+               {"MMA_MINB", v.min_blocks}};
   const std::string fmt = gate.describe() + (aligned ? ", 16-byte loads" : ", byte loads (unaligned weights)");
   if (phase == Phase::Decode)
     v.text = "moe_gate_up_decode (" + std::to_string(v.rows_g) + " gate+up rows per warp) + moe_down_decode (" +

@@ -301,7 +301,10 @@ class Engine:
         ``prefill_x_terms``; default 0), ``moe_pipe`` (MoE prefill GEMMs of affine experts with 64-row tiles: K
         blocks staged by cp.async in a ring of 2-4 stages, or 0 = registers one block ahead; default 3),
         ``gemm_small_tiles`` (prefill GEMMs whose grid would use at most a quarter (half) of the SMs run 16-row
-        (32-row) tiles, the same bits; default True),
+        (32-row) tiles, the same bits; default True), ``moe_frag`` (MoE prefill GEMMs of 4-bit experts with 16-row
+        tiles: each warp widens its own columns' codes into tensor-core fragments in registers, the K blocks through
+        a cp.async ring of 3-6 stages, the same bits; 0 = a shared bf16 weight tile; default 3),
+        ``attn_prefill_keys`` (prefill attention on tensor cores: K/V tiles of 16 or 32 keys; default 16),
         ``cache_dir`` (compiled kernels;
         default ``$LILY_CACHE_DIR/cuda`` or ``~/.cache/lily/cuda``), ``dry_arch`` (compile for sm_N and run
         nothing: a compile check without a GPU)."""

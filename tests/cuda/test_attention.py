@@ -320,6 +320,25 @@ def test_attention_prefill_fp32_vs_mma(benches, s, monkeypatch):
 
 
 @pytest.mark.parametrize("s", [REAL] + AWKWARD, ids=["real"] + AWKWARD_IDS)
+def test_attention_prefill_mma_key_tiles(s):
+    """attn_prefill_keys: the tensor-core prefill with K/V tiles of 16 keys (two blocks per SM) and of 32, both within
+    the mma tolerance of the CPU on a chunk after a long context and on a first chunk whose length is not a multiple
+    of either tile, and the report names the tile."""
+    rng = np.random.default_rng(12)
+    for keys in (16, 32):
+        benches = core.OpBench("cpu"), core.OpBench("cuda", {"attn_prefill_keys": keys})
+        for T, pos0, max_ctx in ((77, 1000, 1100), (53, 0, 60)):
+            q, gate = _qgate(rng, s, T)
+            kc, vc = _cache(rng, s, max_ctx, pos0 + T), _cache(rng, s, max_ctx, pos0 + T)
+            c, g = _attention(benches, s, q, gate, kc, vc, pos0, max_ctx, "bf16", "prefill")
+            assert _rel(g, c) < 2e-5, (keys, T, pos0)
+        text = str(benches[1].report())
+        assert f"K/V tiles of {keys} rows via cp.async" in text, text
+    with pytest.raises(ValueError, match="attn_prefill_keys"):
+        core.OpBench("cuda", {"attn_prefill_keys": 64})
+
+
+@pytest.mark.parametrize("s", [REAL] + AWKWARD, ids=["real"] + AWKWARD_IDS)
 def test_attention_decode_fp32_vs_mma(benches, s, monkeypatch):
     """bf16 caches: the tensor-core decode and the fp32 decode kernel, both against the CPU."""
     rng = np.random.default_rng(10)

@@ -526,10 +526,14 @@ extern "C" __global__ void __launch_bounds__(PF_QT * 32) attn_prefill(
 // the products carry about 16 mantissa bits of q and p and the result stays within ~1e-6 of the fp32
 // kernel. Online softmax in fp32 on the S fragments (each lane: 2 rows × 2 columns per 8-key tile).
 // Shared memory: (2·MM_BM + 4·MM_BN) rows of D·2 + 16 bytes (the pad keeps ldmatrix conflict free):
-// 135 KB at D = 256. FLOPs 4× those of plain bf16 attention (the two halves of both products).
+// 135 KB at D = 256 with 32-key tiles (one block per SM: 4 warps), 101 KB with 16-key tiles (two blocks per SM at
+// 241 registers: twice the warps to hide the MMA and shared-load latencies; the backend option attn_prefill_keys). FLOPs 4× those of plain bf16 attention (the two halves of both products).
 #if KV_BF16 && (64 % GROUP == 0)
 #define MM_BM 64
-#define MM_BN 32
+#ifndef MM_BN
+#define MM_BN 32  // keys per K/V tile (the host's attn_prefill_keys: 16 or 32)
+#endif
+static_assert(MM_BN == 16 || MM_BN == 32, "attn_prefill_mma: K/V tiles of 16 or 32 keys");
 constexpr int MM_QT = MM_BM / G;
 constexpr int MM_PITCH = D * 2 + 16;  // bytes per staged row
 constexpr int MM_NT = D / 8;          // n-tiles of the output

@@ -1151,6 +1151,9 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
       }
 }
 
+#ifndef MMA_MINB
+#define MMA_MINB 2  // blocks per SM the GEMMs' registers must allow (FRAG_MINB for moe_frag_block)
+#endif
 #if FRAG
 // ---------------------------------------------------------------------------------------------
 // FRAG = S (the host's moe_frag; 4-bit affine experts, 16-byte loads, 16-row tiles): the weights never become a bf16
@@ -1373,7 +1376,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
 }
 #endif  // FRAG
 
-extern "C" __global__ void __launch_bounds__(MMA_NT, 2) moe_gate_up_mma(const MoeArgs a) {
+extern "C" __global__ void __launch_bounds__(MMA_NT, MMA_MINB) moe_gate_up_mma(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
 #if FRAG
   moe_frag_block<2, 128, HID, INTER, true>(a, 0);
@@ -1382,7 +1385,7 @@ extern "C" __global__ void __launch_bounds__(MMA_NT, 2) moe_gate_up_mma(const Mo
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(MMA_NT, 2) moe_down_mma(const MoeArgs a) {
+extern "C" __global__ void __launch_bounds__(MMA_NT, MMA_MINB) moe_down_mma(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
 #if FRAG
   moe_frag_block<1, 256, INTER, HID, false>(a, 2);
