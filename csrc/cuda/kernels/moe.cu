@@ -56,10 +56,15 @@
 //       Epilogue: act = silu(g)·u to the workspace (sorted rows). Tiles past the map's count exit at once.
 //     moe_down_mma: the same kernel shape on act (sorted rows, K = I) × down (N = H, 128 columns per
 //       block) -> y (sorted rows, fp32).
+//     FRAG = S (4-bit affine, 16-row tiles; the host's moe_frag): both GEMMs as moe_frag_block instead, grid
+//       (max_tiles, ⌈I/128⌉) and (max_tiles, ⌈H/256⌉): 256 weight rows per block, each warp widening its own
+//       rows' codes into B fragments in registers (no bf16 weight tile), A by ldmatrix, raw K blocks by a
+//       cp.async ring of S stages; the same MMAs in the same order, so the same bits (see its section).
 //     moe_expert_sum: grid T, block 256: out[t] = Σ_s w[t,s]·y[pair_pos[t,s]] in (id, slot) order.
 //   -D WKIND (0 dense, 1 affine), WDT (dense dtype code), BITS, GROUP, SDT (scale dtype code), ALIGNED
 //   (1: every weight/activation address and stride allows 16-byte loads; 0: byte loads, a slow but
-//   correct path for unpadded checkpoints), DP4A (decode, above), PIPE (prefill ring stages, 0 = off), NEXP, TOPK, HID,
+//   correct path for unpadded checkpoints), DP4A (decode, above), PIPE (prefill ring stages, 0 = off), FRAG (the
+//   16-row tiles' ring stages, 0 = off), MMA_MINB (blocks per SM the GEMMs' registers allow), NEXP, TOPK, HID,
 //   INTER, ROWS_G, ROWS_D, LPR, BM (16 or 64,
 //   picked on the host from the expected rows per expert T·k/E; the sums do not depend on it: each output
 //   element accumulates its K steps in the same order whatever BM is).
