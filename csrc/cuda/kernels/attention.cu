@@ -393,20 +393,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_reduce(
 // ---------------------------------------------------------------------------------------------------
 // prefill
 // ---------------------------------------------------------------------------------------------------
-// ---- PTX wrappers (sm_80+): ldmatrix, mma.sync (cp.async: common.cuh) ----
-// Four 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
+// ---- PTX wrappers (sm_80+): mma.sync (ldmatrix and cp.async: common.cuh) ----
 // c[16x8] += a[16x16] (row) · b[16x8] (col), bf16 operands, fp32 accumulation.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
   asm volatile(

@@ -769,6 +769,22 @@ __device__ __forceinline__ void moe_mma_bf16(float* c, const u32* a, const u32* 
 static_assert(GROUP % 16 == 0, "prefill: affine groups are multiples of 16 (one k16 MMA step)");
 #endif
 
+// Epilogue, one lane's two adjacent outputs (a sorted row, columns n and n + 1) from accumulator fragments: gate/up
+// (c = gate, u = up of the same columns) -> act = silu(gate)·up; down (c) -> y.
+template <int NMAT>
+__device__ __forceinline__ void moe_store_pair(const MoeArgs& a, i64 row, int n, const float* c, const float* u) {
+  float2 v;
+  if constexpr (NMAT == 2) {
+    v.x = silu(c[0]) * u[0];
+    v.y = silu(c[1]) * u[1];
+    *reinterpret_cast<float2*>(reinterpret_cast<float*>(a.act) + row * INTER + n) = v;
+  } else {
+    v.x = c[0];
+    v.y = c[1];
+    *reinterpret_cast<float2*>(reinterpret_cast<float*>(a.y) + row * HID + n) = v;
+  }
+}
+
 // One block: BM sorted rows of one expert × BN columns of NMAT weight matrices (mat0, mat0 + 1, ...).
 // A rows: GATHER ? x[pair_token[row]] : act[row]; K = KDIM; weights [N = NDIM, KDIM] per expert.
 template <int NMAT, int BN, int KDIM, int NDIM, bool GATHER>
@@ -1143,21 +1159,12 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
       for (int hrow = 0; hrow < 2; ++hrow) {
         const int row = wm * WTM + i * 16 + g + 8 * hrow, n = n0 + wn * WTN + j * 8 + 2 * t4;
         if (row >= rn || n >= NDIM) continue;  // NDIM is even (a multiple of CPV)
-        float2 v;
-        if constexpr (NMAT == 2) {  // gate, up -> act = silu(gate) · up
-          v.x = silu(acc[0][i][j][2 * hrow]) * acc[NMAT - 1][i][j][2 * hrow];
-          v.y = silu(acc[0][i][j][2 * hrow + 1]) * acc[NMAT - 1][i][j][2 * hrow + 1];
-          *reinterpret_cast<float2*>(reinterpret_cast<float*>(a.act) + i64(r0 + row) * INTER + n) = v;
-        } else {
-          v.x = acc[0][i][j][2 * hrow];
-          v.y = acc[0][i][j][2 * hrow + 1];
-          *reinterpret_cast<float2*>(reinterpret_cast<float*>(a.y) + i64(r0 + row) * HID + n) = v;
-        }
+        moe_store_pair<NMAT>(a, i64(r0 + row), n, &acc[0][i][j][2 * hrow], &acc[NMAT - 1][i][j][2 * hrow]);
       }
 }
 
 #ifndef MMA_MINB
-#define MMA_MINB 2  // blocks per SM the GEMMs' registers must allow (FRAG_MINB for moe_frag_block)
+#define MMA_MINB 2  // blocks per SM the GEMMs' registers must allow (the host asks 3 for moe_frag_block's 3 stages)
 #endif
 #if FRAG
 // ---------------------------------------------------------------------------------------------
@@ -1187,14 +1194,6 @@ __device__ __forceinline__ u32 q4_byte_bf16x2(u32 w, u32 sel) {
   p = (p & 0x000F000Fu) | 0x43004300u;
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
   return p;
-}
-
-// The A fragment of one m16 × k16 step: matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
-__device__ __forceinline__ void ldsm_x4(u32* r, u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
 }
 
 // One block: 16 sorted rows of one expert × FBN columns of each of NMAT matrices (NMAT · FBN = 256 weight rows);
@@ -1297,7 +1296,8 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
   // n8 tile j of this warp: matrix j / NTM, columns w·WC + 8·(j % NTM) .. + 7 of it; its stage row for lane group g.
   auto tile_row = [&](int j) { return (j / NTM) * FBN + warp * WC + 8 * (j % NTM); };
   const u32 sel = u32(t4) | u32(4 + t4) << 8;
-  // ldmatrix: lane l gives row (l & 15) at k offset 8·(l >> 4) of the step.
+  // The A fragment of a k16 step by ldmatrix (common.cuh): matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
+  // (8-15, 8-15), so lane l gives row (l & 15) at k offset 8·(l >> 4) of the step.
   const u32 a_lane = u32(((lane & 15) * PITCH + 8 * (lane >> 4)) * 2);
   const u32 ah0 = smem_addr(&Ah[0][0]) + a_lane, al0 = smem_addr(&Al[0][0]) + a_lane;
   constexpr u32 AH_BYTES = sizeof(Ah[0]), AL_BYTES = sizeof(Al[0]);  // one buffer (a selector, not an array index)
@@ -1367,16 +1367,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
     for (int hrow = 0; hrow < 2; ++hrow) {
       const int row = g + 8 * hrow, n = n0 + warp * WC + 8 * jj + 2 * t4;
       if (row >= rn || n >= NDIM) continue;  // NDIM is even (a multiple of CPV)
-      float2 v;
-      if constexpr (NMAT == 2) {  // gate, up -> act = silu(gate) · up
-        v.x = silu(acc[jj][2 * hrow]) * acc[NTM + jj][2 * hrow];
-        v.y = silu(acc[jj][2 * hrow + 1]) * acc[NTM + jj][2 * hrow + 1];
-        *reinterpret_cast<float2*>(reinterpret_cast<float*>(a.act) + i64(r0 + row) * INTER + n) = v;
-      } else {
-        v.x = acc[0 + jj][2 * hrow];
-        v.y = acc[0 + jj][2 * hrow + 1];
-        *reinterpret_cast<float2*>(reinterpret_cast<float*>(a.y) + i64(r0 + row) * HID + n) = v;
-      }
+      moe_store_pair<NMAT>(a, i64(r0 + row), n, &acc[jj][2 * hrow], &acc[(NMAT - 1) * NTM + jj][2 * hrow]);
     }
 }
 #endif  // FRAG
