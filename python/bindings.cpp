@@ -254,6 +254,12 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (o.moe_frag != 0 && (o.moe_frag < 3 || o.moe_frag > 6))
       throw std::invalid_argument("backend option moe_frag must be 0 (off) or 3 to 6 stages, got " +
                                   std::to_string(o.moe_frag));
+    if (!opt("moe_frag32_rows").is_none()) o.moe_frag32_rows = nb::cast<int>(opt("moe_frag32_rows"));
+    if (!opt("moe_tile64_rows").is_none()) o.moe_tile64_rows = nb::cast<int>(opt("moe_tile64_rows"));
+    if (o.moe_frag32_rows < 1 || o.moe_tile64_rows < 0 || o.moe_frag32_rows > (1 << 20) || o.moe_tile64_rows > (1 << 20))
+      throw std::invalid_argument("backend options moe_frag32_rows and moe_tile64_rows must be 1 to 2^20 expected rows "
+                                  "per expert (moe_tile64_rows 0: by format), got " + std::to_string(o.moe_frag32_rows) +
+                                  " and " + std::to_string(o.moe_tile64_rows));
     if (!opt("attn_prefill_keys").is_none()) o.attn_prefill_keys = nb::cast<int>(opt("attn_prefill_keys"));
     if (o.attn_prefill_keys != 16 && o.attn_prefill_keys != 32)
       throw std::invalid_argument("backend option attn_prefill_keys must be 16 or 32, got " +

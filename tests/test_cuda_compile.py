@@ -263,7 +263,8 @@ def test_moe_pipe_option_compiles_and_reports(cache, pipe):
     c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
                                           source="FULL_CONFIG").to_core()
     H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
-    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **({} if pipe is None else {"moe_pipe": pipe})})
+    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, "moe_tile64_rows": 32,
+                              **({} if pipe is None else {"moe_pipe": pipe})})
     for T, bm in ((64, 16), (1024, 64)):
         x = b.empty(T, H, poison=False)
         g, u, d = (b.weight(_zeros_weight(I, H, "q4", E)), b.weight(_zeros_weight(I, H, "q4", E)),
@@ -330,6 +331,43 @@ def test_moe_frag_option_compiles_and_reports(cache, frag):
     for bad in (1, 2, 7, -1):
         with pytest.raises(ValueError, match="moe_frag"):
             core.OpBench("cuda", {"dry_arch": 90, "moe_frag": bad})
+
+
+@pytest.mark.parametrize("opts,heights", [({}, (16, 16, 32, 32)), ({"moe_frag32_rows": 1}, (32, 32, 32, 32)),
+                                          ({"moe_frag32_rows": 1 << 20}, (16, 16, 16, 16)),
+                                          ({"moe_tile64_rows": 1}, (64, 64, 64, 64)),
+                                          ({"moe_tile64_rows": 32}, (16, 16, 64, 64)),
+                                          ({"moe_frag": 0}, (16, 16, 64, 64))])
+def test_moe_tile_heights_compile_and_report(cache, opts, heights):
+    """The MoE prefill tile height by the expected rows per expert T·k/E (2, 16, 32, 128 at T = 64, 512, 1K, 4K for the
+    real shapes): 4-bit fragment tiles of 16 rows below moe_frag32_rows (default 20), of 32 rows from it (128 weight
+    rows per block, a 15,360-byte ring stage), and, by default, never 64-row tiles (moe_tile64_rows = 0: 32 rows per
+    expert and up only for experts without fragment tiles, e.g. moe_frag = 0). Each compiles and the report says which
+    and why; values out of range are refused naming the options."""
+    c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
+                                          source="FULL_CONFIG").to_core()
+    H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
+    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
+    g, u, d = (b.weight(_zeros_weight(I, H, "q4", E)), b.weight(_zeros_weight(I, H, "q4", E)),
+               b.weight(_zeros_weight(H, I, "q4", E)))
+    for T, bm in zip((64, 512, 1024, 4096), heights):
+        ws = b.workspace(c, T, 4096)
+        b.run("moe_experts", "prefill", x=b.empty(T, H, poison=False), ids=b.empty(T, K, "i32", poison=False),
+              weights=b.empty(T, K, poison=False), gate=g, up=u, down=d, ws=ws, out=b.empty(T, H, poison=False))
+        text = b.report()["variants"]["moe.experts.prefill"]
+        assert f", {bm}-row tiles (" in text, (T, text)
+        frag = opts.get("moe_frag", 3) != 0 and bm != 64
+        assert ("each warp's weight codes widened to B fragments in registers" in text) == frag, text
+        if bm == 32:
+            assert f"32-row tiles (T·k/E ≥ {opts.get('moe_frag32_rows', 20)}: a second m16 tile" in text, text
+            assert "a cp.async ring of 3 K blocks (46080 bytes of shared memory, 3 blocks per SM)" in text, text
+        if bm == 64:
+            t64 = opts.get("moe_tile64_rows", 0)
+            assert (f"64-row tiles (T·k/E ≥ {t64}, moe_tile64_rows)" if t64 else "64-row tiles (T·k/E ≥ 32)") in text
+            assert "cp.async ring of 3 K blocks" in text, text
+    for bad in ({"moe_frag32_rows": 0}, {"moe_tile64_rows": -3}, {"moe_frag32_rows": (1 << 20) + 1}):
+        with pytest.raises(ValueError, match="moe_frag32_rows and moe_tile64_rows"):
+            core.OpBench("cuda", {"dry_arch": 90, **bad})
 
 
 @pytest.mark.parametrize("mode", [None, "decode", "all", True, "off", False])

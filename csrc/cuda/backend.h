@@ -89,6 +89,13 @@ struct CudaOptions {
   // this many stages (3..6; fewer if the device's shared memory is smaller; 3 leave room for 3 blocks per SM); 0 = the
   // shared bf16 tile. The same bits. benchmarks/NOTES.md.
   int moe_frag = 3;
+  // The MoE prefill tile height by the expected rows per expert T·k/E: from moe_frag32_rows the fragment tiles (above)
+  // take 32 rows, two m16 tiles per warp on the same widened codes (an expert with 17-32 rows has its weights read
+  // once instead of by two 16-row tiles); from moe_tile64_rows the tiles take 64 rows (the shared bf16 tile and the
+  // moe_pipe ring); 0 = by format: 32 for experts without fragment tiles, never for those with them (32-row fragment
+  // tiles measured faster at every length). The same bits at any height. benchmarks/NOTES.md.
+  int moe_frag32_rows = 20;
+  int moe_tile64_rows = 0;
   // Prefill attention on tensor cores (bf16 caches): keys per K/V tile, 16 or 32. Shared memory per block is 101 KB or
   // 135 KB at head dim 256: two blocks per SM or one. benchmarks/NOTES.md.
   int attn_prefill_keys = 16;

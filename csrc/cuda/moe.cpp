@@ -47,8 +47,8 @@ constexpr int64_t kMaxTopk = 16;
 constexpr int kDecodeRowsDown = 8;    // ROWS_D: output rows per moe_down_decode block
 constexpr int kMmaBlockN = 64;        // moe_gate_up_mma columns of gate (and of up) per block
 constexpr int kMmaBlockNDown = 128;   // moe_down_mma columns per block
-constexpr int kFragBlockN = 128;      // FRAG (16-row tiles, codes widened in registers): gate (and up) columns per block
-constexpr int kFragBlockNDown = 256;  // FRAG: down columns per block
+constexpr int kFragBlockN = 128;      // FRAG (codes widened in registers), 16-row tiles: gate (and up) columns per block
+constexpr int kFragBlockNDown = 256;  // FRAG, 16-row tiles: down columns per block (32-row tiles: half of each)
 constexpr unsigned kMmaThreads = 256;  // MMA_NT in kernels/moe.cu: threads of a GEMM block
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
@@ -101,7 +101,7 @@ struct ExpertsVariant {
   std::string text;  // for note_variant
   int rows_g = 1, bm = 16;
   int pipe = 0, pipe_smem = 0, static_smem = 0;  // prefill's cp.async ring: stages, its bytes, the tiles' bytes
-  int frag = 0;  // 16-row tiles with the codes widened in registers (kernels/moe.cu FRAG): ring stages, 0 = off
+  int frag = 0;  // 16 or 32-row tiles with the codes widened in registers (kernels/moe.cu FRAG): ring stages, 0 = off
   int min_blocks = 2;  // blocks per SM the GEMMs' registers must allow (MMA_MINB)
 };
 
@@ -160,19 +160,27 @@ int64_t mma_static_smem(const WeightFormat& w, int bm, int x_terms) {
          2 * 128 * np * 4 + bm * 4;
 }
 
-// FRAG's ring (kernels/moe.cu moe_frag_block): one stage's bytes (16 x rows of 64 f32, 256 weight rows of 48 bytes,
-// a scale and a bias word per row and group part), and the kernel's static arrays (two A tiles hi (+ lo), Σx, rows).
-int64_t frag_stage_bytes(const WeightFormat& w) { return 16 * 64 * 4 + 256 * 48 + 2 * 256 * group_parts(w) * 4; }
-int64_t frag_static_smem(const WeightFormat& w, int x_terms) {
-  return 2 * 16 * 72 * 2 * (x_terms == 2 ? 2 : 1) + (x_terms == 2 ? 0 : 2 * 16) + 2 * 16 * group_parts(w) * 4 + 16 * 4;
+// FRAG's ring (kernels/moe.cu moe_frag_block, bm = 16 or 32): one stage's bytes (bm x rows of 64 f32, 256 / (bm / 16)
+// weight rows of 48 bytes, a scale and a bias word per row and group part), and the kernel's static arrays (two A
+// tiles hi (+ lo), Σx, rows).
+int64_t frag_stage_bytes(const WeightFormat& w, int bm) {
+  const int64_t rows = 256 / (bm / 16);
+  return int64_t(bm) * 64 * 4 + rows * 48 + 2 * rows * group_parts(w) * 4;
+}
+int64_t frag_static_smem(const WeightFormat& w, int x_terms, int bm) {
+  return 2 * int64_t(bm) * 72 * 2 * (x_terms == 2 ? 2 : 1) + (x_terms == 2 ? 0 : 2 * 16) +
+         2 * int64_t(bm) * group_parts(w) * 4 + bm * 4;
 }
 
 // pipe: the backend option's stage count (0: the register path), lowered to what fits smem_cap next to the
 // static arrays; `scales4`: whether every scale and bias base and per-expert stride is 4-byte aligned (the ring
 // copies them as aligned 4-byte words).
+// frag32_from / tile64_from: the expected rows per expert T·k/E from which the fragment tiles take 32 rows and from
+// which the tiles take 64 (backend options moe_frag32_rows, moe_tile64_rows; tile64_from 0: 32 for experts without
+// fragment tiles, none for those with them).
 ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned, int x_terms,
                               bool dp4a_option, int pipe = 0, bool scales4 = false, int64_t smem_cap = 0,
-                              int frag = 0) {
+                              int frag = 0, int frag32_from = 20, int tile64_from = 0) {
   const int64_t E = gate.experts, H = gate.cols, I = gate.rows;
   const int cpv = codes_per_vector(gate);
   ExpertsVariant v;
@@ -182,24 +190,38 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
   const int64_t nit = (H / cpv + 31) / 32;  // 16-byte vectors per lane per gate/up row
   v.rows_g = int(std::max<int64_t>(1, std::min<int64_t>(4, 4 / nit)));
   const int lpr = next_pow2(I / cpv);
-  // Expected rows per expert T·k/E: ≥ 32 fills 64-row tiles; below, 16-row tiles waste less.
-  v.bm = phase == Phase::Prefill && T * k >= 32 * E ? 64 : 16;
-  std::string pipe_text;
-  if (phase == Phase::Prefill && v.bm == 16) {
-    // 16-row tiles: each warp's codes widened to B fragments in registers (FRAG) where the format allows, else the
-    // shared bf16 weight tile with register prefetch (a ring for that form measured slower: benchmarks/NOTES.md).
+  std::string pipe_text, rows_text;
+  if (phase == Phase::Prefill) {
+    // Fragment tiles (FRAG: each warp's 4-bit codes widened to B fragments in registers, no bf16 weight tile) where
+    // the format allows and a 3-stage ring fits; their height by the expected rows per expert r = T·k/E: 16 rows
+    // below frag32_from, else 32 (an expert with 17-32 rows then has its weights read and widened once, not by two
+    // 16-row tiles). Without them: the shared bf16 weight tile, 16 rows below tile64_from (register prefetch; a ring
+    // measured slower there), 64 rows from it (a cp.async ring of `pipe` stages). benchmarks/NOTES.md.
     const char* no_frag = frag == 0                ? "moe_frag = 0"
                           : !gate.quantized()      ? "dense weights"
                           : gate.bits != 4         ? "8-bit codes"
                           : !aligned || !scales4   ? "unaligned weights or scales"
                                                    : nullptr;
-    const int64_t stage = no_frag ? 0 : frag_stage_bytes(gate), fixed = no_frag ? 0 : frag_static_smem(gate, x_terms);
-    int stages = frag;
-    while (!no_frag && stages >= 3 && stages * stage + fixed > smem_cap) --stages;
-    if (no_frag || stages < 3) {
-      pipe_text = std::string("a shared bf16 weight tile, register prefetch one K block ahead (") +
-                  (no_frag ? no_frag : "a 3-stage ring exceeds the device's shared memory per block") + ")";
+    const int fbm = T * k >= int64_t(frag32_from) * E ? 32 : 16;
+    const int64_t stage = no_frag ? 0 : frag_stage_bytes(gate, fbm),  // group_parts needs an affine format
+                  fixed = no_frag ? 0 : frag_static_smem(gate, x_terms, fbm);
+    int stages = no_frag ? 0 : frag;
+    while (stages >= 3 && stages * stage + fixed > smem_cap) --stages;
+    if (!no_frag && stages < 3) no_frag = "a 3-stage ring exceeds the device's shared memory per block";
+    const bool tile64 = tile64_from > 0 ? T * k >= int64_t(tile64_from) * E : no_frag && T * k >= 32 * E;
+    const std::string t64 = tile64_from > 0 ? "T·k/E ≥ " + std::to_string(tile64_from) : "T·k/E ≥ 32";
+    if (tile64) {
+      v.bm = 64;
+      rows_text = " (" + t64 + (tile64_from > 0 ? ", moe_tile64_rows" : "") + ")";
+    } else if (no_frag) {
+      v.bm = 16;
+      rows_text = " (T·k/E < " + std::to_string(tile64_from > 0 ? tile64_from : 32) + ")";
+      pipe_text = std::string("a shared bf16 weight tile, register prefetch one K block ahead (") + no_frag + ")";
     } else {
+      v.bm = fbm;
+      rows_text = fbm == 32 ? " (T·k/E ≥ " + std::to_string(frag32_from) +
+                                  ": a second m16 tile per warp on the same widened codes, skipped for ≤ 16 rows)"
+                            : " (T·k/E < " + std::to_string(frag32_from) + ")";
       v.frag = stages;
       v.pipe_smem = int(stages * stage);
       v.static_smem = int(fixed);
@@ -214,7 +236,8 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
                                  : std::string()) +
                   ")";
     }
-  } else if (phase == Phase::Prefill) {
+  }
+  if (phase == Phase::Prefill && v.bm == 64) {
     if (pipe == 0) pipe_text = "register prefetch one K block ahead (moe_pipe = 0)";
     else if (!gate.quantized()) pipe_text = "register prefetch one K block ahead (dense weights: no cp.async ring)";
     else if (!aligned || !scales4) pipe_text = "register prefetch one K block ahead (unaligned weights or scales)";
@@ -270,7 +293,7 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
              std::string(gate.quantized() ? "exact codes with fp32 per-group scale/bias"
                          : gate.dtype == DType::BF16 ? "exact bf16 weights"
                                                      : "weights as hi + lo bf16") +
-             ", " + std::to_string(v.bm) + "-row tiles" + (v.bm == 64 ? " (T·k/E ≥ 32)" : " (T·k/E < 32)") + ", " +
+             ", " + std::to_string(v.bm) + "-row tiles" + rows_text + ", " +
              pipe_text +
              ") + moe_expert_sum, " + fmt;
   return v;
@@ -363,7 +386,8 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   for (int m = 0; m < 3 && scales4; ++m)
     scales4 = a.scales[m] % 4 == 0 && a.biases[m] % 4 == 0 && a.scale_stride[m] % 4 == 0 && a.bias_stride[m] % 4 == 0;
   const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x_terms(), options().gemv_dp4a,
-                                          options().moe_pipe, scales4, info().max_smem_optin, options().moe_frag);
+                                          options().moe_pipe, scales4, info().max_smem_optin, options().moe_frag,
+                                          options().moe_frag32_rows, options().moe_tile64_rows);
   if (ph == Phase::Decode) {
     note_variant("moe.experts.decode", v.text);
     const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
@@ -390,7 +414,8 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
     set_dynamic_smem(k2, v.pipe_smem, v.static_smem);
   }
   launch(kg, Dim3{1, 1, 1}, Dim3{1024, 1, 1}, 0, a);
-  const int bn1 = v.frag ? kFragBlockN : kMmaBlockN, bn2 = v.frag ? kFragBlockNDown : kMmaBlockNDown;
+  const int fmt = v.bm / 16;  // FRAG's m16 tiles per warp: a block covers 256 / fmt weight rows
+  const int bn1 = v.frag ? kFragBlockN / fmt : kMmaBlockN, bn2 = v.frag ? kFragBlockNDown / fmt : kMmaBlockNDown;
   launch(k1, Dim3{unsigned(a.max_tiles), unsigned((I + bn1 - 1) / bn1), 1}, Dim3{kMmaThreads, 1, 1},
          uint32_t(v.pipe_smem), a);
   launch(k2, Dim3{unsigned(a.max_tiles), unsigned((H + bn2 - 1) / bn2), 1}, Dim3{kMmaThreads, 1, 1},

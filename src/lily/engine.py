@@ -304,6 +304,9 @@ class Engine:
         (32-row) tiles, the same bits; default True), ``moe_frag`` (MoE prefill GEMMs of 4-bit experts with 16-row
         tiles: each warp widens its own columns' codes into tensor-core fragments in registers, the K blocks through
         a cp.async ring of 3-6 stages, the same bits; 0 = a shared bf16 weight tile; default 3),
+        ``moe_frag32_rows`` / ``moe_tile64_rows`` (the MoE prefill tile height by the expected rows per expert
+        T·k/E: from the first the fragment tiles take 32 rows, default 20; from the second the tiles take 64, default
+        0 = by format: from 32 for experts without fragment tiles, never for 4-bit ones; the same bits at any height),
         ``attn_prefill_keys`` (prefill attention on tensor cores: K/V tiles of 16 or 32 keys; default 16),
         ``cache_dir`` (compiled kernels;
         default ``$LILY_CACHE_DIR/cuda`` or ``~/.cache/lily/cuda``), ``dry_arch`` (compile for sm_N and run

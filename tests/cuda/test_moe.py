@@ -221,7 +221,7 @@ def test_experts_prefill(benches, spec, E, k, H, I):
 
 
 def test_experts_prefill_tiles_and_T(benches):
-    """T·k/E ≥ 32 selects 64-row tiles (q4, real H and inter, 16 experts, 80 tokens: 40 rows per expert),
+    """T·k/E ≥ 20 selects 32-row fragment tiles (q4, real H and inter, 16 experts, 80 tokens: 40 rows per expert),
     T = 7 16-row tiles. A token's output must not depend on the other tokens of the call or the tile size
     (chunked prefill equals one prefill bit for bit): the T = 7 call equals the first 7 rows of T = 80."""
     E, k, H, I = 16, 8, 2048, 512
@@ -229,7 +229,7 @@ def test_experts_prefill_tiles_and_T(benches):
     x, ids, w = token_inputs(5, E, k, H, 80)
     cpu, full = run_experts(benches, handles, "prefill", x, ids, w, E, k, H, I)
     assert rel_err(full, cpu) < PREFILL_TOL
-    assert "64-row tiles" in str(benches[1].report())
+    assert "32-row tiles" in str(benches[1].report())
     _, part = run_experts(benches, handles, "prefill", x[:7], ids[:7], w[:7], E, k, H, I)
     assert "16-row tiles" in str(benches[1].report())
     np.testing.assert_array_equal(part.view(np.uint32), full[:7].view(np.uint32))
@@ -243,10 +243,10 @@ RING_CASES = [c for c in EXPERT_CASES if c[0].startswith("q")] + [("q4g128-bf16"
 
 @pytest.mark.parametrize("spec,E,k,H,I", RING_CASES)
 def test_experts_prefill_ring_same_bits(spec, E, k, H, I):
-    """The cp.async ring (moe_pipe 2, 3, 4 stages; 64-row tiles, T·k/E ≥ 32) converts and multiplies what the
-    register path (moe_pipe = 0) does: the same bits, equal to the 16-row tiles' (T = 7: the first rows), within the
-    prefill tolerance of the CPU, and the report names the ring."""
-    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {"moe_pipe": p}) for p in (0, 2, 3, 4)]
+    """The cp.async ring (moe_pipe 2, 3, 4 stages; 64-row tiles, T·k/E ≥ moe_tile64_rows = 32) converts and
+    multiplies what the register path (moe_pipe = 0) does: the same bits, equal to the 16-row tiles' (T = 7: the
+    first rows), within the prefill tolerance of the CPU, and the report names the ring."""
+    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {"moe_pipe": p, "moe_tile64_rows": 32}) for p in (0, 2, 3, 4)]
     rng = np.random.default_rng(zlib.crc32(f"ring {spec} {E} {H} {I}".encode()))
     descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
     handles = [tuple(b.weight(d) for d in descs) for b in benches]
@@ -292,6 +292,38 @@ def test_experts_prefill_frag_same_bits(spec, E, k, H, I):
                 assert f"B fragments in registers, no bf16 weight tile; a cp.async ring of {f} K blocks" in text, text
             else:
                 assert "shared bf16 weight tile, register prefetch one K block ahead (8-bit codes)" in text, text
+
+
+@pytest.mark.parametrize("spec,E,k,H,I", [c for c in RING_CASES if c[0].startswith("q4")])
+def test_experts_prefill_frag32_same_bits(spec, E, k, H, I):
+    """The fragment tiles of 32 rows (moe_frag32_rows: two m16 tiles per warp on the same widened codes, the second
+    skipped when a tile has at most 16 rows) multiply what the 16-row fragment tiles, the shared bf16 tile and the
+    64-row tiles do: the same bits, within the prefill tolerance of the CPU. Expert 1 is in every token, so it spans
+    several 32-row tiles with a short last one; the others hold 1-16 or 17-32 rows by T. The reports name the height."""
+    opts = {"frag16": {"moe_frag32_rows": 1024}, "frag32": {"moe_frag32_rows": 1}, "shared16": {"moe_frag": 0},
+            "tile64": {"moe_tile64_rows": 1}}
+    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", o) for o in opts.values()]
+    rng = np.random.default_rng(zlib.crc32(f"frag32 {spec} {E} {H} {I}".encode()))
+    descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
+    handles = [tuple(b.weight(d) for d in descs) for b in benches]
+    for T in (1, 20, 45, min(300, (32 * E - 1) // k)):
+        x, ids, w = token_inputs(83 + T, E, k, H, T)
+        counts = np.bincount(ids.ravel(), minlength=E)
+        cpu, ref = run_experts(benches[:2], handles[:2], "prefill", x, ids, w, E, k, H, I)
+        assert rel_err(ref, cpu) < PREFILL_TOL, (spec, T)
+        assert "16-row tiles" in str_variants_experts(benches[1].report())
+        for name, b, h in zip(list(opts)[1:], benches[2:], handles[2:]):
+            _, gpu = run_experts((b, b), (h, h), "prefill", x, ids, w, E, k, H, I)
+            np.testing.assert_array_equal(gpu.view(np.uint32), ref.view(np.uint32),
+                                          err_msg=f"{spec} T={T} {name} rows per expert {counts.tolist()}")
+        if T * k >= E:  # T·k/E ≥ 1: the options' thresholds
+            text = str_variants_experts(benches[2].report())
+            assert "32-row tiles (T·k/E ≥ 1: a second m16 tile" in text, text
+            assert "64-row tiles (T·k/E ≥ 1, moe_tile64_rows)" in str_variants_experts(benches[4].report())
+        else:
+            assert "16-row tiles" in str_variants_experts(benches[2].report())
+    with pytest.raises(ValueError, match="moe_frag32_rows"):
+        core.OpBench("cuda", {"moe_frag32_rows": 0})
 
 
 def str_variants_experts(report) -> str:

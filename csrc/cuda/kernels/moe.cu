@@ -56,18 +56,19 @@
 //       Epilogue: act = silu(g)·u to the workspace (sorted rows). Tiles past the map's count exit at once.
 //     moe_down_mma: the same kernel shape on act (sorted rows, K = I) × down (N = H, 128 columns per
 //       block) -> y (sorted rows, fp32).
-//     FRAG = S (4-bit affine, 16-row tiles; the host's moe_frag): both GEMMs as moe_frag_block instead, grid
-//       (max_tiles, ⌈I/128⌉) and (max_tiles, ⌈H/256⌉): 256 weight rows per block, each warp widening its own
-//       rows' codes into B fragments in registers (no bf16 weight tile), A by ldmatrix, raw K blocks by a
-//       cp.async ring of S stages; the same MMAs in the same order, so the same bits (see its section).
+//     FRAG = S (4-bit affine, 16 or 32-row tiles; the host's moe_frag): both GEMMs as moe_frag_block instead, grid
+//       (max_tiles, ⌈I/128·BM/16⌉) and (max_tiles, ⌈H/256·BM/16⌉): 256 (BM 16) or 128 (BM 32) weight rows per
+//       block, each warp widening its own rows' codes into B fragments in registers (no bf16 weight tile) for
+//       BM/16 m16 tiles, A by ldmatrix, raw K blocks by a cp.async ring of S stages; the same MMAs in the same
+//       order, so the same bits (see its section).
 //     moe_expert_sum: grid T, block 256: out[t] = Σ_s w[t,s]·y[pair_pos[t,s]] in (id, slot) order.
 //   -D WKIND (0 dense, 1 affine), WDT (dense dtype code), BITS, GROUP, SDT (scale dtype code), ALIGNED
 //   (1: every weight/activation address and stride allows 16-byte loads; 0: byte loads, a slow but
 //   correct path for unpadded checkpoints), DP4A (decode, above), PIPE (prefill ring stages, 0 = off), FRAG (the
 //   16-row tiles' ring stages, 0 = off), MMA_MINB (blocks per SM the GEMMs' registers allow), NEXP, TOPK, HID,
-//   INTER, ROWS_G, ROWS_D, LPR, BM (16 or 64,
-//   picked on the host from the expected rows per expert T·k/E; the sums do not depend on it: each output
-//   element accumulates its K steps in the same order whatever BM is).
+//   INTER, ROWS_G, ROWS_D, LPR, BM (16, 32 (FRAG only) or 64, picked on the host from the expected rows per
+//   expert T·k/E and the format; the sums do not depend on it: each output element accumulates its K steps in
+//   the same order whatever BM is).
 //   Floors (Qwen3.6 q4g64): decode streams the k = 8 hit experts' 3·512·2048 weights at 0.5625 B each,
 //   4.7 MB per layer per token (plus T·k·(H+I)·4 B of activations); prefill reads every hit expert's
 //   weights once per BM-row tile (at most 453 MB per layer when all 256 are hit) and does 6·T·k·I·H FLOPs
@@ -1168,22 +1169,26 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #endif
 #if FRAG
 // ---------------------------------------------------------------------------------------------
-// FRAG = S (the host's moe_frag; 4-bit affine experts, 16-byte loads, 16-row tiles): the weights never become a bf16
-// tile in shared memory. Each warp owns its own columns (every B element has one consumer when the tile is a single
-// m16), so the lanes widen their codes straight into B fragments in registers. The 16-row tiles were bound by
-// shared-memory traffic (ncu at T = 512: L1/TEX 88%): per K block a 128-row block stored 16 KB of bf16 weights,
-// read them back, and every warp read the whole A tile for 2 n8 tiles. Here a block stages 256 weight rows as raw
-// codes (8 KB, pitch 48 bytes: conflict-free 16-byte reads), each warp reads its rows' 32-byte K blocks and the A
-// tile once (ldmatrix) for 4 n8 tiles. The raw K blocks (gathered x rows f32, codes, scale and bias words) come by
-// cp.async through a ring of S stages (S - 2 blocks in flight during a block's MMAs); the A tile is double
-// buffered, so a K block costs one barrier. Same MMA operands (the codes, x hi / lo), same order per output
-// (k16 steps, hi then lo, the group folds), same Σx tree: the bits of moe_mma_block at any BM.
-#if !(MMA_WM == 0 && BITS == 4 && ALIGNED && BM == 16)
-#error "FRAG needs 4-bit affine weights with 16-byte loads and 16-row tiles"
+// FRAG = S (the host's moe_frag; 4-bit affine experts, 16-byte loads, 16 or 32-row tiles): the weights never become a
+// bf16 tile in shared memory. Each warp owns its own columns (every B element has one consumer warp), so the lanes
+// widen their codes straight into B fragments in registers. The 16-row tiles were bound by shared-memory traffic (ncu
+// at T = 512: L1/TEX 88%): per K block a 128-row block stored 16 KB of bf16 weights, read them back, and every warp
+// read the whole A tile for 2 n8 tiles. Here a block stages its weight rows as raw codes (pitch 48 bytes:
+// conflict-free 16-byte reads), each warp reads its rows' 32-byte K blocks and the A tile once (ldmatrix). BM = 16:
+// a block covers 256 weight rows, 4 n8 tiles per warp. BM = 32 (FMT = 2 m16 tiles): 128 weight rows, 2 n8 tiles per
+// warp, and each widened B fragment feeds both m16 tiles, so an expert with 17-32 rows has its weights read and
+// widened once instead of by two 16-row tiles; a tile of at most 16 rows skips its second m16 tile's MMAs (uniform
+// over the block). The raw K blocks (gathered x rows f32, codes, scale and bias words) come by cp.async through a
+// ring of S stages (S - 2 blocks in flight during a block's MMAs); the A tile is double buffered, so a K block costs
+// one barrier. Same MMA operands (the codes, x hi / lo), same order per output (k16 steps, hi then lo, the group
+// folds), same Σx tree: the bits of moe_mma_block at any BM.
+#if !(MMA_WM == 0 && BITS == 4 && ALIGNED && (BM == 16 || BM == 32))
+#error "FRAG needs 4-bit affine weights with 16-byte loads and 16 or 32-row tiles"
 #endif
 #if FRAG < 3 || PIPE
 #error "FRAG: at least 3 ring stages, and not with PIPE"
 #endif
+#define FMT (BM / 16)  // m16 tiles per warp
 
 // bf16x2 (lo nibble, hi nibble) of byte t4 of w (sel = t4 | (4 + t4) << 8): byte t4 of w and of w >> 4 land in
 // bytes 0 and 2, the mask keeps each one's low nibble, so the halves are bf16 128 + q_lo and 128 + q_hi (a nibble
@@ -1196,31 +1201,33 @@ __device__ __forceinline__ u32 q4_byte_bf16x2(u32 w, u32 sel) {
   return p;
 }
 
-// One block: 16 sorted rows of one expert × FBN columns of each of NMAT matrices (NMAT · FBN = 256 weight rows);
-// warp w owns columns [w·WC, (w+1)·WC) of every matrix, NTM n8 tiles each.
+// One block: BM sorted rows of one expert × FBN columns of each of NMAT matrices (NMAT · FBN = 256 / FMT weight
+// rows); warp w owns columns [w·WC, (w+1)·WC) of every matrix, NTM n8 tiles each, for all FMT m16 tiles.
 template <int NMAT, int FBN, int KDIM, int NDIM, bool GATHER>
 __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
   constexpr int BK = 64, PITCH = BK + 8;  // A tile: halves per row (144 bytes: ldmatrix rows conflict-free)
   constexpr int BROWS = NMAT * FBN, WC = FBN / 8, NTM = WC / 8, NTW = NMAT * NTM;
-  static_assert(BROWS == 256 && NTM >= 1, "moe.cpp frag_stage_bytes stages 256 weight rows");
+  static_assert(BROWS * FMT == 256 && NTM >= 1, "moe.cpp frag_stage_bytes stages 256 / FMT weight rows");
   constexpr int GP = (GROUP % BK == 0 || BK % GROUP == 0) ? (GROUP < BK ? GROUP : BK) : 16;
   constexpr int NP = BK / GP, LP = GP / 4, KT = (KDIM + BK - 1) / BK;
   constexpr int CPITCH = 48;  // bytes per weight row of a stage: its 32 bytes of codes, 16 of padding
-  constexpr int ST_X = 16 * BK * 4, ST_C = BROWS * CPITCH, ST_S = BROWS * NP * 4;
+  constexpr int ST_X = BM * BK * 4, ST_C = BROWS * CPITCH, ST_S = BROWS * NP * 4;
   constexpr int STAGE = ST_X + ST_C + 2 * ST_S;
   static_assert(ST_X % 16 == 0 && ST_C % 16 == 0 && ST_S % 16 == 0, "16-byte stage parts");
-  __shared__ __align__(16) u16 Ah[2][16 * PITCH];
-  __shared__ __align__(16) u16 Al[2][XS == 2 ? 16 * PITCH : 8];
-  __shared__ float sxs[2][16 * NP];
-  __shared__ int rowsrc[16];
+  static_assert((BM * BK / 4) % MMA_NT == 0 && (BROWS * 2) % MMA_NT == 0, "whole 16-byte chunks per thread");
+  __shared__ __align__(16) u16 Ah[2][BM * PITCH];
+  __shared__ __align__(16) u16 Al[2][XS == 2 ? BM * PITCH : 8];
+  __shared__ float sxs[2][BM * NP];
+  __shared__ int rowsrc[BM];
 
   const int* tiles = reinterpret_cast<const int*>(a.tiles);
   const int tile = blockIdx.x;
   if (tile >= tiles[0]) return;  // uniform over the block
   const int e = tiles[1 + 3 * tile], r0 = tiles[2 + 3 * tile], rn = tiles[3 + 3 * tile];
+  const bool second = FMT == 2 && rn > 16;  // the second m16 tile holds rows (uniform over the block)
   const int n0 = blockIdx.y * FBN;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-  if (tid < 16)
+  if (tid < BM)
     rowsrc[tid] = tid < rn ? (GATHER ? reinterpret_cast<const int*>(a.pair_token)[r0 + tid] : r0 + tid) : -1;
   __syncthreads();
 
@@ -1237,18 +1244,19 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
   }
 
   const u32 ring = smem_addr(moe_ring);
-  // Stage kt: x rows [16][BK] f32 (one 16-byte chunk per thread), codes [256][CPITCH] (two chunks per thread), then
-  // the scale words and the bias words of the 256 rows' group parts (moe_mma_block's PIPE copies them so too).
+  // Stage kt: x rows [BM][BK] f32 (16-byte chunks), codes [BROWS][CPITCH] (two chunks per row), then the scale words
+  // and the bias words of the rows' group parts (moe_mma_block's PIPE copies them so too).
   auto issue = [&](int kt) {
     if (kt < KT) {
       const u32 st = ring + u32((kt % FRAG) * STAGE);
-      {
-        const int row = tid / (BK / 4), k = kt * BK + (tid % (BK / 4)) * 4, src = rowsrc[row];
+#pragma unroll
+      for (int i = 0; i < BM * BK / 4 / MMA_NT; ++i) {
+        const int c = tid + MMA_NT * i, row = c / (BK / 4), k = kt * BK + (c % (BK / 4)) * 4, src = rowsrc[row];
         const bool ok = src >= 0 && k < KDIM;
-        cp_async16(st + u32(tid * 16), ok ? asrc + i64(src) * astride + k : asrc, ok ? 16 : 0);
+        cp_async16(st + u32(c * 16), ok ? asrc + i64(src) * astride + k : asrc, ok ? 16 : 0);
       }
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < BROWS * 2 / MMA_NT; ++i) {
         const int c = tid + MMA_NT * i, row = c >> 1, half = c & 1;
         const int m = row / FBN, n = n0 + row % FBN, k = kt * BK + half * 32;
         const bool ok = n < NDIM && k < KDIM;  // KDIM % 32 == 0 (a group is whole 16-byte vectors)
@@ -1271,36 +1279,43 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
     }
     cp_async_commit();  // every thread, every call: the waits count groups
   };
-  // Stage kt's x rows -> A tile (kt & 1) as bf16 hi (+ lo), and Σx per group part: moe_mma_block's store() for a
-  // 16-row tile (the same thread per chunk, the same xor tree).
+  // Stage kt's x rows -> A tile (kt & 1) as bf16 hi (+ lo), and Σx per group part: moe_mma_block's store() (the same
+  // thread per chunk, the same xor tree).
   auto convert = [&](int kt) {
-    const int b = kt & 1, row = tid / (BK / 4), col = (tid % (BK / 4)) * 4;
-    const float4 v = *reinterpret_cast<const float4*>(moe_ring + (kt % FRAG) * STAGE + tid * 16);
-    u32 h0, l0, h1, l1;
-    split2_bf16(v.x, v.y, h0, l0);
-    split2_bf16(v.z, v.w, h1, l1);
-    *reinterpret_cast<uint2*>(&Ah[b][row * PITCH + col]) = make_uint2(h0, h1);
-    if (XS == 2) *reinterpret_cast<uint2*>(&Al[b][row * PITCH + col]) = make_uint2(l0, l1);
-    float ps = (v.x + v.y) + (v.z + v.w);
+    const int b = kt & 1;
 #pragma unroll
-    for (int o = LP / 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-    const int q = tid % (BK / 4);
-    if (q % LP == 0) sxs[b][row * NP + q / LP] = ps;
+    for (int i = 0; i < BM * BK / 4 / MMA_NT; ++i) {
+      const int c = tid + MMA_NT * i, row = c / (BK / 4), col = (c % (BK / 4)) * 4;
+      const float4 v = *reinterpret_cast<const float4*>(moe_ring + (kt % FRAG) * STAGE + c * 16);
+      u32 h0, l0, h1, l1;
+      split2_bf16(v.x, v.y, h0, l0);
+      split2_bf16(v.z, v.w, h1, l1);
+      *reinterpret_cast<uint2*>(&Ah[b][row * PITCH + col]) = make_uint2(h0, h1);
+      if (XS == 2) *reinterpret_cast<uint2*>(&Al[b][row * PITCH + col]) = make_uint2(l0, l1);
+      float ps = (v.x + v.y) + (v.z + v.w);
+#pragma unroll
+      for (int o = LP / 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+      const int q = c % (BK / 4);
+      if (q % LP == 0) sxs[b][row * NP + q / LP] = ps;
+    }
   };
 
-  float acc[NTW][4], accg[NTW][4];
+  float acc[FMT][NTW][4], accg[FMT][NTW][4];
 #pragma unroll
-  for (int j = 0; j < NTW; ++j)
+  for (int mt = 0; mt < FMT; ++mt)
 #pragma unroll
-    for (int q = 0; q < 4; ++q) acc[j][q] = accg[j][q] = 0.f;
+    for (int j = 0; j < NTW; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[mt][j][q] = accg[mt][j][q] = 0.f;
   // n8 tile j of this warp: matrix j / NTM, columns w·WC + 8·(j % NTM) .. + 7 of it; its stage row for lane group g.
   auto tile_row = [&](int j) { return (j / NTM) * FBN + warp * WC + 8 * (j % NTM); };
   const u32 sel = u32(t4) | u32(4 + t4) << 8;
   // The A fragment of a k16 step by ldmatrix (common.cuh): matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
-  // (8-15, 8-15), so lane l gives row (l & 15) at k offset 8·(l >> 4) of the step.
+  // (8-15, 8-15), so lane l gives row (l & 15) at k offset 8·(l >> 4) of the step; m16 tile mt 16 rows further.
   const u32 a_lane = u32(((lane & 15) * PITCH + 8 * (lane >> 4)) * 2);
   const u32 ah0 = smem_addr(&Ah[0][0]) + a_lane, al0 = smem_addr(&Al[0][0]) + a_lane;
   constexpr u32 AH_BYTES = sizeof(Ah[0]), AL_BYTES = sizeof(Al[0]);  // one buffer (a selector, not an array index)
+  constexpr u32 M16_BYTES = 16 * PITCH * 2;
 
 #pragma unroll
   for (int s = 0; s + 1 < FRAG; ++s) issue(s);
@@ -1326,15 +1341,23 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
     for (int kk = 0; kk < BK / 16; ++kk) {
       const int k = kt * BK + kk * 16;
       if (k >= KDIM) break;  // uniform; the K tail of a block holds zeros
-      u32 ah[4], al[4];
-      ldsm_x4(ah, ah0 + b * AH_BYTES + kk * 32);
-      if (XS == 2) ldsm_x4(al, al0 + b * AL_BYTES + kk * 32);
+      u32 ah[FMT][4], al[FMT][4];
+#pragma unroll
+      for (int mt = 0; mt < FMT; ++mt) {
+        if (mt == 1 && !second) break;
+        ldsm_x4(ah[mt], ah0 + b * AH_BYTES + mt * M16_BYTES + kk * 32);
+        if (XS == 2) ldsm_x4(al[mt], al0 + b * AL_BYTES + mt * M16_BYTES + kk * 32);
+      }
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
         const uint4 c = cw[j][kk >> 1];
         const u32 bq[2] = {q4_byte_bf16x2((kk & 1) ? c.z : c.x, sel), q4_byte_bf16x2((kk & 1) ? c.w : c.y, sel)};
-        moe_mma_bf16(accg[j], ah, bq);
-        if (XS == 2) moe_mma_bf16(accg[j], al, bq);
+#pragma unroll
+        for (int mt = 0; mt < FMT; ++mt) {
+          if (mt == 1 && !second) break;
+          moe_mma_bf16(accg[mt][j], ah[mt], bq);
+          if (XS == 2) moe_mma_bf16(accg[mt][j], al[mt], bq);
+        }
       }
       const int p = (kk * 16) / GP;
       const bool part_end = (kk * 16 + 16) % GP == 0;  // compile time
@@ -1347,35 +1370,44 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
         for (int j = 0; j < NTW; ++j)
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            const int col = tile_row(j) + 2 * t4 + (q & 1), row = g + 8 * (q >> 1);
+            const int col = tile_row(j) + 2 * t4 + (q & 1);
             const i64 gi = i64(n0 + col % FBN) * (KDIM / GROUP) + k0 / GROUP;  // the word's half (2-byte scales)
-            if (group_end) {
-              acc[j][q] = fmaf(word_scalar<SDT>(sw[col * NP + p], gi), accg[j][q], acc[j][q]);
-              accg[j][q] = 0.f;
+            const float sg = group_end ? word_scalar<SDT>(sw[col * NP + p], gi) : 0.f;
+            const float bg = part_end ? word_scalar<SDT>(bw[col * NP + p], gi) : 0.f;
+#pragma unroll
+            for (int mt = 0; mt < FMT; ++mt) {
+              if (mt == 1 && !second) break;
+              const int row = mt * 16 + g + 8 * (q >> 1);
+              if (group_end) {
+                acc[mt][j][q] = fmaf(sg, accg[mt][j][q], acc[mt][j][q]);
+                accg[mt][j][q] = 0.f;
+              }
+              if (part_end) acc[mt][j][q] = fmaf(bg, sxs[b][row * NP + p], acc[mt][j][q]);
             }
-            if (part_end) acc[j][q] = fmaf(word_scalar<SDT>(bw[col * NP + p], gi), sxs[b][row * NP + p], acc[j][q]);
           }
       }
     }
   }
   cp_async_wait<0>();  // no copy may still target this block's shared memory when it exits
 
-  // Epilogue: c0,c1 at (row g, cols 2·t4, 2·t4+1), c2,c3 at row g + 8.
+  // Epilogue: c0,c1 at (row g, cols 2·t4, 2·t4+1), c2,c3 at row g + 8, of each m16 tile.
 #pragma unroll
-  for (int jj = 0; jj < NTM; ++jj)
+  for (int mt = 0; mt < FMT; ++mt)
 #pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-      const int row = g + 8 * hrow, n = n0 + warp * WC + 8 * jj + 2 * t4;
-      if (row >= rn || n >= NDIM) continue;  // NDIM is even (a multiple of CPV)
-      moe_store_pair<NMAT>(a, i64(r0 + row), n, &acc[jj][2 * hrow], &acc[(NMAT - 1) * NTM + jj][2 * hrow]);
-    }
+    for (int jj = 0; jj < NTM; ++jj)
+#pragma unroll
+      for (int hrow = 0; hrow < 2; ++hrow) {
+        const int row = mt * 16 + g + 8 * hrow, n = n0 + warp * WC + 8 * jj + 2 * t4;
+        if (row >= rn || n >= NDIM) continue;  // NDIM is even (a multiple of CPV)
+        moe_store_pair<NMAT>(a, i64(r0 + row), n, &acc[mt][jj][2 * hrow], &acc[mt][(NMAT - 1) * NTM + jj][2 * hrow]);
+      }
 }
 #endif  // FRAG
 
 extern "C" __global__ void __launch_bounds__(MMA_NT, MMA_MINB) moe_gate_up_mma(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
 #if FRAG
-  moe_frag_block<2, 128, HID, INTER, true>(a, 0);
+  moe_frag_block<2, 128 / FMT, HID, INTER, true>(a, 0);
 #else
   moe_mma_block<2, 64, HID, INTER, true>(a, 0);
 #endif
@@ -1384,7 +1416,7 @@ extern "C" __global__ void __launch_bounds__(MMA_NT, MMA_MINB) moe_gate_up_mma(c
 extern "C" __global__ void __launch_bounds__(MMA_NT, MMA_MINB) moe_down_mma(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
 #if FRAG
-  moe_frag_block<1, 256, INTER, HID, false>(a, 2);
+  moe_frag_block<1, 256 / FMT, INTER, HID, false>(a, 2);
 #else
   moe_mma_block<1, 128, INTER, HID, false>(a, 2);
 #endif
