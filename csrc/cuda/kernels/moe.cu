@@ -65,7 +65,7 @@
 //   -D WKIND (0 dense, 1 affine), WDT (dense dtype code), BITS, GROUP, SDT (scale dtype code), ALIGNED
 //   (1: every weight/activation address and stride allows 16-byte loads; 0: byte loads, a slow but
 //   correct path for unpadded checkpoints), DP4A (decode, above), PIPE (prefill ring stages, 0 = off), FRAG (the
-//   16-row tiles' ring stages, 0 = off), MMA_MINB (blocks per SM the GEMMs' registers allow), NEXP, TOPK, HID,
+//   fragment tiles' ring stages, 0 = off), MMA_MINB (blocks per SM the GEMMs' registers allow), NEXP, TOPK, HID,
 //   INTER, ROWS_G, ROWS_D, LPR, BM (16, 32 (FRAG only) or 64, picked on the host from the expected rows per
 //   expert T·k/E and the format; the sums do not depend on it: each output element accumulates its K steps in
 //   the same order whatever BM is).
