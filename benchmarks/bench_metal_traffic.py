@@ -16,7 +16,13 @@ sum over dispatches of distinct bytes read + written) ÷ the floor, and per kern
   + KV read once     each full-attention layer's K and V rows 0 .. position (the cache's dtype).
 Activations, logits, routing scratch and the sampler's state are not in the floor: they are the overhead.
 
-    python benchmarks/bench_metal_traffic.py [--size medium|tiny] [--prompt 16] [--cache DIR] [--json out.json]
+    python benchmarks/bench_metal_traffic.py [--size medium|tiny|full] [--layers N] [--prompt 16] [--cache DIR]
+                                             [--json out.json]
+
+--size full --layers 4 runs the real widths (vocabulary, hidden, heads, 256 experts) with one group of 3 DeltaNet
+layers and 1 attention layer; the full model's step is then those measured per-layer figures times 30 and 10 plus
+the fixed part (embedding, final norm, LM head, sampling), exact for a decode step, whose layers of a kind are
+alike.
 
 These are emulator traffic counts, not speed (benchmarks/NOTES.md, "Metal traffic").
 """
@@ -60,10 +66,23 @@ def build_program() -> Path:
     return host.build_program(SOURCES, "traffic", "backend_main")
 
 
-def checkpoint(size: str, cache: str | None) -> Path:
+def checkpoint(size: str, cache: str | None, layers: int | None = None) -> Path:
+    """The synthetic checkpoint of `size`; with `layers`, that config's widths with only that many layers (written
+    once into `cache`, default a temp folder named by both)."""
     from lily.bench import synthetic_checkpoint
 
-    return synthetic_checkpoint(size, cache, progress=False, log=lambda m: print(m, file=sys.stderr))
+    if layers is None:
+        return synthetic_checkpoint(size, cache, progress=False, log=lambda m: print(m, file=sys.stderr))
+    from lily.synthetic import FULL_CONFIG, MEDIUM_CONFIG, TINY_CONFIG, write_synthetic_checkpoint
+
+    config = dict({"tiny": TINY_CONFIG, "medium": MEDIUM_CONFIG, "full": FULL_CONFIG}[size], num_hidden_layers=layers)
+    every = config.get("full_attention_interval", 4)
+    if layers < every or layers % every:
+        raise SystemExit(f"--layers must be a positive multiple of the full-attention interval ({every}), got {layers}")
+    folder = Path(cache or Path(tempfile.gettempdir()) / f"lily-traffic-{size}-{layers}l-q4")
+    if not (folder / "config.json").is_file():
+        write_synthetic_checkpoint(folder, config, fmt="mlx", bits=4, seed=0)
+    return folder
 
 
 def run_program(exe: Path, ck_dir: Path, prompt: int, work: Path, seed: int = 0) -> tuple[list[dict], str]:
@@ -226,7 +245,7 @@ def analyse(record: list[dict], label: str, w: Weights, position: int, rows_read
             if c == "weights":
                 k["weights"] += b["read"]
     moved = sum(d["read"] + d["written"] for d in dispatches)
-    layers = per_layer(dispatches, full)
+    layers = per_layer(dispatches, full, w.vector_names)
     return {"layers": layers, "label": label, "position": position, "dispatches": cb["dispatches"], "stages": cb["stages"],
             "moved": moved, "floor": floor, "ratio": moved / floor,
             "floor_parts": {"weights": weights, "state": state, "kv": kv, "kv_bytes_per_element": es},
@@ -235,33 +254,68 @@ def analyse(record: list[dict], label: str, w: Weights, position: int, rows_read
             "kernels": {k: dict(v) for k, v in sorted(per_kernel.items(), key=lambda kv: -(kv[1]["read"] + kv[1]["written"]))}}
 
 
-def per_layer(dispatches: list[dict], full: list[bool]) -> dict:
+CATEGORIES = ("weights", "state", "kv", "other")
+
+
+def dispatch_bytes(d: dict, vectors: set[str]) -> dict[str, int]:
+    """Distinct bytes a dispatch moved (read + written), by kind of buffer."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    for b in d["bindings"]:
+        out[category(b["buffer"], vectors)] += b["read"] + b["written"]
+    return out
+
+
+def per_layer(dispatches: list[dict], full: list[bool], vectors: set[str] | None = None) -> dict:
     """Dispatches and stages per layer, by kind of layer, in recorded order: a layer runs from the dispatch after the
     previous layer's MoE end (the first: after the embedding) to its own: moe_combine, or in decode the routed
     down pass that adds the shared expert and the residual itself (moe_down_combine); its stages are those it opens.
-    The rest (embedding, final norm, LM head, sampling, position) is "fixed"."""
+    The rest (embedding, final norm, LM head, sampling, position) is "fixed". With `vectors` (the checkpoint's float
+    vectors, for the buffer kinds), also the bytes each kind of layer moved by kind of buffer: the mean over its
+    layers ("bytes"), and the smallest and largest layer total ("moved_range"; in a decode step the layers of a kind
+    move the same bytes, in a prefill chunk their routed experts differ)."""
     order = sorted(dispatches, key=lambda d: d["command"])
     ends = [i for i, d in enumerate(order) if d["kernel"] in ("moe_combine", "moe_down_combine")]
     if len(ends) != len(full):
         return {}
     kinds: dict[str, set[tuple[int, int]]] = defaultdict(set)
+    moved: dict[str, list[dict[str, int]]] = defaultdict(list)
     first = next((i for i, d in enumerate(order) if d["kernel"] == "embed_rows"), None)
     if first is None:
         return {}
     start, stage0 = first + 1, order[first]["stage"]  # the first layer starts after the embedding
+    in_layer = set()
     for layer, end in enumerate(ends):
         stage = order[end]["stage"]
-        kinds["attention" if full[layer] else "deltanet"].add((end + 1 - start, stage - stage0))
+        kind = "attention" if full[layer] else "deltanet"
+        kinds[kind].add((end + 1 - start, stage - stage0))
+        if vectors is not None:
+            total = dict.fromkeys(CATEGORIES, 0)
+            for d in order[start:end + 1]:
+                for c, n in dispatch_bytes(d, vectors).items():
+                    total[c] += n
+            moved[kind].append(total)
+        in_layer.update(range(start, end + 1))
         start, stage0 = end + 1, stage
     out = {k: {"dispatches": v[0], "stages": v[1]} for k, (v,) in ((k, tuple(v)) for k, v in kinds.items() if len(v) == 1)}
     if len(out) != len(kinds):
         return {}  # layers of one kind differ: no per-kind figure
+    for kind, totals in moved.items():
+        out[kind]["bytes"] = {c: sum(t[c] for t in totals) / len(totals) for c in CATEGORIES}
+        sums = [sum(t.values()) for t in totals]
+        out[kind]["moved_range"] = [min(sums), max(sums)]
     n_attn = sum(full)
     out["fixed"] = {"dispatches": len(order) - sum(out[k]["dispatches"] * n for k, n in
                                                  (("attention", n_attn), ("deltanet", len(full) - n_attn)) if k in out),
                     "stages": order[-1]["stage"] + 1 - sum(out[k]["stages"] * n for k, n in
                                                            (("attention", n_attn), ("deltanet", len(full) - n_attn))
                                                            if k in out)}
+    if vectors is not None:
+        fixed = dict.fromkeys(CATEGORIES, 0)
+        for i, d in enumerate(order):
+            if i not in in_layer:
+                for c, n in dispatch_bytes(d, vectors).items():
+                    fixed[c] += n
+        out["fixed"]["bytes"] = fixed
     return out
 
 
@@ -273,6 +327,20 @@ def extrapolate(step: dict, layers: int, attention_layers: int) -> dict | None:
         return None
     n = {"attention": attention_layers, "deltanet": layers - attention_layers, "fixed": 1}
     return {k: sum(per[kind][k] * n[kind] for kind in n) for k in ("dispatches", "stages")}
+
+
+def extrapolate_bytes(step: dict, layers: int, attention_layers: int, kv_floor_per_layer: float) -> dict | None:
+    """The bytes the same step moves with `layers` layers (`attention_layers` full attention) by kind of buffer, from
+    the per-layer means, and its ratio to the floor: the weights and state as moved (every weight and state byte is
+    read once: the floor, checked per step by the tests) plus the KV floor (`kv_floor_per_layer` per attention
+    layer). Exact for a decode step, whose layers of a kind move the same bytes."""
+    per = step.get("layers")
+    if not per or any("bytes" not in per.get(k, {}) for k in ("attention", "deltanet", "fixed")):
+        return None
+    n = {"attention": attention_layers, "deltanet": layers - attention_layers, "fixed": 1}
+    by = {c: sum(per[kind]["bytes"][c] * n[kind] for kind in n) for c in CATEGORIES}
+    floor = by["weights"] + by["state"] + kv_floor_per_layer * attention_layers
+    return {"bytes": by, "moved": sum(by.values()), "floor": floor, "ratio": sum(by.values()) / floor}
 
 
 def report(step: dict, out=sys.stdout) -> None:
@@ -289,6 +357,12 @@ def report(step: dict, out=sys.stdout) -> None:
     if step.get("layers"):
         per = ", ".join(f"{k} {v['dispatches']} dispatches / {v['stages']} stages" for k, v in step["layers"].items())
         print(f"  per layer: {per}", file=out)
+        for k, v in step["layers"].items():
+            if "bytes" in v:
+                by = ", ".join(f"{c} {v['bytes'][c] / mb:.3f}" for c in CATEGORIES)
+                spread = (f" (layers {v['moved_range'][0] / mb:.3f}-{v['moved_range'][1] / mb:.3f} MB)"
+                          if "moved_range" in v else "")
+                print(f"  {k} moved, MB{' per layer' if k != 'fixed' else ''}: {by}{spread}", file=out)
     print(f"  {'kernel':<28}{'disp':>6}{'read MB':>10}{'write MB':>10}{'weights MB':>12}{'÷ floor':>9}"
           f"{'access/distinct':>17}", file=out)
     for name, k in step["kernels"].items():
@@ -300,15 +374,20 @@ def report(step: dict, out=sys.stdout) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=("tiny", "medium"), default="medium",
-                    help="the synthetic config (full size does not fit this harness: see benchmarks/NOTES.md)")
+    ap.add_argument("--size", choices=("tiny", "medium", "full"), default="medium",
+                    help="the synthetic config; full: the real widths with --layers layers (all 40 do not fit this "
+                         "harness: see benchmarks/NOTES.md)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers of the synthetic model (default: the config's; --size full: 4, one full-attention "
+                         "group); a multiple of the full-attention interval")
     ap.add_argument("--prompt", type=int, default=16, help="tokens of the prefill chunk (the decode step follows)")
     ap.add_argument("--cache", default=None, help="where the synthetic checkpoint is kept (default: temp dir)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t0 = time.perf_counter()
     exe = build_program()
-    ck = checkpoint(args.size, args.cache)
+    layers = args.layers if args.layers is not None else (4 if args.size == "full" else None)
+    ck = checkpoint(args.size, args.cache, layers)
     w = Weights(ck)
     with tempfile.TemporaryDirectory(prefix="lily-metal-traffic-") as tmp:
         record, out = run_program(exe, ck, args.prompt, Path(tmp))
@@ -325,16 +404,27 @@ def main() -> None:
     from lily.synthetic import FULL_CONFIG
 
     L, every = FULL_CONFIG["num_hidden_layers"], FULL_CONFIG["full_attention_interval"]
+    full_width = args.size == "full"
     for step in (prefill, decode):
         x = extrapolate(step, L, L // every)
         if x:
             step["full_size_extrapolation"] = x
-            print(f"\nEXTRAPOLATED (not run) to the full model's {L} layers ({L // every} full attention): "
+            how = ("SCALED from the measured per-layer figures of the real widths" if full_width
+                   else "EXTRAPOLATED (not run) from another size's per-layer counts")
+            print(f"\n{how} to the full model's {L} layers ({L // every} full attention): "
                   f"{step['label']}: {x['dispatches']} dispatches, {x['stages']} stages "
                   f"(= fixed + {L - L // every} x deltanet + {L // every} x attention, per-layer counts above)")
+        if full_width:
+            n_attn = sum(w.config.to_core()["full_attention"])
+            y = extrapolate_bytes(step, L, L // every, step["floor_parts"]["kv"] / max(n_attn, 1))
+            if y:
+                step["full_size_bytes"] = y
+                by = ", ".join(f"{c} {y['bytes'][c] / 1e6:.1f}" for c in CATEGORIES)
+                print(f"  moved {y['moved'] / 1e6:.1f} MB ({by} MB) / floor {y['floor'] / 1e6:.1f} MB = "
+                      f"{y['ratio']:.4f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"size": args.size, "prompt": args.prompt, "prefill": prefill,
-                                               "decode": decode}, indent=1))
+        Path(args.json).write_text(json.dumps({"size": args.size, "layers": layers, "prompt": args.prompt,
+                                               "prefill": prefill, "decode": decode}, indent=1))
 
 
 if __name__ == "__main__":

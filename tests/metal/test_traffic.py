@@ -124,3 +124,12 @@ def test_per_layer_counts_rebuild_the_step(tiny, phase):
     assert set(s["layers"]) == {"deltanet", "attention", "fixed"}, s["layers"]
     assert bench.extrapolate(s, cfg["layers"], sum(cfg["full_attention"])) == \
         {"dispatches": s["dispatches"], "stages": s["stages"]}, s["layers"]
+    # The per-layer bytes (the full-width run's scaling to 40 layers) rebuild the step's bytes, kind by kind.
+    n_attn = sum(cfg["full_attention"])
+    y = bench.extrapolate_bytes(s, cfg["layers"], n_attn, s["floor_parts"]["kv"] / n_attn)
+    assert y is not None, s["layers"]
+    assert y["moved"] == pytest.approx(s["moved"], rel=1e-12), (y, s["moved"])
+    for c in ("weights", "state", "kv"):
+        assert y["bytes"][c] == pytest.approx(s["by_category"].get(c, 0), rel=1e-12), c
+    if phase == "decode":  # a decode step's layers of a kind move the same bytes
+        assert all(v["moved_range"][0] == v["moved_range"][1] for k, v in s["layers"].items() if k != "fixed")
