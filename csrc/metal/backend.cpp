@@ -385,7 +385,8 @@ std::vector<std::string> MetalOps::optimizations() const {
       "tracker starts a stage)",
       "active: asynchronous submission (fences from completed handlers; two command buffers in flight)",
       "active: dequantize inside matmul (4/8-bit weights never expanded)",
-      "active: row-parallel 4-bit GEMV for decode (qmv4) where aligned",
+      "active: row-parallel 4-bit GEMV for decode (qmv4; a weight part misaligned in the checkpoint is copied once "
+      "at load, so every 4-bit decode row takes it)",
       "active: fused expert gate/up + SiLU·mul; fused expert down + routing weight",
       std::string(counters_.moe_down_combined_calls ? "active" : "inactive") +
           ": fused expert down + routing weight + gated shared expert + residual for decode rows (moe_down_combine: "

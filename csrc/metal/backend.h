@@ -84,6 +84,7 @@ class MetalOps final : public Ops {
     // dispatches; the products they took); calls where some products ran alone (and which, the last time);
     // calls composed from one dispatch per product (and why).
     int64_t matmul_group_calls = 0, qmv4_multi_dispatches = 0, matmul_rows_multi_dispatches = 0;
+    int64_t qmv4_dispatches = 0;  // single products on qmv4 (matmul, or a product alone in its kind)
     int64_t matmul_grouped_products = 0, matmul_group_split_calls = 0, matmul_group_composed_calls = 0;
     std::string matmul_group_split_reason, matmul_group_composed_reason;
     // moe: calls whose routed down pass also added the gated shared expert and the residual (moe_down_combine),

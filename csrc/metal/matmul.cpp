@@ -120,9 +120,14 @@ MetalOps::WeightBinding MetalOps::bind_weight(const Weight& w) {
 }
 
 namespace {
+// qmv4 reads codes as uint (4-byte aligned) and scales/biases as bfloat/half (2-byte aligned). bind_weight gives
+// every part that alignment whatever its offset in the checkpoint: a part not aligned to its element in the file
+// (a safetensors header of a length that is no multiple of 4 shifts a whole shard) is copied once at load
+// (MetalOps::part, counted in parts_copied). So the checkpoint's offsets do not decide the kernel; they used to,
+// and the LM head of such a shard ran matmul_rows (benchmarks/NOTES.md, "Metal: ... at the real widths").
 bool qmv4_fits(const Weight& w, int64_t rows, size_t x_offset) {
   return w.quantized() && w.bits == 4 && rows == 1 && !w.experts && (w.group == 32 || w.group == 64 || w.group == 128) &&
-         x_offset % 16 == 0 && w.data % 4 == 0 && w.scales % 4 == 0 && w.biases % 4 == 0;
+         x_offset % 16 == 0;
 }
 }  // namespace
 
@@ -141,6 +146,7 @@ void MetalOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) 
     q.scale_type = w.scale_dtype == DType::BF16 ? QuantMatrix::ScaleType::BF16 : QuantMatrix::ScaleType::F16;
     encode_qmv4(pass(), q, xa, ya);
     ++step_dispatches_;
+    ++counters_.qmv4_dispatches;
     return;
   }
   const WeightBinding b = bind_weight(w);
@@ -460,9 +466,10 @@ void MetalOps::moe_experts_grouped(const Tensor& x, const Tensor& ids, const Ten
 
 std::string MetalOps::matmul_variant(const Weight& w, Phase phase) const {
   const std::string fmt = w.describe();
-  if (phase == Phase::Decode && w.quantized() && w.bits == 4 && (w.group == 32 || w.group == 64 || w.group == 128) &&
-      w.data % 4 == 0 && w.scales % 4 == 0 && w.biases % 4 == 0)
-    return std::string(w.scale_dtype == DType::BF16 ? "qmv4_bf16" : "qmv4_f16") + " (" + fmt + ")";
+  if (phase == Phase::Decode && w.quantized() && w.bits == 4 && !w.experts &&
+      (w.group == 32 || w.group == 64 || w.group == 128))  // qmv4_fits' weight conditions (x is 16-byte aligned)
+    return std::string(w.scale_dtype == DType::BF16 ? "qmv4_bf16" : "qmv4_f16") + " (" + fmt +
+           (w.data % 4 || w.scales % 2 || w.biases % 2 ? ", misaligned in the checkpoint: copied at load" : "") + ")";
   return "matmul_rows (" + fmt + ")";
 }
 

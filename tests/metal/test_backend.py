@@ -117,8 +117,17 @@ def test_every_op_matches_cpu_backend(program, order):
     assert "op moe T=7 E=16 k=4 H=128 I=64 q4g64-f16 prefill: path composed (7 prefill rows (experts grouped on the " \
            "GPU)), 9 dispatches" in r.stdout, r.stdout
     check_moe_tiles(r.stdout)
-    # The no-copy path, the copied mapping and the misaligned part were each taken.
-    assert "mappings wrapped 1 copied 1; parts copied 1" in r.stdout, r.stdout
+    # The no-copy path, the copied mapping and the misaligned parts (one dense weight, two 4-bit weights' codes,
+    # scales and biases) were each taken.
+    assert "mappings wrapped 1 copied 1; parts copied 7" in r.stdout, r.stdout
+    # Every 4-bit decode row ran qmv4, those at odd offsets in the checkpoint too (their parts copied at load), and
+    # the report names the kernel that ran.
+    ran = re.findall(r"^op matmul (\S+) \[\d+x\d+\] T=\d+ (decode|prefill)([\w -]*) ran (\w+) (\w+)", r.stdout, re.M)
+    assert len(ran) == 12, ran
+    for fmt, phase, extra, kernel, variant in ran:
+        assert kernel == ("qmv4" if fmt.startswith("q4") and phase == "decode" else "matmul_rows"), (fmt, phase, kernel)
+        assert variant.startswith(kernel), (fmt, phase, extra, kernel, variant)
+    assert sum(1 for f, p, e, k, v in ran if "misaligned-part" in e and k == "qmv4") == 2, ran
     assert "leaked" not in r.stderr, r.stderr
 
 

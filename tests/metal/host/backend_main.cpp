@@ -122,9 +122,10 @@ Weight make_weight(Blob& blob, int32_t mapping, const std::string& fmt, int64_t 
   w.group = std::stoi(fmt.substr(3, fmt.find('-') - 3));
   w.scale_dtype = fmt.substr(fmt.find('-') + 1) == "bf16" ? DType::BF16 : DType::F16;
   const size_t cb = w.row_bytes() * size_t(rows), sb = w.scale_bytes();
-  w.data = blob.take(cb * size_t(n));
-  w.scales = blob.take(sb * size_t(n));
-  w.biases = blob.take(sb * size_t(n));
+  // extra_offset: every part that many bytes past an aligned start (a shard whose header length is odd)
+  w.data = blob.take(cb * size_t(n) + extra_offset) + extra_offset;
+  w.scales = blob.take(sb * size_t(n) + extra_offset) + extra_offset;
+  w.biases = blob.take(sb * size_t(n) + extra_offset) + extra_offset;
   if (E) w.data_stride = cb, w.scale_stride = sb, w.bias_stride = sb;
   for (size_t i = 0; i < cb * size_t(n); ++i) blob.p[w.data + i] = uint8_t(g_rng());
   const float qmax = float((1 << w.bits) - 1);
@@ -256,10 +257,12 @@ int run_ops(const std::string& msl) {
       {"q8g64-bf16", 40, 128, 1, Phase::Decode, false, 0},  {"q8g32-f16", 11, 96, 4, Phase::Prefill, true, 0},
       {"f32", 21, 70, 3, Phase::Prefill, false, 0},        {"bf16", 33, 96, 1, Phase::Decode, false, 0},
       {"f16", 7, 48, 2, Phase::Prefill, false, 0},         {"bf16", 5, 64, 2, Phase::Decode, false, 1},
+      // 4-bit parts at odd byte offsets (codes, scales, biases): copied once at load, so the decode row keeps qmv4
+      {"q4g64-bf16", 19, 192, 1, Phase::Decode, false, 3},  {"q4g32-f16", 6, 128, 1, Phase::Decode, false, 1},
   };
   if (wanted("matmul") || wanted("embed"))
     for (const auto& c : mats) {
-      const size_t misalign_bytes = c.misalign;  // a dense part at an odd byte offset: copied once, reported
+      const size_t misalign_bytes = c.misalign;  // parts at odd byte offsets: copied once, reported
       Weight w = c.odd_map ? odd_weight : make_weight(blob, mc, c.fmt, c.N, c.K, 0, misalign_bytes);
       const std::string name = c.fmt + " [" + std::to_string(c.N) + "x" + std::to_string(c.K) + "] T=" +
                                std::to_string(c.T) + (c.ph == Phase::Decode ? " decode" : " prefill") +
@@ -267,8 +270,11 @@ int run_ops(const std::string& msl) {
       if (wanted("matmul")) {
         auto x = b.f32(c.T, c.K);
         auto y = b.alloc(DType::F32, c.T, c.N);
+        const int64_t qmv4_0 = b.mtl.counters().qmv4_dispatches;
         b.run(c.ph, [&](Ops& o, bool m) { o.matmul(m ? x.m : x.c, w, m ? y.m : y.c); });
-        check_f32(b, "matmul", name + " " + b.mtl.matmul_variant(w, c.ph), y);
+        // The kernel that ran (the counter) next to the one the report names (matmul_variant).
+        const bool ran_qmv4 = b.mtl.counters().qmv4_dispatches > qmv4_0;
+        check_f32(b, "matmul", name + " ran " + (ran_qmv4 ? "qmv4" : "matmul_rows") + " " + b.mtl.matmul_variant(w, c.ph), y);
       }
       if (wanted("embed")) {
         std::vector<int32_t> idv;
