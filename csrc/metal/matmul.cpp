@@ -125,10 +125,10 @@ namespace {
 // (a safetensors header of a length that is no multiple of 4 shifts a whole shard) is copied once at load
 // (MetalOps::part, counted in parts_copied). So the checkpoint's offsets do not decide the kernel; they used to,
 // and the LM head of such a shard ran matmul_rows (benchmarks/NOTES.md, "Metal: ... at the real widths").
-bool qmv4_fits(const Weight& w, int64_t rows, size_t x_offset) {
-  return w.quantized() && w.bits == 4 && rows == 1 && !w.experts && (w.group == 32 || w.group == 64 || w.group == 128) &&
-         x_offset % 16 == 0;
+bool qmv4_takes(const Weight& w) {  // the weight's side (matmul_variant reports from it)
+  return w.quantized() && w.bits == 4 && !w.experts && (w.group == 32 || w.group == 64 || w.group == 128);
 }
+bool qmv4_fits(const Weight& w, int64_t rows, size_t x_offset) { return qmv4_takes(w) && rows == 1 && x_offset % 16 == 0; }
 }  // namespace
 
 void MetalOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
@@ -466,8 +466,7 @@ void MetalOps::moe_experts_grouped(const Tensor& x, const Tensor& ids, const Ten
 
 std::string MetalOps::matmul_variant(const Weight& w, Phase phase) const {
   const std::string fmt = w.describe();
-  if (phase == Phase::Decode && w.quantized() && w.bits == 4 && !w.experts &&
-      (w.group == 32 || w.group == 64 || w.group == 128))  // qmv4_fits' weight conditions (x is 16-byte aligned)
+  if (phase == Phase::Decode && qmv4_takes(w))  // a decode row's x is 16-byte aligned
     return std::string(w.scale_dtype == DType::BF16 ? "qmv4_bf16" : "qmv4_f16") + " (" + fmt +
            (w.data % 4 || w.scales % 2 || w.biases % 2 ? ", misaligned in the checkpoint: copied at load" : "") + ")";
   return "matmul_rows (" + fmt + ")";
