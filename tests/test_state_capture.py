@@ -259,3 +259,51 @@ def test_kept_sessions_restore_without_copying_held_rows_and_give_cold_tokens():
         assert len(e._idle) <= 2
     with pytest.raises(ValueError, match="keep_sessions"):
         lily.Engine.from_pretrained(keep_sessions=-1)
+
+
+class _StateWaitingForTheEngineLock:
+    """Stands in for a kept core state whose held_kv_rows waits for the engine lock (as the real one does while
+    another thread's forward holds it) until `free` is set."""
+
+    def __init__(self, max_context, chunk, free):
+        self.max_context, self.chunk, self._free = max_context, chunk, free
+
+    @property
+    def held_kv_rows(self):
+        assert self._free.wait(10)
+        return 0
+
+    def held_kv_rows_of(self, snapshot_core):
+        assert self._free.wait(10)
+        return 0
+
+
+@pytest.mark.parametrize("entry", ["keep", "take"])
+def test_kept_states_lock_is_never_held_while_waiting_for_the_engine(entry):
+    """Choosing which kept state to evict (a session closed past keep_sessions) or to reuse (a new session) asks
+    each state for its held KV rows, which waits for the engine lock; _idle_lock must not be held meanwhile, or
+    kept_sessions() (the server's /metrics) and Engine.close() wait behind a whole forward: the hang once seen
+    in the server tests' teardown. (Choose under the lock again and kept_sessions() below times out.)"""
+    import threading
+
+    with lily.Engine.from_pretrained(keep_sessions=1) as e:
+        free = threading.Event()
+        e._idle.append(_StateWaitingForTheEngineLock(64, 32, free))
+        if entry == "keep":
+            chooser = threading.Thread(target=e._keep_idle, args=(_StateWaitingForTheEngineLock(64, 32, free),))
+        else:
+            chooser = threading.Thread(target=e._take_idle, args=(64, 32))
+        chooser.start()
+        try:
+            counted = []
+            reader = threading.Thread(target=lambda: counted.append(e.kept_sessions()), daemon=True)
+            reader.start()
+            reader.join(2)
+            assert counted, "kept_sessions() waited behind a state's held_kv_rows"
+            assert chooser.is_alive()  # the chooser was still waiting when the count came back
+        finally:
+            free.set()
+            chooser.join(10)
+        assert not chooser.is_alive()
+        assert len(e._idle) <= 1
+        e._idle.clear()

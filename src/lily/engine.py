@@ -214,7 +214,8 @@ class Engine:
         for s in list(self._sessions):
             s._close("its Engine was closed")
         with self._idle_lock:
-            self._idle = []
+            idle, self._idle = self._idle, []
+        del idle  # freed outside _idle_lock: a state's destructor waits for the engine lock
         # The C++ engine goes with the last reference: sessions and snapshots hold one until they go.
         self._core = closed_handle("this Engine")
 
@@ -384,15 +385,22 @@ class Engine:
         with self._idle_lock:
             return len(self._idle)
 
+    # _idle_lock is a leaf lock: nothing under it calls into the core (held_kv_rows and a state's destructor
+    # wait for the engine lock, which a generation holds for a whole forward), so a reader such as
+    # kept_sessions() or close() never waits behind a forward. Choices are made on a copy of the list and
+    # applied only if the chosen state is still there.
     def _take_idle(self, max_context: int, chunk: int):
         """A kept session state of this shape whose KV rows no live snapshot shares (those are kept for the
         restores that can use them, _swap_for_restore); or None."""
         with self._idle_lock:
-            for c in self._idle:
-                if c.max_context == max_context and c.chunk == chunk and c.held_kv_rows == 0:
-                    self._idle.remove(c)
-                    return c
-            return None
+            fits = [c for c in self._idle if c.max_context == max_context and c.chunk == chunk]
+        for c in fits:
+            if c.held_kv_rows == 0:
+                with self._idle_lock:
+                    if any(k is c for k in self._idle):
+                        self._idle.remove(c)
+                        return c
+        return None
 
     def _swap_for_restore(self, core, snapshot_core):
         """The kept session state of core's shape holding more of snapshot_core's KV rows than core does (the
@@ -402,19 +410,24 @@ class Engine:
             return None
         with self._idle_lock:
             fits = [c for c in self._idle if c.max_context == core.max_context and c.chunk == core.chunk]
-            if not fits:
-                return None
-            best = max(fits, key=lambda c: c.held_kv_rows_of(snapshot_core))
-            if best.held_kv_rows_of(snapshot_core) <= core.held_kv_rows_of(snapshot_core):
-                return None
+        if not fits:
+            return None
+        held = [c.held_kv_rows_of(snapshot_core) for c in fits]
+        best_rows = max(held)
+        if best_rows <= core.held_kv_rows_of(snapshot_core):
+            return None
+        best = fits[held.index(best_rows)]
+        with self._idle_lock:
+            if not any(k is best for k in self._idle):
+                return None  # taken meanwhile by another session
             self._idle.remove(best)
             self._idle.append(core)
-            return best
+        return best
 
     def _swap_back(self, taken, mine):
         """Undoes _swap_for_restore: taken goes back to the kept states, mine (kept by it) comes back."""
         with self._idle_lock:
-            if mine in self._idle:
+            if any(k is mine for k in self._idle):
                 self._idle.remove(mine)
             self._idle.append(taken)
         return mine
@@ -426,11 +439,14 @@ class Engine:
             return
         with self._idle_lock:
             self._idle.append(core)
-            drop = None
-            if len(self._idle) > self.keep_sessions:
-                drop = min(self._idle, key=lambda c: c.held_kv_rows)
-                self._idle.remove(drop)
-        del drop  # freed here, outside the lock (its destructor takes the engine's lock)
+            kept = list(self._idle)
+        while len(kept) > self.keep_sessions:
+            drop = min(kept, key=lambda c: c.held_kv_rows)
+            with self._idle_lock:
+                if any(k is drop for k in self._idle):
+                    self._idle.remove(drop)
+                kept = list(self._idle)
+            del drop  # freed here, outside the lock (its destructor takes the engine's lock)
 
     def load_session(self, path: str | os.PathLike, max_context: int | None = None) -> Session:
         """Recreate a session saved with :meth:`Session.save`."""
