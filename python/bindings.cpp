@@ -264,6 +264,10 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (o.attn_prefill_keys != 16 && o.attn_prefill_keys != 32)
       throw std::invalid_argument("backend option attn_prefill_keys must be 16 or 32, got " +
                                   std::to_string(o.attn_prefill_keys));
+    if (!opt("delta_chunk_rows").is_none()) o.delta_chunk_rows = nb::cast<int>(opt("delta_chunk_rows"));
+    if (o.delta_chunk_rows < 0 || o.delta_chunk_rows > (1 << 24))
+      throw std::invalid_argument("backend option delta_chunk_rows must be 0 (off) to 2^24 rows, got " +
+                                  std::to_string(o.delta_chunk_rows));
     if (!opt("cache_dir").is_none()) o.cache_dir = nb::cast<std::string>(opt("cache_dir"));
     if (!opt("dry_arch").is_none()) o.dry_arch = nb::cast<int>(opt("dry_arch"));
     if (o.dry_arch == 0 && !nb::cast<bool>(b["usable"]))

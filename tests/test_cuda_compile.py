@@ -446,3 +446,41 @@ def test_attn_prefill_keys_option_compiles_and_reports(cache, keys):
     for bad in (8, 64, 0):
         with pytest.raises(ValueError, match="attn_prefill_keys"):
             core.OpBench("cuda", {"dry_arch": 90, "attn_prefill_keys": bad})
+
+
+@pytest.mark.parametrize("opts", [{}, {"delta_chunk_rows": 0}, {"delta_chunk_rows": 513}])
+def test_delta_chunked_form_compiles_and_reports(cache, opts):
+    """The chunked (WY) DeltaNet form compiles for the real shapes (gated_delta_chunk_prep / _scan, sm_90) and is
+    chosen for prefill calls of at least delta_chunk_rows rows (default 64) without a state capture; every other
+    call reports the sequential scan and why. Values out of range are refused naming the option."""
+    c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
+                                          source="FULL_CONFIG").to_core()
+    Hk, Hv, Dk, Dv = c["lin_k_heads"], c["lin_v_heads"], c["lin_k_dim"], c["lin_v_dim"]
+    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
+    dshape = dict(k_heads=Hk, v_heads=Hv, k_dim=Dk, v_dim=Dv, conv_kernel=c["conv_kernel"], eps=1e-6)
+    threshold = opts.get("delta_chunk_rows", 64)
+    for T, capture in ((63, None), (64, None), (512, None), (512, (100, 2))):
+        ws = b.workspace(c, T, 4096)
+        st = b.empty(Hv * Dk, Dv, poison=False)
+        kw = {}
+        if capture:
+            kw = dict(capture=b.empty(capture[1] * Hv * Dk, Dv, poison=False), capture_first=capture[0],
+                      capture_count=capture[1])
+        b.run("gated_delta", "prefill", qkv=b.empty(T, 2 * Hk * Dk + Hv * Dv, poison=False),
+              b=b.empty(T, Hv, poison=False), a=b.empty(T, Hv, poison=False), A_log=b.empty(1, Hv, poison=False),
+              dt_bias=b.empty(1, Hv, poison=False), state_in=st, state_out=st, ws=ws,
+              out=b.empty(T, Hv * Dv, poison=False), **dshape, **kw)
+        text = b.report()["variants"]["gated_delta.prefill"]
+        chunked = threshold > 0 and T >= threshold and capture is None
+        assert text.startswith("chunked") == chunked, (T, capture, text)
+        if chunked:
+            assert f"gated_delta_chunk_prep over ({(T + 63) // 64} chunks of 64, {Hv} heads)" in text, text
+        elif threshold == 0:
+            assert "not chunked: delta_chunk_rows = 0" in text, text
+        elif capture and T >= threshold:
+            assert "not chunked: a state capture" in text, text
+        else:
+            assert f"not chunked: {T} rows < delta_chunk_rows = {threshold}" in text, text
+    for bad in (-1, (1 << 24) + 1):
+        with pytest.raises(ValueError, match="delta_chunk_rows"):
+            core.OpBench("cuda", {"dry_arch": 90, "delta_chunk_rows": bad})

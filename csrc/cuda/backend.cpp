@@ -417,7 +417,7 @@ void CudaOps::place_weights(const std::vector<Weight*>& weights) {
 size_t CudaOps::workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const {
   size_t need = moe_workspace_bytes(cfg, rows);
   if (cfg.n_full()) need = std::max(need, attention_workspace_bytes(cfg, rows, max_ctx));
-  if (cfg.n_linear()) need = std::max(need, delta_workspace_bytes(cfg, rows));
+  if (cfg.n_linear()) need = std::max(need, delta_workspace_bytes(cfg, rows, options().delta_chunk_rows));
   return std::max(need, sample_workspace_bytes(cfg.vocab));
 }
 

@@ -99,6 +99,12 @@ struct CudaOptions {
   // Prefill attention on tensor cores (bf16 caches): keys per K/V tile, 16 or 32. Shared memory per block is 101 KB or
   // 135 KB at head dim 256: two blocks per SM or one. benchmarks/NOTES.md.
   int attn_prefill_keys = 16;
+  // Prefill DeltaNet: calls of at least this many rows without a state capture take the chunked (WY / UT-transform)
+  // form (kernels/gated_delta.cu gated_delta_chunk_prep / _scan: 64-token chunks, three small products per chunk
+  // instead of 64 dependent token steps); shorter calls, captures (the prefix cache's checkpoint inside a chunk, MTP
+  // verification) and 0 take the sequential scan. Another summation order than the scan: not the same bits, the
+  // same tolerance to the CPU. benchmarks/NOTES.md.
+  int delta_chunk_rows = 64;
   // Prefill GEMMs whose 64-row grid has at most a quarter (half) as many blocks as there are SMs (small T and small
   // N) run 16-row (32-row) tiles: 4x (2x) the blocks, the same bits. False: always 64 rows (A/B). benchmarks/NOTES.md.
   bool gemm_small_tiles = true;
@@ -387,7 +393,7 @@ class CudaOps final : public Ops {
 // Workspace each kernel family needs for `rows` tokens (sizes for CudaOps::workspace_bytes; 0 if none).
 size_t moe_workspace_bytes(const ModelConfig& c, int64_t rows);
 size_t attention_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t max_ctx);
-size_t delta_workspace_bytes(const ModelConfig& c, int64_t rows);
+size_t delta_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t chunk_rows);
 size_t sample_workspace_bytes(int64_t vocab);
 
 // The module sources (generated from csrc/cuda/kernels by CMake): the text of kernels/<name>.

@@ -3,7 +3,9 @@
 // gated_delta: a sequential scan over T with each warp's slice of the fp32 state in registers (see the
 //   kernel file for the geometry). T = 1 (decode): one kernel that also normalises q, k and computes
 //   alpha, beta per warp. T > 1: gated_delta_prep writes q̂, k̂, alpha, beta once per token into the
-//   workspace, then gated_delta_prepped scans. No chunked (WY) form yet.
+//   workspace, then gated_delta_prepped scans; from delta_chunk_rows rows without a capture the chunked (WY /
+//   UT-transform) form instead: gated_delta_chunk_prep builds each 64-token chunk's U, W, P and decay factors at
+//   once (parallel over chunks), gated_delta_chunk_scan walks the chunks in order (the kernel file derives it).
 // Captures (ops.h StateCapture) are one extra pointer, first row and count for both kernels: the conv copies
 //   pre-conv rows, the scan stores its registers after the captured tokens (kernels/gated_delta.cu).
 #include <algorithm>
@@ -25,13 +27,30 @@ void require_f32(const Tensor& t, const char* what) {
   if (t.dtype != DType::F32) throw std::invalid_argument(std::string("gated_delta (cuda): ") + what + " must be F32");
 }
 
-// The prefill path's workspace: qn, kn [T, Hk·Dk], alpha, beta [T, Hv], each region 256-byte aligned.
+constexpr int64_t kChunk = 64;           // tokens per chunk of the chunked form (GD_CHUNK)
+constexpr int kChunkThreads = 256;
+
+// The prefill path's workspace: qn, kn [T, Hk·Dk], alpha, beta [T, Hv], each region 256-byte aligned; then, for
+// the chunked form, one record per (chunk, value head): U [64, Dv], W [64, Dk], P [64, 64], two [64] factor rows.
 size_t region(int64_t floats) { return (size_t(floats) * 4 + 255) / 256 * 256; }
 size_t prep_bytes(int64_t T, int64_t key_dim, int64_t Hv) { return 2 * region(T * key_dim) + 2 * region(T * Hv); }
+int64_t chunk_record_floats(int64_t Dk, int64_t Dv) { return kChunk * (Dv + Dk + kChunk + 2); }
+size_t chunk_bytes(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv) {
+  return region((T + kChunk - 1) / kChunk * Hv * chunk_record_floats(Dk, Dv));
+}
+// gated_delta_chunk_prep's dynamic shared memory: the q̂, k̂ tiles (rows of Dk + 4) or the solve's [64, Dv + Dk],
+// A [64, 68], L (fp64) and β of the chunk.
+size_t chunk_prep_smem(int64_t Dk, int64_t Dv) {
+  const int64_t tiles = std::max(2 * kChunk * (Dk + 4), kChunk * (Dv + Dk));
+  return size_t(tiles + kChunk * 68) * 4 + kChunk * 8 + kChunk * 4;
+}
 }  // namespace
 
-size_t delta_workspace_bytes(const ModelConfig& c, int64_t rows) {
-  return rows > 1 ? prep_bytes(rows, c.key_dim(), c.lin_v_heads) : 0;
+size_t delta_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t chunk_rows) {
+  if (rows <= 1) return 0;
+  size_t need = prep_bytes(rows, c.key_dim(), c.lin_v_heads);
+  if (chunk_rows > 0 && rows >= chunk_rows) need += chunk_bytes(rows, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim);
+  return need;
 }
 
 void CudaOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in,
@@ -95,7 +114,24 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
     return;
   }
   const int64_t key_dim = Hk * Dk;
-  if (!ws.valid() || ws.bytes() < prep_bytes(T, key_dim, Hv))
+  // The chunked form, or why not (the report names it).
+  const int64_t chunk_rows = options().delta_chunk_rows;
+  std::string scan_why;
+  if (chunk_rows == 0)
+    scan_why = "delta_chunk_rows = 0";
+  else if (T < chunk_rows)
+    scan_why = std::to_string(T) + " rows < delta_chunk_rows = " + std::to_string(chunk_rows);
+  else if (capture.active())
+    scan_why = "a state capture (the scan stores the state after the captured rows)";
+  else if (Dk % 4 != 0 || Dv % 16 != 0)
+    scan_why = "shape Dk=" + std::to_string(Dk) + " Dv=" + std::to_string(Dv) + " (chunked: Dk % 4 == 0, Dv % 16 == 0)";
+  else if (out.stride % 4 != 0 || ptr(out) % 16 != 0)
+    scan_why = "output rows not 16-byte aligned";
+  else if (chunk_prep_smem(Dk, Dv) > size_t(info().max_smem_optin))
+    scan_why = "chunk_prep needs " + std::to_string(chunk_prep_smem(Dk, Dv)) + " bytes of shared memory";
+  const bool chunked = scan_why.empty();
+  const size_t need = prep_bytes(T, key_dim, Hv) + (chunked ? chunk_bytes(T, Hv, Dk, Dv) : 0);
+  if (!ws.valid() || ws.bytes() < need)
     throw std::invalid_argument("gated_delta (cuda): workspace smaller than delta_workspace_bytes");
   const CUdeviceptr qn = ptr(ws), kn = qn + region(T * key_dim), alpha = kn + region(T * key_dim),
                     beta = alpha + region(T * Hv);
@@ -103,12 +139,33 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
   launch(kp, Dim3{unsigned(T), unsigned((Hk + 3) / 4), 1}, Dim3{128, 1, 1}, 0, ptr(qkv), int64_t(qkv.stride), ptr(b),
          int64_t(b.stride), ptr(a), int64_t(a.stride), ptr(A_log), ptr(dt_bias), qn, kn, alpha, beta, int(Hk),
          int(Hv));
+  if (chunked) {
+    const CUdeviceptr rec = ptr(ws) + prep_bytes(T, key_dim, Hv);
+    const unsigned chunks = unsigned((T + kChunk - 1) / kChunk);
+    const Kernel& kc = kernel("gated_delta", "gated_delta_chunk_prep", {{"DK", Dk}, {"DV", Dv}});
+    set_dynamic_smem(kc, int(chunk_prep_smem(Dk, Dv)), 0);  // ~85 KB at the real shape: past the 48 KB default
+    launch(kc, Dim3{chunks, unsigned(Hv), 1}, Dim3{kChunkThreads, 1, 1}, uint32_t(chunk_prep_smem(Dk, Dv)), ptr(qkv),
+           int64_t(qkv.stride), ptr(a), int64_t(a.stride), ptr(A_log), ptr(dt_bias), qn, kn, beta, rec, int(T),
+           int(Hk), int(Hv));
+    const Kernel& ks = kernel("gated_delta", "gated_delta_chunk_scan", {{"DK", Dk}, {"DV", Dv}});
+    launch(ks, Dim3{unsigned(Hv), unsigned(Dv / 16), 1}, Dim3{kChunkThreads, 1, 1}, 0, rec, qn, kn, ptr(state_in),
+           int64_t(state_in.stride), ptr(state_out), int64_t(state_out.stride), ptr(out), int64_t(out.stride), int(T),
+           int(Hk), int(Hv));
+    note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
+                 "chunked (WY / UT-transform, " + std::to_string(T) + " rows >= delta_chunk_rows = " +
+                     std::to_string(chunk_rows) + "): gated_delta_prep, gated_delta_chunk_prep over (" +
+                     std::to_string(chunks) + " chunks of 64, " + std::to_string(Hv) +
+                     " heads) × 256 threads, gated_delta_chunk_scan over (" + std::to_string(Hv) + ", " +
+                     std::to_string(Dv / 16) + ") × 256 threads, 16 state columns per block in shared memory");
+    return;
+  }
   launch(k, grid, block, 0, ptr(qkv), int64_t(qkv.stride), ptr(b), int64_t(b.stride), ptr(a), int64_t(a.stride),
          ptr(A_log), ptr(dt_bias), qn, kn, alpha, beta, ptr(state_in), int64_t(state_in.stride), ptr(state_out),
          int64_t(state_out.stride), ptr(out), int64_t(out.stride), cap, cap_stride, cap_first, cap_count, int(T),
          int(Hk), int(Hv));
   note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
-               "gated_delta_prep (q̂, k̂, alpha, beta once per token) + sequential scan over T: " + geo);
+               "gated_delta_prep (q̂, k̂, alpha, beta once per token) + sequential scan over T: " + geo +
+                   "; not chunked: " + scan_why);
 }
 
 // One launch for a decode row (kernels/gated_delta.cu conv_delta_norm): a block of 16 warps per key head (32

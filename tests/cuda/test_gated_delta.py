@@ -34,6 +34,13 @@ def benches():
     return core.OpBench("cpu"), core.OpBench("cuda")
 
 
+@pytest.fixture(scope="module")
+def scan_bench():
+    """The GPU with the sequential scan for every length (no chunked form): the bench whose captures and uncaptured
+    calls must agree bit for bit."""
+    return core.OpBench("cuda", {"delta_chunk_rows": 0})
+
+
 def rel(x: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(x.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-30))
 
@@ -211,11 +218,13 @@ def test_gated_delta_split_is_bitwise(benches):
 @pytest.mark.parametrize("shape", [REAL, (2, 6, 32, 48)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("T,capture", [(1, (0, 1)), (33, (0, 4)), (130, (64, 3)), (130, (129, 1))])
 @pytest.mark.parametrize("inplace", [True, False])
-def test_gated_delta_capture(benches, shape, T, capture, inplace):
+def test_gated_delta_capture(benches, scan_bench, shape, T, capture, inplace):
     """Slice i of the capture is, bit for bit, the state of a GPU call over rows 0 .. first + i alone (both
     kernels: T = 1 is the decode entry), within TOL of the CPU's capture; the captured call's output and final
-    state are the uncaptured call's bits."""
-    cpu, gpu = benches
+    state are the uncaptured call's bits. A capture always runs the sequential scan, so the calls it is compared
+    with bit for bit do too (delta_chunk_rows = 0; the chunked form is held to the CPU below)."""
+    cpu, _ = benches
+    gpu = scan_bench
     Hk, Hv, Dk, Dv = shape
     rng = np.random.default_rng(T * 13 + Dk + capture[0])
     inputs = delta_inputs(rng, T, *shape)
@@ -235,3 +244,74 @@ def test_gated_delta_capture(benches, shape, T, capture, inplace):
         short = DeltaRun(gpu, shape, state0, n)
         short.step(tuple(x[:n] if x.shape[0] == T else x for x in inputs), 0, dst)
         np.testing.assert_array_equal(cap_g[i * rows:(i + 1) * rows], short.state(dst), err_msg=f"slice {i}")
+
+
+# ---- the chunked (WY / UT-transform) form: T >= delta_chunk_rows without a capture ----
+
+def strong_decay_inputs(rng, T, Hk, Hv, Dk, Dv):
+    """delta_inputs with A = exp(A_log) up to ~1e4 and dt_bias up to 3: per-token decays down to exp(-1e4) (0 in
+    fp32), mixed within a head with decays near 1, the case that overflows a chunk's Γ_i or its ratios if they are
+    not formed from differences of log decays."""
+    qkv, b, a, A_log, dt_bias = delta_inputs(rng, T, Hk, Hv, Dk, Dv)
+    A_log = rng.uniform(np.log(0.5), np.log(1e4), (1, Hv)).astype(np.float32)
+    dt_bias = rng.uniform(-7.0, 3.0, (1, Hv)).astype(np.float32)
+    return qkv, b, a, A_log, dt_bias
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("T", [64, 65, 127, 200, 1000])
+@pytest.mark.parametrize("decay", ["normal", "strong"])
+def test_gated_delta_chunked(benches, scan_bench, shape, T, decay):
+    """From delta_chunk_rows (64 by default) the GPU runs the chunked form (the report says so): output and new
+    state within TOL of the CPU's sequential scan and of the GPU's own scan, at whole and partial last chunks,
+    in place and not, for ordinary decays and for decays strong enough to underflow."""
+    cpu, gpu = benches
+    rng = np.random.default_rng(T * 31 + shape[2] + (decay == "strong"))
+    make = strong_decay_inputs if decay == "strong" else delta_inputs
+    inputs = make(rng, T, *shape)
+    state0 = (rng.standard_normal((shape[1] * shape[2], shape[3])) * 0.5).astype(np.float32)
+    for inplace in (True, False):
+        dst = 0 if inplace else 1
+        rc, rg, rs = (DeltaRun(b, shape, state0, T) for b in (cpu, gpu, scan_bench))
+        o_c, o_g, o_s = rc.step(inputs, 0, dst), rg.step(inputs, 0, dst), rs.step(inputs, 0, dst)
+        assert gpu.report()["variants"]["gated_delta.prefill"].startswith("chunked"), gpu.report()["variants"]
+        assert "not chunked" in scan_bench.report()["variants"]["gated_delta.prefill"]
+        assert np.isfinite(o_g).all() and np.isfinite(rg.state(dst)).all()
+        assert rel(o_g, o_c) < TOL, rel(o_g, o_c)
+        assert rel(rg.state(dst), rc.state(dst)) < TOL, rel(rg.state(dst), rc.state(dst))
+        assert rel(o_g, o_s) < TOL and rel(rg.state(dst), rs.state(dst)) < TOL
+        if not inplace:
+            np.testing.assert_array_equal(rg.state(0), state0)  # state_in is only read
+
+
+def test_gated_delta_chunked_then_decode_and_short_calls(benches):
+    """A session's pattern: a chunked prefill of 300 rows in place, a short (scan) prefill of 9, then decode steps
+    alternating the state sets; every output and state within TOL of the CPU carrying its own."""
+    cpu, gpu = benches
+    shape = REAL
+    rng = np.random.default_rng(123)
+    state0 = (rng.standard_normal((shape[1] * shape[2], shape[3])) * 0.5).astype(np.float32)
+    rc, rg = DeltaRun(cpu, shape, state0, 300), DeltaRun(gpu, shape, state0, 300)
+    steps = [(300, 0, 0), (9, 0, 0)] + [(1, i % 2, 1 - i % 2) for i in range(4)]
+    for n, (T, src, dst) in enumerate(steps):
+        inputs = delta_inputs(rng, T, *shape)
+        o_c, o_g = rc.step(inputs, src, dst), rg.step(inputs, src, dst)
+        assert rel(o_g, o_c) < TOL, (n, rel(o_g, o_c))
+        assert rel(rg.state(dst), rc.state(dst)) < TOL, n
+
+
+def test_delta_chunk_rows_threshold_and_bad_values():
+    """delta_chunk_rows = 100: 99 rows scan (the report says why), 100 chunked; out-of-range values are refused."""
+    gpu = core.OpBench("cuda", {"delta_chunk_rows": 100})
+    rng = np.random.default_rng(7)
+    for T, chunked in ((99, False), (100, True)):
+        inputs = delta_inputs(rng, T, *REAL)
+        state0 = (rng.standard_normal((REAL[1] * REAL[2], REAL[3])) * 0.5).astype(np.float32)
+        DeltaRun(gpu, REAL, state0, T).step(inputs, 0, 1)
+        text = gpu.report()["variants"]["gated_delta.prefill"]
+        assert text.startswith("chunked") == chunked, text
+        if not chunked:
+            assert "99 rows < delta_chunk_rows = 100" in text, text
+    for bad in (-1, (1 << 24) + 1):
+        with pytest.raises(ValueError, match="delta_chunk_rows"):
+            core.OpBench("cuda", {"delta_chunk_rows": bad})

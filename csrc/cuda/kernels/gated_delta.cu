@@ -48,7 +48,8 @@
 //   Floor: the state crosses memory once per call, 2 · 32·128·128·4 B = 4 MiB per layer (~1 µs at 4 TB/s),
 //   plus 2 MiB written per captured token;
 //   T·Hv·DK·DV·8 FLOPs (4 fp32 instructions per state element per token). Prefill is bound by issue and by
-//   the per-token dependency chain (decay, m, 9 shuffles, update); there is no chunked (WY) form yet.
+//   the per-token dependency chain (decay, m, 9 shuffles, update); from delta_chunk_rows rows the host takes the
+//   chunked form below instead.
 //   Sum order: per lane rows ascending in r (two partial sums for m: even and odd r), then the shuffle
 //   tree; fixed by DK, never by T.
 //
@@ -370,6 +371,256 @@ extern "C" __global__ void __launch_bounds__(64)
                          in_stride, S_out, st_stride, out, out_stride, cap, cap_stride, cap_first, cap_count, T, Hk,
                          Hv);
 }
+
+// ---- The chunked (WY / UT-transform) form: calls of T >= delta_chunk_rows without a capture ----
+// Over a chunk of C = 64 tokens with chunk-local cumulative log decays L_i = Σ_{t<=i} gate_t (Γ_i = exp L_i) and
+// S0 the state before it, the recurrence above is, exactly (benchmarks/NOTES.md derives it):
+//   A_ij = β_i (Γ_i/Γ_j) k̂_i·k̂_j (j < i),  (I + A) [U | W] = [diag(β) V | diag(βΓ) K̂]   (forward substitution)
+//   Δ = U − W S0,  o_i = Γ_i q̂_iᵀS0 + Σ_{j<=i} P_ij Δ_j with P_ij = (Γ_i/Γ_j) q̂_i·k̂_j,
+//   S = Γ_last S0 + Σ_j (Γ_last/Γ_j) k̂_j Δ_jᵀ.
+// gated_delta_chunk_prep builds U, W, P and the decay factors of every (chunk, value head) at once (parallel over
+// chunks); gated_delta_chunk_scan walks the chunks in order with a 16-column slice of S in shared memory, three
+// small products per chunk instead of 64 dependent token steps. L is summed in fp64 and only differences
+// L_i − L_j (<= 0) are exponentiated, so no factor overflows and a strongly decayed chunk keeps its relative
+// precision. fp32 elsewhere: ~3e-7 from an fp64 scan at the test shapes (numpy model of these kernels), the
+// sequential scan's order of error; the bits differ from it (another summation order).
+#define GD_CHUNK 64
+#define GD_XC (DV + DK)  // columns of the solve's right-hand side [βV | βΓK̂]
+#define GD_QS (DK + 4)   // row pitch of the q̂, k̂ tiles in shared memory (float4 rows)
+#define GD_AS 68         // row pitch of A in shared memory (float4 rows)
+// One (chunk, value head) record in the workspace, in floats: U [64, DV], W [64, DK], P [64, 64] (zero above the
+// diagonal and past the chunk's rows), gam [64] = Γ_i, ksc [64] = Γ_last/Γ_i (zero past the rows).
+#define GD_REC_W (GD_CHUNK * DV)
+#define GD_REC_P (GD_REC_W + GD_CHUNK * DK)
+#define GD_REC_G (GD_REC_P + GD_CHUNK * GD_CHUNK)
+#define GD_REC_K (GD_REC_G + GD_CHUNK)
+#define GD_REC (GD_REC_K + GD_CHUNK)
+#define GD_PREP_TILE_FLOATS (2 * GD_CHUNK * GD_QS > GD_CHUNK * GD_XC ? 2 * GD_CHUNK * GD_QS : GD_CHUNK * GD_XC)
+#if DK % 4 == 0 && DV % 16 == 0  // the chunked form's shapes (the host checks them before asking for its kernels)
+
+// Grid (⌈T/64⌉, Hv), block 256. Shared: the chunk's q̂ and k̂ rows (later overlaid by the solve's [64, DV + DK]
+// right-hand side), Aᵀ [64, 68], L (fp64) and β. Thread (ti, tj) = (tid / 16, tid % 16) computes the 4 × 4 tile of
+// q̂·k̂ and k̂·k̂ at rows 4ti.., columns 4tj.. (tiles above the diagonal write zeros); then each thread solves whole
+// columns of the right-hand side by forward substitution in blocks of 16 rows (below). Reads: q̂, k̂, v of the chunk, a,
+// β; writes the record. Floor: ~1 MFLOP per (chunk, head) (two 64 × 64 × DK products, halved by the triangle,
+// and the 64 × 64 × (DV + DK) / 2 solve): ~4 GFLOP per layer at T = 4096; bytes ~80 KB per record written.
+extern "C" __global__ void __launch_bounds__(256)
+    gated_delta_chunk_prep(const float* __restrict__ qkv, i64 qkv_stride, const float* __restrict__ a, i64 a_stride,
+                           const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                           const float* __restrict__ qn, const float* __restrict__ kn,
+                           const float* __restrict__ beta, float* __restrict__ rec, int T, int Hk, int Hv) {
+  extern __shared__ float4 gd_smem4[];
+  float* sm = reinterpret_cast<float*>(gd_smem4);
+  float* sQ = sm;                             // [64, GD_QS]
+  float* sK = sm + GD_CHUNK * GD_QS;          // [64, GD_QS]
+  float* sX = sm;                             // [64, GD_XC], after the tiles
+  float* sA = sm + GD_PREP_TILE_FLOATS;       // A transposed: sA[j·GD_AS + i] = A_ij
+  double* sL = reinterpret_cast<double*>(sA + GD_CHUNK * GD_AS);  // 8-byte aligned: both offsets are even
+  float* sB = reinterpret_cast<float*>(sL + GD_CHUNK);
+  const int c = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
+  const int t0 = c * GD_CHUNK, n = min(GD_CHUNK, T - t0);
+  const int kh = j / (Hv / Hk);
+  const i64 key_dim = i64(Hk) * DK;
+  const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
+  LILY_PDL_PROLOGUE();
+  for (int e = tid; e < GD_CHUNK * (DK / 4); e += blockDim.x) {  // float4 columns fastest: coalesced rows
+    const int i = e / (DK / 4), d = (e % (DK / 4)) * 4;
+    float4 q4 = make_float4(0.f, 0.f, 0.f, 0.f), k4 = q4;
+    if (i < n) {
+      q4 = *reinterpret_cast<const float4*>(qn + i64(t0 + i) * key_dim + i64(kh) * DK + d);
+      k4 = *reinterpret_cast<const float4*>(kn + i64(t0 + i) * key_dim + i64(kh) * DK + d);
+    }
+    *reinterpret_cast<float4*>(sQ + i * GD_QS + d) = q4;
+    *reinterpret_cast<float4*>(sK + i * GD_QS + d) = k4;
+  }
+  if (tid == 0) {  // the cumulative log decay, in order, in fp64 (64 adds)
+    double L = 0.0;
+    for (int i = 0; i < GD_CHUNK; ++i) {
+      if (i < n) L += double(neg_A * softplus(a[i64(t0 + i) * a_stride + j] + dtb));
+      sL[i] = L;
+    }
+  }
+  if (tid < GD_CHUNK) sB[tid] = tid < n ? beta[i64(t0 + tid) * Hv + j] : 0.f;
+  __syncthreads();
+  float* R = rec + (i64(c) * Hv + j) * GD_REC;
+  {
+    const int ti = tid / 16, tj = tid % 16;
+    float qk[4][4] = {}, kk[4][4] = {};
+    if (tj <= ti) {
+      for (int d = 0; d < DK; d += 4) {
+        float4 qi[4], ki[4], kj[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          qi[u] = *reinterpret_cast<const float4*>(sQ + (4 * ti + u) * GD_QS + d);
+          ki[u] = *reinterpret_cast<const float4*>(sK + (4 * ti + u) * GD_QS + d);
+          kj[u] = *reinterpret_cast<const float4*>(sK + (4 * tj + u) * GD_QS + d);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            qk[u][v] += qi[u].x * kj[v].x + qi[u].y * kj[v].y + qi[u].z * kj[v].z + qi[u].w * kj[v].w;
+            kk[u][v] += ki[u].x * kj[v].x + ki[u].y * kj[v].y + ki[u].z * kj[v].z + ki[u].w * kj[v].w;
+          }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = 4 * ti + u;
+      float p4[4];
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const int jj = 4 * tj + v;
+        const bool live = i < n && jj <= i;
+        const float dec = live ? float(exp(sL[i] - sL[jj])) : 0.f;
+        p4[v] = live ? dec * qk[u][v] : 0.f;
+        sA[jj * GD_AS + i] = live && jj < i ? sB[i] * dec * kk[u][v] : 0.f;
+      }
+      *reinterpret_cast<float4*>(R + GD_REC_P + i * GD_CHUNK + 4 * tj) = make_float4(p4[0], p4[1], p4[2], p4[3]);
+    }
+  }
+  if (tid < GD_CHUNK) {
+    const bool live = tid < n;
+    R[GD_REC_G + tid] = live ? float(exp(sL[tid])) : 0.f;
+    R[GD_REC_K + tid] = live ? float(exp(sL[n - 1] - sL[tid])) : 0.f;
+  }
+  __syncthreads();  // the q̂, k̂ tiles are read: the right-hand side takes their place
+  for (int e = tid; e < GD_CHUNK * GD_XC; e += blockDim.x) {
+    const int i = e / GD_XC, col = e % GD_XC;
+    float x = 0.f;
+    if (i < n)
+      x = col < DV ? sB[i] * qkv[i64(t0 + i) * qkv_stride + 2 * key_dim + i64(j) * DV + col]
+                   : sB[i] * float(exp(sL[i])) * kn[i64(t0 + i) * key_dim + i64(kh) * DK + (col - DV)];
+    sX[e] = x;
+  }
+  __syncthreads();
+  // A thread per column, in blocks of 16 rows: the block's unknowns in registers (its loops unroll fully, so their
+  // indices are constants), first less the earlier blocks' solved unknowns (read back once each from the thread's own
+  // column, A transposed so 16 rows' factors are 4 float4 broadcasts), then solved among themselves. Rows past n have
+  // a zero right-hand side and zero A rows, so they solve to 0.
+  for (int col = tid; col < GD_XC; col += blockDim.x) {
+    float* xc = sX + col;
+    float* dst = col < DV ? R + col : R + GD_REC_W + (col - DV);
+    const int pitch = col < DV ? DV : DK;
+#pragma unroll 1
+    for (int r0 = 0; r0 < GD_CHUNK; r0 += 16) {
+      float x[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) x[i] = xc[(r0 + i) * GD_XC];
+#pragma unroll 1
+      for (int jj = 0; jj < r0; ++jj) {
+        const float xj = xc[jj * GD_XC];
+        const float* at = sA + jj * GD_AS + r0;  // A[r0 .. r0 + 15][jj]
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float4 a4 = *reinterpret_cast<const float4*>(at + 4 * u);
+          x[4 * u] -= a4.x * xj;
+          x[4 * u + 1] -= a4.y * xj;
+          x[4 * u + 2] -= a4.z * xj;
+          x[4 * u + 3] -= a4.w * xj;
+        }
+      }
+#pragma unroll
+      for (int i = 1; i < 16; ++i)
+#pragma unroll
+        for (int jj = 0; jj < i; ++jj) x[i] -= sA[(r0 + jj) * GD_AS + r0 + i] * x[jj];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        xc[(r0 + i) * GD_XC] = x[i];
+        dst[(r0 + i) * pitch] = x[i];
+      }
+    }
+  }
+}
+
+// Grid (Hv, DV/16), block 256: block (j, y) owns columns [16y, 16y + 16) of value head j's state, in shared memory
+// for the whole call. Per chunk: (1) thread (i, q) = (tid / 4, tid % 4) takes row i, columns 4q..4q+3:
+// Δ_i = U_i − W_i S0 and Γ_i q̂_iᵀS0 (W, q̂ rows from global, S0 by float4 broadcast); (2) o_i adds Σ_j P_ij Δ_j and
+// is stored; (3) thread (d, h) = (tid % DK, tid / DK) updates row d, 8 columns: S = Γ_last S0 + Σ_j k̂_j[d] ksc_j Δ_j
+// (k̂ loads coalesced over d). Two barriers per chunk. S is read once and written once (in place safe: a block
+// writes only the slice it read). Floor per chunk and block: ~460 K FMA (W S0, q̂ S0: 2·64·DK·16; P Δ: 64·64·16;
+// the update: DK·64·16) on ~116 KB of records and q̂, k̂ read (L2: each record is read by DV/16 blocks).
+extern "C" __global__ void __launch_bounds__(256)
+    gated_delta_chunk_scan(const float* __restrict__ rec, const float* __restrict__ qn, const float* __restrict__ kn,
+                           const float* S_in, i64 in_stride, float* S_out, i64 st_stride, float* __restrict__ out,
+                           i64 out_stride, int T, int Hk, int Hv) {
+  __shared__ float4 sS[DK][4];
+  __shared__ float4 sD[GD_CHUNK][4];
+  __shared__ float4 sDk[GD_CHUNK][4];
+  const int j = blockIdx.x, c0 = blockIdx.y * 16, tid = threadIdx.x;
+  const int kh = j / (Hv / Hk);
+  const i64 key_dim = i64(Hk) * DK;
+  // The state (the previous call's output, never the kernel just before this one) before the wait.
+  for (int e = tid; e < DK * 4; e += blockDim.x)
+    sS[e / 4][e % 4] = ld_cg4(S_in + (i64(j) * DK + e / 4) * in_stride + c0 + 4 * (e % 4));
+  LILY_PDL_PROLOGUE();
+  __syncthreads();
+  const int i = tid >> 2, q = tid & 3;
+  const int chunks = (T + GD_CHUNK - 1) / GD_CHUNK;
+  for (int c = 0; c < chunks; ++c) {
+    const int t0 = c * GD_CHUNK, n = min(GD_CHUNK, T - t0);
+    const float* R = rec + (i64(c) * Hv + j) * GD_REC;
+    float4 oq = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (i < GD_CHUNK) {  // (1)
+      float4 w = make_float4(0.f, 0.f, 0.f, 0.f), qs = w;
+      const float* wrow = R + GD_REC_W + i * DK;
+      const float* qrow = qn + i64(t0 + min(i, n - 1)) * key_dim + i64(kh) * DK;
+#pragma unroll 4
+      for (int d = 0; d < DK; d += 4) {
+        const float4 w4 = *reinterpret_cast<const float4*>(wrow + d);
+        const float4 q4 = *reinterpret_cast<const float4*>(qrow + d);
+        const float wv[4] = {w4.x, w4.y, w4.z, w4.w}, qv[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float4 s = sS[d + u][q];
+          w.x += wv[u] * s.x; w.y += wv[u] * s.y; w.z += wv[u] * s.z; w.w += wv[u] * s.w;
+          qs.x += qv[u] * s.x; qs.y += qv[u] * s.y; qs.z += qv[u] * s.z; qs.w += qv[u] * s.w;
+        }
+      }
+      const float4 u4 = *reinterpret_cast<const float4*>(R + i * DV + c0 + 4 * q);
+      const float4 dl = make_float4(u4.x - w.x, u4.y - w.y, u4.z - w.z, u4.w - w.w);  // zero past the rows
+      const float g = R[GD_REC_G + i], ks = R[GD_REC_K + i];
+      sD[i][q] = dl;
+      sDk[i][q] = make_float4(ks * dl.x, ks * dl.y, ks * dl.z, ks * dl.w);
+      oq = make_float4(g * qs.x, g * qs.y, g * qs.z, g * qs.w);
+    }
+    __syncthreads();
+    if (i < n) {  // (2) P is zero above the diagonal: columns up to i's group of 4
+      const float* prow = R + GD_REC_P + i * GD_CHUNK;
+      for (int jj = 0; jj <= i; jj += 4) {
+        const float4 p4 = *reinterpret_cast<const float4*>(prow + jj);
+        const float pv[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float4 dl = sD[jj + u][q];
+          oq.x += pv[u] * dl.x; oq.y += pv[u] * dl.y; oq.z += pv[u] * dl.z; oq.w += pv[u] * dl.w;
+        }
+      }
+      *reinterpret_cast<float4*>(out + i64(t0 + i) * out_stride + i64(j) * DV + c0 + 4 * q) = oq;
+    }
+    const float gl = R[GD_REC_G + n - 1];
+    for (int e = tid; e < DK * 2; e += blockDim.x) {  // (3)
+      const int d = e % DK, h = e / DK;
+      float4 s0 = sS[d][2 * h], s1 = sS[d][2 * h + 1];
+      s0 = make_float4(gl * s0.x, gl * s0.y, gl * s0.z, gl * s0.w);
+      s1 = make_float4(gl * s1.x, gl * s1.y, gl * s1.z, gl * s1.w);
+      const float* kcol = kn + i64(t0) * key_dim + i64(kh) * DK + d;
+#pragma unroll 8
+      for (int jj = 0; jj < n; ++jj) {
+        const float kv = kcol[i64(jj) * key_dim];
+        const float4 a0 = sDk[jj][2 * h], a1 = sDk[jj][2 * h + 1];
+        s0.x += kv * a0.x; s0.y += kv * a0.y; s0.z += kv * a0.z; s0.w += kv * a0.w;
+        s1.x += kv * a1.x; s1.y += kv * a1.y; s1.z += kv * a1.z; s1.w += kv * a1.w;
+      }
+      sS[d][2 * h] = s0;
+      sS[d][2 * h + 1] = s1;
+    }
+    __syncthreads();
+  }
+  for (int e = tid; e < DK * 4; e += blockDim.x)
+    *reinterpret_cast<float4*>(S_out + (i64(j) * DK + e / 4) * st_stride + c0 + 4 * (e % 4)) = sS[e / 4][e % 4];
+}
+#endif  // DK % 4 == 0 && DV % 16 == 0
 #endif  // DK && DV
 
 #if defined(DK) && defined(DV)
