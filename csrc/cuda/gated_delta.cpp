@@ -44,6 +44,13 @@ size_t chunk_prep_smem(int64_t Dk, int64_t Dv) {
   const int64_t tiles = std::max(2 * kChunk * (Dk + 4), kChunk * (Dv + Dk));
   return size_t(tiles + kChunk * 68) * 4 + kChunk * 8 + kChunk * 4;
 }
+// gated_delta_chunk_scan: state columns per block (GD_SCW) and dynamic shared memory: the state slice [Dk, cw + 4],
+// W and q̂ tiles [64, Dk + 4], k̂ [64, Dk], P [64, 68], Δ and its scaled copy [64, cw].
+int64_t chunk_scan_cols(int64_t Dv) { return Dv % 32 == 0 ? 32 : 16; }
+size_t chunk_scan_smem(int64_t Dk, int64_t Dv) {
+  const int64_t cw = chunk_scan_cols(Dv);
+  return size_t(Dk * (cw + 4) + 2 * kChunk * (Dk + 4) + kChunk * Dk + kChunk * (kChunk + 4) + 2 * kChunk * cw) * 4;
+}
 }  // namespace
 
 size_t delta_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t chunk_rows) {
@@ -127,8 +134,9 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
     scan_why = "shape Dk=" + std::to_string(Dk) + " Dv=" + std::to_string(Dv) + " (chunked: Dk % 4 == 0, Dv % 16 == 0)";
   else if (out.stride % 4 != 0 || ptr(out) % 16 != 0)
     scan_why = "output rows not 16-byte aligned";
-  else if (chunk_prep_smem(Dk, Dv) > size_t(info().max_smem_optin))
-    scan_why = "chunk_prep needs " + std::to_string(chunk_prep_smem(Dk, Dv)) + " bytes of shared memory";
+  else if (std::max(chunk_prep_smem(Dk, Dv), chunk_scan_smem(Dk, Dv)) > size_t(info().max_smem_optin))
+    scan_why = "the chunked kernels need " + std::to_string(std::max(chunk_prep_smem(Dk, Dv), chunk_scan_smem(Dk, Dv))) +
+               " bytes of shared memory";
   const bool chunked = scan_why.empty();
   const size_t need = prep_bytes(T, key_dim, Hv) + (chunked ? chunk_bytes(T, Hv, Dk, Dv) : 0);
   if (!ws.valid() || ws.bytes() < need)
@@ -148,7 +156,9 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
            int64_t(qkv.stride), ptr(a), int64_t(a.stride), ptr(A_log), ptr(dt_bias), qn, kn, beta, rec, int(T),
            int(Hk), int(Hv));
     const Kernel& ks = kernel("gated_delta", "gated_delta_chunk_scan", {{"DK", Dk}, {"DV", Dv}});
-    launch(ks, Dim3{unsigned(Hv), unsigned(Dv / 16), 1}, Dim3{kChunkThreads, 1, 1}, 0, rec, qn, kn, ptr(state_in),
+    const int64_t cw = chunk_scan_cols(Dv);
+    set_dynamic_smem(ks, int(chunk_scan_smem(Dk, Dv)), 0);
+    launch(ks, Dim3{unsigned(Hv), unsigned(Dv / cw), 1}, Dim3{kChunkThreads, 1, 1}, uint32_t(chunk_scan_smem(Dk, Dv)), rec, qn, kn, ptr(state_in),
            int64_t(state_in.stride), ptr(state_out), int64_t(state_out.stride), ptr(out), int64_t(out.stride), int(T),
            int(Hk), int(Hv));
     note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
@@ -156,7 +166,8 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
                      std::to_string(chunk_rows) + "): gated_delta_prep, gated_delta_chunk_prep over (" +
                      std::to_string(chunks) + " chunks of 64, " + std::to_string(Hv) +
                      " heads) × 256 threads, gated_delta_chunk_scan over (" + std::to_string(Hv) + ", " +
-                     std::to_string(Dv / 16) + ") × 256 threads, 16 state columns per block in shared memory");
+                     std::to_string(Dv / cw) + ") × 256 threads, " + std::to_string(cw) +
+                     " state columns per block and each chunk's tiles in shared memory (cp.async)");
     return;
   }
   launch(k, grid, block, 0, ptr(qkv), int64_t(qkv.stride), ptr(b), int64_t(b.stride), ptr(a), int64_t(a.stride),

@@ -533,92 +533,162 @@ extern "C" __global__ void __launch_bounds__(256)
   }
 }
 
-// Grid (Hv, DV/16), block 256: block (j, y) owns columns [16y, 16y + 16) of value head j's state, in shared memory
-// for the whole call. Per chunk: (1) thread (i, q) = (tid / 4, tid % 4) takes row i, columns 4q..4q+3:
-// Δ_i = U_i − W_i S0 and Γ_i q̂_iᵀS0 (W, q̂ rows from global, S0 by float4 broadcast); (2) o_i adds Σ_j P_ij Δ_j and
-// is stored; (3) thread (d, h) = (tid % DK, tid / DK) updates row d, 8 columns: S = Γ_last S0 + Σ_j k̂_j[d] ksc_j Δ_j
-// (k̂ loads coalesced over d). Two barriers per chunk. S is read once and written once (in place safe: a block
-// writes only the slice it read). Floor per chunk and block: ~460 K FMA (W S0, q̂ S0: 2·64·DK·16; P Δ: 64·64·16;
-// the update: DK·64·16) on ~116 KB of records and q̂, k̂ read (L2: each record is read by DV/16 blocks).
-extern "C" __global__ void __launch_bounds__(256)
+#define GD_SCW (DV % 32 == 0 ? 32 : 16)  // state columns per scan block
+#define GD_SSP (GD_SCW + 4)              // row pitch of the state slice in shared memory (4-way, not 32-way, in (3))
+#define GD_SPP (GD_CHUNK + 4)            // row pitch of P in shared memory
+
+// Grid (Hv, DV/SCW), block 256, one block per SM (SCW = 32 state columns: 128 blocks at the real shape). Block (j, y)
+// keeps columns [SCW·y, SCW·y + SCW) of value head j's state in shared memory for the whole call. Per chunk the
+// block stages the chunk's W, q̂, k̂ and P tiles in shared memory by cp.async (W and q̂ of the next chunk are in
+// flight during (2) and (3), k̂ and P are issued after (3)), then: (1) thread (i, g) = (tid / (SCW/8), tid % (SCW/8))
+// takes row i, columns 8g..8g+7: Δ_i = U_i − W_i S0 and Γ_i q̂_iᵀS0; (2) o_i adds Σ_j P_ij Δ_j and is stored;
+// (3) thread (d, h) updates row d, 16 columns: S = Γ_last S0 + Σ_j k̂_j[d] ksc_j Δ_j. Two barriers per chunk; every
+// operand of the products comes from shared memory (conflict-free row pitches; Δ by broadcast). S is read once and
+// written once (in place safe: a block writes only the slice it read). Floor per chunk and block: 64·DK·2·SCW +
+// 64·64/2·SCW + DK·64·SCW FMAs (~0.9 M at the real shape) on ~112 KB staged from L2 (each record is read by
+// DV/SCW blocks).
+extern "C" __global__ void __launch_bounds__(256, 1)
     gated_delta_chunk_scan(const float* __restrict__ rec, const float* __restrict__ qn, const float* __restrict__ kn,
                            const float* S_in, i64 in_stride, float* S_out, i64 st_stride, float* __restrict__ out,
                            i64 out_stride, int T, int Hk, int Hv) {
-  __shared__ float4 sS[DK][4];
-  __shared__ float4 sD[GD_CHUNK][4];
-  __shared__ float4 sDk[GD_CHUNK][4];
-  const int j = blockIdx.x, c0 = blockIdx.y * 16, tid = threadIdx.x;
+  constexpr int CW = GD_SCW, G = CW / 8;
+  extern __shared__ float4 gd_smem4[];
+  float* sS = reinterpret_cast<float*>(gd_smem4);  // [DK, GD_SSP]
+  float* sW = sS + DK * GD_SSP;                     // [64, GD_QS]
+  float* sQ = sW + GD_CHUNK * GD_QS;                // [64, GD_QS]
+  float* sK = sQ + GD_CHUNK * GD_QS;                // [64, DK]
+  float* sP = sK + GD_CHUNK * DK;                   // [64, GD_SPP]
+  float* sD = sP + GD_CHUNK * GD_SPP;               // [64, CW]: Δ
+  float* sDk = sD + GD_CHUNK * CW;                  // [64, CW]: ksc_j Δ_j
+  const int j = blockIdx.x, c0 = blockIdx.y * CW, tid = threadIdx.x;
   const int kh = j / (Hv / Hk);
   const i64 key_dim = i64(Hk) * DK;
   // The state (the previous call's output, never the kernel just before this one) before the wait.
-  for (int e = tid; e < DK * 4; e += blockDim.x)
-    sS[e / 4][e % 4] = ld_cg4(S_in + (i64(j) * DK + e / 4) * in_stride + c0 + 4 * (e % 4));
+  for (int e = tid; e < DK * (CW / 4); e += blockDim.x) {
+    const int d = e / (CW / 4), f = e % (CW / 4);
+    *reinterpret_cast<float4*>(sS + d * GD_SSP + 4 * f) = ld_cg4(S_in + (i64(j) * DK + d) * in_stride + c0 + 4 * f);
+  }
   LILY_PDL_PROLOGUE();
-  __syncthreads();
-  const int i = tid >> 2, q = tid & 3;
   const int chunks = (T + GD_CHUNK - 1) / GD_CHUNK;
+  auto record = [&](int c) { return rec + (i64(c) * Hv + j) * GD_REC; };
+  auto rows_of = [&](int c) { return min(GD_CHUNK, T - c * GD_CHUNK); };
+  auto stage_wq = [&](int c) {  // W (the record's, contiguous) and q̂ (rows past the chunk zero-filled)
+    const float* R = record(c);
+    const int t0 = c * GD_CHUNK, n = rows_of(c);
+    for (int e = tid; e < GD_CHUNK * (DK / 4); e += blockDim.x) {
+      const int r = e / (DK / 4), f = e % (DK / 4);
+      cp_async16(smem_addr(sW + r * GD_QS + 4 * f), R + GD_REC_W + r * DK + 4 * f, 16);
+      cp_async16(smem_addr(sQ + r * GD_QS + 4 * f), qn + i64(t0 + min(r, n - 1)) * key_dim + i64(kh) * DK + 4 * f,
+                 r < n ? 16 : 0);
+    }
+  };
+  auto stage_kp = [&](int c) {  // k̂ (zero-filled past the chunk: 0 · garbage could be NaN) and P
+    const float* R = record(c);
+    const int t0 = c * GD_CHUNK, n = rows_of(c);
+    for (int e = tid; e < GD_CHUNK * (DK / 4); e += blockDim.x) {
+      const int r = e / (DK / 4), f = e % (DK / 4);
+      cp_async16(smem_addr(sK + r * DK + 4 * f), kn + i64(t0 + min(r, n - 1)) * key_dim + i64(kh) * DK + 4 * f,
+                 r < n ? 16 : 0);
+    }
+    for (int e = tid; e < GD_CHUNK * (GD_CHUNK / 4); e += blockDim.x) {
+      const int r = e / (GD_CHUNK / 4), f = e % (GD_CHUNK / 4);
+      cp_async16(smem_addr(sP + r * GD_SPP + 4 * f), R + GD_REC_P + r * GD_CHUNK + 4 * f, 16);
+    }
+  };
+  stage_wq(0);
+  stage_kp(0);
+  cp_async_commit();
+  const int i = tid / G, g = tid % G;  // (1), (2): row i, columns 8g .. 8g + 7 (threads past 64 rows idle)
+  const bool row_thread = i < GD_CHUNK;
   for (int c = 0; c < chunks; ++c) {
-    const int t0 = c * GD_CHUNK, n = min(GD_CHUNK, T - t0);
-    const float* R = rec + (i64(c) * Hv + j) * GD_REC;
-    float4 oq = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (i < GD_CHUNK) {  // (1)
-      float4 w = make_float4(0.f, 0.f, 0.f, 0.f), qs = w;
-      const float* wrow = R + GD_REC_W + i * DK;
-      const float* qrow = qn + i64(t0 + min(i, n - 1)) * key_dim + i64(kh) * DK;
+    const int t0 = c * GD_CHUNK, n = rows_of(c);
+    const float* R = record(c);
+    cp_async_wait<0>();
+    __syncthreads();
+    float4 o0 = make_float4(0.f, 0.f, 0.f, 0.f), o1 = o0;
+    if (row_thread) {  // (1)
+      float4 w0 = o0, w1 = o0;
 #pragma unroll 4
       for (int d = 0; d < DK; d += 4) {
-        const float4 w4 = *reinterpret_cast<const float4*>(wrow + d);
-        const float4 q4 = *reinterpret_cast<const float4*>(qrow + d);
+        const float4 w4 = *reinterpret_cast<const float4*>(sW + i * GD_QS + d);
+        const float4 q4 = *reinterpret_cast<const float4*>(sQ + i * GD_QS + d);
         const float wv[4] = {w4.x, w4.y, w4.z, w4.w}, qv[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-          const float4 s = sS[d + u][q];
-          w.x += wv[u] * s.x; w.y += wv[u] * s.y; w.z += wv[u] * s.z; w.w += wv[u] * s.w;
-          qs.x += qv[u] * s.x; qs.y += qv[u] * s.y; qs.z += qv[u] * s.z; qs.w += qv[u] * s.w;
+          const float4 s0 = *reinterpret_cast<const float4*>(sS + (d + u) * GD_SSP + 8 * g);
+          const float4 s1 = *reinterpret_cast<const float4*>(sS + (d + u) * GD_SSP + 8 * g + 4);
+          w0.x += wv[u] * s0.x; w0.y += wv[u] * s0.y; w0.z += wv[u] * s0.z; w0.w += wv[u] * s0.w;
+          w1.x += wv[u] * s1.x; w1.y += wv[u] * s1.y; w1.z += wv[u] * s1.z; w1.w += wv[u] * s1.w;
+          o0.x += qv[u] * s0.x; o0.y += qv[u] * s0.y; o0.z += qv[u] * s0.z; o0.w += qv[u] * s0.w;
+          o1.x += qv[u] * s1.x; o1.y += qv[u] * s1.y; o1.z += qv[u] * s1.z; o1.w += qv[u] * s1.w;
         }
       }
-      const float4 u4 = *reinterpret_cast<const float4*>(R + i * DV + c0 + 4 * q);
-      const float4 dl = make_float4(u4.x - w.x, u4.y - w.y, u4.z - w.z, u4.w - w.w);  // zero past the rows
-      const float g = R[GD_REC_G + i], ks = R[GD_REC_K + i];
-      sD[i][q] = dl;
-      sDk[i][q] = make_float4(ks * dl.x, ks * dl.y, ks * dl.z, ks * dl.w);
-      oq = make_float4(g * qs.x, g * qs.y, g * qs.z, g * qs.w);
+      const float4 u0 = *reinterpret_cast<const float4*>(R + i * DV + c0 + 8 * g);
+      const float4 u1 = *reinterpret_cast<const float4*>(R + i * DV + c0 + 8 * g + 4);
+      const float gm = R[GD_REC_G + i], ks = R[GD_REC_K + i];
+      const float4 d0 = make_float4(u0.x - w0.x, u0.y - w0.y, u0.z - w0.z, u0.w - w0.w);  // zero past the rows
+      const float4 d1 = make_float4(u1.x - w1.x, u1.y - w1.y, u1.z - w1.z, u1.w - w1.w);
+      *reinterpret_cast<float4*>(sD + i * CW + 8 * g) = d0;
+      *reinterpret_cast<float4*>(sD + i * CW + 8 * g + 4) = d1;
+      *reinterpret_cast<float4*>(sDk + i * CW + 8 * g) = make_float4(ks * d0.x, ks * d0.y, ks * d0.z, ks * d0.w);
+      *reinterpret_cast<float4*>(sDk + i * CW + 8 * g + 4) = make_float4(ks * d1.x, ks * d1.y, ks * d1.z, ks * d1.w);
+      o0 = make_float4(gm * o0.x, gm * o0.y, gm * o0.z, gm * o0.w);
+      o1 = make_float4(gm * o1.x, gm * o1.y, gm * o1.z, gm * o1.w);
     }
     __syncthreads();
-    if (i < n) {  // (2) P is zero above the diagonal: columns up to i's group of 4
-      const float* prow = R + GD_REC_P + i * GD_CHUNK;
+    if (c + 1 < chunks) {  // W and q̂ are read: the next chunk's come in during (2) and (3)
+      stage_wq(c + 1);
+      cp_async_commit();
+    }
+    if (row_thread && i < n) {  // (2) P is zero above the diagonal: columns up to i's group of 4
       for (int jj = 0; jj <= i; jj += 4) {
-        const float4 p4 = *reinterpret_cast<const float4*>(prow + jj);
+        const float4 p4 = *reinterpret_cast<const float4*>(sP + i * GD_SPP + jj);
         const float pv[4] = {p4.x, p4.y, p4.z, p4.w};
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-          const float4 dl = sD[jj + u][q];
-          oq.x += pv[u] * dl.x; oq.y += pv[u] * dl.y; oq.z += pv[u] * dl.z; oq.w += pv[u] * dl.w;
+          const float4 e0 = *reinterpret_cast<const float4*>(sD + (jj + u) * CW + 8 * g);
+          const float4 e1 = *reinterpret_cast<const float4*>(sD + (jj + u) * CW + 8 * g + 4);
+          o0.x += pv[u] * e0.x; o0.y += pv[u] * e0.y; o0.z += pv[u] * e0.z; o0.w += pv[u] * e0.w;
+          o1.x += pv[u] * e1.x; o1.y += pv[u] * e1.y; o1.z += pv[u] * e1.z; o1.w += pv[u] * e1.w;
         }
       }
-      *reinterpret_cast<float4*>(out + i64(t0 + i) * out_stride + i64(j) * DV + c0 + 4 * q) = oq;
+      float* orow = out + i64(t0 + i) * out_stride + i64(j) * DV + c0 + 8 * g;
+      *reinterpret_cast<float4*>(orow) = o0;
+      *reinterpret_cast<float4*>(orow + 4) = o1;
     }
     const float gl = R[GD_REC_G + n - 1];
-    for (int e = tid; e < DK * 2; e += blockDim.x) {  // (3)
+    for (int e = tid; e < DK * (CW / 16); e += blockDim.x) {  // (3)
       const int d = e % DK, h = e / DK;
-      float4 s0 = sS[d][2 * h], s1 = sS[d][2 * h + 1];
-      s0 = make_float4(gl * s0.x, gl * s0.y, gl * s0.z, gl * s0.w);
-      s1 = make_float4(gl * s1.x, gl * s1.y, gl * s1.z, gl * s1.w);
-      const float* kcol = kn + i64(t0) * key_dim + i64(kh) * DK + d;
-#pragma unroll 8
-      for (int jj = 0; jj < n; ++jj) {
-        const float kv = kcol[i64(jj) * key_dim];
-        const float4 a0 = sDk[jj][2 * h], a1 = sDk[jj][2 * h + 1];
-        s0.x += kv * a0.x; s0.y += kv * a0.y; s0.z += kv * a0.z; s0.w += kv * a0.w;
-        s1.x += kv * a1.x; s1.y += kv * a1.y; s1.z += kv * a1.z; s1.w += kv * a1.w;
+      float* srow = sS + d * GD_SSP + 16 * h;
+      float4 s[4];
+#pragma unroll
+      for (int f = 0; f < 4; ++f) {
+        const float4 v = *reinterpret_cast<const float4*>(srow + 4 * f);
+        s[f] = make_float4(gl * v.x, gl * v.y, gl * v.z, gl * v.w);
       }
-      sS[d][2 * h] = s0;
-      sS[d][2 * h + 1] = s1;
+#pragma unroll 4
+      for (int jj = 0; jj < n; ++jj) {
+        const float kv = sK[jj * DK + d];
+#pragma unroll
+        for (int f = 0; f < 4; ++f) {
+          const float4 a4 = *reinterpret_cast<const float4*>(sDk + jj * CW + 16 * h + 4 * f);
+          s[f].x += kv * a4.x; s[f].y += kv * a4.y; s[f].z += kv * a4.z; s[f].w += kv * a4.w;
+        }
+      }
+#pragma unroll
+      for (int f = 0; f < 4; ++f) *reinterpret_cast<float4*>(srow + 4 * f) = s[f];
     }
     __syncthreads();
+    if (c + 1 < chunks) {  // k̂ and P are read
+      stage_kp(c + 1);
+      cp_async_commit();
+    }
   }
-  for (int e = tid; e < DK * 4; e += blockDim.x)
-    *reinterpret_cast<float4*>(S_out + (i64(j) * DK + e / 4) * st_stride + c0 + 4 * (e % 4)) = sS[e / 4][e % 4];
+  for (int e = tid; e < DK * (CW / 4); e += blockDim.x) {
+    const int d = e / (CW / 4), f = e % (CW / 4);
+    *reinterpret_cast<float4*>(S_out + (i64(j) * DK + d) * st_stride + c0 + 4 * f) =
+        *reinterpret_cast<const float4*>(sS + d * GD_SSP + 4 * f);
+  }
 }
 #endif  // DK % 4 == 0 && DV % 16 == 0
 #endif  // DK && DV
