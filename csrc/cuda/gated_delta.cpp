@@ -39,10 +39,10 @@ size_t chunk_bytes(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv) {
   return region((T + kChunk - 1) / kChunk * Hv * chunk_record_floats(Dk, Dv));
 }
 // gated_delta_chunk_prep's dynamic shared memory: the q̂, k̂ tiles (rows of Dk + 4) or the solve's [64, Dv + Dk],
-// A [64, 68], L (fp64) and β of the chunk.
+// A [64, 68], L (fp64), β and βΓ of the chunk.
 size_t chunk_prep_smem(int64_t Dk, int64_t Dv) {
   const int64_t tiles = std::max(2 * kChunk * (Dk + 4), kChunk * (Dv + Dk));
-  return size_t(tiles + kChunk * 68) * 4 + kChunk * 8 + kChunk * 4;
+  return size_t(tiles + kChunk * 68) * 4 + kChunk * 8 + 2 * kChunk * 4;
 }
 // gated_delta_chunk_scan: state columns per block (GD_SCW) and dynamic shared memory: the state slice [Dk, cw + 4],
 // W and q̂ tiles [64, Dk + 4], k̂ [64, Dk], P [64, 68], Δ and its scaled copy [64, cw].

@@ -399,7 +399,7 @@ extern "C" __global__ void __launch_bounds__(64)
 #if DK % 4 == 0 && DV % 16 == 0  // the chunked form's shapes (the host checks them before asking for its kernels)
 
 // Grid (⌈T/64⌉, Hv), block 256. Shared: the chunk's q̂ and k̂ rows (later overlaid by the solve's [64, DV + DK]
-// right-hand side), Aᵀ [64, 68], L (fp64) and β. Thread (ti, tj) = (tid / 16, tid % 16) computes the 4 × 4 tile of
+// right-hand side), Aᵀ [64, 68], L (fp64), β and βΓ. Thread (ti, tj) = (tid / 16, tid % 16) computes the 4 × 4 tile of
 // q̂·k̂ and k̂·k̂ at rows 4ti.., columns 4tj.. (tiles above the diagonal write zeros); then each thread solves whole
 // columns of the right-hand side by forward substitution in blocks of 16 rows (below). Reads: q̂, k̂, v of the chunk, a,
 // β; writes the record. Floor: ~1 MFLOP per (chunk, head) (two 64 × 64 × DK products, halved by the triangle,
@@ -417,6 +417,7 @@ extern "C" __global__ void __launch_bounds__(256)
   float* sA = sm + GD_PREP_TILE_FLOATS;       // A transposed: sA[j·GD_AS + i] = A_ij
   double* sL = reinterpret_cast<double*>(sA + GD_CHUNK * GD_AS);  // 8-byte aligned: both offsets are even
   float* sB = reinterpret_cast<float*>(sL + GD_CHUNK);
+  float* sBG = sB + GD_CHUNK;
   const int c = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
   const int t0 = c * GD_CHUNK, n = min(GD_CHUNK, T - t0);
   const int kh = j / (Hv / Hk);
@@ -481,8 +482,10 @@ extern "C" __global__ void __launch_bounds__(256)
   }
   if (tid < GD_CHUNK) {
     const bool live = tid < n;
-    R[GD_REC_G + tid] = live ? float(exp(sL[tid])) : 0.f;
+    const float gam = live ? float(exp(sL[tid])) : 0.f;
+    R[GD_REC_G + tid] = gam;
     R[GD_REC_K + tid] = live ? float(exp(sL[n - 1] - sL[tid])) : 0.f;
+    sBG[tid] = sB[tid] * gam;  // β_i Γ_i, the K̂ part's row factor: one fp64 exp per row, not per element
   }
   __syncthreads();  // the q̂, k̂ tiles are read: the right-hand side takes their place
   for (int e = tid; e < GD_CHUNK * GD_XC; e += blockDim.x) {
@@ -490,7 +493,7 @@ extern "C" __global__ void __launch_bounds__(256)
     float x = 0.f;
     if (i < n)
       x = col < DV ? sB[i] * qkv[i64(t0 + i) * qkv_stride + 2 * key_dim + i64(j) * DV + col]
-                   : sB[i] * float(exp(sL[i])) * kn[i64(t0 + i) * key_dim + i64(kh) * DK + (col - DV)];
+                   : sBG[i] * kn[i64(t0 + i) * key_dim + i64(kh) * DK + (col - DV)];
     sX[e] = x;
   }
   __syncthreads();
@@ -540,8 +543,8 @@ extern "C" __global__ void __launch_bounds__(256)
 // Grid (Hv, DV/SCW), block 256, one block per SM (SCW = 32 state columns: 128 blocks at the real shape). Block (j, y)
 // keeps columns [SCW·y, SCW·y + SCW) of value head j's state in shared memory for the whole call. Per chunk the
 // block stages the chunk's W, q̂, k̂ and P tiles in shared memory by cp.async (W and q̂ of the next chunk are in
-// flight during (2) and (3), k̂ and P are issued after (3)), then: (1) thread (i, g) = (tid / (SCW/8), tid % (SCW/8))
-// takes row i, columns 8g..8g+7: Δ_i = U_i − W_i S0 and Γ_i q̂_iᵀS0; (2) o_i adds Σ_j P_ij Δ_j and is stored;
+// flight during (2) and (3), k̂ and P are issued after (3)), then: (1) thread (i, g) = (tid % 64, tid / 64) takes
+// row i, columns 8g..8g+7: Δ_i = U_i − W_i S0 and Γ_i q̂_iᵀS0; (2) o_i adds Σ_j P_ij Δ_j and is stored;
 // (3) thread (d, h) updates row d, 16 columns: S = Γ_last S0 + Σ_j k̂_j[d] ksc_j Δ_j. Two barriers per chunk; every
 // operand of the products comes from shared memory (conflict-free row pitches; Δ by broadcast). S is read once and
 // written once (in place safe: a block writes only the slice it read). Floor per chunk and block: 64·DK·2·SCW +
@@ -598,8 +601,10 @@ extern "C" __global__ void __launch_bounds__(256, 1)
   stage_wq(0);
   stage_kp(0);
   cp_async_commit();
-  const int i = tid / G, g = tid % G;  // (1), (2): row i, columns 8g .. 8g + 7 (threads past 64 rows idle)
-  const bool row_thread = i < GD_CHUNK;
+  // (1), (2): row i, columns 8g .. 8g + 7; a warp holds 32 rows of one column group, so its state and Δ reads are
+  // one address (a broadcast, one wavefront for the warp; with 4 column groups per warp they were 4 wavefronts).
+  const int i = tid % GD_CHUNK, g = tid / GD_CHUNK;
+  const bool row_thread = g < G;  // threads past the column groups idle (SCW = 16: half the block)
   for (int c = 0; c < chunks; ++c) {
     const int t0 = c * GD_CHUNK, n = rows_of(c);
     const float* R = record(c);
