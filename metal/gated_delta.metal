@@ -357,3 +357,195 @@ template [[host_name("conv_delta_norm_32")]] [[kernel]] decltype(conv_delta_norm
 template [[host_name("conv_delta_norm_64")]] [[kernel]] decltype(conv_delta_norm<64>) conv_delta_norm<64>;
 template [[host_name("conv_delta_norm_128")]] [[kernel]] decltype(conv_delta_norm<128>) conv_delta_norm<128>;
 template [[host_name("conv_delta_norm_256")]] [[kernel]] decltype(conv_delta_norm<256>) conv_delta_norm<256>;
+
+// ---- The chunked (WY / UT-transform) form of gated_delta_scan: prefill calls of >= 64 rows without a capture ----
+// Over a chunk of 64 rows with L_i = Σ_{t<=i} g_t (g = −exp(A_log)·softplus(a + dt_bias), the log of α) and S0 the
+// state before it, the recurrence is exactly (benchmarks/NOTES.md, "Chunked DeltaNet prefill on CUDA"):
+//   A_ij = β_i e^{L_i−L_j} k̂_i·k̂_j (j < i),  (I + A)[U | W] = [diag(β) V | diag(β e^L) K̂]  (forward substitution),
+//   Δ = U − W S0,  o_i = e^{L_i} q̂_iᵀS0 + Σ_{j<=i} P_ij Δ_j with P_ij = e^{L_i−L_j} q̂_i·k̂_j,
+//   S = e^{L_last} S0 + Σ_j e^{L_last−L_j} k̂_j Δ_jᵀ.
+// Metal has no fp64: L is carried as an unevaluated sum of two floats (hi + lo, a compensated running sum), and only
+// L_i and differences L_i − L_j = (hi_i − hi_j) + (lo_i − lo_j) <= 0 are exponentiated, so a chunk whose early decays
+// are strong keeps the relative precision of its later ratios (no factor overflows).
+// gated_delta_chunk_prep: grid (⌈T/64⌉, Hv), 256 threads. Per (chunk, value head) it writes one record of the
+// workspace (floats): U [64, Dv], W [64, Dk], P [64, 64], then rows of 64: e^{L}, e^{L_last − L}, the q and k norm
+// factors (rows past the chunk: zeros). Threads < 64 take a row's norms and gates, thread 0 the running sum, each
+// thread 16 of the 64 × 64 (i, j) pairs (dot products over Dk read from qkv), then each thread whole columns of the
+// solve, in place in the record (its own column only: no thread reads another's writes). Threadgroup memory: A
+// [64, 64] and six rows of 64, 17.9 KB (static).
+// gated_delta_chunk_scan: grid (⌈Dv/16⌉, Hv), 256 threads; threadgroup (x, j) keeps state columns [16x, 16x + 16) of
+// value head j in threadgroup memory for the whole call (Dk·16 floats) and walks the chunks: (1) thread (i, q) =
+// (tid / 4, tid % 4), row i, columns 4q..4q+3: Δ_i = U_i − W_i S0, e^{L_i}·q̂_iᵀS0; (2) o_i adds Σ_j P_ij Δ_j;
+// (3) each thread updates entries of S (row d, column c): e^{L_last} S0 + Σ_j k̂_j[d] e^{L_last−L_j} Δ_j. Two barriers
+// per chunk. Threadgroup memory Dk·16 + 2·64·16 floats, 24 KB at Dk = 256. Sums in ascending d and j: agrees with the
+// scans to fp32 rounding, not bit for bit (the host reports the calls of each form).
+// Reads: qkv [T, 2·Hk·Dk + Hv·Dv], b, a [T, Hv], A_log, dt_bias [Hv], state_in [Hv·Dk, Dv]; writes the records,
+// out [T, Hv·Dv], state_out. Floor (real model, a 2K chunk): ~1 MFLOP per (chunk, head) in the prep and
+// 2·64·Dk·Dv + 64·64·Dv + 64·Dk·Dv FMAs per (chunk, head) in the scan, ~15 GFLOP per layer in all, against the scans'
+// T·Hv·Dk·Dv·8 FLOPs (~8.6 GFLOP) carried through 2K dependent steps.
+struct DeltaChunkShape {
+  uint T, k_heads, v_heads, Dk, Dv;
+  uint ld_qkv, ld_b, ld_a, ld_out, ld_state_in, ld_state_out;
+  uint rec_floats;  // one record: 64·(Dv + Dk + 64 + 4)
+};
+
+[[kernel]] void gated_delta_chunk_prep(device const float* qkv [[buffer(0)]],
+                                       device const float* b [[buffer(1)]],
+                                       device const float* a [[buffer(2)]],
+                                       device const float* A_log [[buffer(3)]],
+                                       device const float* dt_bias [[buffer(4)]],
+                                       device float* rec [[buffer(5)]],
+                                       constant DeltaChunkShape& s [[buffer(6)]],
+                                       uint2 tg [[threadgroup_position_in_grid]],
+                                       uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float sA[64 * 64];
+  threadgroup float sRq[64], sRk[64], sBeta[64], sGate[64], sLh[64], sLl[64];
+  const uint c = tg.x, j = tg.y, Dk = s.Dk, Dv = s.Dv;
+  const uint t0 = c * 64, n = min(64u, s.T - t0);
+  const uint heads_per_key = s.v_heads / s.k_heads, kh = j / heads_per_key, key_dim = s.k_heads * Dk;
+  device float* R = rec + (ulong(c) * s.v_heads + j) * s.rec_floats;
+  device float* P = R + 64 * (Dv + Dk);
+  device float* fac = P + 64 * 64;  // e^{L} | e^{L_last − L} | rq | rk, 64 each
+  if (tid < 64) {
+    const uint r = tid;
+    float rq = 0.0f, rk = 0.0f, beta = 0.0f, gate = 0.0f;
+    if (r < n) {
+      device const float* row = qkv + ulong(t0 + r) * s.ld_qkv;
+      rq = (1.0f / sqrt(float(Dk))) / sqrt(delta_sum_squares(row + kh * Dk, Dk) + 1e-6f);
+      rk = 1.0f / sqrt(delta_sum_squares(row + key_dim + kh * Dk, Dk) + 1e-6f);
+      beta = delta_sigmoid(b[ulong(t0 + r) * s.ld_b + j]);
+      gate = -exp(A_log[j]) * delta_softplus(a[ulong(t0 + r) * s.ld_a + j] + dt_bias[j]);
+    }
+    sRq[r] = rq, sRk[r] = rk, sBeta[r] = beta, sGate[r] = gate;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) {  // the running sum of the log decays as hi + lo (TwoSum: the rounding error of each add kept)
+    float hi = 0.0f, lo = 0.0f;
+    for (uint i = 0; i < 64; ++i) {
+      const float g = sGate[i];
+      const float sum = hi + g, bv = sum - hi;
+      lo += (hi - (sum - bv)) + (g - bv);
+      hi = sum;
+      sLh[i] = hi, sLl[i] = lo;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint e = tid; e < 64 * 64; e += 256) {
+    const uint i = e / 64, jj = e % 64;
+    float p = 0.0f, av = 0.0f;
+    if (i < n && jj <= i) {
+      device const float* qi = qkv + ulong(t0 + i) * s.ld_qkv + kh * Dk;
+      device const float* ki = qkv + ulong(t0 + i) * s.ld_qkv + key_dim + kh * Dk;
+      device const float* kj = qkv + ulong(t0 + jj) * s.ld_qkv + key_dim + kh * Dk;
+      float qk = 0.0f, kk = 0.0f;
+      for (uint d = 0; d < Dk; ++d) {
+        qk += qi[d] * kj[d];
+        kk += ki[d] * kj[d];
+      }
+      const float dec = exp((sLh[i] - sLh[jj]) + (sLl[i] - sLl[jj]));
+      p = dec * (sRq[i] * sRk[jj] * qk);
+      if (jj < i) av = sBeta[i] * dec * (sRk[i] * sRk[jj] * kk);
+    }
+    P[e] = p;
+    sA[e] = av;
+  }
+  if (tid < 64) {
+    const bool live = tid < n;
+    fac[tid] = live ? exp(sLh[tid] + sLl[tid]) : 0.0f;
+    fac[64 + tid] = live ? exp((sLh[n - 1] - sLh[tid]) + (sLl[n - 1] - sLl[tid])) : 0.0f;
+    fac[128 + tid] = sRq[tid];
+    fac[192 + tid] = sRk[tid];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup | mem_flags::mem_device);
+  // The solve, a column per thread, in place: U's columns (pitch Dv) then W's (pitch Dk).
+  for (uint col = tid; col < Dv + Dk; col += 256) {
+    const bool is_u = col < Dv;
+    device float* x = is_u ? R + col : R + 64 * Dv + (col - Dv);
+    const uint pitch = is_u ? Dv : Dk;
+    for (uint i = 0; i < 64; ++i) {
+      float acc = 0.0f;
+      if (i < n) {
+        device const float* row = qkv + ulong(t0 + i) * s.ld_qkv;
+        acc = is_u ? sBeta[i] * row[2 * key_dim + j * Dv + col]
+                   : sBeta[i] * exp(sLh[i] + sLl[i]) * (sRk[i] * row[key_dim + kh * Dk + (col - Dv)]);
+        for (uint jj = 0; jj < i; ++jj) acc -= sA[i * 64 + jj] * x[jj * pitch];
+      }
+      x[i * pitch] = acc;
+    }
+  }
+}
+
+[[kernel]] void gated_delta_chunk_scan(device const float* qkv [[buffer(0)]],
+                                       device const float* rec [[buffer(1)]],
+                                       device const float* state_in [[buffer(2)]],
+                                       device float* state_out [[buffer(3)]],
+                                       device float* out [[buffer(4)]],
+                                       constant DeltaChunkShape& s [[buffer(5)]],
+                                       uint2 tg [[threadgroup_position_in_grid]],
+                                       uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float sS[256 * 16];  // [Dk, 16] (Dk <= 256)
+  threadgroup float sD[64 * 16], sDk[64 * 16];
+  const uint Dk = s.Dk, Dv = s.Dv, j = tg.y, c0 = tg.x * 16;
+  const uint heads_per_key = s.v_heads / s.k_heads, kh = j / heads_per_key, key_dim = s.k_heads * Dk;
+  for (uint e = tid; e < Dk * 16; e += 256) {
+    const uint d = e / 16, cc = c0 + e % 16;
+    sS[e] = cc < Dv ? state_in[(ulong(j) * Dk + d) * s.ld_state_in + cc] : 0.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint i = tid / 4, q = tid % 4;
+  const uint chunks = (s.T + 63) / 64;
+  for (uint c = 0; c < chunks; ++c) {
+    const uint t0 = c * 64, n = min(64u, s.T - t0);
+    device const float* R = rec + (ulong(c) * s.v_heads + j) * s.rec_floats;
+    device const float* W = R + 64 * Dv;
+    device const float* P = W + 64 * Dk;
+    device const float* fac = P + 64 * 64;
+    // (1) Δ and the decayed read of q̂ (rows past the chunk have zero U, W and factors: Δ = 0)
+    float o[4];
+    {
+      float w[4] = {0.0f, 0.0f, 0.0f, 0.0f}, qs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      device const float* qrow = qkv + ulong(t0 + min(i, n - 1)) * s.ld_qkv + kh * Dk;
+      const float rq = fac[128 + i];
+      for (uint d = 0; d < Dk; ++d) {
+        const float wv = W[i * Dk + d], qv = qrow[d] * rq;
+        for (uint u = 0; u < 4; ++u) {
+          const float sv = sS[d * 16 + 4 * q + u];
+          w[u] += wv * sv;
+          qs[u] += qv * sv;
+        }
+      }
+      const float g = fac[i], ks = fac[64 + i];
+      for (uint u = 0; u < 4; ++u) {
+        const uint cc = c0 + 4 * q + u;
+        const float dl = cc < Dv ? R[i * Dv + cc] - w[u] : 0.0f;
+        sD[i * 16 + 4 * q + u] = dl;
+        sDk[i * 16 + 4 * q + u] = ks * dl;
+        o[u] = g * qs[u];
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (i < n) {  // (2)
+      for (uint jj = 0; jj <= i; ++jj) {
+        const float p = P[i * 64 + jj];
+        for (uint u = 0; u < 4; ++u) o[u] += p * sD[jj * 16 + 4 * q + u];
+      }
+      for (uint u = 0; u < 4; ++u) {
+        const uint cc = c0 + 4 * q + u;
+        if (cc < Dv) out[ulong(t0 + i) * s.ld_out + j * Dv + cc] = o[u];
+      }
+    }
+    const float gl = fac[n - 1];
+    for (uint e = tid; e < Dk * 16; e += 256) {  // (3): entries (d, column) owned by one thread
+      const uint d = e / 16, cc = e % 16;
+      float acc = gl * sS[e];
+      for (uint jj = 0; jj < n; ++jj)
+        acc += (qkv[ulong(t0 + jj) * s.ld_qkv + key_dim + kh * Dk + d] * fac[192 + jj]) * sDk[jj * 16 + cc];
+      sS[e] = acc;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint e = tid; e < Dk * 16; e += 256) {
+    const uint d = e / 16, cc = c0 + e % 16;
+    if (cc < Dv) state_out[(ulong(j) * Dk + d) * s.ld_state_out + cc] = sS[e];
+  }
+}

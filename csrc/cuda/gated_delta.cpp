@@ -158,9 +158,9 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
     const Kernel& ks = kernel("gated_delta", "gated_delta_chunk_scan", {{"DK", Dk}, {"DV", Dv}});
     const int64_t cw = chunk_scan_cols(Dv);
     set_dynamic_smem(ks, int(chunk_scan_smem(Dk, Dv)), 0);
-    launch(ks, Dim3{unsigned(Hv), unsigned(Dv / cw), 1}, Dim3{kChunkThreads, 1, 1}, uint32_t(chunk_scan_smem(Dk, Dv)), rec, qn, kn, ptr(state_in),
-           int64_t(state_in.stride), ptr(state_out), int64_t(state_out.stride), ptr(out), int64_t(out.stride), int(T),
-           int(Hk), int(Hv));
+    launch(ks, Dim3{unsigned(Hv), unsigned(Dv / cw), 1}, Dim3{kChunkThreads, 1, 1}, uint32_t(chunk_scan_smem(Dk, Dv)),
+           rec, qn, kn, ptr(state_in), int64_t(state_in.stride), ptr(state_out), int64_t(state_out.stride), ptr(out),
+           int64_t(out.stride), int(T), int(Hk), int(Hv));
     note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
                  "chunked (WY / UT-transform, " + std::to_string(T) + " rows >= delta_chunk_rows = " +
                      std::to_string(chunk_rows) + "): gated_delta_prep, gated_delta_chunk_prep over (" +

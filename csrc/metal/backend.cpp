@@ -213,10 +213,11 @@ BoundPart MetalOps::part(int32_t mapping, uint64_t offset, size_t bytes, size_t 
 size_t MetalOps::workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const {
   // moe_experts: the SwiGLU activations of every (token, expert) pair, [rows · k, moe_inter] f32, and for prefill
   // the grouping, the tile map and the grouped outputs (moe_workspace); the sampler's sort keys; split attention's
-  // partials (split_attention_bytes). Each op uses the workspace alone.
+  // partials (split_attention_bytes); the chunked DeltaNet form's records. Each op uses the workspace alone.
   return std::max<size_t>({64, size_t(rows) * size_t(cfg.topk) * size_t(cfg.moe_inter) * 4,
                            moe_workspace(rows, cfg.topk, cfg.experts, cfg.moe_inter, cfg.hidden).bytes,
-                           sample_workspace_bytes(cfg.vocab), split_attention_bytes(cfg, rows, max_ctx)});
+                           sample_workspace_bytes(cfg.vocab), split_attention_bytes(cfg, rows, max_ctx),
+                           delta_chunk_workspace_bytes(rows, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim)});
 }
 
 // ---- steps ----
@@ -401,7 +402,14 @@ std::vector<std::string> MetalOps::optimizations() const {
           (delta_scan_ == "auto" ? std::string(", the form of single rows, whose sums conv_delta_norm repeats bit "
                                                "for bit)")
                                  : ", every call forced to the " + delta_scan_ + " form)"),
-      "inactive: chunked (WY) DeltaNet prefill form (the scan carries the state through every row)",
+      std::string(counters_.delta_chunked_calls ? "active" : "inactive") +
+          ": chunked (WY / UT-transform) DeltaNet prefill form for calls of >= 64 rows without a state capture "
+          "(gated_delta_chunk_prep builds each 64-row chunk's factors in parallel, gated_delta_chunk_scan walks the "
+          "chunks; the row threshold follows the CUDA backend's measurement, not measured on a Mac; " +
+          std::to_string(counters_.delta_chunked_calls) + " calls" +
+          (counters_.delta_not_chunked_reason.empty() ? std::string()
+                                                      : ", the last scanned call: " + counters_.delta_not_chunked_reason) +
+          ")",
       std::string(counters_.delta_fused_calls ? "active" : "inactive") +
           ": fused conv + recurrent update + gated norm for decode rows (conv_delta_norm: one dispatch per DeltaNet "
           "layer at T = 1; " + std::to_string(counters_.delta_fused_calls) + " calls fused, " +

@@ -46,6 +46,9 @@ struct MoeWorkspace {
 };
 MoeWorkspace moe_workspace(int64_t T, int64_t k, int64_t E, int64_t I, int64_t H);
 size_t sample_workspace_bytes(int64_t vocab);  // the seeded sampler's sort keys (csrc/metal/sample.cpp)
+// The chunked DeltaNet form's records, one per (64-row chunk, value head) of a call of `rows` rows
+// (csrc/metal/gated_delta.cpp; metal/gated_delta.metal gated_delta_chunk_prep).
+size_t delta_chunk_workspace_bytes(int64_t rows, int64_t v_heads, int64_t k_dim, int64_t v_dim);
 
 class MetalOps final : public Ops {
  public:
@@ -97,6 +100,10 @@ class MetalOps final : public Ops {
     std::string attention_unsplit_reason;
     // gated_delta: calls scanned with one state column per simdgroup (gated_delta_scan_sg) and per thread.
     int64_t delta_scan_sg_calls = 0, delta_scan_thread_calls = 0;
+    // gated_delta: calls run in the chunked (WY) form (gated_delta_chunk_prep + _scan), and why the last scanned
+    // prefill call of >= 2 rows was not chunked.
+    int64_t delta_chunked_calls = 0;
+    std::string delta_not_chunked_reason;
     // Grouped prefill experts: chunks on the simdgroup-matrix GEMM with 16- and 32-row tiles, chunks on the 8-row
     // lane-dot tiles, T·k / E of the last chunk, and the last reason a chunk did not get the R it was meant to
     // (the other R, or the lane-dot tiles).

@@ -22,9 +22,24 @@ struct ConvDeltaNormShape {
   float eps;
 };
 static_assert(sizeof(ConvDeltaNormShape) == 44, "ConvDeltaNormShape must match metal/gated_delta.metal");
+struct DeltaChunkShape {
+  uint32_t T, k_heads, v_heads, Dk, Dv, ld_qkv, ld_b, ld_a, ld_out, ld_state_in, ld_state_out, rec_floats;
+};
+static_assert(sizeof(DeltaChunkShape) == 48, "DeltaChunkShape must match metal/gated_delta.metal");
 constexpr int64_t kMaxTaps = 16, kMaxDk = 256;  // metal/gated_delta.metal
+constexpr int64_t kChunk = 64, kChunkRows = 64;  // rows per chunk; calls of at least kChunkRows rows are chunked
+// The threadgroup arrays of gated_delta_chunk_prep (A [64, 64] and six rows of 64) and gated_delta_chunk_scan (the
+// state slice [256, 16], Δ and its scaled copy [64, 16]), all 4-byte: checked before the pipelines are built (a device
+// refuses to build a pipeline over its threadgroup memory).
+constexpr size_t kChunkPrepTgBytes = (64 * 64 + 6 * 64) * 4, kChunkScanTgBytes = (256 * 16 + 2 * 64 * 16) * 4;
+int64_t chunk_record_floats(int64_t Dk, int64_t Dv) { return kChunk * (Dv + Dk + kChunk + 4); }
 int64_t register_budget(int64_t Dk) { return Dk <= 32 ? 32 : Dk <= 64 ? 64 : Dk <= 128 ? 128 : 256; }
 }  // namespace
+
+size_t delta_chunk_workspace_bytes(int64_t rows, int64_t v_heads, int64_t k_dim, int64_t v_dim) {
+  if (rows < kChunkRows || v_heads <= 0) return 0;
+  return size_t((rows + kChunk - 1) / kChunk * v_heads * chunk_record_floats(k_dim, v_dim)) * 4;
+}
 
 void MetalOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const Tensor& state_in,
                                 const Tensor& state_out, const Tensor& out, const StateCapture& capture) {
@@ -42,10 +57,44 @@ void MetalOps::conv1d_silu_impl(const Tensor& mixed, const Tensor& conv_w, const
 
 void MetalOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor& a, const Tensor& A_log,
                                 const Tensor& dt_bias, const Tensor& state_in, const Tensor& state_out,
-                                const DeltaShape& s, const Tensor&, const Tensor& out,
+                                const DeltaShape& s, const Tensor& ws, const Tensor& out,
                                 const StateCapture& capture) {
   if (s.k_dim > kMaxDk) throw MetalError("gated_delta: key head dim above 256 is not supported");
   if (s.v_dim > 1024) throw MetalError("gated_delta: value head dim above 1024 is not supported");
+  // The chunked form (auto: from 64 rows; "chunked": every call it can take), or why not.
+  const int64_t T = qkv.rows;
+  std::string why;
+  if (delta_scan_ == "thread" || delta_scan_ == "simdgroup")
+    why = "the " + delta_scan_ + " form forced";
+  else if (delta_scan_ == "auto" && T < kChunkRows)
+    why = std::to_string(T) + " rows < 64";
+  else if (capture.active())
+    why = "a state capture (the scans store the state after the captured rows)";
+  else if (s.k_heads <= 0 || s.v_heads % s.k_heads != 0)
+    why = "v_heads not a multiple of k_heads";
+  else if (!ws.valid() || ws.bytes() < delta_chunk_workspace_bytes(std::max(T, kChunkRows), s.v_heads, s.k_dim, s.v_dim))
+    why = "a workspace smaller than the chunk records (delta_chunk_workspace_bytes)";
+  else if (std::max(kChunkPrepTgBytes, kChunkScanTgBytes) > dev_.device()->maxThreadgroupMemoryLength() ||
+           dev_.device()->maxThreadsPerThreadgroup().width < 256)
+    why = std::to_string(std::max(kChunkPrepTgBytes, kChunkScanTgBytes)) + " bytes of threadgroup memory and 256 "
+          "threads per threadgroup needed, the device allows " +
+          std::to_string(dev_.device()->maxThreadgroupMemoryLength()) + " and " +
+          std::to_string(dev_.device()->maxThreadsPerThreadgroup().width);
+  if (why.empty() && T > 0) {
+    ++counters_.delta_chunked_calls;
+    const DeltaChunkShape sh{uint32_t(T),          uint32_t(s.k_heads),   uint32_t(s.v_heads),   uint32_t(s.k_dim),
+                             uint32_t(s.v_dim),    uint32_t(qkv.stride),  uint32_t(b.stride),    uint32_t(a.stride),
+                             uint32_t(out.stride), uint32_t(state_in.stride), uint32_t(state_out.stride),
+                             uint32_t(chunk_record_floats(s.k_dim, s.v_dim))};
+    dispatch("gated_delta_chunk_prep", {}, {arg(qkv), arg(b), arg(a), arg(A_log), arg(dt_bias), arg(ws), Arg::value(sh)},
+             MTL::Size(NS::UInteger((T + kChunk - 1) / kChunk), NS::UInteger(s.v_heads), 1), MTL::Size(256, 1, 1));
+    barrier_in_op();  // the scan reads every chunk's record
+    dispatch("gated_delta_chunk_scan", {},
+             {arg(qkv), arg(ws), arg(state_in), arg(state_out), arg(out), Arg::value(sh)},
+             MTL::Size(NS::UInteger((s.v_dim + 15) / 16), NS::UInteger(s.v_heads), 1), MTL::Size(256, 1, 1));
+    return;
+  }
+  if (T >= 2) counters_.delta_not_chunked_reason = why;
   const Tensor& cap = capture.active() ? capture.states : state_out;  // as in conv1d_silu_impl
   const DeltaScanShape sh{uint32_t(qkv.rows),        uint32_t(s.k_heads),       uint32_t(s.v_heads),
                           uint32_t(s.k_dim),         uint32_t(s.v_dim),         uint32_t(qkv.stride),
@@ -54,7 +103,8 @@ void MetalOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor
                           uint32_t(capture.count),   uint32_t(cap.stride)};
   const std::vector<Arg> args = {arg(qkv),      arg(b),         arg(a),   arg(A_log),     arg(dt_bias),
                                  arg(state_in), arg(state_out), arg(out), Arg::value(sh), arg(cap)};
-  const bool sg = delta_scan_ == "simdgroup" || (delta_scan_ == "auto" && qkv.rows >= 2);
+  // Calls the chunked form does not take: "chunked" forced falls to the simdgroup scan for them (captures).
+  const bool sg = delta_scan_ == "simdgroup" || ((delta_scan_ == "auto" || delta_scan_ == "chunked") && qkv.rows >= 2);
   if (sg) {  // gated_delta_scan_sg: 4 columns (simdgroups) per threadgroup, Dk spread over the 32 lanes
     ++counters_.delta_scan_sg_calls;
     const int64_t per_lane = s.k_dim <= 32 ? 1 : s.k_dim <= 64 ? 2 : s.k_dim <= 128 ? 4 : 8;
@@ -69,8 +119,9 @@ void MetalOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor
 }
 
 void MetalOps::set_delta_scan(const std::string& form) {
-  if (form != "auto" && form != "thread" && form != "simdgroup")
-    throw std::invalid_argument("delta scan form must be 'auto', 'thread' or 'simdgroup', got '" + form + "'");
+  if (form != "auto" && form != "thread" && form != "simdgroup" && form != "chunked")
+    throw std::invalid_argument("delta scan form must be 'auto', 'thread', 'simdgroup' or 'chunked', got '" + form +
+                                "'");
   delta_scan_ = form;
 }
 

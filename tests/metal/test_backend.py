@@ -97,6 +97,11 @@ def test_every_op_matches_cpu_backend(program, order):
     assert paths["Hk=3 Hv=6 Dk=48 Dv=40 K=4 T=1"] == "fused", paths
     assert paths["Hk=2 Hv=4 Dk=32 Dv=32 K=4 T=3 in-place capture"] == "composed", paths
     assert "path composed (3 rows (the fused kernel takes one decode row))" in r.stdout, r.stdout
+    # Prefill calls of >= 64 rows without a capture take the chunked DeltaNet form, shorter ones when it is forced.
+    for case in ["Hk=2 Hv=4 Dk=16 Dv=24 T=70 auto", "Hk=1 Hv=2 Dk=128 Dv=128 T=64 in-place auto",
+                 "Hk=1 Hv=1 Dk=48 Dv=40 T=130 auto", "Hk=2 Hv=2 Dk=200 Dv=30 T=67 in-place auto",
+                 "Hk=3 Hv=3 Dk=32 Dv=32 T=5 chunked", "Hk=2 Hv=4 Dk=16 Dv=24 T=80 in-place auto strong-decay"]:
+        assert f"op gated_delta {case}: path chunked" in r.stdout, (case, r.stdout)
     # A MatmulGroup's products of one kind share a dispatch (qmv4_multi for a decode row's 4-bit products,
     # matmul_rows_multi for the rest), bit for bit the separate kernels; a product alone in its kind runs alone.
     for case, path, n in [("delta [2048] T=1", "grouped", 1), ("attention [320] T=1", "grouped", 1),
@@ -177,6 +182,8 @@ def test_ops_within_small_device_limits(program):
         r.stdout
     # The simdgroup-matrix expert tiles fit (at most 128 threads and 12.1 KB of threadgroup memory): no fallback.
     check_moe_tiles(r.stdout)
+    # The chunked DeltaNet kernels need 24 KB of threadgroup memory: their calls take the simdgroup scan.
+    assert "op gated_delta Hk=2 Hv=4 Dk=16 Dv=24 T=70 auto: path scan" in r.stdout, r.stdout
     # 512 threads for one key head's four value heads do not fit in 256: that call composes the three kernels.
     assert "op conv_delta_norm Hk=1 Hv=4 Dk=32 Dv=128 K=3 T=1 in-place: path composed (512 threads per key head " \
            "above the pipeline's 256)" in r.stdout, r.stdout
@@ -316,6 +323,10 @@ MUTATIONS = [
      "gated_delta"),
     ("gated_delta.metal", "if (t >= s.cap_first && t < s.cap_first + s.cap_count)",
      "if (t > s.cap_first && t <= s.cap_first + s.cap_count)", "gated_delta"),
+    # The chunked (WY) form: A without β (the prep), and the chunk's decay of the carried state forgotten (the scan).
+    ("gated_delta.metal", "if (jj < i) av = sBeta[i] * dec * (sRk[i] * sRk[jj] * kk);",
+     "if (jj < i) av = dec * (sRk[i] * sRk[jj] * kk);", "gated_delta"),
+    ("gated_delta.metal", "float acc = gl * sS[e];", "float acc = sS[e];", "gated_delta"),
     # The fused DeltaNet decode kernel normalises every value head with the first head's sum of squares.
     ("gated_delta.metal", "partials[h * per_head + lane]", "partials[lane]", "conv_delta_norm"),
     # The grouped prefill experts lose every partial tile (an expert's last rows when its count is not a multiple of 8).
@@ -393,4 +404,7 @@ def test_lily_tiny_through_metal_matches_cpu(program, tmp_path, order):
     r = run(program, ["checkpoint", "--dir", tmp_path / "tiny"], {**ORDERS[order], "FAKEMETAL_LEAKS_FATAL": "1"})
     assert passed(r), r.stdout + r.stderr
     assert "greedy 32 tokens: identical" in r.stdout, r.stdout
+    # The same 64 rows as one prefill call: every DeltaNet layer in the chunked (WY) form, the same bars.
+    chunked = re.search(r"checkpoint one 64-row chunk: (\d+) chunked DeltaNet calls", r.stdout)
+    assert chunked and int(chunked[1]) > 0, r.stdout
     assert re.search(r"mappings wrapped 1 \(\d+ bytes\), copied 0", r.stdout), r.stdout

@@ -574,6 +574,42 @@ int run_ops(const std::string& msl) {
     b.mtl.set_delta_scan("auto");
   }
 
+  // ---- gated_delta in the chunked (WY) form: calls of >= 64 rows without a capture (auto), and shorter calls with the
+  // form forced; whole and partial chunks, in place and not, a decay strong enough to underflow within a chunk. ----
+  struct ChunkCase { int64_t Hk, Hv, Dk, Dv, T; bool in_place; const char* form; float gate_scale; };
+  if (wanted("gated_delta"))
+    for (const auto& c : std::vector<ChunkCase>{{2, 4, 16, 24, 70, false, "auto", 2.f},
+                                                {1, 2, 128, 128, 64, true, "auto", 2.f},
+                                                {1, 1, 48, 40, 130, false, "auto", 2.f},
+                                                {2, 2, 200, 30, 67, true, "auto", 2.f},
+                                                {3, 3, 32, 32, 5, false, "chunked", 2.f},
+                                                {2, 4, 16, 24, 80, true, "auto", 40.f}}) {
+      const std::string name = "Hk=" + std::to_string(c.Hk) + " Hv=" + std::to_string(c.Hv) + " Dk=" +
+                               std::to_string(c.Dk) + " Dv=" + std::to_string(c.Dv) + " T=" + std::to_string(c.T) +
+                               (c.in_place ? " in-place" : "") + " " + c.form + (c.gate_scale > 2.f ? " strong-decay" : "");
+      b.mtl.set_delta_scan(c.form);
+      const int64_t C = 2 * c.Hk * c.Dk + c.Hv * c.Dv, K = 4;
+      // a: the gate's input; a scale of 40 gives softplus up to ~100 and per-row decays down to exp(-1e2·A)
+      auto x = b.f32(c.T, C), bb = b.f32(c.T, c.Hv, 2.f), aa = b.f32(c.T, c.Hv, c.gate_scale), Al = b.f32(1, c.Hv),
+           dt = b.f32(1, c.Hv), S = b.f32(c.Hv * c.Dk, c.Dv, 0.5f);
+      auto S2 = c.in_place ? S : b.alloc(DType::F32, c.Hv * c.Dk, c.Dv);
+      auto out = b.alloc(DType::F32, c.T, c.Hv * c.Dv);
+      const size_t ws_bytes = std::max(lily::metal::delta_chunk_workspace_bytes(std::max<int64_t>(c.T, 64), c.Hv, c.Dk, c.Dv),
+                                       size_t(1024));
+      auto ws = b.alloc(DType::F32, 1, int64_t(ws_bytes / 4));
+      DeltaShape ds{c.Hk, c.Hv, c.Dk, c.Dv, K, 1e-6f};
+      const int64_t chunked_0 = b.mtl.counters().delta_chunked_calls;
+      b.run(Phase::Prefill, [&](Ops& o, bool m) {
+        o.gated_delta(m ? x.m : x.c, m ? bb.m : bb.c, m ? aa.m : aa.c, m ? Al.m : Al.c, m ? dt.m : dt.c, m ? S.m : S.c,
+                      m ? S2.m : S2.c, ds, m ? ws.m : ws.c, m ? out.m : out.c);
+      });
+      const bool chunked = b.mtl.counters().delta_chunked_calls > chunked_0;
+      printf("op gated_delta %s: path %s\n", name.c_str(), chunked ? "chunked" : "scan");
+      check_f32(b, "gated_delta", name + " out", out, 1e-5);
+      check_f32(b, "gated_delta", name + " state", S2, 1e-5);
+    }
+  b.mtl.set_delta_scan("auto");
+
   // ---- conv_delta_norm: the DeltaNet recurrence as one op. Against the CPU (which composes the three ops), and the
   // fused decode kernel against Metal's own three kernels bit for bit (the same inputs through conv1d_silu,
   // gated_delta, gated_rms_norm in one Metal step). Prints the path each case took (the host's counters). ----
@@ -1382,6 +1418,25 @@ int run_checkpoint(const std::string& msl, const std::string& dir) {
     printf("checkpoint teacher-forced top-1 agreement: %d of %zu (%.2f%%), logits max_err %.3g\n", same,
            teacher.size(), 100.0 * agree, err);
     fails += agree < 0.99 || err > 1e-4;
+  }
+  {  // the teacher rows as one prefill call: its DeltaNet layers take the chunked form (>= 64 rows)
+    const int64_t rows = int64_t(teacher.size()), chunked_0 = mtl_ops.counters().delta_chunked_calls;
+    Session cs(cpu_model, l1, max_ctx, rows), ms(mtl_model, l2, max_ctx, rows);
+    std::vector<float> cl(teacher.size() * size_t(cfg.vocab)), ml(cl.size());
+    cs.prefill(teacher.data(), rows, true, cl.data(), nullptr);
+    ms.prefill(teacher.data(), rows, true, ml.data(), nullptr);
+    int same = 0;
+    for (size_t t = 0; t < teacher.size(); ++t) {
+      auto arg = [&](const std::vector<float>& v) {
+        return std::max_element(v.begin() + long(t) * cfg.vocab, v.begin() + long(t + 1) * cfg.vocab) - v.begin();
+      };
+      same += arg(cl) == arg(ml);
+    }
+    const int64_t chunked = mtl_ops.counters().delta_chunked_calls - chunked_0;
+    const double err = max_rel(cl, ml);
+    printf("checkpoint one %lld-row chunk: %lld chunked DeltaNet calls, top-1 agreement %d of %zu, logits max_err "
+           "%.3g\n", (long long)rows, (long long)chunked, same, teacher.size(), err);
+    fails += chunked == 0 || double(same) < 0.99 * double(teacher.size()) || err > 1e-4;
   }
   {
     Session cs(cpu_model, l1, max_ctx, chunk), ms(mtl_model, l2, max_ctx, chunk);
