@@ -1,5 +1,6 @@
 // MetalOps: conv1d_silu, gated_delta and their fusion with gated_rms_norm, conv_delta_norm (metal/gated_delta.metal;
 // oracle csrc/cpu/gated_delta.cpp and the composed default of csrc/backend/ops.cpp).
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,7 @@ constexpr int64_t kChunk = 64, kChunkRows = 64;  // rows per chunk; calls of at 
 // state slice [256, 16], Δ and its scaled copy [64, 16]), all 4-byte: checked before the pipelines are built (a device
 // refuses to build a pipeline over its threadgroup memory).
 constexpr size_t kChunkPrepTgBytes = (64 * 64 + 6 * 64) * 4, kChunkScanTgBytes = (256 * 16 + 2 * 64 * 16) * 4;
+constexpr size_t kChunkTgBytes = std::max(kChunkPrepTgBytes, kChunkScanTgBytes);
 int64_t chunk_record_floats(int64_t Dk, int64_t Dv) { return kChunk * (Dv + Dk + kChunk + 4); }
 int64_t register_budget(int64_t Dk) { return Dk <= 32 ? 32 : Dk <= 64 ? 64 : Dk <= 128 ? 128 : 256; }
 }  // namespace
@@ -74,9 +76,9 @@ void MetalOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor
     why = "v_heads not a multiple of k_heads";
   else if (!ws.valid() || ws.bytes() < delta_chunk_workspace_bytes(std::max(T, kChunkRows), s.v_heads, s.k_dim, s.v_dim))
     why = "a workspace smaller than the chunk records (delta_chunk_workspace_bytes)";
-  else if (std::max(kChunkPrepTgBytes, kChunkScanTgBytes) > dev_.device()->maxThreadgroupMemoryLength() ||
+  else if (kChunkTgBytes > dev_.device()->maxThreadgroupMemoryLength() ||
            dev_.device()->maxThreadsPerThreadgroup().width < 256)
-    why = std::to_string(std::max(kChunkPrepTgBytes, kChunkScanTgBytes)) + " bytes of threadgroup memory and 256 "
+    why = std::to_string(kChunkTgBytes) + " bytes of threadgroup memory and 256 "
           "threads per threadgroup needed, the device allows " +
           std::to_string(dev_.device()->maxThreadgroupMemoryLength()) + " and " +
           std::to_string(dev_.device()->maxThreadsPerThreadgroup().width);

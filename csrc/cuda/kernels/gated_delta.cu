@@ -379,8 +379,8 @@ extern "C" __global__ void __launch_bounds__(64)
 //   Δ = U − W S0,  o_i = Γ_i q̂_iᵀS0 + Σ_{j<=i} P_ij Δ_j with P_ij = (Γ_i/Γ_j) q̂_i·k̂_j,
 //   S = Γ_last S0 + Σ_j (Γ_last/Γ_j) k̂_j Δ_jᵀ.
 // gated_delta_chunk_prep builds U, W, P and the decay factors of every (chunk, value head) at once (parallel over
-// chunks); gated_delta_chunk_scan walks the chunks in order with a 16-column slice of S in shared memory, three
-// small products per chunk instead of 64 dependent token steps. L is summed in fp64 and only differences
+// chunks); gated_delta_chunk_scan walks the chunks in order with a slice of S in shared memory, three small
+// products per chunk instead of 64 dependent token steps. L is summed in fp64 and only differences
 // L_i − L_j (<= 0) are exponentiated, so no factor overflows and a strongly decayed chunk keeps its relative
 // precision. fp32 elsewhere: ~3e-7 from an fp64 scan at the test shapes (numpy model of these kernels), the
 // sequential scan's order of error; the bits differ from it (another summation order).
@@ -434,7 +434,9 @@ extern "C" __global__ void __launch_bounds__(256)
     *reinterpret_cast<float4*>(sQ + i * GD_QS + d) = q4;
     *reinterpret_cast<float4*>(sK + i * GD_QS + d) = k4;
   }
-  if (tid == 0) {  // the cumulative log decay, in order, in fp64 (64 adds)
+  // The cumulative log decay, in order, in fp64 (64 adds), from the gate itself: log(alpha) would be -inf where the
+  // decay underflowed to 0.
+  if (tid == 0) {
     double L = 0.0;
     for (int i = 0; i < GD_CHUNK; ++i) {
       if (i < n) L += double(neg_A * softplus(a[i64(t0 + i) * a_stride + j] + dtb));
@@ -536,6 +538,14 @@ extern "C" __global__ void __launch_bounds__(256)
   }
 }
 
+// acc += a · x, lane by lane (the chunked scan's products of a scalar factor and four state or Δ columns).
+__device__ __forceinline__ void axpy4(float4& acc, float a, const float4& x) {
+  acc.x += a * x.x;
+  acc.y += a * x.y;
+  acc.z += a * x.z;
+  acc.w += a * x.w;
+}
+
 #define GD_SCW (DV % 32 == 0 ? 32 : 16)  // state columns per scan block
 #define GD_SSP (GD_SCW + 4)              // row pitch of the state slice in shared memory (4-way, not 32-way, in (3))
 #define GD_SPP (GD_CHUNK + 4)            // row pitch of P in shared memory
@@ -622,10 +632,10 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         for (int u = 0; u < 4; ++u) {
           const float4 s0 = *reinterpret_cast<const float4*>(sS + (d + u) * GD_SSP + 8 * g);
           const float4 s1 = *reinterpret_cast<const float4*>(sS + (d + u) * GD_SSP + 8 * g + 4);
-          w0.x += wv[u] * s0.x; w0.y += wv[u] * s0.y; w0.z += wv[u] * s0.z; w0.w += wv[u] * s0.w;
-          w1.x += wv[u] * s1.x; w1.y += wv[u] * s1.y; w1.z += wv[u] * s1.z; w1.w += wv[u] * s1.w;
-          o0.x += qv[u] * s0.x; o0.y += qv[u] * s0.y; o0.z += qv[u] * s0.z; o0.w += qv[u] * s0.w;
-          o1.x += qv[u] * s1.x; o1.y += qv[u] * s1.y; o1.z += qv[u] * s1.z; o1.w += qv[u] * s1.w;
+          axpy4(w0, wv[u], s0);
+          axpy4(w1, wv[u], s1);
+          axpy4(o0, qv[u], s0);
+          axpy4(o1, qv[u], s1);
         }
       }
       const float4 u0 = *reinterpret_cast<const float4*>(R + i * DV + c0 + 8 * g);
@@ -653,8 +663,8 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         for (int u = 0; u < 4; ++u) {
           const float4 e0 = *reinterpret_cast<const float4*>(sD + (jj + u) * CW + 8 * g);
           const float4 e1 = *reinterpret_cast<const float4*>(sD + (jj + u) * CW + 8 * g + 4);
-          o0.x += pv[u] * e0.x; o0.y += pv[u] * e0.y; o0.z += pv[u] * e0.z; o0.w += pv[u] * e0.w;
-          o1.x += pv[u] * e1.x; o1.y += pv[u] * e1.y; o1.z += pv[u] * e1.z; o1.w += pv[u] * e1.w;
+          axpy4(o0, pv[u], e0);
+          axpy4(o1, pv[u], e1);
         }
       }
       float* orow = out + i64(t0 + i) * out_stride + i64(j) * DV + c0 + 8 * g;
@@ -677,7 +687,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int f = 0; f < 4; ++f) {
           const float4 a4 = *reinterpret_cast<const float4*>(sDk + jj * CW + 16 * h + 4 * f);
-          s[f].x += kv * a4.x; s[f].y += kv * a4.y; s[f].z += kv * a4.z; s[f].w += kv * a4.w;
+          axpy4(s[f], kv, a4);
         }
       }
 #pragma unroll
