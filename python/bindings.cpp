@@ -237,14 +237,20 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
                                    {"narrow", cuda::CudaOptions::FusedDelta::Narrow},
                                    {"wide", cuda::CudaOptions::FusedDelta::Wide}},
                                   cuda::CudaOptions::FusedDelta::Narrow, cuda::CudaOptions::FusedDelta::Off);
-    if (!opt("prefill_x_terms").is_none()) o.prefill_x_terms = nb::cast<int>(opt("prefill_x_terms"));
-    if (o.prefill_x_terms != 1 && o.prefill_x_terms != 2)
-      throw std::invalid_argument("backend option prefill_x_terms must be 1 or 2, got " +
-                                  std::to_string(o.prefill_x_terms));
-    if (!opt("moe_x_terms").is_none()) o.moe_x_terms = nb::cast<int>(opt("moe_x_terms"));
-    if (o.moe_x_terms < 0 || o.moe_x_terms > 2)
-      throw std::invalid_argument("backend option moe_x_terms must be 1, 2 or 0 (= prefill_x_terms), got " +
-                                  std::to_string(o.moe_x_terms));
+    // prefill_x / moe_x: the prefill GEMMs' activation form (CudaOptions::XForm); moe_x "prefill" follows prefill_x.
+    auto x_form = [&](const char* key, bool follow_ok) -> std::optional<cuda::CudaOptions::XForm> {
+      const nb::object v = opt(key);
+      const std::string got = nb::isinstance<nb::str>(v) ? nb::cast<std::string>(v) : std::string();
+      if (got == "f16") return cuda::CudaOptions::XForm::F16;
+      if (got == "bf16x2") return cuda::CudaOptions::XForm::BF16x2;
+      if (got == "bf16") return cuda::CudaOptions::XForm::BF16;
+      if (follow_ok && got == "prefill") return std::nullopt;
+      throw std::invalid_argument(std::string("backend option ") + key + " must be \"f16\", \"bf16x2\", \"bf16\"" +
+                                  (follow_ok ? " or \"prefill\"" : "") + ", got " +
+                                  nb::cast<std::string>(nb::repr(v)));
+    };
+    if (!opt("prefill_x").is_none()) o.prefill_x = *x_form("prefill_x", false);
+    if (!opt("moe_x").is_none()) o.moe_x = x_form("moe_x", true);
     if (!opt("gemm_small_tiles").is_none()) o.gemm_small_tiles = nb::cast<bool>(opt("gemm_small_tiles"));
     if (!opt("moe_pipe").is_none()) o.moe_pipe = nb::cast<int>(opt("moe_pipe"));
     if (o.moe_pipe != 0 && (o.moe_pipe < 2 || o.moe_pipe > 4))

@@ -199,13 +199,24 @@ def test_full_model_shapes_compile_dry(arch, cache):
     assert len(fused) == 4 and all(v.startswith("one launch") for v in fused.values()), fused
 
 
-def test_moe_x_terms_option_reaches_only_the_expert_gemms(cache):
-    """moe_x_terms = 1 with prefill_x_terms = 2: the MoE prefill GEMMs take x as one term and the dense GEMMs keep
-    hi + lo (both compile for the real shapes); bad values are refused naming the option."""
+@pytest.mark.parametrize("opts,dense_want,experts_want", [
+    ({}, "one f16 term scaled by 2^e per row and group part (prefill_x = f16)",
+     "one f16 term scaled by 2^e per row and group part (prefill_x or moe_x = f16)"),
+    ({"prefill_x": "bf16x2", "moe_x": "bf16"}, "bf16 hi+lo (prefill_x = bf16x2)",
+     "one bf16 term (prefill_x or moe_x = bf16)"),
+    ({"prefill_x": "bf16", "moe_x": "bf16x2"}, "one bf16 term (prefill_x = bf16)",
+     "hi + lo bf16 (prefill_x or moe_x = bf16x2)"),
+    ({"moe_x": "prefill", "prefill_x": "bf16"}, "one bf16 term (prefill_x = bf16)",
+     "one bf16 term (prefill_x or moe_x = bf16)"),
+], ids=["default_f16", "moe_bf16", "dense_bf16", "follow"])
+def test_prefill_x_options_reach_their_gemms(cache, opts, dense_want, experts_want):
+    """prefill_x sets the dense prefill GEMMs' activation form and moe_x the expert GEMMs' ("prefill": follow
+    prefill_x); each form compiles for the real shapes, and the report names it. A dense bf16 weight refuses f16 for hi
+    + lo with the reason. Bad values are refused naming the option."""
     c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
                                           source="FULL_CONFIG").to_core()
     H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
-    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, "moe_x_terms": 1})
+    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
     T = 64
     x = b.empty(T, H, poison=False)
     b.run("matmul", "prefill", x=x, w=b.weight(_zeros_weight(2048, H, "q4")), out=b.empty(T, 2048, poison=False))
@@ -219,11 +230,15 @@ def test_moe_x_terms_option_reaches_only_the_expert_gemms(cache):
     v = b.report()["variants"]
     experts = " ".join(t for k, t in v.items() if k.startswith("moe.experts"))
     dense = " ".join(t for k, t in v.items() if k.startswith("matmul."))
-    assert "one bf16 term (prefill_x_terms or moe_x_terms = 1)" in experts, v
-    assert "bf16 hi+lo" in dense and "one bf16 term" not in dense, v
-    for bad in (3, -1):
-        with pytest.raises(ValueError, match="moe_x_terms"):
-            core.OpBench("cuda", {"dry_arch": 90, "moe_x_terms": bad})
+    assert experts_want in experts, v
+    assert dense_want in dense, v
+    if not opts:  # a dense bf16 weight under the default: hi + lo, and why
+        b.run("matmul", "prefill", x=x, w=b.weight(_zeros_weight(256, H, "bf16")), out=b.empty(T, 256, poison=False))
+        dense_bf16 = [t for k, t in b.report()["variants"].items() if k.startswith("matmul.prefill") and "bf16 weights" in t]
+        assert dense_bf16 and "prefill_x = f16 needs integer codes" in dense_bf16[0], b.report()["variants"]
+    for key, bad in (("prefill_x", "f32"), ("prefill_x", 2), ("prefill_x", "prefill"), ("moe_x", "fp16")):
+        with pytest.raises(ValueError, match=key):
+            core.OpBench("cuda", {"dry_arch": 90, key: bad})
 
 
 @pytest.mark.parametrize("small", [None, False])

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -73,14 +74,17 @@ struct CudaOptions {
   // and the norm (conv_delta_norm_wide). Off: the three kernels. benchmarks/NOTES.md.
   enum class FusedDelta { Off, Narrow, Wide };
   FusedDelta fused_delta = FusedDelta::Off;
-  // Prefill GEMMs (dense and MoE): the activations enter the tensor cores as 2 bf16 terms (hi + lo, ~1e-5
-  // relative per product) or 1 (~1.5e-3, half the MMAs: prefill at 4K +14% on the H200 and lily-tiny's bar
-  // holds, but the random test models' logits leave the bf16 tolerance: not the default). benchmarks/NOTES.md.
-  int prefill_x_terms = 2;
-  // The MoE prefill GEMMs' own setting (1 or 2; 0 = prefill_x_terms): the dense and the expert GEMMs' error
-  // reaches the logits differently, so each can be A/B'd alone.
-  int moe_x_terms = 0;
-  int moe_prefill_x_terms() const { return moe_x_terms ? moe_x_terms : prefill_x_terms; }
+  // Prefill GEMMs (dense and MoE): how the fp32 activations enter the tensor cores. F16: one fp16 term scaled by a
+  // power of two per row and group part (quant.cuh f16_part_scale; ~2.4e-4 relative per product, one MMA per step),
+  // for affine weights whose integer codes enter the MMA exactly; the others (dense weights, groups that do not tile
+  // the 64-wide K block) take BF16x2, and the variant says so. BF16x2: hi + lo bf16 (~1e-5, two MMAs per step).
+  // BF16: one bf16 term (~2e-3: the random test models' logits leave the bf16 tolerance). benchmarks/NOTES.md.
+  enum class XForm { F16, BF16x2, BF16 };
+  XForm prefill_x = XForm::F16;
+  // The MoE expert GEMMs' own setting (unset: prefill_x): the dense and the expert GEMMs' error reaches the logits
+  // differently, so each can be A/B'd alone.
+  std::optional<XForm> moe_x;
+  XForm moe_prefill_x() const { return moe_x ? *moe_x : prefill_x; }
   // MoE prefill GEMMs of affine experts: K blocks staged by cp.async in a ring of this many stages (2..4; fewer if
   // the device's shared memory is smaller), 0 = the register prefetch one block ahead. benchmarks/NOTES.md.
   int moe_pipe = 3;

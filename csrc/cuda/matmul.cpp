@@ -16,17 +16,18 @@
 //   form (AL 1: aligned words realigned in registers). Scales/biases off their element alignment are read
 //   byte-wise (SAL 0). Each case is named in the variant and its reason.
 // - GEMM weight staging (WM in matmul.cu): affine with GROUP % 16 == 0 tiling the 64-wide K block (or
-//   tiled by it) keeps integer codes (exact in bf16) and applies scale and bias per group in fp32; dense
-//   bf16 is staged as is; dense f32/f16 and other affine groups as bf16 hi + lo of the fp32 value. x is
-//   hi + lo (kXSplit = 2, error ~1e-5) unless the backend option prefill_x_terms = 1 asks for plain bf16 x
-//   (error ~1.5e-3, half the MMAs) in prefill GEMMs; decode GEMVs keep hi + lo.
+//   tiled by it) keeps integer codes (exact in bf16 and f16) and applies scale and bias per group in fp32; dense
+//   bf16 is staged as is; dense f32/f16 and other affine groups as bf16 hi + lo of the fp32 value. x (backend
+//   option prefill_x): one f16 term scaled by 2^e per row and group part with f16 codes (XF 1, the default, error
+//   ~2.4e-4; codes mode only, the other modes take hi + lo and say so), bf16 hi + lo (error ~1e-5), or one bf16
+//   term (error ~2e-3); decode GEMVs are not affected.
 // - GEMM tiles: 64 rows, or 16 when even 4x the 64-row grid's blocks fit on the SMs at one each (small T and small
 //   N: the router, the shared expert, b/a, k/v at T <= 512), 32 when 2x does (out_proj at T = 256): those few blocks
 //   each walked the whole K alone; smaller tiles make more blocks with fewer MMAs per K block each (each still
 //   converts a whole W tile, so grids closer to the SM count measured slower with 16 rows). Each output's sums (Σx
 //   per 16-input run, the MMAs per k16 step, the group folds) are the same at any height, so the bits are too and
 //   choosing by T keeps a prefill in chunks equal to one prefill (backend option gemm_small_tiles).
-// Module defines come from the weight alone (K, BITS, DT, GROUP, AL, SAL, XS; GBM 32 / 16 for the small-grid GEMM
+// Module defines come from the weight alone (K, BITS, DT, GROUP, AL, SAL, XS, XF; GBM 32 / 16 for the small-grid GEMM
 // modules): one module serves both phases for one (K, format, alignment); the real Qwen3.6 checkpoint needs about
 // six, and a 32 and a 16-row GEMM module per format its small grids use.
 #include <algorithm>
@@ -59,8 +60,8 @@ constexpr int kGemvRows = 4;           // GEMV_U
 constexpr int kGemvBlocksPerSm = 2;    // GEMV_MINB (__launch_bounds__ guarantees the registers)
 constexpr int kGemmBM = 64, kGemmBN = 128;  // BM (the big tiles; 32 / 16 for small grids), BN
 // GEMM_SMEM of matmul_gemm at tile rows bm: x hi + lo [bm][72] bf16, W hi + lo [128][72] bf16, Σx [bm][4] f32,
-// scales and biases [128][4] f32 (60,416 bytes at 64, 50,688 at 32, 45,824 at 16).
-int gemm_smem(int bm) { return 2 * bm * 144 + 2 * kGemmBN * 144 + bm * 16 + 2 * kGemmBN * 16; }
+// scales and biases [128][4] f32, x's part scales [bm][4] f32 (61,440 bytes at 64, 51,200 at 32, 46,080 at 16).
+int gemm_smem(int bm) { return 2 * bm * 144 + 2 * kGemmBN * 144 + 2 * bm * 16 + 2 * kGemmBN * 16; }
 constexpr int kGemmBK = 64;            // BK
 constexpr int kXSplit = 2;             // XS
 constexpr int64_t kMaxDecodeRows = 16;
@@ -210,10 +211,13 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
     sal = (uint64_t(ops.scales(w)) % es == 0 && uint64_t(ops.biases(w)) % es == 0) ? 1 : 0;
   }
   const int dt = w.quantized() ? dtype_code(w.scale_dtype) : dtype_code(w.dtype);
-  v.defines = {{"K", w.cols}, {"BITS", w.quantized() ? w.bits : 0}, {"DT", dt},
-               {"GROUP", w.quantized() ? w.group : 0}, {"AL", al}, {"SAL", sal},
-               {"XS", v.gemm ? ops.options().prefill_x_terms : kXSplit}};
-  const int xs = int(v.defines.back().second);
+  // The prefill GEMM's x form: f16 needs the codes mode (WM 0 in matmul.cu), the others fall back to hi + lo.
+  const bool codes = w.quantized() && w.group % 16 == 0 && (w.group % kGemmBK == 0 || kGemmBK % w.group == 0);
+  const CudaOptions::XForm xform = ops.options().prefill_x;
+  const bool xf16 = v.gemm && xform == CudaOptions::XForm::F16 && codes;
+  const int xs = !v.gemm ? kXSplit : xform == CudaOptions::XForm::BF16 || xf16 ? 1 : 2;
+  v.defines = {{"K", w.cols}, {"BITS", w.quantized() ? w.bits : 0}, {"DT", dt}, {"GROUP", w.quantized() ? w.group : 0},
+               {"AL", al}, {"SAL", sal}, {"XS", xs}, {"XF", xf16 ? 1 : 0}};
 
   const std::string kind = w.quantized() ? "q" + std::to_string(w.bits) : dtype_name(w.dtype);
   std::string fmt = w.quantized() ? "g" + std::to_string(w.group) + "_" + dtype_name(w.scale_dtype) + "s" : "";
@@ -252,15 +256,21 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
                                                                                            : " (gemv_async=False)")) +
                (w.quantized() && !ops.options().gemv_dp4a ? "; fp32 x (gemv_dp4a=False)" : "");
   } else {
-    const bool codes = w.quantized() && w.group % 16 == 0 && (w.group % kGemmBK == 0 || kGemmBK % w.group == 0);
     const std::string mode = codes ? "codes" : (!w.quantized() && w.dtype == DType::BF16) ? "bf16" : "split";
-    v.name = "gemm_" + kind + "_mma_" + mode + (fmt.empty() ? "" : "_" + fmt) + "_x" + std::to_string(xs) +
+    v.name = "gemm_" + kind + "_mma_" + mode + (fmt.empty() ? "" : "_" + fmt) + (xf16 ? "_xf16" : "_x" + std::to_string(xs)) +
              ld_suffix + sc_suffix;
-    v.reason = std::string("mma.sync m16n8k16 bf16, tile 64x128x64, next K block prefetched into registers during the "
-                           "MMAs, 2 blocks per SM, ") +
+    const bool f16_refused = xform == CudaOptions::XForm::F16 && !codes;
+    v.reason = std::string("mma.sync m16n8k16 ") + (xf16 ? "f16" : "bf16") +
+               ", tile 64x128x64, next K block prefetched into registers during the MMAs, 2 blocks per SM, " +
                (codes ? "integer codes with fp32 per-group scale/bias"
                       : mode == "bf16" ? "bf16 weights as stored" : "weights as bf16 hi+lo") +
-               ", x as " + (xs == 2 ? "bf16 hi+lo" : "one bf16 term (prefill_x_terms = 1)") + ", " + loads + sc_reason;
+               ", x as " +
+               (xf16 ? "one f16 term scaled by 2^e per row and group part (prefill_x = f16)"
+                     : xs == 2 ? std::string("bf16 hi+lo") +
+                                     (f16_refused ? " (prefill_x = f16 needs integer codes in groups tiling the 64-wide "
+                                                    "K block)" : " (prefill_x = bf16x2)")
+                               : "one bf16 term (prefill_x = bf16)") +
+               ", " + loads + sc_reason;
   }
   return v;
 }

@@ -153,11 +153,12 @@ int64_t pipe_stage_bytes(const WeightFormat& w, int bm) {
 }
 
 // The static shared memory of kernels/moe.cu moe_mma_block (its arrays: A hi, A lo when x_terms = 2, 128 weight
-// rows of pitch 72 halves, Σx and the scale/bias parts, the row map): with the ring it must fit the device.
-int64_t mma_static_smem(const WeightFormat& w, int bm, int x_terms) {
+// rows of pitch 72 halves, Σx and the scale/bias parts, x's part scales when xf16, the row map): with the ring it
+// must fit the device.
+int64_t mma_static_smem(const WeightFormat& w, int bm, int x_terms, bool xf16) {
   const int64_t np = group_parts(w);
   return int64_t(bm) * 72 * 2 * (x_terms == 2 ? 2 : 1) + (x_terms == 2 ? 0 : 16) + 128 * 72 * 2 + bm * np * 4 +
-         2 * 128 * np * 4 + bm * 4;
+         2 * 128 * np * 4 + bm * 4 + (xf16 ? bm * np * 4 : 0);
 }
 
 // FRAG's ring (kernels/moe.cu moe_frag_block, bm = 16 or 32): one stage's bytes (bm x rows of 64 f32, 256 / (bm / 16)
@@ -167,9 +168,9 @@ int64_t frag_stage_bytes(const WeightFormat& w, int bm) {
   const int64_t rows = 256 / (bm / 16);
   return int64_t(bm) * 64 * 4 + rows * 48 + 2 * rows * group_parts(w) * 4;
 }
-int64_t frag_static_smem(const WeightFormat& w, int x_terms, int bm) {
+int64_t frag_static_smem(const WeightFormat& w, int x_terms, bool xf16, int bm) {
   return 2 * int64_t(bm) * 72 * 2 * (x_terms == 2 ? 2 : 1) + (x_terms == 2 ? 0 : 2 * 16) +
-         2 * int64_t(bm) * group_parts(w) * 4 + bm * 4;
+         2 * int64_t(bm) * group_parts(w) * 4 * (xf16 ? 2 : 1) + bm * 4;
 }
 
 // pipe: the backend option's stage count (0: the register path), lowered to what fits smem_cap next to the
@@ -178,8 +179,8 @@ int64_t frag_static_smem(const WeightFormat& w, int x_terms, int bm) {
 // frag32_from / tile64_from: the expected rows per expert T·k/E from which the fragment tiles take 32 rows and from
 // which the tiles take 64 (backend options moe_frag32_rows, moe_tile64_rows; tile64_from 0: 32 for experts without
 // fragment tiles, none for those with them).
-ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned, int x_terms,
-                              bool dp4a_option, int pipe = 0, bool scales4 = false, int64_t smem_cap = 0,
+ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned,
+                              CudaOptions::XForm xform, bool dp4a_option, int pipe = 0, bool scales4 = false, int64_t smem_cap = 0,
                               int frag = 0, int frag32_from = 20, int tile64_from = 0) {
   const int64_t E = gate.experts, H = gate.cols, I = gate.rows;
   const int cpv = codes_per_vector(gate);
@@ -191,6 +192,9 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
   v.rows_g = int(std::max<int64_t>(1, std::min<int64_t>(4, 4 / nit)));
   const int lpr = next_pow2(I / cpv);
   std::string pipe_text, rows_text;
+  // The prefill GEMMs' activation form (kernels/moe.cu XS, XF): f16 needs affine codes; dense weights take hi + lo.
+  const bool xf16 = phase == Phase::Prefill && xform == CudaOptions::XForm::F16 && gate.quantized();
+  const int x_terms = phase != Phase::Prefill ? 2 : xform == CudaOptions::XForm::BF16 || xf16 ? 1 : 2;
   if (phase == Phase::Prefill) {
     // Fragment tiles (FRAG: each warp's 4-bit codes widened to B fragments in registers, no bf16 weight tile) where
     // the format allows and a 3-stage ring fits; their height by the expected rows per expert r = T·k/E: 16 rows
@@ -204,7 +208,7 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
                                                    : nullptr;
     const int fbm = T * k >= int64_t(frag32_from) * E ? 32 : 16;
     const int64_t stage = no_frag ? 0 : frag_stage_bytes(gate, fbm),  // group_parts needs an affine format
-                  fixed = no_frag ? 0 : frag_static_smem(gate, x_terms, fbm);
+                  fixed = no_frag ? 0 : frag_static_smem(gate, x_terms, xf16, fbm);
     int stages = no_frag ? 0 : frag;
     while (stages >= 3 && stages * stage + fixed > smem_cap) --stages;
     if (!no_frag && stages < 3) no_frag = "a 3-stage ring exceeds the device's shared memory per block";
@@ -242,7 +246,7 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
     else if (!gate.quantized()) pipe_text = "register prefetch one K block ahead (dense weights: no cp.async ring)";
     else if (!aligned || !scales4) pipe_text = "register prefetch one K block ahead (unaligned weights or scales)";
     else {
-      const int64_t stage = pipe_stage_bytes(gate, v.bm), fixed = mma_static_smem(gate, v.bm, x_terms);
+      const int64_t stage = pipe_stage_bytes(gate, v.bm), fixed = mma_static_smem(gate, v.bm, x_terms, xf16);
       int stages = pipe;
       while (stages >= 2 && stages * stage + fixed > smem_cap) --stages;
       if (stages < 2) {
@@ -275,7 +279,8 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
                {"ROWS_D", kDecodeRowsDown},
                {"LPR", lpr},
                {"BM", v.bm},
-               {"XS", phase == Phase::Prefill ? x_terms : 2},
+               {"XS", x_terms},
+               {"XF", xf16 ? 1 : 0},
                {"DP4A", dp4a ? 1 : 0},
                {"PIPE", v.pipe},
                {"FRAG", v.frag},
@@ -288,8 +293,13 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
              (dp4a ? ", x and act as three int8 terms per 16-byte vector, dp4a dot products"
                    : gate.quantized() && !dp4a_option ? ", fp32 x and act (gemv_dp4a=False)" : ", fp32 x and act");
   else
-    v.text = "moe_group + moe_gate_up_mma / moe_down_mma (mma.sync m16n8k16 bf16, x as " +
-             std::string(x_terms == 2 ? "hi + lo bf16" : "one bf16 term (prefill_x_terms or moe_x_terms = 1)") + ", " +
+    v.text = "moe_group + moe_gate_up_mma / moe_down_mma (mma.sync m16n8k16 " + std::string(xf16 ? "f16" : "bf16") +
+             ", x as " +
+             std::string(xf16 ? "one f16 term scaled by 2^e per row and group part (prefill_x or moe_x = f16)"
+                         : x_terms == 1 ? "one bf16 term (prefill_x or moe_x = bf16)"
+                         : xform == CudaOptions::XForm::F16 ? "hi + lo bf16 (f16 x needs affine codes)"
+                                                            : "hi + lo bf16 (prefill_x or moe_x = bf16x2)") +
+             ", " +
              std::string(gate.quantized() ? "exact codes with fp32 per-group scale/bias"
                          : gate.dtype == DType::BF16 ? "exact bf16 weights"
                                                      : "weights as hi + lo bf16") +
@@ -385,7 +395,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   bool scales4 = gate.quantized();
   for (int m = 0; m < 3 && scales4; ++m)
     scales4 = a.scales[m] % 4 == 0 && a.biases[m] % 4 == 0 && a.scale_stride[m] % 4 == 0 && a.bias_stride[m] % 4 == 0;
-  const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x_terms(), options().gemv_dp4a,
+  const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x(), options().gemv_dp4a,
                                           options().moe_pipe, scales4, info().max_smem_optin, options().moe_frag,
                                           options().moe_frag32_rows, options().moe_tile64_rows);
   if (ph == Phase::Decode) {
@@ -477,7 +487,7 @@ void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tenso
   a.logits_stride = router_logits.stride;
   a.sgate = ptr(shared_gate_logit);
   a.sgate_stride = shared_gate_logit.stride;
-  ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned, 2, options().gemv_dp4a);
+  ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned, CudaOptions::XForm::BF16x2, options().gemv_dp4a);
   v.defines.push_back({"FUSED", 1});
   // Under programmatic dependent launch the down pass routes its token itself and loads its weights before it
   // waits for the gate/up pass (kernels/moe.cu PREROUTE); otherwise it reads the ids the gate/up pass stored.

@@ -295,12 +295,13 @@ class Engine:
         ``fused_norm`` (decode: each layer's RMSNorms done inside the projection GEMV that follows them, one
         launch instead of two; default True), ``fused_delta`` (decode: a DeltaNet layer's conv, recurrent update
         and gated norm in one launch: ``"narrow"`` / True a block per key head, ``"wide"`` 256 blocks with arrival
-        counters; default ``"off"`` / False, the three kernels: both measured slower on the H200), ``prefill_x_terms`` (prefill
-        GEMMs: activations as 2 bf16 terms, hi + lo, ~1e-5 relative error per product, or 1, ~1.5e-3 and half the
-        MMAs: +14% prefill at 4K on the H200, but the random test models' logits then leave the bf16 tolerance;
-        default 2), ``moe_x_terms`` (the same for the MoE expert GEMMs alone: 1, 2, or 0 = follow
-        ``prefill_x_terms``; default 0), ``moe_pipe`` (MoE prefill GEMMs of affine experts with 64-row tiles: K
-        blocks staged by cp.async in a ring of 2-4 stages, or 0 = registers one block ahead; default 3),
+        counters; default ``"off"`` / False, the three kernels: both measured slower on the H200), ``prefill_x`` (how
+        prefill GEMMs take the activations: ``"f16"`` one fp16 term scaled by a power of two per row and weight group,
+        ~2.4e-4 relative error per product, for affine weights (others take ``"bf16x2"`` and say so); ``"bf16x2"``
+        hi + lo bf16, ~1e-5, twice the MMAs; ``"bf16"`` one bf16 term, ~2e-3; default ``"f16"``), ``moe_x`` (the
+        same for the MoE expert GEMMs alone, or ``"prefill"`` to follow ``prefill_x``; default ``"prefill"``),
+        ``moe_pipe`` (MoE prefill GEMMs of affine experts with 64-row tiles: K blocks staged by cp.async in a ring of
+        2-4 stages, or 0 = registers one block ahead; default 3),
         ``gemm_small_tiles`` (prefill GEMMs whose grid would use at most a quarter (half) of the SMs run 16-row
         (32-row) tiles, the same bits; default True), ``moe_frag`` (MoE prefill GEMMs of 4-bit experts with 16-row
         tiles: each warp widens its own columns' codes into tensor-core fragments in registers, the K blocks through

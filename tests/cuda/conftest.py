@@ -12,4 +12,4 @@ from cuda_util import CUDA_STATUS, CUDA_USABLE, rel_err, requires_cuda  # noqa: 
 @pytest.fixture(scope="module")
 def benches():
     """(cpu, gpu) OpBenches: build the same inputs on both, run one op on each, compare."""
-    return core.OpBench("cpu", {"threads": 1}), core.OpBench("cuda", {"prefill_x_terms": 2})
+    return core.OpBench("cpu", {"threads": 1}), core.OpBench("cuda", {"prefill_x": "bf16x2"})

@@ -49,8 +49,8 @@ DSPECS = ["f32", "f16", "bf16"]
 
 @pytest.fixture(scope="module")
 def benches():
-    # The 2-term prefill GEMM (the default is 1 term: its own tests at the end of the file).
-    return core.OpBench("cpu"), core.OpBench("cuda", {"prefill_x_terms": 2})
+    # The 2-term prefill GEMM (the default is one f16 term: its own tests at the end of the file).
+    return core.OpBench("cpu"), core.OpBench("cuda", {"prefill_x": "bf16x2"})
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -246,8 +246,8 @@ def test_gemm_small_tiles_same_bits(benches, spec, n, k):
     rng = np.random.default_rng(zlib.crc32(f"tiles {spec} {n} {k}".encode()))
     desc, _ = make_weight(rng, spec, n, k)
     x = make_x(rng, 130, k)
-    small, big = core.OpBench("cuda", {"prefill_x_terms": 2}), core.OpBench("cuda", {"prefill_x_terms": 2,
-                                                                                     "gemm_small_tiles": False})
+    small, big = core.OpBench("cuda", {"prefill_x": "bf16x2"}), core.OpBench("cuda", {"prefill_x": "bf16x2",
+                                                                                      "gemm_small_tiles": False})
     for t in (1, 7, 64, 130):
         ref = _check((benches[0], big), desc, x[:t], "prefill", f"{spec} T={t} 64-row tiles")
         got = _run(small, desc, x[:t], "prefill")
@@ -525,7 +525,7 @@ def test_norm_matmuls(benches, what, parts, k, add):
 
 
 # ------------------------------------------------------------------------------------------------
-# prefill_x_terms = 1: the prefill GEMM takes x as one bf16 term
+# prefill_x = "f16" (the default) and "bf16": the prefill GEMM takes x as one term
 # ------------------------------------------------------------------------------------------------
 
 def _scalars64(stored: np.ndarray, dtype: str) -> np.ndarray:
@@ -534,48 +534,87 @@ def _scalars64(stored: np.ndarray, dtype: str) -> np.ndarray:
     return stored.astype(np.float64)
 
 
-def one_term_bound(x: np.ndarray, desc: dict, w64: np.ndarray) -> np.ndarray:
-    """Per-output bound for x rounded once to bf16 (|x − bf16(x)| ≤ 2^-9·|x|). The rounded x multiplies the
-    weights' integer-code part s·q = w − b (the bias term b·Σx uses the fp32 x), or the dense weight itself;
-    2e-5·Σ|x·w| covers the fp32 accumulation and a weight's hi + lo split."""
+# Relative rounding of x per form: bf16 keeps 8 significant bits, f16 (after its power-of-two scale) 11.
+ONE_TERM_ULP = {"bf16": 2.0 ** -9, "f16": 2.0 ** -12}
+
+
+def one_term_bound(x: np.ndarray, desc: dict, w64: np.ndarray, form: str) -> np.ndarray:
+    """Per-output bound for x rounded once (|x − round(x)| ≤ u·|x|). The rounded x multiplies the weights'
+    integer-code part s·q = w − b (the bias term b·Σx uses the fp32 x), or the dense weight itself;
+    2e-5·Σ|x·w| covers the fp32 accumulation, a weight's hi + lo split and f16's subnormals (inputs below 2^-28 of
+    their group part's max)."""
     ax = np.abs(x.astype(np.float64))
     if desc["kind"] == "affine":
         b = np.repeat(_scalars64(desc["biases"], desc["scale_dtype"]), desc["group"], axis=1)
         rounded_part = np.abs(w64 - b)
     else:
         rounded_part = np.abs(w64)
-    return 2.0 ** -9 * 1.01 * (ax @ rounded_part.T) + 2e-5 * (ax @ np.abs(w64).T)
+    return ONE_TERM_ULP[form] * 1.01 * (ax @ rounded_part.T) + 2e-5 * (ax @ np.abs(w64).T)
 
 
 @pytest.fixture(scope="module")
 def one_term():
-    return core.OpBench("cuda", {"prefill_x_terms": 1})
+    return {form: core.OpBench("cuda", {"prefill_x": form}) for form in ("f16", "bf16")}
 
 
+def _wide_range_x(rng, t: int, k: int) -> np.ndarray:
+    """Rows past f16's range and rows deep in its subnormals: row 0 × 3e5 (|x| up to ~1e6 > 65504), row 1 × 1e-9,
+    row 2 with its first 32 inputs × 2e4 and the rest × 1e-3 (one group part spanning 7 decades)."""
+    x = make_x(rng, t, k)
+    x[0] *= 3e5
+    x[1] *= 1e-9
+    x[2, :32] *= 2e4
+    x[2, 32:] *= 1e-3
+    return x
+
+
+@pytest.mark.parametrize("form", ["f16", "bf16"])
 @pytest.mark.parametrize("spec,n,k", [("q4g64-bf16", 8192, 2048), ("q4g64-bf16", 2048, 4096), ("q8g64-f16", 100, 192),
-                                      ("q4g32-f32", 300, 1088), ("bf16", 1000, 192), ("f32", 3, 1088),
-                                      ("f16", 100, 130)])
-def test_prefill_one_x_term(benches, one_term, spec, n, k):
-    """Within the bf16-rounding bound of every output (not the 2-term tolerance: the lo term is really gone),
-    deterministic, rows independent of T (chunks of 7 = one batch), decode untouched (hi + lo)."""
+                                      ("q4g32-f32", 300, 1088), ("q4g128-f16", 64, 640), ("bf16", 1000, 192),
+                                      ("f32", 3, 1088), ("f16", 100, 130)])
+def test_prefill_one_x_term(benches, one_term, form, spec, n, k):
+    """Within the rounding bound of every output (not the 2-term tolerance: the lo term is really gone),
+    deterministic, rows independent of T (chunks of 7 = one batch), decode untouched (hi + lo). f16 holds its bound
+    on rows past its range and rows of subnormal size (the power-of-two scale per row and group part); on weights
+    without integer codes in K-block groups it is refused, with the reason, for hi + lo."""
     cpu, gpu2 = benches
-    rng = np.random.default_rng(zlib.crc32(f"x1 {spec} {n} {k}".encode()))
+    bench = one_term[form]
+    rng = np.random.default_rng(zlib.crc32(f"x1 {form} {spec} {n} {k}".encode()))
     desc, w64 = make_weight(rng, spec, n, k)
-    x = make_x(rng, 130, k)
+    x = _wide_range_x(rng, 130, k) if form == "f16" else make_x(rng, 130, k)
     ref = _run(cpu, desc, x, "prefill").astype(np.float64)
-    got = _run(one_term, desc, x, "prefill")
+    got = _run(bench, desc, x, "prefill")
+    notes = [v for key, v in _variants(bench.report()).items() if key.startswith("matmul.prefill.")]
+    if form == "f16" and desc["kind"] != "affine":
+        np.testing.assert_array_equal(got.view(np.uint32), _run(gpu2, desc, x, "prefill").view(np.uint32))
+        assert any("prefill_x = f16 needs integer codes" in v for v in notes), notes
+        return
     assert np.isfinite(got).all()
     err = np.abs(got.astype(np.float64) - ref)
-    bound = one_term_bound(x, desc, w64)
+    bound = one_term_bound(x, desc, w64, form)
     worst = float((err / bound).max())
     assert worst <= 1.0, f"{spec} [{n}, {k}]: error {worst:.3g} of the one-term bound"
-    assert _rel(got, ref) > TOL["prefill"], "prefill_x_terms = 1 did not change the GEMM (still hi + lo?)"
-    again = _run(one_term, desc, x, "prefill")
+    two = _run(gpu2, desc, x, "prefill")
+    assert _rel(got, ref) > 4 * _rel(two, ref), f"prefill_x = {form} did not change the GEMM (still hi + lo?)"
+    again = _run(bench, desc, x, "prefill")
     assert np.array_equal(got.view(np.uint32), again.view(np.uint32)), "not deterministic"
-    chunks = np.concatenate([_run(one_term, desc, x[i:i + 7], "prefill") for i in range(0, 130, 7)])
+    chunks = np.concatenate([_run(bench, desc, x[i:i + 7], "prefill") for i in range(0, 130, 7)])
     assert np.array_equal(got.view(np.uint32), chunks.view(np.uint32)), "chunks of 7 vs one batch"
     # Decode keeps x as hi + lo under this option: the 2-term bench's bits.
-    d1, d2 = _run(one_term, desc, x[:3], "decode"), _run(gpu2, desc, x[:3], "decode")
-    assert np.array_equal(d1.view(np.uint32), d2.view(np.uint32)), "decode changed with prefill_x_terms"
-    notes = [v for key, v in _variants(one_term.report()).items() if key.startswith("matmul.prefill.")]
-    assert any("_x1" in v for v in notes), notes
+    d1, d2 = _run(bench, desc, x[:3], "decode"), _run(gpu2, desc, x[:3], "decode")
+    assert np.array_equal(d1.view(np.uint32), d2.view(np.uint32)), f"decode changed with prefill_x = {form}"
+    assert any(("_xf16" if form == "f16" else "_x1") in v for v in notes), notes
+
+
+@pytest.mark.parametrize("spec,n,k", [("q4g64-bf16", 600, 2048), ("q8g32-f32", 300, 192)])
+def test_prefill_f16_small_tiles_same_bits(one_term, spec, n, k):
+    """With x as f16 the 16- and 32-row tiles still give the 64-row tiles' bits (each row's scale depends on its own
+    inputs only), so chunked prefill equals one prefill under the default too."""
+    rng = np.random.default_rng(zlib.crc32(f"f16 tiles {spec} {n} {k}".encode()))
+    desc, _ = make_weight(rng, spec, n, k)
+    x = _wide_range_x(rng, 130, k)
+    big = core.OpBench("cuda", {"prefill_x": "f16", "gemm_small_tiles": False})
+    for t in (3, 20, 130):
+        ref = _run(big, desc, x[:t], "prefill")
+        got = _run(one_term["f16"], desc, x[:t], "prefill")
+        np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32), err_msg=f"{spec} T={t}")

@@ -198,6 +198,11 @@ EXPERT_CASES = [
 ]
 
 PREFILL_TOL = 2e-5  # see the module docstring: ~4e-6 expected
+# prefill_x = "f16" (the default): x and act as one f16 term each, u = 2^-12 per rounding after the power-of-two
+# scale, entering 3 times (x for gate and up, act for down).
+F16_TOL = 4 * 2.0 ** -12
+# The same-bits tests below run under both activation forms, each held to its own CPU tolerance.
+X_FORMS = {"f16": F16_TOL, "bf16x2": PREFILL_TOL}
 
 
 @pytest.mark.parametrize("spec,E,k,H,I", EXPERT_CASES)
@@ -220,15 +225,17 @@ def test_experts_prefill(benches, spec, E, k, H, I):
         assert err < PREFILL_TOL, f"prefill {spec} E={E} H={H} I={I} T={T}: relative error {err:.3g}"
 
 
-def test_experts_prefill_tiles_and_T(benches):
+@pytest.mark.parametrize("form", list(X_FORMS))
+def test_experts_prefill_tiles_and_T(form):
     """T·k/E ≥ 20 selects 32-row fragment tiles (q4, real H and inter, 16 experts, 80 tokens: 40 rows per expert),
     T = 7 16-row tiles. A token's output must not depend on the other tokens of the call or the tile size
     (chunked prefill equals one prefill bit for bit): the T = 7 call equals the first 7 rows of T = 80."""
     E, k, H, I = 16, 8, 2048, 512
+    benches = core.OpBench("cpu"), core.OpBench("cuda", {"prefill_x": form})
     handles = weights_for(benches, "q4g64-bf16", E, k, H, I)
     x, ids, w = token_inputs(5, E, k, H, 80)
     cpu, full = run_experts(benches, handles, "prefill", x, ids, w, E, k, H, I)
-    assert rel_err(full, cpu) < PREFILL_TOL
+    assert rel_err(full, cpu) < X_FORMS[form]
     assert "32-row tiles" in str(benches[1].report())
     _, part = run_experts(benches, handles, "prefill", x[:7], ids[:7], w[:7], E, k, H, I)
     assert "16-row tiles" in str(benches[1].report())
@@ -241,19 +248,21 @@ def test_experts_prefill_tiles_and_T(benches):
 RING_CASES = [c for c in EXPERT_CASES if c[0].startswith("q")] + [("q4g128-bf16", 6, 2, 256, 384)]
 
 
+@pytest.mark.parametrize("form", list(X_FORMS))
 @pytest.mark.parametrize("spec,E,k,H,I", RING_CASES)
-def test_experts_prefill_ring_same_bits(spec, E, k, H, I):
+def test_experts_prefill_ring_same_bits(spec, E, k, H, I, form):
     """The cp.async ring (moe_pipe 2, 3, 4 stages; 64-row tiles, T·k/E ≥ moe_tile64_rows = 32) converts and
     multiplies what the register path (moe_pipe = 0) does: the same bits, equal to the 16-row tiles' (T = 7: the
     first rows), within the prefill tolerance of the CPU, and the report names the ring."""
-    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {"moe_pipe": p, "moe_tile64_rows": 32}) for p in (0, 2, 3, 4)]
+    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {"moe_pipe": p, "moe_tile64_rows": 32, "prefill_x": form})
+                                       for p in (0, 2, 3, 4)]
     rng = np.random.default_rng(zlib.crc32(f"ring {spec} {E} {H} {I}".encode()))
     descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
     handles = [tuple(b.weight(d) for d in descs) for b in benches]
     big = max(80, -(-32 * E // k))
     x, ids, w = token_inputs(41 + big, E, k, H, big)
     cpu, ref = run_experts(benches[:2], handles[:2], "prefill", x, ids, w, E, k, H, I)
-    assert rel_err(ref, cpu) < PREFILL_TOL, spec
+    assert rel_err(ref, cpu) < X_FORMS[form], spec
     assert "64-row tiles" in str_variants_experts(benches[1].report())
     for p, b, h in zip((2, 3, 4), benches[2:], handles[2:]):
         _, gpu = run_experts((b, b), (h, h), "prefill", x, ids, w, E, k, H, I)
@@ -266,13 +275,14 @@ def test_experts_prefill_ring_same_bits(spec, E, k, H, I):
     assert "16-row tiles" in str_variants_experts(benches[4].report())
 
 
+@pytest.mark.parametrize("form", list(X_FORMS))
 @pytest.mark.parametrize("spec,E,k,H,I", RING_CASES)
-def test_experts_prefill_frag_same_bits(spec, E, k, H, I):
+def test_experts_prefill_frag_same_bits(spec, E, k, H, I, form):
     """moe_frag (16-row tiles, T·k/E < 32: each warp widens its 4-bit codes into B fragments in registers, the K
     blocks through a ring of 3 or 6 stages) multiplies what the shared bf16 weight tile (moe_frag = 0) does: the same
     bits, within the prefill tolerance of the CPU, at T = 1, 7 and the most 16-row tokens; 8-bit experts keep the
     shared tile, and the reports say which form ran."""
-    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {"moe_frag": f}) for f in (0, 3, 6)]
+    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {"moe_frag": f, "prefill_x": form}) for f in (0, 3, 6)]
     rng = np.random.default_rng(zlib.crc32(f"frag {spec} {E} {H} {I}".encode()))
     descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
     handles = [tuple(b.weight(d) for d in descs) for b in benches]
@@ -280,7 +290,7 @@ def test_experts_prefill_frag_same_bits(spec, E, k, H, I):
     for T in (1, 7, min(300, (32 * E - 1) // k)):  # the last: expert 1 (in every token) spans many 16-row tiles
         x, ids, w = token_inputs(59 + T, E, k, H, T)
         cpu, ref = run_experts(benches[:2], handles[:2], "prefill", x, ids, w, E, k, H, I)
-        assert rel_err(ref, cpu) < PREFILL_TOL, (spec, T)
+        assert rel_err(ref, cpu) < X_FORMS[form], (spec, T)
         assert "16-row tiles" in str_variants_experts(benches[1].report())
         assert "shared bf16 weight tile, register prefetch one K block ahead (moe_frag = 0)" in \
             str_variants_experts(benches[1].report())
@@ -294,15 +304,16 @@ def test_experts_prefill_frag_same_bits(spec, E, k, H, I):
                 assert "shared bf16 weight tile, register prefetch one K block ahead (8-bit codes)" in text, text
 
 
+@pytest.mark.parametrize("form", list(X_FORMS))
 @pytest.mark.parametrize("spec,E,k,H,I", [c for c in RING_CASES if c[0].startswith("q4")])
-def test_experts_prefill_frag32_same_bits(spec, E, k, H, I):
+def test_experts_prefill_frag32_same_bits(spec, E, k, H, I, form):
     """The fragment tiles of 32 rows (moe_frag32_rows: two m16 tiles per warp on the same widened codes, the second
     skipped when a tile has at most 16 rows) multiply what the 16-row fragment tiles, the shared bf16 tile and the
     64-row tiles do: the same bits, within the prefill tolerance of the CPU. Expert 1 is in every token, so it spans
     several 32-row tiles with a short last one; the others hold 1-16 or 17-32 rows by T. The reports name the height."""
     opts = {"frag16": {"moe_frag32_rows": 1024}, "frag32": {"moe_frag32_rows": 1}, "shared16": {"moe_frag": 0},
             "tile64": {"moe_tile64_rows": 1}}
-    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", o) for o in opts.values()]
+    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {**o, "prefill_x": form}) for o in opts.values()]
     rng = np.random.default_rng(zlib.crc32(f"frag32 {spec} {E} {H} {I}".encode()))
     descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
     handles = [tuple(b.weight(d) for d in descs) for b in benches]
@@ -310,7 +321,7 @@ def test_experts_prefill_frag32_same_bits(spec, E, k, H, I):
         x, ids, w = token_inputs(83 + T, E, k, H, T)
         counts = np.bincount(ids.ravel(), minlength=E)
         cpu, ref = run_experts(benches[:2], handles[:2], "prefill", x, ids, w, E, k, H, I)
-        assert rel_err(ref, cpu) < PREFILL_TOL, (spec, T)
+        assert rel_err(ref, cpu) < X_FORMS[form], (spec, T)
         assert "16-row tiles" in str_variants_experts(benches[1].report())
         for name, b, h in zip(list(opts)[1:], benches[2:], handles[2:]):
             _, gpu = run_experts((b, b), (h, h), "prefill", x, ids, w, E, k, H, I)
@@ -508,31 +519,48 @@ def str_variants(report) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# prefill_x_terms = 1: the MoE GEMMs take the activations as one bf16 term
+# prefill_x = "f16" (the default) and "bf16": the MoE GEMMs take the activations as one term
 # ------------------------------------------------------------------------------------------------
 
-ONE_TERM_TOL = 4 * 2.0 ** -9  # u = 2^-9 per rounding; it enters 3 times (x for gate and up, act for down)
+ONE_TERM_TOL = {"bf16": 4 * 2.0 ** -9, "f16": F16_TOL}  # u per rounding, entering 3 times
 
 
 @pytest.fixture(scope="module")
 def one_term_benches():
-    return core.OpBench("cpu"), core.OpBench("cuda", {"prefill_x_terms": 1})
+    return {form: (core.OpBench("cpu"), core.OpBench("cuda", {"prefill_x": form})) for form in ("f16", "bf16")}
 
 
-@pytest.mark.parametrize("spec,E,k,H,I", [c for c in EXPERT_CASES if c[0] in ("q4g64-bf16", "f16", "q4g32-f32")])
-def test_experts_prefill_one_x_term(one_term_benches, spec, E, k, H, I):
-    """Within the bf16-rounding tolerance and clearly outside the 2-term one (the lo term is gone);
-    deterministic; a token's output independent of the call (T = 7 = the first 7 rows of T = 80); decode
-    unchanged (fp32)."""
-    handles = weights_for(one_term_benches, spec, E, k, H, I)
+@pytest.mark.parametrize("form", ["f16", "bf16"])
+@pytest.mark.parametrize("spec,E,k,H,I", [c for c in EXPERT_CASES if c[0] in ("q4g64-bf16", "f16", "q4g32-f32",
+                                                                             "q8g64-f16")])
+def test_experts_prefill_one_x_term(benches, one_term_benches, form, spec, E, k, H, I):
+    """Within the one-term tolerance and clearly outside the 2-term one (the lo term is gone); deterministic; a
+    token's output independent of the call (T = 7 = the first 7 rows of T = 80); decode unchanged (fp32). f16 on
+    activations past its range (a token × 3e5) and of subnormal size (a token × 1e-9): its power-of-two scale per row
+    and group part keeps them finite and precise. Dense experts refuse f16 for hi + lo, and say why."""
+    pair = one_term_benches[form]
+    handles = weights_for(pair, spec, E, k, H, I)
     x, ids, w = token_inputs(31, E, k, H, 80)
-    cpu, gpu = run_experts(one_term_benches, handles, "prefill", x, ids, w, E, k, H, I)
+    if form == "f16":
+        x[0] *= 3e5
+        x[1] *= 1e-9
+    cpu, gpu = run_experts(pair, handles, "prefill", x, ids, w, E, k, H, I)
+    text = str_variants_experts(pair[1].report())
+    if form == "f16" and not spec.startswith("q"):
+        _, two = run_experts(benches, weights_for(benches, spec, E, k, H, I), "prefill", x, ids, w, E, k, H, I)
+        np.testing.assert_array_equal(gpu.view(np.uint32), two.view(np.uint32))
+        assert "hi + lo bf16 (f16 x needs affine codes)" in text, text
+        return
     err = rel_err(gpu, cpu)
-    assert PREFILL_TOL < err < ONE_TERM_TOL, f"prefill one-term {spec} E={E}: relative error {err:.3g}"
-    _, again = run_experts(one_term_benches, handles, "prefill", x, ids, w, E, k, H, I)
+    assert PREFILL_TOL < err < ONE_TERM_TOL[form], f"prefill one-term {form} {spec} E={E}: relative error {err:.3g}"
+    for t in (0, 1) if form == "f16" else ():  # the scaled tokens alone, each within the tolerance
+        assert rel_err(gpu[t], cpu[t]) < ONE_TERM_TOL[form], (t, rel_err(gpu[t], cpu[t]))
+    _, again = run_experts(pair, handles, "prefill", x, ids, w, E, k, H, I)
     np.testing.assert_array_equal(again.view(np.uint32), gpu.view(np.uint32))
-    _, part = run_experts(one_term_benches, handles, "prefill", x[:7], ids[:7], w[:7], E, k, H, I)
+    _, part = run_experts(pair, handles, "prefill", x[:7], ids[:7], w[:7], E, k, H, I)
     np.testing.assert_array_equal(part.view(np.uint32), gpu[:7].view(np.uint32))
-    cpu_d, gpu_d = run_experts(one_term_benches, handles, "decode", x[:1], ids[:1], w[:1], E, k, H, I)
-    assert rel_err(gpu_d, cpu_d) < 1e-5, "decode must stay fp32 under prefill_x_terms = 1"
-    assert "one bf16 term (prefill_x_terms or moe_x_terms = 1)" in str(one_term_benches[1].report())
+    cpu_d, gpu_d = run_experts(pair, handles, "decode", x[:1], ids[:1], w[:1], E, k, H, I)
+    assert rel_err(gpu_d, cpu_d) < 1e-5, f"decode must stay fp32 under prefill_x = {form}"
+    want = ("one f16 term scaled by 2^e per row and group part (prefill_x or moe_x = f16)" if form == "f16"
+            else "one bf16 term (prefill_x or moe_x = bf16)")
+    assert want in text, text

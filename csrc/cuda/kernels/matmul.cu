@@ -16,6 +16,8 @@
 //   AL     proven alignment of W's base and row stride: 16 (one 16-byte load per chunk), 4, or 1 (funnel)
 //   SAL    1 when scales and biases are aligned to their element size, 0 for byte-wise reads
 //   XS     GEMM only: x as 2 bf16 terms (hi + lo, error ~1e-5) or 1 (bf16 x, error ~1.5e-3)
+//   XF     GEMM only, 1 with XS 1 and WM 0: x as one fp16 term scaled by 2^e per row and group part (quant.cuh
+//          f16_part_scale; error ~2.4e-4), the codes as fp16, f16 MMAs
 //   NORM   GEMV only: 0 plain; 1 / 2: the RMSNorm (after a residual add) in front, done by every block (below)
 // One module per (K, format, alignment) serves both phases: ~6 modules for the real model.
 //
@@ -53,9 +55,10 @@
 //        end as acc += s·D, plus acc += b·Σx (Σx over the group part from f32 x): W itself is never rounded;
 //   WM 1 (dense bf16): the elements as they are;
 //   WM 2 (dense f32/f16, affine with other groups): hi + lo bf16 of the fp32 value fma(q, s, b).
-// MMAs per k16 step: x_hi·W_hi (+ x_lo·W_hi if XS 2) (+ x_hi·W_lo if WM 2). Shared memory 60,416 bytes
-// (fixed layout, GEMM_SMEM; matmul.cpp must match). Floor: 2·T·N·K FLOP (×XS) on the tensor cores; W bytes
-// once. Register-prefetch pipeline: block kb + 1's global loads (x, W chunks, scales) are issued into
+// MMAs per k16 step: x_hi·W_hi (+ x_lo·W_hi if XS 2) (+ x_hi·W_lo if WM 2). XF 1 (WM 0, XS 1): x and the codes
+// as f16 instead, x scaled by 2^e per row and group part, the group accumulator folded at every part's end as
+// acc += (s·2^-e)·D. Shared memory 61,440 bytes (fixed layout, GEMM_SMEM; matmul.cpp must match). Floor:
+// 2·T·N·K FLOP (×XS) on the tensor cores; W bytes once. Register-prefetch pipeline: block kb + 1's global loads (x, W chunks, scales) are issued into
 // registers before block kb's MMAs and converted into the shared tile after them (x split by cvt.rn.bf16x2,
 // q4 codes by PRMT + one bf16x2 FMA, quant.cuh); 2 blocks per SM (__launch_bounds__ caps registers at 128).
 //
@@ -88,6 +91,9 @@
 #endif
 #ifndef NORM
 #define NORM 0
+#endif
+#ifndef XF
+#define XF 0
 #endif
 #ifndef GBM
 #define GBM 64  // GEMM only: tile rows, 64, or 32 / 16 for small grids (matmul.cpp)
@@ -751,7 +757,8 @@ constexpr int CPR = BK * EB / 8 / 16;            // 16-byte chunks of a row per 
 constexpr int KB = (K + BK - 1) / BK;
 
 // Shared layout (bytes): x hi, x lo [BM][LDS] bf16; W hi, W lo [BN][LDS] bf16; Σx [BM][4] f32;
-// scales, biases [BN][4] f32. 60,416 bytes in all at BM 64, 50,688 at 32, 45,824 at 16 (matmul.cpp gemm_smem).
+// scales, biases [BN][4] f32; x's 2^-e [BM][4] f32 (XF). 61,440 bytes in all at BM 64, 51,200 at 32, 46,080 at 16
+// (matmul.cpp gemm_smem).
 #define SM_XH 0
 #define SM_XL (SM_XH + BM * LDS * 2)
 #define SM_WH (SM_XL + BM * LDS * 2)
@@ -759,8 +766,10 @@ constexpr int KB = (K + BK - 1) / BK;
 #define SM_SX (SM_WL + BN * LDS * 2)
 #define SM_SS (SM_SX + BM * 4 * 4)
 #define SM_BS (SM_SS + BN * 4 * 4)
-#define GEMM_SMEM (SM_BS + BN * 4 * 4)
-static_assert(GEMM_SMEM == (BM == 64 ? 60416 : BM == 32 ? 50688 : 45824), "matmul.cpp gemm_smem");
+#define SM_XR (SM_BS + BN * 4 * 4)
+#define GEMM_SMEM (SM_XR + BM * 4 * 4)
+static_assert(GEMM_SMEM == (BM == 64 ? 61440 : BM == 32 ? 51200 : 46080), "matmul.cpp gemm_smem");
+static_assert(XF == 0 || (XS == 1 && WM == 0), "XF: one f16 x term, affine codes folded per group part");
 
 // The GEMM's own shared-address form (common.cuh's smem_addr is the intrinsic; this asm form is what the GEMM was
 // measured with: the intrinsic lets ptxas fold the address arithmetic differently).
@@ -777,6 +786,13 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32 r[4]) {
 __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_f16(float c[4], const u32 a[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -809,6 +825,7 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
   float* sxs = reinterpret_cast<float*>(smem + SM_SX);
   float* ss = reinterpret_cast<float*>(smem + SM_SS);
   float* bs = reinterpret_cast<float*>(smem + SM_BS);
+  float* sxr = reinterpret_cast<float*>(smem + SM_XR);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / G_WARPS_N, wn = warp % G_WARPS_N;
@@ -879,9 +896,23 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
   auto store_block = [&](int kb) {
     const i64 kbase = i64(kb) * BK;
     if (xmine) {  // warp-uniform (BM · 4 threads are whole warps)
+      constexpr int LP = GP >= 16 ? GP / 16 : 1;  // lanes sharing one group part (WM 0)
       u32 ph[8], pl[8];
+      if (XF) {  // the part's max |x| over its LP lanes, then x · 2^e as f16 (quant.cuh f16_part_scale)
+        float am = 0.f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) split2_bf16(xv[2 * i], xv[2 * i + 1], ph[i], pl[i]);
+        for (int i = 0; i < 16; ++i) am = fmaxf(am, fabsf(xv[i]));
+#pragma unroll
+        for (int o = LP / 2; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+        float sc, inv;
+        f16_part_scale(am, sc, inv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ph[i] = f16x2_rn(xv[2 * i] * sc, xv[2 * i + 1] * sc);
+        if (xq % LP == 0) sxr[xr * 4 + xq / LP] = inv;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) split2_bf16(xv[2 * i], xv[2 * i + 1], ph[i], pl[i]);
+      }
       uint4* dh = reinterpret_cast<uint4*>(xh + xr * LDS + xq * 16);
       dh[0] = make_uint4(ph[0], ph[1], ph[2], ph[3]);
       dh[1] = make_uint4(ph[4], ph[5], ph[6], ph[7]);
@@ -894,7 +925,6 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
         float ps = 0.f;
 #pragma unroll
         for (int i = 0; i < 16; ++i) ps += xv[i];
-        constexpr int LP = GP >= 16 ? GP / 16 : 1;
 #pragma unroll
         for (int o = LP / 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
         if (xq % LP == 0) sxs[xr * 4 + xq / LP] = ps;
@@ -923,7 +953,8 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           u32 q[4];
-          q4_word_bf16(w[i], q);  // exact
+          if (XF) q4_word_f16(w[i], q);  // exact
+          else q4_word_bf16(w[i], q);
           reinterpret_cast<uint4*>(dh)[i] = make_uint4(q[0], q[1], q[2], q[3]);
         }
       } else if (WM == 0) {
@@ -931,8 +962,8 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
         for (int p = 0; p < EPC / 2; ++p) {
           const int e0 = 2 * p, e1 = 2 * p + 1;
           constexpr int PW = 32 / (BITS ? BITS : 4);
-          dh[p] = bf16x2_rn(q_code<BITS ? BITS : 4>(w[e0 / PW], e0 % PW),
-                            q_code<BITS ? BITS : 4>(w[e1 / PW], e1 % PW));  // exact: q <= 255
+          const float q0 = q_code<BITS ? BITS : 4>(w[e0 / PW], e0 % PW), q1 = q_code<BITS ? BITS : 4>(w[e1 / PW], e1 % PW);
+          dh[p] = XF ? f16x2_rn(q0, q1) : bf16x2_rn(q0, q1);  // exact: q <= 255
         }
       } else {
 #pragma unroll
@@ -1008,14 +1039,16 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
 #pragma unroll
         for (int ni = 0; ni < G_NI; ++ni) {
           float* c = WM == 0 ? accg[mi][ni] : acc[mi][ni];
-          mma_bf16(c, ah[mi], bh[ni][0], bh[ni][1]);
+          if (XF) mma_f16(c, ah[mi], bh[ni][0], bh[ni][1]);
+          else mma_bf16(c, ah[mi], bh[ni][0], bh[ni][1]);
           if (XS == 2) mma_bf16(c, al[mi], bh[ni][0], bh[ni][1]);
           if (WM == 2) mma_bf16(c, ah[mi], bl[ni][0], bl[ni][1]);
         }
       if (WM == 0) {
         const int p = (ks * 16) / GP;
         const bool part_end = ((ks * 16 + 16) % GP) == 0;
-        const bool group_end = ((kg + 16) % (GROUP ? GROUP : 16)) == 0;
+        // XF folds at every part's end: each part has its own x scale
+        const bool group_end = XF ? part_end : ((kg + 16) % (GROUP ? GROUP : 16)) == 0;
         if (group_end || part_end) {
 #pragma unroll
           for (int mi = 0; mi < G_MI; ++mi)
@@ -1026,7 +1059,8 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
                 const int nl = wn * G_WTN + ni * 8 + 2 * (lane & 3) + (e & 1);
                 const int tl = wm * G_WTM + mi * 16 + (lane >> 2) + (e >> 1) * 8;
                 if (group_end) {
-                  acc[mi][ni][e] = fmaf(ss[nl * 4 + p], accg[mi][ni][e], acc[mi][ni][e]);
+                  const float s = XF ? ss[nl * 4 + p] * sxr[tl * 4 + p] : ss[nl * 4 + p];
+                  acc[mi][ni][e] = fmaf(s, accg[mi][ni][e], acc[mi][ni][e]);
                   accg[mi][ni][e] = 0.f;
                 }
                 if (part_end) acc[mi][ni][e] = fmaf(bs[nl * 4 + p], sxs[tl * 4 + p], acc[mi][ni][e]);

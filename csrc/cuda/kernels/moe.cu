@@ -715,7 +715,10 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const MoeArgs a) {
 // operand scheme, kernels/matmul.cu matmul_gemm).
 //   A = the activation rows (x gathered, or act), f32 split into two bf16 terms hi = bf16(v), lo =
 //       bf16(v − hi): |v − hi − lo| ≤ 2^-17·|v|; two MMAs per step, x_hi·W and x_lo·W. With -D XS=1 (the
-//       backend option prefill_x_terms = 1) only hi: |v − hi| ≤ 2^-9·|v|, one MMA per step.
+//       backend option prefill_x = bf16) only hi: |v − hi| ≤ 2^-9·|v|, one MMA per step. With -D XF=1 (XS 1, affine
+//       weights; prefill_x = f16, the default) one f16 term of v·2^e, e per row and group part (quant.cuh
+//       f16_part_scale): ≤ 2^-12·|v| relative, one f16 MMA per step against the codes as f16 (exact), and the group
+//       accumulator folded at every part's end as acc += (s_g·2^-e)·D.
 //   B = the weights, by MMA_WM:
 //     0 (affine): the integer codes, exact in bf16 (q ≤ 255). D_g = Σ_{k ∈ g} x·q accumulates in its own
 //       fp32 fragment set, folded in at the group's end as acc += s_g·D_g; acc += b_g·Σx at the end of each
@@ -729,6 +732,9 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const MoeArgs a) {
 #define MMA_NT 256  // threads of a GEMM block (8 warps; moe.cpp kMmaThreads must match)
 #ifndef XS
 #define XS 2  // activation terms: 2 = bf16 hi + lo (two MMAs per step), 1 = bf16 (one MMA, lo never computed)
+#endif
+#ifndef XF
+#define XF 0  // 1: the one term is f16, scaled per row and group part (XS 1, affine weights)
 #endif
 
 #if WKIND == 1
@@ -769,6 +775,33 @@ __device__ __forceinline__ void moe_mma_bf16(float* c, const u32* a, const u32* 
 #if MMA_WM == 0
 static_assert(GROUP % 16 == 0, "prefill: affine groups are multiples of 16 (one k16 MMA step)");
 #endif
+static_assert(XF == 0 || (XS == 1 && MMA_WM == 0), "XF: one f16 x term against affine codes");
+__device__ __forceinline__ void moe_mma_f16(float* c, const u32* a, const u32* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// An activation chunk of 4 inputs as two pairs for the A tile: bf16 hi (+ lo), or (XF) f16 of v·2^e with e from the
+// max |v| over the chunk's group part (lp neighbouring lanes, a fixed xor tree; every lane takes part); inv = 2^-e.
+template <int LPARTS>
+__device__ __forceinline__ void moe_a_chunk(const float4& v, u32& h0, u32& h1, u32& l0, u32& l1, float& inv) {
+  if constexpr (XF) {
+    float am = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = LPARTS / 2; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+    float sc;
+    f16_part_scale(am, sc, inv);
+    h0 = f16x2_rn(v.x * sc, v.y * sc);
+    h1 = f16x2_rn(v.z * sc, v.w * sc);
+    l0 = l1 = 0u;
+  } else {
+    split2_bf16(v.x, v.y, h0, l0);
+    split2_bf16(v.z, v.w, h1, l1);
+    inv = 1.f;
+  }
+}
 
 // Epilogue, one lane's two adjacent outputs (a sorted row, columns n and n + 1) from accumulator fragments: gate/up
 // (c = gate, u = up of the same columns) -> act = silu(gate)·up; down (c) -> y.
@@ -808,6 +841,7 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
   constexpr int GP = (GROUP % BK == 0 || BK % GROUP == 0) ? (GROUP < BK ? GROUP : BK) : 16;
   constexpr int NP = BK / GP, S_CH = BROWS * NP, S_PER = (S_CH + MMA_NT - 1) / MMA_NT, LP = GP / 4;
   __shared__ float sxs[BM * NP], ss[BROWS * NP], bs[BROWS * NP];
+  __shared__ float sxr[XF ? BM * NP : 1];  // XF: 2^-e of each row's group part
 #endif
   __shared__ int rowsrc[BM];
 
@@ -965,8 +999,12 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
     for (int i = 0; i < A_PER; ++i) {
       const int c = tid + MMA_NT * i, row = c / (BK / 4), col = (c % (BK / 4)) * 4;
       u32 h0, l0, h1, l1;
-      split2_bf16(ra[i].x, ra[i].y, h0, l0);
-      split2_bf16(ra[i].z, ra[i].w, h1, l1);
+      float inv;
+#if MMA_WM == 0
+      moe_a_chunk<LP>(ra[i], h0, h1, l0, l1, inv);
+#else
+      moe_a_chunk<1>(ra[i], h0, h1, l0, l1, inv);
+#endif
       if (c < A_CH) {
         *reinterpret_cast<uint2*>(&Ah[row * PITCH + col]) = make_uint2(h0, h1);
         if (XS == 2) *reinterpret_cast<uint2*>(&Al[row * PITCH + col]) = make_uint2(l0, l1);
@@ -978,7 +1016,12 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #pragma unroll
       for (int o = LP / 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
       const int q = c % (BK / 4);
-      if (c < A_CH && q % LP == 0) sxs[row * NP + q / LP] = ps;
+      if (c < A_CH && q % LP == 0) {
+        sxs[row * NP + q / LP] = ps;
+        if (XF) sxr[row * NP + q / LP] = inv;
+      }
+#else
+      (void)inv;
 #endif
     }
 #pragma unroll
@@ -990,15 +1033,21 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #if MMA_WM == 0 && BITS == 4
       u32 q[16];
 #pragma unroll
-      for (int w = 0; w < 4; ++w) q4_word_bf16(wd[w], q + 4 * w);
+      for (int w = 0; w < 4; ++w) {
+        if (XF) q4_word_f16(wd[w], q + 4 * w);  // exact
+        else q4_word_bf16(wd[w], q + 4 * w);
+      }
 #pragma unroll
       for (int v = 0; v < 4; ++v) dh[v] = make_uint4(q[4 * v], q[4 * v + 1], q[4 * v + 2], q[4 * v + 3]);
 #elif MMA_WM == 0
       u32 q[8];
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        q[2 * w] = bf16x2_rn(q_code<8>(wd[w], 0), q_code<8>(wd[w], 1));  // exact: q ≤ 255
-        q[2 * w + 1] = bf16x2_rn(q_code<8>(wd[w], 2), q_code<8>(wd[w], 3));
+        // exact: q ≤ 255
+        q[2 * w] = XF ? f16x2_rn(q_code<8>(wd[w], 0), q_code<8>(wd[w], 1))
+                      : bf16x2_rn(q_code<8>(wd[w], 0), q_code<8>(wd[w], 1));
+        q[2 * w + 1] = XF ? f16x2_rn(q_code<8>(wd[w], 2), q_code<8>(wd[w], 3))
+                          : bf16x2_rn(q_code<8>(wd[w], 2), q_code<8>(wd[w], 3));
       }
       dh[0] = make_uint4(q[0], q[1], q[2], q[3]);
       dh[1] = make_uint4(q[4], q[5], q[6], q[7]);
@@ -1115,7 +1164,8 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #else
             float* c = acc[m][i][j];
 #endif
-            moe_mma_bf16(c, ah[i], bh);
+            if (XF) moe_mma_f16(c, ah[i], bh);
+            else moe_mma_bf16(c, ah[i], bh);
             if (XS == 2) moe_mma_bf16(c, al[i], bh);
 #if MMA_WM == 2
             moe_mma_bf16(c, ah[i], bl);
@@ -1125,7 +1175,7 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #if MMA_WM == 0
       const int p = (kk * 16) / GP;
       const bool part_end = (kk * 16 + 16) % GP == 0;  // compile time
-      const bool group_end = (k + 16) % GROUP == 0;
+      const bool group_end = XF ? part_end : (k + 16) % GROUP == 0;  // XF: each part has its own x scale
       if (group_end || part_end) {
 #pragma unroll
         for (int m = 0; m < NMAT; ++m)
@@ -1138,7 +1188,8 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
                 const int col = m * BN + wn * WTN + j * 8 + 2 * t4 + (q & 1);
                 const int row = wm * WTM + i * 16 + g + 8 * (q >> 1);
                 if (group_end) {
-                  acc[m][i][j][q] = fmaf(ss[col * NP + p], accg[m][i][j][q], acc[m][i][j][q]);
+                  const float s = XF ? ss[col * NP + p] * sxr[row * NP + p] : ss[col * NP + p];
+                  acc[m][i][j][q] = fmaf(s, accg[m][i][j][q], acc[m][i][j][q]);
                   accg[m][i][j][q] = 0.f;
                 }
                 if (part_end) acc[m][i][j][q] = fmaf(bs[col * NP + p], sxs[row * NP + p], acc[m][i][j][q]);
@@ -1200,6 +1251,14 @@ __device__ __forceinline__ u32 q4_byte_bf16x2(u32 w, u32 sel) {
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
   return p;
 }
+// The same pair as f16 (XF): 1024 + q, minus 1024 (quant.cuh q4_word_f16's numbers).
+__device__ __forceinline__ u32 q4_byte_f16x2(u32 w, u32 sel) {
+  u32 p;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(w), "r"(w >> 4), "r"(sel));
+  p = (p & 0x000F000Fu) | 0x64006400u;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(p), "r"(0x3C003C00u), "r"(0xE400E400u));
+  return p;
+}
 
 // One block: BM sorted rows of one expert × FBN columns of each of NMAT matrices (NMAT · FBN = 256 / FMT weight
 // rows); warp w owns columns [w·WC, (w+1)·WC) of every matrix, NTM n8 tiles each, for all FMT m16 tiles.
@@ -1218,6 +1277,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
   __shared__ __align__(16) u16 Ah[2][BM * PITCH];
   __shared__ __align__(16) u16 Al[2][XS == 2 ? BM * PITCH : 8];
   __shared__ float sxs[2][BM * NP];
+  __shared__ float sxr[2][XF ? BM * NP : 1];  // XF: 2^-e of each row's group part
   __shared__ int rowsrc[BM];
 
   const int* tiles = reinterpret_cast<const int*>(a.tiles);
@@ -1288,15 +1348,18 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
       const int c = tid + MMA_NT * i, row = c / (BK / 4), col = (c % (BK / 4)) * 4;
       const float4 v = *reinterpret_cast<const float4*>(moe_ring + (kt % FRAG) * STAGE + c * 16);
       u32 h0, l0, h1, l1;
-      split2_bf16(v.x, v.y, h0, l0);
-      split2_bf16(v.z, v.w, h1, l1);
+      float inv;
+      moe_a_chunk<LP>(v, h0, h1, l0, l1, inv);
       *reinterpret_cast<uint2*>(&Ah[b][row * PITCH + col]) = make_uint2(h0, h1);
       if (XS == 2) *reinterpret_cast<uint2*>(&Al[b][row * PITCH + col]) = make_uint2(l0, l1);
       float ps = (v.x + v.y) + (v.z + v.w);
 #pragma unroll
       for (int o = LP / 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
       const int q = c % (BK / 4);
-      if (q % LP == 0) sxs[b][row * NP + q / LP] = ps;
+      if (q % LP == 0) {
+        sxs[b][row * NP + q / LP] = ps;
+        if (XF) sxr[b][row * NP + q / LP] = inv;
+      }
     }
   };
 
@@ -1351,17 +1414,20 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
         const uint4 c = cw[j][kk >> 1];
-        const u32 bq[2] = {q4_byte_bf16x2((kk & 1) ? c.z : c.x, sel), q4_byte_bf16x2((kk & 1) ? c.w : c.y, sel)};
+        const u32 w0 = (kk & 1) ? c.z : c.x, w1 = (kk & 1) ? c.w : c.y;
+        const u32 bq[2] = {XF ? q4_byte_f16x2(w0, sel) : q4_byte_bf16x2(w0, sel),
+                           XF ? q4_byte_f16x2(w1, sel) : q4_byte_bf16x2(w1, sel)};
 #pragma unroll
         for (int mt = 0; mt < FMT; ++mt) {
           if (mt == 1 && !second) break;
-          moe_mma_bf16(accg[mt][j], ah[mt], bq);
+          if (XF) moe_mma_f16(accg[mt][j], ah[mt], bq);
+          else moe_mma_bf16(accg[mt][j], ah[mt], bq);
           if (XS == 2) moe_mma_bf16(accg[mt][j], al[mt], bq);
         }
       }
       const int p = (kk * 16) / GP;
       const bool part_end = (kk * 16 + 16) % GP == 0;  // compile time
-      const bool group_end = (k + 16) % GROUP == 0;
+      const bool group_end = XF ? part_end : (k + 16) % GROUP == 0;  // XF: each part has its own x scale
       if (group_end || part_end) {
         const u32* sw = reinterpret_cast<const u32*>(st + ST_X + ST_C);
         const u32* bw = reinterpret_cast<const u32*>(st + ST_X + ST_C + ST_S);
@@ -1379,7 +1445,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
               if (mt == 1 && !second) break;
               const int row = mt * 16 + g + 8 * (q >> 1);
               if (group_end) {
-                acc[mt][j][q] = fmaf(sg, accg[mt][j][q], acc[mt][j][q]);
+                acc[mt][j][q] = fmaf(XF ? sg * sxr[b][row * NP + p] : sg, accg[mt][j][q], acc[mt][j][q]);
                 accg[mt][j][q] = 0.f;
               }
               if (part_end) acc[mt][j][q] = fmaf(bg, sxs[b][row * NP + p], acc[mt][j][q]);

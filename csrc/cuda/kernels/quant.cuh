@@ -203,6 +203,45 @@ __device__ __forceinline__ void q4_word_bf16(u32 w, u32* out) {
   }
 }
 
+// ---- f16 operands: x as one fp16 term with a power-of-two scale per row and group part (the prefill GEMMs' default
+// for affine weights whose codes enter the MMA exactly; the backend option prefill_x) ----
+//
+// Why not plain fp16: activations reach ~1e4 and beyond (the SiLU products before a down projection), past fp16's
+// 65504, and tiny rows would lose precision as subnormals. Each row's inputs inside one group part (the inputs that
+// share one fold into the fp32 accumulator) are multiplied by 2^e with e chosen so that their max |x| lands in
+// [2^14, 2^15): exact in fp32, then one rounding to fp16 (relative error ≤ 2^-11, 8x finer than one bf16 term), and
+// the fold multiplies the part's product sum by the group scale times 2^-e (exact: a power of two). e depends on the
+// row's own inputs only, so the bits do not depend on T, the tile or the chunking.
+
+// f16 pair (lo half = rn(lo), hi half = rn(hi)).
+__device__ __forceinline__ u32 f16x2_rn(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// The scale 2^e and its inverse 2^-e for inputs of max magnitude amax: amax · 2^e in [2^14, 2^15) when amax is a
+// normal float of exponent 15 - 127 or more (smaller maxima keep e = 126: their scaled values stay below 2^14, no
+// overflow, and the inverse stays a normal float); an infinite or NaN max gives a scale that keeps it infinite.
+__device__ __forceinline__ void f16_part_scale(float amax, float& scale, float& inv) {
+  const int E = max(int((__float_as_uint(amax) >> 23) & 0xffu), 15);  // biased exponent, ≥ 15
+  scale = __uint_as_float(u32(268 - E) << 23);  // 2^(141 - E): amax · scale < 2^15
+  inv = __uint_as_float(u32(E - 14) << 23);     // 2^(E - 141)
+}
+
+// The 8 codes of a q4 word as 4 exact f16 pairs (q4_word_bf16's layout): 1024 + q by the f16 exponent of 1024 (its
+// 10 mantissa bits take the byte), minus 1024 by one exact f16x2 fma.
+__device__ __forceinline__ void q4_word_f16(u32 w, u32* out) {
+  const u32 ev = w & 0x0F0F0F0Fu, od = (w >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    u32 p;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(ev), "r"(od), "r"(u32(j | ((4 + j) << 8))));
+    p = (p & 0x00FF00FFu) | 0x64006400u;  // f16 (1024 + q_2j, 1024 + q_2j+1)
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out[j]) : "r"(p), "r"(0x3C003C00u), "r"(0xE400E400u));
+  }
+}
+
 // ---- x as three int8 terms for dp4a (the decode GEMV matmul_gemv_dp4a and the decode MoE experts) ----
 //
 // A 16-byte chunk of a kBits affine row (EPC = 128 / kBits codes, inside one group) meets x as three int8 terms:
