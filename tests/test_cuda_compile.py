@@ -269,6 +269,32 @@ def test_gemm_small_tiles_compile_and_report(cache, small):
             assert f"64-row tiles ({blocks} blocks, over half the SMs)" in text, text
 
 
+@pytest.mark.parametrize("frag", [None, True])
+def test_gemm_frag_compiles_and_reports(cache, frag):
+    """gemm_frag (off by default until measured on a GPU): the real model's 4-bit prefill GEMMs at every tile height
+    compile with each warp widening its codes into B fragments, under each activation form; 8-bit and dense weights
+    keep the converted tile; report() says which, and lists the option among the optimizations either way."""
+    for form in ("f16", "bf16x2"):
+        b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, "prefill_x": form,
+                                  **({} if frag is None else {"gemm_frag": frag})})
+        for T, n, k, fmt in ((64, 512, 2048, "q4"), (256, 2048, 4096, "q4"), (512, 8192, 2048, "q4"),
+                             (512, 256, 2048, "q8"), (64, 2048, 4096, "bf16")):
+            b.run("matmul", "prefill", x=b.empty(T, k, poison=False), w=b.weight(_zeros_weight(n, k, fmt)),
+                  out=b.empty(T, n, poison=False))
+            text = next(v for key, v in b.report()["variants"].items()
+                        if key.startswith("matmul.prefill") and f"[{n}, {k}]" in key)
+            name = text.split(":")[0]
+            if fmt == "q4" and frag:
+                assert "B fragments (gemm_frag)" in text and "_frag" in name, text
+            elif fmt == "q4":
+                assert "a converted W tile in shared memory (gemm_frag=False)" in text and "_frag" not in name, text
+            else:
+                assert "B fragments" not in text and "_frag" not in name, text
+        opt = " ".join(b.report()["optimizations"])
+        assert ("prefill GEMMs of 4-bit codes: each warp widens" in opt) == bool(frag), opt
+        assert ("not active: prefill GEMM fragment widening (gemm_frag=False" in opt) != bool(frag), opt
+
+
 @pytest.mark.parametrize("pipe", [None, 0, 2, 4])
 def test_moe_pipe_option_compiles_and_reports(cache, pipe):
     """moe_pipe: the MoE prefill GEMMs of the real shapes with 64-row tiles (T = 1024) stage their K blocks through

@@ -112,6 +112,11 @@ struct CudaOptions {
   // Prefill GEMMs whose 64-row grid has at most a quarter (half) as many blocks as there are SMs (small T and small
   // N) run 16-row (32-row) tiles: 4x (2x) the blocks, the same bits. False: always 64 rows (A/B). benchmarks/NOTES.md.
   bool gemm_small_tiles = true;
+  // Prefill GEMMs of 4-bit codes: the W tile stays raw codes in shared memory and each warp widens its own columns'
+  // codes into tensor-core B fragments in registers (no converted W tile, no ldmatrix for B: the dense GEMM is bound
+  // by shared-memory traffic, ncu). The same bits by construction. Off until a GPU has run its tests and an A/B
+  // (built and compile-checked without one): benchmarks/NOTES.md.
+  bool gemm_frag = false;
   // Programmatic dependent launch (sm_90+): which launches get it. Decode (the default): the decode steps' (their
   // grids fit in one wave, so the next kernel's blocks take SM room its predecessor no longer needs; the decode
   // GEMVs, the MoE down pass, the conv and the recurrence load weights and carried state before they wait):

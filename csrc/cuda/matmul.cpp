@@ -218,6 +218,9 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
   const int xs = !v.gemm ? kXSplit : xform == CudaOptions::XForm::BF16 || xf16 ? 1 : 2;
   v.defines = {{"K", w.cols}, {"BITS", w.quantized() ? w.bits : 0}, {"DT", dt}, {"GROUP", w.quantized() ? w.group : 0},
                {"AL", al}, {"SAL", sal}, {"XS", xs}, {"XF", xf16 ? 1 : 0}};
+  // 4-bit codes: each warp widens its columns' codes into B fragments (matmul.cu GFRAG), unless gemm_frag=False.
+  const bool gfrag = v.gemm && codes && w.bits == 4 && ops.options().gemm_frag;
+  if (gfrag) v.defines.push_back({"GFRAG", 1});
 
   const std::string kind = w.quantized() ? "q" + std::to_string(w.bits) : dtype_name(w.dtype);
   std::string fmt = w.quantized() ? "g" + std::to_string(w.group) + "_" + dtype_name(w.scale_dtype) + "s" : "";
@@ -257,12 +260,15 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
                (w.quantized() && !ops.options().gemv_dp4a ? "; fp32 x (gemv_dp4a=False)" : "");
   } else {
     const std::string mode = codes ? "codes" : (!w.quantized() && w.dtype == DType::BF16) ? "bf16" : "split";
-    v.name = "gemm_" + kind + "_mma_" + mode + (fmt.empty() ? "" : "_" + fmt) + (xf16 ? "_xf16" : "_x" + std::to_string(xs)) +
-             ld_suffix + sc_suffix;
+    v.name = "gemm_" + kind + "_mma_" + mode + (fmt.empty() ? "" : "_" + fmt) +
+             (xf16 ? "_xf16" : "_x" + std::to_string(xs)) + (gfrag ? "_frag" : "") + ld_suffix + sc_suffix;
     const bool f16_refused = xform == CudaOptions::XForm::F16 && !codes;
     v.reason = std::string("mma.sync m16n8k16 ") + (xf16 ? "f16" : "bf16") +
                ", tile 64x128x64, next K block prefetched into registers during the MMAs, 2 blocks per SM, " +
-               (codes ? "integer codes with fp32 per-group scale/bias"
+               (codes ? "integer codes with fp32 per-group scale/bias" +
+                            std::string(gfrag ? ", each warp widening its columns' 4-bit codes into B fragments (gemm_frag)"
+                                        : w.bits == 4 ? ", a converted W tile in shared memory (gemm_frag=False)"
+                                                      : ", a converted W tile in shared memory (8/2-bit codes)")
                       : mode == "bf16" ? "bf16 weights as stored" : "weights as bf16 hi+lo") +
                ", x as " +
                (xf16 ? "one f16 term scaled by 2^e per row and group part (prefill_x = f16)"

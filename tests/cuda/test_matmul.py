@@ -618,3 +618,27 @@ def test_prefill_f16_small_tiles_same_bits(one_term, spec, n, k):
         ref = _run(big, desc, x[:t], "prefill")
         got = _run(one_term["f16"], desc, x[:t], "prefill")
         np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32), err_msg=f"{spec} T={t}")
+
+
+# ------------------------------------------------------------------------------------------------
+# gemm_frag: 4-bit codes widened per warp into B fragments, against the converted shared W tile
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("form", ["f16", "bf16x2", "bf16"])
+@pytest.mark.parametrize("spec,n,k", [("q4g64-bf16", 8192, 2048), ("q4g64-bf16", 2048, 4096), ("q4g64-bf16", 32, 2048),
+                                      ("q4g32-f32", 300, 1088), ("q4g128-f16", 200, 640), ("q4g64-f16", 130, 192)])
+def test_gemm_frag_same_bits(form, spec, n, k):
+    """The fragment path (gemm_frag; off by default until this test and an A/B have run on a GPU) feeds the MMAs the
+    operands the converted W tile did, in the same order: the same bits at every tile height (T = 1 and 7: 16-row tiles; 64 and 130: 16, 32 or 64 rows by the grid),
+    for each activation form; the report names the path."""
+    rng = np.random.default_rng(zlib.crc32(f"frag {form} {spec} {n} {k}".encode()))
+    desc, _ = make_weight(rng, spec, n, k)
+    x = make_x(rng, 130, k)
+    frag, tile = (core.OpBench("cuda", {"prefill_x": form, "gemm_frag": f}) for f in (True, False))
+    for t in (1, 7, 64, 130):
+        got, ref = _run(frag, desc, x[:t], "prefill"), _run(tile, desc, x[:t], "prefill")
+        np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32), err_msg=f"{form} {spec} T={t}")
+    notes = {key: v for key, v in _variants(frag.report()).items() if key.startswith("matmul.prefill")}
+    assert notes and all("B fragments (gemm_frag)" in v and "_frag" in v.split(":")[0] for v in notes.values()), notes
+    notes = {key: v for key, v in _variants(tile.report()).items() if key.startswith("matmul.prefill")}
+    assert notes and all("converted W tile in shared memory (gemm_frag=False)" in v for v in notes.values()), notes

@@ -18,6 +18,8 @@
 //   XS     GEMM only: x as 2 bf16 terms (hi + lo, error ~1e-5) or 1 (bf16 x, error ~1.5e-3)
 //   XF     GEMM only, 1 with XS 1 and WM 0: x as one fp16 term scaled by 2^e per row and group part (quant.cuh
 //          f16_part_scale; error ~2.4e-4), the codes as fp16, f16 MMAs
+//   GFRAG  GEMM only, 4-bit codes in WM 0: the W tile stays raw codes in shared memory and each warp widens its own
+//          columns' codes into B fragments (no f16/bf16 W tile, no ldmatrix for B): the same operands, the same bits
 //   NORM   GEMV only: 0 plain; 1 / 2: the RMSNorm (after a residual add) in front, done by every block (below)
 // One module per (K, format, alignment) serves both phases: ~6 modules for the real model.
 //
@@ -94,6 +96,9 @@
 #endif
 #ifndef XF
 #define XF 0
+#endif
+#ifndef GFRAG
+#define GFRAG 0  // GEMM only, 4-bit codes (WM 0): each warp widens its columns' codes into B fragments (below)
 #endif
 #ifndef GBM
 #define GBM 64  // GEMM only: tile rows, 64, or 32 / 16 for small grids (matmul.cpp)
@@ -811,6 +816,10 @@ __device__ __forceinline__ void split_bf16(float v, u16& h, u16& l) {
 constexpr int GEMM_WCH = (BN * CPR + NT - 1) / NT;  // W chunks per thread per K block
 #define GEMM_WPF 4
 constexpr bool GEMM_WPRE = GEMM_WCH <= GEMM_WPF;
+// GFRAG: the K block's codes of W row nl sit raw at SM_WH + nl · GF_PITCH (CPR = 2 chunks of 16 bytes, padded to 48
+// bytes: a warp's reads of 8 columns' 8-byte words hit distinct banks); the shared memory layout is unchanged.
+static_assert(GFRAG == 0 || (BITS == 4 && WM == 0 && CPR == 2 && GEMM_WPRE), "GFRAG: 4-bit codes folded per group");
+#define GF_PITCH 48
 constexpr int GEMM_SCH = WM == 0 ? (BN * NP + NT - 1) / NT : 1;  // group scales per thread per K block
 
 extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
@@ -944,6 +953,10 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
       }
       const int nl = qi / CPR, cc = qi % CPR;
       const i64 n = n0 + nl;
+      if (GFRAG) {  // raw codes; the warps widen them in registers
+        *reinterpret_cast<uint4*>(smem + SM_WH + nl * GF_PITCH + cc * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+        continue;
+      }
       u32* dh = reinterpret_cast<u32*>(wh + nl * LDS + cc * EPC);
       u32* dl = reinterpret_cast<u32*>(wl + nl * LDS + cc * EPC);
       if (WM == 1) {
@@ -1023,8 +1036,19 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
         ldsm_x4(smem_u32(xh + row * LDS + col), ah[mi]);
         if (XS == 2) ldsm_x4(smem_u32(xl + row * LDS + col), al[mi]);
       }
+      if (GFRAG) {
+        // Lane (g, t4): words 2·ks and 2·ks + 1 of column g of each n8 tile, byte t4 of each widened to a pair.
+        const u32 sel = u32(lane & 3) | u32(4 + (lane & 3)) << 8;
 #pragma unroll
-      for (int nj = 0; nj < G_NI / 2; ++nj) {
+        for (int ni = 0; ni < G_NI; ++ni) {
+          const uint2 c = *reinterpret_cast<const uint2*>(smem + SM_WH + (wn * G_WTN + ni * 8 + (lane >> 2)) * GF_PITCH +
+                                                          ks * 8);
+          bh[ni][0] = XF ? q4_byte_f16x2(c.x, sel) : q4_byte_bf16x2(c.x, sel);
+          bh[ni][1] = XF ? q4_byte_f16x2(c.y, sel) : q4_byte_bf16x2(c.y, sel);
+        }
+      }
+#pragma unroll
+      for (int nj = 0; nj < (GFRAG ? 0 : G_NI / 2); ++nj) {
         const int row = wn * G_WTN + nj * 16 + (lane & 7) + (lane >> 4) * 8, col = ks * 16 + ((lane >> 3) & 1) * 8;
         u32 r[4];
         ldsm_x4(smem_u32(wh + row * LDS + col), r);

@@ -1241,25 +1241,6 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #endif
 #define FMT (BM / 16)  // m16 tiles per warp
 
-// bf16x2 (lo nibble, hi nibble) of byte t4 of w (sel = t4 | (4 + t4) << 8): byte t4 of w and of w >> 4 land in
-// bytes 0 and 2, the mask keeps each one's low nibble, so the halves are bf16 128 + q_lo and 128 + q_hi (a nibble
-// at bit 4 of a half would reach the exponent); one FMA subtracts 128 exactly (quant.cuh q4_word_bf16's numbers).
-__device__ __forceinline__ u32 q4_byte_bf16x2(u32 w, u32 sel) {
-  u32 p;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(w), "r"(w >> 4), "r"(sel));
-  p = (p & 0x000F000Fu) | 0x43004300u;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
-  return p;
-}
-// The same pair as f16 (XF): 1024 + q, minus 1024 (quant.cuh q4_word_f16's numbers).
-__device__ __forceinline__ u32 q4_byte_f16x2(u32 w, u32 sel) {
-  u32 p;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(w), "r"(w >> 4), "r"(sel));
-  p = (p & 0x000F000Fu) | 0x64006400u;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(p), "r"(0x3C003C00u), "r"(0xE400E400u));
-  return p;
-}
-
 // One block: BM sorted rows of one expert × FBN columns of each of NMAT matrices (NMAT · FBN = 256 / FMT weight
 // rows); warp w owns columns [w·WC, (w+1)·WC) of every matrix, NTM n8 tiles each, for all FMT m16 tiles.
 template <int NMAT, int FBN, int KDIM, int NDIM, bool GATHER>

@@ -242,6 +242,28 @@ __device__ __forceinline__ void q4_word_f16(u32 w, u32* out) {
   }
 }
 
+// ---- 4-bit codes widened straight into tensor-core B fragments (the MoE's fragment tiles, the dense GEMM's GFRAG) ----
+// Lane (g, t4) of an m16n8k16 B fragment holds k = 2·t4, 2·t4 + 1 (and + 8) of column g: byte t4 of the column's
+// code word for those k. sel = t4 | (4 + t4) << 8: byte t4 of w and of w >> 4 land in bytes 0 and 2, the mask keeps
+// each one's low nibble (a nibble at bit 4 of a half would reach the exponent).
+
+// bf16x2 (code 2·t4, code 2·t4 + 1): 128 + q, minus 128 by one exact FMA (q4_word_bf16's numbers).
+__device__ __forceinline__ u32 q4_byte_bf16x2(u32 w, u32 sel) {
+  u32 p;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(w), "r"(w >> 4), "r"(sel));
+  p = (p & 0x000F000Fu) | 0x43004300u;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
+  return p;
+}
+// The same pair as f16: 1024 + q, minus 1024 (q4_word_f16's numbers).
+__device__ __forceinline__ u32 q4_byte_f16x2(u32 w, u32 sel) {
+  u32 p;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(w), "r"(w >> 4), "r"(sel));
+  p = (p & 0x000F000Fu) | 0x64006400u;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(p), "r"(0x3C003C00u), "r"(0xE400E400u));
+  return p;
+}
+
 // ---- x as three int8 terms for dp4a (the decode GEMV matmul_gemv_dp4a and the decode MoE experts) ----
 //
 // A 16-byte chunk of a kBits affine row (EPC = 128 / kBits codes, inside one group) meets x as three int8 terms:
