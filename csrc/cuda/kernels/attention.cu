@@ -393,16 +393,6 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_reduce(
 // ---------------------------------------------------------------------------------------------------
 // prefill
 // ---------------------------------------------------------------------------------------------------
-// ---- PTX wrappers (sm_80+): mma.sync (ldmatrix and cp.async: common.cuh) ----
-// c[16x8] += a[16x16] (row) · b[16x8] (col), bf16 operands, fp32 accumulation.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// ---- end PTX wrappers ----
 
 __device__ __forceinline__ u32 pack_bf16(u16 lo, u16 hi) { return u32(lo) | (u32(hi) << 16); }
 // p = hi + lo in bf16 (hi = round(p), lo = round(p - hi)); returns the two packed pairs for (x0, x1).
@@ -613,10 +603,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
         for (int np = 0; np < MM_BN / 16; ++np) {
           u32 b[4];
           ldsm_x4(b, smem_addr(ks + (np * 16 + brow) * MM_PITCH + (kk * 16 + bcol) * 2));
-          mma_bf16(sh[2 * np], ah, b[0], b[1]);
-          mma_bf16(sh[2 * np + 1], ah, b[2], b[3]);
-          mma_bf16(sl[2 * np], al, b[0], b[1]);
-          mma_bf16(sl[2 * np + 1], al, b[2], b[3]);
+          mma_m16n8k16(sh[2 * np], ah, b[0], b[1]);
+          mma_m16n8k16(sh[2 * np + 1], ah, b[2], b[3]);
+          mma_m16n8k16(sl[2 * np], al, b[0], b[1]);
+          mma_m16n8k16(sl[2 * np + 1], al, b[2], b[3]);
         }
       }
       // Scale, mask, online softmax (rows A: c0 c1, B: c2 c3).
@@ -670,10 +660,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
         for (int np = 0; np < D / 16; ++np) {
           u32 b[4];
           ldsm_x4_t(b, smem_addr(vs + (kk * 16 + vrow) * MM_PITCH + (np * 16 + vcol) * 2));
-          mma_bf16(o[2 * np], ph, b[0], b[1]);
-          mma_bf16(o[2 * np + 1], ph, b[2], b[3]);
-          mma_bf16(o[2 * np], pl, b[0], b[1]);
-          mma_bf16(o[2 * np + 1], pl, b[2], b[3]);
+          mma_m16n8k16(o[2 * np], ph, b[0], b[1]);
+          mma_m16n8k16(o[2 * np + 1], ph, b[2], b[3]);
+          mma_m16n8k16(o[2 * np], pl, b[0], b[1]);
+          mma_m16n8k16(o[2 * np + 1], pl, b[2], b[3]);
         }
       }
     }
@@ -804,10 +794,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
       ldsm_x4(ah, smem_addr(dm_qhi + arow * DM_PITCH + (kk * 16 + acol) * 2));
       ldsm_x4(al, smem_addr(dm_qlo + arow * DM_PITCH + (kk * 16 + acol) * 2));
       ldsm_x4(b, smem_addr(ks + brow * DM_PITCH + (kk * 16 + bcol) * 2));
-      mma_bf16(sh[0], ah, b[0], b[1]);
-      mma_bf16(sh[1], ah, b[2], b[3]);
-      mma_bf16(sl[0], al, b[0], b[1]);
-      mma_bf16(sl[1], al, b[2], b[3]);
+      mma_m16n8k16(sh[0], ah, b[0], b[1]);
+      mma_m16n8k16(sh[1], ah, b[2], b[3]);
+      mma_m16n8k16(sl[0], al, b[0], b[1]);
+      mma_m16n8k16(sl[1], al, b[2], b[3]);
     }
     float mxA = NEG_INF, mxB = NEG_INF;
 #pragma unroll
@@ -856,10 +846,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
     for (int np = 0; np < D / 16; ++np) {
       u32 b[4];
       ldsm_x4_t(b, smem_addr(vs + vrow * DM_PITCH + (np * 16 + vcol) * 2));
-      mma_bf16(o[2 * np], ph, b[0], b[1]);
-      mma_bf16(o[2 * np + 1], ph, b[2], b[3]);
-      mma_bf16(o[2 * np], pl, b[0], b[1]);
-      mma_bf16(o[2 * np + 1], pl, b[2], b[3]);
+      mma_m16n8k16(o[2 * np], ph, b[0], b[1]);
+      mma_m16n8k16(o[2 * np + 1], ph, b[2], b[3]);
+      mma_m16n8k16(o[2 * np], pl, b[0], b[1]);
+      mma_m16n8k16(o[2 * np + 1], pl, b[2], b[3]);
     }
     __syncwarp();  // the stage is refilled by the next iteration's load
   }

@@ -788,20 +788,6 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32 r[4]) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
-__device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma_f16(float c[4], const u32 a[4], u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ u32 pack_bf16(u16 lo, u16 hi) { return u32(lo) | (u32(hi) << 16); }
 // bf16 hi and lo = bf16(v - hi) of an fp32 value.
 __device__ __forceinline__ void split_bf16(float v, u16& h, u16& l) {
@@ -966,8 +952,7 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           u32 q[4];
-          if (XF) q4_word_f16(w[i], q);  // exact
-          else q4_word_bf16(w[i], q);
+          q4_word_pairs<XF != 0>(w[i], q);  // exact
           reinterpret_cast<uint4*>(dh)[i] = make_uint4(q[0], q[1], q[2], q[3]);
         }
       } else if (WM == 0) {
@@ -1043,8 +1028,8 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
         for (int ni = 0; ni < G_NI; ++ni) {
           const uint2 c = *reinterpret_cast<const uint2*>(smem + SM_WH + (wn * G_WTN + ni * 8 + (lane >> 2)) * GF_PITCH +
                                                           ks * 8);
-          bh[ni][0] = XF ? q4_byte_f16x2(c.x, sel) : q4_byte_bf16x2(c.x, sel);
-          bh[ni][1] = XF ? q4_byte_f16x2(c.y, sel) : q4_byte_bf16x2(c.y, sel);
+          bh[ni][0] = q4_byte_pair<XF != 0>(c.x, sel);
+          bh[ni][1] = q4_byte_pair<XF != 0>(c.y, sel);
         }
       }
 #pragma unroll
@@ -1063,10 +1048,9 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
 #pragma unroll
         for (int ni = 0; ni < G_NI; ++ni) {
           float* c = WM == 0 ? accg[mi][ni] : acc[mi][ni];
-          if (XF) mma_f16(c, ah[mi], bh[ni][0], bh[ni][1]);
-          else mma_bf16(c, ah[mi], bh[ni][0], bh[ni][1]);
-          if (XS == 2) mma_bf16(c, al[mi], bh[ni][0], bh[ni][1]);
-          if (WM == 2) mma_bf16(c, ah[mi], bl[ni][0], bl[ni][1]);
+          mma_m16n8k16<XF != 0>(c, ah[mi], bh[ni][0], bh[ni][1]);
+          if (XS == 2) mma_m16n8k16(c, al[mi], bh[ni][0], bh[ni][1]);
+          if (WM == 2) mma_m16n8k16(c, ah[mi], bl[ni][0], bl[ni][1]);
         }
       if (WM == 0) {
         const int p = (ks * 16) / GP;
@@ -1258,8 +1242,8 @@ extern "C" __global__ void __launch_bounds__(NT, 2)
         for (int m = 0; m < 2; ++m) {
           const u32 a[4] = {mv_pair(w0[2 * m][wi], 2 * h), mv_pair(w0[2 * m + 1][wi], 2 * h),
                             mv_pair(w0[2 * m][wi], 2 * h + 1), mv_pair(w0[2 * m + 1][wi], 2 * h + 1)};
-          mma_bf16(dg[m], a, f.x, f.y);
-          if (XS == 2) mma_bf16(dg[m], a, f.z, f.w);
+          mma_m16n8k16(dg[m], a, f.x, f.y);
+          if (XS == 2) mma_m16n8k16(dg[m], a, f.z, f.w);
         }
         const bool gend = MV_EXCH ? (s == 3 || s == 7) : (s == 7 && ((sp + 1) * 128) % (GROUP ? GROUP : 1) == 0);
         if (gend) {

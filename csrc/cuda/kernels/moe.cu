@@ -764,25 +764,10 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const MoeArgs a) {
 extern __shared__ __align__(16) unsigned char moe_ring[];
 #endif
 
-__device__ __forceinline__ void moe_mma_bf16(float* c, const u32* a, const u32* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 #if MMA_WM == 0
 static_assert(GROUP % 16 == 0, "prefill: affine groups are multiples of 16 (one k16 MMA step)");
 #endif
 static_assert(XF == 0 || (XS == 1 && MMA_WM == 0), "XF: one f16 x term against affine codes");
-__device__ __forceinline__ void moe_mma_f16(float* c, const u32* a, const u32* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 // An activation chunk of 4 inputs as two pairs for the A tile: bf16 hi (+ lo), or (XF) f16 of v·2^e with e from the
 // max |v| over the chunk's group part (lp neighbouring lanes, a fixed xor tree; every lane takes part); inv = 2^-e.
 template <int LPARTS>
@@ -1034,8 +1019,7 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
       u32 q[16];
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        if (XF) q4_word_f16(wd[w], q + 4 * w);  // exact
-        else q4_word_bf16(wd[w], q + 4 * w);
+        q4_word_pairs<XF != 0>(wd[w], q + 4 * w);  // exact
       }
 #pragma unroll
       for (int v = 0; v < 4; ++v) dh[v] = make_uint4(q[4 * v], q[4 * v + 1], q[4 * v + 2], q[4 * v + 3]);
@@ -1164,11 +1148,10 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #else
             float* c = acc[m][i][j];
 #endif
-            if (XF) moe_mma_f16(c, ah[i], bh);
-            else moe_mma_bf16(c, ah[i], bh);
-            if (XS == 2) moe_mma_bf16(c, al[i], bh);
+            mma_m16n8k16<XF != 0>(c, ah[i], bh[0], bh[1]);
+            if (XS == 2) mma_m16n8k16(c, al[i], bh[0], bh[1]);
 #if MMA_WM == 2
-            moe_mma_bf16(c, ah[i], bl);
+            mma_m16n8k16(c, ah[i], bl[0], bl[1]);
 #endif
           }
         }
@@ -1396,14 +1379,12 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
       for (int j = 0; j < NTW; ++j) {
         const uint4 c = cw[j][kk >> 1];
         const u32 w0 = (kk & 1) ? c.z : c.x, w1 = (kk & 1) ? c.w : c.y;
-        const u32 bq[2] = {XF ? q4_byte_f16x2(w0, sel) : q4_byte_bf16x2(w0, sel),
-                           XF ? q4_byte_f16x2(w1, sel) : q4_byte_bf16x2(w1, sel)};
+        const u32 bq[2] = {q4_byte_pair<XF != 0>(w0, sel), q4_byte_pair<XF != 0>(w1, sel)};
 #pragma unroll
         for (int mt = 0; mt < FMT; ++mt) {
           if (mt == 1 && !second) break;
-          if (XF) moe_mma_f16(accg[mt][j], ah[mt], bq);
-          else moe_mma_bf16(accg[mt][j], ah[mt], bq);
-          if (XS == 2) moe_mma_bf16(accg[mt][j], al[mt], bq);
+          mma_m16n8k16<XF != 0>(accg[mt][j], ah[mt], bq[0], bq[1]);
+          if (XS == 2) mma_m16n8k16(accg[mt][j], al[mt], bq[0], bq[1]);
         }
       }
       const int p = (kk * 16) / GP;

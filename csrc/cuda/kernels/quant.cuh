@@ -190,19 +190,6 @@ __device__ __forceinline__ void split2_bf16(float a, float b, u32& hi, u32& lo) 
   lo = bf16x2_rn(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
 }
 
-// The 8 codes of a q4 word as 4 exact bf16 pairs (codes 2j, 2j+1 in pair j): bytes of the even and odd
-// codes, one PRMT + one LOP3 per pair giving the bf16 of 128 + q, and one exact bf16x2 fma subtracting 128.
-__device__ __forceinline__ void q4_word_bf16(u32 w, u32* out) {
-  const u32 ev = w & 0x0F0F0F0Fu, od = (w >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    u32 p;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(ev), "r"(od), "r"(u32(j | ((4 + j) << 8))));
-    p = (p & 0x00FF00FFu) | 0x43004300u;  // bf16 (128 + q_2j, 128 + q_2j+1)
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out[j]) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
-  }
-}
-
 // ---- f16 operands: x as one fp16 term with a power-of-two scale per row and group part (the prefill GEMMs' default
 // for affine weights whose codes enter the MMA exactly; the backend option prefill_x) ----
 //
@@ -229,39 +216,41 @@ __device__ __forceinline__ void f16_part_scale(float amax, float& scale, float& 
   inv = __uint_as_float(u32(E - 14) << 23);     // 2^(E - 141)
 }
 
-// The 8 codes of a q4 word as 4 exact f16 pairs (q4_word_bf16's layout): 1024 + q by the f16 exponent of 1024 (its
-// 10 mantissa bits take the byte), minus 1024 by one exact f16x2 fma.
-__device__ __forceinline__ void q4_word_f16(u32 w, u32* out) {
+// ---- 4-bit codes as exact half-precision pairs for the tensor cores: bf16, or f16 (F16) ----
+// A code byte at the low byte of each half of p: OR-ing in the exponent of 128 (bf16: 8 mantissa bits) or 1024 (f16:
+// 10) gives 128 + q or 1024 + q exactly, and one pair FMA subtracts it exactly.
+template <bool F16>
+__device__ __forceinline__ u32 q4_biased_pair(u32 p) {
+  u32 r;
+  if constexpr (F16)
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(p | 0x64006400u), "r"(0x3C003C00u), "r"(0xE400E400u));
+  else
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(p | 0x43004300u), "r"(0x3F803F80u), "r"(0xC300C300u));
+  return r;
+}
+
+// The 8 codes of a q4 word as 4 exact pairs (codes 2j, 2j+1 in pair j): bytes of the even and odd codes, one PRMT
+// per pair, then q4_biased_pair.
+template <bool F16>
+__device__ __forceinline__ void q4_word_pairs(u32 w, u32* out) {
   const u32 ev = w & 0x0F0F0F0Fu, od = (w >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     u32 p;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(ev), "r"(od), "r"(u32(j | ((4 + j) << 8))));
-    p = (p & 0x00FF00FFu) | 0x64006400u;  // f16 (1024 + q_2j, 1024 + q_2j+1)
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out[j]) : "r"(p), "r"(0x3C003C00u), "r"(0xE400E400u));
+    out[j] = q4_biased_pair<F16>(p & 0x00FF00FFu);
   }
 }
 
-// ---- 4-bit codes widened straight into tensor-core B fragments (the MoE's fragment tiles, the dense GEMM's GFRAG) ----
-// Lane (g, t4) of an m16n8k16 B fragment holds k = 2·t4, 2·t4 + 1 (and + 8) of column g: byte t4 of the column's
-// code word for those k. sel = t4 | (4 + t4) << 8: byte t4 of w and of w >> 4 land in bytes 0 and 2, the mask keeps
-// each one's low nibble (a nibble at bit 4 of a half would reach the exponent).
-
-// bf16x2 (code 2·t4, code 2·t4 + 1): 128 + q, minus 128 by one exact FMA (q4_word_bf16's numbers).
-__device__ __forceinline__ u32 q4_byte_bf16x2(u32 w, u32 sel) {
+// Codes widened straight into tensor-core B fragments (the MoE's fragment tiles, the dense GEMM's GFRAG): lane
+// (g, t4) of an m16n8k16 B fragment holds k = 2·t4, 2·t4 + 1 (and + 8) of column g, i.e. byte t4 of the column's code
+// word for those k. sel = t4 | (4 + t4) << 8: byte t4 of w and of w >> 4 land in bytes 0 and 2, the mask keeps each
+// one's low nibble (a nibble at bit 4 of a half would reach the exponent). The pair (code 2·t4, code 2·t4 + 1).
+template <bool F16>
+__device__ __forceinline__ u32 q4_byte_pair(u32 w, u32 sel) {
   u32 p;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(w), "r"(w >> 4), "r"(sel));
-  p = (p & 0x000F000Fu) | 0x43004300u;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
-  return p;
-}
-// The same pair as f16: 1024 + q, minus 1024 (q4_word_f16's numbers).
-__device__ __forceinline__ u32 q4_byte_f16x2(u32 w, u32 sel) {
-  u32 p;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(w), "r"(w >> 4), "r"(sel));
-  p = (p & 0x000F000Fu) | 0x64006400u;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(p), "r"(0x3C003C00u), "r"(0xE400E400u));
-  return p;
+  return q4_biased_pair<F16>(p & 0x000F000Fu);
 }
 
 // ---- x as three int8 terms for dp4a (the decode GEMV matmul_gemv_dp4a and the decode MoE experts) ----
