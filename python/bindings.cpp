@@ -365,6 +365,10 @@ nb::dict backend_report(Ops& ops) {
     d["prefill_chunk"] = step(k.prefill_dispatches, k.prefill_stages, k.prefill_steps);
     d["command_buffers"] = k.command_buffers;
     d["max_command_buffers_in_flight"] = k.max_in_flight;
+    nb::dict pl;
+    pl["built"] = m->metal_device().pipelines_built();
+    pl["cache_hits"] = m->metal_device().pipeline_cache_hits();
+    d["pipelines"] = pl;
   }
 #endif
   return d;

@@ -113,6 +113,7 @@ class MetalOps final : public Ops {
   };
   const Counters& counters() const { return counters_; }
   Device& metal_device() { return dev_; }
+  const Device& metal_device() const { return dev_; }
   // Which attention kernel: "auto" (attention_gqa for decode, attention_rows for prefill), or one for every call
   // (the tests compare each variant with the CPU on every shape).
   // ... or "split": the long-context form (attention_split + attention_split_reduce) for every call of up to

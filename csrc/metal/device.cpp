@@ -103,7 +103,10 @@ MTL::ComputePipelineState* Device::pipeline(const std::string& kernel,
                                             const std::vector<FunctionConstant>& constants) {
   const std::string key = pipeline_key(kernel, constants);
   auto it = pipelines_.find(key);
-  if (it != pipelines_.end()) return it->second.get();
+  if (it != pipelines_.end()) {
+    ++pipeline_cache_hits_;
+    return it->second.get();
+  }
 
   PoolScope pool;
   NS::Error* error = nullptr;
@@ -120,6 +123,7 @@ MTL::ComputePipelineState* Device::pipeline(const std::string& kernel,
                            : "Metal kernel '" + kernel + "' is not in the library");
   Ref<MTL::ComputePipelineState> state(device_->newComputePipelineState(function.get(), &error));
   if (!state) throw MetalError("building the pipeline for '" + kernel + "' failed: " + describe(error));
+  ++pipelines_built_;
   return pipelines_.emplace(key, std::move(state)).first->second.get();
 }
 

@@ -84,12 +84,18 @@ class Device {
   // The pipeline for one kernel specialised by constants; built once, then cached (the device owns it).
   MTL::ComputePipelineState* pipeline(const std::string& kernel,
                                       const std::vector<FunctionConstant>& constants = {});
+  // Pipelines built so far, and lookups the cache answered (engine.report(); the tests check a decode step builds
+  // none once warm).
+  int64_t pipelines_built() const { return pipelines_built_; }
+  int64_t pipeline_cache_hits() const { return pipeline_cache_hits_; }
 
  private:
   Ref<MTL::Device> device_;
   Ref<MTL::CommandQueue> queue_;
   Ref<MTL::Library> library_;
+  // The cache and its counts are touched only while encoding, which the owner serialises (MetalOps: the engine lock).
   std::map<std::string, Ref<MTL::ComputePipelineState>> pipelines_;
+  int64_t pipelines_built_ = 0, pipeline_cache_hits_ = 0;
 };
 
 // One argument-table entry of a dispatch: a buffer (with byte offset) or small inline bytes (setBytes).

@@ -207,8 +207,12 @@ def test_moe_tiles_fall_back_where_threadgroup_memory_is_short(program):
 def test_tiny_model_matches_cpu_backend_end_to_end(program, spec, order):
     r = run(program, ["model", "--spec", spec], {**ORDERS[order], "FAKEMETAL_LEAKS_FATAL": "1"})
     assert passed(r), r.stdout + r.stderr
-    assert re.search(r"greedy tokens: .* same", r.stdout), r.stdout
+    assert re.search(r"greedy tokens: cpu( \d+){32} \| metal( \d+){32} same", r.stdout), r.stdout
     assert re.search(r"seeded tokens: .* same", r.stdout), r.stdout
+    # Pipelines are built once and cached: once warm, decode steps build none.
+    m = re.search(r"pipelines: (\d+) built in all, the 4 steps after the restore built (\d+) and took (\d+) from the "
+                  r"cache", r.stdout)
+    assert m and int(m[1]) > 0 and int(m[2]) == 0 and int(m[3]) > 0, r.stdout
     assert "continuation identical" in r.stdout, r.stdout
     # The decode loop kept two command buffers in flight (the CPU encodes step n+1 while step n runs).
     assert "max in flight 2" in r.stdout, r.stdout
@@ -408,3 +412,33 @@ def test_lily_tiny_through_metal_matches_cpu(program, tmp_path, order):
     chunked = re.search(r"checkpoint one 64-row chunk: (\d+) chunked DeltaNet calls", r.stdout)
     assert chunked and int(chunked[1]) > 0, r.stdout
     assert re.search(r"mappings wrapped 1 \(\d+ bytes\), copied 0", r.stdout), r.stdout
+
+
+# The project's random test models (tests/conftest.py SPECS) through the same checkpoint program
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["single_fa", "multi_fa", "mlx"])
+def test_random_test_configs_through_metal_match_cpu(program, tmp_path, tiny_factory, spec):
+    # The random models every other backend is tested on, as Hugging Face bf16 checkpoints (single_fa: GQA 2 and one
+    # attention layer; multi_fa: attention in the first, middle and last layers, GQA 3, head dim 16, widths that are
+    # not multiples of 64; mlx: the widths MLX quantizes): teacher-forced top-1 agreement with the CPU backend over 64
+    # random tokens (chunks of 32, then one 64-row call in the chunked DeltaNet form) of at least 99%, logits within
+    # 1e-4 of the largest, and the same 32 greedy tokens through the decode loop (run_checkpoint).
+    import numpy as np
+    from metal_inputs import write_checkpoint_manifest
+
+    from lily.checkpoint import load_checkpoint
+
+    ck = tiny_factory(spec, "per_expert", "bfloat16")
+    out = tmp_path / spec
+    out.mkdir()
+    loaded = load_checkpoint(ck.path)
+    write_checkpoint_manifest(loaded, out)
+    loaded.close()
+    np.asarray(ck.tokens(64, seed=3), dtype=np.int32).tofile(out / "teacher.i32")
+    np.asarray(ck.tokens(16, seed=4), dtype=np.int32).tofile(out / "prompt.i32")
+    r = run(program, ["checkpoint", "--dir", out], {"FAKEMETAL_LEAKS_FATAL": "1"})
+    assert passed(r), r.stdout + r.stderr
+    assert "greedy 32 tokens: identical" in r.stdout, r.stdout
+    chunked = re.search(r"checkpoint one 64-row chunk: (\d+) chunked DeltaNet calls", r.stdout)
+    assert chunked and int(chunked[1]) > 0, r.stdout

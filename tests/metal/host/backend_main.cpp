@@ -1098,10 +1098,10 @@ int run_model(const std::string& msl, const std::string& spec) {
     Qwen36 m(cfg, probe);
     load_weights(m, src, {});
   }
-  load_weights(cpu_model, src, {src.region()});
-  load_weights(mtl_model, src, {src.region()});
+  const LoadInfo cpu_info = load_weights(cpu_model, src, {src.region()}),  // own any repacked stacks
+      mtl_info = load_weights(mtl_model, src, {src.region()});
   std::mutex cpu_lock, mtl_lock;
-  const int64_t max_ctx = 48, chunk = 5;
+  const int64_t max_ctx = 80, chunk = 5;  // 12 prompt tokens, 32 greedy steps, then snapshots, forks and sampling
   Session cs(cpu_model, cpu_lock, max_ctx, chunk), ms(mtl_model, mtl_lock, max_ctx, chunk);
   const double tol = 2e-5;
   int fails = 0;
@@ -1137,9 +1137,9 @@ int run_model(const std::string& msl, const std::string& spec) {
   };
   std::vector<int32_t> cid, mid;
   std::vector<float> cgl, mgl;
-  gen(cs, 10, cid, cgl);
-  gen(ms, 10, mid, mgl);
-  report("decode logits (10 greedy steps)", max_rel(cgl, mgl));
+  gen(cs, 32, cid, cgl);
+  gen(ms, 32, mid, mgl);
+  report("decode logits (32 greedy steps)", max_rel(cgl, mgl));
   printf("model %s greedy tokens: cpu", spec.c_str());
   for (int32_t i : cid) printf(" %d", i);
   printf(" | metal");
@@ -1157,13 +1157,19 @@ int run_model(const std::string& msl, const std::string& spec) {
         line.find("split decode attention") != std::string::npos ||
         line.find("moe_down_combine") != std::string::npos || line.find("moe_gate_up_mma") != std::string::npos)
       printf("model %s metal %s\n", spec.c_str(), line.c_str());
-  // Snapshot, run on, restore: the same continuation again, on Metal and equal to the CPU's.
+  // Snapshot, run on, restore: the same continuation again, on Metal and equal to the CPU's. The decode pipelines
+  // are all built by the second run: its steps take every one from the cache.
+  const metal::Device& dev = mtl_ops.metal_device();
   auto snap = ms.snapshot();
   std::vector<int32_t> a, b2;
   std::vector<float> al, bl;
   gen(ms, 4, a, al);
   ms.restore(*snap);
+  const int64_t built_0 = dev.pipelines_built(), hits_0 = dev.pipeline_cache_hits();
   gen(ms, 4, b2, bl);
+  printf("model %s pipelines: %lld built in all, the 4 steps after the restore built %lld and took %lld from the "
+         "cache\n", spec.c_str(), (long long)dev.pipelines_built(), (long long)(dev.pipelines_built() - built_0),
+         (long long)(dev.pipeline_cache_hits() - hits_0));
   const bool same = a == b2 && max_rel(al, bl) == 0.0;
   printf("model %s snapshot/restore: continuation %s\n", spec.c_str(), same ? "identical" : "DIFFERENT");
   fails += !same;
@@ -1396,8 +1402,10 @@ int run_checkpoint(const std::string& msl, const std::string& dir) {
   cpu::CpuOps cpu_ops(cpu::CpuOptions{2});
   metal::MetalOps mtl_ops(msl);
   Qwen36 cpu_model(cfg, cpu_ops), mtl_model(cfg, mtl_ops);
-  load_weights(cpu_model, src, src.regions());
-  load_weights(mtl_model, src, src.regions());
+  // The load infos own the expert stacks the loader repacked (per-expert checkpoints whose experts do not sit at a
+  // uniform stride): they must live as long as the models.
+  const LoadInfo cpu_info = load_weights(cpu_model, src, src.regions()),
+                 mtl_info = load_weights(mtl_model, src, src.regions());
   std::mutex l1, l2;
   const std::vector<int32_t> teacher = read_ids(dir + "/teacher.i32"), prompt = read_ids(dir + "/prompt.i32");
   const int64_t max_ctx = int64_t(teacher.size() + prompt.size() + 64), chunk = 32;
@@ -1467,7 +1475,7 @@ int run_traffic(const std::string& msl, const std::string& dir, int decode_steps
   cfg.validate();
   metal::MetalOps mtl_ops(msl);
   Qwen36 model(cfg, mtl_ops);
-  load_weights(model, src, src.regions());
+  const LoadInfo info = load_weights(model, src, src.regions());  // owns any repacked expert stacks
   std::mutex lock;
   const std::vector<int32_t> prompt = read_ids(dir + "/prompt.i32");
   const int64_t n = int64_t(prompt.size()), max_ctx = n + decode_steps + 8;
