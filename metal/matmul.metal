@@ -1,7 +1,9 @@
 // 4-bit affine matrix-vector product, the decode shape: y[rows] = W[rows, cols] · x[cols].
 // W in MLX's layout: codes uint32 [rows, cols/8] (element 8k+j in nibble j of word k, low nibble first),
 // scales and biases [rows, cols/group] in bf16 (qmv4_bf16) or f16 (qmv4_f16); value = scale · code + bias.
-// x and y are float32; x must be 16-byte aligned. The group size is function constant 0 (32, 64 or 128).
+// x and y are float32; x must be 16-byte aligned. The group size is function constant 0 (32, 64 or 128); the input
+// width is function constant 4 where the host specialises the pipeline by shape (csrc/metal/matmul.cpp does, one
+// pipeline per K: the row's word count and group count become compile-time constants), else Qmv4Shape::cols.
 // Threadgroup: 2 simdgroups of 32 lanes, 4 rows per simdgroup; lane l reads words l, l+32, ... of its rows,
 // and one simd_sum per row finishes the dot product.
 // Floor: streams rows·cols/2 bytes of codes plus rows·cols/group·2·2 bytes of scales and biases
@@ -10,6 +12,9 @@
 using namespace metal;
 
 constant uint qmv4_group [[function_constant(0)]];
+constant uint qmv4_cols_constant [[function_constant(4)]];
+// 0: not specialised, the kernels read the width from their shape argument.
+constant uint qmv4_cols_fixed = is_function_constant_defined(qmv4_cols_constant) ? qmv4_cols_constant : 0u;
 
 // Shared with csrc/metal/matmul.cpp (same field order and sizes).
 struct Qmv4Shape {
@@ -66,7 +71,8 @@ template <typename S>
                      uint lane [[thread_index_in_simdgroup]],
                      uint width [[threads_per_simdgroup]]) {
   const uint row0 = (group_id * 2 + simdgroup) * 4;  // 2 simdgroups × 4 rows
-  qmv4_rows<S>(codes, scales, biases, x, y, shape.rows, shape.cols, row0, lane, width);
+  const uint cols = qmv4_cols_fixed ? qmv4_cols_fixed : shape.cols;
+  qmv4_rows<S>(codes, scales, biases, x, y, shape.rows, cols, row0, lane, width);
 }
 
 template [[host_name("qmv4_bf16")]] [[kernel]] decltype(qmv4<bfloat>) qmv4<bfloat>;
@@ -126,7 +132,8 @@ template <typename S>
   device const S* biases = p == 0 ? biases0 : p == 1 ? biases1 : p == 2 ? biases2 : biases3;
   device float* y = p == 0 ? y0 : p == 1 ? y1 : p == 2 ? y2 : y3;
   const uint row0 = ((group_id - start) * 2 + simdgroup) * 4;  // qmv4's geometry inside product p
-  qmv4_rows<S>(codes, scales, biases, x, y, rows, shape.cols, row0, lane, width);
+  const uint cols = qmv4_cols_fixed ? qmv4_cols_fixed : shape.cols;
+  qmv4_rows<S>(codes, scales, biases, x, y, rows, cols, row0, lane, width);
 }
 
 template [[host_name("qmv4_multi_bf16")]] [[kernel]] decltype(qmv4_multi<bfloat>) qmv4_multi<bfloat>;

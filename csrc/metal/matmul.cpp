@@ -25,7 +25,8 @@ void encode_qmv4(Pass& pass, const QuantMatrix& w, Arg x, Arg y) {
   const Qmv4Shape shape{uint32_t(w.rows), uint32_t(w.cols)};
   const char* kernel = w.scale_type == QuantMatrix::ScaleType::BF16 ? "qmv4_bf16" : "qmv4_f16";
   MTL::ComputePipelineState* pipeline =
-      pass.device().pipeline(kernel, {FunctionConstant::u32(0, uint32_t(w.group))});
+      pass.device().pipeline(kernel, {FunctionConstant::u32(0, uint32_t(w.group)),  // specialised by group and K
+                                      FunctionConstant::u32(4, shape.cols)});
   const auto groups = NS::UInteger((w.rows + kRowsPerThreadgroup - 1) / kRowsPerThreadgroup);
   pass.dispatch(pipeline, {w.codes, w.scales, w.biases, x, y, Arg::value(shape)}, MTL::Size(groups, 1, 1),
                 MTL::Size(64, 1, 1));
@@ -241,7 +242,8 @@ void MetalOps::matmuls_impl(const Tensor& x, const MatmulGroup& g) {
     args.insert(args.end(), ys.begin(), ys.end());
     args.push_back(Arg::value(shape));
     dispatch(first.scale_dtype == DType::BF16 ? "qmv4_multi_bf16" : "qmv4_multi_f16",
-             {FunctionConstant::u32(0, uint32_t(first.group))}, args, MTL::Size(groups, 1, 1), MTL::Size(64, 1, 1));
+             {FunctionConstant::u32(0, uint32_t(first.group)), FunctionConstant::u32(4, uint32_t(first.cols))}, args,
+             MTL::Size(groups, 1, 1), MTL::Size(64, 1, 1));
     ++counters_.qmv4_multi_dispatches;
     counters_.matmul_grouped_products += int64_t(l.size());
   }

@@ -29,14 +29,16 @@ def libraries(emulator):
     return {name: emulator.load(METAL / f"{name}.metal") for name in ("matmul", "norm", "reduce")}
 
 
-def run_qmv4(lib, x, w, seed=0, y_extra=0):
+def run_qmv4(lib, x, w, seed=0, y_extra=0, specialise=False):
+    """specialise: the pipeline gets the input width as function constant 4 (as the backend builds it), and the shape
+    argument a wrong width (8), so a kernel that still read the argument would give other sums."""
     rows, cols = w["shape"]
     y = np.full(rows + y_extra, np.float32(-7.0), dtype=np.float32)  # sentinel: rows past the end stay untouched
     kernel = "qmv4_bf16" if w["scale_dtype"] == "bf16" else "qmv4_f16"
     out = lib.run(kernel, threadgroups=((rows + 7) // 8, 1, 1), threads=(64, 1, 1),
                   buffers={0: w["data"], 1: w["scales"], 2: w["biases"], 3: x, 4: y,
-                           5: np.array([rows, cols], dtype=np.uint32)},
-                  constants={0: w["group"]}, shuffle_seed=seed)
+                           5: np.array([rows, 8 if specialise else cols], dtype=np.uint32)},
+                  constants={0: w["group"], **({4: cols} if specialise else {})}, shuffle_seed=seed)
     return out[4]
 
 
@@ -56,6 +58,9 @@ def test_qmv4_matches_cpu_backend(libraries, rows, cols, group, scale_dtype):
     for seed in SEEDS:
         y = run_qmv4(libraries["matmul"], x, w, seed=seed, y_extra=3)
         assert np.all(y[rows:] == np.float32(-7.0)), "qmv4 wrote past the last row"
+        # Specialised by its width (function constant 4, as the backend runs it): the same bits.
+        ys = run_qmv4(libraries["matmul"], x, w, seed=seed, y_extra=3, specialise=True)
+        np.testing.assert_array_equal(ys.view(np.uint32), y.view(np.uint32))
         err = np.abs(y[:rows].astype(np.float64) - ref) / scale
         assert err.max() <= 2e-6, f"max error {err.max():.3g} of Σ|x·w| (seed {seed})"
         results.append(y)
