@@ -180,8 +180,8 @@ int64_t frag_static_smem(const WeightFormat& w, int x_terms, bool xf16, int bm) 
 // which the tiles take 64 (backend options moe_frag32_rows, moe_tile64_rows; tile64_from 0: 32 for experts without
 // fragment tiles, none for those with them).
 ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned,
-                              CudaOptions::XForm xform, bool dp4a_option, int pipe = 0, bool scales4 = false, int64_t smem_cap = 0,
-                              int frag = 0, int frag32_from = 20, int tile64_from = 0) {
+                              CudaOptions::XForm xform, bool dp4a_option, int pipe = 0, bool scales4 = false,
+                              int64_t smem_cap = 0, int frag = 0, int frag32_from = 20, int tile64_from = 0) {
   const int64_t E = gate.experts, H = gate.cols, I = gate.rows;
   const int cpv = codes_per_vector(gate);
   ExpertsVariant v;

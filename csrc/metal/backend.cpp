@@ -382,8 +382,8 @@ std::vector<std::string> MetalOps::optimizations() const {
           std::to_string(counters_.parts_copied) +
           " misaligned weight parts copied, " + std::to_string(counters_.part_copied_bytes) + " bytes)",
       "active: pipelines specialised by function constants (weight format, group size, scale and cache dtypes; the "
-      "decode GEMV qmv4 also by its input width) and cached (" + std::to_string(dev_.pipelines_built()) + " built, " + std::to_string(dev_.pipeline_cache_hits()) +
-          " dispatches served from the cache)",
+      "decode GEMV qmv4 also by its input width) and cached (" + std::to_string(dev_.pipelines_built()) + " built, " +
+          std::to_string(dev_.pipeline_cache_hits()) + " dispatches served from the cache)",
       "active: concurrent dispatch (one concurrent compute pass per step; memory barriers only where the hazard "
       "tracker starts a stage)",
       "active: asynchronous submission (fences from completed handlers; two command buffers in flight)",

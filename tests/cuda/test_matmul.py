@@ -629,8 +629,8 @@ def test_prefill_f16_small_tiles_same_bits(one_term, spec, n, k):
                                       ("q4g32-f32", 300, 1088), ("q4g128-f16", 200, 640), ("q4g64-f16", 130, 192)])
 def test_gemm_frag_same_bits(form, spec, n, k):
     """The fragment path (gemm_frag; off by default until this test and an A/B have run on a GPU) feeds the MMAs the
-    operands the converted W tile did, in the same order: the same bits at every tile height (T = 1 and 7: 16-row tiles; 64 and 130: 16, 32 or 64 rows by the grid),
-    for each activation form; the report names the path."""
+    operands the converted W tile did, in the same order: the same bits at every tile height (T = 1 and 7: 16-row
+    tiles; 64 and 130: 16, 32 or 64 rows by the grid), for each activation form; the report names the path."""
     rng = np.random.default_rng(zlib.crc32(f"frag {form} {spec} {n} {k}".encode()))
     desc, _ = make_weight(rng, spec, n, k)
     x = make_x(rng, 130, k)

@@ -60,9 +60,10 @@
 // MMAs per k16 step: x_hi·W_hi (+ x_lo·W_hi if XS 2) (+ x_hi·W_lo if WM 2). XF 1 (WM 0, XS 1): x and the codes
 // as f16 instead, x scaled by 2^e per row and group part, the group accumulator folded at every part's end as
 // acc += (s·2^-e)·D. Shared memory 61,440 bytes (fixed layout, GEMM_SMEM; matmul.cpp must match). Floor:
-// 2·T·N·K FLOP (×XS) on the tensor cores; W bytes once. Register-prefetch pipeline: block kb + 1's global loads (x, W chunks, scales) are issued into
-// registers before block kb's MMAs and converted into the shared tile after them (x split by cvt.rn.bf16x2,
-// q4 codes by PRMT + one bf16x2 FMA, quant.cuh); 2 blocks per SM (__launch_bounds__ caps registers at 128).
+// 2·T·N·K FLOP (×XS) on the tensor cores; W bytes once. Register-prefetch pipeline: block kb + 1's global loads
+// (x, W chunks, scales) are issued into registers before block kb's MMAs and converted into the shared tile after
+// them (x split by cvt.rn.bf16x2 or scaled to f16, q4 codes by PRMT + one half-pair FMA, quant.cuh); 2 blocks per SM
+// (__launch_bounds__ caps registers at 128).
 //
 // Determinism: every output's reduction order depends on K, GROUP and the format only: GEMV sums each
 // thread's chunks in ascending order, then a fixed shuffle tree and the warp partials in order; GEMM sums
