@@ -249,6 +249,12 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
                                   (follow_ok ? " or \"prefill\"" : "") + ", got " +
                                   nb::cast<std::string>(nb::repr(v)));
     };
+    // The options these replaced are refused by name rather than ignored: an old script must not silently get f16.
+    if (options.contains("prefill_x_terms") || options.contains("moe_x_terms"))
+      throw std::invalid_argument(std::string("backend option ") +
+                                  (options.contains("prefill_x_terms") ? "prefill_x_terms was replaced by prefill_x"
+                                                                       : "moe_x_terms was replaced by moe_x") +
+                                  ": \"bf16x2\" for 2 terms, \"bf16\" for 1, or \"f16\" (the default)");
     if (!opt("prefill_x").is_none()) o.prefill_x = *x_form("prefill_x", false);
     if (!opt("moe_x").is_none()) o.moe_x = x_form("moe_x", true);
     if (!opt("gemm_small_tiles").is_none()) o.gemm_small_tiles = nb::cast<bool>(opt("gemm_small_tiles"));

@@ -239,6 +239,9 @@ def test_prefill_x_options_reach_their_gemms(cache, opts, dense_want, experts_wa
     for key, bad in (("prefill_x", "f32"), ("prefill_x", 2), ("prefill_x", "prefill"), ("moe_x", "fp16")):
         with pytest.raises(ValueError, match=key):
             core.OpBench("cuda", {"dry_arch": 90, key: bad})
+    for old, new in (("prefill_x_terms", "prefill_x"), ("moe_x_terms", "moe_x")):  # the replaced options, by name
+        with pytest.raises(ValueError, match=f"{old} was replaced by {new}"):
+            core.OpBench("cuda", {"dry_arch": 90, old: 1})
 
 
 @pytest.mark.parametrize("small", [None, False])
