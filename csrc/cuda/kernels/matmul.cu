@@ -894,16 +894,11 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
     if (xmine) {  // warp-uniform (BM · 4 threads are whole warps)
       constexpr int LP = GP >= 16 ? GP / 16 : 1;  // lanes sharing one group part (WM 0)
       u32 ph[8], pl[8];
-      if (XF) {  // the part's max |x| over its LP lanes, then x · 2^e as f16 (quant.cuh f16_part_scale)
+      if (XF) {  // x · 2^e as f16, e from the part's max |x| over its LP lanes (quant.cuh)
         float am = 0.f;
 #pragma unroll
         for (int i = 0; i < 16; ++i) am = fmaxf(am, fabsf(xv[i]));
-#pragma unroll
-        for (int o = LP / 2; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-        float sc, inv;
-        f16_part_scale(am, sc, inv);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) ph[i] = f16x2_rn(xv[2 * i] * sc, xv[2 * i + 1] * sc);
+        const float inv = f16_scaled_pairs<16, LP>(xv, am, ph);
         if (xq % LP == 0) sxr[xr * 4 + xq / LP] = inv;
       } else {
 #pragma unroll
@@ -961,8 +956,8 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
         for (int p = 0; p < EPC / 2; ++p) {
           const int e0 = 2 * p, e1 = 2 * p + 1;
           constexpr int PW = 32 / (BITS ? BITS : 4);
-          const float q0 = q_code<BITS ? BITS : 4>(w[e0 / PW], e0 % PW), q1 = q_code<BITS ? BITS : 4>(w[e1 / PW], e1 % PW);
-          dh[p] = XF ? f16x2_rn(q0, q1) : bf16x2_rn(q0, q1);  // exact: q <= 255
+          dh[p] = half2_rn<XF != 0>(q_code<BITS ? BITS : 4>(w[e0 / PW], e0 % PW),
+                                    q_code<BITS ? BITS : 4>(w[e1 / PW], e1 % PW));  // exact: q <= 255
         }
       } else {
 #pragma unroll

@@ -773,13 +773,10 @@ static_assert(XF == 0 || (XS == 1 && MMA_WM == 0), "XF: one f16 x term against a
 template <int LPARTS>
 __device__ __forceinline__ void moe_a_chunk(const float4& v, u32& h0, u32& h1, u32& l0, u32& l1, float& inv) {
   if constexpr (XF) {
-    float am = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-    for (int o = LPARTS / 2; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-    float sc;
-    f16_part_scale(am, sc, inv);
-    h0 = f16x2_rn(v.x * sc, v.y * sc);
-    h1 = f16x2_rn(v.z * sc, v.w * sc);
+    const float x[4] = {v.x, v.y, v.z, v.w};
+    u32 h[2];
+    inv = f16_scaled_pairs<4, LPARTS>(x, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))), h);
+    h0 = h[0], h1 = h[1];
     l0 = l1 = 0u;
   } else {
     split2_bf16(v.x, v.y, h0, l0);
@@ -1018,20 +1015,15 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #if MMA_WM == 0 && BITS == 4
       u32 q[16];
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        q4_word_pairs<XF != 0>(wd[w], q + 4 * w);  // exact
-      }
+      for (int w = 0; w < 4; ++w) q4_word_pairs<XF != 0>(wd[w], q + 4 * w);  // exact
 #pragma unroll
       for (int v = 0; v < 4; ++v) dh[v] = make_uint4(q[4 * v], q[4 * v + 1], q[4 * v + 2], q[4 * v + 3]);
 #elif MMA_WM == 0
       u32 q[8];
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        // exact: q ≤ 255
-        q[2 * w] = XF ? f16x2_rn(q_code<8>(wd[w], 0), q_code<8>(wd[w], 1))
-                      : bf16x2_rn(q_code<8>(wd[w], 0), q_code<8>(wd[w], 1));
-        q[2 * w + 1] = XF ? f16x2_rn(q_code<8>(wd[w], 2), q_code<8>(wd[w], 3))
-                          : bf16x2_rn(q_code<8>(wd[w], 2), q_code<8>(wd[w], 3));
+        q[2 * w] = half2_rn<XF != 0>(q_code<8>(wd[w], 0), q_code<8>(wd[w], 1));  // exact: q ≤ 255
+        q[2 * w + 1] = half2_rn<XF != 0>(q_code<8>(wd[w], 2), q_code<8>(wd[w], 3));
       }
       dh[0] = make_uint4(q[0], q[1], q[2], q[3]);
       dh[1] = make_uint4(q[4], q[5], q[6], q[7]);

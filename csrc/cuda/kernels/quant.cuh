@@ -216,6 +216,26 @@ __device__ __forceinline__ void f16_part_scale(float amax, float& scale, float& 
   inv = __uint_as_float(u32(E - 14) << 23);     // 2^(E - 141)
 }
 
+// N inputs of one row (N even; the row's group part spread over LANES neighbouring lanes, every lane taking part) as
+// N / 2 f16 pairs of x · 2^e, e from the part's max |x|: this lane's max |v| (am), then a fixed xor tree over the
+// lanes. Returns 2^-e.
+template <int N, int LANES>
+__device__ __forceinline__ float f16_scaled_pairs(const float* v, float am, u32* out) {
+#pragma unroll
+  for (int o = LANES / 2; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+  float sc, inv;
+  f16_part_scale(am, sc, inv);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) out[i] = f16x2_rn(v[2 * i] * sc, v[2 * i + 1] * sc);
+  return inv;
+}
+
+// An exact small integer pair (8-bit codes) as bf16x2, or f16x2 (F16).
+template <bool F16>
+__device__ __forceinline__ u32 half2_rn(float lo, float hi) {
+  return F16 ? f16x2_rn(lo, hi) : bf16x2_rn(lo, hi);
+}
+
 // ---- 4-bit codes as exact half-precision pairs for the tensor cores: bf16, or f16 (F16) ----
 // A code byte at the low byte of each half of p: OR-ing in the exponent of 128 (bf16: 8 mantissa bits) or 1024 (f16:
 // 10) gives 128 + q or 1024 + q exactly, and one pair FMA subtracts it exactly.
