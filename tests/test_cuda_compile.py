@@ -242,6 +242,9 @@ def test_prefill_x_options_reach_their_gemms(cache, opts, dense_want, experts_wa
     for old, new in (("prefill_x_terms", "prefill_x"), ("moe_x_terms", "moe_x")):  # the replaced options, by name
         with pytest.raises(ValueError, match=f"{old} was replaced by {new}"):
             core.OpBench("cuda", {"dry_arch": 90, old: 1})
+    for unknown in ("gemm_fragg", "prefill_xx", "moe_x_form"):  # misspelt: refused, not ignored
+        with pytest.raises(ValueError, match=f"unknown backend option '{unknown}' for the cuda backend"):
+            core.OpBench("cuda", {"dry_arch": 90, unknown: True})
 
 
 @pytest.mark.parametrize("small", [None, False])

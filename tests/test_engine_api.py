@@ -177,6 +177,21 @@ def test_bad_arguments_name_the_field(eng):
         lily.Engine.from_pretrained(os.path.join("no-such-folder", "x"))
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"thread": 2}, "unknown backend option 'thread' for the cpu backend .*threads"),  # a misspelt name
+    ({"graphs": False}, "unknown backend option 'graphs' for the cpu backend"),  # another backend's option
+    ({"threads": "two"}, "wrong type"),
+])
+def test_backend_options_are_checked_by_name_and_type(options, message):
+    """A backend option the backend does not read is refused by name (a misspelt option must not leave the default
+    in place silently), as a ValueError about backend_options, not a fault of the checkpoint."""
+    with pytest.raises(ValueError, match="backend_options: .*" + message) as got:
+        lily.Engine.from_pretrained(backend="cpu", backend_options=options)
+    assert not isinstance(got.value, lily.CheckpointError)
+    with lily.Engine.from_pretrained(backend="cpu", backend_options={"threads": 1}) as e:  # a known one is taken
+        assert e.report()["threads"] == 1
+
+
 def _cli(*args, stdin=None):
     return subprocess.run([sys.executable, "-m", "lily", *args], input=stdin, capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))

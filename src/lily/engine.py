@@ -163,6 +163,10 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.tokenizer = tokenizer
         options = {"threads": threads or 0, **_debug_options(), **backend_options}
+        try:  # before any weight is touched, and not reported as the checkpoint's fault
+            _core.check_backend_options(backend, options)
+        except ValueError as exc:
+            raise ValueError(f"backend_options: {exc}") from None
         # Each mapped file is handed over whole: the backend registers it once and weights are offsets in it.
         files = [(np.frombuffer(f._mm, dtype=np.uint8), f.name) for f in checkpoint.files if f._mm is not None]
         # The head's format (lily/lm_head.py): a dense head may be quantized here; checkpoint.tensors is kept as
@@ -282,7 +286,8 @@ class Engine:
         per-token rows. Generate calls take it as their default; ``report()["mtp"]["policy"]`` says what was
         measured and decided.
 
-        ``backend_options``: backend settings. CPU: ``threads``; CUDA: ``device`` (ordinal, default 0),
+        ``backend_options``: backend settings (a name the backend does not read is refused, naming the ones it
+        does: ValueError). CPU: ``threads``; CUDA: ``device`` (ordinal, default 0),
         ``graphs`` (replay decode steps as CUDA graphs, default True), ``speculative_graphs`` (MTP iterations
         memoised and replayed as graphs too, default True), ``branches`` (independent launches
         side by side, default True), ``pdl`` (programmatic dependent launch on sm_90+: ``"off"`` / False, ``"decode"`` (decode steps only; their
