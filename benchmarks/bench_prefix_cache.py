@@ -160,6 +160,7 @@ def main() -> None:
             s = engine.session(max_context=max_ctx)
             lap("session")
             n, snap = cache.lookup(ids[:cached[-1] + 1])
+            lap("lookup")
             s.restore(snap)
             lap("restore")
             cuts = [c for c in (len(base),) if n < c < len(ids)] + [len(ids)]

@@ -237,4 +237,4 @@ def test_prefix_cache_eager_and_deferred_agree(engine, mtp):
     a, b = runs[False][1]._entries, runs[True][1]._entries
     assert a.keys() == b.keys() and len(a) >= 6
     for k in a:
-        assert_same_snapshot(b[k].snapshot, a[k].snapshot, f"entry of {len(k)} tokens")
+        assert_same_snapshot(b[k].snapshot, a[k].snapshot, f"entry of {a[k].length} tokens")

@@ -201,7 +201,7 @@ def test_checkpoint_interval(engine):
     cache = PrefixCache(engine, checkpoint_interval=16)
     s = engine.session(max_context=len(ids) + 8)
     cache.prefill(s, ids)
-    keys = sorted(len(k) for k in cache._entries)
+    keys = sorted(e.length for e in cache._entries.values())
     assert keys == list(range(16, len(ids), 16)) + [len(ids)]
     assert greedy(s, 8) == cold(engine, ids, 8)[1]
 

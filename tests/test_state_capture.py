@@ -218,9 +218,9 @@ def test_prefix_cache_takes_its_checkpoints_in_one_prefill(engine, monkeypatch):
     cache.prefill(s, ids[:20], checkpoints=[17])
     cache.prefill(s, ids[:36], checkpoints=[33])
     assert calls == [(20, [17, 20]), (16, [33, 36])]
-    assert sorted(len(k) for k in cache._entries) == [17, 20, 33, 36]
-    assert cache._entries[tuple(ids[:33])].parent is cache._entries[tuple(ids[:20])]
-    assert cache._entries[tuple(ids[:33])].snapshot.base_position == 20
+    assert sorted(e.length for e in cache._entries.values()) == [17, 20, 33, 36]
+    assert cache._entries[cache._key(ids[:33])].parent is cache._entries[cache._key(ids[:20])]
+    assert cache._entries[cache._key(ids[:33])].snapshot.base_position == 20
 
 
 # ---- kept session states (Engine(keep_sessions=N)) ----

@@ -42,6 +42,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import numpy as np
+
 from .errors import LilyError
 
 if TYPE_CHECKING:
@@ -51,19 +53,37 @@ __all__ = ["PrefixCache"]
 
 _DISK_PREFIX, _DISK_SUFFIX = "lily-prefix-", ".safetensors"
 
+# A token sequence's key: its ids as little-endian int32 bytes, 4 bytes a token. A bytes object hashes once and
+# slices by memcpy, so a lookup costs microseconds where tuples of Python ints cost ~1 ms per warm turn at 8K
+# tokens (building them and hashing each prefix tried; the cache only ever needs equality of whole prefixes).
+_TOKEN = 4
+_KEY_DTYPE = np.dtype("<i4")
+
+
+def _tokens(key: bytes) -> int:
+    return len(key) // _TOKEN
+
+
+def _key_of(arr: np.ndarray) -> bytes:
+    return arr.astype(_KEY_DTYPE, copy=False).tobytes()
+
 
 @dataclass(eq=False)
 class _Entry:
-    tokens: tuple[int, ...]
+    tokens: bytes  # the key (_key_of)
     snapshot: "Snapshot"
     nbytes: int  # what evicting it frees: its own state and the KV rows after its parent's position
     parent: "_Entry | None"
     children: int = 0  # entries built on it, and stores in progress that will be: not evicted while > 0
 
+    @property
+    def length(self) -> int:  # tokens
+        return _tokens(self.tokens)
+
 
 @dataclass(eq=False)
 class _DiskEntry:
-    tokens: tuple[int, ...]
+    tokens: bytes
     path: str
     nbytes: int
 
@@ -93,9 +113,9 @@ class PrefixCache:
         self.disk_bytes = _check_bytes(disk_bytes, "disk_bytes")
         self.checkpoint_interval = _check_bytes(checkpoint_interval, "checkpoint_interval")
         self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # least recently used first
-        self._disk: OrderedDict[tuple[int, ...], _DiskEntry] = OrderedDict()  # least recently used first
-        self._by_len: dict[int, set[tuple[int, ...]]] = {}  # length -> keys in either tier
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._disk: OrderedDict[bytes, _DiskEntry] = OrderedDict()  # least recently used first
+        self._by_len: dict[int, set[bytes]] = {}  # length in tokens -> keys in either tier
         self.bytes = 0
         self.disk_used = 0
         self.hits = 0
@@ -114,30 +134,34 @@ class PrefixCache:
                 raise ValueError(f"PrefixCache: disk_dir '{self.disk_dir}' cannot be used: {exc}") from None
             self._scan_disk()
 
-    # ---- index helpers (lock held) ----
-    def _index(self, key: tuple[int, ...]) -> None:
-        self._by_len.setdefault(len(key), set()).add(key)
+    def _key(self, ids: Sequence[int] | np.ndarray) -> bytes:
+        """The key of a token sequence, checked as a prefill checks it (ValueError naming a bad id)."""
+        return _key_of(self.engine._validate_ids(ids))
 
-    def _unindex(self, key: tuple[int, ...]) -> None:
+    # ---- index helpers (lock held) ----
+    def _index(self, key: bytes) -> None:
+        self._by_len.setdefault(_tokens(key), set()).add(key)
+
+    def _unindex(self, key: bytes) -> None:
         if key in self._entries or key in self._disk:
             return
-        keys = self._by_len.get(len(key))
+        keys = self._by_len.get(_tokens(key))
         if keys is not None:
             keys.discard(key)
             if not keys:
-                del self._by_len[len(key)]
+                del self._by_len[_tokens(key)]
 
-    def _best_locked(self, ids: tuple[int, ...], *, below: int, kv_dtype: str | None = None):
-        """The longest memory entry and the longest disk entry that are prefixes of ids shorter than below.
-        Cached lengths are tried longest first, one prefix slice and one hashed set lookup each, and the search
-        stops once both are found: a warm turn's hit is usually the first length tried, where comparing ids
-        against every key (each ~2K tokens) cost ~0.5 ms a lookup."""
+    def _best_locked(self, ids: bytes, *, below: int, kv_dtype: str | None = None):
+        """The longest memory entry and the longest disk entry that are prefixes of ids (a key) shorter than below
+        tokens. Cached lengths are tried longest first, one prefix slice and one hashed set lookup each, and the
+        search stops once both are found: a warm turn's hit is usually the first length tried, where comparing
+        ids against every key (each ~2K tokens) cost ~0.5 ms a lookup."""
         mem: _Entry | None = None
         disk: _DiskEntry | None = None
         for n in sorted(self._by_len, reverse=True):
-            if n >= min(below, len(ids) + 1):
+            if n >= min(below, _tokens(ids) + 1):
                 continue
-            key = ids[:n]
+            key = ids[:n * _TOKEN]
             if key not in self._by_len[n]:
                 continue
             e = self._entries.get(key) if mem is None else None
@@ -162,13 +186,18 @@ class PrefixCache:
         """The longest cached prefix of ``ids`` shorter than ``ids``: (its length, its snapshot), or (0, None).
         A prefix found only on disk is read back (a host snapshot); an unreadable file is dropped and the
         next best prefix is taken."""
-        n, snap, _ = self._lookup(tuple(int(t) for t in ids))
+        ids = list(ids) if not isinstance(ids, (np.ndarray, list, tuple)) else ids
+        if len(ids) == 0:
+            with self._lock:
+                self.misses += 1
+            return 0, None
+        n, snap, _ = self._lookup(self._key(ids))
         return n, snap
 
-    def _lookup(self, ids: tuple[int, ...]) -> tuple[int, "Snapshot | None", bool]:
+    def _lookup(self, ids: bytes) -> tuple[int, "Snapshot | None", bool]:
         while True:
             with self._lock:
-                mem, disk = self._best_locked(ids, below=len(ids))
+                mem, disk = self._best_locked(ids, below=_tokens(ids))
                 if disk is not None and (mem is None or len(disk.tokens) > len(mem.tokens)):
                     self._disk.move_to_end(disk.tokens)
                 else:
@@ -178,8 +207,8 @@ class PrefixCache:
                         return 0, None, False
                     self._entries.move_to_end(mem.tokens)
                     self.hits += 1
-                    self.tokens_saved += len(mem.tokens)
-                    return len(mem.tokens), mem.snapshot, False
+                    self.tokens_saved += _tokens(mem.tokens)
+                    return _tokens(mem.tokens), mem.snapshot, False
             snap = self._read_disk(disk)  # outside the lock: a file read and checksum
             with self._lock:
                 if snap is None:
@@ -191,8 +220,8 @@ class PrefixCache:
                     continue  # the next best prefix
                 self.hits += 1
                 self.disk_hits += 1
-                self.tokens_saved += len(disk.tokens)
-            return len(disk.tokens), snap, True
+                self.tokens_saved += _tokens(disk.tokens)
+            return _tokens(disk.tokens), snap, True
 
     def prefill(self, session: "Session", ids: Sequence[int], *, checkpoints: Sequence[int] = (),
                 progress: Callable[[int, int], bool | None] | None = None) -> int:
@@ -205,46 +234,47 @@ class PrefixCache:
         that reaches it, so a warm turn costs the forward of its new tokens and no more; the checkpoints' copies
         that can wait (KV rows, the end-of-prompt state) are written after the first generated token
         (``defer_checkpoints``), or first by whoever reads them. The session's previous
-        context is replaced. If ``progress`` stops the prefill early, only the checkpoints reached are stored."""
-        ids = [int(t) for t in ids]
-        cached, snap, from_disk = self._lookup(tuple(ids))
+        context is replaced. If ``progress`` stops the prefill early, only the checkpoints reached are stored.
+        Bad ids raise ValueError before the session is touched."""
+        arr = self.engine._validate_ids(ids)
+        key, n = _key_of(arr), len(arr)
+        cached, snap, from_disk = self._lookup(key)
         if snap is not None:
             session.restore(snap)
             if from_disk:  # back into memory, sharing KV rows with the longest cached prefix there
-                self.store(session, ids[:cached])
+                self._store(session, key[:cached * _TOKEN])
         else:
             session.reset()
         cuts = {int(c) for c in checkpoints}
         if self.checkpoint_interval:
-            cuts.update(range(self.checkpoint_interval, len(ids), self.checkpoint_interval))
+            cuts.update(range(self.checkpoint_interval, n, self.checkpoint_interval))
         with self._lock:
             # One prefill of the rest that also snapshots every cut on the way (Session.prefill_snapshots: no
             # extra forward per cut); cuts already cached (the same prompt again) are not taken twice.
-            at = [c for c in sorted(cuts | {len(ids)})
-                  if cached < c <= len(ids) and tuple(ids[:c]) not in self._entries]
+            at = [c for c in sorted(cuts | {n}) if cached < c <= n and key[:c * _TOKEN] not in self._entries]
             parent = None
             if at:
-                parent, _ = self._best_locked(tuple(ids[:at[0]]), below=at[0], kv_dtype=session.kv_cache_dtype)
+                parent, _ = self._best_locked(key[:at[0] * _TOKEN], below=at[0], kv_dtype=session.kv_cache_dtype)
                 if parent is not None:
                     parent.children += 1  # pinned while the snapshots are taken; then the first one's link
         try:
-            snaps = session.prefill_snapshots(ids[cached:], at, base=parent.snapshot if parent is not None else None,
+            snaps = session.prefill_snapshots(arr[cached:], at, base=parent.snapshot if parent is not None else None,
                                               progress=progress, defer=self.defer_checkpoints)
         except BaseException:
             if parent is not None:
                 with self._lock:
                     parent.children -= 1
             raise
-        self._add_chain(snaps, ids, parent)
+        self._add_chain(snaps, key, parent)
         return cached
 
-    def _add_chain(self, snaps: list["Snapshot"], ids: list[int], parent: "_Entry | None") -> None:
+    def _add_chain(self, snaps: list["Snapshot"], ids: bytes, parent: "_Entry | None") -> None:
         """Index snapshots each built on the one before (the first on ``parent``, pinned by the caller): stops at
         the first one that is already cached (a concurrent store) or larger than the budget, since the ones
         after it share its KV rows; evicts once all are in."""
         with self._lock:
             for snap in snaps:
-                key = tuple(ids[:snap.position])
+                key = ids[:snap.position * _TOKEN]
                 nbytes = int(snap.own_nbytes)
                 if key in self._entries or nbytes > self.max_bytes:
                     break
@@ -264,14 +294,23 @@ class PrefixCache:
         """Checkpoint ``session``, whose context is exactly ``tokens``, sharing KV rows with the longest
         cached checkpoint that is a prefix of it. Returns whether it was kept (not when it is already cached,
         larger than the budget, or the session's context is not ``tokens``)."""
-        key = tuple(int(t) for t in tokens)
-        if not key or session.position != len(key) or tuple(session.tokens) != key:
+        tokens = list(tokens) if not isinstance(tokens, (np.ndarray, list, tuple)) else tokens
+        if len(tokens) == 0 or session.position != len(tokens):
+            return False
+        try:
+            key = self._key(tokens)
+        except ValueError:  # an id outside the vocabulary: not the session's context
+            return False
+        return self._store(session, key)
+
+    def _store(self, session: "Session", key: bytes) -> bool:
+        if session.position != _tokens(key) or _key_of(np.asarray(session.tokens, dtype=np.int64)) != key:
             return False
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
                 return False
-            parent, _ = self._best_locked(key, below=len(key), kv_dtype=session.kv_cache_dtype)
+            parent, _ = self._best_locked(key, below=_tokens(key), kv_dtype=session.kv_cache_dtype)
             if parent is not None:
                 parent.children += 1  # pinned while the snapshot is taken; then the new entry's link
         try:
@@ -329,9 +368,9 @@ class PrefixCache:
             _remove(d.path)
 
     # ---- the disk tier ----
-    def _disk_path(self, key: tuple[int, ...]) -> str:
+    def _disk_path(self, key: bytes) -> str:
         h = hashlib.sha256(self.engine.fingerprint.encode())
-        h.update(b"".join(int(t).to_bytes(4, "little") for t in key))
+        h.update(key)  # the ids as little-endian int32, as files written before keys were bytes
         assert self.disk_dir is not None
         return os.path.join(self.disk_dir, f"{_DISK_PREFIX}{h.hexdigest()[:40]}{_DISK_SUFFIX}")
 
@@ -349,7 +388,7 @@ class PrefixCache:
             try:
                 arrays = e.snapshot._core.to_arrays()
                 write_session_file(path, arrays, fingerprint=self.engine.fingerprint,
-                                   max_context=max(1, len(e.tokens)), position=len(e.tokens),
+                                   max_context=max(1, _tokens(e.tokens)), position=_tokens(e.tokens),
                                    extra={"lily_prefix_cache": "1"})
                 nbytes = os.path.getsize(path)
             except (OSError, ValueError, LilyError):  # a full disk, an unwritable folder: not kept
@@ -381,8 +420,9 @@ class PrefixCache:
         try:
             snap, _ = read_session_file(d.path, self.engine.fingerprint)
             arrays = snap._core.to_arrays()
-            pending = [int(t) for t in arrays["pending"] if int(t) >= 0]
-            if tuple(int(t) for t in arrays["tokens"]) + tuple(pending) != d.tokens:
+            pending = np.asarray(arrays["pending"]).astype(np.int64).ravel()
+            held = np.concatenate([np.asarray(arrays["tokens"]).astype(np.int64).ravel(), pending[pending >= 0]])
+            if _key_of(held) != d.tokens:
                 raise LilyError("holds other tokens than its index entry")
             try:
                 os.utime(d.path)  # most recently used, for the order a restarted cache finds
@@ -410,15 +450,15 @@ class PrefixCache:
                     meta = dict(f.metadata)
                     if meta.get("format") != _SESSION_FORMAT or meta.get("fingerprint") != self.engine.fingerprint:
                         continue  # another model's (or another version's): left alone
-                    tokens = tuple(int(t) for t in f.array("tokens"))
-                    pending = tuple(int(t) for t in f.array("pending") if int(t) >= 0)
+                    tokens = np.asarray(f.array("tokens")).astype(np.int64).ravel()
+                    pending = np.asarray(f.array("pending")).astype(np.int64).ravel()
                 finally:
                     f.close()
                 st = os.stat(path)
             except (OSError, ValueError, KeyError, LilyError):  # unreadable: one of ours, but broken
                 _remove(path)
                 continue
-            key = tokens + pending
+            key = _key_of(np.concatenate([tokens, pending[pending >= 0]]))
             if key:
                 found.append((st.st_mtime, key, path, st.st_size))
         found.sort()
