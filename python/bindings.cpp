@@ -972,6 +972,14 @@ NB_MODULE(_core, m) {
       // The engine's MTP policy: whether sessions run the MTP block's rows (Qwen36::keep_mtp_rows).
       .def("set_keep_mtp_rows", [](PyEngine& e, bool keep) { e.model->set_keep_mtp_rows(keep); })
       .def("keep_mtp_rows", [](PyEngine& e) { return e.model->keep_mtp_rows(); })
+      // Steps submitted to the backend so far (tests count what a call costs in steps).
+      .def("steps_submitted",
+           [](PyEngine& e) {
+             return without_gil([&] {
+               std::lock_guard<std::mutex> lk(e.lock);
+               return e.ops->steps_submitted();
+             });
+           })
       .def("report",
            [](PyEngine& e) {
              nb::gil_scoped_release nogil;
@@ -1183,6 +1191,7 @@ NB_MODULE(_core, m) {
            [](PySession& s, const PySnapshot& snap) { without_gil([&] { s.s->restore(*snap.s); }); })
       .def("restore", [](PySession& s, const HostSnapshot& snap) { without_gil([&] { s.s->restore(snap); }); })
       .def("reset", [](PySession& s) { without_gil([&] { s.s->reset(); }); })
+      .def_prop_ro("restore_pending", [](PySession& s) { return without_gil([&] { return s.s->restore_pending(); }); })
       .def("decode_stats", [](PySession& s) { return stats_dict(s.s->last_decode_stats()); })
       .def("prefill_stats", [](PySession& s) { return stats_dict(s.s->last_prefill_stats()); })
       .def("generate_transfers", [](PySession& s) {

@@ -40,6 +40,7 @@ void Ops::begin(Phase phase, bool repeats) {
 uint64_t Ops::submit() {
   if (!in_step_) throw std::logic_error("submit without begin");
   in_step_ = false;
+  ++submitted_;
   return submit_impl();
 }
 

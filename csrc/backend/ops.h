@@ -206,6 +206,7 @@ class Ops {
   // (CUDA: the encode memo and graph replay); it changes no kernel choice.
   void begin(Phase phase, bool repeats = false);
   uint64_t submit();                      // hands the step to the device; returns its fence
+  int64_t steps_submitted() const { return submitted_; }  // so far (tests count a call's steps by it)
   virtual void wait(uint64_t fence) {}    // blocks until the step with this fence is done
   // Drops a step whose encoding failed half-way (an exception), so the engine stays usable.
   void abandon() {
@@ -447,6 +448,7 @@ class Ops {
   virtual void abandon_impl() {}
   uint64_t last_fence_ = 0;
   Transfers transfers_;
+  int64_t submitted_ = 0;
 
   virtual void embed_impl(const Tensor& ids, const Weight& table, const Tensor& out) = 0;
   virtual void rms_norm_impl(const Tensor& x, const Tensor& w, const Tensor& out, float eps) = 0;

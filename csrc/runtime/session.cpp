@@ -78,6 +78,17 @@ std::vector<const KvSegment*> chain(const std::shared_ptr<const KvSegment>& tail
 DeviceSnapshot::~DeviceSnapshot() {
   std::lock_guard<std::mutex> lk(lock_);
   if (deferred_ && deferred_->deferred_state_ == this) deferred_->deferred_state_ = nullptr;
+  // Sessions restored from it that have not run a forward since: their state is written now, while it exists.
+  while (!readers_.empty()) {
+    Session* r = readers_.back();
+    try {
+      r->write_restore_locked();  // unregisters r
+    } catch (const std::exception& e) {  // a failed device: that session's state cannot be written; it says so
+      r->restore_lost_ = std::string("its restore could not be written before the snapshot was dropped (") + e.what() +
+                         "); reset() or restore() it";
+      r->drop_restore_locked();
+    }
+  }
   Ops& ops = model_.ops();
   for (auto* v : {&conv_, &recurrent_})
     for (Tensor& t : *v) ops.release(t);
@@ -191,6 +202,7 @@ Session::~Session() {
     for (KvSegment* seg : deferred_kv_) seg->deferred = nullptr;
     if (deferred_state_) deferred_state_->deferred_ = nullptr;
   }
+  drop_restore_locked();
   free_spec_locked();
   model_.free_state(st_);
   model_.free_scratch(prefill_sc_);
@@ -261,9 +273,10 @@ bool Session::mtp_cache_valid() const {
   return model_.has_mtp() && mtp_valid_;
 }
 
-void Session::encode_decode(int s, bool at_zero) {
-  model_.encode_layers(st_, st_.now(), st_.other(), decode_sc_, st_.slot[s], 1, Phase::Decode);
-  if (mtp_rows_locked()) model_.encode_mtp_rows(st_, st_.now(), st_.other(), decode_sc_, st_.slot[s], 1, at_zero);
+void Session::encode_decode(int s, bool at_zero, const StepState* in) {
+  const StepState& src = in ? *in : st_.now();
+  model_.encode_layers(st_, src, st_.other(), decode_sc_, st_.slot[s], 1, Phase::Decode);
+  if (mtp_rows_locked()) model_.encode_mtp_rows(st_, src, st_.other(), decode_sc_, st_.slot[s], 1, at_zero);
   model_.encode_logits(decode_sc_, 0, 1, st_.other().logits);
 }
 
@@ -272,9 +285,11 @@ void Session::encode_decode(int s, bool at_zero) {
 void Session::decode_one_locked(int32_t token, bool was_pending) {
   ops_.upload(st_.slot[0], &token);
   Step step(ops_, Phase::Decode);
-  encode_decode(0, tokens_.empty());  // tokens_ changes only under busy_, which the caller holds
+  const StepState src = restore_source_locked();  // an owed restore: read from the snapshot in this step
+  encode_decode(0, tokens_.empty(), &src);  // tokens_ changes only under busy_, which the caller holds
   const StepStats stats = ops_.stats();
   ops_.wait(step.submit());
+  commit_restore_locked();
   std::lock_guard<std::mutex> lk(state_mu_);
   decode_stats_ = stats;
   tokens_.push_back(token);
@@ -353,12 +368,14 @@ int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* 
       StepStats stats;
       {
         Step step(ops_, Phase::Prefill);
-        model_.encode_layers(st_, st_.now(), st_.now(), sc, sc.ids, T, Phase::Prefill);
-        if (mtp_rows_locked()) model_.encode_mtp_rows(st_, st_.now(), st_.now(), sc, sc.ids, T, tokens_.empty());
+        const StepState src = restore_source_locked();  // an owed restore: the first chunk reads the snapshot
+        model_.encode_layers(st_, src, st_.now(), sc, sc.ids, T, Phase::Prefill);
+        if (mtp_rows_locked()) model_.encode_mtp_rows(st_, src, st_.now(), sc, sc.ids, T, tokens_.empty());
         stats = ops_.stats();
         // Every chunk computes its last row's logits, so a cancelled prefill still has valid ones.
         if (!all_logits) model_.encode_logits(sc, T - 1, 1, st_.now().logits);
         ops_.wait(step.submit());
+        commit_restore_locked();
       }
       for (int64_t r0 = 0; all_logits && r0 < T; r0 += sc.logit_rows) {
         const int64_t nb = std::min(sc.logit_rows, T - r0);
@@ -402,6 +419,7 @@ void Session::logits(float* out) {
   std::lock_guard<std::mutex> lk(model_lock_);
   flush_deferred_locked();
   feed_pending_locked();
+  write_restore_locked();  // the snapshot's logits, when no token was pending
   {
     std::lock_guard<std::mutex> slk(state_mu_);
     if (!has_logits_) throw std::logic_error("no logits yet: the session's context is empty");
@@ -412,6 +430,7 @@ void Session::logits(float* out) {
 // Model lock held. Feeds a pending token and returns the context a generate call continues.
 std::vector<int32_t> Session::generate_context_locked() {
   feed_pending_locked();
+  write_restore_locked();  // the sampler reads the logits, drafts the state
   std::lock_guard<std::mutex> slk(state_mu_);
   if (!has_logits_) throw std::logic_error("generate needs a prefilled context");
   return tokens_;
@@ -565,6 +584,7 @@ std::vector<float> Session::draft_logits(int32_t token, int k) {
   std::lock_guard<std::mutex> lk(model_lock_);
   flush_deferred_locked();
   feed_pending_locked();
+  write_restore_locked();
   int64_t P = 0;
   {
     std::lock_guard<std::mutex> slk(state_mu_);
@@ -955,6 +975,7 @@ std::unique_ptr<DeviceSnapshot> Session::snapshot(const DeviceSnapshot* base) {
   }
   std::lock_guard<std::mutex> lk(model_lock_);
   flush_deferred_locked();
+  write_restore_locked();
   alloc_snapshot_locked(*snap, seg.get());
   Step step(ops_, Phase::Prefill);
   if (seg) encode_kv_copy(*seg);
@@ -1051,9 +1072,10 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
       StepStats stats;
       {
         Step step(ops_, Phase::Prefill);
-        model_.encode_layers(st_, st_.now(), st_.now(), sc, sc.ids, T, Phase::Prefill, inner >= 0 ? &cap : nullptr);
+        const StepState src = restore_source_locked();  // an owed restore: the first chunk reads the snapshot
+        model_.encode_layers(st_, src, st_.now(), sc, sc.ids, T, Phase::Prefill, inner >= 0 ? &cap : nullptr);
         const bool rows = mtp_rows_locked();
-        if (rows) model_.encode_mtp_rows(st_, st_.now(), st_.now(), sc, sc.ids, T, c0 == 0);
+        if (rows) model_.encode_mtp_rows(st_, src, st_.now(), sc, sc.ids, T, c0 == 0);
         for (auto& m : made) m->mtp_valid_ = rows;  // as the session's cache after this chunk
         if (rows && inner >= 0 && made[0]->mtp_h_.valid())  // h after the inner position's last token (row inner - c0 - 1)
           ops_.copy(sc.mtp_hn.rows_view(inner - c0, 1), made[0]->mtp_h_);
@@ -1088,6 +1110,7 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
           }
         }
         ops_.wait(step.submit());
+        commit_restore_locked();
       }
       std::lock_guard<std::mutex> slk(state_mu_);
       prefill_stats_ = stats;
@@ -1193,16 +1216,35 @@ void Session::check_restorable(int64_t position, int32_t pending, const std::vec
 }
 
 void Session::restore_locked(const DeviceSnapshot& s) {
-  flush_deferred_locked();  // the restore overwrites the state and KV rows this session may still owe
+  flush_deferred_locked();  // what this session owes reads its state and KV rows, which the restore replaces
   settle_locked(s);         // and s may be owed by a session (this one or another)
+  drop_restore_locked();    // a restore not written yet is replaced whole
+  restore_lost_.clear();
+  zeroing_ = false;
+  restoring_ = &s;          // written by the next forward, or by whoever reads the state first
+  s.readers_.push_back(this);
+}
+
+StepState Session::restore_source_locked() {
+  if (!restore_lost_.empty()) throw std::runtime_error("this session's state is lost: " + restore_lost_);
+  StepState& now = st_.now();
   const ModelConfig& c = model_.config();
-  std::vector<const KvSegment*> segs = chain(s.kv_);
+  if (zeroing_) {
+    for (size_t li = 0; li < size_t(c.layers); ++li) {
+      if (c.full_attention[li]) continue;  // KV rows past the position are never read
+      ops_.fill(now.conv[li], 0);
+      ops_.fill(now.recurrent[li], 0);
+    }
+    ops_.fill(now.pos, 0);
+    return now;
+  }
+  if (!restoring_) return now;
+  const DeviceSnapshot& s = *restoring_;
   // Segments whose rows the cache already holds, bit for bit, are not copied again.
   std::vector<const KvSegment*> copy;
-  for (const KvSegment* seg : segs)
+  for (const KvSegment* seg : chain(s.kv_))
     if (!holds_locked(seg)) copy.push_back(seg);
-  Step step(ops_, Phase::Prefill);
-  size_t fi = 0, di = 0;
+  size_t fi = 0;
   for (const auto& [kc, vc] : st_.kv_caches()) {
     for (const KvSegment* seg : copy) {  // rows [seg->begin, seg->end) of each head (KvSegment::row0)
       const int64_t n = seg->end - seg->begin, r0 = seg->row0(fi, size_t(c.n_full()));
@@ -1213,18 +1255,59 @@ void Session::restore_locked(const DeviceSnapshot& s) {
     }
     ++fi;
   }
-  for (size_t li = 0; li < size_t(c.layers); ++li) {
+  ops_.fill(now.pos, double(s.position_));
+  // The forward reads the snapshot's DeltaNet state and MTP input in place of the session's; it writes its own.
+  StepState src = now;
+  for (size_t li = 0, di = 0; li < size_t(c.layers); ++li) {
     if (c.full_attention[li]) continue;
-    ops_.copy(s.conv_[di], st_.now().conv[li]);
-    ops_.copy(s.recurrent_[di], st_.now().recurrent[li]);
+    src.conv[li] = s.conv_[di];
+    src.recurrent[li] = s.recurrent_[di];
     ++di;
   }
-  ops_.copy(s.logits_, st_.now().logits);
-  if (s.mtp_h_.valid() && st_.now().mtp_h.valid()) ops_.copy(s.mtp_h_, st_.now().mtp_h);
-  ops_.fill(st_.now().pos, double(s.position_));
-  ops_.wait(step.submit());
+  if (s.mtp_h_.valid() && now.mtp_h.valid()) src.mtp_h = s.mtp_h_;
+  return src;
+}
+
+void Session::commit_restore_locked() {
+  zeroing_ = false;
+  if (!restoring_) return;
+  const DeviceSnapshot& s = *restoring_;
+  drop_restore_locked();
   kv_held_.clear();  // rows [0, position) are now the chain's (rows past it are never read before rewritten)
   for (std::shared_ptr<const KvSegment> seg = s.kv_; seg; seg = seg->parent) hold_locked(seg);
+}
+
+void Session::write_restore_locked() {
+  if (!restoring_ && !zeroing_ && restore_lost_.empty()) return;
+  const DeviceSnapshot* s = restoring_;
+  {
+    Step step(ops_, Phase::Prefill);
+    const StepState src = restore_source_locked();
+    if (s) {  // the state the forward would have read, and the logits no forward recomputed
+      const ModelConfig& c = model_.config();
+      for (size_t li = 0; li < size_t(c.layers); ++li) {
+        if (c.full_attention[li]) continue;
+        ops_.copy(src.conv[li], st_.now().conv[li]);
+        ops_.copy(src.recurrent[li], st_.now().recurrent[li]);
+      }
+      ops_.copy(s->logits_, st_.now().logits);
+      if (src.mtp_h.buf != st_.now().mtp_h.buf) ops_.copy(src.mtp_h, st_.now().mtp_h);
+    }
+    ops_.wait(step.submit());
+  }
+  commit_restore_locked();
+}
+
+void Session::drop_restore_locked() {
+  if (!restoring_) return;
+  auto& r = restoring_->readers_;
+  r.erase(std::remove(r.begin(), r.end(), this), r.end());
+  restoring_ = nullptr;
+}
+
+bool Session::restore_pending() const {
+  std::lock_guard<std::mutex> lk(model_lock_);
+  return restoring_ != nullptr || zeroing_;
 }
 
 void Session::restore(const DeviceSnapshot& s) {
@@ -1297,6 +1380,12 @@ void Session::restore(const HostSnapshot& s) {
       ops_.upload(d.mtp_h_, s.mtp_h.data());
     }
     restore_locked(d);
+    try {
+      write_restore_locked();  // the staged copy is freed when this call returns
+    } catch (...) {
+      drop_restore_locked();
+      throw;
+    }
   }
   set_context(s.tokens, s.pending, d.has_logits_, s.mtp_valid || s.position == 0);
 }
@@ -1306,15 +1395,9 @@ void Session::reset() {
   {
     std::lock_guard<std::mutex> lk(model_lock_);
     flush_deferred_locked();
-    const ModelConfig& c = model_.config();
-    Step step(ops_, Phase::Prefill);
-    for (size_t li = 0; li < size_t(c.layers); ++li) {
-      if (c.full_attention[li]) continue;  // KV rows past the position are never read
-      ops_.fill(st_.now().conv[li], 0);
-      ops_.fill(st_.now().recurrent[li], 0);
-    }
-    ops_.fill(st_.now().pos, 0);
-    ops_.wait(step.submit());
+    drop_restore_locked();
+    restore_lost_.clear();
+    zeroing_ = true;  // the zeros are written by the next forward's step (restore_source_locked)
   }
   set_context({}, -1, false, true);
 }

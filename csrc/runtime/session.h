@@ -121,6 +121,9 @@ class DeviceSnapshot {
   // The session whose state set still owes this snapshot its conv/recurrent state, logits and mtp_h (a
   // deferred end-of-prompt checkpoint), null once written. Guarded by the model lock.
   Session* deferred_ = nullptr;
+  // Sessions restored from this snapshot whose state is still read from it (Session::restore: the copies wait
+  // for the session's next forward). The destructor writes their state first. Guarded by the model lock.
+  mutable std::vector<Session*> readers_;
 };
 
 // What the last speculative generate call did (MTP drafting, verification by the model).
@@ -237,11 +240,20 @@ class Session {
   // prefix of this session's, same KV dtype), the KV rows [0, base position) are shared with it and only
   // rows [base position, position) are copied; throws std::invalid_argument (naming base) otherwise.
   std::unique_ptr<DeviceSnapshot> snapshot(const DeviceSnapshot* base = nullptr);
-  // Copies each of the snapshot's KV segments into rows [begin, end) of the cache (rows [0, position) in
-  // all), then its state. A snapshot of another engine goes through host memory.
+  // Makes the session's state the snapshot's: each of its KV segments the cache does not hold already goes into
+  // rows [begin, end) of the cache (rows [0, position) in all), and its conv/recurrent state, logits and mtp_h
+  // become the session's. Nothing is copied yet: the session's next forward (prefill, prefill_snapshots, step, a
+  // pending token fed) reads the DeltaNet state straight from the snapshot and writes its own set, and copies the
+  // KV rows in that forward's step, so a restore costs no step of its own; any other reader of the state (logits,
+  // generate, snapshot, draft_logits) writes it first, in one step, as does the snapshot's destructor when the
+  // snapshot goes first. restore_pending() says whether that is still owed. A snapshot of another engine goes
+  // through host memory (written at once).
   void restore(const DeviceSnapshot& s);
   void restore(const HostSnapshot& s);
+  // Empties the context (position 0). The zeroed state is written by the next forward's step, as a restore's.
   void reset();
+  // Whether the state of the last restore or reset is still to be written (restore()); false once written.
+  bool restore_pending() const;
 
   StepStats last_decode_stats() const;
   StepStats last_prefill_stats() const;
@@ -267,8 +279,9 @@ class Session {
   uint64_t start_sampler_locked(const SamplingParams& params, const std::vector<int32_t>& context, const Tensor& ws,
                                 const Tensor& first_id);
   void decode_one_locked(int32_t token, bool was_pending);
-  // Encodes one decode step of the token in slot[s] into the open step (at_zero: at position 0). Model lock held.
-  void encode_decode(int s, bool at_zero = false);
+  // Encodes one decode step of the token in slot[s] into the open step (at_zero: at position 0), reading the
+  // state from `in` (an owed restore's source: restore_source_locked) or st_.now(). Model lock held.
+  void encode_decode(int s, bool at_zero = false, const StepState* in = nullptr);
   // Whether this forward runs the MTP block's rows; a forward of tokens that does not invalidates the block's
   // cache (mtp_valid_). Model lock held; call once per forward, before encoding it.
   bool mtp_rows_locked();
@@ -298,6 +311,19 @@ class Session {
   std::vector<int32_t> draft_override_;  // guarded by busy_
   int64_t draft_override_start_ = 0;
   void restore_locked(const DeviceSnapshot& s);
+  // ---- the state a restore or reset left to write (restore()); all under the model lock ----
+  const DeviceSnapshot* restoring_ = nullptr;  // the state (and KV rows) are the snapshot's, not yet written
+  bool zeroing_ = false;                       // the state is zero at position 0 (reset), not yet written
+  std::string restore_lost_;  // why a restore could not be written (the snapshot's destructor failed): refused
+  // Encodes into the open step what makes the state set `now` hold the owed state (the KV rows the cache lacks and
+  // the position; a reset's zeros), and returns the set the step's forward reads: the snapshot's tensors in place
+  // of the DeltaNet state (the forward writes st_.now() or st_.other() itself), else st_.now(). Call
+  // commit_restore_locked() once the step is done. Throws restore_lost_.
+  StepState restore_source_locked();
+  void commit_restore_locked();  // the owed state is written: forgets it, holds the KV segments copied
+  // Writes the owed state into st_.now() in a step of its own (for readers other than a forward). A no-op if none.
+  void write_restore_locked();
+  void drop_restore_locked();  // a new restore or reset replaces the owed one: nothing is written
   // Throws std::invalid_argument (naming base) unless `base` can share KV rows with a snapshot of `tokens`.
   void check_base(const DeviceSnapshot& base, const std::vector<int32_t>& tokens) const;
   // Allocates snap's own tensors (conv/recurrent per DeltaNet layer, logits) and, when seg is given, seg's KV

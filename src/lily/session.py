@@ -502,6 +502,9 @@ class Session:
         return Snapshot(core, self._engine.fingerprint)
 
     def restore(self, snapshot: Snapshot) -> None:
+        """Make this session's state the snapshot's (its context at once). A device snapshot is not copied here:
+        the next forward reads its state in the same step (a warm turn pays no step for the restore), and any
+        other read of the state writes it first; the snapshot may be dropped at any time."""
         if not isinstance(snapshot, Snapshot):
             raise TypeError("restore() takes a Snapshot from Session.snapshot() or Engine.load_session()")
         if snapshot.fingerprint != self._engine.fingerprint:
