@@ -182,3 +182,18 @@ def test_a_failed_first_forward_leaves_the_restore_owed(engine, ids):
         t.prefill([engine.config.vocab_size + 5])
     assert t._core.restore_pending and t.position == 32
     np.testing.assert_array_equal(t.prefill(ids[32:40]), s.prefill(ids[32:40]))
+
+
+def test_a_closed_session_kept_for_reuse_forgets_its_unwritten_restore(ids):
+    """Engine(keep_sessions=N): closing a session whose restore no forward has written drops it, so dropping the
+    snapshot later writes nothing into the kept state (a step on whatever thread evicts the snapshot)."""
+    with lily.Engine.from_pretrained(backend="cpu", keep_sessions=2) as engine:
+        _, snap = source(engine, ids)
+        t = engine.session(max_context=128)
+        t.restore(snap)
+        t.close()
+        assert engine.kept_sessions() >= 1
+        before = steps(engine)
+        del snap
+        gc.collect()
+        assert steps(engine) == before

@@ -447,6 +447,12 @@ class Engine:
         equal live snapshots' goes first)."""
         if self.keep_sessions == 0 or self._closed:
             return
+        try:
+            # A restore the session never ran a forward on is dropped here (reset writes nothing), so the snapshot
+            # does not write into a kept state when it goes; its KV rows were not copied, so none are held.
+            core.reset()
+        except Exception:  # not reusable after all: freed with the handle
+            return
         with self._idle_lock:
             self._idle.append(core)
             kept = list(self._idle)
