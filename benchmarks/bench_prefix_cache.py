@@ -144,6 +144,10 @@ def main() -> None:
             f = new_session()
             if snap is not None:
                 f.restore(snap)
+                # A restore is written by the next forward or reader of the state: here, before the clock starts.
+                # A snapshot reads it and leaves a pending token pending (logits would feed it: the warm turn
+                # feeds it inside its clock, so must the floor).
+                f.snapshot()
             ms, f = first_token_ms(lambda: f, lambda f: f.prefill(ids[n:]))
             new[t].append(ms)
             f.close()

@@ -440,6 +440,7 @@ struct PyEngine {
   std::mutex lock;       // one backend call at a time (sessions, snapshots, report probes)
   nb::object keepalive;  // the Python objects owning the mapped weight memory
   LoadInfo info;
+  CheckpointReserve reserve;  // sessions' checkpoints captured into tensors written ahead (guarded by lock)
 
   PyEngine(const nb::dict& cfg, const nb::dict& tensors, const std::vector<std::pair<AnyArray, std::string>>& files,
            const std::string& backend, const nb::dict& options) {
@@ -454,6 +455,7 @@ struct PyEngine {
   }
 
   ~PyEngine() {
+    if (ops) reserve.release(*ops);
     model.reset();
     ops.reset();
   }
@@ -510,6 +512,12 @@ struct PyEngine {
     mtp["repacked_expert_bytes"] = info.mtp_repacked_bytes;
     mtp["format"] = W.mtp ? W.mtp->fc.describe() : std::string("none");
     r["mtp"] = mtp;
+    nb::dict cr;  // Session::prefill_snapshots: the inner checkpoint's state tensors, allocated and written ahead
+    cr["bytes"] = reserve.bytes();
+    cr["ready"] = reserve.ready;
+    cr["taken"] = reserve.taken;
+    cr["refilled"] = reserve.refilled;
+    r["checkpoint_reserve"] = cr;
     nb::dict extra = backend_report(*ops);
     if (extra.size()) r[ops->name()] = extra;
     return r;
@@ -1029,7 +1037,7 @@ NB_MODULE(_core, m) {
                throw std::invalid_argument("kv_cache_dtype must be 'f32' or 'bf16', got '" + kv_dtype + "'");
              auto s = without_gil([&] {
                return std::make_unique<Session>(*e.model, e.lock, max_context, chunk,
-                                                kv_dtype == "bf16" ? DType::BF16 : DType::F32);
+                                                kv_dtype == "bf16" ? DType::BF16 : DType::F32, &e.reserve);
              });
              new (self) PySession{std::move(s), e.model->config().vocab};
            },

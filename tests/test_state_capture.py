@@ -171,6 +171,33 @@ def test_prefill_snapshots_equal_snapshots_taken_there(engine):
         list(r.generate(8, lily.SamplingParams(), stop_token_ids=[]))
 
 
+def test_inner_checkpoints_take_the_engines_reserve_written_after_generate():
+    """A checkpoint inside a chunk is captured into the engine's CheckpointReserve (state tensors allocated and
+    written ahead, so no allocation or first-touch page fault on the path to the first token): the first one finds
+    it empty and asks for it, the generate call after it fills it, the next inner checkpoint takes it. Each such
+    snapshot equals snapshot() taken there, whichever memory it got. (Without the refill `taken` stays 0.)"""
+    with lily.Engine.from_pretrained(backend="cpu") as engine:
+        ids = engine.tokenize(TEXT)
+        assert engine.report()["checkpoint_reserve"] == {"bytes": 0, "ready": False, "taken": 0, "refilled": 0}
+        for turn, (start, at) in enumerate([(0, [10, 12]), (12, [20, 24]), (24, [33, 36])]):
+            s = engine.session(max_context=128)
+            if start:
+                s.prefill(ids[:start])
+            snaps = s.prefill_snapshots(ids[start:at[-1]], at)
+            for p, snap in zip(at, snaps):
+                assert_same_snapshot(snap, reference(engine, ids, p), f"turn {turn}, position {p}")
+            r = engine.report()["checkpoint_reserve"]
+            assert r["taken"] == turn and not r["ready"]
+            list(s.generate(2, lily.SamplingParams(), stop_token_ids=[]))
+            r = engine.report()["checkpoint_reserve"]
+            assert r["ready"] and r["refilled"] == turn + 1
+            s.close()
+        # a checkpoint's own state: conv and recurrent per DeltaNet layer (plus logits and the MTP input)
+        state = sum(a.nbytes for k, a in snaps[0]._core.to_arrays().items() if k.startswith(("conv", "recurrent")))
+        mtp_input = 4 * engine.config.hidden_size if engine.report()["mtp"]["present"] else 0
+        assert state > 0 and r["bytes"] == state + 4 * engine.config.vocab_size + mtp_input
+
+
 def test_prefill_snapshots_after_a_pending_token_and_errors(engine):
     ids = engine.tokenize(TEXT)
     s = engine.session(max_context=128, prefill_chunk=16)
@@ -276,6 +303,9 @@ class _StateWaitingForTheEngineLock:
     def held_kv_rows_of(self, snapshot_core):
         assert self._free.wait(10)
         return 0
+
+    def reset(self):  # what _keep_idle calls first (the real one only takes the engine lock for a moment)
+        pass
 
 
 @pytest.mark.parametrize("entry", ["keep", "take"])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA backend on a GPU machine in one command: build, GPU tests, compute-sanitizer, benchmark.
 #
-#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench]   (default: build tests)
+#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix]   (default: build tests)
 #
 # Builds the extension with CMake into /tmp/lily-cuda-build (no pip, no network), assembles the package in
 # /tmp/lily-cuda-pkg and runs from there. Logs and results go to $OUT (default ./cuda-out). Needs python3
@@ -45,6 +45,10 @@ fi
 if has quickbench; then
   python3 benchmarks/bench_cuda.py --cache /tmp/lily-full-q4 --prefill 512,4K --decode 256,4K --repeats 3 \
     --decode-tokens 48 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+fi
+if has prefix; then  # issue 13 item 7: warm vs new-only time to first token on lily-tiny, 8K shared prefix
+  python3 benchmarks/bench_prefix_cache.py --backend cuda --prefix-tokens 8192 --turns 10 --repeats 3 \
+    --keep-sessions 2 --json "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log"
 fi
 if has bench; then
   python3 benchmarks/bench_cuda.py --cache /tmp/lily-full-q4 --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \

@@ -432,6 +432,8 @@ std::map<std::string, size_t> CudaOps::memory_by_kind() const {
     const char* kind = l == "kv_cache"                                ? "kv_cache"
                        : l == "recurrent_state" || l == "conv_state" ? "recurrent_state"
                        : l == "workspace"                            ? "workspace"
+                       // session snapshots (prefix-cache checkpoints) and the engine's checkpoint reserve
+                       : l.rfind("snapshot_", 0) == 0 || l.rfind("checkpoint_reserve_", 0) == 0 ? "snapshots"
                        : l.rfind("layers.", 0) == 0 || l == "final_norm" ? "weights_small"
                                                                      : "activations_and_other";
     m[kind] += b.bytes;

@@ -177,10 +177,28 @@ HostSnapshot DeviceSnapshot::to_host() const {
   return h;
 }
 
+size_t CheckpointReserve::bytes() const {
+  size_t b = logits.bytes() + mtp_h.bytes();
+  for (auto* v : {&conv, &recurrent})
+    for (const Tensor& t : *v) b += t.bytes();
+  return b;
+}
+
+void CheckpointReserve::release(Ops& ops) {
+  for (auto* v : {&conv, &recurrent}) {
+    for (Tensor& t : *v) ops.release(t);
+    v->clear();
+  }
+  ops.release(logits);
+  ops.release(mtp_h);
+  ready = false;
+}
+
 // ---- session ----
 
-Session::Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int64_t chunk, DType kv_dtype)
-    : model_(model), ops_(model.ops()), model_lock_(model_lock), chunk_(chunk) {
+Session::Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int64_t chunk, DType kv_dtype,
+                 CheckpointReserve* reserve)
+    : model_(model), ops_(model.ops()), model_lock_(model_lock), reserve_(reserve), chunk_(chunk) {
   if (kv_dtype != DType::F32 && kv_dtype != DType::BF16) throw std::invalid_argument("kv_cache_dtype must be f32 or bf16");
   if (max_context <= 0) throw std::invalid_argument("max_context must be > 0");
   if (chunk <= 0) throw std::invalid_argument("prefill_chunk must be > 0");
@@ -895,7 +913,8 @@ void Session::check_base(const DeviceSnapshot& base, const std::vector<int32_t>&
                                 " tokens are not a prefix of this session's " + std::to_string(tokens.size()));
 }
 
-void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg, bool defer_state, bool defer_kv) {
+void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg, bool defer_state, bool defer_kv,
+                                    bool from_reserve) {
   const ModelConfig& c = model_.config();
   // A deferred tensor is its shape only (no buffer: bytes() is right, valid() false) until flush_deferred_locked
   // allocates it: allocations (on CUDA an alloc, a memset and a sync each) leave the first-token path too.
@@ -909,6 +928,24 @@ void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg, bool d
       seg->v.push_back(make(defer_kv, "snapshot_v", st_.kv_dtype, c.kv_heads * n, c.head_dim));
     }
   }
+  if (from_reserve && reserve_ && !defer_state) {
+    reserve_->wanted = true;
+    if (reserve_->ready) {  // the state tensors exist and are written: taken whole
+      snap.conv_ = std::move(reserve_->conv);
+      snap.recurrent_ = std::move(reserve_->recurrent);
+      snap.logits_ = reserve_->logits;
+      snap.mtp_h_ = reserve_->mtp_h;
+      reserve_->conv.clear();
+      reserve_->recurrent.clear();
+      reserve_->logits = Tensor{};
+      reserve_->mtp_h = Tensor{};
+      reserve_->ready = false;
+      ++reserve_->taken;
+      took_reserve_ = true;
+      return;
+    }
+    took_reserve_ = true;  // it was empty: this session fills it for the next checkpoint
+  }
   for (size_t li = 0; li < size_t(c.layers); ++li) {
     if (c.full_attention[li]) continue;
     const StepState& now = st_.now();
@@ -918,6 +955,35 @@ void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg, bool d
   }
   snap.logits_ = make(defer_state, "snapshot_logits", DType::F32, 1, c.vocab);
   if (model_.has_mtp()) snap.mtp_h_ = make(defer_state, "snapshot_mtp_hidden", DType::F32, 1, c.hidden);
+}
+
+void Session::refill_reserve_locked() {
+  if (!reserve_ || reserve_->ready || !reserve_->wanted) return;
+  const ModelConfig& c = model_.config();
+  CheckpointReserve& r = *reserve_;
+  try {
+    for (size_t li = 0; li < size_t(c.layers); ++li) {
+      if (c.full_attention[li]) continue;
+      const StepState& now = st_.now();
+      r.conv.push_back(ops_.alloc("checkpoint_reserve_conv", DType::F32, now.conv[li].rows, now.conv[li].cols));
+      r.recurrent.push_back(
+          ops_.alloc("checkpoint_reserve_recurrent", DType::F32, now.recurrent[li].rows, now.recurrent[li].cols));
+    }
+    r.logits = ops_.alloc("checkpoint_reserve_logits", DType::F32, 1, c.vocab);
+    if (model_.has_mtp()) r.mtp_h = ops_.alloc("checkpoint_reserve_mtp_hidden", DType::F32, 1, c.hidden);
+    // Written once, so its pages exist (the CPU backend maps large buffers lazily; a capture would fault them in).
+    Step step(ops_, Phase::Prefill);
+    for (auto* v : {&r.conv, &r.recurrent})
+      for (const Tensor& t : *v) ops_.fill(t, 0);
+    ops_.fill(r.logits, 0);
+    if (r.mtp_h.valid()) ops_.fill(r.mtp_h, 0);
+    ops_.wait(step.submit());
+  } catch (...) {
+    r.release(ops_);  // out of memory, say: the next checkpoint allocates its own, as without a reserve
+    throw;
+  }
+  r.ready = true;
+  ++r.refilled;
 }
 
 void Session::materialize_locked(Tensor& t, const char* label) {
@@ -1053,8 +1119,9 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
       Scratch& sc = prefill_sc_;
       // With defer: every segment's rows, and the end snapshot's state when this chunk ends the prefill, wait.
       const bool defer_end = defer && at_end && done + T == n;
-      for (size_t i = 0; i < made.size(); ++i)
-        alloc_snapshot_locked(*made[i], segs[i].get(), defer_end && i + 1 == made.size(), defer);
+      for (size_t i = 0; i < made.size(); ++i)  // an inner position's state goes into the engine's reserve
+        alloc_snapshot_locked(*made[i], segs[i].get(), defer_end && i + 1 == made.size(), defer,
+                              inner >= 0 && i == 0);
       ChunkCapture cap;
       if (inner >= 0) {
         cap.first = inner - c0 - 1;
@@ -1188,6 +1255,10 @@ void Session::settle_quietly() {
   try {
     std::lock_guard<std::mutex> lk(model_lock_);
     flush_deferred_locked();
+    if (took_reserve_) {  // after the last token: the next checkpoint finds its tensors written
+      took_reserve_ = false;
+      refill_reserve_locked();
+    }
   } catch (...) {  // left owed: the next call on the session, or a reader of the snapshot, retries
   }
 }

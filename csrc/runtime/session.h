@@ -126,6 +126,22 @@ class DeviceSnapshot {
   mutable std::vector<Session*> readers_;
 };
 
+// One set of a checkpoint's own state tensors (conv/recurrent per DeltaNet layer, logits, mtp_h), allocated and
+// written ahead, one per engine, so the checkpoint a prefill chunk captures (Session::prefill_snapshots' inner
+// position) writes into memory that exists already: no allocation on the path to the first token (on CUDA an
+// alloc, a memset and a sync each) and, on the CPU, no first-touch page faults (its large buffers are mapped
+// lazily). Taken by prefill_snapshots; written again by the session that took it when its generate call ends,
+// after its last token. Guarded by the model lock.
+struct CheckpointReserve {
+  std::vector<Tensor> conv, recurrent;  // per DeltaNet layer
+  Tensor logits, mtp_h;
+  bool ready = false;   // the tensors above are allocated and written
+  bool wanted = false;  // a checkpoint took it once: refill it (engines without checkpoints never hold one)
+  int64_t taken = 0, refilled = 0;
+  size_t bytes() const;
+  void release(Ops& ops);
+};
+
 // What the last speculative generate call did (MTP drafting, verification by the model).
 struct MtpStats {
   int64_t steps = 0;     // verify forwards (each feeds 1 + its drafts' rows)
@@ -153,8 +169,9 @@ struct MtpPolicy {
 class Session {
  public:
   // `lock` is shared by every session of one model: one backend call at a time per engine.
+  // `reserve`: the engine's checkpoint reserve (null: none), guarded by model_lock like the session's backend work.
   Session(Qwen36& model, std::mutex& model_lock, int64_t max_context, int64_t chunk,
-          DType kv_dtype = DType::F32);
+          DType kv_dtype = DType::F32, CheckpointReserve* reserve = nullptr);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -330,7 +347,10 @@ class Session {
   // rows [seg->begin, seg->end). Model lock held, outside a step.
   // defer_state / defer_kv: the snapshot's state / seg's rows get their shapes only (flush_deferred_locked
   // allocates them).
-  void alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg, bool defer_state = false, bool defer_kv = false);
+  // from_reserve: the state tensors come from the engine's CheckpointReserve when it is ready.
+  void alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg, bool defer_state = false, bool defer_kv = false,
+                             bool from_reserve = false);
+  void refill_reserve_locked();  // allocates and writes the reserve when a checkpoint wanted it and it is empty
   void materialize_locked(Tensor& t, const char* label);  // allocates a deferred (shape-only) tensor
   // Encodes the copies of the cache's KV rows [seg.begin, seg.end) into seg (inside a step).
   void encode_kv_copy(KvSegment& seg);
@@ -358,6 +378,9 @@ class Session {
   mutable std::mutex state_mu_;
   SessionState st_;
   Scratch prefill_sc_, decode_sc_;
+  CheckpointReserve* reserve_;  // the engine's (may be null); guarded by the model lock
+  bool took_reserve_ = false;   // a checkpoint of this session found the reserve taken or empty: it refills it when
+                                // its generate call ends (model lock)
   int64_t chunk_;
   // KV segments whose rows [begin, end) the cache holds bit for bit (it was copied from them, or they from it),
   // so a restore of a snapshot reaching them skips their copy (a session reused for the next turn of a

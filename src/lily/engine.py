@@ -604,6 +604,9 @@ class Engine:
             "mtp": dict(_mtp_report(core["mtp"], self.checkpoint.mtp_bytes), policy=self._mtp.report()),
             # Closed sessions' state kept for reuse (a warm prefix-cache turn restores into one holding its rows).
             "keep_sessions": {"max": self.keep_sessions, "kept": self.kept_sessions()},
+            # A checkpoint captured inside a prefill chunk (a prefix-cache turn's) writes into state tensors
+            # allocated and written ahead, refilled after the generation that took them (none until one is taken).
+            "checkpoint_reserve": dict(core["checkpoint_reserve"]),
             "skipped_tensors": dict(self.checkpoint.skipped),
             "tokenizer": "none" if tok is None else f"{tok.vocab_size} tokens, stop ids {tok.stop_token_ids}",
             "backends": {name: b["status"] for name, b in backends().items()},
