@@ -72,6 +72,28 @@ def test_model_compiles_dry(checkpoints, name, arch, cache):
         assert r["graphs"]["launches_per_decode_step"] > 0
 
 
+def test_a_decode_step_that_writes_a_restore_is_not_memoised(checkpoints, cache):
+    """The decode step that feeds a restored snapshot's pending token also copies the restore and reads the
+    snapshot's state (Session::restore writes nothing itself): a step that never recurs, begun with `once`, so the
+    CUDA backend neither memoises its ops nor would capture it as a graph; the next plain step is memoised as
+    always. (Without `once` the restoring step misses the encode memo once per op.)"""
+    with _dry_engine(checkpoints["mlx4"], 90, cache) as e:
+        memo = lambda: dict(e.report()["cuda"]["graphs"]["encode_memo"])  # noqa: E731
+        s = e.session(max_context=64)
+        s.prefill(list(range(20)))
+        list(s.generate(3, lily.SamplingParams(), stop_token_ids=[]))  # the last id is pending
+        snap = s.snapshot()
+        t = e.session(max_context=64)
+        t.step(5)  # t's own decode ops memoised once
+        t.restore(snap)
+        before = memo()
+        t.prefill([7, 8, 9])  # the pending token's decode step (the restore's), then a prefill chunk
+        assert memo() == before
+        t.step(4)  # a plain decode step: memoised
+        after = memo()
+        assert after["hits"] + after["misses"] > before["hits"] + before["misses"]
+
+
 def test_disk_cache_serves_a_second_load(checkpoints, tmp_path):
     """The first load compiles every module and writes the cache; the next load compiles nothing."""
     counts = []

@@ -29,10 +29,11 @@ void Ops::download(const Tensor& src, void* dst) {
   download_impl(src, dst);
 }
 
-void Ops::begin(Phase phase, bool repeats) {
+void Ops::begin(Phase phase, bool repeats, bool once) {
   if (in_step_) throw std::logic_error("begin: the previous step was not submitted");
   phase_ = phase;
   repeats_ = repeats;
+  once_ = once;
   tracker_.begin();
   in_step_ = true;
 }

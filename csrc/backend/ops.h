@@ -203,8 +203,9 @@ class Ops {
   // ---- steps ----
   // `repeats`: the step's launches recur with the same arguments, step after step (decode steps do by design;
   // a speculative iteration with the same k and state set does too), so a backend may memoise and replay them
-  // (CUDA: the encode memo and graph replay); it changes no kernel choice.
-  void begin(Phase phase, bool repeats = false);
+  // (CUDA: the encode memo and graph replay); it changes no kernel choice. `once`: this decode step will not
+  // recur (it also writes a restore's copies and reads a snapshot's state), so it is neither memoised nor replayed.
+  void begin(Phase phase, bool repeats = false, bool once = false);
   uint64_t submit();                      // hands the step to the device; returns its fence
   int64_t steps_submitted() const { return submitted_; }  // so far (tests count a call's steps by it)
   virtual void wait(uint64_t fence) {}    // blocks until the step with this fence is done
@@ -216,7 +217,7 @@ class Ops {
   bool in_step() const { return in_step_; }
   const StepStats& stats() const { return tracker_.stats(); }
   Phase phase() const { return phase_; }
-  bool repeats() const { return phase_ == Phase::Decode || repeats_; }
+  bool repeats() const { return !once_ && (phase_ == Phase::Decode || repeats_); }
 
   // Host transfers so far (the decode loop counts its own: one id read per token).
   struct Transfers {
@@ -544,6 +545,7 @@ class Ops {
   std::array<double, kOpKinds> profile_{};
   Phase phase_ = Phase::Prefill;
   bool repeats_ = false;
+  bool once_ = false;
 };
 
 }  // namespace lily

@@ -581,7 +581,7 @@ uint64_t CudaOps::submit_impl() {
   const uint64_t fence = ++last_fence_;
   steps_launches_ = int64_t(launches_.size());
   if (opt_.dry_arch) {
-    if (phase() == Phase::Decode && !launches_.empty()) {  // the host side of a step, measurable without a GPU
+    if (phase() == Phase::Decode && repeats() && !launches_.empty()) {  // a decode step's host side, without a GPU
       graph_stats_.last_decode_launches = int64_t(launches_.size());
       graph_stats_.last_decode_host_us =
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - encode_t0_).count();
@@ -674,7 +674,8 @@ uint64_t CudaOps::submit_impl() {
     } else {
       issue_staged();
       ++graph_stats_.direct_steps;
-      if (phase() == Phase::Decode) graph_stats_.last_decode_launches = int64_t(launches_.size());
+      // (not a one-off decode step that also writes a restore: the report's figure is the steady step's)
+      if (phase() == Phase::Decode && repeats()) graph_stats_.last_decode_launches = int64_t(launches_.size());
     }
     CUevent e = nullptr;
     if (!spare_events_.empty()) {

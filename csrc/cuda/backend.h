@@ -224,7 +224,7 @@ class CudaOps final : public Ops {
     int64_t speculative_replays = 0;         // speculative (MTP) iteration steps replayed as graphs
   };
   // Whether this step's launches may come from the encode memo and a graph (Ops::repeats).
-  bool replayable() const { return phase() == Phase::Decode || (repeats() && opt_.speculative_graphs); }
+  bool replayable() const { return repeats() && (phase() == Phase::Decode || opt_.speculative_graphs); }
   const GraphStats& graph_stats() const { return graph_stats_; }
   const std::map<std::string, std::string>& variants() const { return variants_; }
   // Bytes by kind: weights (registered mappings), and allocations by label prefix.

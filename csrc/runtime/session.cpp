@@ -18,7 +18,7 @@ struct BusyGuard {
 // One step being encoded: an exception before submit() drops it, so the engine stays usable.
 struct Step {
   Ops& ops;
-  Step(Ops& o, Phase phase, bool repeats = false) : ops(o) { ops.begin(phase, repeats); }
+  Step(Ops& o, Phase phase, bool repeats = false, bool once = false) : ops(o) { ops.begin(phase, repeats, once); }
   ~Step() {
     if (ops.in_step()) ops.abandon();
   }
@@ -302,7 +302,9 @@ void Session::encode_decode(int s, bool at_zero, const StepState* in) {
 // the token is the pending one (the context shows it once throughout). Model lock held.
 void Session::decode_one_locked(int32_t token, bool was_pending) {
   ops_.upload(st_.slot[0], &token);
-  Step step(ops_, Phase::Decode);
+  // With a restore owed, this step also copies it and reads the snapshot: not one to memoise or replay (CUDA would
+  // capture a graph used once).
+  Step step(ops_, Phase::Decode, false, restoring_ != nullptr || zeroing_);
   const StepState src = restore_source_locked();  // an owed restore: read from the snapshot in this step
   encode_decode(0, tokens_.empty(), &src);  // tokens_ changes only under busy_, which the caller holds
   const StepStats stats = ops_.stats();
