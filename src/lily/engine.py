@@ -609,6 +609,8 @@ class Engine:
             "checkpoint_reserve": dict(core["checkpoint_reserve"]),
             "skipped_tensors": dict(self.checkpoint.skipped),
             "tokenizer": "none" if tok is None else f"{tok.vocab_size} tokens, stop ids {tok.stop_token_ids}",
+            # Long texts starting like a recent one reuse its ids up to a shared added-token boundary.
+            "tokenizer_prefix_reuse": None if tok is None else tok._reuse.stats(),
             "backends": {name: b["status"] for name, b in backends().items()},
             "chat_template": "none" if tok is None else (
                 "ChatML fallback (checkpoint has none)" if tok.chat_template is None else "from checkpoint"),

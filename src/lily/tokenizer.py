@@ -6,8 +6,10 @@ Reads ``tokenizer.json`` with the `tokenizers` library (never transformers), plu
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -70,6 +72,109 @@ def _id_list(value: Any, path: Path, field: str) -> list[int]:
     return out
 
 
+# Texts shorter than this are encoded whole (a prefix lookup would cost more than it saves).
+_REUSE_MIN_CHARS = 2048
+_REUSE_KEEP = 8  # recent encodings kept for reuse
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the common prefix of a and b: compared in growing slices (C memcmp), then narrowed by halves."""
+    n = min(len(a), len(b))
+    i, step = 0, 4096
+    while i < n:
+        j = min(n, i + step)
+        if a[i:j] != b[i:j]:
+            while j - i > 64:
+                mid = (i + j) // 2
+                if a[i:mid] == b[i:mid]:
+                    i = mid
+                else:
+                    j = mid
+            while a[i] == b[i]:
+                i += 1
+            return i
+        i, step = j, step * 2
+    return n
+
+
+class _PrefixReuse:
+    """Encodes a text that starts like a recently encoded one by reusing that one's ids up to a shared boundary.
+
+    A chat prompt is resent whole every turn (and the server encodes it twice: with and without the generation
+    prompt), so most of it was encoded before: ~1 ms per 1K tokens on the CPU, on the path to the first token. The
+    `tokenizers` pipeline cuts the text at added tokens first and encodes the pieces between them independently
+    (normalizer, pre-tokenizer and model all act per piece), so the ids of a text cut right after an added token T
+    are the ids of the part before the cut followed by those of the part after it, provided T is matched at that
+    place in both texts: T is neither stripped nor normalized, and no other added token could take its characters
+    (none contains T, none ends with a proper prefix of T). Such boundaries are found from the text (each T's end)
+    and checked against the ids (the k-th T in the text is the k-th T id; otherwise the text gets none).
+    Thread-safe: one lock for the list of recent encodings; encoding runs outside it."""
+
+    def __init__(self, tok: tokenizers.Tokenizer):
+        added = tok.get_added_tokens_decoder()
+        contents = [t.content for t in added.values()]
+
+        def overlaps(t: str, u: str) -> bool:  # could u, matched first, take some of t's characters?
+            return t in u or any(u.endswith(t[:k]) for k in range(1, len(t)))
+
+        self.bounds = {t.content: i for i, t in added.items()
+                       if t.special and not t.normalized and not t.lstrip and not t.rstrip and not t.single_word
+                       and t.content and not any(overlaps(t.content, u) for u in contents if u != t.content)}
+        self._id_set = frozenset(self.bounds.values())
+        self._lock = threading.Lock()
+        self._recent: list[tuple[str, list[int], list[int], list[int]]] = []  # text, ids, ends, counts; newest last
+        self.encodes = 0   # texts encoded through here
+        self.reused = 0    # of them, those that reused a recent encoding
+        self.reused_ids = 0
+
+    def _boundaries(self, text: str, ids: list[int], base_chars: int = 0, base_ids: int = 0):
+        """(char ends, id counts) after each boundary token of text, shifted by the bases; empty if the text's
+        boundary tokens and its ids do not line up."""
+        found = []
+        for t in self.bounds:
+            at = text.find(t)
+            while at >= 0:
+                found.append((at + len(t), self.bounds[t]))
+                at = text.find(t, at + len(t))
+        found.sort()
+        arr = np.asarray(ids, dtype=np.int64)
+        where = np.flatnonzero(np.isin(arr, list(self._id_set))) if self._id_set else np.zeros(0, dtype=np.int64)
+        if len(where) != len(found) or any(int(arr[w]) != i for w, (_, i) in zip(where, found)):
+            return [], []
+        return [base_chars + e for e, _ in found], [base_ids + int(w) + 1 for w in where]
+
+    def encode(self, tok: tokenizers.Tokenizer, text: str) -> list[int]:
+        with self._lock:
+            recent = list(self._recent)
+        best_end, best_count, best_ids, best_j, best_entry = 0, 0, None, -1, None
+        for entry in recent:
+            old, ids, ends, counts = entry
+            j = bisect.bisect_right(ends, _common_prefix(text, old)) - 1  # the last boundary both texts share
+            if j >= 0 and ends[j] > best_end:
+                best_end, best_count, best_ids, best_j, best_entry = ends[j], counts[j], ids, j, entry
+        if best_ids is None:
+            ids = tok.encode(text, add_special_tokens=False).ids
+            ends, counts = self._boundaries(text, ids)
+        else:
+            tail = tok.encode(text[best_end:], add_special_tokens=False).ids
+            ids = best_ids[:best_count] + tail
+            more_ends, more_counts = self._boundaries(text[best_end:], tail, best_end, best_count)
+            ends = best_entry[2][:best_j + 1] + more_ends  # (a tail whose boundaries do not line up adds none)
+            counts = best_entry[3][:best_j + 1] + more_counts
+        with self._lock:
+            self.encodes += 1
+            if best_ids is not None:
+                self.reused += 1
+                self.reused_ids += best_count
+            self._recent = [r for r in self._recent if r[0] != text][-(_REUSE_KEEP - 1):] + [(text, ids, ends, counts)]
+        return list(ids)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"boundary_tokens": sorted(self.bounds), "encodes": self.encodes, "reused": self.reused,
+                    "reused_ids": self.reused_ids}
+
+
 class Tokenizer:
     """A byte-level BPE (or any `tokenizers`-supported) tokenizer plus the checkpoint's special-token metadata."""
 
@@ -89,6 +194,8 @@ class Tokenizer:
         source: str | None = None,
     ):
         self._tok = tok
+        # Long texts that start like a recent one reuse its ids (chat prompts resent every turn): see _PrefixReuse.
+        self._reuse = _PrefixReuse(tok)
         self.source = source
         self.chat_template = chat_template
         # Named templates (old list-style tokenizer_config "chat_template"); "default" mirrors chat_template.
@@ -245,7 +352,10 @@ class Tokenizer:
         """Token ids for `text`. Special-token strings inside `text` (e.g. <|im_start|>) map to their ids."""
         if not isinstance(text, str):
             raise TypeError(f"encode() expects str, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if not add_special_tokens and len(text) >= _REUSE_MIN_CHARS and self._reuse.bounds:
+            ids = self._reuse.encode(self._tok, text)
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id] + ids
