@@ -45,8 +45,11 @@ KINDS: dict[str, dict] = {
         # The session, checkpoint, sampler and thread-pool tests, the device-step model (deferred executor,
         # sampler oracle, the speculative decode step) and the reliability cases; the parity tests against
         # transformers run through the same forward as test_session's reference comparisons.
+        # A restore's state read from the snapshot until the next forward, written by the snapshot's destructor
+        # when it goes first; the checkpoint reserve's tensors handed to snapshots (use after free would show).
         "tests": ["test_session.py", "test_checkpoint.py", "test_cpu_runtime.py", "test_device_step.py",
-                  "test_reliability.py", "test_engine_api.py", "test_kv_bf16.py", "test_parity_transformers.py"],
+                  "test_reliability.py", "test_engine_api.py", "test_kv_bf16.py", "test_parity_transformers.py",
+                  "test_restore_on_first_forward.py", "test_state_capture.py"],
         # The deferred, shuffled, strict_alloc re-run of the engine tests, in this process instead of through
         # test_whole_suite_passes_deferred's subprocess (which would run the parity tests a second time).
         "deferred": ["test_session.py", "test_device_step.py", "test_reliability.py", "test_engine_api.py"],
