@@ -86,13 +86,19 @@ def test_deferred_tensors_are_allocated_when_written(engine, ids):
     s = engine.session(max_context=128, prefill_chunk=8)
     (base,) = s.prefill_snapshots(ids[:8], [8], defer=False)  # also sizes the session's prefill scratch
     b0 = buffers()
+    reserve = engine.report()["checkpoint_reserve"]  # ready once an earlier generate refilled it
     snaps = s.prefill_snapshots(ids[8:30], [17, 30], base=base)
     own = [x.own_nbytes for x in snaps]
-    # inside the prefill: only the inner snapshot's state (the capture writes it there); tokens are host-side
-    assert buffers() - b0 == own[0] - 4 * 17 - 9 * per_token
+    # inside the prefill: only the inner snapshot's state (the capture writes it there, into the engine's
+    # checkpoint reserve when that was ready: allocated before); tokens are host-side
+    inner_state = own[0] - 4 * 17 - 9 * per_token
+    before = reserve["bytes"] if reserve["ready"] else 0
+    assert before in (0, inner_state)
+    assert buffers() - b0 == inner_state - before
+    assert engine.report()["checkpoint_reserve"]["taken"] == reserve["taken"] + bool(before)
     s.reset()  # writes what it owes first
     assert s.deferred_checkpoints == 0
-    assert buffers() - b0 == own[0] + own[1] - 4 * (17 + 30)
+    assert buffers() - b0 == own[0] + own[1] - 4 * (17 + 30) - before
     assert [x.own_nbytes for x in snaps] == own
 
 
