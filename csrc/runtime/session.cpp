@@ -336,12 +336,12 @@ void Session::feed_pending_locked() {
 
 bool Session::holds_locked(const KvSegment* seg) const {
   for (const HeldSegment& h : kv_held_)
-    if (h.seg.lock().get() == seg) return true;  // alive, so no other segment has its address
+    if (h.raw == seg && !h.seg.expired()) return true;  // alive, so no other segment has its address
   return false;
 }
 
 void Session::hold_locked(const std::shared_ptr<const KvSegment>& seg) {
-  if (seg && !holds_locked(seg.get())) kv_held_.push_back({seg, seg->end});
+  if (seg && !holds_locked(seg.get())) kv_held_.push_back({seg, seg.get(), seg->begin, seg->end});
 }
 
 int64_t Session::held_kv_rows() const {
@@ -349,7 +349,7 @@ int64_t Session::held_kv_rows() const {
   // The longest run from row 0: segments chain from begin 0 upwards.
   std::vector<std::pair<int64_t, int64_t>> spans;
   for (const HeldSegment& h : kv_held_)
-    if (auto s = h.seg.lock()) spans.emplace_back(s->begin, s->end);
+    if (!h.seg.expired()) spans.emplace_back(h.begin, h.end);  // never lock(): see HeldSegment
   std::sort(spans.begin(), spans.end());
   int64_t rows = 0;
   for (const auto& [b, e] : spans)

@@ -386,9 +386,15 @@ class Session {
   // so a restore of a snapshot reaching them skips their copy (a session reused for the next turn of a
   // conversation copies only the rows it lacks). Guarded by the model lock; rows from a session's position on
   // are dropped before any forward writes there (feed_pending_locked).
+  // The weak_ptr is never locked here: all of this runs under the model lock, and if the shared_ptr a lock()
+  // made were the segment's last owner (its snapshots dropped meanwhile on another thread), the segment's
+  // destructor would take the model lock on this thread: a deadlock (seen in the server tests' teardown).
+  // While the lock is held no segment can be freed (its destructor waits for the lock), so an entry that has not
+  // expired is alive at `raw`, with the rows it was held with.
   struct HeldSegment {
     std::weak_ptr<const KvSegment> seg;
-    int64_t end;
+    const KvSegment* raw;
+    int64_t begin, end;
   };
   std::vector<HeldSegment> kv_held_;
   bool holds_locked(const KvSegment* seg) const;
