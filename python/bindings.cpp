@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 #include <stdexcept>
 #include <optional>
@@ -207,33 +208,6 @@ E mode_option(const char* key, const nb::object& v, std::initializer_list<std::p
   throw std::invalid_argument(std::string("backend option ") + key + " must be " + accepted + " or a bool, got " + got);
 }
 
-// The options each backend reads. Every backend also gets the engine's own (threads, and LILY_DEBUG's switches),
-// which only the CPU backend uses. Anything else is refused by name: a misspelt option must not silently leave
-// the default in place (an A/B run would compare the default with itself).
-const std::vector<std::string>& backend_option_names(const std::string& backend) {
-  static const std::vector<std::string> cpu = {"threads", "deferred", "shuffle_seed", "strict_alloc"};
-  static const std::vector<std::string> cuda = {
-      "threads", "deferred", "shuffle_seed", "strict_alloc", "device", "graphs", "speculative_graphs", "branches",
-      "pdl", "encode_memo", "gemv_async", "gemv_dp4a", "fused_norm", "fused_delta", "prefill_x", "moe_x",
-      "gemm_small_tiles", "gemm_frag", "moe_pipe", "moe_frag", "moe_frag32_rows", "moe_tile64_rows",
-      "attn_prefill_keys", "delta_chunk_rows", "cache_dir", "dry_arch"};
-  return backend == "cuda" ? cuda : cpu;  // Metal reads none of its own
-}
-
-void check_option_names(const std::string& backend, const nb::dict& options) {
-  const std::vector<std::string>& known = backend_option_names(backend);
-  for (auto [k, v] : options) {
-    const std::string key = nb::isinstance<nb::str>(k) ? nb::cast<std::string>(k) : nb::cast<std::string>(nb::repr(k));
-    if (std::find(known.begin(), known.end(), key) != known.end()) continue;
-    std::vector<std::string> sorted = known;
-    std::sort(sorted.begin(), sorted.end());
-    std::string names;
-    for (const std::string& n : sorted) names += (names.empty() ? "" : ", ") + n;
-    throw std::invalid_argument("unknown backend option '" + key + "' for the " + backend + " backend (it takes: " +
-                                names + ")");
-  }
-}
-
 // The backend `name` with `options`; with build false, only checks them (every refusal raised as when building,
 // nullptr returned): the engine checks its options before it maps a checkpoint.
 std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& options, bool build = true) {
@@ -244,14 +218,30 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     throw std::invalid_argument("unknown backend '" + name + "' (known: " + names + ")");
   }
   nb::dict b = nb::cast<nb::dict>(all[name.c_str()]);
-  auto opt = [&](const char* k) { return options.contains(k) ? options[k] : nb::none(); };
+  // Every option a backend reads goes through opt(); a key it never asked for is refused by name before the backend
+  // is built (a misspelt option must not silently leave the default in place: an A/B would compare the default with
+  // itself). The engine passes its own (threads, LILY_CPU_DEBUG's switches) to every backend; only the CPU reads them.
+  std::set<std::string> known = {"threads", "deferred", "shuffle_seed", "strict_alloc"};
+  auto opt = [&](const char* k) {
+    known.insert(k);
+    return options.contains(k) ? options[k] : nb::none();
+  };
+  auto refuse_unknown = [&] {
+    for (auto [k, v] : options) {
+      const std::string key = nb::isinstance<nb::str>(k) ? nb::cast<std::string>(k) : nb::cast<std::string>(nb::repr(k));
+      if (known.count(key)) continue;
+      std::string names;
+      for (const std::string& n : known) names += (names.empty() ? "" : ", ") + n;  // sorted: a std::set
+      throw std::invalid_argument("unknown backend option '" + key + "' for the " + name + " backend (it takes: " +
+                                  names + ")");
+    }
+  };
   // The options the CUDA prefill_x replaced are refused with what replaced them, before the generic check.
   if (name == "cuda" && (options.contains("prefill_x_terms") || options.contains("moe_x_terms")))
     throw std::invalid_argument(std::string("backend option ") +
                                 (options.contains("prefill_x_terms") ? "prefill_x_terms was replaced by prefill_x"
                                                                      : "moe_x_terms was replaced by moe_x") +
                                 ": \"bf16x2\" for 2 terms, \"bf16\" for 1, or \"f16\" (the default)");
-  check_option_names(name, options);
 #ifdef LILY_WITH_CUDA
   if (name == "cuda") {
     cuda::CudaOptions o;
@@ -317,6 +307,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (o.dry_arch == 0 && !nb::cast<bool>(b["usable"]))
       throw std::invalid_argument("backend 'cuda' is " + nb::cast<std::string>(b["status"]));
     if (o.dry_arch != 0 && o.dry_arch < 80) throw std::invalid_argument("dry_arch must be 80 or newer");
+    refuse_unknown();
     if (!build) return nullptr;
     nb::gil_scoped_release nogil;  // the driver's initialisation can take a while
     return std::make_unique<cuda::CudaOps>(o);
@@ -326,6 +317,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     throw std::invalid_argument("backend '" + name + "' is " + nb::cast<std::string>(b["status"]));
 #ifdef LILY_WITH_METAL
   if (name == "metal") {
+    refuse_unknown();
     if (!build) return nullptr;
     nb::gil_scoped_release nogil;  // compiling the kernel library takes a moment
     return std::make_unique<metal::MetalOps>(metal::msl_source());
@@ -336,6 +328,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
   if (!opt("deferred").is_none()) o.deferred = nb::cast<bool>(opt("deferred"));
   if (!opt("shuffle_seed").is_none()) o.shuffle_seed = nb::cast<uint64_t>(opt("shuffle_seed"));
   if (!opt("strict_alloc").is_none()) o.strict_alloc = nb::cast<bool>(opt("strict_alloc"));
+  refuse_unknown();
   if (!build) return nullptr;
   return std::make_unique<cpu::CpuOps>(o);
 }

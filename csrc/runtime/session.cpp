@@ -305,7 +305,7 @@ void Session::decode_one_locked(int32_t token, bool was_pending) {
   // With a restore owed, this step also copies it and reads the snapshot: not one to memoise or replay (CUDA would
   // capture a graph used once).
   Step step(ops_, Phase::Decode, false, restoring_ != nullptr || zeroing_);
-  const StepState src = restore_source_locked();  // an owed restore: read from the snapshot in this step
+  const StepState& src = restore_source_locked();  // an owed restore: read from the snapshot in this step
   encode_decode(0, tokens_.empty(), &src);  // tokens_ changes only under busy_, which the caller holds
   const StepStats stats = ops_.stats();
   ops_.wait(step.submit());
@@ -388,7 +388,7 @@ int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* 
       StepStats stats;
       {
         Step step(ops_, Phase::Prefill);
-        const StepState src = restore_source_locked();  // an owed restore: the first chunk reads the snapshot
+        const StepState& src = restore_source_locked();  // an owed restore: the first chunk reads the snapshot
         model_.encode_layers(st_, src, st_.now(), sc, sc.ids, T, Phase::Prefill);
         if (mtp_rows_locked()) model_.encode_mtp_rows(st_, src, st_.now(), sc, sc.ids, T, tokens_.empty());
         stats = ops_.stats();
@@ -931,7 +931,6 @@ void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg, bool d
     }
   }
   if (from_reserve && reserve_ && !defer_state) {
-    reserve_->wanted = true;
     if (reserve_->ready) {  // the state tensors exist and are written: taken whole
       snap.conv_ = std::move(reserve_->conv);
       snap.recurrent_ = std::move(reserve_->recurrent);
@@ -960,7 +959,7 @@ void Session::alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg, bool d
 }
 
 void Session::refill_reserve_locked() {
-  if (!reserve_ || reserve_->ready || !reserve_->wanted) return;
+  if (!reserve_ || reserve_->ready) return;
   const ModelConfig& c = model_.config();
   CheckpointReserve& r = *reserve_;
   try {
@@ -1141,7 +1140,7 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
       StepStats stats;
       {
         Step step(ops_, Phase::Prefill);
-        const StepState src = restore_source_locked();  // an owed restore: the first chunk reads the snapshot
+        const StepState& src = restore_source_locked();  // an owed restore: the first chunk reads the snapshot
         model_.encode_layers(st_, src, st_.now(), sc, sc.ids, T, Phase::Prefill, inner >= 0 ? &cap : nullptr);
         const bool rows = mtp_rows_locked();
         if (rows) model_.encode_mtp_rows(st_, src, st_.now(), sc, sc.ids, T, c0 == 0);
@@ -1298,7 +1297,7 @@ void Session::restore_locked(const DeviceSnapshot& s) {
   s.readers_.push_back(this);
 }
 
-StepState Session::restore_source_locked() {
+const StepState& Session::restore_source_locked() {
   if (!restore_lost_.empty()) throw std::runtime_error("this session's state is lost: " + restore_lost_);
   StepState& now = st_.now();
   const ModelConfig& c = model_.config();
@@ -1330,7 +1329,8 @@ StepState Session::restore_source_locked() {
   }
   ops_.fill(now.pos, double(s.position_));
   // The forward reads the snapshot's DeltaNet state and MTP input in place of the session's; it writes its own.
-  StepState src = now;
+  StepState& src = restore_src_;
+  src = now;
   for (size_t li = 0, di = 0; li < size_t(c.layers); ++li) {
     if (c.full_attention[li]) continue;
     src.conv[li] = s.conv_[di];
@@ -1355,7 +1355,7 @@ void Session::write_restore_locked() {
   const DeviceSnapshot* s = restoring_;
   {
     Step step(ops_, Phase::Prefill);
-    const StepState src = restore_source_locked();
+    const StepState& src = restore_source_locked();
     if (s) {  // the state the forward would have read, and the logits no forward recomputed
       const ModelConfig& c = model_.config();
       for (size_t li = 0; li < size_t(c.layers); ++li) {

@@ -136,7 +136,6 @@ struct CheckpointReserve {
   std::vector<Tensor> conv, recurrent;  // per DeltaNet layer
   Tensor logits, mtp_h;
   bool ready = false;   // the tensors above are allocated and written
-  bool wanted = false;  // a checkpoint took it once: refill it (engines without checkpoints never hold one)
   int64_t taken = 0, refilled = 0;
   size_t bytes() const;
   void release(Ops& ops);
@@ -335,8 +334,10 @@ class Session {
   // Encodes into the open step what makes the state set `now` hold the owed state (the KV rows the cache lacks and
   // the position; a reset's zeros), and returns the set the step's forward reads: the snapshot's tensors in place
   // of the DeltaNet state (the forward writes st_.now() or st_.other() itself), else st_.now(). Call
-  // commit_restore_locked() once the step is done. Throws restore_lost_.
-  StepState restore_source_locked();
+  // commit_restore_locked() once the step is done. Throws restore_lost_. The set returned stays valid until then
+  // (the snapshot's view lives in restore_src_): with nothing owed, no copy of a set is made.
+  const StepState& restore_source_locked();
+  StepState restore_src_;
   void commit_restore_locked();  // the owed state is written: forgets it, holds the KV segments copied
   // Writes the owed state into st_.now() in a step of its own (for readers other than a forward). A no-op if none.
   void write_restore_locked();
@@ -350,7 +351,9 @@ class Session {
   // from_reserve: the state tensors come from the engine's CheckpointReserve when it is ready.
   void alloc_snapshot_locked(DeviceSnapshot& snap, KvSegment* seg, bool defer_state = false, bool defer_kv = false,
                              bool from_reserve = false);
-  void refill_reserve_locked();  // allocates and writes the reserve when a checkpoint wanted it and it is empty
+  // Allocates and writes the reserve when it is empty (called by a session whose checkpoint found it taken or empty,
+  // so engines without such checkpoints never hold one).
+  void refill_reserve_locked();
   void materialize_locked(Tensor& t, const char* label);  // allocates a deferred (shape-only) tensor
   // Encodes the copies of the cache's KV rows [seg.begin, seg.end) into seg (inside a step).
   void encode_kv_copy(KvSegment& seg);

@@ -12,13 +12,11 @@ import pytest
 
 import lily
 from snapshot_util import assert_same_snapshot
+from test_restore_on_first_forward import GREEDY, TEXT  # the CPU twin's prompt
 
 from cuda_util import rel_err, requires_cuda
 
 pytestmark = requires_cuda
-
-TEXT = "def main():\n    args = parse()\n    run(args)\n    return 0\n" * 4
-GREEDY = lily.SamplingParams()
 
 
 @pytest.fixture(scope="module")
