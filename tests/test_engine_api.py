@@ -177,6 +177,34 @@ def test_bad_arguments_name_the_field(eng):
         lily.Engine.from_pretrained(os.path.join("no-such-folder", "x"))
 
 
+def test_token_ids_fast_path_agrees_with_numpy(eng):
+    """Lists and tuples of ints take one C++ pass (lily._core.token_ids); whatever it declines goes through numpy,
+    so every input gives the array, or the error naming the bad id, that numpy's path gives."""
+    vocab = eng.config.vocab_size
+    rng = np.random.default_rng(7)
+    ids = [int(x) for x in rng.integers(0, vocab, 1000)]
+    for seq in (ids, tuple(ids), [0], [vocab - 1]):
+        fast = eng._validate_ids(seq)
+        assert fast.dtype == np.int32 and fast.flags.c_contiguous
+        np.testing.assert_array_equal(fast, np.asarray(seq, dtype=np.int64))
+    assert lily._core.token_ids(ids, vocab) is not None  # the fast path really ran for a plain list
+    # Items it declines (not exact ints, out of range, past a C long) still convert or fail as numpy says.
+    np.testing.assert_array_equal(eng._validate_ids([np.int64(5), 6]), [5, 6])
+    np.testing.assert_array_equal(eng._validate_ids([True, 3]), [1, 3])
+    for bad, message in (([1, vocab], f"token id {vocab} at position 1 is outside"),
+                         ([4, 5, -1], "token id -1 at position 2 is outside"),
+                         ([1, 2**70], "outside|integers|int"), ([1.0, 2.0], "must be integers"),
+                         ([], "non-empty"), ((), "non-empty")):
+        assert lily._core.token_ids(bad, vocab) is None
+        with pytest.raises((ValueError, OverflowError), match=message):
+            eng._validate_ids(bad)
+    s = eng.session()
+    with pytest.raises(ValueError, match=f"token id {vocab} at position 2"):
+        s.prefill([1, 2, vocab])
+    s.prefill(ids[:40])  # still usable, and fed what the fast path read
+    assert s.tokens == ids[:40]
+
+
 @pytest.mark.parametrize("options, message", [
     ({"thread": 2}, "unknown backend option 'thread' for the cpu backend .*threads"),  # a misspelt name
     ({"graphs": False}, "unknown backend option 'graphs' for the cpu backend"),  # another backend's option

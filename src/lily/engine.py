@@ -353,7 +353,13 @@ class Engine:
         return list(self.tokenizer.stop_token_ids) if self.tokenizer is not None else []
 
     def _validate_ids(self, ids) -> np.ndarray:
-        if not isinstance(ids, (np.ndarray, list, tuple)):
+        if isinstance(ids, (list, tuple)):
+            # One C++ pass for the common case; None (an item not an int in range) leaves it to the path below,
+            # which names the bad id.
+            fast = _core.token_ids(ids, self.config.vocab_size)
+            if fast is not None:
+                return fast
+        elif not isinstance(ids, np.ndarray):
             ids = list(ids)  # any iterable of ints (a generator, a range, a deque)
         arr = np.asarray(ids)
         if arr.ndim != 1 or arr.size == 0:
