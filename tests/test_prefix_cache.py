@@ -161,6 +161,30 @@ def test_longest_prefix_and_lookup(engine):
     assert not PrefixCache(engine, max_bytes=10).store(t, t.tokens)  # larger than the whole budget
 
 
+def test_lookup_tells_apart_prefixes_of_one_length_and_one_ending(engine):
+    """The index finds a prefix by its length and last tokens, then compares it whole: two cached sequences of
+    the same length ending in the same tokens are told apart by their first token."""
+    rng = np.random.default_rng(3)
+    tail = [int(x) for x in rng.integers(1, engine.config.vocab_size, 20)]
+    a, b = [5] + tail, [6] + tail
+    cache = PrefixCache(engine, max_bytes=64 << 20)
+    for ids in (a, b):
+        s = engine.session(max_context=64)
+        s.prefill(ids)
+        assert cache.store(s, ids)
+        s.close()
+    for ids in (a, b):
+        n, snap = cache.lookup(ids + [7, 8])
+        t = engine.session(max_context=64)
+        t.restore(snap)
+        assert n == len(ids) and t.tokens == ids
+        t.close()
+    assert cache.lookup([4] + tail + [7])[0] == 0  # same ending, other start: no prefix of it is cached
+    assert cache.lookup(a[:-1] + [a[-1] + 1, 7])[0] == 0
+    n, _ = cache.lookup(b + [9])
+    assert n == len(b)
+
+
 def test_budget_evicts_least_recently_used_leaves_only(engine):
     ids = engine.tokenize(TEXT)
     other = engine.tokenize("class Point:\n    x: int\n")

@@ -68,6 +68,14 @@ def _key_of(arr: np.ndarray) -> bytes:
     return arr.astype(_KEY_DTYPE, copy=False).tobytes()
 
 
+_TAIL = 8  # tokens of a prefix's end that index it (PrefixCache._by_len)
+
+
+def _tail(key: bytes, n: int) -> bytes:
+    """The last (up to) _TAIL tokens of key's first n tokens."""
+    return key[max(0, n - _TAIL) * _TOKEN:n * _TOKEN]
+
+
 @dataclass(eq=False)
 class _Entry:
     tokens: bytes  # the key (_key_of)
@@ -115,7 +123,8 @@ class PrefixCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._disk: OrderedDict[bytes, _DiskEntry] = OrderedDict()  # least recently used first
-        self._by_len: dict[int, set[bytes]] = {}  # length in tokens -> keys in either tier
+        # length in tokens -> the keys of that length in either tier, by their last _TAIL tokens (_tail)
+        self._by_len: dict[int, dict[bytes, set[bytes]]] = {}
         self.bytes = 0
         self.disk_used = 0
         self.hits = 0
@@ -140,29 +149,41 @@ class PrefixCache:
 
     # ---- index helpers (lock held) ----
     def _index(self, key: bytes) -> None:
-        self._by_len.setdefault(_tokens(key), set()).add(key)
+        n = _tokens(key)
+        self._by_len.setdefault(n, {}).setdefault(_tail(key, n), set()).add(key)
 
     def _unindex(self, key: bytes) -> None:
         if key in self._entries or key in self._disk:
             return
-        keys = self._by_len.get(_tokens(key))
+        n = _tokens(key)
+        tails = self._by_len.get(n)
+        keys = tails.get(_tail(key, n)) if tails is not None else None
         if keys is not None:
             keys.discard(key)
             if not keys:
-                del self._by_len[_tokens(key)]
+                del tails[_tail(key, n)]
+                if not tails:
+                    del self._by_len[n]
+
+    def _find_locked(self, ids: bytes, n: int) -> bytes | None:
+        """The indexed key (either tier) equal to ids' first n tokens, or None; no copy of the prefix is made."""
+        tails = self._by_len.get(n)
+        keys = tails.get(_tail(ids, n)) if tails is not None else None
+        return next((k for k in keys if ids.startswith(k)), None) if keys else None
 
     def _best_locked(self, ids: bytes, *, below: int, kv_dtype: str | None = None):
         """The longest memory entry and the longest disk entry that are prefixes of ids (a key) shorter than below
-        tokens. Cached lengths are tried longest first, one prefix slice and one hashed set lookup each, and the
-        search stops once both are found: a warm turn's hit is usually the first length tried, where comparing
-        ids against every key (each ~2K tokens) cost ~0.5 ms a lookup."""
+        tokens. Cached lengths are tried longest first, each by the ids' last tokens before that length (a short
+        slice hashed) and then a whole-prefix comparison (memcmp) of the few keys that end so; the search stops once
+        both are found. A warm turn's hit is usually among the first lengths tried; slicing and hashing the whole
+        prefix per length tried cost ~8 us per 8K tokens, comparing ids with every key ~0.5 ms a lookup."""
         mem: _Entry | None = None
         disk: _DiskEntry | None = None
         for n in sorted(self._by_len, reverse=True):
             if n >= min(below, _tokens(ids) + 1):
                 continue
-            key = ids[:n * _TOKEN]
-            if key not in self._by_len[n]:
+            key = self._find_locked(ids, n)
+            if key is None:
                 continue
             e = self._entries.get(key) if mem is None else None
             if e is not None and (kv_dtype is None or e.snapshot._core.kv_dtype == kv_dtype):
@@ -251,10 +272,10 @@ class PrefixCache:
         with self._lock:
             # One prefill of the rest that also snapshots every cut on the way (Session.prefill_snapshots: no
             # extra forward per cut); cuts already cached (the same prompt again) are not taken twice.
-            at = [c for c in sorted(cuts | {n}) if cached < c <= n and key[:c * _TOKEN] not in self._entries]
+            at = [c for c in sorted(cuts | {n}) if cached < c <= n and self._find_locked(key, c) not in self._entries]
             parent = None
             if at:
-                parent, _ = self._best_locked(key[:at[0] * _TOKEN], below=at[0], kv_dtype=session.kv_cache_dtype)
+                parent, _ = self._best_locked(key, below=at[0], kv_dtype=session.kv_cache_dtype)
                 if parent is not None:
                     parent.children += 1  # pinned while the snapshots are taken; then the first one's link
         try:
