@@ -20,7 +20,7 @@ the same checkpoints would hold as independent copies.
 
     python benchmarks/bench_prefix_cache.py [--model lily-tiny | PATH | REPO]
         [--prefix-tokens 2048] [--turns 10] [--reply-tokens 16] [--repeats 3] [--threads N] [--backend B]
-        [--keep-sessions N] [--eager-checkpoints] [--json out.json]
+        [--keep-sessions N] [--eager-checkpoints] [--backend-options JSON] [--json out.json]
 
 The step-by-step line times the last warm turn's steps one by one; "deferred copies" is what the checkpoints
 left for after the first token (written when the generation ends), off the first-token path.
@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--backend", default="auto", help="auto, cpu, cuda or metal")
+    ap.add_argument("--backend-options", default="{}", help="the backend's options as JSON, e.g. for an A/B")
     ap.add_argument("--keep-sessions", type=int, default=0,
                     help="Engine(keep_sessions=N): closed sessions' state kept for the next session of the same shape")
     ap.add_argument("--eager-checkpoints", action="store_true",
@@ -95,7 +96,8 @@ def main() -> None:
 
     # A checkpoint with a tokenizer and chat template (lily.synthetic's random checkpoints have neither).
     engine = lily.Engine.from_pretrained(args.model, threads=args.threads, backend=args.backend,
-                                         keep_sessions=args.keep_sessions)
+                                         keep_sessions=args.keep_sessions,
+                                         backend_options=json.loads(args.backend_options))
     rep = engine.report()
     system = system_prompt(engine, args.prefix_tokens)
 
