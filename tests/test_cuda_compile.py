@@ -134,7 +134,7 @@ def test_full_model_shapes_compile_dry(arch, cache):
     c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
                                           source="FULL_CONFIG").to_core()
     H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
-    bench = core.OpBench("cuda", {"dry_arch": arch, "cache_dir": cache, "fused_delta": True})
+    bench = core.OpBench("cuda", {"dry_arch": arch, "cache_dir": cache, "fused_delta": True, "attn_prefill_split": True})
 
     class Dry:  # outputs need no poison: nothing runs
         def __getattr__(self, name):
@@ -190,6 +190,8 @@ def test_full_model_shapes_compile_dry(arch, cache):
             b.run("kv_append", phase, k=kr, v=b.empty(T, kvh * hd), pos=pos, k_cache=kc, v_cache=vc, max_ctx=131072, **shape)
             b.run("attention", phase, q=q, gate=gate, k_cache=kc, v_cache=vc, pos=pos, max_ctx=131072, ws=ws,
                   out=b.empty(T, qh * hd), **shape)
+            if T == 7:  # few rows over a long cache: the split-KV prefill and its reduce (PF_SPLIT)
+                assert "split-KV for 7 rows" in b.report()["variants"].get("attention.prefill_split", ""), kv
         dshape = dict(k_heads=c["lin_k_heads"], v_heads=c["lin_v_heads"], k_dim=c["lin_k_dim"], v_dim=c["lin_v_dim"],
                       conv_kernel=c["conv_kernel"], eps=1e-6)
         C = 2 * c["lin_k_heads"] * c["lin_k_dim"] + c["lin_v_heads"] * c["lin_v_dim"]
@@ -504,7 +506,7 @@ def test_attn_prefill_keys_option_compiles_and_reports(cache, keys):
     b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **({} if keys is None else {"attn_prefill_keys": keys})})
     shape = dict(heads=c["heads"], kv_heads=c["kv_heads"], head_dim=c["head_dim"], rotary_dim=c["rotary_dim"],
                  rope_theta=c["rope_theta"], eps=1e-6)
-    hd, qh, kvh, T = c["head_dim"], c["heads"], c["kv_heads"], 64
+    hd, qh, kvh, T = c["head_dim"], c["heads"], c["kv_heads"], 96  # past the split-KV prefill's 64 rows
     kc, vc = b.empty(kvh * 4096, hd, "bf16", poison=False), b.empty(kvh * 4096, hd, "bf16", poison=False)
     b.run("attention", "prefill", q=b.empty(T, qh * hd, poison=False), gate=b.empty(T, qh * hd, poison=False),
           k_cache=kc, v_cache=vc, pos=b.empty(1, 1, "i32", poison=False), max_ctx=4096,

@@ -14,6 +14,9 @@
 //   on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulation) with q and p split into two bf16 halves so
 //   the result stays within ~1e-5 of fp32. f32 caches (or LILY_CUDA_ATTENTION_PREFILL=fp32): the fp32
 //   flash kernel (K/V tiles staged in shared memory by cp.async, shared by 8 tokens × G heads).
+//   Either one, for at most 64 rows whose grid leaves SMs idle (a warm turn's new tokens, an MTP verify over a long
+//   context): the key range is split over the grid's z (PF_SPLIT, ns ranges, each >= 64 keys of max_ctx, the
+//   partials in ws) and attn_prefill_reduce merges them; attn_prefill_split=False turns it off.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -31,6 +34,10 @@ constexpr int64_t kMinChunk = 64;   // MIN_CHUNK in attention.cu
 constexpr int64_t kSplitCap = 256;  // most splits per kv head
 constexpr int kDecodeWarps = 4;     // DEC_NW
 constexpr int kPrefillTokens = 8;   // PF_QT
+// Split prefill (PF_SPLIT): rows × splits the workspace holds partials for (T ≤ 64 rows get splits when their grid
+// leaves SMs idle; at T = 16 on 132 SMs, 22 splits).
+constexpr int64_t kSplitRowsMax = 64;
+constexpr int64_t kSplitPartials = 1024;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -59,7 +66,19 @@ size_t attention_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t max
   (void)rows;  // prefill needs no scratch; decode partials depend on max_ctx only
   if (c.kv_heads <= 0 || c.heads <= 0) return 0;
   const int64_t G = c.heads / c.kv_heads, D = c.head_dim;
-  return size_t(c.kv_heads) * size_t(split_room(max_ctx)) * size_t(G) * size_t(D + 2) * sizeof(float);
+  const size_t decode = size_t(c.kv_heads) * size_t(split_room(max_ctx)) * size_t(G) * size_t(D + 2) * sizeof(float);
+  // A split prefill's partials: at most kSplitPartials (token, split) pairs per head.
+  const size_t prefill = size_t(kSplitPartials) * size_t(c.heads) * size_t(D + 2) * sizeof(float);
+  return std::max(decode, prefill);
+}
+
+// Splits of the key range for a prefill of T rows whose grid has `blocks` blocks (0: none). Few rows over a long
+// context leave most SMs idle without them (6 blocks for 16 tokens at G = 8 on 2 kv heads); each split is at least
+// 64 keys of max_ctx, and the partials fit the workspace.
+int64_t prefill_splits(int64_t T, int64_t blocks, int64_t max_ctx, int64_t sms, bool enabled) {
+  if (!enabled || T > kSplitRowsMax || blocks >= sms) return 0;
+  const int64_t ns = std::min({ceil_div(sms, blocks), split_room(max_ctx), kSplitPartials / T});
+  return ns >= 2 ? ns : 0;
 }
 
 void CudaOps::attn_qk_prep_impl(const Tensor& qg, const Tensor& k, const Tensor& q_norm, const Tensor& k_norm,
@@ -155,33 +174,54 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
   const bool want_fp32 = force && std::string(force) == "fp32";
   const int keys = options().attn_prefill_keys;
   const int mm_smem = int((2 * 64 + 4 * keys) * (D * 2 + 16));
-  if (code == 2 && 64 % G == 0 && !want_fp32 && mm_smem <= info().max_smem_optin) {
-    Defines mm_defs = defs;
-    mm_defs.push_back({"MM_BN", keys});
-    const Kernel& mm = kernel("attention", "attn_prefill_mma", mm_defs);
+  const bool mma = code == 2 && 64 % G == 0 && !want_fp32 && mm_smem <= info().max_smem_optin;
+  const int64_t tokens_per_block = mma ? 64 / G : kPrefillTokens;
+  const int64_t blocks = ceil_div(T, tokens_per_block) * s.kv_heads;
+  const int64_t ns = prefill_splits(T, blocks, max_ctx, std::max(1, info().sms), options().attn_prefill_split);
+  Defines kdefs = defs;
+  if (mma) kdefs.push_back({"MM_BN", keys});
+  if (ns) kdefs.push_back({"PF_SPLIT", 1});
+  const size_t part_o = size_t(T) * size_t(s.heads) * size_t(ns) * size_t(D);
+  if (ns && ws.bytes() < (part_o + size_t(T) * size_t(s.heads) * size_t(ns) * 2) * sizeof(float))
+    throw std::logic_error("cuda attention: workspace of " + std::to_string(ws.bytes()) +
+                           " bytes is short of a split prefill's partials");
+  const CUdeviceptr po = ns ? ptr(ws) : CUdeviceptr(0), pml = ns ? po + part_o * sizeof(float) : CUdeviceptr(0);
+  const Dim3 grid{unsigned(ceil_div(T, tokens_per_block)), unsigned(s.kv_heads), unsigned(ns ? ns : 1)};
+  std::string form;
+  if (mma) {
+    const Kernel& mm = kernel("attention", "attn_prefill_mma", kdefs);
     if (mm_smem > 48 * 1024) set_dynamic_smem(mm, mm_smem);
-    const int64_t qt = 64 / G;
-    launch(mm, Dim3{unsigned(ceil_div(T, qt)), unsigned(s.kv_heads), 1}, Dim3{128, 1, 1}, uint32_t(mm_smem), ptr(q),
-           int64_t(q.stride), ptr(gate), int64_t(gate.stride), ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx),
-           int(T), scale, ptr(out), int64_t(out.stride));
-    note_variant("attention.prefill", "mma.sync bf16 flash: 64 query rows (" + std::to_string(qt) + " tokens × " +
-                                          std::to_string(G) + " heads) per block of 4 warps, K/V tiles of " +
-                                          std::to_string(keys) + " rows via cp.async (2 stages, " +
-                                          std::to_string(mm_smem) + " bytes of shared memory), q and p as bf16 " +
-                                          "hi + lo, fp32 softmax");
-    return;
+    launch(mm, grid, Dim3{128, 1, 1}, uint32_t(mm_smem), ptr(q), int64_t(q.stride), ptr(gate), int64_t(gate.stride),
+           ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx), int(T), scale, ptr(out), int64_t(out.stride),
+           int(ns ? ns : 1), po, pml);
+    form = "mma.sync bf16 flash: 64 query rows (" + std::to_string(64 / G) + " tokens × " + std::to_string(G) +
+           " heads) per block of 4 warps, K/V tiles of " + std::to_string(keys) + " rows via cp.async (2 stages, " +
+           std::to_string(mm_smem) + " bytes of shared memory), q and p as bf16 hi + lo, fp32 softmax";
+  } else {
+    const int64_t es = code == 2 ? 2 : 4;
+    const int64_t rows = std::min<int64_t>(64, 16384 / (D * es)) / 4 * 4;  // PF_R (a multiple of PF_U)
+    const int smem = int(2 * 2 * rows * D * es);                             // two stages of K and V tiles
+    const Kernel& pf = kernel("attention", "attn_prefill", kdefs);
+    if (smem > 48 * 1024) set_dynamic_smem(pf, smem);
+    launch(pf, grid, Dim3{32 * kPrefillTokens, 1, 1}, uint32_t(smem), ptr(q), int64_t(q.stride), ptr(gate),
+           int64_t(gate.stride), ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx), int(T), scale, ptr(out),
+           int64_t(out.stride), int(ns ? ns : 1), po, pml);
+    form = "flash fp32: 8 tokens × G heads per block, K/V tiles of " + std::to_string(rows) +
+           " rows via cp.async (2 stages), online softmax" +
+           (want_fp32 ? std::string(" (forced by LILY_CUDA_ATTENTION_PREFILL)") : std::string());
   }
-  const int64_t es = code == 2 ? 2 : 4;
-  const int64_t rows = std::min<int64_t>(64, 16384 / (D * es)) / 4 * 4;  // PF_R (a multiple of PF_U)
-  const int smem = int(2 * 2 * rows * D * es);                             // two stages of K and V tiles
-  const Kernel& pf = kernel("attention", "attn_prefill", defs);
-  if (smem > 48 * 1024) set_dynamic_smem(pf, smem);
-  launch(pf, Dim3{unsigned(ceil_div(T, kPrefillTokens)), unsigned(s.kv_heads), 1}, Dim3{32 * kPrefillTokens, 1, 1},
-         uint32_t(smem), ptr(q), int64_t(q.stride), ptr(gate), int64_t(gate.stride), ptr(k_cache), ptr(v_cache),
-         ptr(pos), int64_t(max_ctx), int(T), scale, ptr(out), int64_t(out.stride));
-  note_variant("attention.prefill", "flash fp32: 8 tokens × G heads per block, K/V tiles of " + std::to_string(rows) +
-                                        " rows via cp.async (2 stages), online softmax" +
-                                        (want_fp32 ? " (forced by LILY_CUDA_ATTENTION_PREFILL)" : ""));
+  if (ns) {
+    const Kernel& reduce = kernel("attention", "attn_prefill_reduce", kdefs);
+    const int tile = mma ? keys : int(std::min<int64_t>(64, 16384 / (D * (code == 2 ? 2 : 4))) / 4 * 4);  // MM_BN / PF_R
+    launch(reduce, Dim3{unsigned(T), unsigned(s.heads), 1}, Dim3{128, 1, 1}, uint32_t(ns * sizeof(float)), po, pml,
+           ptr(pos), int(T), int(ns), tile, ptr(gate), int64_t(gate.stride), ptr(out), int64_t(out.stride));
+    note_variant("attention.prefill_split",
+                 form + "; split-KV for " + std::to_string(T) + " rows: " + std::to_string(ns) +
+                     " key ranges per block row (up to " + std::to_string(kSplitRowsMax) +
+                     " rows when the grid leaves SMs idle), then attn_prefill_reduce");
+  } else {
+    note_variant("attention.prefill", form);
+  }
 }
 
 }  // namespace lily::cuda

@@ -926,6 +926,11 @@ std::vector<std::string> CudaOps::optimizations() const {
                              : "not active: prefill GEMM fragment widening (gemm_frag=False: the same bits, measured 2% "
                                "slower at 4K and 16K on the H200): the 4-bit codes are converted into a shared weight "
                                "tile");
+  o.push_back(opt_.attn_prefill_split
+                  ? "split-KV prefill attention for few rows: up to 64 query rows whose grid leaves SMs idle read the "
+                    "keys in ranges over more blocks, merged by attn_prefill_reduce (attention.prefill_split says when)"
+                  : "not active: split-KV prefill attention (attn_prefill_split=False): a warm turn's few new tokens "
+                    "read the whole context in a handful of blocks");
   o.push_back("host reads of the sampled id on a separate copy stream: reading id k does not wait for step k + 1");
   o.push_back(opt_.branches ? "graph branches: the launches of one hazard stage run side by side (up to 4 streams "
                               "forked and joined per stage)"

@@ -103,6 +103,10 @@ struct CudaOptions {
   // Prefill attention on tensor cores (bf16 caches): keys per K/V tile, 16 or 32. Shared memory per block is 101 KB or
   // 135 KB at head dim 256: two blocks per SM or one. benchmarks/NOTES.md.
   int attn_prefill_keys = 16;
+  // Prefill attention for at most 64 rows whose grid leaves SMs idle (a warm turn's new tokens or an MTP verify after
+  // a long context): the key range split over more blocks and the partials merged (kernels/attention.cu PF_SPLIT).
+  // False: one block per query tile reads every key (A/B). benchmarks/NOTES.md.
+  bool attn_prefill_split = true;
   // Prefill DeltaNet: calls of at least this many rows without a state capture take the chunked (WY / UT-transform)
   // form (kernels/gated_delta.cu gated_delta_chunk_prep / _scan: 64-token chunks, three small products per chunk
   // instead of 64 dependent token steps); shorter calls, captures (the prefix cache's checkpoint inside a chunk, MTP

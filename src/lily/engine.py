@@ -317,6 +317,8 @@ class Engine:
         T·k/E: from the first the fragment tiles take 32 rows, default 20; from the second the tiles take 64, default
         0 = by format: from 32 for experts without fragment tiles, never for 4-bit ones; the same bits at any height),
         ``attn_prefill_keys`` (prefill attention on tensor cores: K/V tiles of 16 or 32 keys; default 16),
+        ``attn_prefill_split`` (prefill attention for at most 64 rows whose grid leaves SMs idle, e.g. a warm turn's
+        new tokens after a long context: the keys split over more blocks, the partials merged; default True),
         ``delta_chunk_rows`` (prefill DeltaNet calls of at least this many rows without a state capture take the
         chunked (WY) form, 64-token chunks; shorter ones and 0 the sequential scan; default 64),
         ``cache_dir`` (compiled kernels;

@@ -297,10 +297,42 @@ def test_attention_layer_chunked(benches, cache_dtype):
     assert np.array_equal(gvc, cvc, equal_nan=True)
     assert _rel(g12, c12) < tol_o
     assert _rel(g3, c3) < tol_o
-    # unchunked prefill of the same T1 + T2 tokens on the GPU
+    # Unchunked prefill of the same T1 + T2 tokens on the GPU: within the tolerance (the 33-row chunk reads its keys
+    # in split ranges, the whole prefill in one pass per block: another summation order) ...
     whole = layer(gb, gk, gv, gb.workspace(_config(s), T1 + T2, max_ctx), 0, T1 + T2, "prefill")
-    assert np.array_equal(whole, g12)
-    assert "attention.decode" in str(gb.report()) and "attention.prefill" in str(gb.report())
+    assert _rel(whole, g12) < tol_o
+    assert "attention.decode" in str(gb.report()) and "attention.prefill_split" in str(gb.report())
+    # ... and bitwise without the split (a token's result depends only on its position).
+    nb = core.OpBench("cuda", {"attn_prefill_split": False})
+    kc, vc = nb.tensor(nan, dtype=cache_dtype), nb.tensor(nan, dtype=cache_dtype)
+    ws = nb.workspace(_config(s), T1 + T2, max_ctx)
+    chunked = np.concatenate([layer(nb, kc, vc, ws, 0, T1, "prefill"), layer(nb, kc, vc, ws, T1, T2, "prefill")])
+    assert np.array_equal(layer(nb, kc, vc, ws, 0, T1 + T2, "prefill"), chunked)
+    assert "attention.prefill_split" not in str(nb.report())
+
+
+@pytest.mark.parametrize("s", [REAL] + AWKWARD, ids=["real"] + AWKWARD_IDS)
+@pytest.mark.parametrize("cache_dtype", ["f32", "bf16"])
+def test_attention_prefill_split(s, cache_dtype):
+    """Few rows after a long context read the keys in split ranges (PF_SPLIT) merged by attn_prefill_reduce: within
+    the tolerance of the CPU and of the unsplit kernel, at the split limit (64 rows), with most splits past the live
+    length (a short context in a large cache), a 1-row prefill, and a long chunk (65 rows: no split)."""
+    rng = np.random.default_rng(13)
+    split = core.OpBench("cpu"), core.OpBench("cuda")
+    whole = split[0], core.OpBench("cuda", {"attn_prefill_split": False})
+    for T, pos0, max_ctx in ((16, 8300, 8400), (1, 5000, 5001), (64, 3000, 3100), (7, 20, 9000), (3, 0, 4096),
+                             (65, 2000, 2100)):
+        q, gate = _qgate(rng, s, T)
+        kc, vc = _cache(rng, s, max_ctx, pos0 + T), _cache(rng, s, max_ctx, pos0 + T)
+        c, g = _attention(split, s, q, gate, kc, vc, pos0, max_ctx, cache_dtype, "prefill")
+        text = str(split[1].report())
+        assert ("attention.prefill_split" in text) == (T <= 64), (T, text)
+        _, w = _attention(whole, s, q, gate, kc, vc, pos0, max_ctx, cache_dtype, "prefill")
+        assert _rel(g, c) < _tol("prefill", cache_dtype), (T, pos0, max_ctx)
+        assert _rel(w, c) < _tol("prefill", cache_dtype), (T, pos0, max_ctx)
+        assert _rel(g, w) < _tol("prefill", cache_dtype), (T, pos0, max_ctx)
+    assert "attention.prefill_split" not in str(whole[1].report())
+    assert "not active: split-KV prefill attention" in str(whole[1].report())
 
 
 @pytest.mark.parametrize("s", [REAL] + AWKWARD, ids=["real"] + AWKWARD_IDS)

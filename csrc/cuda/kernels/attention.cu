@@ -34,6 +34,13 @@
 //                4·heads·T·(pos0 + T/2)·D; cache bytes read 2·kv·ES·D·(len) per block row.
 // attn_prefill_mma (any T; bf16 caches, G dividing 64): flash attention on tensor cores, 64 query rows
 //                (64/G tokens × G heads) per block of 4 warps (see its section).
+// PF_SPLIT = 1 (either prefill kernel, few rows over a long context): grid (., kv, ns); block z takes the keys
+//                [z·per, (z+1)·per) of its rows' range, per = ceil(ceil((pos[0] + T) / ns) / tile) tiles (blocks
+//                past the live length write empty partials), and writes unnormalised partials (o, m, l) per
+//                (token, head, split) to ws: part_o [T][heads][ns][D], part_ml [T][heads][ns][2]. attn_prefill_reduce
+//                (grid (T, heads), block 128) merges them and applies sigmoid(gate). A 16-token prefill after an 8K
+//                context is 6 blocks of 8K keys each without the split (1.6 ms a layer at f32 on an H200), ns × 6
+//                blocks of 8K / ns keys with it.
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -44,6 +51,9 @@
 #endif
 #ifndef KV_BF16
 #define KV_BF16 1
+#endif
+#ifndef PF_SPLIT
+#define PF_SPLIT 0
 #endif
 
 #define FULL_MASK 0xffffffffu
@@ -394,6 +404,12 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_reduce(
 // prefill
 // ---------------------------------------------------------------------------------------------------
 
+// Keys per split of a split prefill over `total` keys: whole tiles, ns splits at most (the ones past total never
+// run: the prefill kernels return at once and the reduce reads only the others).
+__device__ __forceinline__ int split_keys(int total, int ns, int tile) {
+  return ((total + ns - 1) / ns + tile - 1) / tile * tile;
+}
+
 __device__ __forceinline__ u32 pack_bf16(u16 lo, u16 hi) { return u32(lo) | (u32(hi) << 16); }
 // p = hi + lo in bf16 (hi = round(p), lo = round(p - hi)); returns the two packed pairs for (x0, x1).
 __device__ __forceinline__ void split2(float x0, float x1, u32& hi, u32& lo) {
@@ -429,33 +445,47 @@ __device__ __forceinline__ void pf_load(unsigned char* stage, const unsigned cha
 extern "C" __global__ void __launch_bounds__(PF_QT * 32) attn_prefill(
     const float* __restrict__ q, i64 q_stride, const float* __restrict__ gate, i64 g_stride,
     const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
-    const int* __restrict__ pos, i64 max_ctx, int T, float scale, float* __restrict__ out, i64 o_stride) {
+    const int* __restrict__ pos, i64 max_ctx, int T, float scale, float* __restrict__ out, i64 o_stride, int ns,
+    float* __restrict__ part_o, float* __restrict__ part_ml) {
   LILY_PDL_PROLOGUE();
   extern __shared__ __align__(16) unsigned char pf_smem[];  // 2 stages of [K tile | V tile]
   const int kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.x * PF_QT + warp;
   const int t_last = min(T - 1, blockIdx.x * PF_QT + PF_QT - 1);
   const int pos0 = pos[0];
-  const int len_block = pos0 + t_last + 1, len_t = pos0 + t + 1;
+  const int len_block = pos0 + t_last + 1;
   const bool active = t < T;
   const unsigned char* kb = k_cache + i64(kvh) * max_ctx * D * ES;
   const unsigned char* vb = v_cache + i64(kvh) * max_ctx * D * ES;
+#if PF_SPLIT
+  // This split's keys [j0, jend): whole tiles, the last split's end the block's own. A split that starts past the
+  // chunk's keys is not read by the reduce; one that starts past this block's (an early token tile in the last
+  // split) writes empty partials.
+  const int per = split_keys(pos0 + T, ns, PF_R);
+  const int j0 = blockIdx.z * per, jend = min(len_block, j0 + per);
+  if (j0 >= pos0 + T) return;
+  const int it0 = j0 / PF_R, ntile = jend > j0 ? (jend + PF_R - 1) / PF_R : it0;
+#else
+  const int jend = len_block, it0 = 0, ntile = (len_block + PF_R - 1) / PF_R;
+#endif
+  const int len_t = min(pos0 + t + 1, jend);  // keys this warp's token sees here
 
   WarpAttn A;
   warp_init(A, q + i64(active ? t : 0) * q_stride + i64(kvh) * G * D, lane);
-  const int ntile = (len_block + PF_R - 1) / PF_R;
-  pf_load(pf_smem, kb, vb, 0, len_block);
-  cp_async_commit();
-  for (int it = 0; it < ntile; ++it) {
+  if (it0 < ntile) {
+    pf_load(pf_smem, kb, vb, it0 * PF_R, jend);
+    cp_async_commit();
+  }
+  for (int it = it0; it < ntile; ++it) {
     if (it + 1 < ntile) {
-      pf_load(pf_smem + ((it + 1) & 1) * PF_STAGE_BYTES, kb, vb, (it + 1) * PF_R, len_block);
+      pf_load(pf_smem + ((it + 1 - it0) & 1) * PF_STAGE_BYTES, kb, vb, (it + 1) * PF_R, jend);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    const unsigned char* ks = pf_smem + (it & 1) * PF_STAGE_BYTES;
+    const unsigned char* ks = pf_smem + ((it - it0) & 1) * PF_STAGE_BYTES;
     const unsigned char* vs = ks + PF_R * D * ES;
     const int jt = it * PF_R;
     if (active) {
@@ -478,6 +508,23 @@ extern "C" __global__ void __launch_bounds__(PF_QT * 32) attn_prefill(
     __syncthreads();
   }
   if (!active) return;
+#if PF_SPLIT
+  // Unnormalised partials of the G heads (a split with no key for this token: m = -inf, l = 0, o = 0).
+  const int heads = gridDim.y * G;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const i64 at = (i64(t) * heads + kvh * G + g) * ns + blockIdx.z;
+    const float m = __shfl_sync(FULL_MASK, A.m, g * LPH), l = __shfl_sync(FULL_MASK, A.l, g * LPH);
+#pragma unroll
+    for (int c = 0; c < NCH; ++c)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) part_o[at * D + elem(lane, c, i)] = A.o[g][c * VEC + i];
+    if (lane == 0) {
+      part_ml[at * 2] = m;
+      part_ml[at * 2 + 1] = l;
+    }
+  }
+#else
   const float* gt = gate + i64(t) * g_stride + i64(kvh) * G * D;
   float* o = out + i64(t) * o_stride + i64(kvh) * G * D;
 #pragma unroll
@@ -490,6 +537,39 @@ extern "C" __global__ void __launch_bounds__(PF_QT * 32) attn_prefill(
         const int e = elem(lane, c, i);
         o[g * D + e] = A.o[g][c * VEC + i] / l / (1.f + expf(-gt[g * D + e]));
       }
+  }
+#endif
+}
+
+// Grid (T, heads), block 128: merges the partials of (token, head) of a split prefill (PF_SPLIT) and applies
+// sigmoid(gate). Only the splits that start inside the chunk's keys ran (split_keys); every token sees key 0 in
+// split 0, so at least one partial is not empty.
+extern "C" __global__ void __launch_bounds__(128) attn_prefill_reduce(
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* __restrict__ pos, int T, int ns,
+    int tile, const float* __restrict__ gate, i64 g_stride, float* __restrict__ out, i64 o_stride) {
+  LILY_PDL_PROLOGUE();
+  extern __shared__ float wsplit[];  // [ns]
+  __shared__ float scratch[32];
+  const int t = blockIdx.x, h = blockIdx.y;
+  const int total = pos[0] + T, per = split_keys(total, ns, tile), a = (total + per - 1) / per;
+  const i64 base = (i64(t) * gridDim.y + h) * ns;
+  float mx = NEG_INF;
+  for (int s = threadIdx.x; s < a; s += blockDim.x) mx = fmaxf(mx, part_ml[(base + s) * 2]);
+  const float M = block_max(mx, scratch);
+  float lsum = 0.f;
+  for (int s = threadIdx.x; s < a; s += blockDim.x) {
+    const float m = part_ml[(base + s) * 2];
+    const float f = m == NEG_INF ? 0.f : expf(m - M);
+    wsplit[s] = f;
+    lsum = fmaf(f, part_ml[(base + s) * 2 + 1], lsum);
+  }
+  const float L = block_sum(lsum, scratch);  // its barriers also publish wsplit
+  const float* gt = gate + i64(t) * g_stride + i64(h) * D;
+  float* o = out + i64(t) * o_stride + i64(h) * D;
+  for (int e = threadIdx.x; e < D; e += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < a; ++s) acc = fmaf(wsplit[s], part_o[(base + s) * D + e], acc);
+    o[e] = acc / L / (1.f + expf(-gt[e]));
   }
 }
 
@@ -519,7 +599,8 @@ constexpr int MM_SMEM = (2 * MM_BM + 4 * MM_BN) * MM_PITCH;
 extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
     const float* __restrict__ q, i64 q_stride, const float* __restrict__ gate, i64 g_stride,
     const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
-    const int* __restrict__ pos, i64 max_ctx, int T, float scale, float* __restrict__ out, i64 o_stride) {
+    const int* __restrict__ pos, i64 max_ctx, int T, float scale, float* __restrict__ out, i64 o_stride, int ns,
+    float* __restrict__ part_o, float* __restrict__ part_ml) {
   LILY_PDL_PROLOGUE();
   extern __shared__ __align__(16) unsigned char mm_smem[];
   unsigned char* qhi = mm_smem;
@@ -532,20 +613,31 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
   const int len_block = pos0 + t_last + 1;
   const unsigned char* kb = k_cache + i64(kvh) * max_ctx * D * 2;
   const unsigned char* vb = v_cache + i64(kvh) * max_ctx * D * 2;
+#if PF_SPLIT
+  // This split's keys [j0, jend), as in attn_prefill.
+  const int per = split_keys(pos0 + T, ns, MM_BN);
+  const int j0 = blockIdx.z * per, jend = min(len_block, j0 + per);
+  if (j0 >= pos0 + T) return;
+  const int it0 = j0 / MM_BN, ntile = jend > j0 ? (jend + MM_BN - 1) / MM_BN : it0;
+#else
+  const int jend = len_block, it0 = 0, ntile = (len_block + MM_BN - 1) / MM_BN;
+#endif
 
-  // K/V tile loader: rows [j0, j0 + BN), zero past len_block.
+  // K/V tile loader: rows [j0, j0 + BN), zero from jend.
   auto load_tile = [&](int stage, int j0) {
     constexpr int ROW16 = D * 2 / 16;
     const u32 base = smem_addr(kv0 + stage * 2 * MM_BN * MM_PITCH);
     for (int ci = threadIdx.x; ci < 2 * MM_BN * ROW16; ci += blockDim.x) {
       const int which = ci / (MM_BN * ROW16), cj = ci % (MM_BN * ROW16), r = cj / ROW16, c16 = cj % ROW16;
-      const bool ok = j0 + r < len_block;
+      const bool ok = j0 + r < jend;
       const unsigned char* src = (which ? vb : kb) + (ok ? (i64(j0 + r) * ROW16 + c16) * 16 : 0);
       cp_async16(base + u32((which * MM_BN + r) * MM_PITCH + c16 * 16), src, ok ? 16 : 0);
     }
   };
-  load_tile(0, 0);
-  cp_async_commit();
+  if (it0 < ntile) {
+    load_tile(0, it0 * MM_BN);
+    cp_async_commit();
+  }
 
   // Q (pairs of elements), split into bf16 halves; rows of tokens past T are zero.
   for (int idx = threadIdx.x; idx < MM_BM * D / 2; idx += blockDim.x) {
@@ -572,10 +664,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
   for (int n = 0; n < MM_NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float mA = NEG_INF, mB = NEG_INF, lA = 0.f, lB = 0.f;  // l: this lane's columns only
 
-  const int ntile = (len_block + MM_BN - 1) / MM_BN;
-  for (int it = 0; it < ntile; ++it) {
+  for (int it = it0; it < ntile; ++it) {
     if (it + 1 < ntile) {
-      load_tile((it + 1) & 1, (it + 1) * MM_BN);
+      load_tile((it + 1 - it0) & 1, (it + 1) * MM_BN);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -584,7 +675,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
     __syncthreads();
     const int jt = it * MM_BN;
     if (jt <= lim_warp) {
-      const unsigned char* ks = kv0 + (it & 1) * 2 * MM_BN * MM_PITCH;
+      const unsigned char* ks = kv0 + ((it - it0) & 1) * 2 * MM_BN * MM_PITCH;
       const unsigned char* vs = ks + MM_BN * MM_PITCH;
       // S = Q·Kᵀ over the tile: 4 n-tiles of 8 keys, hi and lo accumulated apart.
       float sh[MM_BN / 8][4], sl[MM_BN / 8][4];
@@ -617,7 +708,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
         for (int c = 0; c < 4; ++c) {
           const int j = jt + n * 8 + (lane & 3) * 2 + (c & 1);
           const float v = (sh[n][c] + sl[n][c]) * scale;
-          const bool ok = j <= (c < 2 ? limA : limB);
+          const bool ok = j <= (c < 2 ? limA : limB) && (!PF_SPLIT || j < jend);  // a split's next keys are not its
           sh[n][c] = ok ? v : NEG_INF;
           if (c < 2) mxA = fmaxf(mxA, sh[n][c]); else mxB = fmaxf(mxB, sh[n][c]);
         }
@@ -625,8 +716,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
       mxA = fmaxf(mxA, __shfl_xor_sync(FULL_MASK, mxA, 2));
       mxB = fmaxf(mxB, __shfl_xor_sync(FULL_MASK, mxB, 1));
       mxB = fmaxf(mxB, __shfl_xor_sync(FULL_MASK, mxB, 2));
-      const float nA = fmaxf(mA, mxA), nB = fmaxf(mB, mxB);  // finite: key 0 is in every row's first tile
-      const float cA = expf(mA - nA), cB = expf(mB - nB);
+      // Finite without splits (key 0 is in every row's first tile); a split's row may see no key yet: -inf.
+      const float nA = fmaxf(mA, mxA), nB = fmaxf(mB, mxB);
+      const float cA = PF_SPLIT && nA == NEG_INF ? 1.f : expf(mA - nA);
+      const float cB = PF_SPLIT && nB == NEG_INF ? 1.f : expf(mB - nB);
       mA = nA;
       mB = nB;
       float psA = 0.f, psB = 0.f;
@@ -634,7 +727,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
       for (int n = 0; n < MM_BN / 8; ++n)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          const float p = expf(sh[n][c] - (c < 2 ? nA : nB));
+          const float nm = c < 2 ? nA : nB;
+          const float p = PF_SPLIT && nm == NEG_INF ? 0.f : expf(sh[n][c] - nm);
           sh[n][c] = p;
           if (c < 2) psA += p; else psB += p;
         }
@@ -678,6 +772,19 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
     const int r = half ? rB : rA, t = t0 + r / G, h = kvh * G + r % G;
     const float l = half ? lB : lA;
     if (t >= T) continue;
+#if PF_SPLIT
+    // Unnormalised partials (a row with no key in this split: m = -inf, l = 0, o = 0).
+    const i64 at = (i64(t) * gridDim.y * G + h) * ns + blockIdx.z;
+#pragma unroll
+    for (int n = 0; n < MM_NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) part_o[at * D + n * 8 + (lane & 3) * 2 + c] = o[n][half * 2 + c];
+    if ((lane & 3) == 0) {
+      part_ml[at * 2] = half ? mB : mA;
+      part_ml[at * 2 + 1] = l;
+    }
+    continue;
+#endif
     const float* gt = gate + i64(t) * g_stride + i64(h) * D;
     float* po = out + i64(t) * o_stride + i64(h) * D;
 #pragma unroll
