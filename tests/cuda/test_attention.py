@@ -301,7 +301,7 @@ def test_attention_layer_chunked(benches, cache_dtype):
     # in split ranges, the whole prefill in one pass per block: another summation order) ...
     whole = layer(gb, gk, gv, gb.workspace(_config(s), T1 + T2, max_ctx), 0, T1 + T2, "prefill")
     assert _rel(whole, g12) < tol_o
-    assert "attention.decode" in str(gb.report()) and "attention.prefill_split" in str(gb.report())
+    assert "attention.decode" in str(gb.report()) and "attention.prefill" in str(gb.report())
     # ... and bitwise without the split (a token's result depends only on its position).
     nb = core.OpBench("cuda", {"attn_prefill_split": False})
     kc, vc = nb.tensor(nan, dtype=cache_dtype), nb.tensor(nan, dtype=cache_dtype)
@@ -315,23 +315,32 @@ def test_attention_layer_chunked(benches, cache_dtype):
 @pytest.mark.parametrize("cache_dtype", ["f32", "bf16"])
 def test_attention_prefill_split(s, cache_dtype):
     """Few rows after a long context read the keys in split ranges (PF_SPLIT) merged by attn_prefill_reduce: within
-    the tolerance of the CPU and of the unsplit kernel, at the split limit (64 rows), with most splits past the live
-    length (a short context in a large cache), a 1-row prefill, and a long chunk (65 rows: no split)."""
+    the tolerance of a float64 reference and of the unsplit kernel, at the split limit (64 rows), with most splits
+    past the live length (a short context in a large cache), a 1-row prefill, and a long chunk (65 rows: no split).
+    Against the reference, not the CPU oracle: past ~4K keys the oracle's one fp32 running sum of the softmax
+    denominator drifts by more than the tolerance (test_attention_decode_32k); it is held to that sum's bound."""
     rng = np.random.default_rng(13)
-    split = core.OpBench("cpu"), core.OpBench("cuda")
-    whole = split[0], core.OpBench("cuda", {"attn_prefill_split": False})
+    cpu = core.OpBench("cpu")
     for T, pos0, max_ctx in ((16, 8300, 8400), (1, 5000, 5001), (64, 3000, 3100), (7, 20, 9000), (3, 0, 4096),
                              (65, 2000, 2100)):
+        split = cpu, core.OpBench("cuda", {"attn_prefill_split": True})
+        whole = cpu, core.OpBench("cuda", {"attn_prefill_split": False})
         q, gate = _qgate(rng, s, T)
         kc, vc = _cache(rng, s, max_ctx, pos0 + T), _cache(rng, s, max_ctx, pos0 + T)
         c, g = _attention(split, s, q, gate, kc, vc, pos0, max_ctx, cache_dtype, "prefill")
+        _, w = _attention(whole, s, q, gate, kc, vc, pos0, max_ctx, cache_dtype, "prefill")
         text = str(split[1].report())
         assert ("attention.prefill_split" in text) == (T <= 64), (T, text)
-        _, w = _attention(whole, s, q, gate, kc, vc, pos0, max_ctx, cache_dtype, "prefill")
-        assert _rel(g, c) < _tol("prefill", cache_dtype), (T, pos0, max_ctx)
-        assert _rel(w, c) < _tol("prefill", cache_dtype), (T, pos0, max_ctx)
-        assert _rel(g, w) < _tol("prefill", cache_dtype), (T, pos0, max_ctx)
-    assert "attention.prefill_split" not in str(whole[1].report())
+        assert "attention.prefill_split" not in str(whole[1].report())
+        kb, vb = (cpu.read(cpu.tensor(x, dtype=cache_dtype)) for x in (kc, vc))
+        ref = np.concatenate([_reference(s, q[t], gate[t], kb, vb, pos0 + t + 1) for t in range(T)])
+        errs = dict(split=_rel(g, ref), whole=_rel(w, ref), split_vs_whole=_rel(g, w), cpu=_rel(c, ref))
+        case = (T, pos0, max_ctx, errs)
+        print("prefill split, relative error from the float64 reference:", s["head_dim"], cache_dtype, case)
+        assert errs["split"] < _tol("prefill", cache_dtype), case
+        assert errs["whole"] < _tol("prefill", cache_dtype), case
+        assert errs["split_vs_whole"] < _tol("prefill", cache_dtype), case
+        assert errs["cpu"] < (pos0 + T) * 2.0**-24, case  # the oracle's own sequential-sum bound
     assert "not active: split-KV prefill attention" in str(whole[1].report())
 
 
