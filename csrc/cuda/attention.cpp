@@ -34,8 +34,8 @@ constexpr int64_t kMinChunk = 64;   // MIN_CHUNK in attention.cu
 constexpr int64_t kSplitCap = 256;  // most splits per kv head
 constexpr int kDecodeWarps = 4;     // DEC_NW
 constexpr int kPrefillTokens = 8;   // PF_QT
-// Split prefill (PF_SPLIT): rows × splits the workspace holds partials for (T ≤ 64 rows get splits when their grid
-// leaves SMs idle; at T = 16 on 132 SMs, 22 splits).
+// Split prefill (PF_SPLIT): up to kSplitRowsMax rows get splits when their grid leaves SMs idle, and the workspace
+// holds kSplitPartials (row, split) partials per head (16 rows of lily-tiny's f32 cache on 132 SMs: 6 blocks, 22 splits).
 constexpr int64_t kSplitRowsMax = 64;
 constexpr int64_t kSplitPartials = 1024;
 
@@ -63,7 +63,7 @@ int cache_code(const Tensor& c) {
 }  // namespace
 
 size_t attention_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t max_ctx) {
-  (void)rows;  // prefill needs no scratch; decode partials depend on max_ctx only
+  (void)rows;  // decode partials depend on max_ctx only; a split prefill's are bounded by kSplitPartials
   if (c.kv_heads <= 0 || c.heads <= 0) return 0;
   const int64_t G = c.heads / c.kv_heads, D = c.head_dim;
   const size_t decode = size_t(c.kv_heads) * size_t(split_room(max_ctx)) * size_t(G) * size_t(D + 2) * sizeof(float);
@@ -181,6 +181,7 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
   Defines kdefs = defs;
   if (mma) kdefs.push_back({"MM_BN", keys});
   if (ns) kdefs.push_back({"PF_SPLIT", 1});
+  const int64_t pf_rows = std::min<int64_t>(64, 16384 / (D * (code == 2 ? 2 : 4))) / 4 * 4;  // PF_R (a multiple of PF_U)
   const size_t part_o = size_t(T) * size_t(s.heads) * size_t(ns) * size_t(D);
   if (ns && ws.bytes() < (part_o + size_t(T) * size_t(s.heads) * size_t(ns) * 2) * sizeof(float))
     throw std::logic_error("cuda attention: workspace of " + std::to_string(ws.bytes()) +
@@ -198,21 +199,19 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
            " heads) per block of 4 warps, K/V tiles of " + std::to_string(keys) + " rows via cp.async (2 stages, " +
            std::to_string(mm_smem) + " bytes of shared memory), q and p as bf16 hi + lo, fp32 softmax";
   } else {
-    const int64_t es = code == 2 ? 2 : 4;
-    const int64_t rows = std::min<int64_t>(64, 16384 / (D * es)) / 4 * 4;  // PF_R (a multiple of PF_U)
-    const int smem = int(2 * 2 * rows * D * es);                             // two stages of K and V tiles
+    const int smem = int(2 * 2 * pf_rows * D * (code == 2 ? 2 : 4));  // two stages of K and V tiles
     const Kernel& pf = kernel("attention", "attn_prefill", kdefs);
     if (smem > 48 * 1024) set_dynamic_smem(pf, smem);
     launch(pf, grid, Dim3{32 * kPrefillTokens, 1, 1}, uint32_t(smem), ptr(q), int64_t(q.stride), ptr(gate),
            int64_t(gate.stride), ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx), int(T), scale, ptr(out),
            int64_t(out.stride), int(ns ? ns : 1), po, pml);
-    form = "flash fp32: 8 tokens × G heads per block, K/V tiles of " + std::to_string(rows) +
+    form = "flash fp32: 8 tokens × G heads per block, K/V tiles of " + std::to_string(pf_rows) +
            " rows via cp.async (2 stages), online softmax" +
            (want_fp32 ? std::string(" (forced by LILY_CUDA_ATTENTION_PREFILL)") : std::string());
   }
   if (ns) {
     const Kernel& reduce = kernel("attention", "attn_prefill_reduce", kdefs);
-    const int tile = mma ? keys : int(std::min<int64_t>(64, 16384 / (D * (code == 2 ? 2 : 4))) / 4 * 4);  // MM_BN / PF_R
+    const int tile = mma ? keys : int(pf_rows);  // the kernel's MM_BN / PF_R: the reduce recomputes the splits' keys
     launch(reduce, Dim3{unsigned(T), unsigned(s.heads), 1}, Dim3{128, 1, 1}, uint32_t(ns * sizeof(float)), po, pml,
            ptr(pos), int(T), int(ns), tile, ptr(gate), int64_t(gate.stride), ptr(out), int64_t(out.stride));
     note_variant("attention.prefill_split",
