@@ -4,6 +4,10 @@
 //                     (0 f32, 1 bf16, 2 any other 4-byte type copied bit for bit, 3 any other 2-byte type)
 //   fill_rows:        dst[t, i] = value                       f32, i32 or bf16 (function constant 42: 0 f32, 1 bf16, 2 i32)
 //   advance_position: pos_out[0] = pos_in[0] + T              I32 [1, 1]
+//   accept_drafts:    a = leading drafts the model agreed with (y[i] == ids[i + 1], i < a <= n - 1); accepted = a,
+//                     next_id = y[a], pos_out = pos_in + a + 1    I32; one thread
+//   copy_rows_at:     dst = block j = index[0] + offset of `rows` rows of src (4-byte elements); nothing when the
+//                     block is not inside src's src_rows rows     grid (⌈cols/64⌉, rows), 64 threads
 // Geometry: grid (⌈cols/64⌉, rows), 64 threads; thread i of threadgroup x owns element 64·x + i of its row.
 // Function constants 40-49 belong to this file. Floor: each element read and written once (bandwidth-bound).
 #include <metal_stdlib>
@@ -87,4 +91,50 @@ struct FillShape {
                                  constant int& T [[buffer(2)]],
                                  uint i [[thread_position_in_grid]]) {
   if (i == 0) pos_out[0] = pos_in[0] + T;
+}
+
+// Shared with csrc/metal/backend.cpp.
+struct AcceptShape {
+  uint n;       // ids and y rows: the pending token and its drafts
+  uint ld_ids;  // row strides in elements
+  uint ld_y;
+};
+
+[[kernel]] void accept_drafts(device const int* ids [[buffer(0)]],
+                              device const int* y [[buffer(1)]],
+                              device const int* pos_in [[buffer(2)]],
+                              device int* accepted [[buffer(3)]],
+                              device int* next_id [[buffer(4)]],
+                              device int* pos_out [[buffer(5)]],
+                              constant AcceptShape& s [[buffer(6)]],
+                              uint i [[thread_position_in_grid]]) {
+  if (i != 0) return;
+  uint a = 0;
+  while (a + 1 < s.n && y[a * s.ld_y] == ids[(a + 1) * s.ld_ids]) ++a;
+  const int pos = pos_in[0];  // pos_out may be pos_in
+  accepted[0] = int(a);
+  next_id[0] = y[a * s.ld_y];
+  pos_out[0] = pos + int(a) + 1;
+}
+
+// Shared with csrc/metal/backend.cpp.
+struct PickShape {
+  uint rows;      // dst rows (the block's height)
+  uint cols;
+  uint lds;       // src row stride in elements
+  uint ldd;       // dst row stride
+  uint src_rows;  // rows of src the block must lie in
+  int offset;     // added to index[0]
+};
+
+[[kernel]] void copy_rows_at(device const uint* src [[buffer(0)]],
+                             device const int* index [[buffer(1)]],
+                             device uint* dst [[buffer(2)]],
+                             constant PickShape& s [[buffer(3)]],
+                             uint2 tg [[threadgroup_position_in_grid]],
+                             uint i_in [[thread_index_in_threadgroup]]) {
+  const uint i = tg.x * 64 + i_in, t = tg.y;
+  const long j = long(index[0]) + long(s.offset);
+  if (i >= s.cols || j < 0 || (j + 1) * long(s.rows) > long(s.src_rows)) return;
+  dst[ulong(t) * s.ldd + i] = src[(ulong(j) * s.rows + t) * s.lds + i];
 }

@@ -281,6 +281,9 @@ class OpBench {
       else if (op == "copy") o.copy(T("src"), T("dst"));
       else if (op == "fill") o.fill(T("dst"), F("value", 0));
       else if (op == "advance_position") o.advance_position(T("pos_in"), T("pos_out"), I("T"));
+      else if (op == "accept_drafts")
+        o.accept_drafts(T("ids"), T("y"), T("pos_in"), T("accepted"), T("next_id"), T("pos_out"));
+      else if (op == "copy_rows_at") o.copy_rows_at(T("src"), T("index"), I("offset"), T("dst"));
       else if (op == "sample") {
         SamplerState st{T("counts"), T("seen"), T("rng"), T("ring"), T("ring_count")};
         SamplingParams p;

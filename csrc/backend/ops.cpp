@@ -102,6 +102,39 @@ void Ops::check_capture(const char* op, const StateCapture& c, int64_t T, const 
   if (c.states.buf == state.buf) fail("tensor must not be the state's buffer");
 }
 
+namespace {
+std::string shape_of(const Tensor& t) {
+  return std::string(dtype_name(t.dtype)) + " [" + std::to_string(t.rows) + ", " + std::to_string(t.cols) + "]";
+}
+}  // namespace
+
+void Ops::check_accept_drafts(const Tensor& ids, const Tensor& y, const Tensor& pos_in, const Tensor& accepted,
+                              const Tensor& next_id, const Tensor& pos_out) {
+  auto fail = [](const std::string& why) { throw std::invalid_argument("accept_drafts: " + why); };
+  auto i32 = [&](const Tensor& t, const char* name, int64_t rows) {
+    if (!t.valid() || t.dtype != DType::I32 || t.rows != rows || t.cols != 1)
+      fail(std::string(name) + " must be I32 [" + std::to_string(rows) + ", 1], got " + shape_of(t));
+  };
+  if (ids.rows < 1 || ids.rows > 64) fail("ids must hold 1 to 64 rows (the pending token and its drafts), got " + shape_of(ids));
+  i32(ids, "ids", ids.rows);
+  i32(y, "y", ids.rows);
+  i32(pos_in, "pos_in", 1);
+  i32(accepted, "accepted", 1);
+  i32(next_id, "next_id", 1);
+  i32(pos_out, "pos_out", 1);
+}
+
+void Ops::check_copy_rows_at(const Tensor& src, const Tensor& index, const Tensor& dst) {
+  auto fail = [](const std::string& why) { throw std::invalid_argument("copy_rows_at: " + why); };
+  if (!index.valid() || index.dtype != DType::I32 || index.rows != 1 || index.cols != 1)
+    fail("index must be I32 [1, 1], got " + shape_of(index));
+  if (!src.valid() || !dst.valid() || src.dtype != dst.dtype || src.cols != dst.cols)
+    fail("src " + shape_of(src) + " and dst " + shape_of(dst) + " must share dtype and columns");
+  if (dtype_size(src.dtype) != 4) fail("copies 4-byte elements (F32, I32), got " + shape_of(src));
+  if (dst.rows < 1) fail("dst must hold at least one row, got " + shape_of(dst));
+  if (src.buf == dst.buf) fail("src and dst must be different buffers");
+}
+
 void Ops::set_profiling(bool on) {
   profiling_ = on;
   profile_.fill(0.0);

@@ -415,6 +415,25 @@ class Ops {
            &Ops::sample_impl, logits, st, p, ws, next_id);
   }
 
+  // Speculative decoding's accept decision, on the device so that the next iteration can be queued behind it
+  // (docs/ARCHITECTURE.md, "MTP speculative decoding"). ids [k + 1, 1]: the verify forward's input (the pending
+  // token, then k drafts); y [k + 1, 1]: the model's token for each row. a = the number of leading drafts the
+  // model agreed with (the largest a <= k with y[i] == ids[i + 1] for every i < a); accepted[0] = a,
+  // next_id[0] = y[a] (the next iteration's pending token), pos_out[0] = pos_in[0] + a + 1. All I32.
+  void accept_drafts(const Tensor& ids, const Tensor& y, const Tensor& pos_in, const Tensor& accepted,
+                     const Tensor& next_id, const Tensor& pos_out) {
+    check_accept_drafts(ids, y, pos_in, accepted, next_id, pos_out);
+    record(OpKind::AcceptDrafts, {ids.buf, y.buf, pos_in.buf}, {accepted.buf, next_id.buf, pos_out.buf},
+           &Ops::accept_drafts_impl, ids, y, pos_in, accepted, next_id, pos_out);
+  }
+  // dst = rows [j·n, (j + 1)·n) of src, j = index[0] + offset, n = dst.rows; when that block is not inside src
+  // (j < 0 or past its end) dst keeps what it holds. Same dtype (4-byte: F32 or I32) and columns. The rollback
+  // of a speculative iteration picks the state after the last accepted row from the forward's capture with it.
+  void copy_rows_at(const Tensor& src, const Tensor& index, int64_t offset, const Tensor& dst) {
+    check_copy_rows_at(src, index, dst);
+    record(OpKind::CopyRowsAt, {src.buf, index.buf}, {dst.buf}, &Ops::copy_rows_at_impl, src, index, offset, dst);
+  }
+
   // Kernel variant used for a weight in the current phase (engine.report()).
   virtual std::string matmul_variant(const Weight& w, Phase phase) const = 0;
   // Active optimizations and the ones not active, with reasons.
@@ -501,6 +520,9 @@ class Ops {
   virtual void advance_position_impl(const Tensor& pos_in, const Tensor& pos_out, int64_t T) = 0;
   virtual void sample_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p,
                            const Tensor& ws, const Tensor& next_id) = 0;
+  virtual void accept_drafts_impl(const Tensor& ids, const Tensor& y, const Tensor& pos_in, const Tensor& accepted,
+                                  const Tensor& next_id, const Tensor& pos_out) = 0;
+  virtual void copy_rows_at_impl(const Tensor& src, const Tensor& index, int64_t offset, const Tensor& dst) = 0;
 
   HazardTracker tracker_;
 
@@ -508,6 +530,10 @@ class Ops {
   // Throws std::invalid_argument unless the capture's rows lie in [0, T) and its tensor holds count F32 slices
   // shaped like `state` (a capture with count 0 is not checked).
   static void check_capture(const char* op, const StateCapture& c, int64_t T, const Tensor& state);
+  // Throw std::logic_error naming the op and the tensor unless the shapes and dtypes are the ops' contracts.
+  static void check_accept_drafts(const Tensor& ids, const Tensor& y, const Tensor& pos_in, const Tensor& accepted,
+                                  const Tensor& next_id, const Tensor& pos_out);
+  static void check_copy_rows_at(const Tensor& src, const Tensor& index, const Tensor& dst);
   // The op as one impl call on its arguments (by reference for the immediate run; `clone` copies them for a
   // backend that runs later).
   template <class... P, class... A>

@@ -363,6 +363,25 @@ void CpuOps::advance_position_impl(const Tensor& pos_in, const Tensor& pos_out, 
   *i32(pos_out) = *i32(pos_in) + int32_t(T);
 }
 
+void CpuOps::accept_drafts_impl(const Tensor& ids, const Tensor& y, const Tensor& pos_in, const Tensor& accepted,
+                                const Tensor& next_id, const Tensor& pos_out) {
+  const int64_t k = ids.rows - 1;
+  int32_t a = 0;
+  while (a < k && i32(y)[a * y.stride] == i32(ids)[(a + 1) * ids.stride]) ++a;
+  const int32_t pos = *i32(pos_in);  // read before any write: pos_out may be pos_in
+  *i32(accepted) = a;
+  *i32(next_id) = i32(y)[a * y.stride];
+  *i32(pos_out) = pos + a + 1;
+}
+
+void CpuOps::copy_rows_at_impl(const Tensor& src, const Tensor& index, int64_t offset, const Tensor& dst) {
+  const int64_t j = int64_t(*i32(index)) + offset, n = dst.rows;
+  if (j < 0 || (j + 1) * n > src.rows) return;
+  const char* s = static_cast<const char*>(raw(src)) + j * n * src.stride * 4;
+  char* d = static_cast<char*>(raw(dst));
+  for (int64_t r = 0; r < n; ++r) std::memcpy(d + r * dst.stride * 4, s + r * src.stride * 4, size_t(dst.cols) * 4);
+}
+
 void CpuOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
   cpu::matmul(f32(x), x.rows, x.stride, view(w), f32(out), out.stride, path(), pool_, arena_);
 }

@@ -123,6 +123,9 @@ class CpuOps final : public Ops {
   void copy_impl(const Tensor& src, const Tensor& dst) override;
   void fill_impl(const Tensor& dst, double value) override;
   void advance_position_impl(const Tensor& pos_in, const Tensor& pos_out, int64_t T) override;
+  void accept_drafts_impl(const Tensor& ids, const Tensor& y, const Tensor& pos_in, const Tensor& accepted,
+                          const Tensor& next_id, const Tensor& pos_out) override;
+  void copy_rows_at_impl(const Tensor& src, const Tensor& index, int64_t offset, const Tensor& dst) override;
   void sample_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p, const Tensor& ws,
                    const Tensor& next_id) override;
 

@@ -880,6 +880,18 @@ void CudaOps::advance_position_impl(const Tensor& pos_in, const Tensor& pos_out,
   launch(kernel("backend", "advance_position"), Dim3{1, 1, 1}, Dim3{32, 1, 1}, 0, ptr(pos_in), ptr(pos_out), int(T));
 }
 
+void CudaOps::accept_drafts_impl(const Tensor& ids, const Tensor& y, const Tensor& pos_in, const Tensor& accepted,
+                                 const Tensor& next_id, const Tensor& pos_out) {
+  launch(kernel("backend", "accept_drafts"), Dim3{1, 1, 1}, Dim3{32, 1, 1}, 0, ptr(ids), ids.stride, ptr(y), y.stride,
+         int(ids.rows), ptr(pos_in), ptr(accepted), ptr(next_id), ptr(pos_out));
+}
+
+void CudaOps::copy_rows_at_impl(const Tensor& src, const Tensor& index, int64_t offset, const Tensor& dst) {
+  launch(kernel("backend", "copy_rows_at"), Dim3{blocks_for(dst.cols, 256, 1024), grid_rows(dst.rows), 1},
+         Dim3{256, 1, 1}, 0, ptr(dst), dst.stride, ptr(src), src.stride, src.rows, ptr(index), offset, dst.cols,
+         dst.rows);
+}
+
 void CudaOps::add_impl(const Tensor& a, const Tensor& b, const Tensor& out) {
   if (out.rows == 0) return;
   launch(kernel("backend", "add_rows"), Dim3{blocks_for(out.cols, 256, 1024), grid_rows(out.rows), 1},

@@ -33,6 +33,15 @@ struct FillShape {  // metal/backend.metal
   uint32_t rows, cols, ld, bits;
 };
 static_assert(sizeof(FillShape) == 16, "FillShape must match metal/backend.metal");
+struct PickShape {  // metal/backend.metal
+  uint32_t rows, cols, lds, ldd, src_rows;
+  int32_t offset;
+};
+static_assert(sizeof(PickShape) == 24, "PickShape must match metal/backend.metal");
+struct AcceptShape {  // metal/backend.metal
+  uint32_t n, ld_ids, ld_y;
+};
+static_assert(sizeof(AcceptShape) == 12, "AcceptShape must match metal/backend.metal");
 
 uint32_t u32(int64_t v, const char* what) {
   if (v < 0 || v > int64_t(UINT32_MAX)) throw MetalError(std::string("metal: ") + what + " does not fit 32 bits");
@@ -361,6 +370,21 @@ void MetalOps::advance_position_impl(const Tensor& pos_in, const Tensor& pos_out
   const int32_t t = int32_t(T);
   dispatch("advance_position", {}, {arg(pos_in), arg(pos_out), Arg::value(t)}, MTL::Size(1, 1, 1),
            MTL::Size(32, 1, 1));
+}
+
+void MetalOps::accept_drafts_impl(const Tensor& ids, const Tensor& y, const Tensor& pos_in, const Tensor& accepted,
+                                  const Tensor& next_id, const Tensor& pos_out) {
+  const AcceptShape s{u32(ids.rows, "rows"), u32(ids.stride, "stride"), u32(y.stride, "stride")};
+  dispatch("accept_drafts", {}, {arg(ids), arg(y), arg(pos_in), arg(accepted), arg(next_id), arg(pos_out),
+                                 Arg::value(s)}, MTL::Size(1, 1, 1), MTL::Size(32, 1, 1));
+}
+
+void MetalOps::copy_rows_at_impl(const Tensor& src, const Tensor& index, int64_t offset, const Tensor& dst) {
+  if (offset < INT32_MIN || offset > INT32_MAX) throw MetalError("metal copy_rows_at: offset does not fit 32 bits");
+  const PickShape s{u32(dst.rows, "rows"), u32(dst.cols, "cols"), u32(src.stride, "stride"), u32(dst.stride, "stride"),
+                    u32(src.rows, "rows"), int32_t(offset)};
+  dispatch("copy_rows_at", {}, {arg(src), arg(index), arg(dst), Arg::value(s)}, rows_grid(dst.rows, dst.cols),
+           MTL::Size(64, 1, 1));
 }
 
 namespace {

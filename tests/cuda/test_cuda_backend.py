@@ -51,6 +51,35 @@ def test_copy_fill_add_advance(benches):
         assert bench.read(q)[0, 0] == 46
 
 
+def test_accept_drafts_and_copy_rows_at(benches):
+    """The speculative loop's device-side accept decision and its rollback copy (Session::generate_mtp) against the
+    CPU: every agreement length, a lone pending token, strided rows; blocks inside and outside the source."""
+    rng = np.random.default_rng(4)
+    for n in (1, 2, 5):
+        for a in range(n):
+            ids = rng.integers(0, 1000, size=(n, 1)).astype(np.int32)
+            y = np.roll(ids, -1, axis=0).copy()
+            y[a:] = rng.integers(1000, 2000, size=(n - a, 1))  # rows a.. disagree
+            got = []
+            for bench in benches:
+                pos = bench.tensor(np.array([[41]], np.int32), "i32")
+                outs = [bench.empty(1, 1, "i32") for _ in range(3)]
+                bench.run("accept_drafts", ids=bench.tensor(ids, "i32"), y=bench.tensor(y, "i32"), pos_in=pos,
+                          accepted=outs[0], next_id=outs[1], pos_out=outs[2])
+                got.append([int(bench.read(t)[0, 0]) for t in outs])
+            assert got[0] == got[1] == [a, int(y[a, 0]), 41 + a + 1], (n, a, got)
+    src = rng.normal(size=(4 * 3, 130)).astype(np.float32)
+    for index, offset in ((0, 0), (2, 1), (3, 0), (3, 1), (-1, 0), (5, -2)):
+        old = rng.normal(size=(3, 130)).astype(np.float32)
+        res = []
+        for bench in benches:
+            dst = bench.tensor(old)
+            bench.run("copy_rows_at", src=bench.tensor(src), index=bench.tensor(np.array([[index]], np.int32), "i32"),
+                      offset=offset, dst=dst)
+            res.append(bench.read(dst))
+        assert np.array_equal(res[0], res[1]), (index, offset)
+
+
 def test_copy_between_kv_dtypes(benches):
     rng = np.random.default_rng(2)
     a = rng.normal(size=(9, 256)).astype(np.float32)

@@ -6,6 +6,10 @@
 // convert_rows: dst = src between f32 and bf16 rows (KV snapshots restored across dtypes).
 // fill_rows:   every 32-bit (or 16-bit) element of a [rows, cols] view = value bits.
 // advance_position: pos_out[0] = pos_in[0] + T (one thread).
+// accept_drafts: a = leading drafts the model agreed with (y[i] == ids[i + 1], i < a <= k = n - 1); accepted = a,
+//              next_id = y[a], pos_out = pos_in + a + 1 (one thread; n <= 64 ids).
+// copy_rows_at: dst = the block j = index[0] + offset of dst.rows rows in src (4-byte elements), nothing when the
+//              block is not inside src; grid (ceil(cols/256), min(rows, 65535)), 256 threads. Floor: 2·rows·cols·4 bytes.
 // add_rows:    out = a + b over [rows, cols] f32 views; grid (ceil(cols/256), rows).
 // embed_rows:  out[t, :] = dequantized row ids[t] of the table (dense f32/f16/bf16, or affine bits/group);
 //              grid (ceil(cols/256), T), 256 threads. Floor: T rows of the table read, T·cols·4 written.
@@ -56,6 +60,29 @@ extern "C" __global__ void fill_rows(void* dst, i64 stride, i64 cols, int elem_b
 extern "C" __global__ void advance_position(const int* pos_in, int* pos_out, int T) {
   LILY_PDL_PROLOGUE();
   if (threadIdx.x == 0 && blockIdx.x == 0) pos_out[0] = pos_in[0] + T;
+}
+
+extern "C" __global__ void accept_drafts(const int* ids, i64 ids_stride, const int* y, i64 y_stride, int n,
+                                         const int* pos_in, int* accepted, int* next_id, int* pos_out) {
+  LILY_PDL_PROLOGUE();
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  int a = 0;
+  while (a < n - 1 && y[a * y_stride] == ids[(a + 1) * ids_stride]) ++a;
+  const int pos = pos_in[0];  // pos_out may be pos_in
+  accepted[0] = a;
+  next_id[0] = y[a * y_stride];
+  pos_out[0] = pos + a + 1;
+}
+
+extern "C" __global__ void copy_rows_at(unsigned* dst, i64 dst_stride, const unsigned* src, i64 src_stride,
+                                        i64 src_rows, const int* index, i64 offset, i64 cols, i64 rows) {
+  LILY_PDL_PROLOGUE();
+  const i64 j = i64(index[0]) + offset;
+  if (j < 0 || (j + 1) * rows > src_rows) return;
+  const unsigned* s = src + j * rows * src_stride;
+  for (i64 r = blockIdx.y; r < rows; r += gridDim.y)
+  for (i64 c = i64(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += i64(gridDim.x) * blockDim.x)
+    dst[r * dst_stride + c] = s[r * src_stride + c];
 }
 
 extern "C" __global__ void add_rows(float* out, i64 os, const float* a, i64 as, const float* b, i64 bs, i64 cols,

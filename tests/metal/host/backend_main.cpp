@@ -908,6 +908,51 @@ int run_ops(const std::string& msl) {
     check_i32(b, "advance_position", "out of place", q);
     check_i32(b, "advance_position", "in place", p);
   }
+  if (wanted("accept_drafts")) {
+    // All drafts agree, some, none, a lone pending token; rows with a stride (views of a wider tensor).
+    const std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> cases = {
+        {{7, 3, 4, 5}, {3, 4, 5, 9}}, {{7, 3, 4, 5}, {3, 4, 6, 9}}, {{7, 3, 4, 5}, {2, 4, 5, 9}}, {{7}, {8}}};
+    for (size_t ci = 0; ci < cases.size(); ++ci) {
+      const auto& [ids, y] = cases[ci];
+      const int64_t n = int64_t(ids.size());
+      std::vector<int32_t> wide_ids, wide_y;
+      for (int64_t r = 0; r < n; ++r) wide_ids.insert(wide_ids.end(), {ids[size_t(r)], -5}), wide_y.insert(wide_y.end(), {-6, y[size_t(r)]});
+      auto ti = b.i32(n, 2, wide_ids), ty = b.i32(n, 2, wide_y), pos = b.i32(1, 1, {41});
+      auto acc = b.i32(1, 1, {-1}), nxt = b.i32(1, 1, {-1}), out = b.i32(1, 1, {-1});
+      auto col = [](const Tensor& t, int64_t c) {
+        Tensor v = t;
+        v.cols = 1;
+        v.offset += uint64_t(c);  // in elements
+        return v;
+      };
+      b.run(Phase::Decode, [&](Ops& o, bool m) {
+        o.accept_drafts(col(m ? ti.m : ti.c, 0), col(m ? ty.m : ty.c, 1), m ? pos.m : pos.c, m ? acc.m : acc.c,
+                        m ? nxt.m : nxt.c, m ? out.m : out.c);
+        o.accept_drafts(col(m ? ti.m : ti.c, 0), col(m ? ty.m : ty.c, 1), m ? pos.m : pos.c, m ? acc.m : acc.c,
+                        m ? nxt.m : nxt.c, m ? pos.m : pos.c);  // in place, after the first read it
+      });
+      const std::string name = "case " + std::to_string(ci);
+      check_i32(b, "accept_drafts", name + " accepted", acc);
+      check_i32(b, "accept_drafts", name + " next_id", nxt);
+      check_i32(b, "accept_drafts", name + " pos_out", out);
+      check_i32(b, "accept_drafts", name + " pos in place", pos);
+    }
+  }
+  if (wanted("copy_rows_at")) {
+    // Blocks of 3 rows of a [12, 37] f32 source with a row stride, picked by index + offset, and indexes that fall
+    // outside (dst keeps its random rows); an i32 source.
+    auto src = b.f32(12, 40);
+    Tensor sc = src.c, sm = src.m;
+    sc.cols = sm.cols = 37;
+    for (auto [index, offset] : std::vector<std::pair<int32_t, int64_t>>{{2, 0}, {0, 1}, {3, 0}, {3, 1}, {-1, 0}, {1, 2}}) {
+      auto dst = b.f32(3, 37), idx = b.i32(1, 1, {index});
+      b.run(Phase::Decode, [&](Ops& o, bool m) { o.copy_rows_at(m ? sm : sc, m ? idx.m : idx.c, offset, m ? dst.m : dst.c); });
+      check_f32(b, "copy_rows_at", "f32 index " + std::to_string(index) + " offset " + std::to_string(offset), dst, 0);
+    }
+    auto ints = b.i32(4, 2, {0, 1, 2, 3, 4, 5, 6, 7}), one = b.i32(1, 2, {-1, -1}), idx = b.i32(1, 1, {2});
+    b.run(Phase::Decode, [&](Ops& o, bool m) { o.copy_rows_at(m ? ints.m : ints.c, m ? idx.m : idx.c, 1, m ? one.m : one.c); });
+    check_i32(b, "copy_rows_at", "i32", one);
+  }
   if (wanted("sample")) {
     // Greedy, then seeded draws: temperature alone, top-k, top-p, min-p, everything with penalties. Five draws each
     // from one seeded stream; ids, penalty state, ring and the mt19937_64 words must equal the CPU's.
