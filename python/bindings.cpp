@@ -1192,6 +1192,7 @@ NB_MODULE(_core, m) {
              d["trials"] = m.trials;
              d["plain_tokens"] = m.plain_tokens;
              d["k_sum"] = m.k_sum;
+             d["queued"] = m.queued;
              return d;
            })
       .def("mtp_cache_valid", [](PySession& s) { return s.s->mtp_cache_valid(); })

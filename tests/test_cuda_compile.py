@@ -72,6 +72,27 @@ def test_model_compiles_dry(checkpoints, name, arch, cache):
         assert r["graphs"]["launches_per_decode_step"] > 0
 
 
+@pytest.mark.parametrize("arch", ARCHES)
+def test_speculative_loop_compiles_dry(tmp_path, arch, cache):
+    """mtp="on" through the CUDA host code: drafts, the verify forward, the device-side accept decision and its
+    rollback copies (kernels/backend.cu accept_drafts, copy_rows_at) compiled and launched, iterations queued."""
+    path = write_synthetic_checkpoint(tmp_path / "m", TINY_CONFIG, fmt="mlx", bits=4, mtp_layers=1, seed=4)
+    with lily.Engine(lily.engine.load_checkpoint(path), backend="cuda", prefill_chunk=16, mtp="on",
+                     backend_options={"dry_arch": arch, "cache_dir": cache}) as e:
+        s = e.session(max_context=128)
+        s.prefill(list(range(20)))
+        for sp in (lily.SamplingParams(temperature=0), lily.SamplingParams(temperature=0.7, repetition_penalty=1.1,
+                                                                           seed=2)):
+            list(s.generate(12, sp, stop_token_ids=[], mtp="on", mtp_k=3))
+            st = s.mtp_stats()
+            assert st["steps"] > 0 and st["queued"] > 0, st
+    # Dry launches do not look kernels up by name: the compiled module (in the disk cache) must define them.
+    from pathlib import Path
+    cubins = [f.read_bytes() for f in Path(cache).rglob("*.cubin")]
+    for name in (b"accept_drafts", b"copy_rows_at"):
+        assert any(name in c for c in cubins), name
+
+
 def test_a_decode_step_that_writes_a_restore_is_not_memoised(checkpoints, cache):
     """The decode step that feeds a restored snapshot's pending token also copies the restore and reads the
     snapshot's state (Session::restore writes nothing itself): a step that never recurs, begun with `once`, so the

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <random>
 
 namespace lily {
@@ -617,27 +618,26 @@ std::vector<float> Session::draft_logits(int32_t token, int k) {
     throw std::invalid_argument("k=" + std::to_string(k) + " drafts at position " + std::to_string(P) +
                                 " exceed max_context " + std::to_string(st_.max_ctx));
   ensure_spec_locked();
-  Scratch& sc = spec_.sc;
+  Scratch& sc = spec_.parity[0].sc;
   ops_.upload(sc.ids.rows_view(0, 1), &token);
   {
     Step step(ops_, Phase::Prefill);
     const Tensor rows = sc.logits.rows_view(0, k);
-    encode_drafts_locked(k, &rows);  // exactly generate_mtp's drafts
+    encode_drafts_locked(sc, st_.now(), k, &rows);  // exactly generate_mtp's drafts
     ops_.wait(step.submit());
   }
   ops_.download(sc.logits.rows_view(0, k), out.data());
   return out;
 }
 
-// Drafts: draft j + 1 from (token j in spec_.sc.ids, h before it) at MTP position P - 1 + j; the first h is the
-// model's (after the last fed token), the next ones the block's own. Each draft's greedy id goes to ids row j + 1.
-void Session::encode_drafts_locked(int64_t k, const Tensor* logits_rows) {
-  Scratch& sc = spec_.sc;
+// Drafts: draft j + 1 from (token j in sc.ids, h before it) at MTP position P - 1 + j (P = in.pos); the first h is
+// the model's (in.mtp_h, after the last fed token), the next ones the block's own. Each draft's greedy id goes to
+// ids row j + 1.
+void Session::encode_drafts_locked(Scratch& sc, const StepState& in, int64_t k, const Tensor* logits_rows) {
   const SamplingParams greedy;
   for (int64_t j = 0; j < k; ++j) {
     const Tensor row = logits_rows ? logits_rows->rows_view(j, 1) : spec_.draft_logits;
-    model_.encode_mtp_draft(st_, sc, sc.ids.rows_view(j, 1), j == 0 ? st_.now().mtp_h : sc.mtp_draft_h,
-                            st_.now().pos, j - 1, row);
+    model_.encode_mtp_draft(st_, sc, sc.ids.rows_view(j, 1), j == 0 ? in.mtp_h : sc.mtp_draft_h, in.pos, j - 1, row);
     ops_.sample(row, spec_.draft_sampler, greedy, sc.ws, sc.ids.rows_view(j + 1, 1));
   }
 }
@@ -648,25 +648,28 @@ void Session::ensure_spec_locked() {
   const int64_t rows = kMaxMtpK + 1;
   Spec sp;
   try {
-    sp.sc = model_.new_scratch(rows, rows, st_.max_ctx);
-    sp.y = ops_.alloc("mtp_verify_ids", DType::I32, rows, 1);
     sp.draft_logits = ops_.alloc("mtp_draft_logits", DType::F32, 1, c.vocab);
     sp.draft_sampler.counts = ops_.alloc("mtp_draft_counts", DType::I32, 1, c.vocab);
     sp.draft_sampler.seen = ops_.alloc("mtp_draft_seen", DType::I32, 1, c.vocab);
     sp.draft_sampler.rng = ops_.alloc("mtp_draft_rng", DType::I32, 1, SamplerState::kRngWords);
     sp.draft_sampler.ring = ops_.alloc("mtp_draft_ring", DType::I32, 64, 1);
     sp.draft_sampler.ring_count = ops_.alloc("mtp_draft_ring_count", DType::I32, 1, 1);
-    sp.counts = ops_.alloc("mtp_counts_after_row", DType::I32, rows, c.vocab);
-    sp.seen = ops_.alloc("mtp_seen_after_row", DType::I32, rows, c.vocab);
-    sp.rng = ops_.alloc("mtp_rng_after_row", DType::I32, rows, SamplerState::kRngWords);
-    sp.conv.resize(size_t(c.layers));
-    sp.recurrent.resize(size_t(c.layers));
-    for (size_t li = 0; li < size_t(c.layers); ++li) {
-      if (c.full_attention[li]) continue;
-      const Tensor& cs = st_.now().conv[li];
-      const Tensor& rs = st_.now().recurrent[li];
-      sp.conv[li] = ops_.alloc("mtp_conv_after_row", DType::F32, kMaxMtpK * cs.rows, cs.cols);
-      sp.recurrent[li] = ops_.alloc("mtp_recurrent_after_row", DType::F32, kMaxMtpK * rs.rows, rs.cols);
+    for (Spec::Parity& q : sp.parity) {
+      q.sc = model_.new_scratch(rows, rows, st_.max_ctx);
+      q.y = ops_.alloc("mtp_verify_ids", DType::I32, rows, 1);
+      q.accepted = ops_.alloc("mtp_accepted", DType::I32, 1, 1);
+      q.counts = ops_.alloc("mtp_counts_after_row", DType::I32, kMaxMtpK, c.vocab);
+      q.seen = ops_.alloc("mtp_seen_after_row", DType::I32, kMaxMtpK, c.vocab);
+      q.rng = ops_.alloc("mtp_rng_after_row", DType::I32, kMaxMtpK, SamplerState::kRngWords);
+      q.conv.resize(size_t(c.layers));
+      q.recurrent.resize(size_t(c.layers));
+      for (size_t li = 0; li < size_t(c.layers); ++li) {
+        if (c.full_attention[li]) continue;
+        const Tensor& cs = st_.now().conv[li];
+        const Tensor& rs = st_.now().recurrent[li];
+        q.conv[li] = ops_.alloc("mtp_conv_after_row", DType::F32, kMaxMtpK * cs.rows, cs.cols);
+        q.recurrent[li] = ops_.alloc("mtp_recurrent_after_row", DType::F32, kMaxMtpK * rs.rows, rs.cols);
+      }
     }
   } catch (...) {
     std::swap(spec_, sp);
@@ -678,14 +681,76 @@ void Session::ensure_spec_locked() {
 }
 
 void Session::free_spec_locked() {
-  model_.free_scratch(spec_.sc);
-  for (Tensor* t : {&spec_.y, &spec_.draft_logits, &spec_.draft_sampler.counts, &spec_.draft_sampler.seen,
-                    &spec_.draft_sampler.rng, &spec_.draft_sampler.ring, &spec_.draft_sampler.ring_count,
-                    &spec_.counts, &spec_.seen, &spec_.rng})
+  for (Tensor* t : {&spec_.draft_logits, &spec_.draft_sampler.counts, &spec_.draft_sampler.seen,
+                    &spec_.draft_sampler.rng, &spec_.draft_sampler.ring, &spec_.draft_sampler.ring_count})
     ops_.release(*t);
-  for (auto* v : {&spec_.conv, &spec_.recurrent})
-    for (Tensor& t : *v) ops_.release(t);
+  for (Spec::Parity& q : spec_.parity) {
+    model_.free_scratch(q.sc);
+    for (Tensor* t : {&q.y, &q.accepted, &q.counts, &q.seen, &q.rng}) ops_.release(*t);
+    for (auto* v : {&q.conv, &q.recurrent})
+      for (Tensor& t : *v) ops_.release(t);
+  }
   spec_.ready = false;
+}
+
+// Iteration n of generate_mtp on parity p = n % 2: k drafts from the pending token (in sc.ids row 0), the verify
+// forward of the pending token and the drafts from state set `in` into set 1 - in, a token y_j for every row, and
+// the accept decision with the rollback to the state after the last accepted row, all on the device: the next
+// iteration's pending token goes to the other parity's ids row 0, so it can be queued behind this one before the
+// host has read anything (pipelined like generate()).
+uint64_t Session::submit_spec_locked(int64_t k, int p, int in, bool at_zero, bool injected,
+                                     const SamplingParams& params, bool penalties, StepStats& stats) {
+  const ModelConfig& c = model_.config();
+  Spec::Parity& q = spec_.parity[p];
+  Scratch& sc = q.sc;
+  const StepState& src = st_.sets[in];
+  const StepState& dst = st_.sets[1 - in];
+  const int64_t T = k + 1;
+  ChunkCapture cap;  // the DeltaNet state after rows 0 .. k-1 (after row k: the forward's output set)
+  cap.first = 0;
+  cap.count = k;
+  cap.conv.resize(size_t(c.layers));
+  cap.recurrent.resize(size_t(c.layers));
+  for (size_t li = 0; li < size_t(c.layers); ++li) {
+    if (c.full_attention[li]) continue;
+    cap.conv[li] = q.conv[li].rows_view(0, k * src.conv[li].rows);
+    cap.recurrent[li] = q.recurrent[li].rows_view(0, k * src.recurrent[li].rows);
+  }
+  Step step(ops_, Phase::Prefill, true);  // the same launches for the same k, parity and state set
+  if (!injected) encode_drafts_locked(sc, src, k, nullptr);
+  model_.encode_layers(st_, src, dst, sc, sc.ids, T, Phase::Prefill, k > 0 ? &cap : nullptr);
+  model_.encode_mtp_rows(st_, src, dst, sc, sc.ids, T, at_zero);
+  stats = ops_.stats();
+  const Tensor logits = sc.logits.rows_view(0, T);
+  model_.encode_logits(sc, 0, T, logits);
+  for (int64_t j = 0; j < T; ++j) {
+    ops_.sample(logits.rows_view(j, 1), st_.sampler, params, sc.ws, q.y.rows_view(j, 1));
+    if (penalties && j < k) {
+      ops_.copy(st_.sampler.counts, q.counts.rows_view(j, 1));
+      ops_.copy(st_.sampler.seen, q.seen.rows_view(j, 1));
+    }
+    if (!params.greedy() && j < k) ops_.copy(st_.sampler.rng, q.rng.rows_view(j, 1));
+  }
+  // a = accepted drafts; the state, position, logits, hidden and sampler become those after row a. Row k's are
+  // already in place (the forward wrote them), so a block past the captured rows copies nothing.
+  const Spec::Parity& next = spec_.parity[1 - p];
+  ops_.accept_drafts(sc.ids.rows_view(0, T), q.y.rows_view(0, T), src.pos, q.accepted, next.sc.ids.rows_view(0, 1),
+                     dst.pos);
+  ops_.copy_rows_at(logits, q.accepted, 0, dst.logits);  // the forward leaves its logits in the scratch
+  if (k > 0) {
+    for (size_t li = 0; li < size_t(c.layers); ++li) {
+      if (c.full_attention[li]) continue;
+      ops_.copy_rows_at(cap.conv[li], q.accepted, 0, dst.conv[li]);
+      ops_.copy_rows_at(cap.recurrent[li], q.accepted, 0, dst.recurrent[li]);
+    }
+    ops_.copy_rows_at(sc.mtp_hn.rows_view(0, T + 1), q.accepted, 1, dst.mtp_h);  // row j + 1: h after token j
+    if (penalties) {
+      ops_.copy_rows_at(q.counts.rows_view(0, k), q.accepted, 0, st_.sampler.counts);
+      ops_.copy_rows_at(q.seen.rows_view(0, k), q.accepted, 0, st_.sampler.seen);
+    }
+    if (!params.greedy()) ops_.copy_rows_at(q.rng.rows_view(0, k), q.accepted, 0, st_.sampler.rng);
+  }
+  return step.submit();
 }
 
 // Why the output is the model's, token for token (greedy) and in distribution (sampling): verify row j holds the
@@ -700,6 +765,12 @@ void Session::free_spec_locked() {
 // counts are rolled back to their state after the last kept row. So the n-th generated token always takes the
 // n-th number of the seeded stream, as in generate(): seeded output does not depend on k or on whether the call
 // drafts at all (a draw discarded with its row is independent of the choice to discard it: no bias).
+//
+// The pipeline: iteration n + 1 is queued before iteration n is read whenever it is safe whatever n accepts (it
+// cannot pass max_context, n cannot end the call by max_tokens, drafts are not injected, and the policy wants
+// drafts). It reads n's output set and writes n's input set, on the other parity's scratch and captures, so n's
+// results stay readable. When the caller keeps fewer of n's tokens than n accepted (a stop token, a cancel),
+// n + 1 is waited for and dropped, and n's output set is rolled back to the kept row from n's captures.
 std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& params,
                                   const std::vector<int32_t>& stop_ids,
                                   const std::function<int(int32_t, const float*)>& on_token, bool with_logits,
@@ -735,12 +806,14 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
     if (max_tokens == 0) return "length";
     if (P >= st_.max_ctx) return "context";
     ensure_spec_locked();
-    ops_.wait(start_sampler_locked(params, context, sp.sc.ws, sp.y.rows_view(0, 1)));
-    ops_.download(sp.y.rows_view(0, 1), &x);
+    const Tensor first = sp.parity[0].y.rows_view(0, 1);
+    ops_.wait(start_sampler_locked(params, context, sp.parity[0].sc.ws, first));
+    ops_.download(first, &x);
   }
   const Ops::Transfers before = ops_.transfers();
   int64_t forwards = 0;
-  auto account = [&] {  // generate_transfers(): per verify forward, one upload (the ids) and two id downloads
+  auto account = [&] {  // generate_transfers(): per verify forward two downloads (a, the tokens), uploads only
+                        // where nothing was queued to put the pending token on the device
     const Ops::Transfers& now = ops_.transfers();
     std::lock_guard<std::mutex> slk(state_mu_);
     loop_transfers_ = {forwards, now.uploads - before.uploads, now.downloads - before.downloads,
@@ -765,145 +838,173 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
   auto is_stop = [&](int32_t t) { return std::find(stop_ids.begin(), stop_ids.end(), t) != stop_ids.end(); };
   if (is_stop(x)) return "stop";
   if (first == 0) return "cancelled";
-  std::vector<int32_t> ids(size_t(kMaxMtpK + 1)), y(size_t(kMaxMtpK + 1));
-  for (;;) {
-    const int64_t remaining = max_tokens - delivered, room = st_.max_ctx - (P + 1);
-    if (remaining <= 0) return "length";
-    if (room <= 0) return "context";
-    // Up to k drafts, so that every token this forward can yield stays within max_tokens and max_context.
+  const bool injected = !draft_override_.empty();  // tests: drafts from a list, by context position (not queued)
+
+  // The k for an iteration that may yield up to `remaining` tokens with `room` rows of context left (0: a
+  // one-row forward, the limits leave no room for drafts; -1: the policy stops drafting).
+  auto plan = [&](int64_t remaining, int64_t room) -> int64_t {
     int64_t k = std::min<int64_t>({mtp_k, remaining - 1, room - 1});
-    if (policy && k > 0) {
-      MtpStats so_far;
-      {
-        std::lock_guard<std::mutex> slk(state_mu_);
-        so_far = mtp_stats_;
-      }
-      const double alpha =
-          (double(so_far.accepted) + policy->alpha0 * policy->weight) / (double(so_far.trials) + policy->weight);
-      const int best = policy->choose(alpha, int(k)).first;
-      if (best == 0) {  // drafting no longer pays: the rest without it, pipelined like generate()
-        {
-          std::lock_guard<std::mutex> lk(model_lock_);
-          ops_.upload(st_.slot[0], &x);
-        }
-        int64_t plain = 0;
-        auto count = [&](int32_t t, const float* l) {
-          const int answer = on_token(t, l);
-          plain += answer >= 0;
-          return answer;
-        };
-        const std::string why = plain_loop(max_tokens - delivered + 1, params, stop_ids, count, with_logits, P, 0, true);
-        std::lock_guard<std::mutex> slk(state_mu_);
-        mtp_stats_.plain_tokens = plain;
-        return why;
-      }
-      k = best;
+    if (!policy || k <= 0) return std::max<int64_t>(k, 0);
+    MtpStats so_far;
+    {
+      std::lock_guard<std::mutex> slk(state_mu_);
+      so_far = mtp_stats_;
     }
-    const int64_t T = k + 1;
+    const double alpha =
+        (double(so_far.accepted) + policy->alpha0 * policy->weight) / (double(so_far.trials) + policy->weight);
+    const int best = policy->choose(alpha, int(k)).first;
+    return best > 0 ? best : -1;
+  };
+  struct Iter {
+    int64_t k = 0;
+    int p = 0, in = 0;  // parity, the state set it reads
+    uint64_t fence = 0;
+    StepStats stats;
+    bool queued = false;  // submitted before the previous iteration was read
+  };
+  // Submits an iteration; with injected drafts (and only then) its ids come from the host: x and the drafts.
+  auto submit = [&](int64_t k, int p, int in, bool upload_x, bool at_zero) {
+    Iter it{k, p, in, 0, {}, false};
+    std::lock_guard<std::mutex> lk(model_lock_);
+    Scratch& sc = sp.parity[p].sc;
+    std::vector<int32_t> ids(size_t(k + 1));
     ids[0] = x;
-    const bool injected = !draft_override_.empty() && k > 0;
     if (injected) {
       for (int64_t j = 0; j < k; ++j) {  // the draft for the token at context index P + 1 + j
         const int64_t i = P + 1 + j - draft_override_start_;
         ids[size_t(j + 1)] = i >= 0 && i < int64_t(draft_override_.size()) ? draft_override_[size_t(i)] : 0;
       }
     }
-    int64_t a = 0;  // drafts accepted
+    if (injected || upload_x) ops_.upload(sc.ids.rows_view(0, injected ? k + 1 : 1), ids.data());
+    it.fence = submit_spec_locked(k, p, in, at_zero, injected && k > 0, params, penalties, it.stats);
+    return it;
+  };
+  // Decodes the rest without drafting (the policy found that drafting no longer pays), pipelined like generate().
+  auto plain = [&]() {
     {
       std::lock_guard<std::mutex> lk(model_lock_);
-      Scratch& sc = sp.sc;
-      ops_.upload(sc.ids.rows_view(0, injected ? T : 1), ids.data());
-      ChunkCapture cap;  // the DeltaNet state after rows 0 .. k-1 (after row k: the other state set)
-      cap.first = 0;
-      cap.count = k;
-      cap.conv.resize(size_t(c.layers));
-      cap.recurrent.resize(size_t(c.layers));
-      for (size_t li = 0; li < size_t(c.layers); ++li) {
-        if (c.full_attention[li]) continue;
-        cap.conv[li] = sp.conv[li].rows_view(0, k * st_.now().conv[li].rows);
-        cap.recurrent[li] = sp.recurrent[li].rows_view(0, k * st_.now().recurrent[li].rows);
-      }
-      StepStats stats;
-      {
-        Step step(ops_, Phase::Prefill, true);  // the same launches for the same k and state set
-        if (!injected) encode_drafts_locked(k, nullptr);
-        // Verify: the pending token and the drafts in one forward into the other state set.
-        model_.encode_layers(st_, st_.now(), st_.other(), sc, sc.ids, T, Phase::Prefill, k > 0 ? &cap : nullptr);
-        model_.encode_mtp_rows(st_, st_.now(), st_.other(), sc, sc.ids, T, P == 0);
-        stats = ops_.stats();
-        const Tensor logits = sc.logits.rows_view(0, T);
-        model_.encode_logits(sc, 0, T, logits);
-        ops_.copy(logits.rows_view(k, 1), st_.other().logits);
-        for (int64_t j = 0; j < T; ++j) {
-          ops_.sample(logits.rows_view(j, 1), st_.sampler, params, sc.ws, sp.y.rows_view(j, 1));
-          if (penalties && j < k) {
-            ops_.copy(st_.sampler.counts, sp.counts.rows_view(j, 1));
-            ops_.copy(st_.sampler.seen, sp.seen.rows_view(j, 1));
-          }
-          if (!params.greedy() && j < k) ops_.copy(st_.sampler.rng, sp.rng.rows_view(j, 1));
+      ops_.upload(st_.slot[0], &x);
+    }
+    int64_t plain_tokens = 0;
+    auto count = [&](int32_t t, const float* l) {
+      const int answer = on_token(t, l);
+      plain_tokens += answer >= 0;
+      return answer;
+    };
+    const std::string why = plain_loop(max_tokens - delivered + 1, params, stop_ids, count, with_logits, P, 0, true);
+    std::lock_guard<std::mutex> slk(state_mu_);
+    mtp_stats_.plain_tokens = plain_tokens;
+    return why;
+  };
+
+  Iter cur;
+  {
+    const int64_t remaining = max_tokens - delivered, room = st_.max_ctx - (P + 1);
+    if (remaining <= 0) return "length";
+    if (room <= 0) return "context";
+    const int64_t k = plan(remaining, room);
+    if (k < 0) return plain();
+    cur = submit(k, 0, st_.cur, true, P == 0);
+  }
+  std::vector<int32_t> y(size_t(kMaxMtpK + 1));
+  for (;;) {
+    std::optional<Iter> next;
+    if (!injected) {  // queue the next iteration if it is safe whatever this one accepts
+      const int64_t remaining_min = max_tokens - (delivered + cur.k + 1), room_min = st_.max_ctx - (P + cur.k + 2);
+      if (remaining_min >= 1 && room_min >= 1) {
+        const int64_t k = plan(remaining_min, room_min);
+        if (k > 0) {
+          next = submit(k, 1 - cur.p, 1 - cur.in, false, false);
+          next->queued = true;
         }
-        ops_.wait(step.submit());
       }
-      ops_.download(sc.ids.rows_view(0, T), ids.data());
-      ops_.download(sp.y.rows_view(0, T), y.data());
-      if (with_logits) ops_.download(sc.logits.rows_view(0, T), rows.data());
-      while (a < k && y[size_t(a)] == ids[size_t(a + 1)]) ++a;
+    }
+    const Spec::Parity& q = sp.parity[cur.p];
+    const int64_t T = cur.k + 1;
+    int32_t a = 0;
+    {
+      std::lock_guard<std::mutex> lk(model_lock_);
+      ops_.wait(cur.fence);
+      ops_.download(q.accepted, &a);
+      if (a < 0 || a > cur.k)  // never index the tokens with a corrupt count
+        throw std::runtime_error("generate_mtp: the device reported " + std::to_string(a) + " accepted drafts of " +
+                                 std::to_string(cur.k));
+      ops_.download(q.y.rows_view(0, T), y.data());
+      if (with_logits) ops_.download(q.sc.logits.rows_view(0, T), rows.data());
       ++forwards;
       std::lock_guard<std::mutex> slk(state_mu_);
-      decode_stats_ = stats;
+      decode_stats_ = cur.stats;
       mtp_stats_.steps += 1;
-      mtp_stats_.drafted += k;
+      mtp_stats_.drafted += cur.k;
       mtp_stats_.accepted += a;
-      mtp_stats_.trials += a + (a < k);  // compared drafts: the accepted ones and the first rejected one
-      mtp_stats_.k_sum += k;
+      mtp_stats_.trials += a + (a < cur.k);  // compared drafts: the accepted ones and the first rejected one
+      mtp_stats_.k_sum += cur.k;
+      mtp_stats_.queued += cur.queued;
     }
     account();
+    // Keeps rows 0 .. r of this iteration (the pending token and the tokens received but the last, which becomes
+    // the pending one: y_0 .. y_{m-1} received) and makes them the session's; m == a + 1 keeps all it accepted.
+    // When the call ends here, a queued iteration is waited for first (it reads this one's output set and writes
+    // its input set) and dropped.
+    auto keep = [&](int64_t m, bool ending) {
+      const int64_t r = std::max<int64_t>(m, 1) - 1;
+      std::lock_guard<std::mutex> lk(model_lock_);
+      if (ending && next) ops_.wait(next->fence);
+      if (r < a) {  // back from the state after row a to the one after row r: n's captures, n's scratch
+        const StepState& out = st_.sets[1 - cur.in];
+        Step step(ops_, Phase::Prefill);
+        for (size_t li = 0; li < size_t(c.layers); ++li) {
+          if (c.full_attention[li]) continue;
+          const int64_t cr = out.conv[li].rows, rr = out.recurrent[li].rows;
+          ops_.copy(q.conv[li].rows_view(r * cr, cr), out.conv[li]);
+          ops_.copy(q.recurrent[li].rows_view(r * rr, rr), out.recurrent[li]);
+        }
+        ops_.advance_position(out.pos, out.pos, r - a);
+        ops_.copy(q.sc.logits.rows_view(r, 1), out.logits);
+        ops_.copy(q.sc.mtp_hn.rows_view(r + 1, 1), out.mtp_h);
+        ops_.wait(step.submit());  // the sampler is not rolled back: the call ends here
+      }
+      std::lock_guard<std::mutex> slk(state_mu_);
+      st_.cur = 1 - cur.in;
+      tokens_.push_back(x);
+      tokens_.insert(tokens_.end(), y.begin(), y.begin() + r);
+      pending_ = m > 0 ? y[size_t(m - 1)] : -1;
+      has_logits_ = true;
+    };
     // Hand over y_0 .. y_a (drafts 1..a, then the model's token after them) one at a time.
     int64_t m = 0;  // tokens the caller received
     int answer = 1;
     bool stop = false;
-    for (int64_t i = 0; i <= a; ++i) {
-      answer = on_token(y[size_t(i)], with_logits ? rows.data() + i * vocab : nullptr);
-      if (answer < 0) break;
-      ++m;
-      ++delivered;
-      stop = is_stop(y[size_t(i)]);
-      if (stop || answer == 0) break;
-    }
-    // Keep rows 0 .. r: the pending token and the received tokens but the last, which becomes the pending one.
-    const int64_t r = std::max<int64_t>(m, 1) - 1;
-    {
-      std::lock_guard<std::mutex> lk(model_lock_);
-      if (r < k) {  // roll back to the state after row r, from the forward's capture: no recompute
-        Step step(ops_, Phase::Prefill, true);  // the same launches for the same k, r and state set
-        for (size_t li = 0; li < size_t(c.layers); ++li) {
-          if (c.full_attention[li]) continue;
-          const int64_t cr = st_.now().conv[li].rows, rr = st_.now().recurrent[li].rows;
-          ops_.copy(sp.conv[li].rows_view(r * cr, cr), st_.now().conv[li]);
-          ops_.copy(sp.recurrent[li].rows_view(r * rr, rr), st_.now().recurrent[li]);
-        }
-        // P + r + 1 from the verify's end P + k + 1 on the device (no host value in the launch: replayable).
-        // KV rows past it are rewritten before they are read.
-        ops_.advance_position(st_.other().pos, st_.now().pos, r - k);
-        ops_.copy(sp.sc.logits.rows_view(r, 1), st_.now().logits);
-        ops_.copy(sp.sc.mtp_hn.rows_view(r + 1, 1), st_.now().mtp_h);
-        if (penalties) {  // the sampler's counts after row r's token, the last one kept
-          ops_.copy(sp.counts.rows_view(r, 1), st_.sampler.counts);
-          ops_.copy(sp.seen.rows_view(r, 1), st_.sampler.seen);
-        }
-        if (!params.greedy()) ops_.copy(sp.rng.rows_view(r, 1), st_.sampler.rng);  // and its rng after row r's draw
-        ops_.wait(step.submit());
+    try {
+      for (int64_t i = 0; i <= a; ++i) {
+        answer = on_token(y[size_t(i)], with_logits ? rows.data() + i * vocab : nullptr);
+        if (answer < 0) break;
+        ++m;
+        ++delivered;
+        stop = is_stop(y[size_t(i)]);
+        if (stop || answer == 0) break;
       }
-      std::lock_guard<std::mutex> slk(state_mu_);
-      if (r == k) st_.cur = 1 - st_.cur;  // the forward's state after its last row is the session's
-      tokens_.insert(tokens_.end(), ids.begin(), ids.begin() + r + 1);
-      pending_ = m > 0 ? y[size_t(m - 1)] : -1;
-      has_logits_ = true;
+    } catch (...) {  // the caller's exception: the tokens it received stay, as after a cancel
+      keep(m, true);
+      throw;
     }
-    P += r + 1;
-    if (answer < 0 || answer == 0) return "cancelled";
-    if (stop) return "stop";
+    if (m < a + 1 || stop || answer <= 0) {
+      keep(m, true);
+      return stop ? "stop" : "cancelled";
+    }
+    keep(m, false);  // all of them: no rollback beyond the device's
+    P += a + 1;
     x = y[size_t(a)];
+    if (next) {
+      cur = *next;
+      continue;
+    }
+    const int64_t remaining = max_tokens - delivered, room = st_.max_ctx - (P + 1);
+    if (remaining <= 0) return "length";
+    if (room <= 0) return "context";
+    const int64_t k = plan(remaining, room);
+    if (k < 0) return plain();
+    cur = submit(k, 1 - cur.p, st_.cur, injected, false);  // x is in that parity's ids row 0 (accept_drafts put it there)
   }
 }
 

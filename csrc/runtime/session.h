@@ -149,6 +149,7 @@ struct MtpStats {
   int64_t trials = 0;    // drafts that were compared (accepted, plus the first rejected one of a forward)
   int64_t plain_tokens = 0;  // tokens the adaptive policy decoded without drafting (it switched off)
   int64_t k_sum = 0;         // sum of the k chosen per verify forward (mean k = k_sum / steps)
+  int64_t queued = 0;        // verify forwards queued on the device before the previous one was read
 };
 
 // generate_mtp's adaptive choice (mtp="auto"): cost[k] is the measured time of one iteration with k drafts
@@ -308,20 +309,31 @@ class Session {
                          const std::function<int(int32_t, const float*)>& on_token, bool with_logits, int64_t P,
                          uint64_t fence, bool first_delivered);
   // Speculative decoding's buffers, allocated on first use (model lock held) and freed with the session.
+  // Iteration n of generate_mtp uses parity[n % 2], so that iteration n + 1 can run while n's results are read.
   struct Spec {
-    Scratch sc;                           // k + 1 rows; sc.ids: the verify input (pending token, drafts)
-    Tensor y;                             // I32 [k + 1, 1]: the model's token for each verify row
-    Tensor draft_logits;                  // F32 [1, vocab]
-    SamplerState draft_sampler;           // drafts are greedy: its state is never read back
-    Tensor counts, seen;                  // I32 [k + 1, vocab]: the penalty state after each row's sample
-    Tensor rng;                           // I32 [k + 1, kRngWords]: the sampler's rng after each row's draw
-    std::vector<Tensor> conv, recurrent;  // per layer (DeltaNet): the state after rows 0 .. k-1 (capture)
+    struct Parity {
+      Scratch sc;                           // k + 1 rows; sc.ids: the verify input (pending token, drafts)
+      Tensor y;                             // I32 [k + 1, 1]: the model's token for each verify row
+      Tensor accepted;                      // I32 [1, 1]: drafts accepted (accept_drafts)
+      Tensor counts, seen;                  // I32 [k, vocab]: the penalty state after each row's sample
+      Tensor rng;                           // I32 [k, kRngWords]: the sampler's rng after each row's draw
+      std::vector<Tensor> conv, recurrent;  // per layer (DeltaNet): the state after rows 0 .. k-1 (capture)
+    };
+    Parity parity[2];
+    Tensor draft_logits;         // F32 [1, vocab]
+    SamplerState draft_sampler;  // drafts are greedy: its state is never read back
     bool ready = false;
   };
   void ensure_spec_locked();
-  // Encodes k chained greedy drafts into the open step (spec_.sc.ids row 0 holds the token they follow); their
-  // logits go to logits_rows [k, vocab] when given, else each to spec_.draft_logits. Model lock held.
-  void encode_drafts_locked(int64_t k, const Tensor* logits_rows);
+  // Encodes k chained greedy drafts into the open step (sc.ids row 0 holds the token they follow, `in` the state
+  // they start from); their logits go to logits_rows [k, vocab] when given, else each to spec_.draft_logits.
+  // Model lock held.
+  void encode_drafts_locked(Scratch& sc, const StepState& in, int64_t k, const Tensor* logits_rows);
+  // Encodes and submits one speculative iteration (generate_mtp): k drafts (unless `injected`: sc.ids holds
+  // them), the verify forward from st_.sets[in] into the other set, the samples and the accept decision with its
+  // rollback on the device. Writes the forward's op counts to stats; returns the fence. Model lock held.
+  uint64_t submit_spec_locked(int64_t k, int p, int in, bool at_zero, bool injected, const SamplingParams& params,
+                              bool penalties, StepStats& stats);
   void free_spec_locked();
   Spec spec_;
   std::vector<int32_t> draft_override_;  // guarded by busy_

@@ -49,6 +49,9 @@ BEST_CASE_ACCEPTANCE, MIN_BEST_CASE_SPEEDUP = 0.9, 1.05
 # The prior for a model not seen drafting yet (weighted as this many trials): optimistic enough to try.
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 4.0
 _COST_FILE = "mtp_costs.json"
+# Part of the cache key: the speculative loop's cost changes with its implementation (2: the accept decision on
+# the device and iterations queued behind each other), so costs measured by an older loop are measured again.
+_LOOP_VERSION = 2
 
 
 def check_mode(mode: object, name: str) -> str:
@@ -195,7 +198,7 @@ class MtpController:
     def _key(self) -> str:
         e = self._engine
         core = e._core.report()
-        return f"{e.fingerprint}|{core['backend']}|{core['device']}"
+        return f"{e.fingerprint}|{core['backend']}|{core['device']}|loop{_LOOP_VERSION}"
 
     def _measure_locked(self) -> None:
         key = self._key()

@@ -194,8 +194,10 @@ class Session:
         (verify forwards), ``drafted`` and ``accepted`` draft tokens, ``trials`` (drafts compared: the accepted
         ones and each forward's first rejected one), ``acceptance_rate`` (accepted / drafted),
         ``mean_acceptance_length`` (tokens per verify forward: (accepted + steps) / steps, 1.0 when nothing is
-        accepted), ``mean_k`` (drafts per forward, chosen per forward under "auto") and ``plain_tokens``
-        (tokens "auto" decoded without drafting after it found drafting no longer paid). All zero after a call
+        accepted), ``mean_k`` (drafts per forward, chosen per forward under "auto"), ``plain_tokens``
+        (tokens "auto" decoded without drafting after it found drafting no longer paid) and ``queued`` (verify
+        forwards queued on the device behind the previous one before the host had read it: the accept decision
+        runs on the device, so the host's reading overlaps the next forward). All zero after a call
         that did not draft. The engine-wide decision: ``engine.report()["mtp"]["policy"]``."""
         m = dict(self._core.last_mtp_stats())
         m["acceptance_rate"] = m["accepted"] / m["drafted"] if m["drafted"] else 0.0
