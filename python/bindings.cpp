@@ -248,6 +248,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("device").is_none()) o.device = nb::cast<int>(opt("device"));
     if (!opt("graphs").is_none()) o.graphs = nb::cast<bool>(opt("graphs"));
     if (!opt("speculative_graphs").is_none()) o.speculative_graphs = nb::cast<bool>(opt("speculative_graphs"));
+    if (!opt("mtp_verify_decode").is_none()) o.mtp_verify_decode = nb::cast<bool>(opt("mtp_verify_decode"));
     if (!opt("branches").is_none()) o.branches = nb::cast<bool>(opt("branches"));
     if (!opt("pdl").is_none())  // True / False as before ("all" / "off")
       o.pdl = mode_option("pdl", opt("pdl"),

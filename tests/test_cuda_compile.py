@@ -72,20 +72,29 @@ def test_model_compiles_dry(checkpoints, name, arch, cache):
         assert r["graphs"]["launches_per_decode_step"] > 0
 
 
+@pytest.mark.parametrize("verify_decode", [False, True])
 @pytest.mark.parametrize("arch", ARCHES)
-def test_speculative_loop_compiles_dry(tmp_path, arch, cache):
-    """mtp="on" through the CUDA host code: drafts, the verify forward, the device-side accept decision and its
-    rollback copies (kernels/backend.cu accept_drafts, copy_rows_at) compiled and launched, iterations queued."""
+def test_speculative_loop_compiles_dry(tmp_path, arch, cache, verify_decode):
+    """mtp="on" through the CUDA host code: drafts, the verify forward (the prefill path, or with mtp_verify_decode
+    the decode kernels over k + 1 rows), the device-side accept decision and its rollback copies
+    (kernels/backend.cu accept_drafts, copy_rows_at) compiled and launched, iterations queued; the report's
+    decode-step figures stay those of plain decode steps."""
     path = write_synthetic_checkpoint(tmp_path / "m", TINY_CONFIG, fmt="mlx", bits=4, mtp_layers=1, seed=4)
     with lily.Engine(lily.engine.load_checkpoint(path), backend="cuda", prefill_chunk=16, mtp="on",
-                     backend_options={"dry_arch": arch, "cache_dir": cache}) as e:
+                     backend_options={"dry_arch": arch, "cache_dir": cache, "mtp_verify_decode": verify_decode}) as e:
         s = e.session(max_context=128)
         s.prefill(list(range(20)))
+        list(s.generate(4, lily.SamplingParams(temperature=0), stop_token_ids=[], mtp="off"))
+        plain_launches = e.report()["cuda"]["graphs"]["launches_per_decode_step"]
         for sp in (lily.SamplingParams(temperature=0), lily.SamplingParams(temperature=0.7, repetition_penalty=1.1,
                                                                            seed=2)):
             list(s.generate(12, sp, stop_token_ids=[], mtp="on", mtp_k=3))
             st = s.mtp_stats()
             assert st["steps"] > 0 and st["queued"] > 0, st
+        rep = e.report()["cuda"]
+        assert rep["graphs"]["launches_per_decode_step"] == plain_launches
+        said = [o for o in e.report()["optimizations"] if "MTP verify" in o or "verify their k + 1 rows" in o]
+        assert len(said) == 1 and said[0].startswith("not active") != verify_decode, said
     # Dry launches do not look kernels up by name: the compiled module (in the disk cache) must define them.
     from pathlib import Path
     cubins = [f.read_bytes() for f in Path(cache).rglob("*.cubin")]

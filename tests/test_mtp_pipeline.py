@@ -8,13 +8,14 @@ word.
 Run with the packaged lily-tiny and its trained MTP head, whose drafts are accepted often but not always, so that
 full, partial and no acceptance all happen inside queued iterations (the synthetic test models' random heads accept
 nearly nothing). Every check is against the plain loop: the same tokens, and a state equal bit for bit to a session
-prefilled with the same tokens (the CPU's verify forward and prefill run the same products: bits independent of the
-row count).
+that fed the prompt by prefill and the generated tokens by decode steps (the CPU verifies in the decode phase, whose
+products sum each row as a one-row step does).
 
 Breaks tried, each made tests here fail: accept_drafts counting one draft too many (every loop test);
 copy_rows_at ignoring its offset (the op test, and the block's hidden in the state checks); the device's rollback
 of the recurrent state left out (every loop test); the host's cut leaving the position at the accepted row (the
-stop-token test).
+stop-token test); the iteration in the prefill phase instead of the decode phase (every state check: a prefill's
+products round differently from the decode step's).
 """
 
 from __future__ import annotations
@@ -50,15 +51,18 @@ def state(session):
     return session.snapshot()._core.to_arrays()
 
 
-def assert_prefilled_state(engine, s, tokens):
-    """s holds `tokens` with the state, bit for bit, of a session prefilled with those it fed (all but a pending
-    last one); the MTP block's cache up to the row it has computed (position - 1)."""
+def assert_plain_state(engine, s, prompt, tokens):
+    """s holds `tokens` with the state, bit for bit, of a session that prefilled `prompt` and stepped through the
+    rest of those it fed (all but a pending last one); the MTP block's cache up to the row it has computed
+    (position - 1)."""
     assert s.tokens == tokens
     x = state(s)
     pending = np.asarray(x["pending"]).ravel()
     fed = tokens[:-1] if pending.size and pending[0] >= 0 else tokens
     ref = engine.session(max_context=s.max_context)
-    ref.prefill(fed)
+    ref.prefill(prompt)
+    for t in fed[len(prompt):]:
+        ref.step(t)
     y = state(ref)
     assert x.keys() == y.keys()
     last_kv = max(int(n.split(".")[1]) for n in x if n.startswith("kv."))
@@ -138,7 +142,7 @@ def test_queued_iterations_give_the_plain_tokens_and_state(tiny, prompt, base, k
     # Full, partial and no acceptance all happened, and the iterations were queued behind each other.
     assert 0 < st["accepted"] < st["drafted"], st
     assert st["queued"] >= st["steps"] - 3, st
-    assert_prefilled_state(tiny, s, prompt + out)
+    assert_plain_state(tiny, s, prompt, prompt + out)
     # The pending token went to the device by accept_drafts: the host uploaded only the first one, and read two
     # things per forward (the accepted count, the tokens).
     t = s.stats()["generate_transfers"]
@@ -162,7 +166,7 @@ def test_a_stop_token_inside_a_queued_run(tiny, prompt, base):
         s.prefill(prompt)
         out = list(s.generate(40, GREEDY, stop_token_ids=[stop], mtp="on", mtp_k=4))
         assert out == cut and s.finish_reason == "stop", i
-        assert_prefilled_state(tiny, s, prompt + out)
+        assert_plain_state(tiny, s, prompt, prompt + out)
         assert list(s.generate(6, GREEDY, stop_token_ids=[], mtp="on", mtp_k=3)) == base[len(cut): len(cut) + 6]
 
 
@@ -174,7 +178,7 @@ def test_closing_the_iterator_inside_a_queued_run(tiny, prompt, base):
         seen = [next(g) for _ in range(n)]
         g.close()
         assert seen == base[:n]
-        assert_prefilled_state(tiny, s, prompt + seen)
+        assert_plain_state(tiny, s, prompt, prompt + seen)
 
 
 def test_an_exception_in_the_callback_keeps_what_was_received(tiny, prompt, base):
@@ -192,7 +196,7 @@ def test_an_exception_in_the_callback_keeps_what_was_received(tiny, prompt, base
         with pytest.raises(RuntimeError, match="caller failed"):
             s._core.generate(40, GREEDY.to_core(), [], on_token, False, 4)
         assert got == base[:n]
-        assert_prefilled_state(tiny, s, prompt + got)
+        assert_plain_state(tiny, s, prompt, prompt + got)
         assert list(s.generate(5, GREEDY, stop_token_ids=[], mtp="on", mtp_k=2)) == base[n: n + 5]
 
 

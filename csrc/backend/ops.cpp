@@ -34,6 +34,7 @@ void Ops::begin(Phase phase, bool repeats, bool once) {
   phase_ = phase;
   repeats_ = repeats;
   once_ = once;
+  speculative_ = false;
   tracker_.begin();
   in_step_ = true;
 }

@@ -182,6 +182,10 @@ class Ops {
   virtual const char* name() const = 0;
   virtual std::string device() const = 0;
   virtual int threads() const { return 1; }
+  // The most rows a decode-phase forward may hold. Speculative decoding verifies its k + 1 rows in the decode
+  // phase up to this (the decode kernels then compute each row as a one-row decode step would), else in the
+  // prefill phase. 1 where the decode kernels take one row.
+  virtual int64_t decode_rows() const { return 1; }
 
   // ---- memory (outside steps; not recorded) ----
   Tensor alloc(const std::string& label, DType dtype, int64_t rows, int64_t cols);  // zeroed
@@ -218,6 +222,10 @@ class Ops {
   const StepStats& stats() const { return tracker_.stats(); }
   Phase phase() const { return phase_; }
   bool repeats() const { return !once_ && (phase_ == Phase::Decode || repeats_); }
+  // Marks the open step as a speculative (MTP) iteration, so a backend keeps its decode-step figures (launches
+  // per step, GPU time) to plain decode steps when the iteration runs in the decode phase. Cleared by begin().
+  void mark_speculative() { speculative_ = true; }
+  bool speculative() const { return speculative_; }
 
   // Host transfers so far (the decode loop counts its own: one id read per token).
   struct Transfers {
@@ -572,6 +580,7 @@ class Ops {
   Phase phase_ = Phase::Prefill;
   bool repeats_ = false;
   bool once_ = false;
+  bool speculative_ = false;
 };
 
 }  // namespace lily

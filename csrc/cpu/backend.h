@@ -66,6 +66,8 @@ class CpuOps final : public Ops {
   const char* name() const override { return "cpu"; }
   std::string device() const override;
   int threads() const override { return pool_.size(); }
+  // The GEMV path and the decode MoE take any number of rows, each row's sums in the order of a one-row call.
+  int64_t decode_rows() const override { return 8; }
   const CpuOptions& options() const { return opt_; }
 
   void release(Tensor& t) override;

@@ -581,7 +581,7 @@ uint64_t CudaOps::submit_impl() {
   const uint64_t fence = ++last_fence_;
   steps_launches_ = int64_t(launches_.size());
   if (opt_.dry_arch) {
-    if (phase() == Phase::Decode && repeats() && !launches_.empty()) {  // a decode step's host side, without a GPU
+    if (decode_step() && repeats() && !launches_.empty()) {  // a decode step's host side, without a GPU
       graph_stats_.last_decode_launches = int64_t(launches_.size());
       graph_stats_.last_decode_host_us =
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - encode_t0_).count();
@@ -643,7 +643,7 @@ uint64_t CudaOps::submit_impl() {
         ++graph_stats_.replayed;
       }
       // Decode replays only (not captures, not speculative iterations): the report's decode GPU time.
-      const bool timed = hit != graphs_.size() && phase() == Phase::Decode && drv().cuEventElapsedTime;
+      const bool timed = hit != graphs_.size() && decode_step() && drv().cuEventElapsedTime;
       std::pair<CUevent, CUevent> ev{nullptr, nullptr};
       if (timed) {
         if (!spare_timing_.empty()) {
@@ -656,7 +656,7 @@ uint64_t CudaOps::submit_impl() {
         check(drv().cuEventRecord(ev.first, stream_), "cuEventRecord");
       }
       check(drv().cuGraphLaunch(graphs_.front()->exec, stream_), "cuGraphLaunch");
-      if (phase() == Phase::Decode)
+      if (decode_step())
         graph_stats_.last_decode_host_us =
             std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - encode_t0_).count();
       if (timed) {
@@ -665,7 +665,7 @@ uint64_t CudaOps::submit_impl() {
         graph_stats_.replay_host_us_sum += graph_stats_.last_decode_host_us;
         ++graph_stats_.replay_host_n;
       }
-      if (phase() == Phase::Decode) {
+      if (decode_step()) {
         graph_stats_.last_decode_launches = int64_t(launches_.size());
         graph_stats_.last_decode_nodes = int64_t(graphs_.front()->nodes);
       } else {
@@ -675,7 +675,7 @@ uint64_t CudaOps::submit_impl() {
       issue_staged();
       ++graph_stats_.direct_steps;
       // (not a one-off decode step that also writes a restore: the report's figure is the steady step's)
-      if (phase() == Phase::Decode && repeats()) graph_stats_.last_decode_launches = int64_t(launches_.size());
+      if (decode_step() && repeats()) graph_stats_.last_decode_launches = int64_t(launches_.size());
     }
     CUevent e = nullptr;
     if (!spare_events_.empty()) {
@@ -880,6 +880,11 @@ void CudaOps::advance_position_impl(const Tensor& pos_in, const Tensor& pos_out,
   launch(kernel("backend", "advance_position"), Dim3{1, 1, 1}, Dim3{32, 1, 1}, 0, ptr(pos_in), ptr(pos_out), int(T));
 }
 
+int64_t CudaOps::decode_rows() const {
+  // The decode GEMV takes up to 16 rows, the fused decode MoE any; 8 covers a verify of 4 drafts with room.
+  return opt_.mtp_verify_decode ? 8 : 1;
+}
+
 void CudaOps::accept_drafts_impl(const Tensor& ids, const Tensor& y, const Tensor& pos_in, const Tensor& accepted,
                                  const Tensor& next_id, const Tensor& pos_out) {
   launch(kernel("backend", "accept_drafts"), Dim3{1, 1, 1}, Dim3{32, 1, 1}, 0, ptr(ids), ids.stride, ptr(y), y.stride,
@@ -919,6 +924,11 @@ std::vector<std::string> CudaOps::optimizations() const {
                     "state set and kept row; graphs.speculative_replays)"
                   : "not active: speculative iterations as graphs (speculative_graphs=False): encoded and launched "
                     "from the host each time");
+  o.push_back(opt_.mtp_verify_decode
+                  ? "speculative (MTP) iterations verify their k + 1 rows through the decode kernels (up to " +
+                        std::to_string(decode_rows()) + " rows: GEMV, the fused decode MoE), drafts as decode rows"
+                  : "not active: MTP verify through the decode kernels (mtp_verify_decode=False, not yet measured on a "
+                    "GPU): speculative iterations run the prefill path");
   o.push_back("kernels compiled by NVRTC for sm_" + std::to_string(info_.arch()) +
               " with the model's dimensions as compile-time constants; on-disk cache " +
               (opt_.cache_dir.empty() ? std::string("off (no cache directory)") : "at " + opt_.cache_dir));

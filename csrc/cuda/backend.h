@@ -52,6 +52,9 @@ struct CudaOptions {
   // Speculative (MTP) iterations too: their steps are marked repeating (Ops::begin), so the encode memo and
   // graph replay apply to them as to decode steps (needs graphs / encode_memo for each).
   bool speculative_graphs = true;
+  // Speculative iterations verify their k + 1 rows through the decode kernels (GEMV, the fused decode MoE: each
+  // row as a decode step computes it) instead of the prefill path; drafts run as decode rows too.
+  bool mtp_verify_decode = false;
   bool branches = true;              // independent launches of a stage on parallel streams / graph branches
   // Decode encode memo: an op whose arguments equal (byte for byte) those of an op already encoded in a decode
   // step reuses its recorded launches instead of running its host code again (forgotten at any allocation,
@@ -228,7 +231,10 @@ class CudaOps final : public Ops {
     int64_t speculative_replays = 0;         // speculative (MTP) iteration steps replayed as graphs
   };
   // Whether this step's launches may come from the encode memo and a graph (Ops::repeats).
-  bool replayable() const { return repeats() && (phase() == Phase::Decode || opt_.speculative_graphs); }
+  bool replayable() const { return repeats() && (decode_step() || opt_.speculative_graphs); }
+  // A plain decode step (not a speculative iteration run in the decode phase): what the decode figures count.
+  bool decode_step() const { return phase() == Phase::Decode && !speculative(); }
+  int64_t decode_rows() const override;
   const GraphStats& graph_stats() const { return graph_stats_; }
   const std::map<std::string, std::string>& variants() const { return variants_; }
   // Bytes by kind: weights (registered mappings), and allocations by label prefix.

@@ -68,7 +68,9 @@ void Qwen36::moe_block(const LayerWeights& L, Scratch& sc, int64_t T, const Tens
 void Qwen36::encode_layers(SessionState& st, const StepState& in, const StepState& out, Scratch& sc,
                            const Tensor& ids, int64_t T, Phase phase, const ChunkCapture* capture) {
   if (T <= 0 || T > sc.rows) throw std::logic_error("encode_layers: chunk larger than scratch");
-  if (phase == Phase::Decode && T != 1) throw std::logic_error("encode_layers: decode runs one token");
+  if (phase == Phase::Decode && T > ops_.decode_rows())
+    throw std::logic_error("encode_layers: a decode-phase forward of " + std::to_string(T) + " rows (the backend takes " +
+                           std::to_string(ops_.decode_rows()) + ")");
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
   ops_.embed(ids.rows_view(0, T), w_.embed, r(sc.h));
   for (size_t li = 0; li < w_.layers.size(); ++li) {

@@ -466,7 +466,8 @@ uint64_t Session::start_sampler_locked(const SamplingParams& params, const std::
   const uint64_t seed = params.has_seed ? params.seed : std::random_device{}();
   ops_.upload(st_.sampler.rng, sampler_rng_words(seed).data());
   ops_.upload(st_.sampler.seen, sampler_seen_mask(context, model_.config().vocab).data());
-  Step step(ops_, Phase::Decode);
+  // Once per call, not a decode step: a backend neither replays it nor counts it in its decode-step figures.
+  Step step(ops_, Phase::Decode, false, true);
   ops_.fill(st_.sampler.counts, 0);
   ops_.fill(st_.sampler.ring_count, 0);
   ops_.sample(st_.now().logits, st_.sampler, params, ws, first_id);
@@ -621,9 +622,9 @@ std::vector<float> Session::draft_logits(int32_t token, int k) {
   Scratch& sc = spec_.parity[0].sc;
   ops_.upload(sc.ids.rows_view(0, 1), &token);
   {
-    Step step(ops_, Phase::Prefill);
+    Step step(ops_, verify_phase(k));
     const Tensor rows = sc.logits.rows_view(0, k);
-    encode_drafts_locked(sc, st_.now(), k, &rows);  // exactly generate_mtp's drafts
+    encode_drafts_locked(sc, st_.now(), k, &rows);  // exactly generate_mtp's drafts (the phase included)
     ops_.wait(step.submit());
   }
   ops_.download(sc.logits.rows_view(0, k), out.data());
@@ -716,9 +717,11 @@ uint64_t Session::submit_spec_locked(int64_t k, int p, int in, bool at_zero, boo
     cap.conv[li] = q.conv[li].rows_view(0, k * src.conv[li].rows);
     cap.recurrent[li] = q.recurrent[li].rows_view(0, k * src.recurrent[li].rows);
   }
-  Step step(ops_, Phase::Prefill, true);  // the same launches for the same k, parity and state set
+  const Phase phase = verify_phase(k);
+  Step step(ops_, phase, true);  // the same launches for the same k, parity and state set
+  ops_.mark_speculative();
   if (!injected) encode_drafts_locked(sc, src, k, nullptr);
-  model_.encode_layers(st_, src, dst, sc, sc.ids, T, Phase::Prefill, k > 0 ? &cap : nullptr);
+  model_.encode_layers(st_, src, dst, sc, sc.ids, T, phase, k > 0 ? &cap : nullptr);
   model_.encode_mtp_rows(st_, src, dst, sc, sc.ids, T, at_zero);
   stats = ops_.stats();
   const Tensor logits = sc.logits.rows_view(0, T);

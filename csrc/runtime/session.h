@@ -334,6 +334,9 @@ class Session {
   // rollback on the device. Writes the forward's op counts to stats; returns the fence. Model lock held.
   uint64_t submit_spec_locked(int64_t k, int p, int in, bool at_zero, bool injected, const SamplingParams& params,
                               bool penalties, StepStats& stats);
+  // The phase of an iteration with k drafts (drafts and verify): decode where the backend's decode kernels take
+  // the k + 1 verify rows (Ops::decode_rows), so each row is computed as a plain decode step computes it.
+  Phase verify_phase(int64_t k) const { return k + 1 <= ops_.decode_rows() ? Phase::Decode : Phase::Prefill; }
   void free_spec_locked();
   Spec spec_;
   std::vector<int32_t> draft_override_;  // guarded by busy_

@@ -289,7 +289,9 @@ class Engine:
         ``backend_options``: backend settings (a name the backend does not read is refused, naming the ones it
         does: ValueError). CPU: ``threads``; CUDA: ``device`` (ordinal, default 0),
         ``graphs`` (replay decode steps as CUDA graphs, default True), ``speculative_graphs`` (MTP iterations
-        memoised and replayed as graphs too, default True), ``branches`` (independent launches
+        memoised and replayed as graphs too, default True), ``mtp_verify_decode`` (MTP iterations verify their
+        rows through the decode kernels instead of the prefill path; default False until measured on a GPU),
+        ``branches`` (independent launches
         side by side, default True), ``pdl`` (programmatic dependent launch on sm_90+: ``"off"`` / False, ``"decode"`` (decode steps only; their
         GEMVs and MoE down pass load weights before waiting for the kernel before them) or ``"all"`` / True
         (prefill too: measured slower); default ``"decode"``: +16% decode at 4K on the H200), ``encode_memo``

@@ -25,6 +25,12 @@ def path(request, tmp_path_factory):
                                       fmt=request.param, mtp_layers=1, seed=21)
 
 
+@pytest.fixture(params=[False, True], ids=["verify-prefill", "verify-decode"])
+def opts(request):
+    """The verify forward through the prefill path (default) or the decode kernels (mtp_verify_decode)."""
+    return {"mtp_verify_decode": request.param}
+
+
 def run(engine, n, *, mtp="off", k=3, drafts=None):
     s = engine.session(max_context=128)
     s.prefill(PROMPT)
@@ -38,8 +44,8 @@ def corrupted(base, every):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_greedy_mtp_equals_greedy_on_the_gpu(path, k):
-    with lily.Engine.from_pretrained(path, backend="cuda", mtp="on") as gpu:
+def test_greedy_mtp_equals_greedy_on_the_gpu(path, k, opts):
+    with lily.Engine.from_pretrained(path, backend="cuda", mtp="on", backend_options=opts) as gpu:
         _, base = run(gpu, 24)
         for drafts in (None, base, corrupted(base, 3)):
             s, out = run(gpu, 24, mtp="on", k=k, drafts=drafts)
@@ -48,11 +54,11 @@ def test_greedy_mtp_equals_greedy_on_the_gpu(path, k):
         assert 0 < st["accepted"] < st["drafted"]
 
 
-def test_state_after_rollback_matches_a_prefilled_session(path):
+def test_state_after_rollback_matches_a_prefilled_session(path, opts):
     """After partial acceptance the GPU session's state is that of a GPU session prefilled with the same tokens
     (to bf16 tensor-core tolerance: prefill chunks and verify forwards have other row counts), and the block's
     KV/hidden agree with the CPU oracle's."""
-    with lily.Engine.from_pretrained(path, backend="cuda", mtp="on") as gpu, \
+    with lily.Engine.from_pretrained(path, backend="cuda", mtp="on", backend_options=opts) as gpu, \
             lily.Engine.from_pretrained(path, backend="cpu", mtp="on") as cpu:
         _, base = run(gpu, 20)
         spec, out = run(gpu, 20, mtp="on", k=4, drafts=corrupted(base, 3))
@@ -81,12 +87,12 @@ def test_state_after_rollback_matches_a_prefilled_session(path):
         assert cont[:4] == list(ref.generate(8, lily.SamplingParams(temperature=0), stop_token_ids=[], mtp="off"))[:4]
 
 
-def test_seeded_sampling_follows_the_plain_stream_on_the_gpu(path):
+def test_seeded_sampling_follows_the_plain_stream_on_the_gpu(path, opts):
     """Rejected rows' draws are rolled back on the GPU too: with a seed, speculative sampling follows the plain
     sampler's tokens. The verify forward's logits differ from the decode step's by bf16 rounding, which can flip a
     draw that lands near a boundary, so this asks for long common prefixes rather than equality; without the
     rollback the two part at the first rejected draft (the random head's drafts are nearly all rejected)."""
-    with lily.Engine.from_pretrained(path, backend="cuda", mtp="on") as gpu:
+    with lily.Engine.from_pretrained(path, backend="cuda", mtp="on", backend_options=opts) as gpu:
         s = gpu.session(max_context=128)
         s.prefill(PROMPT)
         snap = s.snapshot()
