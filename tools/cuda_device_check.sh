@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA backend on a GPU machine in one command: build, GPU tests, compute-sanitizer, benchmark.
 #
-#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix]   (default: build tests)
+#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix] [mtp]   (default: build tests)
 #
 # Builds the extension with CMake into /tmp/lily-cuda-build (no pip, no network), assembles the package in
 # /tmp/lily-cuda-pkg and runs from there. Logs and results go to $OUT (default ./cuda-out). Needs python3
@@ -49,6 +49,14 @@ fi
 if has prefix; then  # issue 13 item 7: warm vs new-only time to first token on lily-tiny, 8K shared prefix
   python3 benchmarks/bench_prefix_cache.py --backend cuda --prefix-tokens 8192 --turns 10 --repeats 3 \
     --keep-sessions 2 --json "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log"
+fi
+if has mtp; then  # issue 14: MTP on lily-tiny, the verify through the prefill path (default) and the decode kernels
+  python3 -m pytest -q -rs -p no:cacheprovider tests/cuda/test_mtp_cuda.py 2>&1 | tail -5 | tee "$OUT/mtp-tests.log"
+  for form in prefill decode; do
+    opts='{}'; [ $form = decode ] && opts='{"mtp_verify_decode": true}'
+    LILY_CACHE_DIR=/tmp/lily-cache-mtp-$form python3 benchmarks/bench_mtp.py --backend cuda --repeats 3 \
+      --backend-options "$opts" --json "$OUT/mtp-$form.json" 2>&1 | tee "$OUT/mtp-$form.log"
+  done
 fi
 if has bench; then
   python3 benchmarks/bench_cuda.py --cache /tmp/lily-full-q4 --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \
