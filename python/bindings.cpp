@@ -506,6 +506,7 @@ struct PyEngine {
     mtp["repacked_expert_projections"] = info.mtp_repacked_projections;
     mtp["repacked_expert_bytes"] = info.mtp_repacked_bytes;
     mtp["format"] = W.mtp ? W.mtp->fc.describe() : std::string("none");
+    mtp["decode_rows"] = ops->decode_rows();  // a verify of up to this many rows runs in the decode phase
     r["mtp"] = mtp;
     nb::dict cr;  // Session::prefill_snapshots: the inner checkpoint's state tensors, allocated and written ahead
     cr["bytes"] = reserve.bytes();

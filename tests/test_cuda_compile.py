@@ -95,6 +95,7 @@ def test_speculative_loop_compiles_dry(tmp_path, arch, cache, verify_decode):
         assert rep["graphs"]["launches_per_decode_step"] == plain_launches
         said = [o for o in e.report()["optimizations"] if "MTP verify" in o or "verify their k + 1 rows" in o]
         assert len(said) == 1 and said[0].startswith("not active") != verify_decode, said
+        assert ("decode phase" if verify_decode else "prefill phase") in e.report()["mtp"]["loop"]
     # Dry launches do not look kernels up by name: the compiled module (in the disk cache) must define them.
     from pathlib import Path
     cubins = [f.read_bytes() for f in Path(cache).rglob("*.cubin")]

@@ -142,6 +142,7 @@ def test_queued_iterations_give_the_plain_tokens_and_state(tiny, prompt, base, k
     # Full, partial and no acceptance all happened, and the iterations were queued behind each other.
     assert 0 < st["accepted"] < st["drafted"], st
     assert st["queued"] >= st["steps"] - 3, st
+    assert "decode phase" in tiny.report()["mtp"]["loop"]
     assert_plain_state(tiny, s, prompt, prompt + out)
     # The pending token went to the device by accept_drafts: the host uploaded only the first one, and read two
     # things per forward (the accepted count, the tokens).

@@ -640,6 +640,13 @@ def _mtp_report(core: dict, stored_bytes: int) -> dict:
            "status": "loaded and placed with the decoder; while the engine's mtp policy keeps it (policy.keeps_rows) "
                      "its KV rows run in every forward so the block's cache covers the context; drafting in "
                      "generate(mtp='auto' or 'on', mtp_k=1..4)"}
+    rows = core["decode_rows"]
+    out["loop"] = ("each iteration's drafts, verify forward, accept decision and rollback run on the device, and the "
+                   "next iteration is queued before the host reads this one; the verify runs in the decode phase "
+                   f"(each row as a plain decode step computes it) for up to {rows} rows" if rows > 1 else
+                   "each iteration's drafts, verify forward, accept decision and rollback run on the device, and the "
+                   "next iteration is queued before the host reads this one; the verify runs in the prefill phase "
+                   "(this backend's decode kernels take one row)")
     if core["repacked_expert_projections"]:
         out["repacked_expert_bytes"] = core["repacked_expert_bytes"]
         out["experts_layout"] = (f"repacked at load: {core['repacked_expert_projections']} expert projections "
