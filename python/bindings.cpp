@@ -374,6 +374,7 @@ nb::dict backend_report(Ops& ops) {
     memo["misses"] = g.memo_misses;
     gr["encode_memo"] = memo;
     gr["speculative_replays"] = g.speculative_replays;
+    gr["launches_per_speculative_iteration"] = g.last_speculative_launches;  // the last one's (its k: mtp_stats)
     d["graphs"] = gr;
     nb::dict v;
     for (const auto& [k, s] : c->variants()) v[k.c_str()] = s;

@@ -103,6 +103,34 @@ def test_speculative_loop_compiles_dry(tmp_path, arch, cache, verify_decode):
         assert any(name in c for c in cubins), name
 
 
+def test_speculative_iteration_launch_counts(tmp_path, cache):
+    """graphs.launches_per_speculative_iteration: the verify through the decode kernels takes fewer launches than
+    the prefill path's, each draft adds the same number, and a plain decode step's count is untouched (the H200's
+    decode step is launch bound: benchmarks/NOTES.md, "MTP: the accept decision on the device")."""
+    path = write_synthetic_checkpoint(tmp_path / "m", TINY_CONFIG, fmt="mlx", bits=4, mtp_layers=1, seed=4)
+    counts = {}
+    for verify_decode in (False, True):
+        with lily.Engine(lily.engine.load_checkpoint(path), backend="cuda", prefill_chunk=16, mtp="on",
+                         backend_options={"dry_arch": 90, "cache_dir": cache,
+                                          "mtp_verify_decode": verify_decode}) as e:
+            s = e.session(max_context=256)
+            s.prefill(list(range(30)))
+            list(s.generate(4, lily.SamplingParams(temperature=0), stop_token_ids=[], mtp="off"))
+            plain = e.report()["cuda"]["graphs"]["launches_per_decode_step"]
+            per_k = []
+            for k in (1, 2, 3):
+                got = []
+                # Stopped by the caller after 10 tokens: the last iteration submitted (queued) has all k drafts.
+                s._core.generate(40, lily.SamplingParams(temperature=0).to_core(), [],
+                                 lambda t, logits=None: (got.append(t), 0 if len(got) >= 10 else 1)[1], False, k)
+                per_k.append(e.report()["cuda"]["graphs"]["launches_per_speculative_iteration"])
+            assert e.report()["cuda"]["graphs"]["launches_per_decode_step"] == plain
+            counts[verify_decode] = (plain, per_k)
+    for plain, per_k in counts.values():
+        assert per_k[0] > plain and per_k[2] - per_k[1] == per_k[1] - per_k[0] > 0, counts
+    assert counts[True][1][0] < counts[False][1][0], counts
+
+
 def test_a_decode_step_that_writes_a_restore_is_not_memoised(checkpoints, cache):
     """The decode step that feeds a restored snapshot's pending token also copies the restore and reads the
     snapshot's state (Session::restore writes nothing itself): a step that never recurs, begun with `once`, so the

@@ -580,6 +580,7 @@ static void append_key(std::vector<unsigned char>& key, const void* p, size_t n)
 uint64_t CudaOps::submit_impl() {
   const uint64_t fence = ++last_fence_;
   steps_launches_ = int64_t(launches_.size());
+  if (speculative()) graph_stats_.last_speculative_launches = steps_launches_;
   if (opt_.dry_arch) {
     if (decode_step() && repeats() && !launches_.empty()) {  // a decode step's host side, without a GPU
       graph_stats_.last_decode_launches = int64_t(launches_.size());
@@ -921,7 +922,7 @@ std::vector<std::string> CudaOps::optimizations() const {
                           : "CUDA graphs off (graphs=False): every decode launch issued from the host");
  o.push_back(opt_.speculative_graphs
                   ? "speculative (MTP) iterations memoised and replayed as CUDA graphs like decode steps (one per k, "
-                    "state set and kept row; graphs.speculative_replays)"
+                    "parity and state set; graphs.speculative_replays, graphs.launches_per_speculative_iteration)"
                   : "not active: speculative iterations as graphs (speculative_graphs=False): encoded and launched "
                     "from the host each time");
   o.push_back(opt_.mtp_verify_decode

@@ -221,6 +221,7 @@ class CudaOps final : public Ops {
   struct GraphStats {
     int64_t captured = 0, replayed = 0, direct_steps = 0;
     int64_t last_decode_launches = 0, last_decode_nodes = 0;
+    int64_t last_speculative_launches = 0;  // launches of the last speculative (MTP) iteration step
     // Host time of the last decode step from its first recorded launch to the graph launch returning (the
     // encode, the key compare, the replay call): the step is host bound if this exceeds its GPU time.
     double last_decode_host_us = 0;
