@@ -15,7 +15,8 @@ Breaks tried, each made tests here fail: accept_drafts counting one draft too ma
 copy_rows_at ignoring its offset (the op test, and the block's hidden in the state checks); the device's rollback
 of the recurrent state left out (every loop test); the host's cut leaving the position at the accepted row (the
 stop-token test); the iteration in the prefill phase instead of the decode phase (every state check: a prefill's
-products round differently from the decode step's).
+products round differently from the decode step's); copy_rows_at not declaring its read of the index (the
+shuffled-stage test: the copy ran before accept_drafts wrote it).
 """
 
 from __future__ import annotations
@@ -229,3 +230,24 @@ def test_seeded_sampling_with_penalties_follows_the_plain_stream(tiny, prompt):
         assert list(s.generate(30, sp, stop_token_ids=[], mtp="on", mtp_k=3)) == plain, seed
         accepted += s.mtp_stats()["accepted"]
     assert accepted > 0
+
+
+@pytest.mark.parametrize("seed", [1, 7])
+def test_a_deferred_backend_with_shuffled_stages(prompt, base, seed):
+    """The CPU backend running steps on its worker thread (so the queued iteration really runs while the host reads
+    the one before) with each stage's ops in a shuffled order: a missing read or write declaration of the new ops
+    (accept_drafts, copy_rows_at) would let one run before what it reads."""
+    with lily.Engine.from_pretrained(backend="cpu", mtp="on",
+                                     backend_options={"deferred": True, "shuffle_seed": seed}) as e:
+        for k in (1, 4):
+            s = e.session(max_context=256)
+            s.prefill(prompt)
+            assert list(s.generate(40, GREEDY, stop_token_ids=[], mtp="on", mtp_k=k)) == base
+            assert s.mtp_stats()["queued"] > 0
+        sp = lily.SamplingParams(temperature=0.8, top_k=20, repetition_penalty=1.2, seed=3)
+        s = e.session(max_context=256)
+        s.prefill(prompt)
+        plain = list(s.generate(30, sp, stop_token_ids=[], mtp="off"))
+        s = e.session(max_context=256)
+        s.prefill(prompt)
+        assert list(s.generate(30, sp, stop_token_ids=[], mtp="on", mtp_k=3)) == plain
