@@ -944,7 +944,9 @@ int run_ops(const std::string& msl) {
     auto src = b.f32(12, 40);
     Tensor sc = src.c, sm = src.m;
     sc.cols = sm.cols = 37;
-    for (auto [index, offset] : std::vector<std::pair<int32_t, int64_t>>{{2, 0}, {0, 1}, {3, 0}, {3, 1}, {-1, 0}, {1, 2}}) {
+    for (const auto& pick : std::vector<std::pair<int32_t, int64_t>>{{2, 0}, {0, 1}, {3, 0}, {3, 1}, {-1, 0}, {1, 2}}) {
+      const int32_t index = pick.first;
+      const int64_t offset = pick.second;
       auto dst = b.f32(3, 37), idx = b.i32(1, 1, {index});
       b.run(Phase::Decode, [&](Ops& o, bool m) { o.copy_rows_at(m ? sm : sc, m ? idx.m : idx.c, offset, m ? dst.m : dst.c); });
       check_f32(b, "copy_rows_at", "f32 index " + std::to_string(index) + " offset " + std::to_string(offset), dst, 0);
