@@ -47,9 +47,10 @@ KINDS: dict[str, dict] = {
         # transformers run through the same forward as test_session's reference comparisons.
         # A restore's state read from the snapshot until the next forward, written by the snapshot's destructor
         # when it goes first; the checkpoint reserve's tensors handed to snapshots (use after free would show).
+        # The speculative loop: two parities of buffers, rows picked by a device index (copy_rows_at).
         "tests": ["test_session.py", "test_checkpoint.py", "test_cpu_runtime.py", "test_device_step.py",
                   "test_reliability.py", "test_engine_api.py", "test_kv_bf16.py", "test_parity_transformers.py",
-                  "test_restore_on_first_forward.py", "test_state_capture.py"],
+                  "test_restore_on_first_forward.py", "test_state_capture.py", "test_mtp_pipeline.py"],
         # The deferred, shuffled, strict_alloc re-run of the engine tests, in this process instead of through
         # test_whole_suite_passes_deferred's subprocess (which would run the parity tests a second time).
         "deferred": ["test_session.py", "test_device_step.py", "test_reliability.py", "test_engine_api.py"],
@@ -60,8 +61,10 @@ KINDS: dict[str, dict] = {
         "extra": "",
         "runtime": "libtsan.so",
         # The thread pool (exceptions, thread-creation failure, the allocation guard on workers), SessionBusy,
-        # readers while a generate runs, the GIL released during a forward, the deferred executor thread.
-        "tests": ["test_cpu_runtime.py", "test_engine_api.py", "test_device_step.py", "test_session.py"],
+        # readers while a generate runs, the GIL released during a forward, the deferred executor thread; the
+        # speculative loop's queued iteration running on that thread while the host reads the one before.
+        "tests": ["test_cpu_runtime.py", "test_engine_api.py", "test_device_step.py", "test_session.py",
+                  "test_mtp_pipeline.py"],
         "deferred": ["test_engine_api.py", "test_device_step.py", "test_session.py"],
         # TSan's runtime runs a background thread of its own, which takes one of the RLIMIT_NPROC slots that
         # test counts exactly.
