@@ -103,16 +103,21 @@ void Qwen36::mtp_block(SessionState& st, Scratch& sc, const Tensor& ids, const T
   const MtpWeights& M = *w_.mtp;
   const int64_t H = cfg_.hidden;
   auto r = [n](const Tensor& t) { return t.rows_view(0, n); };
-  // [e | hn] built by copies into the two column halves of mtp_in (embedding first): copy honours row
-  // strides on every backend.
+  // [e | hn] in the two column halves of mtp_in (embedding first): for several rows by copies, which honour row
+  // strides on every backend (a norm's output need not).
   Tensor left = r(sc.mtp_in), right = r(sc.mtp_in);
   left.cols = right.cols = H;
   right.offset += H;
   ops_.embed(ids, w_.embed, r(sc.u));
-  ops_.rms_norm(r(sc.u), M.pre_fc_norm_embedding, r(sc.mixer_out), cfg_.eps);
-  ops_.copy(r(sc.mixer_out), left);
-  ops_.rms_norm(h, M.pre_fc_norm_hidden, r(sc.routed), cfg_.eps);
-  ops_.copy(r(sc.routed), right);
+  if (n == 1) {  // one row (a draft, a decode step) has no stride to honour: the norms write the halves
+    ops_.rms_norm(r(sc.u), M.pre_fc_norm_embedding, left, cfg_.eps);
+    ops_.rms_norm(h, M.pre_fc_norm_hidden, right, cfg_.eps);
+  } else {
+    ops_.rms_norm(r(sc.u), M.pre_fc_norm_embedding, r(sc.mixer_out), cfg_.eps);
+    ops_.copy(r(sc.mixer_out), left);
+    ops_.rms_norm(h, M.pre_fc_norm_hidden, r(sc.routed), cfg_.eps);
+    ops_.copy(r(sc.routed), right);
+  }
   ops_.matmul(r(sc.mtp_in), M.fc, r(sc.mtp_x));
   for (size_t j = 0; j < M.layers.size(); ++j) {
     const LayerWeights& L = M.layers[j];
