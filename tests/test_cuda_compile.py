@@ -8,6 +8,8 @@ extension was built without CUDA or NVRTC is absent (pip install nvidia-cuda-nvr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -97,7 +99,6 @@ def test_speculative_loop_compiles_dry(tmp_path, arch, cache, verify_decode):
         assert len(said) == 1 and said[0].startswith("not active") != verify_decode, said
         assert ("decode phase" if verify_decode else "prefill phase") in e.report()["mtp"]["loop"]
     # Dry launches do not look kernels up by name: the compiled module (in the disk cache) must define them.
-    from pathlib import Path
     cubins = [f.read_bytes() for f in Path(cache).rglob("*.cubin")]
     for name in (b"accept_drafts", b"copy_rows_at"):
         assert any(name in c for c in cubins), name

@@ -739,14 +739,8 @@ uint64_t Session::submit_spec_locked(int64_t k, int p, int in, bool at_zero, boo
   const Spec::Parity& next = spec_.parity[1 - p];
   ops_.accept_drafts(sc.ids.rows_view(0, T), q.y.rows_view(0, T), src.pos, q.accepted, next.sc.ids.rows_view(0, 1),
                      dst.pos);
-  ops_.copy_rows_at(logits, q.accepted, 0, dst.logits);  // the forward leaves its logits in the scratch
+  encode_state_at_row_locked(q, k, dst);
   if (k > 0) {
-    for (size_t li = 0; li < size_t(c.layers); ++li) {
-      if (c.full_attention[li]) continue;
-      ops_.copy_rows_at(cap.conv[li], q.accepted, 0, dst.conv[li]);
-      ops_.copy_rows_at(cap.recurrent[li], q.accepted, 0, dst.recurrent[li]);
-    }
-    ops_.copy_rows_at(sc.mtp_hn.rows_view(0, T + 1), q.accepted, 1, dst.mtp_h);  // row j + 1: h after token j
     if (penalties) {
       ops_.copy_rows_at(q.counts.rows_view(0, k), q.accepted, 0, st_.sampler.counts);
       ops_.copy_rows_at(q.seen.rows_view(0, k), q.accepted, 0, st_.sampler.seen);
@@ -754,6 +748,21 @@ uint64_t Session::submit_spec_locked(int64_t k, int p, int in, bool at_zero, boo
     if (!params.greedy()) ops_.copy_rows_at(q.rng.rows_view(0, k), q.accepted, 0, st_.sampler.rng);
   }
   return step.submit();
+}
+
+// Into the open step: dst's logits (row j of the iteration's), and with drafts its conv/recurrent state (the
+// capture's slice j) and MTP hidden (mtp_hn row j + 1), j = q.accepted[0]. Row k's state and hidden are what the
+// forward already wrote into dst, so for j = k only the logits move (the slices lie past the capture).
+void Session::encode_state_at_row_locked(const Spec::Parity& q, int64_t k, const StepState& dst) {
+  const ModelConfig& c = model_.config();
+  ops_.copy_rows_at(q.sc.logits.rows_view(0, k + 1), q.accepted, 0, dst.logits);  // the forward leaves them there
+  if (k == 0) return;
+  for (size_t li = 0; li < size_t(c.layers); ++li) {
+    if (c.full_attention[li]) continue;
+    ops_.copy_rows_at(q.conv[li].rows_view(0, k * dst.conv[li].rows), q.accepted, 0, dst.conv[li]);
+    ops_.copy_rows_at(q.recurrent[li].rows_view(0, k * dst.recurrent[li].rows), q.accepted, 0, dst.recurrent[li]);
+  }
+  ops_.copy_rows_at(q.sc.mtp_hn.rows_view(0, k + 2), q.accepted, 1, dst.mtp_h);  // row j + 1: h after token j
 }
 
 // Why the output is the model's, token for token (greedy) and in distribution (sampling): verify row j holds the
@@ -870,15 +879,17 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
     Iter it{k, p, in, 0, {}, false};
     std::lock_guard<std::mutex> lk(model_lock_);
     Scratch& sc = sp.parity[p].sc;
-    std::vector<int32_t> ids(size_t(k + 1));
-    ids[0] = x;
-    if (injected) {
-      for (int64_t j = 0; j < k; ++j) {  // the draft for the token at context index P + 1 + j
+    if (injected) {  // the pending token and the drafts for context indexes P + 1 ..
+      std::vector<int32_t> ids(size_t(k + 1));
+      ids[0] = x;
+      for (int64_t j = 0; j < k; ++j) {
         const int64_t i = P + 1 + j - draft_override_start_;
         ids[size_t(j + 1)] = i >= 0 && i < int64_t(draft_override_.size()) ? draft_override_[size_t(i)] : 0;
       }
+      ops_.upload(sc.ids.rows_view(0, k + 1), ids.data());
+    } else if (upload_x) {
+      ops_.upload(sc.ids.rows_view(0, 1), &x);
     }
-    if (injected || upload_x) ops_.upload(sc.ids.rows_view(0, injected ? k + 1 : 1), ids.data());
     it.fence = submit_spec_locked(k, p, in, at_zero, injected && k > 0, params, penalties, it.stats);
     return it;
   };
@@ -955,16 +966,11 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
       if (ending && next) ops_.wait(next->fence);
       if (r < a) {  // back from the state after row a to the one after row r: n's captures, n's scratch
         const StepState& out = st_.sets[1 - cur.in];
+        const int32_t row = int32_t(r);
+        ops_.upload(q.accepted, &row);  // read by the host already; the device's rollback, now to row r
         Step step(ops_, Phase::Prefill);
-        for (size_t li = 0; li < size_t(c.layers); ++li) {
-          if (c.full_attention[li]) continue;
-          const int64_t cr = out.conv[li].rows, rr = out.recurrent[li].rows;
-          ops_.copy(q.conv[li].rows_view(r * cr, cr), out.conv[li]);
-          ops_.copy(q.recurrent[li].rows_view(r * rr, rr), out.recurrent[li]);
-        }
+        encode_state_at_row_locked(q, cur.k, out);
         ops_.advance_position(out.pos, out.pos, r - a);
-        ops_.copy(q.sc.logits.rows_view(r, 1), out.logits);
-        ops_.copy(q.sc.mtp_hn.rows_view(r + 1, 1), out.mtp_h);
         ops_.wait(step.submit());  // the sampler is not rolled back: the call ends here
       }
       std::lock_guard<std::mutex> slk(state_mu_);

@@ -334,6 +334,9 @@ class Session {
   // rollback on the device. Writes the forward's op counts to stats; returns the fence. Model lock held.
   uint64_t submit_spec_locked(int64_t k, int p, int in, bool at_zero, bool injected, const SamplingParams& params,
                               bool penalties, StepStats& stats);
+  // Encodes the copies that make dst's logits, conv/recurrent state and MTP hidden those after row
+  // q.accepted[0] of an iteration with k drafts on parity q (the device's rollback, and a cut's). Model lock held.
+  void encode_state_at_row_locked(const Spec::Parity& q, int64_t k, const StepState& dst);
   // The phase of an iteration with k drafts (drafts and verify): decode where the backend's decode kernels take
   // the k + 1 verify rows (Ops::decode_rows), so each row is computed as a plain decode step computes it.
   Phase verify_phase(int64_t k) const { return k + 1 <= ops_.decode_rows() ? Phase::Decode : Phase::Prefill; }
