@@ -106,18 +106,23 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
   const int64_t cap_stride = capture.active() ? capture.states.stride : 0;
   const int cap_first = int(capture.first), cap_count = int(capture.count);
   if (T == 0) return;  // as the CPU: nothing to do, the state is not touched
-  const Kernel& k = kernel("gated_delta", T == 1 ? "gated_delta" : "gated_delta_prepped", {{"DK", Dk}, {"DV", Dv}});
+  // One token, or the few rows of a decode-phase forward (an MTP verify window: decode_rows): the decode entry,
+  // whose warps normalise q, k and form the gates themselves, so each row's arithmetic is a decode step's and the
+  // prep launch is saved. Longer calls prepare those once per token (gated_delta_prep) for the scan.
+  const bool decode_entry = T == 1 || phase() == Phase::Decode;
+  const Kernel& k = kernel("gated_delta", decode_entry ? "gated_delta" : "gated_delta_prepped", {{"DK", Dk}, {"DV", Dv}});
   const Dim3 grid{unsigned(Hv), unsigned((Dv + kDeltaColsPerBlock - 1) / kDeltaColsPerBlock), 1};
   const Dim3 block{kDeltaThreads, 1, 1};
   const std::string geo = "grid (" + std::to_string(grid.x) + ", " + std::to_string(grid.y) +
                           ") × 64 threads, 8 state columns per warp in registers";
-  if (T == 1) {
+  if (decode_entry) {
     launch(k, grid, block, 0, ptr(qkv), int64_t(qkv.stride), ptr(b), int64_t(b.stride), ptr(a), int64_t(a.stride),
            ptr(A_log), ptr(dt_bias), ptr(state_in), int64_t(state_in.stride), ptr(state_out),
            int64_t(state_out.stride), ptr(out), int64_t(out.stride), cap, cap_stride, cap_first, cap_count, int(T),
            int(Hk), int(Hv));
     note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
-                 "fused scan (one token, norms and gates per warp): " + geo + ", state read and written once");
+                 std::string(T == 1 ? "fused scan (one token" : "fused scan (a decode-phase forward's rows, each") +
+                     ", norms and gates per warp): " + geo + ", state read and written once");
     return;
   }
   const int64_t key_dim = Hk * Dk;

@@ -140,8 +140,9 @@ class DeltaRun:
         self.ws = bench.workspace(config(*shape), max_rows, 64)
         self.states = [bench.tensor(state0), bench.empty(*state0.shape)]
 
-    def step(self, inputs, src, dst, capture=None):
-        """The output; with capture = (first, count) also the captured states [count·Hv·Dk, Dv]."""
+    def step(self, inputs, src, dst, capture=None, phase=None):
+        """The output; with capture = (first, count) also the captured states [count·Hv·Dk, Dv]. The phase is
+        decode for one row and prefill for more unless given (a decode-phase forward of a few rows: MTP's verify)."""
         qkv, b, a, A_log, dt_bias = inputs
         T = qkv.shape[0]
         Hv, Dk, Dv = self.shape[1], self.shape[2], self.shape[3]
@@ -150,7 +151,7 @@ class DeltaRun:
         kw = {}
         if capture is not None:
             kw = dict(capture=h.empty(capture[1] * Hv * Dk, Dv), capture_first=capture[0], capture_count=capture[1])
-        h.run("gated_delta", phase=phase_of(T), qkv=h.tensor(qkv), b=h.tensor(b), a=h.tensor(a),
+        h.run("gated_delta", phase=phase or phase_of(T), qkv=h.tensor(qkv), b=h.tensor(b), a=h.tensor(a),
               A_log=h.tensor(A_log), dt_bias=h.tensor(dt_bias), state_in=self.states[src],
               state_out=self.states[dst], ws=self.ws, out=out, **shape_args(*self.shape), **kw)
         return (h.read(out), h.read(kw["capture"])) if kw else h.read(out)
@@ -213,6 +214,33 @@ def test_gated_delta_split_is_bitwise(benches):
     np.testing.assert_array_equal(o_whole[:32], o_head)
     np.testing.assert_array_equal(o_whole[32:], o_last)
     np.testing.assert_array_equal(whole.state(1), split.state(0))
+
+
+@pytest.mark.parametrize("shape", [REAL, (2, 6, 32, 48)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("T", [2, 5, 8])
+def test_gated_delta_decode_rows_are_decode_steps(benches, shape, T):
+    """A decode-phase call of T rows (an MTP verify through the decode kernels) takes the decode entry: each row's
+    output, the final state and a capture of the state after rows 0 .. T-2 are, bit for bit, those of T one-row
+    decode steps, and within TOL of the CPU's."""
+    cpu, gpu = benches
+    Hk, Hv, Dk, Dv = shape
+    rng = np.random.default_rng(T * 31 + Dv)
+    inputs = delta_inputs(rng, T, *shape)
+    state0 = (rng.standard_normal((Hv * Dk, Dv)) * 0.5).astype(np.float32)
+    rc, rg, steps = (DeltaRun(b, shape, state0, T) for b in (cpu, gpu, gpu))
+    capture = (0, T - 1)
+    o_c, cap_c = rc.step(inputs, 0, 1, capture, phase="decode")
+    o_g, cap_g = rg.step(inputs, 0, 1, capture, phase="decode")
+    assert "a decode-phase forward's rows" in str(gpu.report()), gpu.report()
+    assert rel(o_g, o_c) < TOL and rel(cap_g, cap_c) < TOL and rel(rg.state(1), rc.state(1)) < TOL
+    rows, src = Hv * Dk, 0
+    for t in range(T):
+        o_t = steps.step(tuple(x[t:t + 1] if x.shape[0] == T else x for x in inputs), src, 1 - src)
+        src = 1 - src
+        np.testing.assert_array_equal(o_g[t:t + 1], o_t, err_msg=f"row {t}")
+        if t < T - 1:
+            np.testing.assert_array_equal(cap_g[t * rows:(t + 1) * rows], steps.state(src), err_msg=f"slice {t}")
+    np.testing.assert_array_equal(rg.state(1), steps.state(src))
 
 
 @pytest.mark.parametrize("shape", [REAL, (2, 6, 32, 48)], ids=lambda s: "x".join(map(str, s)))
