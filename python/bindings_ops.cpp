@@ -284,6 +284,9 @@ class OpBench {
       else if (op == "accept_drafts")
         o.accept_drafts(T("ids"), T("y"), T("pos_in"), T("accepted"), T("next_id"), T("pos_out"));
       else if (op == "copy_rows_at") o.copy_rows_at(T("src"), T("index"), I("offset"), T("dst"));
+      else if (op == "mtp_input")
+        o.mtp_input(T("ids"), W("table"), T("h"), T("w_e"), T("w_h"), float(F("eps", 1e-6)), T("e"), T("normed"),
+                    T("out"));
       else if (op == "sample") {
         SamplerState st{T("counts"), T("seen"), T("rng"), T("ring"), T("ring_count")};
         SamplingParams p;

@@ -114,6 +114,73 @@ def test_copy_rows_at_picks_a_block_or_leaves_dst():
     assert b.read(dst).tolist() == [[6, 7]]
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_mtp_input_is_the_two_normalised_halves(n):
+    """mtp_input (the MTP block's fc input, one op) = [rms_norm(table[ids]) * w_e | rms_norm(h) * w_h], against
+    numpy in float64: one row (the norms write out's halves) and several (through `normed` and copies)."""
+    H, rows = 96, 50
+    rng = np.random.default_rng(n)
+    table = rng.normal(size=(rows, H)).astype(np.float32)
+    ids = rng.integers(0, rows, size=(n, 1)).astype(np.int32)
+    h = rng.normal(size=(n, H)).astype(np.float32) * 3
+    w_e, w_h = rng.uniform(0.5, 1.5, (1, H)).astype(np.float32), rng.uniform(0.5, 1.5, (1, H)).astype(np.float32)
+    b = core.OpBench("cpu", {"threads": 1})
+    out = b.tensor(np.full((n, 2 * H), 7.0, np.float32))
+    b.run("mtp_input", ids=b.tensor(ids, "i32"), table=b.weight({"kind": "dense", "dtype": "f32", "shape": [rows, H],
+                                                                 "data": table}),
+          h=b.tensor(h), w_e=b.tensor(w_e), w_h=b.tensor(w_h), eps=1e-6, e=b.empty(n, H), normed=b.empty(n, H),
+          out=out)
+
+    def norm(x, w):
+        x = x.astype(np.float64)
+        return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-6) * w
+
+    want = np.concatenate([norm(table[ids[:, 0]], w_e), norm(h, w_h)], axis=1)
+    np.testing.assert_allclose(b.read(out), want, rtol=1e-5, atol=1e-6)
+
+
+def sampler_state(b, vocab, rng, seed_words):
+    return dict(counts=b.tensor(rng.integers(0, 3, (1, vocab)).astype(np.int32), "i32"),
+                seen=b.tensor((rng.random((1, vocab)) < 0.1).astype(np.int32), "i32"),
+                rng=b.tensor(seed_words, "i32"), ring=b.tensor(np.zeros((8, 1), np.int32), "i32"),
+                ring_count=b.tensor(np.array([[5]], np.int32), "i32"))
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3,
+                                                                   presence_penalty=0.5, frequency_penalty=0.4),
+                                    dict(temperature=0.9, top_k=20, seed=11)], ids=["greedy", "penalties", "seeded"])
+def test_sample_over_rows_is_one_call_per_row(params):
+    """sample over logits [T, vocab] (the verify's rows in one op) = T one-row calls in row order: the same ids,
+    and the same counts, seen mask, rng words and ring after them."""
+    vocab, T = 300, 5
+    rng = np.random.default_rng(8)
+    logits = (rng.normal(size=(T, vocab)) * 3).astype(np.float32)
+    logits[:, 17] = logits.max(axis=1) + 0.5  # every row's maximum at one id: the penalties' counts then matter
+    words = rng.integers(-2**31, 2**31 - 1, (1, 626), dtype=np.int64).astype(np.int32)
+    words[0, 624] = 312
+    got = []
+    for rows_at_once in (True, False):
+        b = core.OpBench("cpu", {"threads": 1})
+        st = sampler_state(b, vocab, np.random.default_rng(9), words)
+        ws = b.workspace(dict(hidden=64, layers=1, vocab=vocab, eps=1e-6, heads=2, kv_heads=1, head_dim=32,
+                              rotary_dim=16, rope_theta=1e4, lin_k_heads=1, lin_v_heads=1, lin_k_dim=32,
+                              lin_v_dim=32, conv_kernel=4, experts=4, topk=2, moe_inter=32, shared_inter=32,
+                              full_attention=[True]), T, 64)
+        ids = b.empty(T, 1, "i32")
+        if rows_at_once:
+            b.run("sample", phase="decode", logits=b.tensor(logits), next_id=ids, ws=ws, **st, **params)
+        else:
+            for r in range(T):
+                b.run("sample", phase="decode", logits=b.view(b.tensor(logits), r, 1), next_id=b.view(ids, r, 1),
+                      ws=ws, **st, **params)
+        got.append([b.read(ids)] + [b.read(st[k]) for k in ("counts", "seen", "rng", "ring", "ring_count")])
+    for u, v in zip(*got):
+        np.testing.assert_array_equal(u, v)
+    assert got[0][5][0, 0] == 5 + T
+    if "repetition_penalty" in params:  # the rows saw the penalties the rows before them added
+        assert len(set(got[0][0].ravel().tolist())) > 1
+
+
 def test_bad_arguments_name_the_tensor():
     b = core.OpBench("cpu", {"threads": 1})
     one = b.empty(1, 1, "i32")
@@ -129,6 +196,20 @@ def test_bad_arguments_name_the_tensor():
         b.run("copy_rows_at", src=src, index=one, offset=0, dst=b.empty(1, 4))
     with pytest.raises(ValueError, match="copy_rows_at: copies 4-byte"):
         b.run("copy_rows_at", src=b.empty(4, 3, "bf16"), index=one, offset=0, dst=b.empty(1, 3, "bf16"))
+    st = dict(counts=b.empty(1, 10, "i32"), seen=b.empty(1, 10, "i32"), rng=b.empty(1, 626, "i32"),
+              ring=b.empty(4, 1, "i32"), ring_count=one, ws=b.empty(1, 4096))
+    with pytest.raises(ValueError, match="sample: logits .* and next_id .* must have the same number of rows"):
+        b.run("sample", phase="decode", logits=b.empty(3, 10), next_id=b.empty(2, 1, "i32"), **st)
+    table = b.weight({"kind": "dense", "dtype": "f32", "shape": [5, 8], "data": np.ones((5, 8), np.float32)})
+    args = dict(ids=b.empty(2, 1, "i32"), table=table, h=b.empty(2, 8), w_e=b.empty(1, 8), w_h=b.empty(1, 8),
+                e=b.empty(2, 8), normed=b.empty(2, 8), out=b.empty(2, 16))
+    with pytest.raises(ValueError, match="mtp_input: out must be F32 \\[2, 16\\]"):
+        b.run("mtp_input", **(args | {"out": b.empty(2, 8)}))
+    with pytest.raises(ValueError, match="mtp_input: w_h must be F32"):
+        b.run("mtp_input", **(args | {"w_h": b.empty(1, 7)}))
+    with pytest.raises(ValueError, match="mtp_input: the embedding table"):
+        b.run("mtp_input", **(args | {"h": b.empty(2, 9), "e": b.empty(2, 9), "normed": b.empty(2, 9),
+                                     "w_e": b.empty(1, 9), "w_h": b.empty(1, 9), "out": b.empty(2, 18)}))
 
 
 # ---- the loop ----

@@ -10,7 +10,8 @@ const char* op_name(OpKind k) {
       "embed",        "rms_norm",     "matmul",      "add",         "attn_qk_prep", "kv_append",
       "attn_decode",  "attn_prefill", "conv1d_silu", "gated_delta", "gated_rms_norm", "moe_route",
       "moe_experts",  "swiglu",       "moe_combine", "copy",        "fill",         "advance_position",
-      "sample",       "add_rms_norm", "matmuls",     "moe",         "norm_matmuls", "conv_delta_norm", "accept_drafts", "copy_rows_at"};
+      "sample",       "add_rms_norm", "matmuls",     "moe",         "norm_matmuls", "conv_delta_norm", "accept_drafts", "copy_rows_at",
+      "mtp_input"};
   return size_t(k) < kOpKinds ? names[size_t(k)] : "?";
 }
 

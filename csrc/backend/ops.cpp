@@ -136,6 +136,66 @@ void Ops::check_copy_rows_at(const Tensor& src, const Tensor& index, const Tenso
   if (src.buf == dst.buf) fail("src and dst must be different buffers");
 }
 
+void Ops::check_sample_rows(const Tensor& logits, const Tensor& next_id) {
+  if (!logits.valid() || logits.rows < 1 || !next_id.valid() || next_id.rows != logits.rows)
+    throw std::invalid_argument("sample: logits " + shape_of(logits) + " and next_id " + shape_of(next_id) +
+                                " must have the same number of rows (at least one)");
+}
+
+void Ops::sample_rows_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p, const Tensor& ws,
+                           const Tensor& next_id) {
+  for (int64_t r = 0; r < logits.rows; ++r) {
+    if (r > 0) barrier_in_op();  // row r reads the sampler state row r - 1 wrote
+    sample_impl(logits.rows_view(r, 1), st, p, ws, next_id.rows_view(r, 1));
+  }
+}
+
+void Ops::check_mtp_input(const Tensor& ids, const Weight& table, const Tensor& h, const Tensor& w_e,
+                          const Tensor& w_h, const Tensor& e, const Tensor& normed, const Tensor& out) {
+  auto fail = [](const std::string& why) { throw std::invalid_argument("mtp_input: " + why); };
+  const int64_t n = ids.rows, H = h.cols;
+  if (!ids.valid() || ids.dtype != DType::I32 || ids.cols != 1 || n < 1)
+    fail("ids must be I32 [n, 1] with n >= 1, got " + shape_of(ids));
+  if (table.cols != H) fail("the embedding table's rows (" + std::to_string(table.cols) + " columns) must match h " +
+                            shape_of(h));
+  auto f32 = [&](const Tensor& t, const char* name, int64_t rows, int64_t cols) {
+    if (!t.valid() || t.dtype != DType::F32 || t.rows != rows || t.cols != cols)
+      fail(std::string(name) + " must be F32 [" + std::to_string(rows) + ", " + std::to_string(cols) + "], got " +
+           shape_of(t));
+  };
+  f32(h, "h", n, H);
+  f32(w_e, "w_e", 1, H);
+  f32(w_h, "w_h", 1, H);
+  f32(e, "e", n, H);
+  f32(normed, "normed", n, H);
+  f32(out, "out", n, 2 * H);
+  for (const Tensor* t : {&e, &normed, &out})
+    if (t->buf == h.buf || t->buf == ids.buf) fail("e, normed and out must not share a buffer with ids or h");
+  if (e.buf == out.buf || normed.buf == out.buf) fail("e and normed must not share out's buffer");
+}
+
+void Ops::mtp_input_impl(const Tensor& ids, const Weight& table, const Tensor& h, const Tensor& w_e,
+                         const Tensor& w_h, float eps, const Tensor& e, const Tensor& normed, const Tensor& out) {
+  const int64_t H = h.cols;
+  Tensor left = out, right = out;
+  left.cols = right.cols = H;
+  right.offset += H;
+  embed_impl(ids, table, e);
+  barrier_in_op();
+  if (ids.rows == 1) {  // one row has no stride to honour: the norms write the halves
+    rms_norm_impl(e, w_e, left, eps);
+    rms_norm_impl(h, w_h, right, eps);
+    return;
+  }
+  rms_norm_impl(e, w_e, normed, eps);
+  barrier_in_op();
+  copy_impl(normed, left);
+  barrier_in_op();
+  rms_norm_impl(h, w_h, normed, eps);
+  barrier_in_op();
+  copy_impl(normed, right);
+}
+
 void Ops::set_profiling(bool on) {
   profiling_ = on;
   profile_.fill(0.0);

@@ -416,11 +416,14 @@ class Ops {
   }
   // Samples one id from logits [1, vocab] (penalties from the sampler state, then greedy or a seeded
   // draw), writes it to next_id [1, 1] (the next step's input slot) and appends it to st.ring.
+  // logits [T, vocab] and next_id [T, 1]: T such calls on the rows in order, each seeing the sampler state
+  // the one before left (an MTP verify's rows); a backend may run independent rows (greedy, no penalties) at once.
   void sample(const Tensor& logits, const SamplerState& st, const SamplingParams& p, const Tensor& ws,
               const Tensor& next_id) {
+    check_sample_rows(logits, next_id);
     record(OpKind::Sample, {logits.buf, st.counts.buf, st.seen.buf, st.rng.buf, st.ring_count.buf},
            {next_id.buf, st.counts.buf, st.seen.buf, st.rng.buf, st.ring.buf, st.ring_count.buf, ws.buf},
-           &Ops::sample_impl, logits, st, p, ws, next_id);
+           &Ops::sample_rows_impl, logits, st, p, ws, next_id);
   }
 
   // Speculative decoding's accept decision, on the device so that the next iteration can be queued behind it
@@ -440,6 +443,17 @@ class Ops {
   void copy_rows_at(const Tensor& src, const Tensor& index, int64_t offset, const Tensor& dst) {
     check_copy_rows_at(src, index, dst);
     record(OpKind::CopyRowsAt, {src.buf, index.buf}, {dst.buf}, &Ops::copy_rows_at_impl, src, index, offset, dst);
+  }
+
+  // The MTP block's input rows (MODEL.md section 7): out[t] = [rms_norm(table[ids[t]]) ⊙ w_e | rms_norm(h[t]) ⊙ w_h]
+  // (ids I32 [n, 1]; h, e, normed F32 [n, H]; w_e, w_h F32 [1, H]; out F32 [n, 2H]). e and normed are the composed
+  // form's intermediates (the embedding rows, a normalised half before its copy into out); a fused backend may leave
+  // them unwritten. One op so that a GPU builds the row in one launch where the composed form takes three to five.
+  void mtp_input(const Tensor& ids, const Weight& table, const Tensor& h, const Tensor& w_e, const Tensor& w_h,
+                 float eps, const Tensor& e, const Tensor& normed, const Tensor& out) {
+    check_mtp_input(ids, table, h, w_e, w_h, e, normed, out);
+    record(OpKind::MtpInput, {ids.buf, h.buf, w_e.buf, w_h.buf}, {e.buf, normed.buf, out.buf}, &Ops::mtp_input_impl,
+           ids, table, h, w_e, w_h, eps, e, normed, out);
   }
 
   // Kernel variant used for a weight in the current phase (engine.report()).
@@ -528,6 +542,13 @@ class Ops {
   virtual void advance_position_impl(const Tensor& pos_in, const Tensor& pos_out, int64_t T) = 0;
   virtual void sample_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p,
                            const Tensor& ws, const Tensor& next_id) = 0;
+  // Default: embed, then the two norms; one row's norms write out's halves, several rows' go through `normed`
+  // and copies (copies honour row strides on every backend; a norm's output need not).
+  virtual void mtp_input_impl(const Tensor& ids, const Weight& table, const Tensor& h, const Tensor& w_e,
+                              const Tensor& w_h, float eps, const Tensor& e, const Tensor& normed, const Tensor& out);
+  // Default: sample_impl on each row in order (a barrier between rows).
+  virtual void sample_rows_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p,
+                                const Tensor& ws, const Tensor& next_id);
   virtual void accept_drafts_impl(const Tensor& ids, const Tensor& y, const Tensor& pos_in, const Tensor& accepted,
                                   const Tensor& next_id, const Tensor& pos_out) = 0;
   virtual void copy_rows_at_impl(const Tensor& src, const Tensor& index, int64_t offset, const Tensor& dst) = 0;
@@ -542,6 +563,9 @@ class Ops {
   static void check_accept_drafts(const Tensor& ids, const Tensor& y, const Tensor& pos_in, const Tensor& accepted,
                                   const Tensor& next_id, const Tensor& pos_out);
   static void check_copy_rows_at(const Tensor& src, const Tensor& index, const Tensor& dst);
+  static void check_sample_rows(const Tensor& logits, const Tensor& next_id);
+  static void check_mtp_input(const Tensor& ids, const Weight& table, const Tensor& h, const Tensor& w_e,
+                              const Tensor& w_h, const Tensor& e, const Tensor& normed, const Tensor& out);
   // The op as one impl call on its arguments (by reference for the immediate run; `clone` copies them for a
   // backend that runs later).
   template <class... P, class... A>

@@ -301,6 +301,10 @@ class CudaOps final : public Ops {
   void copy_rows_at_impl(const Tensor& src, const Tensor& index, int64_t offset, const Tensor& dst) override;
   void sample_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p, const Tensor& ws,
                    const Tensor& next_id) override;
+  void mtp_input_impl(const Tensor& ids, const Weight& table, const Tensor& h, const Tensor& w_e, const Tensor& w_h,
+                      float eps, const Tensor& e, const Tensor& normed, const Tensor& out) override;
+  void sample_rows_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p, const Tensor& ws,
+                        const Tensor& next_id) override;
 
  private:
   struct Launch {

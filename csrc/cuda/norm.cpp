@@ -103,4 +103,24 @@ void CudaOps::gated_rms_norm_impl(const Tensor& o, const Tensor& z, const Tensor
   note_variant("gated_rms_norm.seg" + std::to_string(seg), describe(g, seg));
 }
 
+// One launch for the MTP block's input row (kernels/norm.cu mtp_input): the embedding gather and both norms, in
+// decode and prefill alike. The e and normed intermediates of the composed form are not written.
+void CudaOps::mtp_input_impl(const Tensor& ids, const Weight& table, const Tensor& h, const Tensor& w_e,
+                             const Tensor& w_h, float eps, const Tensor& e, const Tensor& normed, const Tensor& out) {
+  const char* op = "mtp_input";
+  const int64_t T = ids.rows, H = h.cols;
+  if (T > 65535) bad(op, "more than 65535 rows in one call");
+  const bool q = table.quantized();
+  const bool al = ptr(h) % 16 == 0 && ptr(w_e) % 16 == 0 && ptr(w_h) % 16 == 0 && ptr(out) % 16 == 0 &&
+                  h.stride % 4 == 0 && out.stride % 4 == 0 && H % 4 == 0;
+  const NormGeometry g = select_norm(H, al);
+  const Kernel& k = kernel("norm", "mtp_input", {{"SEG", H}, {"NT", g.nt}, {"SPB", g.spb}, {"VEC", g.vec}});
+  launch(k, Dim3{unsigned((2 + g.spb - 1) / g.spb), unsigned(T), 1}, Dim3{unsigned(g.nt), unsigned(g.spb), 1}, 0,
+         ptr(ids), int64_t(ids.stride), data(table), q ? scales(table) : CUdeviceptr(0),
+         q ? biases(table) : CUdeviceptr(0), table.rows, int(table.dtype), q ? table.bits : 0, q ? table.group : 0,
+         int(table.scale_dtype), ptr(h), int64_t(h.stride), ptr(w_e), ptr(w_h), ptr(out), int64_t(out.stride), eps);
+  note_variant("mtp_input", "one launch: the embedding row and h normalised side by side (" + describe(g, H) +
+                                "), the bits of embed_rows + two rms_norm");
+}
+
 }  // namespace lily::cuda

@@ -70,11 +70,12 @@ void CudaOps::sample_impl(const Tensor& logits, const SamplerState& st, const Sa
   const int has_rep = p.repetition_penalty != 1.f, has_pf = p.presence_penalty != 0.f || p.frequency_penalty != 0.f;
 
   const Kernel& prep = kernel("sample", "sample_prep");
-  launch(prep, Dim3{unsigned(G), 1, 1}, Dim3{256, 1, 1}, 0, ptr(logits), ptr(st.seen), ptr(st.counts), keys,
-         partials, int(V), p.repetition_penalty, p.presence_penalty, p.frequency_penalty, has_rep, has_pf);
+  launch(prep, Dim3{unsigned(G), 1, 1}, Dim3{256, 1, 1}, 0, ptr(logits), int64_t(logits.stride), ptr(st.seen),
+         ptr(st.counts), keys, partials, int(V), p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+         has_rep, has_pf);
   if (p.greedy()) {
     const Kernel& g = kernel("sample", "sample_greedy");
-    launch(g, Dim3{1, 1, 1}, Dim3{256, 1, 1}, 0, partials, G, fa);
+    launch(g, Dim3{1, 1, 1}, Dim3{256, 1, 1}, 0, partials, G, 1, int64_t(next_id.stride), fa);
     note_variant("sample.greedy", "prep over " + std::to_string(G) +
                                       " blocks (first maximum per block) + one block reducing the partials");
     return;
@@ -94,6 +95,38 @@ void CudaOps::sample_impl(const Tensor& logits, const SamplerState& st, const Sa
                                   "descent to the first " + std::to_string(kCap) +
                                   " candidates, bitonic sort, the CPU's walk in exact fixed-point sums; " +
                                   "whole-vocabulary descents where top-p/min-p/top-k reach past them");
+}
+
+// Greedy rows without penalties do not depend on each other (no row reads the counts or the seen mask the rows
+// before it write, and no draw takes a number): one prep launch over (blocks, rows) writing only the partials
+// (into the keys' room: greedy reads no keys), then one block taking the rows in order, as T calls would (the
+// ring and the counts in row order). Any other case is T one-row calls (Ops::sample_rows_impl).
+void CudaOps::sample_rows_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p,
+                               const Tensor& ws, const Tensor& next_id) {
+  const int64_t T = logits.rows, V = logits.cols;
+  const bool independent = p.greedy() && p.repetition_penalty == 1.f && p.presence_penalty == 0.f &&
+                           p.frequency_penalty == 0.f;
+  if (T == 1 || !independent) return Ops::sample_rows_impl(logits, st, p, ws, next_id);
+  if (logits.dtype != DType::F32 || V < 1) bad("logits must be F32 [rows, vocab]");
+  if (V >= (int64_t(1) << 31)) bad("vocab too large");
+  for (const Tensor* t : {&st.counts, &st.seen, &st.rng, &st.ring, &st.ring_count, &next_id})
+    if (t->dtype != DType::I32) bad("sampler state and next_id must be I32");
+  if (st.counts.cols != V || st.seen.cols != V || st.rng.cols != SamplerState::kRngWords || st.ring.rows < 1)
+    bad("sampler state does not match vocab " + std::to_string(V));
+  const int G = int(prep_blocks(V));
+  if (T > 65535 || size_t(T) * size_t(G) * 8 > round16(size_t(V) * 4))  // 8 bytes a partial: (value, id)
+    bad(std::to_string(T) + " greedy rows do not fit the workspace's partials");
+  if (ws.bytes() < sample_workspace_bytes(V)) bad("workspace too small");
+  const CUdeviceptr partials = ptr(ws);  // the keys' room
+  const FinishArgs fa{ptr(st.counts), ptr(st.seen), ptr(st.ring), ptr(st.ring_count), ptr(next_id),
+                      int64_t(st.ring.rows), int64_t(st.ring.stride)};
+  launch(kernel("sample", "sample_prep"), Dim3{unsigned(G), unsigned(T), 1}, Dim3{256, 1, 1}, 0, ptr(logits),
+         int64_t(logits.stride), ptr(st.seen), ptr(st.counts), CUdeviceptr(0), partials, int(V), 1.f, 0.f, 0.f, 0, 0);
+  launch(kernel("sample", "sample_greedy"), Dim3{1, 1, 1}, Dim3{256, 1, 1}, 0, partials, G, int(T),
+         int64_t(next_id.stride), fa);
+  note_variant("sample.greedy_rows", "greedy rows without penalties: one prep over (" + std::to_string(G) +
+                                         " blocks, " + std::to_string(T) +
+                                         " rows) + one block taking the rows in order");
 }
 
 }  // namespace lily::cuda

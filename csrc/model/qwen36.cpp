@@ -86,8 +86,8 @@ void Qwen36::encode_layers(SessionState& st, const StepState& in, const StepStat
 
 void Qwen36::encode_logits(Scratch& sc, int64_t row0, int64_t n, const Tensor& out) {
   if (n <= 0 || n > sc.logit_rows || out.rows != n) throw std::logic_error("encode_logits: bad row block");
-  ops_.rms_norm(sc.h.rows_view(row0, n), w_.final_norm, sc.final_h.rows_view(0, n), cfg_.eps);
-  ops_.matmul(sc.final_h.rows_view(0, n), w_.lm_head, out);
+  ops_.rms_norm_matmuls(sc.h.rows_view(row0, n), w_.final_norm, cfg_.eps, sc.final_h.rows_view(0, n),
+                        MatmulGroup().add(w_.lm_head, out));
 }
 
 // ---- the MTP block (MODEL.md section 7) ----
@@ -101,23 +101,10 @@ void Qwen36::encode_logits(Scratch& sc, int64_t row0, int64_t n, const Tensor& o
 void Qwen36::mtp_block(SessionState& st, Scratch& sc, const Tensor& ids, const Tensor& h, const Tensor& pos,
                        int64_t n, bool kv_only) {
   const MtpWeights& M = *w_.mtp;
-  const int64_t H = cfg_.hidden;
   auto r = [n](const Tensor& t) { return t.rows_view(0, n); };
-  // [e | hn] in the two column halves of mtp_in (embedding first): for several rows by copies, which honour row
-  // strides on every backend (a norm's output need not).
-  Tensor left = r(sc.mtp_in), right = r(sc.mtp_in);
-  left.cols = right.cols = H;
-  right.offset += H;
-  ops_.embed(ids, w_.embed, r(sc.u));
-  if (n == 1) {  // one row (a draft, a decode step) has no stride to honour: the norms write the halves
-    ops_.rms_norm(r(sc.u), M.pre_fc_norm_embedding, left, cfg_.eps);
-    ops_.rms_norm(h, M.pre_fc_norm_hidden, right, cfg_.eps);
-  } else {
-    ops_.rms_norm(r(sc.u), M.pre_fc_norm_embedding, r(sc.mixer_out), cfg_.eps);
-    ops_.copy(r(sc.mixer_out), left);
-    ops_.rms_norm(h, M.pre_fc_norm_hidden, r(sc.routed), cfg_.eps);
-    ops_.copy(r(sc.routed), right);
-  }
+  // [e | hn]: the normalised embedding and hidden rows side by side (embedding first), the fc's input.
+  ops_.mtp_input(ids, w_.embed, h, M.pre_fc_norm_embedding, M.pre_fc_norm_hidden, cfg_.eps, r(sc.u), r(sc.mixer_out),
+                 r(sc.mtp_in));
   ops_.matmul(r(sc.mtp_in), M.fc, r(sc.mtp_x));
   for (size_t j = 0; j < M.layers.size(); ++j) {
     const LayerWeights& L = M.layers[j];
@@ -153,8 +140,8 @@ void Qwen36::encode_mtp_draft(SessionState& st, Scratch& sc, const Tensor& token
   if (!has_mtp()) throw std::logic_error("encode_mtp_draft: the checkpoint has no MTP block");
   ops_.advance_position(pos, sc.mtp_pos, shift);
   mtp_block(st, sc, token, h, sc.mtp_pos, 1, false);
-  ops_.rms_norm(sc.mtp_x.rows_view(0, 1), w_.mtp->norm, sc.mtp_draft_h, cfg_.eps);
-  ops_.matmul(sc.mtp_draft_h, w_.lm_head, logits);
+  ops_.rms_norm_matmuls(sc.mtp_x.rows_view(0, 1), w_.mtp->norm, cfg_.eps, sc.mtp_draft_h,
+                        MatmulGroup().add(w_.lm_head, logits));  // the target's LM head, not a copy (issue 14)
 }
 
 // ---- state and scratch ----

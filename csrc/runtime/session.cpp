@@ -726,13 +726,19 @@ uint64_t Session::submit_spec_locked(int64_t k, int p, int in, bool at_zero, boo
   stats = ops_.stats();
   const Tensor logits = sc.logits.rows_view(0, T);
   model_.encode_logits(sc, 0, T, logits);
-  for (int64_t j = 0; j < T; ++j) {
-    ops_.sample(logits.rows_view(j, 1), st_.sampler, params, sc.ws, q.y.rows_view(j, 1));
-    if (penalties && j < k) {
-      ops_.copy(st_.sampler.counts, q.counts.rows_view(j, 1));
-      ops_.copy(st_.sampler.seen, q.seen.rows_view(j, 1));
+  // Greedy without penalties: the rows do not depend on each other, one op (a GPU takes them in one pass). Else row
+  // by row, keeping the penalty counts and the rng after each row for the rollback.
+  if (params.greedy() && !penalties) {
+    ops_.sample(logits, st_.sampler, params, sc.ws, q.y.rows_view(0, T));
+  } else {
+    for (int64_t j = 0; j < T; ++j) {
+      ops_.sample(logits.rows_view(j, 1), st_.sampler, params, sc.ws, q.y.rows_view(j, 1));
+      if (penalties && j < k) {
+        ops_.copy(st_.sampler.counts, q.counts.rows_view(j, 1));
+        ops_.copy(st_.sampler.seen, q.seen.rows_view(j, 1));
+      }
+      if (!params.greedy() && j < k) ops_.copy(st_.sampler.rng, q.rng.rows_view(j, 1));
     }
-    if (!params.greedy() && j < k) ops_.copy(st_.sampler.rng, q.rng.rows_view(j, 1));
   }
   // a = accepted drafts; the state, position, logits, hidden and sampler become those after row a. Row k's are
   // already in place (the forward wrote them), so a block past the captured rows copies nothing.

@@ -102,3 +102,60 @@ def test_gated_rms_norm(benches, T, heads, dv):
     c, g = run_both(benches, "gated_rms_norm", {"o": o, "z": z, "w": w}, {"out": (T, heads * dv)}, eps=1e-6)
     assert np.isfinite(g["out"]).all()
     assert rel(g["out"], c["out"]) < 4e-6
+
+
+def _table(rng, fmt, rows, cols):
+    if fmt == "f32":
+        return {"kind": "dense", "dtype": "f32", "shape": [rows, cols],
+                "data": rng.normal(size=(rows, cols)).astype(np.float32)}
+    if fmt == "bf16":
+        return {"kind": "dense", "dtype": "bf16", "shape": [rows, cols],
+                "data": (rng.normal(size=(rows, cols)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)}
+    bits, group = (4, 64) if fmt == "q4" else (8, 32)
+    per = 32 // bits
+    codes = rng.integers(0, 1 << bits, size=(rows, cols), dtype=np.uint64)
+    shifts = (np.arange(per, dtype=np.uint64) * bits)[None, None, :]
+    words = (codes.reshape(rows, cols // per, per) << shifts).sum(axis=2).astype(np.uint32)
+    scales = rng.uniform(0.01, 0.1, size=(rows, cols // group)) * rng.choice([-1, 1], size=(rows, cols // group))
+    biases = rng.normal(0, 0.3, size=(rows, cols // group))
+    return {"kind": "affine", "shape": [rows, cols], "bits": bits, "group": group, "scale_dtype": "f32",
+            "data": words, "scales": scales.astype(np.float32), "biases": biases.astype(np.float32)}
+
+
+@pytest.mark.parametrize("T,phase", [(1, "decode"), (5, "decode"), (33, "prefill")])
+@pytest.mark.parametrize("fmt,H", [("q4", 2048), ("q8", 256), ("bf16", 192), ("f32", 100)])
+def test_mtp_input(benches, T, phase, fmt, H):
+    """The MTP block's input row in one launch: within TOL of the CPU's composed form (embed, then the two norms),
+    and the same bits as the GPU's own composed form (embed_rows + two rms_norm, the norm's geometry for H: one
+    block per row from 513 columns, else one warp; 16-byte loads unless H % 4 != 0). An id outside the table
+    gives NaN in its half only, as embed_rows does."""
+    rng = np.random.default_rng(T * 100 + H)
+    desc = _table(rng, fmt, 300, H)
+    ids = rng.integers(0, 300, size=(T, 1)).astype(np.int32)
+    h = signed(rng, T, H, 2.0)
+    w_e, w_h = signed(rng, 1, H), signed(rng, 1, H)
+    got = []
+    for b in benches:
+        table = b.weight(desc)
+        out = b.empty(T, 2 * H)
+        b.run("mtp_input", phase=phase, ids=b.tensor(ids, "i32"), table=table, h=b.tensor(h), w_e=b.tensor(w_e),
+              w_h=b.tensor(w_h), eps=1e-6, e=b.empty(T, H), normed=b.empty(T, H), out=out)
+        got.append(b.read(out))
+    cpu, gpu = got
+    assert np.isfinite(gpu).all(), "unwritten (poisoned) outputs"
+    assert rel(gpu, cpu) < TOL, rel(gpu, cpu)
+    assert "mtp_input" in str(benches[1].report())
+    g = benches[1]  # the GPU's composed form
+    e, left, right = g.empty(T, H), g.empty(T, H), g.empty(T, H)
+    g.run("embed", phase=phase, ids=g.tensor(ids, "i32"), table=g.weight(desc), out=e)
+    g.run("rms_norm", phase=phase, x=e, w=g.tensor(w_e), out=left, eps=1e-6)
+    g.run("rms_norm", phase=phase, x=g.tensor(h), w=g.tensor(w_h), out=right, eps=1e-6)
+    np.testing.assert_array_equal(gpu, np.concatenate([g.read(left), g.read(right)], axis=1))
+    bad = ids.copy()
+    bad[0, 0] = 300
+    b = benches[1]
+    out = b.empty(T, 2 * H)
+    b.run("mtp_input", phase=phase, ids=b.tensor(bad, "i32"), table=b.weight(desc), h=b.tensor(h), w_e=b.tensor(w_e),
+          w_h=b.tensor(w_h), eps=1e-6, e=b.empty(T, H), normed=b.empty(T, H), out=out)
+    o = b.read(out)
+    assert np.isnan(o[0, :H]).all() and np.isfinite(o[0, H:]).all() and np.isfinite(o[1:]).all()

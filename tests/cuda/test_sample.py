@@ -127,3 +127,34 @@ def test_sample_matches_cpu(benches, vocab, case):
         for k in c:
             np.testing.assert_array_equal(g[k], c[k], err_msg=f"{case} vocab {vocab} draw {draw}: {k}")
         assert 0 <= int(c["id"][0, 0]) < vocab
+
+
+@pytest.mark.parametrize("vocab", [248320, 1000])
+@pytest.mark.parametrize("T", [2, 5, 8])
+@pytest.mark.parametrize("case", ["greedy", "greedy_penalties", "temperature"])
+def test_sample_rows_match_cpu(benches, vocab, T, case):
+    """sample over logits [T, vocab] (an MTP verify's rows): T one-row calls in order on the CPU; on the GPU greedy
+    rows without penalties in one pass (prep over (blocks, rows) + one block taking the rows in order), the rest row
+    by row. The same ids and sampler state as the CPU's, exactly."""
+    params = CASES[case]
+    seed = 77 + vocab + T + len(case)
+    rng = np.random.default_rng(seed)
+    seen = (rng.random((1, vocab)) < 0.05).astype(np.int32)
+    counts = (rng.random((1, vocab)) < 0.01).astype(np.int32)
+    x = np.concatenate([logits_for(rng, vocab, 4.0) for _ in range(T)])
+    x[:, 5] = x.max(axis=1) + 1.0  # one id wins every row: the penalties' rows then differ from each other
+    got = []
+    for b in benches:
+        st = dict(counts=b.tensor(counts, dtype="i32"), seen=b.tensor(seen, dtype="i32"),
+                  rng=b.tensor(mt_words(seed).reshape(1, 626), dtype="i32"),
+                  ring=b.tensor(np.zeros((RING, 1), np.int32), dtype="i32"),
+                  ring_count=b.tensor(np.full((1, 1), 3, np.int32), dtype="i32"), ws=b.workspace(config(vocab), T, 64))
+        nid = b.empty(T, 1, dtype="i32")
+        b.run("sample", phase="decode", logits=b.tensor(x), next_id=nid, **st, **params, seed=seed)
+        got.append({"id": b.read(nid)} | {k: b.read(st[k]) for k in ("counts", "seen", "rng", "ring", "ring_count")})
+    c, g = got
+    for k in c:
+        np.testing.assert_array_equal(g[k], c[k], err_msg=f"{case} vocab {vocab} T {T}: {k}")
+    assert int(c["ring_count"][0, 0]) == 3 + T
+    if case == "greedy":
+        assert "sample.greedy_rows" in str(benches[1].report())

@@ -2,6 +2,10 @@
 //   rms_norm:       x [T, nseg·SEG] -> out, each SEG-element segment normalised with w [SEG]
 //   add_rms_norm:   sum = a + b (sum may alias a), normed = rms_norm(sum)
 //   gated_rms_norm: per value head of SEG: out = (w · rmsnorm(o)) · silu(z)
+//   mtp_input:      out [T, 2·SEG] = [rms_norm(table[ids[t]]) · w_e | rms_norm(h[t]) · w_h] (the MTP block's fc
+//                   input; oracle: Ops::mtp_input_impl, embed then rms_norm): two segments a row, the first
+//                   dequantising its embedding row as embed_rows does (kernels/backend.cu). Floor: the rows read
+//                   and written once (T = 1, SEG = 2048: ~20 KB); the launches it replaces are its cost.
 // Geometry: NT threads cooperate on one segment (NT = 32: one warp; NT > 32: the whole block, SPB = 1),
 // SPB segments per block along threadIdx.y; grid (ceil(nseg / SPB), T). VEC = 4 uses 16-byte loads (the
 // host checks every pointer, stride and SEG for 16-byte alignment), else VEC = 1.
@@ -143,5 +147,55 @@ extern "C" __global__ void gated_rms_norm(const float* __restrict__ o, i64 so, c
       x.v[j] = __fmul_rn(__fmul_rn(m.v[j], __fmul_rn(x.v[j], r)), sg);
     }
     st(ys + i, x);
+  }
+}
+
+// Element c of embedding row id, exactly as embed_rows computes it (dense dtype, or bits-bit affine codes).
+__device__ __forceinline__ float embed_at(const void* data, const void* scales, const void* biases, i64 rows,
+                                          int dtype, int bits, int group, int scale_dtype, int id, i64 c) {
+  if (id < 0 || id >= rows) return __uint_as_float(0x7fc00000u);  // an id outside the table: NaN, as embed_rows
+  if (bits == 0) return load_as_f32(data, dtype, i64(id) * SEG + c);
+  const int per = 32 / bits;
+  const u32 word = static_cast<const u32*>(data)[i64(id) * (SEG / per) + c / per];
+  const float q = float((word >> ((c % per) * bits)) & ((1u << bits) - 1u));
+  const i64 g = i64(id) * (SEG / group) + c / group;
+  return fmaf(q, load_as_f32(scales, scale_dtype, g), load_as_f32(biases, scale_dtype, g));
+}
+
+// Segment 0 of row t: the embedding row (computed again in the second pass rather than held); segment 1: h[t].
+// The sum of squares and the scaling are rms_norm's, element for element, so the bits are embed_rows + rms_norm's.
+extern "C" __global__ void mtp_input(const int* __restrict__ ids, i64 ids_stride, const void* data,
+                                     const void* scales, const void* biases, i64 rows, int dtype, int bits, int group,
+                                     int scale_dtype, const float* __restrict__ h, i64 sh,
+                                     const float* __restrict__ w_e, const float* __restrict__ w_h,
+                                     float* __restrict__ out, i64 so, float eps) {
+  LILY_PDL_PROLOGUE();
+  __shared__ float scratch[32];
+  const int s = segment(2);
+  if (s < 0) return;
+  const i64 t = blockIdx.y;
+  float* os = out + t * so + i64(s) * SEG;
+  const float* w = s == 0 ? w_e : w_h;
+  const float* hs = h + t * sh;
+  const int id = s == 0 ? ids[t * ids_stride] : 0;
+  auto load = [&](int i) {
+    if (s != 0) return ld(hs + i);
+    V4 r;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) r.v[j] = embed_at(data, scales, biases, rows, dtype, bits, group, scale_dtype, id, i + j);
+    return r;
+  };
+  float ss = 0.f;
+  for (int i = threadIdx.x * VEC; i < SEG; i += NT * VEC) {
+    const V4 a = load(i);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) ss = fmaf(a.v[j], a.v[j], ss);
+  }
+  const float r = inv_rms(group_sum(ss, scratch), eps);
+  for (int i = threadIdx.x * VEC; i < SEG; i += NT * VEC) {
+    V4 a = load(i), g = ld(w + i);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) a.v[j] = __fmul_rn(__fmul_rn(a.v[j], r), g.v[j]);
+    st(os + i, a);
   }
 }

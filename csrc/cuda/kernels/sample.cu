@@ -6,6 +6,8 @@
 //                    key D (ascending D = the CPU's candidate order: logit descending; ties by id through the
 //                    id itself), written to ws, and each block's first maximum.
 //   greedy:  sample_greedy    1 × 256: the first maximum over the block partials; writes the id and state.
+//   Greedy rows without penalties (an MTP verify's k + 1 rows) are independent: prep over (ceil(V / 2048), T)
+//   without keys, then sample_greedy takes the rows in order: two launches for T rows instead of 2T.
 //   else:    sample_weights   grid as prep: the CPU's weight exp(work·(1/T) − top) of every token (ws), each
 //                             block reducing the partials for top itself (no inter-block counter: ws is shared).
 //            sample_select    1 × 1024 threads: the draw (see below), the id and state.
@@ -84,27 +86,30 @@ __device__ void block_best(float& v, int& i, Partial* scratch) {  // scratch: 32
   }
 }
 
+// Row blockIdx.y of the logits (greedy rows without penalties: independent, one launch for all; every other
+// call has one row). keys == nullptr: not written (greedy reads only the partials); partials of row y at y·G.
 extern "C" __global__ void __launch_bounds__(PREP_THREADS)
-    sample_prep(const float* __restrict__ logits, const int* __restrict__ seen, const int* __restrict__ counts,
-                u32* __restrict__ keys, Partial* __restrict__ partials, int V, float rep, float pres, float freq,
-                int has_rep, int has_pf) {
+    sample_prep(const float* __restrict__ logits, i64 logits_stride, const int* __restrict__ seen,
+                const int* __restrict__ counts, u32* __restrict__ keys, Partial* __restrict__ partials, int V,
+                float rep, float pres, float freq, int has_rep, int has_pf) {
   LILY_PDL_PROLOGUE();
   __shared__ Partial scratch[32];
   float bv = -__int_as_float(0x7f800000);
   int bi = 0x7fffffff;
   const int base = blockIdx.x * PREP_CHUNK;
+  logits += i64(blockIdx.y) * logits_stride;
 #pragma unroll
   for (int j = 0; j < PREP_PER_THREAD; ++j) {
     const int i = base + j * PREP_THREADS + threadIdx.x;
     if (i < V) {
       const float x = penalised(logits[i], has_rep ? seen[i] : 0, has_pf ? counts[i] : 0, rep, pres, freq, has_rep,
                                 has_pf);
-      keys[i] = key_of(x);
+      if (keys) keys[i] = key_of(x);
       if (better(x, i, bv, bi)) bv = x, bi = i;
     }
   }
   block_best(bv, bi, scratch);
-  if (threadIdx.x == 0) partials[blockIdx.x] = Partial{bv, bi};
+  if (threadIdx.x == 0) partials[i64(blockIdx.y) * gridDim.x + blockIdx.x] = Partial{bv, bi};
 }
 
 struct FinishArgs {
@@ -135,14 +140,21 @@ __device__ void reduce_partials(const Partial* __restrict__ partials, int G, flo
   block_best(bv, bi, scratch);
 }
 
+// Rows 0 .. T-1 in order, as T calls would take them (ids to next_id row r, the ring in row order).
 extern "C" __global__ void __launch_bounds__(PREP_THREADS)
-    sample_greedy(const Partial* __restrict__ partials, int G, FinishArgs fa) {
+    sample_greedy(const Partial* __restrict__ partials, int G, int T, i64 next_stride, FinishArgs fa) {
   LILY_PDL_PROLOGUE();
   __shared__ Partial scratch[32];
-  float bv;
-  int bi;
-  reduce_partials(partials, G, bv, bi, scratch);
-  if (threadIdx.x == 0) finish(bi == 0x7fffffff ? 0 : bi, fa);
+  const u64 next_id = fa.next_id;
+  for (int r = 0; r < T; ++r) {
+    float bv;
+    int bi;
+    reduce_partials(partials + i64(r) * G, G, bv, bi, scratch);
+    if (threadIdx.x == 0) {
+      fa.next_id = next_id + u64(i64(r) * next_stride) * sizeof(int);
+      finish(bi == 0x7fffffff ? 0 : bi, fa);
+    }
+  }
 }
 
 // csrc/cpu/sample.cpp's weight_exp, operation for operation (explicit roundings: nothing to contract).

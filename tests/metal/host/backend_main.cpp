@@ -955,6 +955,26 @@ int run_ops(const std::string& msl) {
     b.run(Phase::Decode, [&](Ops& o, bool m) { o.copy_rows_at(m ? ints.m : ints.c, m ? idx.m : idx.c, 1, m ? one.m : one.c); });
     check_i32(b, "copy_rows_at", "i32", one);
   }
+  if (wanted("mtp_input")) {
+    // The MTP block's fc input [norm(embed) | norm(h)]: one decode row (the norms write the halves) and prefill rows
+    // (through `normed` and copies), a 4-bit and a bf16 table.
+    for (const auto& c : std::vector<std::tuple<std::string, int64_t, Phase>>{
+             {"q4g64-bf16", 1, Phase::Decode}, {"q4g64-bf16", 4, Phase::Prefill}, {"bf16", 3, Phase::Prefill}}) {
+      const std::string& fmt = std::get<0>(c);
+      const int64_t n = std::get<1>(c), H = 192;
+      const Weight table = make_weight(blob, mc, fmt, 40, H);
+      std::vector<int32_t> idv;
+      for (int64_t t = 0; t < n; ++t) idv.push_back(int32_t(g_rng() % 40));
+      auto ids = b.i32(n, 1, idv);
+      auto h = b.f32(n, H, 3.f), we = b.f32(1, H), wh = b.f32(1, H);
+      auto e = b.alloc(DType::F32, n, H), normed = b.alloc(DType::F32, n, H), out = b.alloc(DType::F32, n, 2 * H);
+      b.run(std::get<2>(c), [&](Ops& o, bool m) {
+        o.mtp_input(m ? ids.m : ids.c, table, m ? h.m : h.c, m ? we.m : we.c, m ? wh.m : wh.c, 1e-6f, m ? e.m : e.c,
+                    m ? normed.m : normed.c, m ? out.m : out.c);
+      });
+      check_f32(b, "mtp_input", fmt + " n=" + std::to_string(n), out);
+    }
+  }
   if (wanted("sample")) {
     // Greedy, then seeded draws: temperature alone, top-k, top-p, min-p, everything with penalties. Five draws each
     // from one seeded stream; ids, penalty state, ring and the mt19937_64 words must equal the CPU's.
@@ -999,6 +1019,11 @@ int run_ops(const std::string& msl) {
         ids_c.push_back(b.get<int32_t>(b.cpu, next.c)[0]);
         ids_m.push_back(b.get<int32_t>(b.mtl, next.m)[0]);
       }
+      // Three rows in one op (an MTP verify's): three calls in row order, a barrier between them.
+      auto rows = b.f32(3, V, 5.f);
+      auto next3 = b.alloc(DType::I32, 3, 1);
+      b.run(Phase::Decode, [&](Ops& o, bool m) { o.sample(m ? rows.m : rows.c, st[m], p, m ? ws.m : ws.c, m ? next3.m : next3.c); });
+      check_i32(b, "sample", name + " rows ids", next3);
       const bool same = ids_c == ids_m;
       printf("op sample %s ids:", name.c_str());
       for (size_t i = 0; i < ids_m.size(); ++i) printf(" %d/%d", ids_c[i], ids_m[i]);
