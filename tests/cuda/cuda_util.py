@@ -24,3 +24,17 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     assert got.shape == ref.shape, (got.shape, ref.shape)
     assert np.isfinite(got).all(), "non-finite output (an element was not written, or overflowed)"
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def affine_table(rng, rows: int, cols: int, bits: int, group: int) -> dict:
+    """An OpBench weight description: random bits-bit codes in the MLX layout, f32 scales (about half negative) and
+    biases per group."""
+    per = 32 // bits
+    codes = rng.integers(0, 1 << bits, size=(rows, cols), dtype=np.uint64)
+    shifts = (np.arange(per, dtype=np.uint64) * bits)[None, None, :]
+    words = (codes.reshape(rows, cols // per, per) << shifts).sum(axis=2).astype(np.uint32)
+    scales = (rng.uniform(0.01, 0.1, size=(rows, cols // group)) * rng.choice([-1, 1], size=(rows, cols // group)))
+    biases = rng.normal(0, 0.3, size=(rows, cols // group))
+    f32 = lambda x: np.ascontiguousarray(x, dtype=np.float32)  # noqa: E731
+    return {"kind": "affine", "shape": [rows, cols], "bits": bits, "group": group, "scale_dtype": "f32",
+            "data": words, "scales": f32(scales), "biases": f32(biases)}

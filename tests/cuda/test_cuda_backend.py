@@ -13,7 +13,7 @@ import pytest
 import lily
 from lily.synthetic import TINY_CONFIG, write_synthetic_checkpoint
 
-from cuda_util import rel_err, requires_cuda
+from cuda_util import affine_table, rel_err, requires_cuda
 
 pytestmark = requires_cuda
 
@@ -95,18 +95,6 @@ def test_copy_between_kv_dtypes(benches):
     np.testing.assert_array_equal(res[0][1], res[1][1])
 
 
-def _affine_table(rng, rows, cols, bits, group):
-    per = 32 // bits
-    codes = rng.integers(0, 1 << bits, size=(rows, cols), dtype=np.uint64)
-    shifts = (np.arange(per, dtype=np.uint64) * bits)[None, None, :]
-    words = (codes.reshape(rows, cols // per, per) << shifts).sum(axis=2).astype(np.uint32)
-    scales = (rng.uniform(0.01, 0.1, size=(rows, cols // group)) * rng.choice([-1, 1], size=(rows, cols // group)))
-    biases = rng.normal(0, 0.3, size=(rows, cols // group))
-    f32 = lambda x: np.ascontiguousarray(x, dtype=np.float32)  # noqa: E731
-    return {"kind": "affine", "shape": [rows, cols], "bits": bits, "group": group, "scale_dtype": "f32",
-            "data": words, "scales": f32(scales), "biases": f32(biases)}
-
-
 @pytest.mark.parametrize("fmt", ["f32", "q4", "q8"])
 def test_embed(benches, fmt):
     rng = np.random.default_rng(3)
@@ -115,7 +103,7 @@ def test_embed(benches, fmt):
         desc = {"kind": "dense", "dtype": "f32", "shape": [rows, cols],
                 "data": rng.normal(size=(rows, cols)).astype(np.float32)}
     else:
-        desc = _affine_table(rng, rows, cols, 4 if fmt == "q4" else 8, 64)
+        desc = affine_table(rng, rows, cols, 4 if fmt == "q4" else 8, 64)
     ids = rng.integers(0, rows, size=(37, 1)).astype(np.int32)
     got = []
     for bench in benches:

@@ -14,6 +14,8 @@ import pytest
 
 import lily._core as core
 
+from cuda_util import affine_table
+
 pytestmark = pytest.mark.skipif(
     not core.backends().get("cuda", {}).get("usable", False), reason="CUDA backend not usable (core.backends()['cuda'])"
 )
@@ -111,15 +113,7 @@ def _table(rng, fmt, rows, cols):
     if fmt == "bf16":
         return {"kind": "dense", "dtype": "bf16", "shape": [rows, cols],
                 "data": (rng.normal(size=(rows, cols)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)}
-    bits, group = (4, 64) if fmt == "q4" else (8, 32)
-    per = 32 // bits
-    codes = rng.integers(0, 1 << bits, size=(rows, cols), dtype=np.uint64)
-    shifts = (np.arange(per, dtype=np.uint64) * bits)[None, None, :]
-    words = (codes.reshape(rows, cols // per, per) << shifts).sum(axis=2).astype(np.uint32)
-    scales = rng.uniform(0.01, 0.1, size=(rows, cols // group)) * rng.choice([-1, 1], size=(rows, cols // group))
-    biases = rng.normal(0, 0.3, size=(rows, cols // group))
-    return {"kind": "affine", "shape": [rows, cols], "bits": bits, "group": group, "scale_dtype": "f32",
-            "data": words, "scales": scales.astype(np.float32), "biases": biases.astype(np.float32)}
+    return affine_table(rng, rows, cols, *((4, 64) if fmt == "q4" else (8, 32)))
 
 
 @pytest.mark.parametrize("T,phase", [(1, "decode"), (5, "decode"), (33, "prefill")])
