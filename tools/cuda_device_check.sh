@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA backend on a GPU machine in one command: build, GPU tests, compute-sanitizer, benchmark.
 #
-#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix] [mtp]   (default: build tests)
+#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix] [mtp] [mtp-full]
+#   (default: build tests)
 #
 # Builds the extension with CMake into /tmp/lily-cuda-build (no pip, no network), assembles the package in
 # /tmp/lily-cuda-pkg and runs from there. Logs and results go to $OUT (default ./cuda-out). Needs python3
@@ -56,6 +57,14 @@ if has mtp; then  # issue 14: MTP on lily-tiny, the verify through the prefill p
     opts='{}'; [ $form = decode ] && opts='{"mtp_verify_decode": true}'
     LILY_CACHE_DIR=/tmp/lily-cache-mtp-$form python3 benchmarks/bench_mtp.py --backend cuda --repeats 3 \
       --backend-options "$opts" --json "$OUT/mtp-$form.json" 2>&1 | tee "$OUT/mtp-$form.log"
+  done
+fi
+if has mtp-full; then  # issue 14 item 8: the full-size synthetic model's verify cost (its random head accepts nothing)
+  for form in prefill decode; do
+    opts='{}'; [ $form = decode ] && opts='{"mtp_verify_decode": true}'
+    LILY_CACHE_DIR=/tmp/lily-cache-mtp-full-$form python3 benchmarks/bench_mtp.py --synthetic full \
+      --cache /tmp/lily-full-mtp --backend cuda --prompts 2 --tokens 48 --repeats 1 --backend-options "$opts" \
+      --json "$OUT/mtp-full-$form.json" 2>&1 | tee "$OUT/mtp-full-$form.log"
   done
 fi
 if has bench; then
