@@ -113,11 +113,13 @@ void CudaOps::sample_rows_impl(const Tensor& logits, const SamplerState& st, con
     if (t->dtype != DType::I32) bad("sampler state and next_id must be I32");
   if (st.counts.cols != V || st.seen.cols != V || st.rng.cols != SamplerState::kRngWords || st.ring.rows < 1)
     bad("sampler state does not match vocab " + std::to_string(V));
-  const int G = int(prep_blocks(V));
-  if (T > 65535 || size_t(T) * size_t(G) * 8 > round16(size_t(V) * 4))  // 8 bytes a partial: (value, id)
-    bad(std::to_string(T) + " greedy rows do not fit the workspace's partials");
   if (ws.bytes() < sample_workspace_bytes(V)) bad("workspace too small");
-  const CUdeviceptr partials = ptr(ws);  // the keys' room
+  const int G = int(prep_blocks(V));
+  if (T > 65535 || size_t(T) * size_t(G) * 8 > ws.bytes()) {  // 8 bytes a partial: (value, id)
+    note_variant("sample.greedy_rows", "row by row: the workspace holds no partials for " + std::to_string(T) + " rows");
+    return Ops::sample_rows_impl(logits, st, p, ws, next_id);
+  }
+  const CUdeviceptr partials = ptr(ws);  // greedy reads no keys or weights: the partials take their room
   const FinishArgs fa{ptr(st.counts), ptr(st.seen), ptr(st.ring), ptr(st.ring_count), ptr(next_id),
                       int64_t(st.ring.rows), int64_t(st.ring.stride)};
   launch(kernel("sample", "sample_prep"), Dim3{unsigned(G), unsigned(T), 1}, Dim3{256, 1, 1}, 0, ptr(logits),
