@@ -45,6 +45,20 @@ double fix_scale(int64_t vocab) {
 
 [[noreturn]] void bad(const std::string& why) { throw std::invalid_argument("sample (cuda): " + why); }
 
+// The shapes every sample launch relies on (one_row: logits [1, vocab], else [rows, vocab]).
+void check_sample(const Tensor& logits, bool one_row, const SamplerState& st, const Tensor& ws,
+                  const Tensor& next_id) {
+  const int64_t V = logits.cols;
+  if (logits.dtype != DType::F32 || (one_row && logits.rows != 1) || V < 1)
+    bad(std::string("logits must be F32 ") + (one_row ? "[1, vocab]" : "[rows, vocab]"));
+  if (V >= (int64_t(1) << 31)) bad("vocab too large");
+  for (const Tensor* t : {&st.counts, &st.seen, &st.rng, &st.ring, &st.ring_count, &next_id})
+    if (t->dtype != DType::I32) bad("sampler state and next_id must be I32");
+  if (st.counts.cols != V || st.seen.cols != V || st.rng.cols != SamplerState::kRngWords || st.ring.rows < 1)
+    bad("sampler state does not match vocab " + std::to_string(V));
+  if (ws.bytes() < sample_workspace_bytes(V)) bad("workspace too small");
+}
+
 }  // namespace
 
 size_t sample_workspace_bytes(int64_t vocab) {
@@ -54,13 +68,7 @@ size_t sample_workspace_bytes(int64_t vocab) {
 void CudaOps::sample_impl(const Tensor& logits, const SamplerState& st, const SamplingParams& p, const Tensor& ws,
                           const Tensor& next_id) {
   const int64_t V = logits.cols;
-  if (logits.dtype != DType::F32 || logits.rows != 1 || V < 1) bad("logits must be F32 [1, vocab]");
-  if (V >= (int64_t(1) << 31)) bad("vocab too large");
-  for (const Tensor* t : {&st.counts, &st.seen, &st.rng, &st.ring, &st.ring_count, &next_id})
-    if (t->dtype != DType::I32) bad("sampler state and next_id must be I32");
-  if (st.counts.cols != V || st.seen.cols != V || st.rng.cols != SamplerState::kRngWords || st.ring.rows < 1)
-    bad("sampler state does not match vocab " + std::to_string(V));
-  if (ws.bytes() < sample_workspace_bytes(V)) bad("workspace too small");
+  check_sample(logits, true, st, ws, next_id);
 
   const CUdeviceptr base = ptr(ws);
   const CUdeviceptr keys = base, wts = base + round16(size_t(V) * 4), partials = wts + round16(size_t(V) * 4);
@@ -107,13 +115,7 @@ void CudaOps::sample_rows_impl(const Tensor& logits, const SamplerState& st, con
   const bool independent = p.greedy() && p.repetition_penalty == 1.f && p.presence_penalty == 0.f &&
                            p.frequency_penalty == 0.f;
   if (T == 1 || !independent) return Ops::sample_rows_impl(logits, st, p, ws, next_id);
-  if (logits.dtype != DType::F32 || V < 1) bad("logits must be F32 [rows, vocab]");
-  if (V >= (int64_t(1) << 31)) bad("vocab too large");
-  for (const Tensor* t : {&st.counts, &st.seen, &st.rng, &st.ring, &st.ring_count, &next_id})
-    if (t->dtype != DType::I32) bad("sampler state and next_id must be I32");
-  if (st.counts.cols != V || st.seen.cols != V || st.rng.cols != SamplerState::kRngWords || st.ring.rows < 1)
-    bad("sampler state does not match vocab " + std::to_string(V));
-  if (ws.bytes() < sample_workspace_bytes(V)) bad("workspace too small");
+  check_sample(logits, false, st, ws, next_id);
   const int G = int(prep_blocks(V));
   if (T > 65535 || size_t(T) * size_t(G) * 8 > ws.bytes()) {  // 8 bytes a partial: (value, id)
     note_variant("sample.greedy_rows", "row by row: the workspace holds no partials for " + std::to_string(T) + " rows");
