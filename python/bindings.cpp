@@ -1138,7 +1138,7 @@ NB_MODULE(_core, m) {
            })
       .def("generate",
            [](PySession& s, int64_t max_tokens, const nb::dict& p, const std::vector<int32_t>& stop_ids,
-              nb::object on_token, bool with_logits, int mtp_k, nb::object policy) {
+              nb::object on_token, bool with_logits, int mtp_k, nb::object policy, nb::object on_tokens) {
              SamplingParams sp = parse_sampling(p);
              // mtp="auto": {"cost": [c1..c4] (an iteration with k drafts in plain decode steps), "alpha0", "weight"}
              std::optional<MtpPolicy> pol;
@@ -1173,18 +1173,41 @@ NB_MODULE(_core, m) {
                });
                return answer;
              };
+             // on_tokens(ids, logits) for an MTP iteration's tokens (a list; logits [n, vocab] or None) answers
+             // (received, go_on); a failed callback received nothing.
+             Session::OnTokens batch = [&](const int32_t* ids, int64_t n, const float* rows, bool& go_on) {
+               int64_t received = 0;
+               cb.call([&] {
+                 nb::list toks;
+                 for (int64_t i = 0; i < n; ++i) toks.append(ids[i]);
+                 nb::object r;
+                 if (rows) {
+                   float* out;
+                   auto arr = new_logits(n, vocab, &out);
+                   std::copy(rows, rows + n * vocab, out);
+                   r = on_tokens(toks, arr);
+                 } else {
+                   r = on_tokens(toks, nb::none());
+                 }
+                 const auto answer = nb::cast<std::pair<int64_t, bool>>(r);
+                 received = answer.first;
+                 go_on = answer.second;
+                 return true;
+               });
+               return received;
+             };
              std::string reason;
              {
                nb::gil_scoped_release nogil;
                reason = mtp_k > 0 ? s.s->generate_mtp(max_tokens, sp, stop_ids, fn, with_logits, mtp_k,
-                                                      pol ? &*pol : nullptr)
+                                                      pol ? &*pol : nullptr, on_tokens.is_none() ? nullptr : &batch)
                                   : s.s->generate(max_tokens, sp, stop_ids, fn, with_logits);
              }
              cb.rethrow();
              return reason;
            },
            "max_tokens"_a, "params"_a, "stop_ids"_a, "on_token"_a, "with_logits"_a = false, "mtp_k"_a = 0,
-           "policy"_a = nb::none())
+           "policy"_a = nb::none(), "on_tokens"_a = nb::none())
       .def("last_mtp_stats",
            [](PySession& s) {
              const MtpStats m = s.s->last_mtp_stats();

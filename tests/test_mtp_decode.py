@@ -244,6 +244,140 @@ def test_closing_the_iterator_early_keeps_only_what_was_seen(engine):
     assert_plain_state(engine, s, prompt, seen, p)
 
 
+def core_generate(s, n, k, on_tokens, *, stops=(), with_logits=False, singles=None):
+    """The extension's generate loop with a batch callback; `singles` collects what went through on_token."""
+    singles = [] if singles is None else singles
+
+    def on_token(t, logits=None):
+        singles.append((t, logits))
+        return 1
+
+    return s._core.generate(n, lily.SamplingParams(temperature=0).to_core(), list(stops), on_token, with_logits, k,
+                            None, on_tokens)
+
+
+def test_an_iterations_tokens_go_over_in_one_handoff(engine):
+    """on_tokens takes each verify forward's kept tokens in one call (one thread handoff per iteration in
+    Session.generate), in order, with their logits rows; the first token still goes through on_token."""
+    prompt = PROMPTS[2]
+    _, base = run(engine, prompt, 18)
+    s = engine.session(max_context=96)
+    s.prefill(prompt)
+    s._core._draft_override(len(prompt), base)
+    batches, singles = [], []
+
+    def on_tokens(toks, logits=None):
+        assert logits is not None and logits.shape == (len(toks), engine.config.vocab_size)
+        batches.append((list(toks), np.array(logits)))
+        return len(toks), True
+
+    assert core_generate(s, 18, 4, on_tokens, with_logits=True, singles=singles) == "length"
+    assert [t for t, _ in singles] == base[:1]
+    got = [t for toks, _ in batches for t in toks]
+    assert base[:1] + got == base
+    assert len(batches) == s.mtp_stats()["steps"] and max(len(b) for b, _ in batches) == 5
+    # Each row is the distribution its token was sampled from: the plain generate's, position by position.
+    rows = np.concatenate([singles[0][1]] + [r for _, r in batches])
+    plain = engine.session(max_context=96)
+    plain.prefill(prompt)
+    plain_rows = []
+    for t in base:
+        plain_rows.append(plain.logits)
+        plain.step(t)
+    np.testing.assert_allclose(rows, np.stack(plain_rows), rtol=1e-4, atol=1e-4)
+    assert_plain_state(engine, s, prompt, base)
+
+
+def test_generate_hands_each_iteration_over_once(engine, monkeypatch):
+    """Session.generate's worker thread waits for its consumer once per verify forward (plus the first token and
+    the end), not once per token: on a fast GPU the per-token handoffs were the iteration's bottleneck
+    (benchmarks/NOTES.md, "MTP: one handoff per iteration")."""
+    import queue
+
+    import lily.session
+
+    puts = []
+
+    class CountingQueue(queue.SimpleQueue):
+        def put(self, item, *args, **kwargs):
+            puts.append(item)
+            super().put(item, *args, **kwargs)
+
+    monkeypatch.setattr(lily.session.queue, "SimpleQueue", CountingQueue)
+    prompt = PROMPTS[2]
+    _, base = run(engine, prompt, 20)
+    assert len(puts) == len(base) + 1  # plain decoding: one handoff per token, then the end
+    puts.clear()
+    s, out = run(engine, prompt, 20, mtp="on", k=4, drafts=base)
+    assert out == base
+    assert len(puts) == 1 + s.mtp_stats()["steps"] + 1 < len(base)
+    assert [t for item in puts[:-1] for t in item[0]] == base and puts[-1] is None
+
+
+@pytest.mark.parametrize("received, go_on", [(2, True), (0, True), (3, False), (5, False)])
+def test_a_partly_received_handoff_keeps_what_was_received(engine, received, go_on):
+    """The batch callback answers how many tokens the caller received and whether it wants more: the context
+    keeps exactly those (the rest are rolled back), the call ends "cancelled", and the session goes on like a
+    plain one that was given the same tokens."""
+    prompt = PROMPTS[0]
+    _, base = run(engine, prompt, 20)
+    s = engine.session(max_context=96)
+    s.prefill(prompt)
+    s._core._draft_override(len(prompt), base)
+    calls = []
+
+    def on_tokens(toks, logits=None):
+        calls.append(list(toks))
+        return (received, go_on) if len(calls) == 2 else (len(toks), True)
+
+    assert core_generate(s, 20, 4, on_tokens) == "cancelled"
+    assert len(calls) == 2 and len(calls[1]) == 5
+    seen = base[:1] + calls[0] + calls[1][:received]
+    assert seen == base[: len(seen)]
+    assert s.tokens == prompt + seen
+    if received:  # the last received token is pending
+        assert_plain_state(engine, s, prompt, seen)
+    else:  # nothing of the iteration received: the pending token it fed stays fed (as a refused on_token)
+        assert_same_state(s, stepped(engine, prompt, seen))
+    s._core._draft_override(0, [])
+    tail = list(s.generate(3, stop_token_ids=[], mtp="off"))
+    p = stepped(engine, prompt, seen)
+    assert tail == list(p.generate(3, stop_token_ids=[], mtp="off"))
+
+
+def test_a_stop_token_cuts_the_handoff(engine):
+    """A stop token among an iteration's tokens: the batch ends with it, nothing after it is offered."""
+    prompt = PROMPTS[0]
+    _, base = run(engine, prompt, 20)
+    stop = base[3]
+    first = base.index(stop)
+    s = engine.session(max_context=96)
+    s.prefill(prompt)
+    s._core._draft_override(len(prompt), base)
+    offered = []
+    assert core_generate(s, 20, 4, lambda toks, logits=None: offered.extend(toks) or (len(toks), True),
+                         stops=[stop]) == "stop"
+    assert base[:1] + offered == base[: first + 1]
+    assert s.tokens[len(prompt):] == base[: first + 1]
+
+
+def test_a_failing_handoff_raises_and_leaves_the_session_usable(engine):
+    prompt = PROMPTS[1]
+    _, base = run(engine, prompt, 12)
+    s = engine.session(max_context=96)
+    s.prefill(prompt)
+    s._core._draft_override(len(prompt), base)
+
+    def on_tokens(toks, logits=None):
+        raise RuntimeError("consumer failed")
+
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        core_generate(s, 12, 3, on_tokens)
+    assert s.tokens == prompt + base[:1]  # the first token was received; the failed batch was not
+    s._core._draft_override(0, [])
+    assert list(s.generate(4, stop_token_ids=[], mtp="off")) == base[1:5]
+
+
 def test_max_context_and_max_tokens_limits(engine):
     prompt = PROMPTS[0]
     for n, ctx in [(5, 96), (30, len(prompt) + 9)]:

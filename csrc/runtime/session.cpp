@@ -792,7 +792,7 @@ void Session::encode_state_at_row_locked(const Spec::Parity& q, int64_t k, const
 std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& params,
                                   const std::vector<int32_t>& stop_ids,
                                   const std::function<int(int32_t, const float*)>& on_token, bool with_logits,
-                                  int mtp_k, const MtpPolicy* policy) {
+                                  int mtp_k, const MtpPolicy* policy, const OnTokens* on_tokens) {
   BusyGuard busy(busy_);
   if (mtp_k < 1 || mtp_k > kMaxMtpK)
     throw std::invalid_argument("mtp_k must be in 1.." + std::to_string(kMaxMtpK) + ", got " + std::to_string(mtp_k));
@@ -986,18 +986,30 @@ std::string Session::generate_mtp(int64_t max_tokens, const SamplingParams& para
       pending_ = m > 0 ? y[size_t(m - 1)] : -1;
       has_logits_ = true;
     };
-    // Hand over y_0 .. y_a (drafts 1..a, then the model's token after them) one at a time.
+    // Hand over y_0 .. y_a (drafts 1..a, then the model's token after them): in one on_tokens call up to the
+    // first stop token, or one on_token call at a time.
     int64_t m = 0;  // tokens the caller received
     int answer = 1;
     bool stop = false;
     try {
-      for (int64_t i = 0; i <= a; ++i) {
-        answer = on_token(y[size_t(i)], with_logits ? rows.data() + i * vocab : nullptr);
-        if (answer < 0) break;
-        ++m;
-        ++delivered;
-        stop = is_stop(y[size_t(i)]);
-        if (stop || answer == 0) break;
+      if (on_tokens) {
+        int64_t n = a + 1;
+        for (int64_t i = 0; i < n; ++i)
+          if (is_stop(y[size_t(i)])) n = i + 1;
+        bool go_on = true;
+        m = std::clamp<int64_t>((*on_tokens)(y.data(), n, with_logits ? rows.data() : nullptr, go_on), 0, n);
+        delivered += m;
+        stop = m > 0 && is_stop(y[size_t(m - 1)]);
+        answer = m < n ? -1 : go_on ? 1 : 0;
+      } else {
+        for (int64_t i = 0; i <= a; ++i) {
+          answer = on_token(y[size_t(i)], with_logits ? rows.data() + i * vocab : nullptr);
+          if (answer < 0) break;
+          ++m;
+          ++delivered;
+          stop = is_stop(y[size_t(i)]);
+          if (stop || answer == 0) break;
+        }
       }
     } catch (...) {  // the caller's exception: the tokens it received stay, as after a cancel
       keep(m, true);

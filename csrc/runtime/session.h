@@ -212,9 +212,17 @@ class Session {
   // With `policy` (mtp="auto"), mtp_k is the largest k and each iteration chooses its own (MtpPolicy).
   // Needs the MTP block's cache to cover the context (mtp_cache_valid()) and the model to keep it
   // (Qwen36::keep_mtp_rows): otherwise std::invalid_argument naming mtp.
+  //
+  // `on_tokens` (optional) takes the tokens one iteration keeps in one call instead of one on_token call each: a
+  // caller that hands tokens to another thread then pays one handoff per verify forward, not one per token
+  // (benchmarks/NOTES.md, "MTP: one handoff per iteration"). It gets ids[0 .. n) (cut after the first stop token)
+  // and, with `with_logits`, their logits rows [n, vocab]; it returns how many the caller received, in order
+  // (0..n; the rest never join the context), and clears go_on when the caller wants no more after them. The
+  // first token and a switch to plain decoding (the policy stops drafting) still go through on_token.
+  using OnTokens = std::function<int64_t(const int32_t* ids, int64_t n, const float* rows, bool& go_on)>;
   std::string generate_mtp(int64_t max_tokens, const SamplingParams& params, const std::vector<int32_t>& stop_ids,
                            const std::function<int(int32_t, const float*)>& on_token, bool with_logits, int mtp_k,
-                           const MtpPolicy* policy = nullptr);
+                           const MtpPolicy* policy = nullptr, const OnTokens* on_tokens = nullptr);
   MtpStats last_mtp_stats() const;
   // Whether the MTP block's KV rows and next input cover the context: true at position 0, false once a forward
   // fed tokens while the model did not keep them (Qwen36::keep_mtp_rows false), until reset or a restore of a

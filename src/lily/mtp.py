@@ -253,7 +253,9 @@ def measure_costs(engine, *, prompt: int = 48, short: int = 8, long: int = 40, r
         def run(n: int, k: int) -> tuple[float, int]:
             s.restore(snap)
             t0 = time.perf_counter()
-            s._core.generate(n, params, [], lambda t, logits=None: 1, False, k)
+            # Tokens as Session.generate takes them: an iteration's in one callback.
+            s._core.generate(n, params, [], lambda t, logits=None: 1, False, k, None,
+                             lambda toks, logits=None: (len(toks), True))
             dt = time.perf_counter() - t0
             return dt, (s._core.last_mtp_stats()["steps"] if k else n)
 

@@ -357,8 +357,9 @@ class Session:
 
     def _run_generation(self, max_tokens: int, params: dict, stops: list[int], with_logits: bool,
                         mtp_k: int = 0, policy: dict | None = None, auto: bool = False) -> Iterator[int]:
-        # Tokens are handed over one at a time: the C++ loop waits until the consumer asks for the next
-        # one, so the context always equals exactly what the caller has seen.
+        # Tokens are handed over one at a time (an MTP iteration's in one handoff, yielded one at a time): the C++
+        # loop waits until the consumer asks for the token after them, so the context always equals exactly what
+        # the caller has seen.
         handoff: queue.SimpleQueue = queue.SimpleQueue()
         resume = threading.Semaphore(0)
         cancelled = threading.Event()
@@ -370,16 +371,24 @@ class Session:
 
         def on_token(tok: int, logits=None) -> int:
             seq = taken[0]
-            handoff.put((tok, logits))
+            handoff.put(([tok], logits))
             resume.acquire()
             if taken[0] == seq:
                 return -1  # not received
             return 0 if cancelled.is_set() else 1
 
+        # An MTP iteration's tokens in one handoff (logits [n, vocab] or None): the worker waits once per verify
+        # forward, not once per token. Answers how many the consumer received and whether it wants more.
+        def on_tokens(toks: list[int], logits=None) -> tuple[int, bool]:
+            seq = taken[0]
+            handoff.put((toks, logits))
+            resume.acquire()
+            return taken[0] - seq, not cancelled.is_set()
+
         def run() -> None:
             try:
                 outcome["reason"] = self._core.generate(max_tokens, params, stops, on_token, with_logits, mtp_k,
-                                                        policy)
+                                                        policy, on_tokens)
                 if auto:  # the engine's acceptance estimate learns from this call
                     self._engine._mtp.observe(self._core.last_mtp_stats(), speculative=mtp_k > 0)
             except BaseException as exc:  # re-raised in the consumer's thread
@@ -397,15 +406,21 @@ class Session:
                 item = handoff.get()
                 if item is None or cancelled.is_set():  # finished, or cancelled by close() / exit
                     break
-                tok, self._token_logits = item
-                consumed = False
-                taken[0] += 1
+                toks, logits = item
                 try:
-                    yield tok
-                    consumed = True
+                    for i, tok in enumerate(toks):
+                        if i and cancelled.is_set():  # close() / exit from another thread: the rest is not received
+                            break
+                        self._token_logits = None if logits is None else logits[i:i + 1]
+                        consumed = False
+                        taken[0] += 1
+                        try:
+                            yield tok
+                            consumed = True
+                        finally:
+                            if not consumed:  # closed or thrown into: the C++ loop stops after this token
+                                cancelled.set()
                 finally:
-                    if not consumed:  # closed or thrown into: the C++ loop stops after this token
-                        cancelled.set()
                     resume.release()
         finally:
             cancelled.set()
