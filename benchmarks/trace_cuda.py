@@ -10,6 +10,10 @@ steps at --context positions of KV cache it prints the wall time, the GPU's busy
 intervals: overlap counted once) and idle time, and per kernel name the launches, the summed duration and the
 mean. Under programmatic dependent launch a kernel's interval includes the time its blocks sit in
 griddepcontrol.wait, so summed durations exceed the busy time: read the busy/idle split and the order, not the sums.
+
+--decode-paths generator,core also times decode without the Python generator's thread handoff (the extension's
+generate loop with a plain callback), untraced (medians of 3 runs) and traced, next to the report's GPU and host
+time per replayed step over the same steps: wall minus GPU is the time the GPU waited for the host.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=4096, help="KV positions before the traced decode steps")
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--backend-options", default="{}", help="JSON for Engine backend_options")
+    ap.add_argument("--decode-paths", default="generator",
+                    help="comma-separated: generator (Session.generate), core (the extension's loop, no handoff)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     try:
@@ -113,13 +119,43 @@ def main() -> int:
 
     s = engine.session(max_context=a.context + a.decode_tokens + 64)
     s.prefill(rng.integers(0, 1000, a.context, dtype=np.int32))
+    snap = s.snapshot()
     greedy = lily.SamplingParams(temperature=0)
-    list(s.generate(8, greedy, stop_token_ids=[]))  # warm: the decode graphs are captured
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        list(s.generate(a.decode_tokens, greedy, stop_token_ids=[]))
-        wall = (time.perf_counter() - t0) * 1e6
-    result["decode"] = summarise(f"decode at {a.context} context", kernel_intervals(prof), wall, a.decode_tokens)
+
+    def decode(path: str) -> None:
+        s.restore(snap)
+        if path == "generator":  # what Session.generate's callers get: a worker thread hands each token over
+            list(s.generate(a.decode_tokens, greedy, stop_token_ids=[]))
+        else:  # the extension's loop with a callback that only answers "go on"
+            s._core.generate(a.decode_tokens, greedy.to_core(), [], lambda t, logits=None: 1, False, 0, None)
+
+    def graph_sums() -> tuple[float, float, int]:
+        g = engine.report()["cuda"]["graphs"]
+        n = g["timed_decode_steps"]
+        return g["gpu_us_per_decode_step"] * n, g["host_us_per_decode_step"] * n, n
+
+    for path in a.decode_paths.split(","):
+        decode(path)  # warm: the decode graphs are captured
+        walls, (g0, h0, n0) = [], graph_sums()
+        for _ in range(3):
+            t0 = time.perf_counter()
+            decode(path)
+            walls.append((time.perf_counter() - t0) * 1e6 / a.decode_tokens)
+        g1, h1, n1 = graph_sums()
+        steps = max(n1 - n0, 1)
+        untraced = {"wall_us_per_token": sorted(walls)[1], "gpu_us_per_step": (g1 - g0) / steps,
+                    "host_us_per_step": (h1 - h0) / steps}
+        print(f"\ndecode at {a.context} context through the {path}, untraced (median of 3 calls of {a.decode_tokens} "
+              f"tokens): wall {untraced['wall_us_per_token']:.1f} µs per token; replayed steps: GPU "
+              f"{untraced['gpu_us_per_step']:.1f} µs, host encode + launch {untraced['host_us_per_step']:.1f} µs")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            decode(path)
+            wall = (time.perf_counter() - t0) * 1e6
+        key = "decode" if path == "generator" else f"decode_{path}"
+        result[key] = summarise(f"decode at {a.context} context ({path})", kernel_intervals(prof), wall,
+                                a.decode_tokens)
+        result[key]["untraced"] = untraced
     result["settings"] = vars(a)
     if a.json:
         with open(a.json, "w") as f:

@@ -54,7 +54,7 @@ struct CudaOptions {
   bool speculative_graphs = true;
   // Speculative iterations verify their k + 1 rows through the decode kernels (GEMV, the fused decode MoE: each
   // row as a decode step computes it) instead of the prefill path; drafts run as decode rows too.
-  bool mtp_verify_decode = false;
+  bool mtp_verify_decode = true;
   bool branches = true;              // independent launches of a stage on parallel streams / graph branches
   // Decode encode memo: an op whose arguments equal (byte for byte) those of an op already encoded in a decode
   // step reuses its recorded launches instead of running its host code again (forgotten at any allocation,

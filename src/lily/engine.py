@@ -290,7 +290,8 @@ class Engine:
         does: ValueError). CPU: ``threads``; CUDA: ``device`` (ordinal, default 0),
         ``graphs`` (replay decode steps as CUDA graphs, default True), ``speculative_graphs`` (MTP iterations
         memoised and replayed as graphs too, default True), ``mtp_verify_decode`` (MTP iterations verify their
-        rows through the decode kernels instead of the prefill path; default False until measured on a GPU),
+        rows through the decode kernels instead of the prefill path; default True: on an H100 with lily-tiny an
+        iteration cost 1.3-2.1 plain steps this way against 4-6 through the prefill path),
         ``branches`` (independent launches
         side by side, default True), ``pdl`` (programmatic dependent launch on sm_90+: ``"off"`` / False, ``"decode"`` (decode steps only; their
         GEMVs and MoE down pass load weights before waiting for the kernel before them) or ``"all"`` / True

@@ -27,7 +27,7 @@ def path(request, tmp_path_factory):
 
 @pytest.fixture(params=[False, True], ids=["verify-prefill", "verify-decode"])
 def opts(request):
-    """The verify forward through the prefill path (default) or the decode kernels (mtp_verify_decode)."""
+    """The verify forward through the prefill path or the decode kernels (mtp_verify_decode, the default)."""
     return {"mtp_verify_decode": request.param}
 
 
