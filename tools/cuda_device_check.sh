@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA backend on a GPU machine in one command: build, GPU tests, compute-sanitizer, benchmark.
 #
-#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix] [mtp] [mtp-full]
+#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix] [mtp] [mtp-full] [trace]
 #   (default: build tests)
 #
 # Builds the extension with CMake into /tmp/lily-cuda-build (no pip, no network), assembles the package in
@@ -16,6 +16,16 @@ STAGES=${*:-build tests}
 B=/tmp/lily-cuda-build PKG=/tmp/lily-cuda-pkg
 rc=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+# The full-size synthetic checkpoints the later stages load are written in the background (numpy only, no
+# extension needed) while the extension builds and the earlier stages run.
+write_ckpt() {  # folder, MTP layers
+  [ -e "$1/config.json" ] && return 0
+  PYTHONPATH=src python3 -c "from lily import bench; bench.synthetic_checkpoint('full', '$1', progress=False, mtp_layers=$2)" \
+    > "$OUT/ckpt-$(basename "$1").log" 2>&1 &
+}
+if has bench || has quickbench || has trace; then write_ckpt /tmp/lily-full-q4 0; fi
+if has mtp-full; then write_ckpt /tmp/lily-full-mtp 1; fi
 
 if has build || [ ! -e "$PKG/lily" ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
@@ -44,6 +54,7 @@ if has sanitize; then
   done
 fi
 if has quickbench; then
+  wait
   python3 benchmarks/bench_cuda.py --cache /tmp/lily-full-q4 --prefill 512,4K --decode 256,4K --repeats 3 \
     --decode-tokens 48 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 fi
@@ -59,8 +70,14 @@ if has mtp; then  # issue 14: MTP on lily-tiny, the verify through the prefill p
       --backend-options "$opts" --json "$OUT/mtp-$form.json" 2>&1 | tee "$OUT/mtp-$form.log"
   done
 fi
+if has trace; then  # issue 11: where a decode step's wall time goes (CUPTI), with and without the Python handoff
+  wait
+  python3 benchmarks/trace_cuda.py --cache /tmp/lily-full-q4 --prompt 512 --context 4096 --decode-tokens 32 \
+    --decode-paths generator,core --json "$OUT/trace.json" 2>&1 | tee "$OUT/trace.log"
+fi
 if has mtp-full; then  # issue 14 item 8: the full-size synthetic model's verify cost (its random head accepts nothing)
-  for form in prefill decode; do
+  wait
+  for form in ${MTP_FULL_FORMS:-decode}; do  # the default (decode kernels); MTP_FULL_FORMS="prefill decode": both
     opts='{"mtp_verify_decode": false}'; [ $form = decode ] && opts='{}'
     LILY_CACHE_DIR=/tmp/lily-cache-mtp-full-$form python3 benchmarks/bench_mtp.py --synthetic full \
       --cache /tmp/lily-full-mtp --backend cuda --prompts 2 --tokens 48 --repeats 1 --backend-options "$opts" \
@@ -68,6 +85,7 @@ if has mtp-full; then  # issue 14 item 8: the full-size synthetic model's verify
   done
 fi
 if has bench; then
+  wait
   python3 benchmarks/bench_cuda.py --cache /tmp/lily-full-q4 --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \
     | tee "$OUT/bench.log"
 fi
