@@ -361,6 +361,7 @@ nb::dict backend_report(Ops& ops) {
     const auto& g = c->graph_stats();
     nb::dict gr;
     gr["captured"] = g.captured;
+    gr["capture_ms_per_graph"] = g.captured ? g.capture_us_sum / 1000.0 / double(g.captured) : 0.0;
     gr["replayed"] = g.replayed;
     gr["direct_steps"] = g.direct_steps;
     gr["launches_per_decode_step"] = g.last_decode_launches;

@@ -616,6 +616,7 @@ uint64_t CudaOps::submit_impl() {
           break;
         }
       if (hit == graphs_.size()) {
+        const auto capture_t0 = std::chrono::steady_clock::now();
         auto g = std::make_unique<Graph>();
         g->key = std::move(key);
         check(drv().cuStreamBeginCapture_v2(stream_, CU_STREAM_CAPTURE_MODE_RELAXED), "cuStreamBeginCapture");
@@ -631,6 +632,8 @@ uint64_t CudaOps::submit_impl() {
         check(drv().cuGraphInstantiateWithFlags(&g->exec, g->graph, 0), "cuGraphInstantiate");
         check(drv().cuGraphGetNodes(g->graph, nullptr, &g->nodes), "cuGraphGetNodes");
         ++graph_stats_.captured;
+        graph_stats_.capture_us_sum +=
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - capture_t0).count();
         // Least recently used goes: decode's two, plus a speculative iteration's per k and state set and its
         // rollbacks per kept row.
         if (graphs_.size() >= 32) {

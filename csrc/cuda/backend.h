@@ -220,6 +220,8 @@ class CudaOps final : public Ops {
   const CompileStats& compile_stats() const { return compile_stats_; }
   struct GraphStats {
     int64_t captured = 0, replayed = 0, direct_steps = 0;
+    // Host time of the captures (capture, instantiate): what a step that is not yet a graph costs on top.
+    double capture_us_sum = 0;
     int64_t last_decode_launches = 0, last_decode_nodes = 0;
     int64_t last_speculative_launches = 0;  // launches of the last speculative (MTP) iteration step
     // Host time of the last decode step from its first recorded launch to the graph launch returning (the

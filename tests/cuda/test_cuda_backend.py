@@ -242,6 +242,7 @@ def test_decode_graphs_and_one_read_per_token(checkpoints):
         g = gpu.report()["cuda"]["graphs"]
         # first sample of the call, the two alternating steps, and the report's probe step
         assert g["captured"] <= 4 and g["replayed"] >= 18, g
+        assert g["capture_ms_per_graph"] > 0, g
         assert g["launches_per_decode_step"] > 0 and g["graph_nodes_per_decode_step"] >= g["launches_per_decode_step"]
         st = s.stats()
         assert st["generate_transfers"]["downloads"] == st["generate_transfers"]["steps"], st
