@@ -156,6 +156,8 @@ def main() -> int:
         result[key] = summarise(f"decode at {a.context} context ({path})", kernel_intervals(prof), wall,
                                 a.decode_tokens)
         result[key]["untraced"] = untraced
+    result["graphs"] = engine.report()["cuda"]["graphs"]
+    print("\nreport graphs:", json.dumps(result["graphs"]))
     result["settings"] = vars(a)
     if a.json:
         with open(a.json, "w") as f:
