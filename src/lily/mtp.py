@@ -75,6 +75,14 @@ def best_k(cost: list[float], alpha: float, max_k: int = MAX_K) -> tuple[int, fl
     return best
 
 
+def explore_k(cost: list[float], alpha: float, max_k: int = MAX_K) -> int:
+    """The smallest k whose expected speedup at acceptance alpha exceeds 1 (max_k when none does)."""
+    for k in range(1, min(max_k, len(cost)) + 1):
+        if expected_yield(alpha, k) / cost[k - 1] > 1.0:
+            return k
+    return max_k
+
+
 def acceptance_upper_bound(accepted: int, trials: int, z: float = CONFIDENCE_Z) -> float:
     """The Wilson score interval's upper end for `accepted` of `trials` drafts (1.0 with no trials)."""
     if trials <= 0:
@@ -156,10 +164,14 @@ class MtpController:
                 # Too few drafts to judge the head: explore so the estimate can learn (otherwise the rows would
                 # run for good with no drafting). Optimistic, as the bound is: the call starts from the best case
                 # until 8 drafts are in, then from the upper bound (which pays some k, else the engine is off), so
-                # the core drafts until its own running estimate says stop: a few drafts per call at least.
+                # the core drafts until its own running estimate says stop: a few drafts per call at least. At the
+                # smallest k that pays at that acceptance: an iteration's first draft is all the estimate needs,
+                # and a head that accepts nothing then costs the cheapest rejected iterations while it is judged
+                # (on the full-size model k = 4 costs 3.2 plain steps a token, k = 1 1.7: benchmarks/NOTES.md).
                 explore = (BEST_CASE_ACCEPTANCE if self.trials < MIN_TRIALS_FOR_BOUND
                            else acceptance_upper_bound(self.accepted, self.trials))
-                return k_max, {"cost": list(self.cost), "alpha0": explore, "weight": PRIOR_WEIGHT}
+                return explore_k(self.cost, explore, k_max), {"cost": list(self.cost), "alpha0": explore,
+                                                              "weight": PRIOR_WEIGHT}
             return k_max, {"cost": list(self.cost), "alpha0": alpha, "weight": min(float(self.trials), 32.0)
                            + PRIOR_WEIGHT}
 
