@@ -250,6 +250,14 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("speculative_graphs").is_none()) o.speculative_graphs = nb::cast<bool>(opt("speculative_graphs"));
     if (!opt("mtp_verify_decode").is_none()) o.mtp_verify_decode = nb::cast<bool>(opt("mtp_verify_decode"));
     if (!opt("branches").is_none()) o.branches = nb::cast<bool>(opt("branches"));
+    if (!opt("replay_timing").is_none()) {
+      const nb::object v = opt("replay_timing");
+      if (nb::isinstance<nb::bool_>(v) || !nb::isinstance<nb::int_>(v) || nb::cast<int64_t>(v) < 0 ||
+          nb::cast<int64_t>(v) > 1000000)
+        throw std::invalid_argument("backend option replay_timing must be an int >= 0 (time one decode replay in N; "
+                                    "0: none), got " + nb::cast<std::string>(nb::repr(v)));
+      o.replay_timing = nb::cast<int>(v);
+    }
     if (!opt("pdl").is_none())  // True / False as before ("all" / "off")
       o.pdl = mode_option("pdl", opt("pdl"),
                           {{"off", cuda::CudaOptions::Pdl::Off}, {"decode", cuda::CudaOptions::Pdl::Decode},

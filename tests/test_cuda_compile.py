@@ -331,6 +331,20 @@ def test_prefill_x_options_reach_their_gemms(cache, opts, dense_want, experts_wa
             core.OpBench("cuda", {"dry_arch": 90, unknown: True})
 
 
+def test_replay_timing_option(tmp_path, cache):
+    """replay_timing: events around one decode replay in N (1 by default, 0 none), said in the report; anything but
+    an int >= 0 is refused naming the option."""
+    path = write_synthetic_checkpoint(tmp_path / "m", TINY_CONFIG, fmt="mlx", bits=4, seed=4)
+    for opts, said in (({}, "every replayed step"), ({"replay_timing": 8}, "one replayed step in 8"),
+                       ({"replay_timing": 0}, "not measured (replay_timing=0)")):
+        with lily.Engine(lily.engine.load_checkpoint(path), backend="cuda",
+                         backend_options={"dry_arch": 90, "cache_dir": cache, **opts}) as e:
+            assert any("decode GPU time" in o and said in o for o in e.report()["optimizations"]), opts
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="replay_timing"):
+            core.OpBench("cuda", {"dry_arch": 90, "replay_timing": bad})
+
+
 @pytest.mark.parametrize("small", [None, False])
 def test_gemm_small_tiles_compile_and_report(cache, small):
     """The real model's prefill GEMMs whose 64-row grid uses at most a quarter / half of the SMs (132 in a dry run:

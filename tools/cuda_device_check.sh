@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The CUDA backend on a GPU machine in one command: build, GPU tests, compute-sanitizer, benchmark.
 #
-#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix] [mtp] [mtp-full] [trace]
+#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix] [mtp] [mtp-full] [trace] [ab]
 #   (default: build tests)
+#
+# ab: decode tokens/s of each backend-options JSON in AB_OPTIONS (';'-separated; the first is the baseline) at
+# AB_CONTEXTS (default 4K), AB_ROUNDS interleaved rounds (default 5): benchmarks/ab_decode.py.
 #
 # Builds the extension with CMake into /tmp/lily-cuda-build (no pip, no network), assembles the package in
 # /tmp/lily-cuda-pkg and runs from there. Logs and results go to $OUT (default ./cuda-out). Needs python3
@@ -24,7 +27,7 @@ write_ckpt() {  # folder, MTP layers
   PYTHONPATH=src python3 -c "from lily import bench; bench.synthetic_checkpoint('full', '$1', progress=False, mtp_layers=$2)" \
     > "$OUT/ckpt-$(basename "$1").log" 2>&1 &
 }
-if has bench || has quickbench || has trace; then write_ckpt /tmp/lily-full-q4 0; fi
+if has bench || has quickbench || has trace || has ab; then write_ckpt /tmp/lily-full-q4 0; fi
 if has mtp-full; then write_ckpt /tmp/lily-full-mtp 1; fi
 
 if has build || [ ! -e "$PKG/lily" ]; then
@@ -74,6 +77,72 @@ if has trace; then  # issue 11: where a decode step's wall time goes (CUPTI), wi
   wait
   python3 benchmarks/trace_cuda.py --cache /tmp/lily-full-q4 --prompt 512 --context 4096 --decode-tokens 32 \
     --decode-paths generator,core --json "$OUT/trace.json" 2>&1 | tee "$OUT/trace.log"
+fi
+if has ab; then  # decode backend options A/B'd in one process, interleaved (benchmarks/ab_decode.py)
+  wait
+  IFS=';' read -ra ab_options <<< "${AB_OPTIONS:-"{}"}"
+  python3 benchmarks/ab_decode.py --cache /tmp/lily-full-q4 --options "${ab_options[@]}" --contexts "${AB_CONTEXTS:-4K}" \
+    --rounds "${AB_ROUNDS:-5}" --json "$OUT/ab.json" 2>&1 | tee "$OUT/ab.log"
+fi
+if has mtp-full; then write_ckpt /tmp/lily-full-mtp 1; fi
+
+if has build || [ ! -e "$PKG/lily" ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+  cat "$OUT/gpu.txt"
+  t0=$(date +%s)
+  cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=${LILY_BUILD_TYPE:-RelWithDebInfo} -DLILY_CUDA=ON -Dnanobind_DIR="$(python3 -m nanobind --cmake_dir)" \
+    -DPython_EXECUTABLE="$(command -v python3)" > "$OUT/build.log" 2>&1 \
+    && cmake --build "$B" -j "$(nproc)" >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  rm -rf "$PKG" && mkdir -p "$PKG" && cp -r src/lily "$PKG/" && cp "$B"/_core*.so "$PKG/lily/"
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
+export PYTHONPATH=$PKG
+python3 -c "import lily.engine as e; print(e.backends()['cuda'])"
+
+if has tests; then
+  # Parallel processes: most of the time is NVRTC compiling each test shape's modules (one core each).
+  python3 -m pytest -q -rs --durations=20 -p no:cacheprovider -n 8 --timeout 300 tests/cuda ${PYTEST_ARGS:-} \
+    2>&1 | tee "$OUT/tests.log"
+  rc=${PIPESTATUS[0]}
+fi
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/cuda/test_cuda_backend.py -k "logits_match_cpu and mlx4 or f16_within and mlx4 or decode_graphs" > "$OUT/sanitize-$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $?"; tail -5 "$OUT/sanitize-$tool.log"
+  done
+fi
+if has quickbench; then
+  wait
+  python3 benchmarks/bench_cuda.py --cache /tmp/lily-full-q4 --prefill 512,4K --decode 256,4K --repeats 3 \
+    --decode-tokens 48 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+fi
+if has prefix; then  # issue 13 item 7: warm vs new-only time to first token on lily-tiny, 8K shared prefix
+  python3 benchmarks/bench_prefix_cache.py --backend cuda --prefix-tokens 8192 --turns 10 --repeats 3 \
+    --keep-sessions 2 --json "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log"
+fi
+if has mtp; then  # issue 14: MTP on lily-tiny, the verify through the prefill path and the decode kernels (default)
+  python3 -m pytest -q -rs -p no:cacheprovider tests/cuda/test_mtp_cuda.py 2>&1 | tail -5 | tee "$OUT/mtp-tests.log"
+  for form in prefill decode; do
+    opts='{"mtp_verify_decode": false}'; [ $form = decode ] && opts='{}'
+    LILY_CACHE_DIR=/tmp/lily-cache-mtp-$form python3 benchmarks/bench_mtp.py --backend cuda --repeats 3 \
+      --backend-options "$opts" --json "$OUT/mtp-$form.json" 2>&1 | tee "$OUT/mtp-$form.log"
+  done
+fi
+if has trace; then  # issue 11: where a decode step's wall time goes (CUPTI), with and without the Python handoff
+  wait
+  python3 benchmarks/trace_cuda.py --cache /tmp/lily-full-q4 --prompt 512 --context 4096 --decode-tokens 32 \
+    --decode-paths generator,core --json "$OUT/trace.json" 2>&1 | tee "$OUT/trace.log"
+fi
+if has ab; then
+  wait
+  IFS=';' read -ra ab_options <<< "${AB_OPTIONS:-"{}"}"
+  for i in "${!ab_options[@]}"; do
+    echo "ab $i: ${ab_options[$i]}"
+    python3 benchmarks/bench_cuda.py --cache /tmp/lily-full-q4 ${AB_ARGS:---prefill 512 --decode 4K --repeats 3 --decode-tokens 48} \
+      --backend-options "${ab_options[$i]}" --json "$OUT/ab-$i.json" > "$OUT/ab-$i.log" 2>&1
+    grep -E "tok/s|decode|prefill|GPU" "$OUT/ab-$i.log" | tail -8
+  done
 fi
 if has mtp-full; then  # issue 14 item 8: the full-size synthetic model's verify cost (its random head accepts nothing)
   wait

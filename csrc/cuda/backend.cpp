@@ -647,7 +647,9 @@ uint64_t CudaOps::submit_impl() {
         ++graph_stats_.replayed;
       }
       // Decode replays only (not captures, not speculative iterations): the report's decode GPU time.
-      const bool timed = hit != graphs_.size() && decode_step() && drv().cuEventElapsedTime;
+      const bool decode_replay = hit != graphs_.size() && decode_step();
+      const bool timed = decode_replay && drv().cuEventElapsedTime && opt_.replay_timing > 0 &&
+                         graph_stats_.replay_host_n % opt_.replay_timing == 0;
       std::pair<CUevent, CUevent> ev{nullptr, nullptr};
       if (timed) {
         if (!spare_timing_.empty()) {
@@ -666,6 +668,8 @@ uint64_t CudaOps::submit_impl() {
       if (timed) {
         check(drv().cuEventRecord(ev.second, stream_), "cuEventRecord");
         replay_timing_.push_back(ev);
+      }
+      if (decode_replay) {
         graph_stats_.replay_host_us_sum += graph_stats_.last_decode_host_us;
         ++graph_stats_.replay_host_n;
       }
@@ -961,6 +965,12 @@ std::vector<std::string> CudaOps::optimizations() const {
   o.push_back(opt_.branches ? "graph branches: the launches of one hazard stage run side by side (up to 4 streams "
                               "forked and joined per stage)"
                             : "graph branches off (branches=False): launches run one after another");
+  o.push_back(opt_.replay_timing == 0
+                  ? std::string("decode GPU time not measured (replay_timing=0): no events around replays")
+                  : "decode GPU time from events around " +
+                        (opt_.replay_timing == 1 ? std::string("every replayed step")
+                                                 : "one replayed step in " + std::to_string(opt_.replay_timing)) +
+                        " (replay_timing)");
   if (pdl_active_)
     o.push_back(std::string("programmatic dependent launch (pdl=\"") +
                 (opt_.pdl == CudaOptions::Pdl::All ? "all" : "decode") +

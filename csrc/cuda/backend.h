@@ -56,6 +56,9 @@ struct CudaOptions {
   // row as a decode step computes it) instead of the prefill path; drafts run as decode rows too.
   bool mtp_verify_decode = true;
   bool branches = true;              // independent launches of a stage on parallel streams / graph branches
+  // GPU time of replayed decode steps (the report's gpu_us_per_decode_step) from events recorded around one replay
+  // in `replay_timing` (1: every replay; 0: none, the report then says it was not measured).
+  int replay_timing = 1;
   // Decode encode memo: an op whose arguments equal (byte for byte) those of an op already encoded in a decode
   // step reuses its recorded launches instead of running its host code again (forgotten at any allocation,
   // release or weight placement, which are what turn buffer ids and mappings into addresses).

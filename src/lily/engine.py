@@ -293,7 +293,8 @@ class Engine:
         rows through the decode kernels instead of the prefill path; default True: on an H100 with lily-tiny an
         iteration cost 1.3-2.1 plain steps this way against 4-6 through the prefill path),
         ``branches`` (independent launches
-        side by side, default True), ``pdl`` (programmatic dependent launch on sm_90+: ``"off"`` / False, ``"decode"`` (decode steps only; their
+        side by side, default True), ``replay_timing`` (GPU time of one replayed decode step in N from events
+        around it, for the report; default 1, 0 none), ``pdl`` (programmatic dependent launch on sm_90+: ``"off"`` / False, ``"decode"`` (decode steps only; their
         GEMVs and MoE down pass load weights before waiting for the kernel before them) or ``"all"`` / True
         (prefill too: measured slower); default ``"decode"``: +16% decode at 4K on the H200), ``encode_memo``
         (reuse the launches of a decode op whose arguments were seen before, skipping its host code; default

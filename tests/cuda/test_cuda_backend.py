@@ -243,6 +243,13 @@ def test_decode_graphs_and_one_read_per_token(checkpoints):
         # first sample of the call, the two alternating steps, and the report's probe step
         assert g["captured"] <= 4 and g["replayed"] >= 18, g
         assert g["capture_ms_per_graph"] > 0, g
+        assert g["gpu_us_per_decode_step"] > 0, g
+    with lily.Engine.from_pretrained(path, backend="cuda", backend_options={"replay_timing": 0}) as untimed:
+        s = untimed.session()
+        s.prefill(_ids(TINY_CONFIG["vocab_size"], 20, 14))
+        assert list(s.generate(24, lily.SamplingParams(temperature=0), stop_token_ids=[])) == out
+        g = untimed.report()["cuda"]["graphs"]
+        assert g["replayed"] >= 18 and g["gpu_us_per_decode_step"] == 0 and g["host_us_per_decode_step"] > 0, g
         assert g["launches_per_decode_step"] > 0 and g["graph_nodes_per_decode_step"] >= g["launches_per_decode_step"]
         st = s.stats()
         assert st["generate_transfers"]["downloads"] == st["generate_transfers"]["steps"], st

@@ -1,0 +1,94 @@
+"""Decode tokens/s of several backend-option sets on one machine, interleaved round by round (an A/B).
+
+    python benchmarks/ab_decode.py --options '{"replay_timing": 0}' '{}' [--cache DIR | --model PATH]
+        [--backend cuda] [--contexts 4K,128K] [--tokens 48] [--rounds 5] [--json F]
+
+One engine per option set is loaded (all resident at once), one session per engine and context is prefilled once
+and snapshotted; each round restores every session and times greedy decoding of --tokens tokens after the first
+(which costs no forward), engine after engine, so drift of the machine (clocks, neighbours) falls on every option
+set alike. Prints per context and option set the median tokens/s over the rounds, every round's figure and the
+ratio to the first option set. The default model is the full-size synthetic checkpoint (written on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import lily
+from lily import bench
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--options", nargs="+", required=True, help="one backend-options JSON per engine")
+    ap.add_argument("--model", default=None, help="a checkpoint (default: the full-size synthetic one)")
+    ap.add_argument("--cache", default=None, help="folder of the synthetic checkpoint")
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--kv-cache-dtype", default="bf16")
+    ap.add_argument("--contexts", default="4K")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if a.tokens < 2 or a.rounds < 1:
+        ap.error("--tokens must be >= 2 and --rounds >= 1")
+    options = [json.loads(o) for o in a.options]
+    contexts = bench.parse_lengths(a.contexts, "--contexts")
+    path = a.model or bench.synthetic_checkpoint("full", a.cache)
+    engines = [lily.Engine.from_pretrained(path, backend=a.backend, kv_cache_dtype=a.kv_cache_dtype, mtp="off",
+                                           backend_options=o) for o in options]
+    greedy = lily.SamplingParams(temperature=0.0)
+    rng = np.random.default_rng(0)
+    result = {"machine": bench.machine_info(), "device": engines[0].report().get("device"), "model": str(path),
+              "options": a.options, "tokens": a.tokens, "rounds": a.rounds, "contexts": {}}
+    try:
+        for ctx in contexts:
+            prompt = rng.integers(0, engines[0].config.vocab_size, ctx, dtype=np.int32)
+            sessions = []
+            for e in engines:
+                s = e.session(max_context=ctx + a.tokens + 8)
+                s.prefill(prompt)
+                sessions.append((s, s.snapshot()))
+                s.restore(sessions[-1][1])
+                list(s.generate(a.tokens, greedy, stop_token_ids=[]))  # warm: graphs captured, kernels loaded
+            rates: list[list[float]] = [[] for _ in engines]
+            for _ in range(a.rounds):
+                for i, (s, snap) in enumerate(sessions):
+                    s.restore(snap)
+                    gen = s.generate(a.tokens, greedy, stop_token_ids=[])
+                    next(gen)
+                    t = time.perf_counter()
+                    n = sum(1 for _ in gen)
+                    rates[i].append(n / (time.perf_counter() - t))
+            for s, _ in sessions:
+                s.close()
+            base = statistics.median(rates[0])
+            print(f"\ndecode at {bench._k(ctx)} context, {a.tokens} tokens, {a.rounds} rounds "
+                  f"({result['device']}):")
+            rows = []
+            for o, r in zip(a.options, rates):
+                med = statistics.median(r)
+                rows.append({"options": o, "tok_s": med, "runs": [round(x, 1) for x in r], "vs_first": med / base})
+                print(f"  {o:40s} {med:9.1f} tok/s  x{med / base:.3f}  runs {rows[-1]['runs']}")
+            result["contexts"][ctx] = rows
+        for o, e in zip(a.options, engines):
+            g = e.report()["cuda"]["graphs"] if a.backend == "cuda" else {}
+            print(f"  {o:40s} report: GPU µs/step {g.get('gpu_us_per_decode_step')}, host µs/step "
+                  f"{g.get('host_us_per_decode_step')}, capture ms/graph {g.get('capture_ms_per_graph')}")
+    finally:
+        for e in engines:
+            e.close()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
