@@ -4,6 +4,7 @@
 #   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix] [mtp] [mtp-full] [trace] [ab]
 #   (default: build tests)
 #
+# tests: tests/cuda, or the files in TEST_PATHS.
 # ab: decode tokens/s of each backend-options JSON in AB_OPTIONS (';'-separated; the first is the baseline) at
 # AB_CONTEXTS (default 4K), AB_ROUNDS interleaved rounds (default 5): benchmarks/ab_decode.py.
 #
@@ -45,7 +46,7 @@ python3 -c "import lily.engine as e; print(e.backends()['cuda'])"
 
 if has tests; then
   # Parallel processes: most of the time is NVRTC compiling each test shape's modules (one core each).
-  python3 -m pytest -q -rs --durations=20 -p no:cacheprovider -n 8 --timeout 300 tests/cuda ${PYTEST_ARGS:-} \
+  python3 -m pytest -q -rs --durations=20 -p no:cacheprovider -n 8 --timeout 300 ${TEST_PATHS:-tests/cuda} ${PYTEST_ARGS:-} \
     2>&1 | tee "$OUT/tests.log"
   rc=${PIPESTATUS[0]}
 fi
