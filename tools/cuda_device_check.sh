@@ -90,7 +90,7 @@ if has mtp-full; then  # issue 14 item 8: the full-size synthetic model's verify
   for form in ${MTP_FULL_FORMS:-decode}; do  # the default (decode kernels); MTP_FULL_FORMS="prefill decode": both
     opts='{"mtp_verify_decode": false}'; [ $form = decode ] && opts='{}'
     LILY_CACHE_DIR=/tmp/lily-cache-mtp-full-$form python3 benchmarks/bench_mtp.py --synthetic full \
-      --cache /tmp/lily-full-mtp --backend cuda --prompts 2 --tokens 48 --repeats 1 --backend-options "$opts" \
+      --cache /tmp/lily-full-mtp --backend cuda ${MTP_FULL_ARGS:---prompts 2 --tokens 48 --repeats 1} --backend-options "$opts" \
       --json "$OUT/mtp-full-$form.json" 2>&1 | tee "$OUT/mtp-full-$form.log"
   done
 fi
