@@ -270,33 +270,19 @@ def test_a_device_where_drafting_at_best_breaks_even_is_off_at_once(path):
         assert rep["decision"].startswith("off: on this device") and not rep["keeps_rows"], rep
 
 
-def test_exploration_drafts_when_the_prior_pays_for_no_k(path):
-    """Costs where the prior (0.5) pays for no k but the best case does: calls still draft (optimistically), so
-    the drafts accumulate and a head that accepts nothing is turned off, instead of rows kept with no drafting."""
-    with engine(path, "auto") as e:
-        ctl = e._mtp
-        ctl.cost, ctl.measurement = [1.6, 1.9, 2.2, 2.5], {"planted": True}
-        assert mtp_policy.best_k(ctl.cost, mtp_policy.PRIOR_ACCEPTANCE)[0] == 0
-        assert mtp_policy.best_k(ctl.cost, mtp_policy.BEST_CASE_ACCEPTANCE)[1] >= mtp_policy.MIN_BEST_CASE_SPEEDUP
-        for i in range(40):
-            if not ctl.keeps_rows:
-                break
-            s = e.session(max_context=96)
-            s.prefill(PROMPT + [i])
-            greedy(s, 16)
-        rep = e.report()["mtp"]["policy"]
-        assert rep["compared_drafts"] > 0 and rep["decision"].startswith("off: acceptance"), rep
-
-
 @pytest.mark.parametrize("cost, k", [([1.6, 1.9, 2.2, 2.5], 1), ([2.0, 2.1, 2.2, 2.5], 2)])
-def test_exploration_drafts_at_the_smallest_k_that_could_pay(path, cost, k):
-    """While the head is being judged, calls draft at the smallest k that pays at the optimistic acceptance (one
-    draft per forward where k = 1 could pay; 2 where only deeper drafting could), not at the deepest: a head that
-    accepts nothing costs the cheapest rejected iterations until it is turned off."""
+def test_exploration_drafts_when_the_prior_pays_for_no_k(path, cost, k):
+    """Costs where the prior (0.5) pays for no k but the best case does: calls still draft (optimistically), so
+    the drafts accumulate and a head that accepts nothing is turned off, instead of rows kept with no drafting.
+    They draft at the smallest k that pays at the optimistic acceptance (one draft per forward where k = 1 could
+    pay; 2 where only deeper drafting could), not at the deepest, so the useless head costs the cheapest rejected
+    iterations until it is off."""
     assert mtp_policy.explore_k(cost, mtp_policy.BEST_CASE_ACCEPTANCE) == k
     with engine(path, "auto") as e:
         ctl = e._mtp
         ctl.cost, ctl.measurement = list(cost), {"planted": True}
+        assert mtp_policy.best_k(ctl.cost, mtp_policy.PRIOR_ACCEPTANCE)[0] == 0
+        assert mtp_policy.best_k(ctl.cost, mtp_policy.BEST_CASE_ACCEPTANCE)[1] >= mtp_policy.MIN_BEST_CASE_SPEEDUP
         drafting_calls = 0
         for i in range(40):
             if not ctl.keeps_rows:
@@ -308,4 +294,5 @@ def test_exploration_drafts_at_the_smallest_k_that_could_pay(path, cost, k):
             if st["steps"]:
                 drafting_calls += 1
                 assert 1 <= st["mean_k"] <= k, st
-        assert drafting_calls > 0 and not ctl.keeps_rows, e.report()["mtp"]["policy"]
+        rep = e.report()["mtp"]["policy"]
+        assert drafting_calls > 0 and rep["compared_drafts"] > 0 and rep["decision"].startswith("off: acceptance"), rep

@@ -70,6 +70,26 @@ def run(engine, prompt, n, *, mtp="off", k=3, drafts=None, sampling=None, max_co
     return s, out
 
 
+def drafting_session(engine, prompt, drafts, max_context=96):
+    """A session prefilled with `prompt` whose drafts come from `drafts` (by context position), not the head."""
+    s = engine.session(max_context=max_context)
+    s.prefill(prompt)
+    s._core._draft_override(len(prompt), list(drafts))
+    return s
+
+
+def core_generate(s, n, k, on_tokens, *, stops=(), with_logits=False, singles=None):
+    """The extension's generate loop with a batch callback; `singles` collects what went through on_token."""
+    singles = [] if singles is None else singles
+
+    def on_token(t, logits=None):
+        singles.append((t, logits))
+        return 1
+
+    return s._core.generate(n, lily.SamplingParams(temperature=0).to_core(), list(stops), on_token, with_logits, k,
+                            None, on_tokens)
+
+
 def fed_state(session):
     """A session's state as host arrays (to_arrays of a snapshot) without the pending token: the fed tokens' state."""
     return session.snapshot()._core.to_arrays()
@@ -211,11 +231,15 @@ def test_stop_token_inside_an_accepted_run(engine):
     _, base = run(engine, prompt, 20)
     stop = base[6]
     first = base.index(stop)
-    s = engine.session(max_context=96)
-    s.prefill(prompt)
-    s._core._draft_override(len(prompt), base)
+    s = drafting_session(engine, prompt, base)
     out = list(s.generate(20, stop_token_ids=[stop], mtp="on", mtp_k=4))
     assert out == base[: first + 1] and s.finish_reason == "stop"
+    # The iteration's handoff ends with the stop token: nothing after it is offered.
+    offered = []
+    c = drafting_session(engine, prompt, base)
+    assert core_generate(c, 20, 4, lambda toks, logits=None: offered.extend(toks) or (len(toks), True),
+                         stops=[stop]) == "stop"
+    assert base[:1] + offered == out and c.tokens == s.tokens
     p = engine.session(max_context=96)
     p.prefill(prompt)
     assert list(p.generate(20, stop_token_ids=[stop], mtp="off")) == out
@@ -225,9 +249,7 @@ def test_stop_token_inside_an_accepted_run(engine):
 def test_closing_the_iterator_early_keeps_only_what_was_seen(engine):
     prompt = PROMPTS[2]
     _, base = run(engine, prompt, 20)
-    s = engine.session(max_context=96)
-    s.prefill(prompt)
-    s._core._draft_override(len(prompt), base)
+    s = drafting_session(engine, prompt, base)
     seen = []
     for t in s.generate(20, stop_token_ids=[], mtp="on", mtp_k=4):
         seen.append(t)
@@ -244,26 +266,12 @@ def test_closing_the_iterator_early_keeps_only_what_was_seen(engine):
     assert_plain_state(engine, s, prompt, seen, p)
 
 
-def core_generate(s, n, k, on_tokens, *, stops=(), with_logits=False, singles=None):
-    """The extension's generate loop with a batch callback; `singles` collects what went through on_token."""
-    singles = [] if singles is None else singles
-
-    def on_token(t, logits=None):
-        singles.append((t, logits))
-        return 1
-
-    return s._core.generate(n, lily.SamplingParams(temperature=0).to_core(), list(stops), on_token, with_logits, k,
-                            None, on_tokens)
-
-
 def test_an_iterations_tokens_go_over_in_one_handoff(engine):
     """on_tokens takes each verify forward's kept tokens in one call (one thread handoff per iteration in
     Session.generate), in order, with their logits rows; the first token still goes through on_token."""
     prompt = PROMPTS[2]
     _, base = run(engine, prompt, 18)
-    s = engine.session(max_context=96)
-    s.prefill(prompt)
-    s._core._draft_override(len(prompt), base)
+    s = drafting_session(engine, prompt, base)
     batches, singles = [], []
 
     def on_tokens(toks, logits=None):
@@ -321,9 +329,7 @@ def test_a_partly_received_handoff_keeps_what_was_received(engine, received, go_
     plain one that was given the same tokens."""
     prompt = PROMPTS[0]
     _, base = run(engine, prompt, 20)
-    s = engine.session(max_context=96)
-    s.prefill(prompt)
-    s._core._draft_override(len(prompt), base)
+    s = drafting_session(engine, prompt, base)
     calls = []
 
     def on_tokens(toks, logits=None):
@@ -345,28 +351,10 @@ def test_a_partly_received_handoff_keeps_what_was_received(engine, received, go_
     assert tail == list(p.generate(3, stop_token_ids=[], mtp="off"))
 
 
-def test_a_stop_token_cuts_the_handoff(engine):
-    """A stop token among an iteration's tokens: the batch ends with it, nothing after it is offered."""
-    prompt = PROMPTS[0]
-    _, base = run(engine, prompt, 20)
-    stop = base[3]
-    first = base.index(stop)
-    s = engine.session(max_context=96)
-    s.prefill(prompt)
-    s._core._draft_override(len(prompt), base)
-    offered = []
-    assert core_generate(s, 20, 4, lambda toks, logits=None: offered.extend(toks) or (len(toks), True),
-                         stops=[stop]) == "stop"
-    assert base[:1] + offered == base[: first + 1]
-    assert s.tokens[len(prompt):] == base[: first + 1]
-
-
 def test_a_failing_handoff_raises_and_leaves_the_session_usable(engine):
     prompt = PROMPTS[1]
     _, base = run(engine, prompt, 12)
-    s = engine.session(max_context=96)
-    s.prefill(prompt)
-    s._core._draft_override(len(prompt), base)
+    s = drafting_session(engine, prompt, base)
 
     def on_tokens(toks, logits=None):
         raise RuntimeError("consumer failed")
