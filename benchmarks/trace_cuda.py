@@ -129,10 +129,10 @@ def main() -> int:
         else:  # the extension's loop with a callback that only answers "go on"
             s._core.generate(a.decode_tokens, greedy.to_core(), [], lambda t, logits=None: 1, False, 0, None)
 
-    def graph_sums() -> tuple[float, float, int]:
+    def graph_sums() -> tuple[float, float, tuple[int, int]]:
         g = engine.report()["cuda"]["graphs"]
-        n = g["timed_decode_steps"]
-        return g["gpu_us_per_decode_step"] * n, g["host_us_per_decode_step"] * n, n
+        n, n_gpu = g["timed_decode_steps"], g["gpu_timed_decode_steps"]
+        return g["gpu_us_per_decode_step"] * n_gpu, g["host_us_per_decode_step"] * n, (n, n_gpu)
 
     for path in a.decode_paths.split(","):
         decode(path)  # warm: the decode graphs are captured
@@ -142,9 +142,8 @@ def main() -> int:
             decode(path)
             walls.append((time.perf_counter() - t0) * 1e6 / a.decode_tokens)
         g1, h1, n1 = graph_sums()
-        steps = max(n1 - n0, 1)
-        untraced = {"wall_us_per_token": sorted(walls)[1], "gpu_us_per_step": (g1 - g0) / steps,
-                    "host_us_per_step": (h1 - h0) / steps}
+        untraced = {"wall_us_per_token": sorted(walls)[1], "gpu_us_per_step": (g1 - g0) / max(n1[1] - n0[1], 1),
+                    "host_us_per_step": (h1 - h0) / max(n1[0] - n0[0], 1)}
         print(f"\ndecode at {a.context} context through the {path}, untraced (median of 3 calls of {a.decode_tokens} "
               f"tokens): wall {untraced['wall_us_per_token']:.1f} µs per token; replayed steps: GPU "
               f"{untraced['gpu_us_per_step']:.1f} µs, host encode + launch {untraced['host_us_per_step']:.1f} µs")

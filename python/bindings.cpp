@@ -377,7 +377,8 @@ nb::dict backend_report(Ops& ops) {
     // Means over replayed decode steps (captures excluded): host encode + replay call, and GPU time.
     gr["host_us_per_decode_step"] = g.replay_host_n ? g.replay_host_us_sum / double(g.replay_host_n) : 0.0;
     gr["gpu_us_per_decode_step"] = g.replay_gpu_n ? g.replay_gpu_us_sum / double(g.replay_gpu_n) : 0.0;
-    gr["timed_decode_steps"] = g.replay_host_n;
+    gr["timed_decode_steps"] = g.replay_host_n;      // host time: every replayed decode step
+    gr["gpu_timed_decode_steps"] = g.replay_gpu_n;  // GPU time: one in replay_timing, collected so far
     nb::dict memo;
     memo["hits"] = g.memo_hits;
     memo["misses"] = g.memo_misses;
