@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -55,17 +54,12 @@ def main() -> int:
                 s = e.session(max_context=ctx + a.tokens + 8)
                 s.prefill(prompt)
                 sessions.append((s, s.snapshot()))
-                s.restore(sessions[-1][1])
                 list(s.generate(a.tokens, greedy, stop_token_ids=[]))  # warm: graphs captured, kernels loaded
             rates: list[list[float]] = [[] for _ in engines]
             for _ in range(a.rounds):
                 for i, (s, snap) in enumerate(sessions):
                     s.restore(snap)
-                    gen = s.generate(a.tokens, greedy, stop_token_ids=[])
-                    next(gen)
-                    t = time.perf_counter()
-                    n = sum(1 for _ in gen)
-                    rates[i].append(n / (time.perf_counter() - t))
+                    rates[i].append(bench.rate_after_first(s.generate(a.tokens, greedy, stop_token_ids=[])))
             for s, _ in sessions:
                 s.close()
             base = statistics.median(rates[0])
@@ -77,8 +71,8 @@ def main() -> int:
                 rows.append({"options": o, "tok_s": med, "runs": [round(x, 1) for x in r], "vs_first": med / base})
                 print(f"  {o:40s} {med:9.1f} tok/s  x{med / base:.3f}  runs {rows[-1]['runs']}")
             result["contexts"][ctx] = rows
-        for o, e in zip(a.options, engines):
-            g = e.report()["cuda"]["graphs"] if a.backend == "cuda" else {}
+        for o, e in zip(a.options, engines if a.backend == "cuda" else []):
+            g = e.report()["cuda"]["graphs"]
             print(f"  {o:40s} report: GPU µs/step {g.get('gpu_us_per_decode_step')}, host µs/step "
                   f"{g.get('host_us_per_decode_step')}, capture ms/graph {g.get('capture_ms_per_graph')}")
     finally:

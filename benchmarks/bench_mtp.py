@@ -20,7 +20,6 @@ import json
 import pathlib
 import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -51,12 +50,9 @@ def decode_rate(s, prompt: list[int], tokens: int, mtp: str, k: int | None) -> t
     iterations are new graphs: on CUDA a capture per graph, ~1 ms each for lily-tiny)."""
     s.reset()
     s.prefill(prompt)
-    gen = s.generate(tokens, lily.SamplingParams(temperature=0.0), stop_token_ids=[], mtp=mtp, mtp_k=k)
-    next(gen)
-    t = time.perf_counter()
-    n = sum(1 for _ in gen)
-    dt = time.perf_counter() - t
-    return n / dt, s.mtp_stats()
+    rate = bench.rate_after_first(s.generate(tokens, lily.SamplingParams(temperature=0.0), stop_token_ids=[],
+                                             mtp=mtp, mtp_k=k))
+    return rate, s.mtp_stats()
 
 
 def run_config(s, ps, tokens: int, repeats: int, mtp: str, k: int | None) -> dict:

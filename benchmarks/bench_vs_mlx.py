@@ -55,13 +55,11 @@ class LilyRunner:
     def decode(self, ids: np.ndarray, tokens: int) -> float:
         session = self.engine.session(max_context=len(ids) + tokens)
         session.prefill(ids)
-        gen = session.generate(tokens, stop_token_ids=[], mtp="off")
-        next(gen)  # the prompt's last logits: no forward of its own
-        t = time.perf_counter()
-        k = sum(1 for _ in gen)
-        dt = time.perf_counter() - t
+        from lily import bench
+
+        rate = bench.rate_after_first(session.generate(tokens, stop_token_ids=[], mtp="off"))
         session.close()
-        return k / dt
+        return rate
 
 
 class MlxRunner:

@@ -18,7 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
@@ -97,6 +97,15 @@ def measure_prefill(engine: "Engine", n: int, *, repeats: int, rng: np.random.Ge
     return rates
 
 
+def rate_after_first(tokens: Iterator[int]) -> float:
+    """Tokens/s of a generation's tokens after its first, which costs no forward (it is sampled from the
+    prompt's last logits): the decode steps alone."""
+    next(tokens)
+    t = time.perf_counter()
+    n = sum(1 for _ in tokens)
+    return n / (time.perf_counter() - t)
+
+
 def measure_decode(engine: "Engine", context: int, *, tokens: int, repeats: int, rng: np.random.Generator) -> list[float]:
     """Tokens/s of greedy decoding at ``context`` tokens of context (``tokens`` >= 2 generated per run;
     the ``tokens - 1`` forward steps after the first token are timed). The context is prefilled once
@@ -109,11 +118,8 @@ def measure_decode(engine: "Engine", context: int, *, tokens: int, repeats: int,
     rates = []
     for _ in range(repeats):
         session.restore(snap)
-        gen = session.generate(tokens, stop_token_ids=[], mtp="off")  # plain decoding (bench_mtp.py: MTP)
-        next(gen)
-        t = time.perf_counter()
-        k = sum(1 for _ in gen)
-        rates.append(k / (time.perf_counter() - t))
+        # plain decoding (bench_mtp.py: MTP)
+        rates.append(rate_after_first(session.generate(tokens, stop_token_ids=[], mtp="off")))
     return rates
 
 
