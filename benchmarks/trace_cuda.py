@@ -10,6 +10,9 @@ steps at --context positions of KV cache it prints the wall time, the GPU's busy
 intervals: overlap counted once) and idle time, and per kernel name the launches, the summed duration and the
 mean. Under programmatic dependent launch a kernel's interval includes the time its blocks sit in
 griddepcontrol.wait, so summed durations exceed the busy time: read the busy/idle split and the order, not the sums.
+For decode it also prints each kernel's share of the step's critical path: kernels finish in launch order, so a
+kernel holds the step for end - max(start, end of the kernel that finished before it), whatever time its blocks sat
+waiting before that; grouped by kernel name, the GEMVs told apart by the kernel before them (which projection).
 
 --decode-paths generator,core also times decode without the Python generator's thread handoff (the extension's
 generate loop with a plain callback), untraced (medians of 3 runs) and traced, next to the report's GPU and host
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -76,6 +80,23 @@ def summarise(label: str, rows: list[tuple[str, float, float]], wall_us: float, 
                   f"{g['mean_us']:8.2f}")
     return {"wall_us": wall_us / per, "span_us": span / per, "busy_us": busy / per, "kernels": len(rows) / per,
             "by_kernel": table, "idle_gaps": gap_table}
+
+
+def critical_path(rows: list[tuple[str, float, float]], per: int) -> list[dict]:
+    """Per kernel (GEMVs by their predecessor): how long it held the step after the kernel before it finished."""
+    by: dict[str, list[float]] = defaultdict(list)
+    prev_end, prev_name = None, "start"
+    for name, s, e in sorted(rows, key=lambda r: r[2]):
+        short = name.split("(")[0]
+        label = f"{short} after {prev_name}" if "gemv" in short else short
+        by[label].append(e - (s if prev_end is None else max(s, prev_end)))
+        prev_end, prev_name = e, short
+    table = [{"kernel": k, "per_step": len(v) / per, "median_us": statistics.median(v), "us_per_step": sum(v) / per}
+             for k, v in sorted(by.items(), key=lambda kv: -sum(kv[1]))]
+    print(f"{'critical path: kernel':64s} {'per step':>8s} {'median µs':>9s} {'µs/step':>8s}")
+    for r in table[:24]:
+        print(f"{r['kernel'][:64]:64s} {r['per_step']:8.1f} {r['median_us']:9.2f} {r['us_per_step']:8.1f}")
+    return table
 
 
 def main() -> int:
@@ -152,8 +173,9 @@ def main() -> int:
             decode(path)
             wall = (time.perf_counter() - t0) * 1e6
         key = "decode" if path == "generator" else f"decode_{path}"
-        result[key] = summarise(f"decode at {a.context} context ({path})", kernel_intervals(prof), wall,
-                                a.decode_tokens)
+        rows = kernel_intervals(prof)
+        result[key] = summarise(f"decode at {a.context} context ({path})", rows, wall, a.decode_tokens)
+        result[key]["critical_path"] = critical_path(rows, a.decode_tokens)
         result[key]["untraced"] = untraced
     result["graphs"] = engine.report()["cuda"]["graphs"]
     print("\nreport graphs:", json.dumps(result["graphs"]))

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The CUDA backend on a GPU machine in one command: build, GPU tests, compute-sanitizer, benchmark.
 #
-#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix] [mtp] [mtp-full] [trace] [ab]
+#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix] [mtp] [mtp-full] [trace] [ab] [ncu]
 #   (default: build tests)
 #
 # tests: tests/cuda, or the files in TEST_PATHS.
 # ab: decode tokens/s of each backend-options JSON in AB_OPTIONS (';'-separated; the first is the baseline) at
 # AB_CONTEXTS (default 4K), AB_ROUNDS interleaved rounds (default 5): benchmarks/ab_decode.py.
+# ncu: Nsight Compute's detailed sections (stall reasons, memory, occupancy, source hot spots) for the decode
+# kernels matching NCU_KERNELS (a regex; default the two decode MoE kernels) in the full-size model's decode steps.
 #
 # Builds the extension with CMake into /tmp/lily-cuda-build (no pip, no network), assembles the package in
 # /tmp/lily-cuda-pkg and runs from there. Logs and results go to $OUT (default ./cuda-out). Needs python3
@@ -28,7 +30,7 @@ write_ckpt() {  # folder, MTP layers
   PYTHONPATH=src python3 -c "from lily import bench; bench.synthetic_checkpoint('full', '$1', progress=False, mtp_layers=$2)" \
     > "$OUT/ckpt-$(basename "$1").log" 2>&1 &
 }
-if has bench || has quickbench || has trace || has ab; then write_ckpt /tmp/lily-full-q4 0; fi
+if has bench || has quickbench || has trace || has ab || has ncu; then write_ckpt /tmp/lily-full-q4 0; fi
 if has mtp-full; then write_ckpt /tmp/lily-full-mtp 1; fi
 
 if has build || [ ! -e "$PKG/lily" ]; then
@@ -84,6 +86,16 @@ if has ab; then  # decode backend options A/B'd in one process, interleaved (ben
   IFS=';' read -ra ab_options <<< "${AB_OPTIONS:-"{}"}"
   python3 benchmarks/ab_decode.py --cache /tmp/lily-full-q4 --options "${ab_options[@]}" --contexts "${AB_CONTEXTS:-4K}" \
     --rounds "${AB_ROUNDS:-5}" --json "$OUT/ab.json" 2>&1 | tee "$OUT/ab.log"
+fi
+if has ncu; then  # issue 11: why the decode kernels named run below the copy rate (graphs off, one kernel at a time)
+  wait
+  ncu --clock-control none --import-source yes --kernel-name "regex:${NCU_KERNELS:-moe_(gate_up|down)_decode}" \
+    --launch-skip "${NCU_SKIP:-60}" --launch-count "${NCU_COUNT:-2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section SourceCounters \
+    --print-details all --page details python3 benchmarks/profile_cuda_step.py --cache /tmp/lily-full-q4 \
+    --mark "$OUT/ncu-mark.json" > "$OUT/ncu.txt" 2>&1
+  echo "ncu: exit $?"
+  grep -v "^==PROF==\|^  *-* *-* *-*$" "$OUT/ncu.txt" | grep -i -A200 "moe_\|gemv" | cut -c1-150 | head -${NCU_LINES:-260}
 fi
 if has mtp-full; then  # issue 14 item 8: the full-size synthetic model's verify cost (its random head accepts nothing)
   wait

@@ -151,8 +151,9 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
     const Kernel& reduce = kernel("attention", "attn_decode_reduce", defs);
     // wsplit [ns] rounded up to whole float4s: the compiler reads it 16 bytes at a time (compute-sanitizer's
     // memcheck caught a read past ns = 1..3).
-    launch(reduce, Dim3{unsigned(s.heads), 1, 1}, Dim3{128, 1, 1}, uint32_t((ns + 3) / 4 * 4 * sizeof(float)), po, pml,
-           ptr(pos), int(ns), ptr(gate), ptr(out));
+    // Grid (heads, column blocks of min(D, 64)): kernels/attention.cu RED_RC.
+    launch(reduce, Dim3{unsigned(s.heads), unsigned(D / std::min<int64_t>(D, 64)), 1}, Dim3{256, 1, 1},
+           uint32_t((ns + 3) / 4 * 4 * sizeof(float)), po, pml, ptr(pos), int(ns), ptr(gate), ptr(out));
     const std::string splits = std::to_string(ns) + " splits/kv head (max_ctx " + std::to_string(max_ctx) +
                                ", >= 64 rows each, live length cut on device)";
     note_variant("attention.decode",
