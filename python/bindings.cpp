@@ -294,6 +294,13 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (o.moe_pipe != 0 && (o.moe_pipe < 2 || o.moe_pipe > 4))
       throw std::invalid_argument("backend option moe_pipe must be 0 (off) or 2, 3 or 4 stages, got " +
                                   std::to_string(o.moe_pipe));
+    if (!opt("moe_rows_g").is_none()) o.moe_rows_g = nb::cast<int>(opt("moe_rows_g"));
+    if (o.moe_rows_g != 0 && o.moe_rows_g != 1 && o.moe_rows_g != 2 && o.moe_rows_g != 4)
+      throw std::invalid_argument("backend option moe_rows_g must be 0 (by shape), 1, 2 or 4, got " +
+                                  std::to_string(o.moe_rows_g));
+    if (!opt("moe_rows_d").is_none()) o.moe_rows_d = nb::cast<int>(opt("moe_rows_d"));
+    if (o.moe_rows_d < 1 || o.moe_rows_d > 64)
+      throw std::invalid_argument("backend option moe_rows_d must be 1 to 64, got " + std::to_string(o.moe_rows_d));
     if (!opt("moe_frag").is_none()) o.moe_frag = nb::cast<int>(opt("moe_frag"));
     if (o.moe_frag != 0 && (o.moe_frag < 3 || o.moe_frag > 6))
       throw std::invalid_argument("backend option moe_frag must be 0 (off) or 3 to 6 stages, got " +

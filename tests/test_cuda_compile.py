@@ -478,6 +478,34 @@ def test_moe_frag_option_compiles_and_reports(cache, frag):
             core.OpBench("cuda", {"dry_arch": 90, "moe_frag": bad})
 
 
+@pytest.mark.parametrize("opts,text", [({}, "(2 gate+up rows per warp)"), ({"moe_rows_g": 4}, "(4 gate+up rows per warp)"),
+                                       ({"moe_rows_g": 1, "moe_rows_d": 64}, "64 rows per block"),
+                                       ({"moe_rows_d": 16}, "16 rows per block")])
+def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
+    """moe_rows_g / moe_rows_d: the fused decode MoE of the real shapes compiles at each geometry, the variant names it
+    (the default: 2 gate/up rows per warp, 8 down rows per block), and values outside the kernels' range are refused."""
+    c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
+                                          source="FULL_CONFIG").to_core()
+    H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
+    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
+    g, u, d = (b.weight(_zeros_weight(I, H, "q4", E)), b.weight(_zeros_weight(I, H, "q4", E)),
+               b.weight(_zeros_weight(H, I, "q4", E)))
+    sg, su, sd = (b.weight(_zeros_weight(I, H, "q4")), b.weight(_zeros_weight(I, H, "q4")),
+                  b.weight(_zeros_weight(H, I, "q4")))
+    e = lambda r, n, dt="f32": b.empty(r, n, dt, poison=False)  # noqa: E731
+    h = e(1, H)
+    b.run("moe", "decode", x=e(1, H), router_logits=e(1, E), shared_gate_logit=e(1, 1), k=K, gate=g, up=u, down=d,
+          shared_gate_proj=sg, shared_up=su, shared_down=sd, ids=e(1, K, "i32"), weights=e(1, K), routed=e(1, H),
+          shared_g=e(1, I), shared_u=e(1, I), shared_act=e(1, I), shared=e(1, H), ws=b.workspace(c, 1, 4096), h=h)
+    variant = b.report()["variants"]["moe.block.decode"]
+    assert "fused, 2 launches" in variant and text in variant, variant
+    if "moe_rows_d" not in opts:
+        assert "8 rows per block" in variant, variant
+    for bad in ({"moe_rows_g": 3}, {"moe_rows_g": -1}, {"moe_rows_d": 0}, {"moe_rows_d": 65}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            core.OpBench("cuda", {"dry_arch": 90, **bad})
+
+
 @pytest.mark.parametrize("opts,heights", [({}, (16, 16, 32, 32)), ({"moe_frag32_rows": 1}, (32, 32, 32, 32)),
                                           ({"moe_frag32_rows": 1 << 20}, (16, 16, 16, 16)),
                                           ({"moe_tile64_rows": 1}, (64, 64, 64, 64)),

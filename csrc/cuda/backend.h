@@ -106,6 +106,11 @@ struct CudaOptions {
   // tiles measured faster at every length). The same bits at any height. benchmarks/NOTES.md.
   int moe_frag32_rows = 20;
   int moe_tile64_rows = 0;
+  // Decode MoE geometry: gate/up rows per warp of moe_gate_up_decode (1, 2 or 4; 0 = by shape: 4 / 16-byte vectors
+  // per lane of a row, 2 for the real model) and output rows per moe_down_decode block (1..64). Fewer, fuller blocks
+  // leave room on each SM for the down pass's blocks to sit resident (and load their weights) while gate/up runs.
+  int moe_rows_g = 0;
+  int moe_rows_d = 8;
   // Prefill attention on tensor cores (bf16 caches): keys per K/V tile, 16 or 32. Shared memory per block is 101 KB or
   // 135 KB at head dim 256: two blocks per SM or one. benchmarks/NOTES.md.
   int attn_prefill_keys = 16;

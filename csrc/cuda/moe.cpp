@@ -44,7 +44,6 @@ namespace {
 
 constexpr int64_t kMaxExperts = 512;  // moe_route keeps 16 logits per lane; moe_group's tables are [32][E]
 constexpr int64_t kMaxTopk = 16;
-constexpr int kDecodeRowsDown = 8;    // ROWS_D: output rows per moe_down_decode block
 constexpr int kMmaBlockN = 64;        // moe_gate_up_mma columns of gate (and of up) per block
 constexpr int kMmaBlockNDown = 128;   // moe_down_mma columns per block
 constexpr int kFragBlockN = 128;      // FRAG (codes widened in registers), 16-row tiles: gate (and up) columns per block
@@ -99,7 +98,7 @@ std::string shape_text(const Weight& gate) {
 struct ExpertsVariant {
   Defines defines;
   std::string text;  // for note_variant
-  int rows_g = 1, bm = 16;
+  int rows_g = 1, rows_d = 8, bm = 16;  // decode: gate/up rows per warp, down rows per block (ROWS_G, ROWS_D)
   int pipe = 0, pipe_smem = 0, static_smem = 0;  // prefill's cp.async ring: stages, its bytes, the tiles' bytes
   int frag = 0;  // 16 or 32-row tiles with the codes widened in registers (kernels/moe.cu FRAG): ring stages, 0 = off
   int min_blocks = 2;  // blocks per SM the GEMMs' registers must allow (MMA_MINB)
@@ -181,7 +180,8 @@ int64_t frag_static_smem(const WeightFormat& w, int x_terms, bool xf16, int bm) 
 // fragment tiles, none for those with them).
 ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned,
                               CudaOptions::XForm xform, bool dp4a_option, int pipe = 0, bool scales4 = false,
-                              int64_t smem_cap = 0, int frag = 0, int frag32_from = 20, int tile64_from = 0) {
+                              int64_t smem_cap = 0, int frag = 0, int frag32_from = 20, int tile64_from = 0,
+                              int rows_g = 0, int rows_d = 8) {
   const int64_t E = gate.experts, H = gate.cols, I = gate.rows;
   const int cpv = codes_per_vector(gate);
   ExpertsVariant v;
@@ -189,7 +189,8 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
   const bool dp4a = phase == Phase::Decode && dp4a_option && gate.quantized() && (gate.bits == 4 || gate.bits == 8) &&
                     aligned && gate.group % cpv == 0;
   const int64_t nit = (H / cpv + 31) / 32;  // 16-byte vectors per lane per gate/up row
-  v.rows_g = int(std::max<int64_t>(1, std::min<int64_t>(4, 4 / nit)));
+  v.rows_g = rows_g > 0 ? rows_g : int(std::max<int64_t>(1, std::min<int64_t>(4, 4 / nit)));
+  v.rows_d = rows_d;
   const int lpr = next_pow2(I / cpv);
   std::string pipe_text, rows_text;
   // The prefill GEMMs' activation form (kernels/moe.cu XS, XF): f16 needs affine codes; dense weights take hi + lo.
@@ -276,7 +277,7 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
                {"HID", H},
                {"INTER", I},
                {"ROWS_G", v.rows_g},
-               {"ROWS_D", kDecodeRowsDown},
+               {"ROWS_D", v.rows_d},
                {"LPR", lpr},
                {"BM", v.bm},
                {"XS", x_terms},
@@ -288,7 +289,7 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
   const std::string fmt = gate.describe() + (aligned ? ", 16-byte loads" : ", byte loads (unaligned weights)");
   if (phase == Phase::Decode)
     v.text = "moe_gate_up_decode (" + std::to_string(v.rows_g) + " gate+up rows per warp) + moe_down_decode (" +
-             std::to_string(lpr) + " lanes per expert row, " + std::to_string(kDecodeRowsDown) +
+             std::to_string(lpr) + " lanes per expert row, " + std::to_string(v.rows_d) +
              " rows per block), " + fmt +
              (dp4a ? ", x and act as three int8 terms per 16-byte vector, dp4a dot products"
                    : gate.quantized() && !dp4a_option ? ", fp32 x and act (gemv_dp4a=False)" : ", fp32 x and act");
@@ -397,7 +398,8 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
     scales4 = a.scales[m] % 4 == 0 && a.biases[m] % 4 == 0 && a.scale_stride[m] % 4 == 0 && a.bias_stride[m] % 4 == 0;
   const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x(), options().gemv_dp4a,
                                           options().moe_pipe, scales4, info().max_smem_optin, options().moe_frag,
-                                          options().moe_frag32_rows, options().moe_tile64_rows);
+                                          options().moe_frag32_rows, options().moe_tile64_rows, options().moe_rows_g,
+                                          options().moe_rows_d);
   if (ph == Phase::Decode) {
     note_variant("moe.experts.decode", v.text);
     const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
@@ -409,7 +411,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
     if (T * k > 65535) throw std::invalid_argument(what + ": decode supports T·k ≤ 65535");
     launch(k1, Dim3{unsigned((I + 8 * v.rows_g - 1) / (8 * v.rows_g)), unsigned(T * k), 1}, Dim3{256, 1, 1},
            uint32_t(smem1), a);
-    launch(k2, Dim3{unsigned((H + kDecodeRowsDown - 1) / kDecodeRowsDown), unsigned(T), 1}, Dim3{256, 1, 1},
+    launch(k2, Dim3{unsigned((H + v.rows_d - 1) / v.rows_d), unsigned(T), 1}, Dim3{256, 1, 1},
            uint32_t(smem2), a);
     return;
   }
@@ -487,7 +489,8 @@ void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tenso
   a.logits_stride = router_logits.stride;
   a.sgate = ptr(shared_gate_logit);
   a.sgate_stride = shared_gate_logit.stride;
-  ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned, CudaOptions::XForm::BF16x2, options().gemv_dp4a);
+  ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned, CudaOptions::XForm::BF16x2, options().gemv_dp4a,
+                                    0, false, 0, 0, 20, 0, options().moe_rows_g, options().moe_rows_d);
   v.defines.push_back({"FUSED", 1});
   // Under programmatic dependent launch the down pass routes its token itself and loads its weights before it
   // waits for the gate/up pass (kernels/moe.cu PREROUTE); otherwise it reads the ids the gate/up pass stored.
@@ -506,7 +509,7 @@ void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tenso
   if (T * (k + 1) > 65535) throw std::invalid_argument(what + ": decode supports T·(k + 1) ≤ 65535");
   launch(k1, Dim3{unsigned((I + 8 * v.rows_g - 1) / (8 * v.rows_g)), unsigned(T * (k + 1)), 1}, Dim3{256, 1, 1},
          uint32_t(smem1), a);
-  launch(k2, Dim3{unsigned((H + kDecodeRowsDown - 1) / kDecodeRowsDown), unsigned(T), 1}, Dim3{256, 1, 1},
+  launch(k2, Dim3{unsigned((H + v.rows_d - 1) / v.rows_d), unsigned(T), 1}, Dim3{256, 1, 1},
          uint32_t(smem2), a);
 }
 

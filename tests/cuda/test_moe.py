@@ -507,6 +507,36 @@ def test_moe_block_pdl_decode_same_bits(spec, E, k, H, I, Ish):
     assert ("routes and loads its weights before waiting" in rep["moe.block.decode"]) == on, rep
 
 
+@pytest.mark.parametrize("spec,E,k,H,I,Ish", [c for c in BLOCK_CASES if c[4] == c[5]])
+def test_moe_block_decode_geometry_same_bits(spec, E, k, H, I, Ish):
+    """moe_rows_g / moe_rows_d (gate/up rows per warp, down rows per block) move work between threads and blocks,
+    never the order of a sum: the fused decode block's output equals the default geometry's bit for bit, and the
+    variant names the geometry in use."""
+    geometries = ({}, {"moe_rows_g": 1, "moe_rows_d": 1}, {"moe_rows_g": 4, "moe_rows_d": 16}, {"moe_rows_d": 64})
+    benches = tuple(core.OpBench("cuda", g) for g in geometries)
+    rng = np.random.default_rng(zlib.crc32(f"block geometry {spec} {E}".encode()))
+    descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
+    handles = [tuple(b.weight(d) for d in descs) for b in benches]
+    sdescs = (stacked(rng, spec, 1, Ish, H), stacked(rng, spec, 1, Ish, H), stacked(rng, spec, 1, H, Ish))
+    for dsc in sdescs:
+        dsc.pop("experts")
+    shared = [tuple(b.weight(dsc) for dsc in sdescs) for b in benches]
+    for T in (1, 3):
+        x = signed(rng, T, H)
+        logits = rng.normal(0.0, 2.0, size=(T, E)).astype(np.float32)
+        sg = rng.normal(0.0, 2.0, size=(T, 1)).astype(np.float32)
+        h0 = signed(rng, T + 2, H)
+        out = run_block(benches, handles, shared, "decode", x, logits, sg, h0, E, k, H, I, Ish)
+        for (bh, bi, bw), g in zip(out[1:], geometries[1:]):
+            np.testing.assert_array_equal(bi, out[0][1], err_msg=str(g))
+            np.testing.assert_array_equal(bh.view(np.uint32), out[0][0].view(np.uint32), err_msg=str(g))
+    for b, g in zip(benches, geometries):
+        text = str_variants(b.report())["moe.block.decode"]
+        assert f"{g.get('moe_rows_d', 8)} rows per block" in text, (g, text)
+        if "moe_rows_g" in g:
+            assert f"({g['moe_rows_g']} gate+up rows per warp)" in text, (g, text)
+
+
 def str_variants(report) -> dict:
     if isinstance(report, dict):
         if "moe.block.decode" in report or "moe.block.prefill" in report:
