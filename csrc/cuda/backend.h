@@ -291,6 +291,13 @@ class CudaOps final : public Ops {
                             const Tensor& rec_in, const Tensor& rec_out, const Tensor& mixed, const Tensor& delta_o,
                             const Tensor& ws, const Tensor& out, const StateCapture& conv_cap,
                             const StateCapture& rec_cap) override;
+  void conv_delta_norm_matmul_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
+                                   const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias,
+                                   const Tensor& norm_w, float eps, const DeltaShape& s, const Tensor& conv_in,
+                                   const Tensor& conv_out, const Tensor& rec_in, const Tensor& rec_out,
+                                   const Tensor& mixed, const Tensor& delta_o, const Tensor& ws, const Tensor& out,
+                                   const Weight& w_proj, const Tensor& proj, const StateCapture& conv_cap,
+                                   const StateCapture& rec_cap) override;
   void moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids,
                       const Tensor& weights) override;
   void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
