@@ -73,6 +73,9 @@ struct CudaOptions {
   // Decode: the RMSNorm in front of a layer's projections (Ops::rms_norm_matmuls / add_rms_norm_matmuls) done by
   // every block of their GEMV launch; false: the norm's own launch, then the GEMV (the same bits).
   bool fused_norm = true;
+  // Decode: the DeltaNet output's gated RMSNorm done inside the out projection's GEMV (Ops::conv_delta_norm_matmul;
+  // needs fused_norm); false: gated_rms_norm's own launch, then the GEMV (the same bits).
+  bool gated_norm_gemv = true;
   // Decode: a DeltaNet layer's conv + recurrent update + gated RMSNorm (Ops::conv_delta_norm) as one launch per
   // layer (the same bits as the three kernels). Narrow: a block per key head (kernels/gated_delta.cu
   // conv_delta_norm; measured slower on the H200: 16 blocks stream the state where the scan has 256). Wide:

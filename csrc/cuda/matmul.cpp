@@ -548,6 +548,8 @@ void CudaOps::conv_delta_norm_matmul_impl(const Tensor& qkv, const Tensor& z, co
   auto aligned = [&](const Tensor& t) { return ptr(t) % 16 == 0 && t.stride % 4 == 0; };
   if (!opt_.fused_norm) {
     why = "fused_norm=False";
+  } else if (!opt_.gated_norm_gemv) {
+    why = "gated_norm_gemv=False";
   } else if (opt_.fused_delta != CudaOptions::FusedDelta::Off) {
     why = "fused_delta: the norm runs inside the recurrence's own launch";
   } else if (!why.empty()) {

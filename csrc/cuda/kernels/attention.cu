@@ -854,14 +854,11 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
     const float* __restrict__ q, const unsigned char* __restrict__ k_cache,
     const unsigned char* __restrict__ v_cache, const int* __restrict__ pos, i64 max_ctx, int ns, float scale,
     float* __restrict__ part_o, float* __restrict__ part_ml) {
-  // Under programmatic dependent launch everything up to LILY_PDL_WAIT below reads only what kernels two or more
-  // back wrote (common.cuh), through the L2: pos (read by attn_qk_prep and kv_append before this), q (attn_qk_prep's
-  // output) and the cache rows before the new one (kv_append, the kernel just before, writes row len - 1 only). So
-  // a warp's first tile streams in while kv_append runs, unless it holds the new row.
+  LILY_PDL_PROLOGUE();
   extern __shared__ __align__(16) unsigned char dm_smem[];
   __shared__ float sml[4][G][2];
   const int split = blockIdx.x, kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int len = __float_as_int(ld_cg(reinterpret_cast<const float*>(pos))) + 1;
+  const int len = pos[0] + 1;
   const int a = active_splits(len, ns);
   if (split >= a) return;
   const int chunk = (len + a - 1) / a;
@@ -885,8 +882,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
       cp_async16(base + u32((which * DM_BN + r) * DM_PITCH + c16 * 16), src, ok ? 16 : 0);
     }
   };
-  const bool early = j0 + DM_BN * warp + DM_BN < len;  // the first tile ends before the new row
-  if (my_tiles > 0 && early) load_tile(0, j0 + DM_BN * warp);
+  if (my_tiles > 0) load_tile(0, j0 + DM_BN * warp);
   cp_async_commit();
 
   // Q (rows = heads, rows >= G zero) as bf16 parts in shared memory, read by ldmatrix as A fragments:
@@ -901,16 +897,11 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
     const int r = idx / (D / 2), e = (idx % (D / 2)) * 2;
     const bool third = DM_Q3 && r >= 8;
     const int hr = third ? r - 8 : r;  // the head this row carries
-    const float x0 = hr < G ? ld_cg(qh + hr * D + e) : 0.f, x1 = hr < G ? ld_cg(qh + hr * D + e + 1) : 0.f;
+    const float x0 = hr < G ? qh[hr * D + e] : 0.f, x1 = hr < G ? qh[hr * D + e + 1] : 0.f;
     u32 hi, lo, lo2;
     split3(x0, x1, hi, lo, lo2);
     *reinterpret_cast<u32*>(dm_qhi + r * DM_PITCH + e * 2) = third ? 0u : hi;
     *reinterpret_cast<u32*>(dm_qlo + r * DM_PITCH + e * 2) = third ? lo2 : lo;
-  }
-  LILY_PDL_PROLOGUE();
-  if (my_tiles > 0 && !early) {  // the tile with the new row, now that kv_append has written it
-    load_tile(0, j0 + DM_BN * warp);
-    cp_async_commit();
   }
   __syncthreads();
   const int arow = ((lane >> 3) & 1) * 8 + (lane & 7), acol = (lane >> 4) * 8;

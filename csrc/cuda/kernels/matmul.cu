@@ -218,36 +218,48 @@ template <int XLDV>
 __device__ __forceinline__ void gemv_stage_gated(const float* xr, int t, int b0, const GemvNorm& NP, float* xsh) {
   static_assert(GSEG > 0 && GSEG % 4 == 0 && GSEG <= 512 && K % GSEG == 0 && EPC % 4 == 0,
                 "NORM 3 needs whole float4 heads of at most 512 inputs dividing K");
-  constexpr int NSEG = K / GSEG, PER = (GSEG + 127) / 128;
+  constexpr int NSEG = K / GSEG, PER = (GSEG + 127) / 128, HPW = (NSEG + NT / 32 - 1) / (NT / 32);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float* zr = NP.b + i64(t) * NP.ldb;
-  for (int h = warp; h < NSEG; h += NT / 32) {
-    const int base = h * GSEG;
-    float4 ov[PER];
-    float ss = 0.f;
+  // Every load of the warp's heads (o, z and the weight) in flight at once: one L2 round trip, not two per head
+  // (measured: the per-head loop cost more than the launch it saves).
+  float4 ov[HPW][PER], zv[HPW][PER], mv[PER];
 #pragma unroll
-    for (int q = 0; q < PER; ++q) {
-      const int i = lane * 4 + q * 128;
-      if (i < GSEG) {
-        ov[q] = *reinterpret_cast<const float4*>(xr + base + i);
-        ss = fmaf(ov[q].x, ov[q].x, ss), ss = fmaf(ov[q].y, ov[q].y, ss);
-        ss = fmaf(ov[q].z, ov[q].z, ss), ss = fmaf(ov[q].w, ov[q].w, ss);
+  for (int q = 0; q < PER; ++q) {
+    const int i = lane * 4 + q * 128;
+    if (i < GSEG) mv[q] = *reinterpret_cast<const float4*>(NP.w + i);
+#pragma unroll
+    for (int u = 0; u < HPW; ++u) {
+      const int h = warp + u * (NT / 32);
+      if (i < GSEG && h < NSEG) {
+        ov[u][q] = *reinterpret_cast<const float4*>(xr + h * GSEG + i);
+        zv[u][q] = *reinterpret_cast<const float4*>(zr + h * GSEG + i);
       }
     }
+  }
+#pragma unroll
+  for (int u = 0; u < HPW; ++u) {
+    const int h = warp + u * (NT / 32);
+    if (h >= NSEG) break;  // uniform over the warp
+    float ss = 0.f;
+#pragma unroll
+    for (int q = 0; q < PER; ++q)
+      if (lane * 4 + q * 128 < GSEG) {
+        const float4 o = ov[u][q];
+        ss = fmaf(o.x, o.x, ss), ss = fmaf(o.y, o.y, ss), ss = fmaf(o.z, o.z, ss), ss = fmaf(o.w, o.w, ss);
+      }
     const float r = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(warp_sum(ss), float(GSEG)), NP.eps)));
 #pragma unroll
     for (int q = 0; q < PER; ++q) {
       const int i = lane * 4 + q * 128;
       if (i < GSEG) {
-        const float4 g = *reinterpret_cast<const float4*>(zr + base + i);
-        const float4 m = *reinterpret_cast<const float4*>(NP.w + i);
-        float4 y = ov[q];
-        auto one = [r](float x, float gv, float mv) {
+        auto one = [r](float x, float gv, float m) {
           const float sg = __fdiv_rn(gv, __fadd_rn(1.f, expf(-gv)));  // silu, the CPU's formula (norm.cu)
-          return __fmul_rn(__fmul_rn(mv, __fmul_rn(x, r)), sg);
+          return __fmul_rn(__fmul_rn(m, __fmul_rn(x, r)), sg);
         };
-        y.x = one(y.x, g.x, m.x), y.y = one(y.y, g.y, m.y), y.z = one(y.z, g.z, m.z), y.w = one(y.w, g.w, m.w);
-        const int k = base + i;
+        const float4 o = ov[u][q], g = zv[u][q], m = mv[q];
+        const float4 y = make_float4(one(o.x, g.x, m.x), one(o.y, g.y, m.y), one(o.z, g.z, m.z), one(o.w, g.w, m.w));
+        const int k = h * GSEG + i;
         *reinterpret_cast<float4*>(&xsh[(k / EPC) * XLDV + k % EPC]) = y;
         if (b0 == 0) *reinterpret_cast<float4*>(NP.normed + i64(t) * NP.ldn + k) = y;
       }
