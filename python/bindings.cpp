@@ -267,7 +267,6 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("gemv_async").is_none()) o.gemv_async = nb::cast<bool>(opt("gemv_async"));
     if (!opt("gemv_dp4a").is_none()) o.gemv_dp4a = nb::cast<bool>(opt("gemv_dp4a"));
     if (!opt("fused_norm").is_none()) o.fused_norm = nb::cast<bool>(opt("fused_norm"));
-    if (!opt("gated_norm_gemv").is_none()) o.gated_norm_gemv = nb::cast<bool>(opt("gated_norm_gemv"));
     if (!opt("fused_delta").is_none())  // True / False as before ("narrow" / "off")
       o.fused_delta = mode_option("fused_delta", opt("fused_delta"),
                                   {{"off", cuda::CudaOptions::FusedDelta::Off},

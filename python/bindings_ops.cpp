@@ -264,21 +264,14 @@ class OpBench {
       else if (op == "gated_delta")
         o.gated_delta(T("qkv"), T("b"), T("a"), T("A_log"), T("dt_bias"), T("state_in"), T("state_out"), delta(), T("ws"),
                       T("out"), capture());
-      else if (op == "conv_delta_norm" || op == "conv_delta_norm_matmul") {
-        // conv_capture / rec_capture (with capture_first, capture_count): the two StateCaptures; the _matmul form
-        // also takes w_proj and proj.
+      else if (op == "conv_delta_norm") {
+        // conv_capture / rec_capture (with capture_first, capture_count): the two StateCaptures.
         auto cap = [&](const char* k) {
           return kw.contains(k) ? StateCapture{T(k), I("capture_first"), I("capture_count")} : StateCapture{};
         };
-        if (op == "conv_delta_norm")
-          o.conv_delta_norm(T("qkv"), T("z"), T("b"), T("a"), T("conv_w"), T("A_log"), T("dt_bias"), T("norm_w"),
-                            float(F("eps", 1e-6)), delta(), T("conv_in"), T("conv_out"), T("rec_in"), T("rec_out"),
-                            T("mixed"), T("delta_o"), T("ws"), T("out"), cap("conv_capture"), cap("rec_capture"));
-        else
-          o.conv_delta_norm_matmul(T("qkv"), T("z"), T("b"), T("a"), T("conv_w"), T("A_log"), T("dt_bias"),
-                                   T("norm_w"), float(F("eps", 1e-6)), delta(), T("conv_in"), T("conv_out"),
-                                   T("rec_in"), T("rec_out"), T("mixed"), T("delta_o"), T("ws"), T("out"), W("w_proj"),
-                                   T("proj"), cap("conv_capture"), cap("rec_capture"));
+        o.conv_delta_norm(T("qkv"), T("z"), T("b"), T("a"), T("conv_w"), T("A_log"), T("dt_bias"), T("norm_w"),
+                          float(F("eps", 1e-6)), delta(), T("conv_in"), T("conv_out"), T("rec_in"), T("rec_out"),
+                          T("mixed"), T("delta_o"), T("ws"), T("out"), cap("conv_capture"), cap("rec_capture"));
       } else if (op == "gated_rms_norm") o.gated_rms_norm(T("o"), T("z"), T("w"), float(F("eps", 1e-6)), T("out"));
       else if (op == "moe_route") o.moe_route(T("logits"), I("k"), T("ws"), T("ids"), T("weights"));
       else if (op == "moe_experts")

@@ -74,33 +74,6 @@ def test_model_compiles_dry(checkpoints, name, arch, cache):
         assert r["graphs"]["launches_per_decode_step"] > 0
 
 
-def test_gated_norm_gemv_option_dry(tmp_path, cache):
-    """gated_norm_gemv (default on): a decode step runs the DeltaNet output's gated norm inside the out projection's
-    GEMV, one launch fewer per DeltaNet layer than with the option off (or fused_norm off); the report says which."""
-    path = write_synthetic_checkpoint(tmp_path / "m", TINY_CONFIG, fmt="mlx", bits=4, seed=4)
-    launches, texts = {}, {}
-    for name, opts in (("on", {}), ("off", {"gated_norm_gemv": False}), ("no_fused_norm", {"fused_norm": False})):
-        with lily.Engine(lily.engine.load_checkpoint(path), backend="cuda",
-                         backend_options={"dry_arch": 90, "cache_dir": cache, **opts}) as e:
-            s = e.session(max_context=128)
-            s.prefill(list(range(20)))
-            list(s.generate(3, lily.SamplingParams(temperature=0), stop_token_ids=[]))
-            rep = e.report()
-            launches[name] = rep["cuda"]["graphs"]["launches_per_decode_step"]
-            texts[name] = rep["cuda"]["variants"]["conv_delta_norm_matmul.decode"]
-            said = [o for o in rep["optimizations"]
-                    if o.startswith(("decode DeltaNet output norm", "not active: the gated norm inside"))]
-            assert len(said) == 1 and said[0].startswith("not active") == (name != "on"), said
-    layers = TINY_CONFIG["num_hidden_layers"]
-    n_delta = layers - layers // TINY_CONFIG["full_attention_interval"]
-    assert launches["off"] - launches["on"] == n_delta, launches
-    assert "no gated_rms_norm launch" in texts["on"], texts
-    assert "gated_norm_gemv=False" in texts["off"] and "fused_norm=False" in texts["no_fused_norm"], texts
-    with pytest.raises(ValueError, match="gated_norm_gemv"):
-        lily.Engine(lily.engine.load_checkpoint(path), backend="cuda",
-                    backend_options={"dry_arch": 90, "gated_norm_gemv": "yes"})
-
-
 @pytest.mark.parametrize("verify_decode", [False, True])
 @pytest.mark.parametrize("arch", ARCHES)
 def test_speculative_loop_compiles_dry(tmp_path, arch, cache, verify_decode):

@@ -89,19 +89,6 @@ void Ops::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Tensor&
   gated_rms_norm_impl(delta_o, z, norm_w, eps, out);
 }
 
-void Ops::conv_delta_norm_matmul_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
-                                      const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias,
-                                      const Tensor& norm_w, float eps, const DeltaShape& s, const Tensor& conv_in,
-                                      const Tensor& conv_out, const Tensor& rec_in, const Tensor& rec_out,
-                                      const Tensor& mixed, const Tensor& delta_o, const Tensor& ws, const Tensor& out,
-                                      const Weight& w_proj, const Tensor& proj, const StateCapture& conv_cap,
-                                      const StateCapture& rec_cap) {
-  conv_delta_norm_impl(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, eps, s, conv_in, conv_out, rec_in, rec_out, mixed,
-                       delta_o, ws, out, conv_cap, rec_cap);
-  barrier_in_op();
-  matmul_impl(out, w_proj, proj);
-}
-
 void Ops::check_capture(const char* op, const StateCapture& c, int64_t T, const Tensor& state) {
   if (c.count == 0) return;
   auto fail = [&](const std::string& why) { throw std::invalid_argument(std::string(op) + ": capture " + why); };

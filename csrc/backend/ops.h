@@ -368,26 +368,6 @@ class Ops {
            qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, eps, s, conv_in, conv_out, rec_in, rec_out, mixed, delta_o,
            ws, out, conv_cap, rec_cap);
   }
-  // The same, then the mixer's output projection, as one op: conv_delta_norm above, and proj = out · w_projᵀ
-  // (proj aliases none of the op's other tensors). A GPU backend in decode runs the gated RMSNorm inside the
-  // projection's GEMV (every block normalises the heads of its row while staging it, so the norm's own launch goes);
-  // the default runs conv_delta_norm_impl, then matmul_impl.
-  void conv_delta_norm_matmul(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
-                              const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias, const Tensor& norm_w,
-                              float eps, const DeltaShape& s, const Tensor& conv_in, const Tensor& conv_out,
-                              const Tensor& rec_in, const Tensor& rec_out, const Tensor& mixed, const Tensor& delta_o,
-                              const Tensor& ws, const Tensor& out, const Weight& w_proj, const Tensor& proj,
-                              const StateCapture& conv_cap = {}, const StateCapture& rec_cap = {}) {
-    check_capture("conv_delta_norm_matmul (conv)", conv_cap, qkv.rows, conv_out);
-    check_capture("conv_delta_norm_matmul (recurrent)", rec_cap, qkv.rows, rec_out);
-    const int32_t cc = conv_cap.active() ? conv_cap.states.buf : conv_out.buf;
-    const int32_t rc = rec_cap.active() ? rec_cap.states.buf : rec_out.buf;
-    record(OpKind::ConvDeltaNorm,
-           {qkv.buf, z.buf, b.buf, a.buf, conv_w.buf, A_log.buf, dt_bias.buf, norm_w.buf, conv_in.buf, rec_in.buf},
-           {conv_out.buf, rec_out.buf, mixed.buf, delta_o.buf, ws.buf, out.buf, cc, rc, proj.buf},
-           &Ops::conv_delta_norm_matmul_impl, qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, eps, s, conv_in, conv_out,
-           rec_in, rec_out, mixed, delta_o, ws, out, w_proj, proj, conv_cap, rec_cap);
-  }
   // Router: softmax over all experts (fp32), top-k, renormalise. ids I32 [T, k], weights F32 [T, k].
   void moe_route(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids, const Tensor& weights) {
     record(OpKind::MoeRoute, {logits.buf}, {ids.buf, weights.buf, ws.buf},
@@ -555,15 +535,6 @@ class Ops {
                                     const Tensor& conv_out, const Tensor& rec_in, const Tensor& rec_out,
                                     const Tensor& mixed, const Tensor& delta_o, const Tensor& ws, const Tensor& out,
                                     const StateCapture& conv_cap, const StateCapture& rec_cap);
-  // Default: conv_delta_norm_impl, a barrier, matmul_impl.
-  virtual void conv_delta_norm_matmul_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
-                                           const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias,
-                                           const Tensor& norm_w, float eps, const DeltaShape& s,
-                                           const Tensor& conv_in, const Tensor& conv_out, const Tensor& rec_in,
-                                           const Tensor& rec_out, const Tensor& mixed, const Tensor& delta_o,
-                                           const Tensor& ws, const Tensor& out, const Weight& w_proj,
-                                           const Tensor& proj, const StateCapture& conv_cap,
-                                           const StateCapture& rec_cap);
   virtual void moe_combine_impl(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
                                 const Tensor& h) = 0;
   virtual void copy_impl(const Tensor& src, const Tensor& dst) = 0;

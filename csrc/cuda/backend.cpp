@@ -947,11 +947,6 @@ std::vector<std::string> CudaOps::optimizations() const {
   o.push_back(opt_.fused_norm ? "decode norms fused into the projections after them: the GEMV's every block normalises "
                                 "its row (and adds the residual) while staging it, one launch fewer per norm"
                               : "not active: fused decode norms (fused_norm=False): each norm is its own launch");
-  o.push_back(opt_.fused_norm && opt_.gated_norm_gemv
-                  ? "decode DeltaNet output norm (gated RMSNorm) inside the out projection's GEMV: every block normalises "
-                    "its row's heads while staging it, no gated_rms_norm launch"
-                  : std::string("not active: the gated norm inside the out projection's GEMV (") +
-                        (opt_.fused_norm ? "gated_norm_gemv=False" : "fused_norm=False") + "): gated_rms_norm's own launch");
   o.push_back(opt_.gemv_dp4a ? "decode GEMVs of 4/8-bit weights (the lm_head too) with x as three int8 terms per 16-byte "
                                "chunk and dp4a integer dot products (~1e-7 relative error, the fp32 form's level)"
                              : "not active: dp4a decode GEMV (gemv_dp4a=False): fp32 x on the CUDA cores, the q4 lm_head "

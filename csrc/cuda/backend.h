@@ -73,9 +73,6 @@ struct CudaOptions {
   // Decode: the RMSNorm in front of a layer's projections (Ops::rms_norm_matmuls / add_rms_norm_matmuls) done by
   // every block of their GEMV launch; false: the norm's own launch, then the GEMV (the same bits).
   bool fused_norm = true;
-  // Decode: the DeltaNet output's gated RMSNorm done inside the out projection's GEMV (Ops::conv_delta_norm_matmul;
-  // needs fused_norm); false: gated_rms_norm's own launch, then the GEMV (the same bits).
-  bool gated_norm_gemv = true;
   // Decode: a DeltaNet layer's conv + recurrent update + gated RMSNorm (Ops::conv_delta_norm) as one launch per
   // layer (the same bits as the three kernels). Narrow: a block per key head (kernels/gated_delta.cu
   // conv_delta_norm; measured slower on the H200: 16 blocks stream the state where the scan has 256). Wide:
@@ -294,13 +291,6 @@ class CudaOps final : public Ops {
                             const Tensor& rec_in, const Tensor& rec_out, const Tensor& mixed, const Tensor& delta_o,
                             const Tensor& ws, const Tensor& out, const StateCapture& conv_cap,
                             const StateCapture& rec_cap) override;
-  void conv_delta_norm_matmul_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
-                                   const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias,
-                                   const Tensor& norm_w, float eps, const DeltaShape& s, const Tensor& conv_in,
-                                   const Tensor& conv_out, const Tensor& rec_in, const Tensor& rec_out,
-                                   const Tensor& mixed, const Tensor& delta_o, const Tensor& ws, const Tensor& out,
-                                   const Weight& w_proj, const Tensor& proj, const StateCapture& conv_cap,
-                                   const StateCapture& rec_cap) override;
   void moe_route_impl(const Tensor& logits, int64_t k, const Tensor& ws, const Tensor& ids,
                       const Tensor& weights) override;
   void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,

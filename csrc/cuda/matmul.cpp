@@ -39,9 +39,9 @@
 
 namespace lily::cuda {
 
-// Must match struct GemvNorm in kernels/matmul.cu (NORM 1 / 2 / 3).
+// Must match struct GemvNorm in kernels/matmul.cu (NORM 1 / 2).
 struct GemvNorm {
-  uint64_t b;  // NORM 2: the residual's other term; NORM 3: the gate z
+  uint64_t b;
   int64_t ldb;
   uint64_t w, sum;
   int64_t lds;
@@ -49,7 +49,7 @@ struct GemvNorm {
   int64_t ldn;
   uint64_t counters;
   float eps;
-  int32_t seg;  // NORM 3 (the gated norm): its segment; 0 otherwise
+  int32_t pad;
 };
 static_assert(sizeof(GemvNorm) == 72, "must match kernels/matmul.cu");
 
@@ -379,12 +379,7 @@ void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, i
     if (as.stages && as.stages != 4) d.push_back({"GEMV_STAGES", as.stages});
     rb = rpp * (u1 ? 1 : kGemvRows);
   }
-  if (norm && norm->seg) {
-    d.push_back({"NORM", 3});
-    d.push_back({"GSEG", norm->seg});
-  } else if (norm) {
-    d.push_back({"NORM", norm->b ? 2 : 1});
-  }
+  if (norm) d.push_back({"NORM", norm->b ? 2 : 1});
   const Kernel& k = kernel("matmul", name, d);
   if (smem > 48 * 1024 && k.max_dynamic_smem < smem) set_dynamic_smem(k, smem);
   GemvParts P{};
@@ -522,76 +517,6 @@ void CudaOps::norm_matmuls_impl(const Tensor& a, const Tensor& b, const Tensor& 
   n.counters = norm_counters_ + uint64_t(slot) * 16 * 4;
   n.eps = eps;
   launch_gemv(a, g.w.data(), g.out.data(), g.n, v0.defines, &n);
-}
-
-// Decode: a DeltaNet layer's output projection with the recurrence's gated RMSNorm done by every block of its GEMV
-// (NORM 3 in kernels/matmul.cu: each block normalises its row's heads while staging it, with gated_rms_norm's
-// one-warp arithmetic, so the same bits), after conv1d_silu and gated_delta: the norm's own launch goes. Otherwise
-// (prefill, a fused recurrence, shapes or alignment the GEMV form does not take) conv_delta_norm, then the matmul,
-// and the report says why.
-void CudaOps::conv_delta_norm_matmul_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
-                                          const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias,
-                                          const Tensor& norm_w, float eps, const DeltaShape& s, const Tensor& conv_in,
-                                          const Tensor& conv_out, const Tensor& rec_in, const Tensor& rec_out,
-                                          const Tensor& mixed, const Tensor& delta_o, const Tensor& ws,
-                                          const Tensor& out, const Weight& w_proj, const Tensor& proj,
-                                          const StateCapture& conv_cap, const StateCapture& rec_cap) {
-  auto composed = [&] {
-    Ops::conv_delta_norm_matmul_impl(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, eps, s, conv_in, conv_out, rec_in,
-                                     rec_out, mixed, delta_o, ws, out, w_proj, proj, conv_cap, rec_cap);
-  };
-  if (phase() != Phase::Decode) return composed();
-  const int64_t T = delta_o.rows, K = delta_o.cols, seg = norm_w.cols;
-  MatmulVariant v0;
-  const MatmulGroup g = MatmulGroup().add(w_proj, proj);
-  std::string why = gemv_group_blocker(*this, out, g, phase(), v0);
-  auto aligned = [&](const Tensor& t) { return ptr(t) % 16 == 0 && t.stride % 4 == 0; };
-  if (!opt_.fused_norm) {
-    why = "fused_norm=False";
-  } else if (!opt_.gated_norm_gemv) {
-    why = "gated_norm_gemv=False";
-  } else if (opt_.fused_delta != CudaOptions::FusedDelta::Off) {
-    why = "fused_delta: the norm runs inside the recurrence's own launch";
-  } else if (!why.empty()) {
-    why = "the projection is not one GEMV launch (" + why + ")";
-  } else if (delta_o.dtype != DType::F32 || z.dtype != DType::F32 || norm_w.dtype != DType::F32 ||
-             out.dtype != DType::F32) {
-    why = "a tensor that is not f32";
-  } else if (seg < 4 || seg > 512 || seg % 4 != 0 || K % seg != 0 || norm_w.rows != 1 || z.rows != T ||
-             z.cols != K || out.rows != T || out.cols != K) {
-    why = "heads of " + std::to_string(seg) + " over rows of " + std::to_string(K) +
-          " (the fused form: whole float4 heads of at most 512, gated_rms_norm's one-warp form)";
-  } else if (!aligned(delta_o) || !aligned(z) || !aligned(out) || ptr(norm_w) % 16 != 0) {
-    why = "a norm tensor not 16-byte aligned (the composed norm would take 4-byte loads, another sum order)";
-  } else {
-    const int64_t epc = w_proj.quantized() ? 128 / w_proj.bits : 16 / int64_t(dtype_size(w_proj.dtype));
-    if (epc % 4 != 0 || ceil_div(int64_t(w_proj.row_bytes()), 16) * (epc + 4) * 4 > 36 * 1024)
-      why = "x too long to stage in shared memory";
-  }
-  if (!why.empty()) {
-    note_variant("conv_delta_norm_matmul.decode", "conv_delta_norm, then the projection: " + why);
-    return composed();
-  }
-  note_variant("conv_delta_norm_matmul.decode",
-               "conv1d_silu, gated_delta, then one launch: " + v0.name +
-                   " with every block applying the gated RMSNorm (heads of " + std::to_string(seg) +
-                   ") to its row while staging it (no gated_rms_norm launch)");
-  note_variant("conv_delta_norm.decode", "conv1d_silu, gated_delta; the gated norm inside the output projection's GEMV "
-                                         "(conv_delta_norm_matmul.decode)");
-  if (T <= 0) return;
-  conv1d_silu_impl(qkv, conv_w, conv_in, conv_out, mixed, conv_cap);
-  barrier_in_op();
-  gated_delta_impl(mixed, b, a, A_log, dt_bias, rec_in, rec_out, s, ws, delta_o, rec_cap);
-  barrier_in_op();
-  GemvNorm n{};
-  n.b = ptr(z);
-  n.ldb = z.stride;
-  n.w = ptr(norm_w);
-  n.normed = ptr(out);
-  n.ldn = out.stride;
-  n.eps = eps;
-  n.seg = int32_t(seg);
-  launch_gemv(delta_o, &w_proj, &proj, 1, v0.defines, &n);
 }
 
 }  // namespace lily::cuda

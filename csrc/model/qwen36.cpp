@@ -23,10 +23,10 @@ void Qwen36::delta_layer(const LayerWeights& L, const StepState& in, const StepS
     conv_cap = {capture->conv[li], capture->first, capture->count};
     recurrent_cap = {capture->recurrent[li], capture->first, capture->count};
   }
-  ops_.conv_delta_norm_matmul(r(sc.qkv), r(sc.z), r(sc.b), r(sc.a), L.conv, L.A_log, L.dt_bias, L.delta_norm,
-                              cfg_.eps, delta_shape(), in.conv[li], out.conv[li], in.recurrent[li], out.recurrent[li],
-                              r(sc.mixed), r(sc.delta_o), sc.ws, r(sc.delta_y), L.out, r(sc.mixer_out), conv_cap,
-                              recurrent_cap);
+  ops_.conv_delta_norm(r(sc.qkv), r(sc.z), r(sc.b), r(sc.a), L.conv, L.A_log, L.dt_bias, L.delta_norm, cfg_.eps,
+                       delta_shape(), in.conv[li], out.conv[li], in.recurrent[li], out.recurrent[li], r(sc.mixed),
+                       r(sc.delta_o), sc.ws, r(sc.delta_y), conv_cap, recurrent_cap);
+  ops_.matmul(r(sc.delta_y), L.out, r(sc.mixer_out));
 }
 
 // Gated full attention (MODEL.md section 4): the input norm with the projections, q/gate split per head,

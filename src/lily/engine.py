@@ -302,8 +302,7 @@ class Engine:
         ``gemv_dp4a`` (decode GEMVs of 4/8-bit weights with x as three int8 terms and integer dot products,
         ~1e-7 relative error, the lm_head included; default True; False: fp32 x, the lm_head on the tensor cores),
         ``fused_norm`` (decode: each layer's RMSNorms done inside the projection GEMV that follows them, one
-        launch instead of two; default True), ``gated_norm_gemv`` (decode: the DeltaNet output's gated RMSNorm
-        done inside the out projection's GEMV, the same bits; default True; needs ``fused_norm``), ``fused_delta`` (decode: a DeltaNet layer's conv, recurrent update
+        launch instead of two; default True), ``fused_delta`` (decode: a DeltaNet layer's conv, recurrent update
         and gated norm in one launch: ``"narrow"`` / True a block per key head, ``"wide"`` 256 blocks with arrival
         counters; default ``"off"`` / False, the three kernels: both measured slower on the H200), ``prefill_x`` (how
         prefill GEMMs take the activations: ``"f16"`` one fp16 term scaled by a power of two per row and weight group,

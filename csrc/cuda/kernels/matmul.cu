@@ -20,8 +20,7 @@
 //          f16_part_scale; error ~2.4e-4), the codes as fp16, f16 MMAs
 //   GFRAG  GEMM only, 4-bit codes in WM 0: the W tile stays raw codes in shared memory and each warp widens its own
 //          columns' codes into B fragments (no f16/bf16 W tile, no ldmatrix for B): the same operands, the same bits
-//   NORM   GEMV only: 0 plain; 1 / 2: the RMSNorm (after a residual add) in front, done by every block (below);
-//          3: the DeltaNet output's gated RMSNorm in front (GSEG: its head size), done by every block
+//   NORM   GEMV only: 0 plain; 1 / 2: the RMSNorm (after a residual add) in front, done by every block (below)
 // One module per (K, format, alignment) serves both phases: ~6 modules for the real model.
 //
 // matmul_gemv (decode, T <= 16; Ops::matmul and Ops::matmuls: up to GEMV_PARTS weights of one format read
@@ -165,7 +164,7 @@ struct GemvParts {
 // its reads of a and b have landed, and the last one to arrive (all others have read) stores sum and puts the
 // counter back to 0 for the next launch. No block waits for another. matmul.cpp's GemvNorm must match.
 struct GemvNorm {
-  const float* b;  // NORM 2: the residual's other term, row stride ldb; NORM 3: the gate z
+  const float* b;  // NORM 2: the residual's other term, row stride ldb
   i64 ldb;
   const float* w;  // the norm weight [K]
   float* sum;      // NORM 2: a + b, row stride lds
@@ -174,7 +173,7 @@ struct GemvNorm {
   i64 ldn;
   int* counters;   // NORM 2: [T] arrivals, 0 between launches
   float eps;
-  int seg;         // NORM 3: the gated norm's segment (GSEG)
+  int pad;
 };
 
 // The part batch bt belongs to, found with constant indices only (a dynamically indexed kernel parameter
@@ -206,67 +205,6 @@ __device__ __forceinline__ V gemv_pick(V const (&a)[L], int p) {
 #define GEMV_STAGES 4
 #endif
 
-#ifndef GSEG
-#define GSEG 0
-#endif
-// NORM 3 (Ops::conv_delta_norm_matmul, decode): x is the DeltaNet recurrence's output o, NP.b its gate z (row stride
-// ldb) and NP.w the norm weight [GSEG]; normed = per GSEG-element head (w · rmsnorm(o)) · silu(z), with the arithmetic
-// of kernels/norm.cu's gated_rms_norm in its one-warp, 16-byte form (the composed form's for GSEG <= 512), so the
-// products and `normed` have its bits. Warp w of the block normalises heads w, w + NT/32, ...; blocks with b0 == 0
-// store normed.
-template <int XLDV>
-__device__ __forceinline__ void gemv_stage_gated(const float* xr, int t, int b0, const GemvNorm& NP, float* xsh) {
-  static_assert(GSEG > 0 && GSEG % 4 == 0 && GSEG <= 512 && K % GSEG == 0 && EPC % 4 == 0,
-                "NORM 3 needs whole float4 heads of at most 512 inputs dividing K");
-  constexpr int NSEG = K / GSEG, PER = (GSEG + 127) / 128, HPW = (NSEG + NT / 32 - 1) / (NT / 32);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float* zr = NP.b + i64(t) * NP.ldb;
-  // Every load of the warp's heads (o, z and the weight) in flight at once: one L2 round trip, not two per head
-  // (measured: the per-head loop cost more than the launch it saves).
-  float4 ov[HPW][PER], zv[HPW][PER], mv[PER];
-#pragma unroll
-  for (int q = 0; q < PER; ++q) {
-    const int i = lane * 4 + q * 128;
-    if (i < GSEG) mv[q] = *reinterpret_cast<const float4*>(NP.w + i);
-#pragma unroll
-    for (int u = 0; u < HPW; ++u) {
-      const int h = warp + u * (NT / 32);
-      if (i < GSEG && h < NSEG) {
-        ov[u][q] = *reinterpret_cast<const float4*>(xr + h * GSEG + i);
-        zv[u][q] = *reinterpret_cast<const float4*>(zr + h * GSEG + i);
-      }
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < HPW; ++u) {
-    const int h = warp + u * (NT / 32);
-    if (h >= NSEG) break;  // uniform over the warp
-    float ss = 0.f;
-#pragma unroll
-    for (int q = 0; q < PER; ++q)
-      if (lane * 4 + q * 128 < GSEG) {
-        const float4 o = ov[u][q];
-        ss = fmaf(o.x, o.x, ss), ss = fmaf(o.y, o.y, ss), ss = fmaf(o.z, o.z, ss), ss = fmaf(o.w, o.w, ss);
-      }
-    const float r = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(warp_sum(ss), float(GSEG)), NP.eps)));
-#pragma unroll
-    for (int q = 0; q < PER; ++q) {
-      const int i = lane * 4 + q * 128;
-      if (i < GSEG) {
-        auto one = [r](float x, float gv, float m) {
-          const float sg = __fdiv_rn(gv, __fadd_rn(1.f, expf(-gv)));  // silu, the CPU's formula (norm.cu)
-          return __fmul_rn(__fmul_rn(m, __fmul_rn(x, r)), sg);
-        };
-        const float4 o = ov[u][q], g = zv[u][q], m = mv[q];
-        const float4 y = make_float4(one(o.x, g.x, m.x), one(o.y, g.y, m.y), one(o.z, g.z, m.z), one(o.w, g.w, m.w));
-        const int k = h * GSEG + i;
-        *reinterpret_cast<float4*>(&xsh[(k / EPC) * XLDV + k % EPC]) = y;
-        if (b0 == 0) *reinterpret_cast<float4*>(NP.normed + i64(t) * NP.ldn + k) = y;
-      }
-    }
-  }
-}
-
 // NORM: stages normed row t of x into xsh (the layout below), stores normed (blocks b0 == 0) and, NORM 2, sum.
 // Σ sum² in norm.cu's order for this row length: K > 512 its one-block form (thread i sums its float4s at
 // 4i, 4i + 1024, ..., then block_sum), else its one-warp form (lane l at 4l, 4l + 128, ..., then warp_sum;
@@ -274,10 +212,6 @@ __device__ __forceinline__ void gemv_stage_gated(const float* xr, int t, int b0,
 template <int XLDV>
 __device__ __forceinline__ void gemv_stage_normed(const float* xr, int t, int b0, int bstep, const GemvNorm& NP,
                                                   float* xsh) {
-  if constexpr (NORM == 3) {
-    gemv_stage_gated<XLDV>(xr, t, b0, NP, xsh);
-    return;
-  }
   static_assert(K % 4 == 0 && EPC % 4 == 0, "NORM needs K and the chunk's inputs in whole float4s");
   constexpr int NI = (K + NT * 4 - 1) / (NT * 4);
   constexpr bool BLOCK_SUM = K > 512;
