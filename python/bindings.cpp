@@ -258,6 +258,14 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
                                     "0: none), got " + nb::cast<std::string>(nb::repr(v)));
       o.replay_timing = nb::cast<int>(v);
     }
+    if (!opt("smem_carveout").is_none()) {
+      const nb::object v = opt("smem_carveout");
+      if (nb::isinstance<nb::bool_>(v) || !nb::isinstance<nb::int_>(v) || nb::cast<int64_t>(v) < -1 ||
+          nb::cast<int64_t>(v) > 100)
+        throw std::invalid_argument("backend option smem_carveout must be an int from 0 to 100 (percent shared), or -1 "
+                                    "(the driver's choice), got " + nb::cast<std::string>(nb::repr(v)));
+      o.smem_carveout = nb::cast<int>(v);
+    }
     if (!opt("pdl").is_none())  // True / False as before ("all" / "off")
       o.pdl = mode_option("pdl", opt("pdl"),
                           {{"off", cuda::CudaOptions::Pdl::Off}, {"decode", cuda::CudaOptions::Pdl::Decode},

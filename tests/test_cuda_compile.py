@@ -345,6 +345,24 @@ def test_replay_timing_option(tmp_path, cache):
             core.OpBench("cuda", {"dry_arch": 90, "replay_timing": bad})
 
 
+def test_smem_carveout_option(tmp_path, cache):
+    """smem_carveout: one preferred shared-memory carveout for every kernel (percent), said in the report, or -1 (the
+    default: the driver's choice per kernel); anything but an int from -1 to 100 is refused naming the option."""
+    path = write_synthetic_checkpoint(tmp_path / "m", TINY_CONFIG, fmt="mlx", bits=4, seed=4)
+    for opts, said in (({}, "not active: a common shared-memory carveout (smem_carveout=-1)"),
+                       ({"smem_carveout": 100}, "one shared-memory carveout for every kernel: 100%"),
+                       ({"smem_carveout": 0}, "one shared-memory carveout for every kernel: 0%")):
+        with lily.Engine(lily.engine.load_checkpoint(path), backend="cuda",
+                         backend_options={"dry_arch": 90, "cache_dir": cache, **opts}) as e:
+            s = e.session(max_context=64)
+            s.prefill(list(range(10)))
+            s.step(3)
+            assert sum(said in o for o in e.report()["optimizations"]) == 1, (opts, e.report()["optimizations"])
+    for bad in (-2, 101, 1.5, True, "50"):
+        with pytest.raises(ValueError, match="smem_carveout"):
+            core.OpBench("cuda", {"dry_arch": 90, "smem_carveout": bad})
+
+
 @pytest.mark.parametrize("small", [None, False])
 def test_gemm_small_tiles_compile_and_report(cache, small):
     """The real model's prefill GEMMs whose 64-row grid uses at most a quarter / half of the SMs (132 in a dry run:

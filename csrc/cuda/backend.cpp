@@ -478,6 +478,9 @@ const Kernel& CudaOps::kernel(const std::string& family, const char* name, const
       guarded([&] {
         check(drv().cuModuleGetFunction(&kr->fn, m.mod, name),
               ("cuModuleGetFunction ('" + std::string(name) + "' in kernels/" + family + ".cu)").c_str());
+        if (opt_.smem_carveout >= 0)
+          check(drv().cuFuncSetAttribute(kr->fn, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, opt_.smem_carveout),
+                "cuFuncSetAttribute (shared memory carveout)");
       });
     k = m.kernels.emplace(name, std::move(kr)).first;
   }
@@ -965,6 +968,11 @@ std::vector<std::string> CudaOps::optimizations() const {
   o.push_back(opt_.branches ? "graph branches: the launches of one hazard stage run side by side (up to 4 streams "
                               "forked and joined per stage)"
                             : "graph branches off (branches=False): launches run one after another");
+  o.push_back(opt_.smem_carveout >= 0
+                  ? "one shared-memory carveout for every kernel: " + std::to_string(opt_.smem_carveout) +
+                        "% of the SM's L1/shared capacity (smem_carveout)"
+                  : std::string("not active: a common shared-memory carveout (smem_carveout=-1): the driver picks each "
+                                "kernel's split"));
   o.push_back(opt_.replay_timing == 0
                   ? std::string("decode GPU time not measured (replay_timing=0): no events around replays")
                   : "decode GPU time from events around " +

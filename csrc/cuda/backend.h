@@ -59,6 +59,10 @@ struct CudaOptions {
   // GPU time of replayed decode steps (the report's gpu_us_per_decode_step) from events recorded around one replay
   // in `replay_timing` (1: every replay; 0: none, the report then says it was not measured).
   int replay_timing = 1;
+  // The preferred shared-memory carveout (percent of the SM's unified L1/shared capacity) given to every kernel; -1:
+  // none, the driver's choice per kernel. An SM changes its split only when idle, so kernels of different splits in
+  // sequence (the decode attention's 152 KB blocks after the GEMVs' few KB) cannot overlap under programmatic launch.
+  int smem_carveout = -1;
   // Decode encode memo: an op whose arguments equal (byte for byte) those of an op already encoded in a decode
   // step reuses its recorded launches instead of running its host code again (forgotten at any allocation,
   // release or weight placement, which are what turn buffer ids and mappings into addresses).

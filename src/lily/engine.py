@@ -301,7 +301,8 @@ class Engine:
         True), ``gemv_async`` (decode GEMV weights staged through shared memory by cp.async; default True),
         ``gemv_dp4a`` (decode GEMVs of 4/8-bit weights with x as three int8 terms and integer dot products,
         ~1e-7 relative error, the lm_head included; default True; False: fp32 x, the lm_head on the tensor cores),
-        ``fused_norm`` (decode: each layer's RMSNorms done inside the projection GEMV that follows them, one
+        ``smem_carveout`` (the preferred shared-memory carveout of every kernel, percent 0-100; default -1: the
+        driver's choice per kernel), ``fused_norm`` (decode: each layer's RMSNorms done inside the projection GEMV that follows them, one
         launch instead of two; default True), ``fused_delta`` (decode: a DeltaNet layer's conv, recurrent update
         and gated norm in one launch: ``"narrow"`` / True a block per key head, ``"wide"`` 256 blocks with arrival
         counters; default ``"off"`` / False, the three kernels: both measured slower on the H200), ``prefill_x`` (how

@@ -348,13 +348,14 @@ def test_lily_tiny_teacher_forced_agreement(opts):
 
 def test_launch_modes_give_the_same_bits(checkpoints):
     """Graphs, stage branches and programmatic dependent launch change when kernels start, never what they
-    compute, and the encode memo, the cp.async GEMV and the fused norms change nothing of what is computed: the
+    compute (nor does one shared-memory carveout for every kernel), and the encode memo, the cp.async GEMV and the
+    fused norms change nothing of what is computed: the
     same logits bit for bit with each switched off (a missing dependency would show here)."""
     path = checkpoints["mlx4"]
     ids = _ids(TINY_CONFIG["vocab_size"], 40, 16)
     runs = {}
     for name, opts in (("all", {"pdl": True}), ("pdl_decode", {}), ("no_pdl", {"pdl": False}),
-                       ("no_branches", {"branches": False, "pdl": True}),
+                       ("no_branches", {"branches": False, "pdl": True}), ("carveout", {"smem_carveout": 100}),
                        ("plain", {"graphs": False, "branches": False, "pdl": False, "encode_memo": False,
                                   "gemv_async": False, "fused_norm": False})):
         with lily.Engine.from_pretrained(path, backend="cuda", backend_options=opts) as gpu:
@@ -374,6 +375,6 @@ def test_launch_modes_give_the_same_bits(checkpoints):
             assert (memo["hits"] > 0) == (name != "plain"), (name, memo)
             fused = [v for k, v in gpu.report()["cuda"]["variants"].items() if "norm_matmuls.decode" in k]
             assert fused and all(v.startswith("one launch") != (name == "plain") for v in fused), (name, fused)
-    for name in ("pdl_decode", "no_pdl", "no_branches", "plain"):
+    for name in ("pdl_decode", "no_pdl", "no_branches", "carveout", "plain"):
         for a, b in zip(runs["all"], runs[name]):
             np.testing.assert_array_equal(a, b, err_msg=name)
