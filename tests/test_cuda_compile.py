@@ -188,6 +188,16 @@ def _zeros_weight(rows, cols, fmt, experts=0):
             **({"experts": experts} if experts else {})}
 
 
+def _full_q4_experts(b):
+    """The real model's core config, its (hidden, experts, top-k, expert width), and zero 4-bit stacked gate, up and
+    down weights registered on bench b."""
+    c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
+                                          source="FULL_CONFIG").to_core()
+    H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
+    return c, (H, E, K, I), (b.weight(_zeros_weight(I, H, "q4", E)), b.weight(_zeros_weight(I, H, "q4", E)),
+                             b.weight(_zeros_weight(H, I, "q4", E)))
+
+
 @pytest.mark.parametrize("arch", ARCHES)
 def test_full_model_shapes_compile_dry(arch, cache):
     """The real model's op shapes (dry: zero-filled host arrays are only registered, never read)."""
@@ -502,12 +512,8 @@ def test_moe_frag_option_compiles_and_reports(cache, frag):
 def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
     """moe_rows_g / moe_rows_d: the fused decode MoE of the real shapes compiles at each geometry, the variant names it
     (the default: 2 gate/up rows per warp, 8 down rows per block), and values outside the kernels' range are refused."""
-    c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
-                                          source="FULL_CONFIG").to_core()
-    H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
     b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
-    g, u, d = (b.weight(_zeros_weight(I, H, "q4", E)), b.weight(_zeros_weight(I, H, "q4", E)),
-               b.weight(_zeros_weight(H, I, "q4", E)))
+    c, (H, E, K, I), (g, u, d) = _full_q4_experts(b)
     sg, su, sd = (b.weight(_zeros_weight(I, H, "q4")), b.weight(_zeros_weight(I, H, "q4")),
                   b.weight(_zeros_weight(H, I, "q4")))
     e = lambda r, n, dt="f32": b.empty(r, n, dt, poison=False)  # noqa: E731
@@ -535,12 +541,8 @@ def test_moe_tile_heights_compile_and_report(cache, opts, heights):
     rows per block, a 15,360-byte ring stage), and, by default, never 64-row tiles (moe_tile64_rows = 0: 32 rows per
     expert and up only for experts without fragment tiles, e.g. moe_frag = 0). Each compiles and the report says which
     and why; values out of range are refused naming the options."""
-    c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
-                                          source="FULL_CONFIG").to_core()
-    H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
     b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
-    g, u, d = (b.weight(_zeros_weight(I, H, "q4", E)), b.weight(_zeros_weight(I, H, "q4", E)),
-               b.weight(_zeros_weight(H, I, "q4", E)))
+    c, (H, E, K, I), (g, u, d) = _full_q4_experts(b)
     for T, bm in zip((64, 512, 1024, 4096), heights):
         ws = b.workspace(c, T, 4096)
         b.run("moe_experts", "prefill", x=b.empty(T, H, poison=False), ids=b.empty(T, K, "i32", poison=False),

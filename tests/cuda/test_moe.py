@@ -480,6 +480,16 @@ def test_moe_block(benches, spec, E, k, H, I, Ish):
     assert rep and ("fused, 2 launches" in rep["moe.block.decode"]) == fused, rep
 
 
+def block_weights(benches, rng, spec, E, H, I, Ish):
+    """The same random routed (gate, up, down) and shared-expert weights registered on every bench."""
+    descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
+    handles = [tuple(b.weight(d) for d in descs) for b in benches]
+    sdescs = (stacked(rng, spec, 1, Ish, H), stacked(rng, spec, 1, Ish, H), stacked(rng, spec, 1, H, Ish))
+    for dsc in sdescs:
+        dsc.pop("experts")
+    return handles, [tuple(b.weight(dsc) for dsc in sdescs) for b in benches]
+
+
 @pytest.mark.parametrize("spec,E,k,H,I,Ish", [c for c in BLOCK_CASES if c[4] == c[5]])
 def test_moe_block_pdl_decode_same_bits(spec, E, k, H, I, Ish):
     """Under pdl="decode" the fused down pass routes its token itself from the logits before it waits (PREROUTE):
@@ -487,12 +497,7 @@ def test_moe_block_pdl_decode_same_bits(spec, E, k, H, I, Ish):
     (both passes must pick the same experts)."""
     benches = (core.OpBench("cuda", {"pdl": False}), core.OpBench("cuda", {"pdl": "decode"}))
     rng = np.random.default_rng(zlib.crc32(f"block pdl {spec} {E}".encode()))
-    descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
-    handles = [tuple(b.weight(d) for d in descs) for b in benches]
-    sdescs = (stacked(rng, spec, 1, Ish, H), stacked(rng, spec, 1, Ish, H), stacked(rng, spec, 1, H, Ish))
-    for dsc in sdescs:
-        dsc.pop("experts")
-    shared = [tuple(b.weight(dsc) for dsc in sdescs) for b in benches]
+    handles, shared = block_weights(benches, rng, spec, E, H, I, Ish)
     for T in (1, 2):
         x = signed(rng, T, H)
         logits = np.round(rng.normal(0.0, 2.0, size=(T, E)) * 2.0).astype(np.float32) / 2.0  # many exact ties
@@ -515,12 +520,7 @@ def test_moe_block_decode_geometry_same_bits(spec, E, k, H, I, Ish):
     geometries = ({}, {"moe_rows_g": 1, "moe_rows_d": 1}, {"moe_rows_g": 4, "moe_rows_d": 16}, {"moe_rows_d": 64})
     benches = tuple(core.OpBench("cuda", g) for g in geometries)
     rng = np.random.default_rng(zlib.crc32(f"block geometry {spec} {E}".encode()))
-    descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
-    handles = [tuple(b.weight(d) for d in descs) for b in benches]
-    sdescs = (stacked(rng, spec, 1, Ish, H), stacked(rng, spec, 1, Ish, H), stacked(rng, spec, 1, H, Ish))
-    for dsc in sdescs:
-        dsc.pop("experts")
-    shared = [tuple(b.weight(dsc) for dsc in sdescs) for b in benches]
+    handles, shared = block_weights(benches, rng, spec, E, H, I, Ish)
     for T in (1, 3):
         x = signed(rng, T, H)
         logits = rng.normal(0.0, 2.0, size=(T, E)).astype(np.float32)
