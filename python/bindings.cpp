@@ -208,6 +208,15 @@ E mode_option(const char* key, const nb::object& v, std::initializer_list<std::p
   throw std::invalid_argument(std::string("backend option ") + key + " must be " + accepted + " or a bool, got " + got);
 }
 
+// A backend option that must be an int (not a bool) in [lo, hi]; anything else is refused naming the option.
+int bounded_int(const char* key, const nb::object& v, int64_t lo, int64_t hi, const char* what) {
+  if (nb::isinstance<nb::bool_>(v) || !nb::isinstance<nb::int_>(v) || nb::cast<int64_t>(v) < lo ||
+      nb::cast<int64_t>(v) > hi)
+    throw std::invalid_argument(std::string("backend option ") + key + " must be " + what + ", got " +
+                                nb::cast<std::string>(nb::repr(v)));
+  return nb::cast<int>(v);
+}
+
 // The backend `name` with `options`; with build false, only checks them (every refusal raised as when building,
 // nullptr returned): the engine checks its options before it maps a checkpoint.
 std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& options, bool build = true) {
@@ -250,22 +259,12 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("speculative_graphs").is_none()) o.speculative_graphs = nb::cast<bool>(opt("speculative_graphs"));
     if (!opt("mtp_verify_decode").is_none()) o.mtp_verify_decode = nb::cast<bool>(opt("mtp_verify_decode"));
     if (!opt("branches").is_none()) o.branches = nb::cast<bool>(opt("branches"));
-    if (!opt("replay_timing").is_none()) {
-      const nb::object v = opt("replay_timing");
-      if (nb::isinstance<nb::bool_>(v) || !nb::isinstance<nb::int_>(v) || nb::cast<int64_t>(v) < 0 ||
-          nb::cast<int64_t>(v) > 1000000)
-        throw std::invalid_argument("backend option replay_timing must be an int >= 0 (time one decode replay in N; "
-                                    "0: none), got " + nb::cast<std::string>(nb::repr(v)));
-      o.replay_timing = nb::cast<int>(v);
-    }
-    if (!opt("smem_carveout").is_none()) {
-      const nb::object v = opt("smem_carveout");
-      if (nb::isinstance<nb::bool_>(v) || !nb::isinstance<nb::int_>(v) || nb::cast<int64_t>(v) < -1 ||
-          nb::cast<int64_t>(v) > 100)
-        throw std::invalid_argument("backend option smem_carveout must be an int from 0 to 100 (percent shared), or -1 "
-                                    "(the driver's choice), got " + nb::cast<std::string>(nb::repr(v)));
-      o.smem_carveout = nb::cast<int>(v);
-    }
+    if (!opt("replay_timing").is_none())
+      o.replay_timing = bounded_int("replay_timing", opt("replay_timing"), 0, 1000000,
+                                    "an int >= 0 (time one decode replay in N; 0: none)");
+    if (!opt("smem_carveout").is_none())
+      o.smem_carveout = bounded_int("smem_carveout", opt("smem_carveout"), -1, 100,
+                                    "an int from 0 to 100 (percent shared), or -1 (the driver's choice)");
     if (!opt("pdl").is_none())  // True / False as before ("all" / "off")
       o.pdl = mode_option("pdl", opt("pdl"),
                           {{"off", cuda::CudaOptions::Pdl::Off}, {"decode", cuda::CudaOptions::Pdl::Decode},

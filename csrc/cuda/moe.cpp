@@ -179,9 +179,9 @@ int64_t frag_static_smem(const WeightFormat& w, int x_terms, bool xf16, int bm) 
 // which the tiles take 64 (backend options moe_frag32_rows, moe_tile64_rows; tile64_from 0: 32 for experts without
 // fragment tiles, none for those with them).
 ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned,
-                              CudaOptions::XForm xform, bool dp4a_option, int pipe = 0, bool scales4 = false,
-                              int64_t smem_cap = 0, int frag = 0, int frag32_from = 20, int tile64_from = 0,
-                              int rows_g = 0, int rows_d = 8) {
+                              CudaOptions::XForm xform, bool dp4a_option, int rows_g, int rows_d, int pipe = 0,
+                              bool scales4 = false, int64_t smem_cap = 0, int frag = 0, int frag32_from = 20,
+                              int tile64_from = 0) {
   const int64_t E = gate.experts, H = gate.cols, I = gate.rows;
   const int cpv = codes_per_vector(gate);
   ExpertsVariant v;
@@ -397,9 +397,9 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   for (int m = 0; m < 3 && scales4; ++m)
     scales4 = a.scales[m] % 4 == 0 && a.biases[m] % 4 == 0 && a.scale_stride[m] % 4 == 0 && a.bias_stride[m] % 4 == 0;
   const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x(), options().gemv_dp4a,
-                                          options().moe_pipe, scales4, info().max_smem_optin, options().moe_frag,
-                                          options().moe_frag32_rows, options().moe_tile64_rows, options().moe_rows_g,
-                                          options().moe_rows_d);
+                                          options().moe_rows_g, options().moe_rows_d, options().moe_pipe, scales4,
+                                          info().max_smem_optin, options().moe_frag, options().moe_frag32_rows,
+                                          options().moe_tile64_rows);
   if (ph == Phase::Decode) {
     note_variant("moe.experts.decode", v.text);
     const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
@@ -490,7 +490,7 @@ void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tenso
   a.sgate = ptr(shared_gate_logit);
   a.sgate_stride = shared_gate_logit.stride;
   ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned, CudaOptions::XForm::BF16x2, options().gemv_dp4a,
-                                    0, false, 0, 0, 20, 0, options().moe_rows_g, options().moe_rows_d);
+                                    options().moe_rows_g, options().moe_rows_d);
   v.defines.push_back({"FUSED", 1});
   // Under programmatic dependent launch the down pass routes its token itself and loads its weights before it
   // waits for the gate/up pass (kernels/moe.cu PREROUTE); otherwise it reads the ids the gate/up pass stored.

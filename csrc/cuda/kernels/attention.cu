@@ -21,8 +21,9 @@
 //                head g's score in lanes g·(32/GP)...; online softmax in fp32; the warps of a block merge
 //                through shared memory and write one partial (m, l, o[G][D]) per (split, kv head) to ws.
 //                The reduce (grid heads × column blocks, block 256) merges the a partials of its head's
-//                columns (splits spread over the block's threads) and applies sigmoid(gate). ~210 fp32-pipe instructions per (row, warp) at G = 8: about the byte
-//                floor's time for bf16 rows, under it for f32 rows.
+//                columns (splits spread over the block's threads) and applies sigmoid(gate). ~210 fp32-pipe
+//                instructions per (row, warp) at G = 8: about the byte floor's time for bf16 rows, under it
+//                for f32 rows.
 // attn_decode_mma (T = 1, bf16 caches): the same chunks and partials, computed on tensor cores (see its
 //                section); then the same reduce.
 //                Floor: 2·kv·len·D·ES bytes of cache; real shape, bf16, len 128K: 2·2·131072·256·2 =
