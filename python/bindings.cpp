@@ -208,6 +208,7 @@ E mode_option(const char* key, const nb::object& v, std::initializer_list<std::p
   throw std::invalid_argument(std::string("backend option ") + key + " must be " + accepted + " or a bool, got " + got);
 }
 
+#ifdef LILY_WITH_CUDA
 // A backend option that must be an int (not a bool) in [lo, hi]; anything else is refused naming the option.
 int bounded_int(const char* key, const nb::object& v, int64_t lo, int64_t hi, const char* what) {
   if (nb::isinstance<nb::bool_>(v) || !nb::isinstance<nb::int_>(v) || nb::cast<int64_t>(v) < lo ||
@@ -216,6 +217,7 @@ int bounded_int(const char* key, const nb::object& v, int64_t lo, int64_t hi, co
                                 nb::cast<std::string>(nb::repr(v)));
   return nb::cast<int>(v);
 }
+#endif
 
 // The backend `name` with `options`; with build false, only checks them (every refusal raised as when building,
 // nullptr returned): the engine checks its options before it maps a checkpoint.
