@@ -316,10 +316,12 @@ MUTATIONS = [
      "m += (k[i] * rk) * S[i];\n      S[i] = S[i] * alpha;", "gated_delta"),  # §12.9: decay after the read
     ("moe.metal", "weights[ulong(t) * s.ld_w + r] = prob[r] / total;", "weights[ulong(t) * s.ld_w + r] = prob[r];",
      "moe_route"),  # §12.13
-    # State captures (ops.h StateCapture) one row late: the scan's after the next token, the conv's window shifted.
+    # State captures (ops.h StateCapture) one row off: the scan's after the next token, the conv's window one row
+    # early (early, not late: a late window reads one row past x, which the harness reports as a fault instead;
+    # test_kernel_reading_past_a_buffer_is_named).
     ("gated_delta.metal", "if (t - s.cap_first < s.cap_count)", "if (t - 1 - s.cap_first < s.cap_count)",
      "gated_delta"),
-    ("gated_delta.metal", "int(s.cap_first + i + r + 1) - int(S)", "int(s.cap_first + i + r + 2) - int(S)",
+    ("gated_delta.metal", "int(s.cap_first + i + r + 1) - int(S)", "int(s.cap_first + i + r) - int(S)",
      "conv1d_silu"),
     # The simdgroup scan (prefill rows): value heads mapped to key heads modulo, the decay after the read, the read
     # m = Sᵀk̂ left as each lane's partial (no simd_sum: the lanes never exchange), captures one row late.
@@ -370,6 +372,21 @@ def test_planted_kernel_bug_fails_its_op(program, tmp_path, name, old, new, op):
     assert passed(clean), clean.stdout + clean.stderr
     r = run(program, ["ops", "--only", op], files=[mutated, *others])
     assert r.returncode == 1 and f"op {op} " in r.stdout and "FAIL" in r.stdout, r.stdout + r.stderr
+
+
+def test_kernel_reading_past_a_buffer_is_named(program, tmp_path):
+    """A kernel that reads one row past its input always faults (each buffer is followed by an inaccessible page),
+    and the fault names the dispatch: not a bare SIGSEGV, and not a crash in one run of many."""
+    name, old = "gated_delta.metal", "int(s.cap_first + i + r + 1) - int(S)"
+    text = (METAL / name).read_text()
+    assert text.count(old) == 1
+    mutated = tmp_path / name
+    mutated.write_text(text.replace(old, "int(s.cap_first + i + r + 2) - int(S)"))  # the last captured row: x[T]
+    for _ in range(3):
+        r = run(program, ["ops", "--only", "conv1d_silu"], files=[mutated])
+        assert r.returncode != 0, r.stdout + r.stderr
+        assert re.search(r"fakemetal: SIGSEGV while running a dispatch: .*kernel 'conv1d_silu'.* touched memory "
+                         r"outside its buffers", r.stderr), r.stdout + r.stderr
 
 
 # ------------------------------------------------------------------------------------------------------------

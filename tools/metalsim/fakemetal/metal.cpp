@@ -235,6 +235,12 @@ void apply_protection(char* view, const Protected& p) {
   if (mprotect(view, p.length, prot) != 0) die("mprotect: %s", strerror(errno));
 }
 
+size_t guard_bytes() { return size_t(sysconf(_SC_PAGESIZE)); }  // after each view of a mapped buffer
+
+// The dispatch being run ("command buffer ..., encoder ..., kernel '...'"), for the fault message of a kernel
+// that reads or writes outside its buffers (with several queues, the one started last).
+std::atomic<const char*> g_running_dispatch{nullptr};
+
 struct sigaction g_old_segv;
 void on_segv(int sig, siginfo_t* info, void* ctx) {
   char* addr = static_cast<char*>(info->si_addr);
@@ -252,6 +258,14 @@ void on_segv(int sig, siginfo_t* info, void* ctx) {
     abort();
   }
   if (locked) g_protect_mu.unlock();
+  if (const char* where = g_running_dispatch.load()) {  // a kernel's access outside every buffer it was bound
+    const char* head = "fakemetal: SIGSEGV while running a dispatch: ";
+    const char* tail = " touched memory outside its buffers (an index past a buffer's end: each buffer is "
+                       "followed by an inaccessible page)\n";
+    (void)!write(2, head, strlen(head));
+    (void)!write(2, where, strlen(where));
+    (void)!write(2, tail, strlen(tail));
+  }
   // Not ours: hand the fault to whoever handled SIGSEGV before (a runner's crash report, or the default).
   if (g_old_segv.sa_flags & SA_SIGINFO) {
     if (g_old_segv.sa_sigaction) return g_old_segv.sa_sigaction(sig, info, ctx);
@@ -287,8 +301,8 @@ struct Buffer : MtlObj {
         std::lock_guard<std::mutex> lock(g_protect_mu);
         protected_views().erase(static_cast<char*>(data));
       }
-      munmap(data, mapped);  // contents read after the last release fault
-      munmap(gpu, mapped);
+      munmap(data, mapped + guard_bytes());  // contents read after the last release fault
+      munmap(gpu, mapped + guard_bytes());
     } else if (owns) {
       free(data);  // ASan builds: contents read after the last release are a heap-use-after-free
     } else if (deallocator) {
@@ -300,18 +314,32 @@ struct Buffer : MtlObj {
   bool is_private() const { return ((options >> 4) & 0xf) == MTL::StorageModePrivate; }
 };
 
-// Two mappings of one anonymous file: the CPU view and the GPU view (see Protected). nullptr if unavailable.
+// One view of the file: n bytes followed by an inaccessible guard page, so an access past the end of the
+// page-rounded buffer always faults (without it, whether it faults depends on what the address space holds
+// next: a planted off-by-one that read one row past a buffer crashed one run in many).
+void* map_view(int fd, size_t n, size_t page) {
+  void* r = mmap(nullptr, n + page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (r == MAP_FAILED) return MAP_FAILED;
+  if (mmap(r, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+    munmap(r, n + page);
+    return MAP_FAILED;
+  }
+  return r;
+}
+
+// Two mappings of one anonymous file: the CPU view and the GPU view (see Protected), each with a trailing
+// guard page (unmapped with it). nullptr if unavailable.
 bool map_twice(size_t length, void** cpu, void** gpu, size_t* mapped) {
-  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  const size_t page = guard_bytes();
   const size_t n = (length + page - 1) / page * page;
   const int fd = int(syscall(SYS_memfd_create, "fakemetal-buffer", 1u /* MFD_CLOEXEC */));
   if (fd < 0) return false;
   bool ok = ftruncate(fd, off_t(n)) == 0;  // zero-filled, as Metal's new buffers are
-  void* a = ok ? mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
-  void* b = a != MAP_FAILED ? mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  void* a = ok ? map_view(fd, n, page) : MAP_FAILED;
+  void* b = a != MAP_FAILED ? map_view(fd, n, page) : MAP_FAILED;
   close(fd);  // the mappings keep the file alive
   if (b == MAP_FAILED) {
-    if (a != MAP_FAILED) munmap(a, n);
+    if (a != MAP_FAILED) munmap(a, n + page);
     return false;
   }
   *cpu = a, *gpu = b, *mapped = n;
@@ -767,7 +795,10 @@ bool run_dispatch(CommandBuffer* cb, const std::string& where, const Command& c,
     d.traffic_ctx = traffic;
   }
   char err[2048] = {0};
-  if (mslsim_run(&d, err, sizeof err) != 0)
+  g_running_dispatch.store(where.c_str());
+  const int rc = mslsim_run(&d, err, sizeof err);
+  g_running_dispatch.store(nullptr);
+  if (rc != 0)
     return fail(cb, MTL::CommandBufferErrorInternal, where + ": " + (err[0] ? err : "kernel failed"));
   return true;
 }
