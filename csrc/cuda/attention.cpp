@@ -137,6 +137,8 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
                              std::to_string(need) + " needed");
     const CUdeviceptr po = ptr(ws), pml = po + part_o * sizeof(float);
     if (mma) {
+      if (ptr(q) % 16 != 0)  // the kernel stages q with float4 loads
+        throw std::invalid_argument("cuda attention: q must be 16-byte aligned for the tensor-core decode kernel");
       const Kernel& split = kernel("attention", "attn_decode_mma", defs);
       if (dm_smem > 48 * 1024) set_dynamic_smem(split, dm_smem);
       launch(split, Dim3{unsigned(ns), unsigned(s.kv_heads), 1}, Dim3{128, 1, 1}, uint32_t(dm_smem), ptr(q),

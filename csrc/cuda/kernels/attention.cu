@@ -892,17 +892,39 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
   // product is lo2·Kᵀ for head r, added to row r's score below: q is then carried to ~2^-24 (the two-part
   // form leaves up to 2^-16 |q| per element, an absolute score error ∝ |q|·|k|·scale that dominated the
   // 32K test's error), for no extra mma.
+  // One round of independent float4 loads (q is 16-byte aligned: attention.cpp checks), then the splits:
+  // a loop of dependent scalar loads here cost ~16 L2 round trips per block before the first tile.
   const int r0 = lane >> 2, r1 = r0 + 8, c2 = (lane & 3) * 2;
-  const float* qh = q + i64(kvh) * G * D;
-  for (int idx = threadIdx.x; idx < 16 * D / 2; idx += blockDim.x) {
-    const int r = idx / (D / 2), e = (idx % (D / 2)) * 2;
-    const bool third = DM_Q3 && r >= 8;
-    const int hr = third ? r - 8 : r;  // the head this row carries
-    const float x0 = hr < G ? qh[hr * D + e] : 0.f, x1 = hr < G ? qh[hr * D + e + 1] : 0.f;
-    u32 hi, lo, lo2;
-    split3(x0, x1, hi, lo, lo2);
-    *reinterpret_cast<u32*>(dm_qhi + r * DM_PITCH + e * 2) = third ? 0u : hi;
-    *reinterpret_cast<u32*>(dm_qlo + r * DM_PITCH + e * 2) = third ? lo2 : lo;
+  const float4* qh4 = reinterpret_cast<const float4*>(q + i64(kvh) * G * D);
+  constexpr int Q4 = G * D / 4, Q4_PER_THREAD = (Q4 + 127) / 128;
+  float4 qv[Q4_PER_THREAD];
+#pragma unroll
+  for (int i = 0; i < Q4_PER_THREAD; ++i) {
+    const int idx = threadIdx.x + 128 * i;
+    qv[i] = idx < Q4 ? qh4[idx] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int i = 0; i < Q4_PER_THREAD; ++i) {
+    const int idx = threadIdx.x + 128 * i;
+    if (idx >= Q4) continue;
+    const int g = idx / (D / 4), e = (idx % (D / 4)) * 4;
+    uint2 hi, lo, lo2;
+    split3(qv[i].x, qv[i].y, hi.x, lo.x, lo2.x);
+    split3(qv[i].z, qv[i].w, hi.y, lo.y, lo2.y);
+    *reinterpret_cast<uint2*>(dm_qhi + g * DM_PITCH + e * 2) = hi;
+    *reinterpret_cast<uint2*>(dm_qlo + g * DM_PITCH + e * 2) = lo;
+    if (DM_Q3) {  // row g + 8 carries head g's third part (its hi row zero)
+      *reinterpret_cast<uint2*>(dm_qhi + (g + 8) * DM_PITCH + e * 2) = make_uint2(0u, 0u);
+      *reinterpret_cast<uint2*>(dm_qlo + (g + 8) * DM_PITCH + e * 2) = lo2;
+    }
+  }
+  // Rows that carry no head (G < 8, or G < 16 without the third part): zero.
+  constexpr int FIRST_EMPTY = G, EMPTY_ROWS = DM_Q3 ? 2 * (8 - G) : 16 - G;
+  for (int idx = threadIdx.x; idx < EMPTY_ROWS * D / 2; idx += 128) {
+    const int k = idx / (D / 2), e = (idx % (D / 2)) * 2;
+    const int r = DM_Q3 && k >= 8 - G ? k - (8 - G) + 8 + G : FIRST_EMPTY + k;
+    *reinterpret_cast<u32*>(dm_qhi + r * DM_PITCH + e * 2) = 0u;
+    *reinterpret_cast<u32*>(dm_qlo + r * DM_PITCH + e * 2) = 0u;
   }
   __syncthreads();
   const int arow = ((lane >> 3) & 1) * 8 + (lane & 7), acol = (lane >> 4) * 8;
@@ -1015,26 +1037,31 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
     }
   }
   __syncthreads();
+  // Each head's warp factors exp(m_w - M) once (not once per column), and its partial's (M, L).
   const i64 base = i64(kvh) * ns + split;
-  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
-    const int g = idx / D, e = idx % D;
+  __shared__ float sfac[G][4];
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
     float M = NEG_INF;
 #pragma unroll
     for (int w = 0; w < 4; ++w) M = fmaxf(M, sml[w][g][0]);
-    float acc = 0.f, L = 0.f;
-    if (M != NEG_INF) {
+    float L = 0.f;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float f = expf(sml[w][g][0] - M);
-        acc = fmaf(f, so[(w * G + g) * D + e], acc);
-        L = fmaf(f, sml[w][g][1], L);
-      }
+    for (int w = 0; w < 4; ++w) {
+      const float f = M != NEG_INF ? expf(sml[w][g][0] - M) : 0.f;
+      sfac[g][w] = f;
+      L = fmaf(f, sml[w][g][1], L);
     }
+    part_ml[(base * G + g) * 2] = M;
+    part_ml[(base * G + g) * 2 + 1] = L;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    const int g = idx / D, e = idx % D;
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) acc = fmaf(sfac[g][w], so[(w * G + g) * D + e], acc);
     part_o[(base * G + g) * D + e] = acc;
-    if (e == 0) {
-      part_ml[(base * G + g) * 2] = M;
-      part_ml[(base * G + g) * 2 + 1] = L;
-    }
   }
 }
 #endif
