@@ -310,6 +310,9 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("moe_rows_d").is_none()) o.moe_rows_d = nb::cast<int>(opt("moe_rows_d"));
     if (o.moe_rows_d < 1 || o.moe_rows_d > 64)
       throw std::invalid_argument("backend option moe_rows_d must be 1 to 64, got " + std::to_string(o.moe_rows_d));
+    if (!opt("moe_decode_minb").is_none())  // 8 blocks of 256 threads fill an SM's 2048
+      o.moe_decode_minb = bounded_int("moe_decode_minb", opt("moe_decode_minb"), 0, 8,
+                                      "an int from 0 (the compiler's choice) to 8 blocks per SM");
     if (!opt("moe_frag").is_none()) o.moe_frag = nb::cast<int>(opt("moe_frag"));
     if (o.moe_frag != 0 && (o.moe_frag < 3 || o.moe_frag > 6))
       throw std::invalid_argument("backend option moe_frag must be 0 (off) or 3 to 6 stages, got " +

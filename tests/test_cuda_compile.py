@@ -508,10 +508,12 @@ def test_moe_frag_option_compiles_and_reports(cache, frag):
 
 @pytest.mark.parametrize("opts,text", [({}, "(2 gate+up rows per warp)"), ({"moe_rows_g": 4}, "(4 gate+up rows per warp)"),
                                        ({"moe_rows_g": 1, "moe_rows_d": 64}, "64 rows per block"),
-                                       ({"moe_rows_d": 16}, "16 rows per block")])
+                                       ({"moe_rows_d": 16}, "16 rows per block"),
+                                       ({"moe_decode_minb": 4}, "registers capped for 4 blocks per SM (moe_decode_minb)")])
 def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
-    """moe_rows_g / moe_rows_d: the fused decode MoE of the real shapes compiles at each geometry, the variant names it
-    (the default: 2 gate/up rows per warp, 8 down rows per block), and values outside the kernels' range are refused."""
+    """moe_rows_g / moe_rows_d / moe_decode_minb: the fused decode MoE of the real shapes compiles at each geometry and
+    register cap, the variant names it (the default: 2 gate/up rows per warp, 8 down rows per block, no cap), and values
+    outside the kernels' range are refused."""
     b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
     c, (H, E, K, I), (g, u, d) = _full_q4_experts(b)
     sg, su, sd = (b.weight(_zeros_weight(I, H, "q4")), b.weight(_zeros_weight(I, H, "q4")),
@@ -525,7 +527,14 @@ def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
     assert "fused, 2 launches" in variant and text in variant, variant
     if "moe_rows_d" not in opts:
         assert "8 rows per block" in variant, variant
-    for bad in ({"moe_rows_g": 3}, {"moe_rows_g": -1}, {"moe_rows_d": 0}, {"moe_rows_d": 65}):
+    if "moe_decode_minb" not in opts:
+        assert "registers capped" not in variant, variant
+    said = [o for o in b.report()["optimizations"] if "moe_decode_minb" in o and not o.startswith("moe.")]
+    assert said == ([f"decode MoE kernels' registers capped for {opts['moe_decode_minb']} blocks per SM (moe_decode_minb)"]
+                    if "moe_decode_minb" in opts else
+                    ["not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the compiler's choice"]), said
+    for bad in ({"moe_rows_g": 3}, {"moe_rows_g": -1}, {"moe_rows_d": 0}, {"moe_rows_d": 65}, {"moe_decode_minb": 9},
+                {"moe_decode_minb": -1}, {"moe_decode_minb": 2.0}, {"moe_decode_minb": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             core.OpBench("cuda", {"dry_arch": 90, **bad})
 

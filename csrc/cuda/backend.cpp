@@ -973,6 +973,11 @@ std::vector<std::string> CudaOps::optimizations() const {
                         "% of the SM's L1/shared capacity (smem_carveout)"
                   : std::string("not active: a common shared-memory carveout (smem_carveout=-1): the driver picks each "
                                 "kernel's split"));
+  o.push_back(opt_.moe_decode_minb > 0
+                  ? "decode MoE kernels' registers capped for " + std::to_string(opt_.moe_decode_minb) +
+                        " blocks per SM (moe_decode_minb)"
+                  : std::string("not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the "
+                                "compiler's choice"));
   o.push_back(opt_.replay_timing == 0
                   ? std::string("decode GPU time not measured (replay_timing=0): no events around replays")
                   : "decode GPU time from events around " +

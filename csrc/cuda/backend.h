@@ -115,6 +115,9 @@ struct CudaOptions {
   // leave room on each SM for the down pass's blocks to sit resident (and load their weights) while gate/up runs.
   int moe_rows_g = 0;
   int moe_rows_d = 8;
+  // Blocks per SM the decode MoE kernels' registers must allow (__launch_bounds__; 0 = the compiler's choice, 3 at
+  // the real shape; 4 caps them at 64 registers so the down pass's blocks sit beside gate/up's). The same bits.
+  int moe_decode_minb = 0;
   // Prefill attention on tensor cores (bf16 caches): keys per K/V tile, 16 or 32. Shared memory per block is 101 KB or
   // 135 KB at head dim 256: two blocks per SM or one. benchmarks/NOTES.md.
   int attn_prefill_keys = 16;

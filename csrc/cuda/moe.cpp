@@ -312,6 +312,13 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
 
 bool aligned16(uint64_t v) { return v % 16 == 0; }
 
+// The decode kernels' register cap for `minb` blocks per SM (the option moe_decode_minb; kernels/moe.cu DEC_MINB).
+void cap_decode_registers(ExpertsVariant& v, int minb) {
+  v.defines.push_back({"DEC_MINB", minb});
+  if (minb > 0)
+    v.text += ", registers capped for " + std::to_string(minb) + " blocks per SM (moe_decode_minb)";
+}
+
 }  // namespace
 
 // Checks moe_experts' arguments and fills the kernels' MoeArgs (the routed part); `aligned` says whether
@@ -396,11 +403,12 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   bool scales4 = gate.quantized();
   for (int m = 0; m < 3 && scales4; ++m)
     scales4 = a.scales[m] % 4 == 0 && a.biases[m] % 4 == 0 && a.scale_stride[m] % 4 == 0 && a.bias_stride[m] % 4 == 0;
-  const ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x(), options().gemv_dp4a,
+  ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x(), options().gemv_dp4a,
                                           options().moe_rows_g, options().moe_rows_d, options().moe_pipe, scales4,
                                           info().max_smem_optin, options().moe_frag, options().moe_frag32_rows,
                                           options().moe_tile64_rows);
   if (ph == Phase::Decode) {
+    cap_decode_registers(v, options().moe_decode_minb);
     note_variant("moe.experts.decode", v.text);
     const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
     const Kernel& k2 = kernel("moe", "moe_down_decode", v.defines);
@@ -491,6 +499,7 @@ void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tenso
   a.sgate_stride = shared_gate_logit.stride;
   ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned, CudaOptions::XForm::BF16x2, options().gemv_dp4a,
                                     options().moe_rows_g, options().moe_rows_d);
+  cap_decode_registers(v, options().moe_decode_minb);
   v.defines.push_back({"FUSED", 1});
   // Under programmatic dependent launch the down pass routes its token itself and loads its weights before it
   // waits for the gate/up pass (kernels/moe.cu PREROUTE); otherwise it reads the ids the gate/up pass stored.

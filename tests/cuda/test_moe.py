@@ -514,10 +514,11 @@ def test_moe_block_pdl_decode_same_bits(spec, E, k, H, I, Ish):
 
 @pytest.mark.parametrize("spec,E,k,H,I,Ish", [c for c in BLOCK_CASES if c[4] == c[5]])
 def test_moe_block_decode_geometry_same_bits(spec, E, k, H, I, Ish):
-    """moe_rows_g / moe_rows_d (gate/up rows per warp, down rows per block) move work between threads and blocks,
-    never the order of a sum: the fused decode block's output equals the default geometry's bit for bit, and the
-    variant names the geometry in use."""
-    geometries = ({}, {"moe_rows_g": 1, "moe_rows_d": 1}, {"moe_rows_g": 4, "moe_rows_d": 16}, {"moe_rows_d": 64})
+    """moe_rows_g / moe_rows_d (gate/up rows per warp, down rows per block) move work between threads and blocks and
+    moe_decode_minb caps registers, never the order of a sum: the fused decode block's output equals the default
+    geometry's bit for bit, and the variant names the geometry in use."""
+    geometries = ({}, {"moe_rows_g": 1, "moe_rows_d": 1}, {"moe_rows_g": 4, "moe_rows_d": 16}, {"moe_rows_d": 64},
+                  {"moe_decode_minb": 4}, {"moe_decode_minb": 8, "moe_rows_g": 4})
     benches = tuple(core.OpBench("cuda", g) for g in geometries)
     rng = np.random.default_rng(zlib.crc32(f"block geometry {spec} {E}".encode()))
     handles, shared = block_weights(benches, rng, spec, E, H, I, Ish)

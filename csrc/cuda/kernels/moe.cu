@@ -62,7 +62,8 @@
 //       BM/16 m16 tiles, A by ldmatrix, raw K blocks by a cp.async ring of S stages; the same MMAs in the same
 //       order, so the same bits (see its section).
 //     moe_expert_sum: grid T, block 256: out[t] = Σ_s w[t,s]·y[pair_pos[t,s]] in (id, slot) order.
-//   -D WKIND (0 dense, 1 affine), WDT (dense dtype code), BITS, GROUP, SDT (scale dtype code), ALIGNED
+//   -D DEC_MINB (decode: blocks per SM the registers must allow, 0 = the compiler's choice),
+//   WKIND (0 dense, 1 affine), WDT (dense dtype code), BITS, GROUP, SDT (scale dtype code), ALIGNED
 //   (1: every weight/activation address and stride allows 16-byte loads; 0: byte loads, a slow but
 //   correct path for unpadded checkpoints), DP4A (decode, above), PIPE (prefill ring stages, 0 = off), FRAG (the
 //   fragment tiles' ring stages, 0 = off), MMA_MINB (blocks per SM the GEMMs' registers allow), NEXP, TOPK, HID,
@@ -295,6 +296,18 @@ __device__ __forceinline__ float moe_vec_dot_dp4a(const uint4 wv, const uint4* x
 
 __device__ __forceinline__ bool moe_valid_expert(int e) { return e >= 0 && e < NEXP; }
 
+// DEC_MINB (the host's moe_decode_minb): blocks per SM the two decode kernels' registers must allow (0: the
+// compiler's choice, 74-77 registers at the real shape, 3 blocks per SM). At 4, 64 registers: the 288 gate/up
+// blocks and nearly all 256 down blocks fit the SMs together, so more down blocks load their weights during gate/up.
+#ifndef DEC_MINB
+#define DEC_MINB 0
+#endif
+#if DEC_MINB > 0
+#define MOE_DEC_BOUNDS __launch_bounds__(256, DEC_MINB)
+#else
+#define MOE_DEC_BOUNDS __launch_bounds__(256)
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Decode 1: grouped gate + up + SiLU·mul.
 
@@ -320,7 +333,7 @@ __device__ __forceinline__ float moe_vec_dot(const uint4 wv, const float4* xs, i
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up_decode(const MoeArgs a) {
+extern "C" __global__ void MOE_DEC_BOUNDS moe_gate_up_decode(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
   constexpr int NV = HID / CPV;          // vectors per gate/up row
   constexpr int NIT = (NV + 31) / 32;    // per lane
@@ -492,7 +505,7 @@ __device__ __forceinline__ void moe_down_stage_act(const float* act, float4* moe
 #if PREROUTE && !FUSED
 #error "PREROUTE needs the fused decode MoE (its router logits)"
 #endif
-extern "C" __global__ void __launch_bounds__(256) moe_down_decode(const MoeArgs a) {
+extern "C" __global__ void MOE_DEC_BOUNDS moe_down_decode(const MoeArgs a) {
 #if !PREROUTE
   LILY_PDL_PROLOGUE();
 #endif
