@@ -13,6 +13,9 @@ griddepcontrol.wait, so summed durations exceed the busy time: read the busy/idl
 For decode it also prints each kernel's share of the step's critical path: kernels finish in launch order, so a
 kernel holds the step for end - max(start, end of the kernel that finished before it), whatever time its blocks sat
 waiting before that; grouped by kernel name, the GEMVs told apart by the kernel before them (which projection).
+Then those kernels' resources from engine.report()["cuda"]["kernels"]: registers, local memory (spills), static
+shared memory and, per launch shape, the blocks one multiprocessor holds (what decides whether a programmatically
+launched kernel's blocks find room beside its predecessor's).
 
 --decode-paths generator,core also times decode without the Python generator's thread handoff (the extension's
 generate loop with a plain callback), untraced (medians of 3 runs) and traced, next to the report's GPU and host
@@ -99,6 +102,18 @@ def critical_path(rows: list[tuple[str, float, float]], per: int) -> list[dict]:
     return table
 
 
+def kernel_resources(kernels: list[dict], names: set[str]) -> list[dict]:
+    """The report's entries for the kernels named (every module of each), printed one line per module."""
+    rows = [k for k in kernels if k["name"] in names]
+    print(f"\n{'kernel (module defines)':72s} {'regs':>5s} {'local B':>7s} {'smem B':>6s}  launches: threads + dynamic "
+          "smem -> blocks/SM")
+    for k in sorted(rows, key=lambda k: (k["name"], k["module"])):
+        shapes = ", ".join(f"{ln['threads']} + {ln['dynamic_smem']} -> {ln['blocks_per_sm']}" for ln in k["launches"])
+        label = f"{k['name']} ({' '.join(k['module'].split()[1:])})"
+        print(f"{label[:72]:72s} {k['registers']!s:>5s} {k['local_bytes']!s:>7s} {k['static_smem']!s:>6s}  {shapes}")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", default=None, help="folder of the synthetic checkpoint (default: temp dir)")
@@ -177,6 +192,8 @@ def main() -> int:
         result[key] = summarise(f"decode at {a.context} context ({path})", rows, wall, a.decode_tokens)
         result[key]["critical_path"] = critical_path(rows, a.decode_tokens)
         result[key]["untraced"] = untraced
+    names = {r["kernel"].split(" after ")[0] for k in result if k.startswith("decode") for r in result[k]["critical_path"]}
+    result["kernel_resources"] = kernel_resources(engine.report()["cuda"]["kernels"], names)
     result["graphs"] = engine.report()["cuda"]["graphs"]
     print("\nreport graphs:", json.dumps(result["graphs"]))
     result["settings"] = vars(a)

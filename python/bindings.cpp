@@ -408,6 +408,28 @@ nb::dict backend_report(Ops& ops) {
     nb::dict v;
     for (const auto& [k, s] : c->variants()) v[k.c_str()] = s;
     d["variants"] = v;
+    // Each loaded kernel's resources and, per launch shape, its blocks per multiprocessor (None in a dry run).
+    nb::list kernels;
+    auto known = [](int v) { return v < 0 ? nb::none() : nb::cast(v); };
+    for (const cuda::KernelResources& r : c->kernel_resources()) {
+      nb::dict kd;
+      kd["name"] = r.kernel->name;
+      kd["module"] = r.kernel->module;
+      kd["registers"] = known(r.kernel->registers);
+      kd["local_bytes"] = known(r.kernel->local_bytes);
+      kd["static_smem"] = known(r.kernel->static_smem);
+      nb::list launches;
+      for (const auto& cfg : r.configs) {
+        nb::dict ld;
+        ld["threads"] = cfg.threads;
+        ld["dynamic_smem"] = cfg.dynamic_smem;
+        ld["blocks_per_sm"] = known(cfg.blocks_per_sm);
+        launches.append(ld);
+      }
+      kd["launches"] = launches;
+      kernels.append(kd);
+    }
+    d["kernels"] = kernels;
     nb::dict mem;
     for (const auto& [k, n] : c->memory_by_kind()) mem[k.c_str()] = n;
     d["memory_bytes"] = mem;

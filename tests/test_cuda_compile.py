@@ -33,6 +33,7 @@ def _nvrtc_status() -> str:
 WHY = _nvrtc_status()
 pytestmark = pytest.mark.skipif(bool(WHY), reason=f"CUDA compile check unavailable: {WHY}")
 ARCHES = (80, 90)
+CUDA_KERNELS = Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "kernels"
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +372,30 @@ def test_smem_carveout_option(tmp_path, cache):
     for bad in (-2, 101, 1.5, True, "50"):
         with pytest.raises(ValueError, match="smem_carveout"):
             core.OpBench("cuda", {"dry_arch": 90, "smem_carveout": bad})
+
+
+def test_report_lists_kernels_and_launch_shapes(tmp_path, cache):
+    """report()["cuda"]["kernels"]: every kernel a prefill and a decode step loaded, with its module (family and
+    defines) and each launch shape it ran with, once; registers, spills and blocks per SM need a device (None in a
+    dry run: never a made-up figure)."""
+    path = write_synthetic_checkpoint(tmp_path / "m", TINY_CONFIG, fmt="mlx", bits=4, seed=4)
+    with lily.Engine(lily.engine.load_checkpoint(path), backend="cuda",
+                     backend_options={"dry_arch": 90, "cache_dir": cache}) as e:
+        s = e.session(max_context=64)
+        s.prefill(list(range(10)))
+        for t in (3, 4, 5):
+            s.step(t)
+        kernels = e.report()["cuda"]["kernels"]
+    names = {k["name"] for k in kernels}
+    assert {"matmul_gemm", "moe_gate_up_decode", "moe_down_decode", "attn_decode_reduce"} <= names, names
+    for k in kernels:
+        assert k["module"].split()[0] + ".cu" in {p.name for p in CUDA_KERNELS.glob("*.cu")}, k
+        assert k["registers"] is None and k["local_bytes"] is None and k["static_smem"] is None, k
+        shapes = [(ln["threads"], ln["dynamic_smem"]) for ln in k["launches"]]
+        assert shapes and len(shapes) == len(set(shapes)), k  # each shape once, however many launches
+        assert all(0 < t <= 1024 and ln["blocks_per_sm"] is None for (t, _), ln in zip(shapes, k["launches"])), k
+    (moe,) = [k for k in kernels if k["name"] == "moe_gate_up_decode"]
+    assert [ln["threads"] for ln in moe["launches"]] == [256], moe
 
 
 @pytest.mark.parametrize("small", [None, False])

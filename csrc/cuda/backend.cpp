@@ -474,6 +474,7 @@ const Kernel& CudaOps::kernel(const std::string& family, const char* name, const
     auto kr = std::make_unique<Kernel>();
     kr->family = family;
     kr->name = name;
+    kr->module = key;
     if (!opt_.dry_arch)
       guarded([&] {
         check(drv().cuModuleGetFunction(&kr->fn, m.mod, name),
@@ -481,6 +482,11 @@ const Kernel& CudaOps::kernel(const std::string& family, const char* name, const
         if (opt_.smem_carveout >= 0)
           check(drv().cuFuncSetAttribute(kr->fn, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, opt_.smem_carveout),
                 "cuFuncSetAttribute (shared memory carveout)");
+        check(drv().cuFuncGetAttribute(&kr->registers, CU_FUNC_ATTRIBUTE_NUM_REGS, kr->fn), "cuFuncGetAttribute (registers)");
+        check(drv().cuFuncGetAttribute(&kr->local_bytes, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kr->fn),
+              "cuFuncGetAttribute (local memory)");
+        check(drv().cuFuncGetAttribute(&kr->static_smem, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, kr->fn),
+              "cuFuncGetAttribute (static shared memory)");
       });
     k = m.kernels.emplace(name, std::move(kr)).first;
   }
@@ -503,6 +509,28 @@ void CudaOps::set_dynamic_smem(const Kernel& k, int bytes, int static_bytes) {
 }
 
 void CudaOps::note_variant(const std::string& key, const std::string& variant) { variants_[key] = variant; }
+
+std::vector<KernelResources> CudaOps::kernel_resources() {
+  std::vector<KernelResources> out;
+  if (!opt_.dry_arch && fault_.empty()) bind_context();
+  for (const auto& [key, m] : modules_)
+    for (const auto& [name, k] : m->kernels) {
+      KernelResources r;
+      r.kernel = k.get();
+      for (const auto& [threads, smem] : k->configs) {
+        KernelResources::Config c;
+        c.threads = threads;
+        c.dynamic_smem = smem;
+        // After a sticky fault the context is gone: the counts stay unknown rather than failing the report.
+        if (!opt_.dry_arch && fault_.empty() &&
+            drv().cuOccupancyMaxActiveBlocksPerMultiprocessor(&c.blocks_per_sm, k->fn, int(threads), smem) != CUDA_SUCCESS)
+          c.blocks_per_sm = -1;
+        r.configs.push_back(c);
+      }
+      out.push_back(std::move(r));
+    }
+  return out;
+}
 
 // ---- steps ----
 

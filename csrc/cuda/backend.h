@@ -17,6 +17,7 @@
 // Threads: a CudaOps is used by one thread at a time (the engine lock); nothing here is shared between
 // engines except the loaded driver tables (driver.h) and the on-disk kernel cache (written atomically).
 #pragma once
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -43,7 +44,25 @@ struct Dim3 {
 struct Kernel {
   CUfunction fn = nullptr;
   std::string family, name;
+  std::string module;  // the family and its defines (the compile key)
   int max_dynamic_smem = 48 * 1024;  // static + dynamic bytes a launch may use; raised with set_dynamic_smem
+  // What the compiler gave it (cuFuncGetAttribute at load; -1 in a dry run): registers per thread, local memory per
+  // thread (spills and stack), static shared memory.
+  int registers = -1, local_bytes = -1, static_smem = -1;
+  // The (threads per block, dynamic shared memory) of its launches so far (engine.report()["cuda"]["kernels"]); written
+  // under the engine lock by launch().
+  mutable std::vector<std::pair<unsigned, uint32_t>> configs;
+};
+
+// A kernel's resources and, per launch shape, how many of its blocks one multiprocessor holds (report()).
+struct KernelResources {
+  const Kernel* kernel = nullptr;
+  struct Config {
+    unsigned threads = 0;
+    uint32_t dynamic_smem = 0;
+    int blocks_per_sm = -1;  // cuOccupancyMaxActiveBlocksPerMultiprocessor; -1 in a dry run
+  };
+  std::vector<Config> configs;
 };
 
 struct CudaOptions {
@@ -204,6 +223,8 @@ class CudaOps final : public Ops {
     l.block = block;
     l.smem = smem;
     l.kernel = &k;
+    const std::pair<unsigned, uint32_t> cfg{block.x * block.y * block.z, smem};
+    if (std::find(k.configs.begin(), k.configs.end(), cfg) == k.configs.end()) k.configs.push_back(cfg);
     l.args_at = args_base_ = args_.size();
     (pack(args), ...);
     l.args_len = args_.size() - l.args_at;
@@ -255,6 +276,9 @@ class CudaOps final : public Ops {
   int64_t decode_rows() const override;
   const GraphStats& graph_stats() const { return graph_stats_; }
   const std::map<std::string, std::string>& variants() const { return variants_; }
+  // Every kernel loaded so far with its registers, spills and static shared memory, and for each launch shape the
+  // blocks per multiprocessor its resources allow (the residency a PDL pair or a wave count depends on).
+  std::vector<KernelResources> kernel_resources();
   // Bytes by kind: weights (registered mappings), and allocations by label prefix.
   std::map<std::string, size_t> memory_by_kind() const;
   // Compiles every kernel family with the constants `cfg` gives (used by the CI compile check and at load).

@@ -40,6 +40,10 @@ constexpr int CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38;
 constexpr int CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75;
 constexpr int CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76;
 constexpr int CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97;
+constexpr int CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0;
+constexpr int CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1;  // static shared memory
+constexpr int CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3;   // local memory per thread (spills, stack)
+constexpr int CU_FUNC_ATTRIBUTE_NUM_REGS = 4;
 constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
 constexpr int CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9;  // percent of the SM's shared capacity, -1 none
 inline void* const CU_LAUNCH_PARAM_END = reinterpret_cast<void*>(0x00);
@@ -111,6 +115,8 @@ struct Driver {
   X(cuModuleUnload, CUresult, (CUmodule))                                                                 \
   X(cuModuleGetFunction, CUresult, (CUfunction*, CUmodule, const char*))                                  \
   X(cuFuncSetAttribute, CUresult, (CUfunction, int, int))                                                 \
+  X(cuFuncGetAttribute, CUresult, (int*, int, CUfunction))                                                \
+  X(cuOccupancyMaxActiveBlocksPerMultiprocessor, CUresult, (int*, CUfunction, int, size_t))               \
   X(cuLaunchKernel, CUresult,                                                                             \
     (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void**,  \
      void**))                                                                                             \

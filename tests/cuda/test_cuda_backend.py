@@ -255,6 +255,25 @@ def test_decode_graphs_and_one_read_per_token(checkpoints):
         assert st["generate_transfers"]["downloads"] == st["generate_transfers"]["steps"], st
 
 
+def test_report_kernel_resources(checkpoints):
+    """report()["cuda"]["kernels"] on a device: every kernel's registers, local memory and static shared memory from
+    the driver, and for each launch shape the blocks one multiprocessor holds (at least one: it ran); the decode MoE
+    kernels under moe_decode_minb=4 get at most 64 registers and 4 resident blocks of 256 threads."""
+    path = checkpoints["mlx4"]
+    for opts in ({}, {"moe_decode_minb": 4}):
+        with lily.Engine.from_pretrained(path, backend="cuda", backend_options=opts) as gpu:
+            s = gpu.session()
+            s.prefill(_ids(TINY_CONFIG["vocab_size"], 20, 15))
+            list(s.generate(4, lily.SamplingParams(temperature=0), stop_token_ids=[]))
+            kernels = gpu.report()["cuda"]["kernels"]
+        assert {"moe_gate_up_decode", "moe_down_decode", "matmul_gemm"} <= {k["name"] for k in kernels}, kernels
+        for k in kernels:
+            assert k["registers"] > 0 and k["local_bytes"] >= 0 and k["static_smem"] >= 0, k
+            assert k["launches"] and all(ln["blocks_per_sm"] >= 1 for ln in k["launches"]), k
+            if opts and k["name"] in ("moe_gate_up_decode", "moe_down_decode"):
+                assert k["registers"] <= 64 and all(ln["blocks_per_sm"] >= 4 for ln in k["launches"]), k
+
+
 def test_encode_memo_survives_reused_buffer_ids(checkpoints):
     """The decode encode memo keys ops by buffer ids; closing a session frees ids that the next session's
     tensors reuse at other addresses. The memo is dropped at every allocation and release, so sessions made
