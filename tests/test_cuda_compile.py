@@ -452,6 +452,32 @@ def test_gemm_frag_compiles_and_reports(cache, frag):
         assert ("not active: prefill GEMM fragment widening (gemm_frag=False" in opt) != bool(frag), opt
 
 
+@pytest.mark.parametrize("wf16", [None, True])
+def test_gemm_w_f16_compiles_and_reports(cache, wf16):
+    """gemm_w_f16 (off by default until measured on a GPU): the real model's affine prefill GEMMs at every tile height
+    compile with the weights dequantized to f16 in the shared tile when x is one f16 term; with x as bf16 hi + lo, and
+    for dense weights, the codes path stays and the variant says why; report() lists the option either way."""
+    for form in ("f16", "bf16x2"):
+        b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, "prefill_x": form,
+                                  **({} if wf16 is None else {"gemm_w_f16": wf16})})
+        for T, n, k, fmt in ((64, 512, 2048, "q4"), (256, 2048, 4096, "q4"), (512, 8192, 2048, "q4"),
+                             (512, 256, 2048, "q8"), (64, 2048, 4096, "bf16")):
+            b.run("matmul", "prefill", x=b.empty(T, k, poison=False), w=b.weight(_zeros_weight(n, k, fmt)),
+                  out=b.empty(T, n, poison=False))
+            text = next(v for key, v in b.report()["variants"].items()
+                        if key.startswith("matmul.prefill") and f"[{n}, {k}]" in key)
+            name = text.split(":")[0]
+            if wf16 and fmt != "bf16" and form == "f16":
+                assert "weights dequantized to f16 (s·q + b) in the shared tile" in text and "_wf16" in name, text
+            else:
+                assert "dequantized to f16" not in text and "_wf16" not in name, text
+                if wf16 and fmt != "bf16":
+                    assert "(no f16 weight tile: x is not one f16 term)" in text, text
+        opt = " ".join(b.report()["optimizations"])
+        assert ("the weights dequantized to f16 (s·q + b) in the shared tile" in opt) == bool(wf16), opt
+        assert ("not active: f16 weight tiles in the prefill GEMMs (gemm_w_f16=False)" in opt) != bool(wf16), opt
+
+
 @pytest.mark.parametrize("pipe", [None, 0, 2, 4])
 def test_moe_pipe_option_compiles_and_reports(cache, pipe):
     """moe_pipe: the MoE prefill GEMMs of the real shapes with 64-row tiles (T = 1024) stage their K blocks through

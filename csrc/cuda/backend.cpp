@@ -987,6 +987,10 @@ std::vector<std::string> CudaOps::optimizations() const {
                              : "not active: prefill GEMM fragment widening (gemm_frag=False: the same bits, measured 2% "
                                "slower at 4K and 16K on the H200): the 4-bit codes are converted into a shared weight "
                                "tile");
+  o.push_back(opt_.gemm_w_f16 ? "prefill GEMMs of affine codes with f16 x: the weights dequantized to f16 (s·q + b) in the "
+                                "shared tile, each group part folded by the x scale alone (gemm_w_f16)"
+                              : "not active: f16 weight tiles in the prefill GEMMs (gemm_w_f16=False): the integer codes "
+                                "enter the MMAs exactly, folded per group part with the scale and b·Σx");
   o.push_back(opt_.attn_prefill_split
                   ? "split-KV prefill attention for few rows: up to 64 query rows whose grid leaves SMs idle read the "
                     "keys in ranges over more blocks, merged by attn_prefill_reduce (attention.prefill_split says when)"

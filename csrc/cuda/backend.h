@@ -158,6 +158,10 @@ struct CudaOptions {
   // by shared-memory traffic, ncu). The same bits by construction. Off until a GPU has run its tests and an A/B
   // (built and compile-checked without one): benchmarks/NOTES.md.
   bool gemm_frag = false;
+  // Prefill GEMMs of affine codes with x as f16 (prefill_x "f16"): the W tile holds f16(s·q + b) instead of the codes,
+  // so no per-group fold of the scale and no b·Σx term (kernels/matmul.cu WF16). Not the codes path's bits: the
+  // weights are rounded to f16 (≤ 2^-11 relative). Off until a GPU has run its tests and an A/B: benchmarks/NOTES.md.
+  bool gemm_w_f16 = false;
   // Programmatic dependent launch (sm_90+): which launches get it. Decode (the default): the decode steps' (their
   // grids fit in one wave, so the next kernel's blocks take SM room its predecessor no longer needs; the decode
   // GEMVs, the MoE down pass, the conv and the recurrence load weights and carried state before they wait):

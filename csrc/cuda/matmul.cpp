@@ -221,6 +221,14 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
   // 4-bit codes: each warp widens its columns' codes into B fragments (matmul.cu GFRAG), unless gemm_frag=False.
   const bool gfrag = v.gemm && codes && w.bits == 4 && ops.options().gemm_frag;
   if (gfrag) v.defines.push_back({"GFRAG", 1});
+  // f16 weights in the W tile (matmul.cu WF16): x as f16, the converted tile, one group per 16-byte chunk of codes.
+  const char* no_wf16 = !ops.options().gemm_w_f16          ? "gemm_w_f16=False"
+                        : !xf16                           ? "x is not one f16 term"  // (decode, dense weights too)
+                        : gfrag                           ? "gemm_frag widens the codes per warp"
+                        : w.group % (128 / w.bits) != 0   ? "a 16-byte chunk of codes spans two groups"
+                                                          : nullptr;
+  const bool wf16 = no_wf16 == nullptr;  // xf16: a prefill GEMM of affine codes (bits 2, 4 or 8)
+  if (wf16) v.defines.push_back({"WF16", 1});
 
   const std::string kind = w.quantized() ? "q" + std::to_string(w.bits) : dtype_name(w.dtype);
   std::string fmt = w.quantized() ? "g" + std::to_string(w.group) + "_" + dtype_name(w.scale_dtype) + "s" : "";
@@ -261,15 +269,19 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
   } else {
     const std::string mode = codes ? "codes" : (!w.quantized() && w.dtype == DType::BF16) ? "bf16" : "split";
     v.name = "gemm_" + kind + "_mma_" + mode + (fmt.empty() ? "" : "_" + fmt) +
-             (xf16 ? "_xf16" : "_x" + std::to_string(xs)) + (gfrag ? "_frag" : "") + ld_suffix + sc_suffix;
+             (xf16 ? "_xf16" : "_x" + std::to_string(xs)) + (gfrag ? "_frag" : "") + (wf16 ? "_wf16" : "") + ld_suffix +
+             sc_suffix;
     const bool f16_refused = xform == CudaOptions::XForm::F16 && !codes;
     v.reason = std::string("mma.sync m16n8k16 ") + (xf16 ? "f16" : "bf16") +
                ", tile 64x128x64, next K block prefetched into registers during the MMAs, 2 blocks per SM, " +
-               (codes ? "integer codes with fp32 per-group scale/bias" +
+               (wf16  ? std::string("weights dequantized to f16 (s·q + b) in the shared tile, each group part folded by "
+                                    "the x scale alone (gemm_w_f16)")
+                : codes ? "integer codes with fp32 per-group scale/bias" +
                             std::string(gfrag ? ", each warp widening its columns' 4-bit codes into B fragments (gemm_frag)"
                                         : w.bits == 4 ? ", a converted W tile in shared memory (gemm_frag=False)"
                                                       : ", a converted W tile in shared memory (8/2-bit codes)")
                       : mode == "bf16" ? "bf16 weights as stored" : "weights as bf16 hi+lo") +
+               (codes && !wf16 && ops.options().gemm_w_f16 ? std::string(" (no f16 weight tile: ") + no_wf16 + ")" : "") +
                ", x as " +
                (xf16 ? "one f16 term scaled by 2^e per row and group part (prefill_x = f16)"
                      : xs == 2 ? std::string("bf16 hi+lo") +

@@ -642,3 +642,51 @@ def test_gemm_frag_same_bits(form, spec, n, k):
     assert notes and all("B fragments (gemm_frag)" in v and "_frag" in v.split(":")[0] for v in notes.values()), notes
     notes = {key: v for key, v in _variants(tile.report()).items() if key.startswith("matmul.prefill")}
     assert notes and all("converted W tile in shared memory (gemm_frag=False)" in v for v in notes.values()), notes
+
+
+# ------------------------------------------------------------------------------------------------
+# gemm_w_f16: the weights dequantized to f16 in the shared tile (x as one f16 term), against the CPU
+# ------------------------------------------------------------------------------------------------
+
+def w_f16_bound(x: np.ndarray, desc: dict, w64: np.ndarray) -> np.ndarray:
+    """Per-output bound with both operands rounded once to f16 (ONE_TERM_ULP's u): x (after its power-of-two scale)
+    multiplies the whole weight, and the weight f16(s·q + b) is off by u·|w| plus, for f32 scales and biases, their own
+    rounding to f16 (u·(|s·q| + |b|)), plus 2^-25·(q + 1) where s or b is an f16 subnormal; 2e-5·Σ|x·w| for the fp32
+    accumulation as in one_term_bound."""
+    ax = np.abs(x.astype(np.float64))
+    b = np.repeat(_scalars64(desc["biases"], desc["scale_dtype"]), desc["group"], axis=1)
+    wabs = np.abs(w64)
+    rounded = 2 * wabs + np.abs(w64 - b) + np.abs(b)
+    u = ONE_TERM_ULP["f16"]
+    return u * 1.01 * (ax @ rounded.T) + 2.0 ** -21 * ax.sum(axis=1, keepdims=True) + 2e-5 * (ax @ wabs.T)
+
+
+@pytest.mark.parametrize("spec,n,k", [("q4g64-bf16", 8192, 2048), ("q4g64-bf16", 2048, 4096), ("q8g64-f16", 100, 192),
+                                      ("q4g32-f32", 300, 1088), ("q4g128-f16", 64, 640), ("q8g128-bf16", 130, 256)])
+def test_gemm_w_f16(benches, one_term, spec, n, k):
+    """gemm_w_f16 (off by default until this test and an A/B have run on a GPU): within the two-rounding bound of every
+    output on rows past f16's range and of subnormal size, not the codes path's bits (the option took effect),
+    deterministic, rows independent of T and of the tile height, decode untouched; the report names the path."""
+    cpu, _ = benches
+    wf = core.OpBench("cuda", {"prefill_x": "f16", "gemm_w_f16": True})
+    rng = np.random.default_rng(zlib.crc32(f"wf16 {spec} {n} {k}".encode()))
+    desc, w64 = make_weight(rng, spec, n, k)
+    x = _wide_range_x(rng, 130, k)
+    ref = _run(cpu, desc, x, "prefill").astype(np.float64)
+    got = _run(wf, desc, x, "prefill")
+    assert np.isfinite(got).all()
+    worst = float((np.abs(got.astype(np.float64) - ref) / w_f16_bound(x, desc, w64)).max())
+    assert worst <= 1.0, f"{spec} [{n}, {k}]: error {worst:.3g} of the f16-weight bound"
+    codes = _run(one_term["f16"], desc, x, "prefill")
+    assert not np.array_equal(got.view(np.uint32), codes.view(np.uint32)), "gemm_w_f16 did not change the GEMM"
+    assert np.array_equal(got.view(np.uint32), _run(wf, desc, x, "prefill").view(np.uint32)), "not deterministic"
+    chunks = np.concatenate([_run(wf, desc, x[i:i + 7], "prefill") for i in range(0, 130, 7)])
+    assert np.array_equal(got.view(np.uint32), chunks.view(np.uint32)), "chunks of 7 vs one batch"
+    big = core.OpBench("cuda", {"prefill_x": "f16", "gemm_w_f16": True, "gemm_small_tiles": False})
+    for t in (3, 20):
+        np.testing.assert_array_equal(_run(big, desc, x[:t], "prefill").view(np.uint32),
+                                      _run(wf, desc, x[:t], "prefill").view(np.uint32), err_msg=f"tile heights T={t}")
+    d1, d2 = _run(wf, desc, x[:3], "decode"), _run(one_term["f16"], desc, x[:3], "decode")
+    assert np.array_equal(d1.view(np.uint32), d2.view(np.uint32)), "decode changed with gemm_w_f16"
+    notes = [v for key, v in _variants(wf.report()).items() if key.startswith("matmul.prefill.")]
+    assert notes and all("_wf16" in v.split(":")[0] for v in notes), notes

@@ -20,6 +20,9 @@
 //          f16_part_scale; error ~2.4e-4), the codes as fp16, f16 MMAs
 //   GFRAG  GEMM only, 4-bit codes in WM 0: the W tile stays raw codes in shared memory and each warp widens its own
 //          columns' codes into B fragments (no f16/bf16 W tile, no ldmatrix for B): the same operands, the same bits
+//   WF16   GEMM only, with XF (the host's gemm_w_f16): the W tile holds the weights themselves, f16(s·q + b) by one
+//          f16x2 FMA per pair (s, b as f16), so each part's fold is acc += 2^-e·D: no group scale, no b·Σx term, no
+//          Σx. Another rounding (the weight's, ≤ 2^-11 relative, besides x's), so not the codes path's bits
 //   NORM   GEMV only: 0 plain; 1 / 2: the RMSNorm (after a residual add) in front, done by every block (below)
 // One module per (K, format, alignment) serves both phases: ~6 modules for the real model.
 //
@@ -103,6 +106,9 @@
 #endif
 #ifndef GBM
 #define GBM 64  // GEMM only: tile rows, 64, or 32 / 16 for small grids (matmul.cpp)
+#endif
+#ifndef WF16
+#define WF16 0  // GEMM only, with XF: the W tile as f16 weights (s·q + b), folded by the x scale alone (below)
 #endif
 
 #define NT 256
@@ -776,6 +782,8 @@ constexpr int KB = (K + BK - 1) / BK;
 #define GEMM_SMEM (SM_XR + BM * 4 * 4)
 static_assert(GEMM_SMEM == (BM == 64 ? 61440 : BM == 32 ? 51200 : 46080), "matmul.cpp gemm_smem");
 static_assert(XF == 0 || (XS == 1 && WM == 0), "XF: one f16 x term, affine codes folded per group part");
+static_assert(WF16 == 0 || (XF == 1 && GFRAG == 0 && GROUP % EPC == 0),
+              "WF16: f16 x, a converted W tile, one group per 16-byte chunk of codes");
 
 // The GEMM's own shared-address form (common.cuh's smem_addr is the intrinsic; this asm form is what the GEMM was
 // measured with: the intrinsic lets ptxas fold the address arithmetic differently).
@@ -847,6 +855,7 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
   float xv[16];
   u32 wv[GEMM_WPRE ? GEMM_WCH : 1][4];
   float sv[GEMM_SCH], bv[GEMM_SCH];
+  float swv[WF16 ? GEMM_WCH : 1], bwv[WF16 ? GEMM_WCH : 1];  // WF16: each W chunk's group scale and bias
 
   auto load_w_chunk = [&](i64 kbase, int qi, u32 w[4]) {
     const int nl = qi / CPR, cc = qi % CPR;
@@ -873,7 +882,19 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
 #pragma unroll
       for (int j = 0; j < GEMM_WCH; ++j) load_w_chunk(kbase, tid + j * NT, wv[GEMM_WPRE ? j : 0]);
     }
-    if (WM == 0) {
+    if (WF16) {  // the chunk's group (GROUP % EPC == 0: one group per chunk)
+#pragma unroll
+      for (int j = 0; j < (WF16 ? GEMM_WCH : 0); ++j) {
+        const int qi = tid + j * NT, nl = qi / CPR, cc = qi % CPR;
+        const i64 n = n0 + nl, k = kbase + i64(cc) * EPC;
+        swv[j] = bwv[j] = 0.f;
+        if (qi < BN * CPR && n < N && k < K) {
+          const i64 gi = n * NG + k / (GROUP ? GROUP : 1);
+          swv[j] = mm_scalar<DT, SAL>(S, gi);
+          bwv[j] = mm_scalar<DT, SAL>(B, gi);
+        }
+      }
+    } else if (WM == 0) {
 #pragma unroll
       for (int j = 0; j < GEMM_SCH; ++j) {
         const int i = tid + j * NT;
@@ -912,7 +933,7 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
         dl[0] = make_uint4(pl[0], pl[1], pl[2], pl[3]);
         dl[1] = make_uint4(pl[4], pl[5], pl[6], pl[7]);
       }
-      if (WM == 0) {  // Σx over each group part (GP / 16 neighbouring lanes share one)
+      if (WM == 0 && !WF16) {  // Σx over each group part (GP / 16 neighbouring lanes share one)
         float ps = 0.f;
 #pragma unroll
         for (int i = 0; i < 16; ++i) ps += xv[i];
@@ -941,6 +962,24 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
       }
       u32* dh = reinterpret_cast<u32*>(wh + nl * LDS + cc * EPC);
       u32* dl = reinterpret_cast<u32*>(wl + nl * LDS + cc * EPC);
+      if (WF16) {  // f16(s·q + b) per pair: the exact code pairs, then one f16x2 FMA with the chunk's group scale and bias
+        const u32 s2 = f16x2_rn(swv[WF16 ? j : 0], swv[WF16 ? j : 0]), b2 = f16x2_rn(bwv[WF16 ? j : 0], bwv[WF16 ? j : 0]);
+        u32 q[EPC / 2];
+        if (BITS == 4) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) q4_word_pairs<true>(w[i], q + 4 * i);
+        } else {
+#pragma unroll
+          for (int p = 0; p < EPC / 2; ++p) {
+            constexpr int PW = 32 / (BITS ? BITS : 4);
+            q[p] = half2_rn<true>(q_code<BITS ? BITS : 4>(w[(2 * p) / PW], (2 * p) % PW),
+                                  q_code<BITS ? BITS : 4>(w[(2 * p + 1) / PW], (2 * p + 1) % PW));  // exact
+          }
+        }
+#pragma unroll
+        for (int p = 0; p < EPC / 2; ++p) asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(dh[p]) : "r"(q[p]), "r"(s2), "r"(b2));
+        continue;
+      }
       if (WM == 1) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) dh[i] = w[i];
@@ -984,8 +1023,8 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
         }
       }
     }
-    // ---- scales and biases of the group parts of this K block (WM 0)
-    if (WM == 0) {
+    // ---- scales and biases of the group parts of this K block (WM 0; WF16 applied them in the tile)
+    if (WM == 0 && !WF16) {
 #pragma unroll
       for (int j = 0; j < GEMM_SCH; ++j) {
         const int i = tid + j * NT;
@@ -1063,11 +1102,11 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
                 const int nl = wn * G_WTN + ni * 8 + 2 * (lane & 3) + (e & 1);
                 const int tl = wm * G_WTM + mi * 16 + (lane >> 2) + (e >> 1) * 8;
                 if (group_end) {
-                  const float s = XF ? ss[nl * 4 + p] * sxr[tl * 4 + p] : ss[nl * 4 + p];
+                  const float s = WF16 ? sxr[tl * 4 + p] : XF ? ss[nl * 4 + p] * sxr[tl * 4 + p] : ss[nl * 4 + p];
                   acc[mi][ni][e] = fmaf(s, accg[mi][ni][e], acc[mi][ni][e]);
                   accg[mi][ni][e] = 0.f;
                 }
-                if (part_end) acc[mi][ni][e] = fmaf(bs[nl * 4 + p], sxs[tl * 4 + p], acc[mi][ni][e]);
+                if (part_end && !WF16) acc[mi][ni][e] = fmaf(bs[nl * 4 + p], sxs[tl * 4 + p], acc[mi][ni][e]);
               }
         }
       }
