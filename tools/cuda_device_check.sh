@@ -7,6 +7,8 @@
 # tests: tests/cuda, or the files in TEST_PATHS.
 # ab: decode tokens/s of each backend-options JSON in AB_OPTIONS (';'-separated; the first is the baseline) at
 # AB_CONTEXTS (default 4K), AB_ROUNDS interleaved rounds (default 5): benchmarks/ab_decode.py.
+# quickbench: prefill at 512 and 4K, decode at 256 and 4K, for each backend-options JSON in QB_OPTIONS (';'-separated,
+# default {}), in turn, QB_ROUNDS times (default 1).
 # ncu: Nsight Compute's detailed sections (stall reasons, memory, occupancy, source hot spots) for the decode
 # kernels matching NCU_KERNELS (a regex; default the two decode MoE kernels) in the full-size model's decode steps.
 #
@@ -59,10 +61,16 @@ if has sanitize; then
     echo "compute-sanitizer $tool: exit $?"; tail -5 "$OUT/sanitize-$tool.log"
   done
 fi
-if has quickbench; then
+if has quickbench; then  # QB_OPTIONS: backend-options JSONs (';'-separated), run in turn QB_ROUNDS times (an A/B)
   wait
-  python3 benchmarks/bench_cuda.py --cache /tmp/lily-full-q4 --prefill 512,4K --decode 256,4K --repeats 3 \
-    --decode-tokens 48 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  IFS=';' read -ra qb_options <<< "${QB_OPTIONS:-"{}"}"
+  for round in $(seq "${QB_ROUNDS:-1}"); do
+    for i in "${!qb_options[@]}"; do
+      echo "== quickbench round $round, backend options ${qb_options[$i]}" | tee -a "$OUT/bench.log"
+      python3 benchmarks/bench_cuda.py --cache /tmp/lily-full-q4 --prefill 512,4K --decode 256,4K --repeats 3 \
+        --decode-tokens 48 --backend-options "${qb_options[$i]}" --json "$OUT/bench-$i-$round.json" 2>&1 | tee -a "$OUT/bench.log"
+    done
+  done
 fi
 if has prefix; then  # issue 13 item 7: warm vs new-only time to first token on lily-tiny, 8K shared prefix
   python3 benchmarks/bench_prefix_cache.py --backend cuda --prefix-tokens 8192 --turns 10 --repeats 3 \
