@@ -478,6 +478,28 @@ def test_gemm_w_f16_compiles_and_reports(cache, wf16):
         assert ("not active: f16 weight tiles in the prefill GEMMs (gemm_w_f16=False)" in opt) != bool(wf16), opt
 
 
+@pytest.mark.parametrize("opts,applied", [({}, False), ({"moe_w_f16": True}, True),
+                                          ({"moe_w_f16": True, "prefill_x": "bf16x2"}, False),
+                                          ({"moe_w_f16": True, "moe_frag": 0}, False)])
+def test_moe_w_f16_compiles_and_reports(cache, opts, applied):
+    """moe_w_f16 (off by default until measured on a GPU): the real model's MoE prefill fragment tiles of 16 and 32 rows
+    compile with the experts' weights dequantized to f16 in registers when x is one f16 term; without the fragment
+    tiles or with x as bf16 hi + lo the codes path stays and the variant says why; report() lists the option."""
+    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
+    c, (H, E, K, I), (g, u, d) = _full_q4_experts(b)
+    for T in (64, 1024):
+        b.run("moe_experts", "prefill", x=b.empty(T, H, poison=False), ids=b.empty(T, K, "i32", poison=False),
+              weights=b.empty(T, K, poison=False), gate=g, up=u, down=d, ws=b.workspace(c, T, 4096),
+              out=b.empty(T, H, poison=False))
+        text = b.report()["variants"]["moe.experts.prefill"]
+        assert ("the experts' weights dequantized to f16 (s·q + b) in registers" in text) == applied, text
+        assert ("moe_w_f16 not applied: it needs the fragment tiles and x as one f16 term" in text) == \
+            (bool(opts.get("moe_w_f16")) and not applied), text
+    opt = " ".join(b.report()["optimizations"])
+    assert ("the experts' weights dequantized to f16 (s·q + b) in registers, each group part" in opt) == \
+        bool(opts.get("moe_w_f16")), opt
+
+
 @pytest.mark.parametrize("pipe", [None, 0, 2, 4])
 def test_moe_pipe_option_compiles_and_reports(cache, pipe):
     """moe_pipe: the MoE prefill GEMMs of the real shapes with 64-row tiles (T = 1024) stage their K blocks through

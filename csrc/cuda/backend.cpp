@@ -991,6 +991,10 @@ std::vector<std::string> CudaOps::optimizations() const {
                                 "shared tile, each group part folded by the x scale alone (gemm_w_f16)"
                               : "not active: f16 weight tiles in the prefill GEMMs (gemm_w_f16=False): the integer codes "
                                 "enter the MMAs exactly, folded per group part with the scale and b·Σx");
+  o.push_back(opt_.moe_w_f16 ? "MoE prefill fragment tiles with f16 x: the experts' weights dequantized to f16 (s·q + b) in "
+                               "registers, each group part folded by the x scale alone (moe_w_f16)"
+                             : "not active: f16 expert weights in the MoE prefill GEMMs (moe_w_f16=False): the integer "
+                               "codes enter the MMAs exactly");
   o.push_back(opt_.attn_prefill_split
                   ? "split-KV prefill attention for few rows: up to 64 query rows whose grid leaves SMs idle read the "
                     "keys in ranges over more blocks, merged by attn_prefill_reduce (attention.prefill_split says when)"

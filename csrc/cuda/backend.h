@@ -162,6 +162,9 @@ struct CudaOptions {
   // so no per-group fold of the scale and no b·Σx term (kernels/matmul.cu WF16). Not the codes path's bits: the
   // weights are rounded to f16 (≤ 2^-11 relative). Off until a GPU has run its tests and an A/B: benchmarks/NOTES.md.
   bool gemm_w_f16 = false;
+  // The same for the MoE prefill GEMMs' fragment tiles (4-bit experts, x as f16): each lane turns its widened code
+  // pairs into f16 weights (kernels/moe.cu MWF16). Off until measured.
+  bool moe_w_f16 = false;
   // Programmatic dependent launch (sm_90+): which launches get it. Decode (the default): the decode steps' (their
   // grids fit in one wave, so the next kernel's blocks take SM room its predecessor no longer needs; the decode
   // GEMVs, the MoE down pass, the conv and the recurrence load weights and carried state before they wait):

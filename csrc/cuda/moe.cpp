@@ -312,6 +312,24 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
 
 bool aligned16(uint64_t v) { return v % 16 == 0; }
 
+// The prefill fragment tiles with the weights dequantized to f16 in registers (the option moe_w_f16; kernels/moe.cu
+// MWF16): only where the fragment tiles run with x as one f16 term.
+void f16_expert_weights(ExpertsVariant& v, bool on) {
+  if (!on) return;
+  auto define = [&](const char* name) {
+    for (const auto& [k, val] : v.defines)
+      if (k == name) return val;
+    return int64_t(0);
+  };
+  if (define("FRAG") > 0 && define("XF") == 1) {
+    v.defines.push_back({"MWF16", 1});
+    v.text += "; the experts' weights dequantized to f16 (s·q + b) in registers, each group part folded by the x "
+              "scale alone (moe_w_f16)";
+  } else {
+    v.text += "; moe_w_f16 not applied: it needs the fragment tiles and x as one f16 term";
+  }
+}
+
 // The decode kernels' register cap for `minb` blocks per SM (the option moe_decode_minb; kernels/moe.cu DEC_MINB).
 void cap_decode_registers(ExpertsVariant& v, int minb) {
   v.defines.push_back({"DEC_MINB", minb});
@@ -423,6 +441,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
            uint32_t(smem2), a);
     return;
   }
+  f16_expert_weights(v, options().moe_w_f16);
   note_variant("moe.experts.prefill", v.text);
   a.max_tiles = int32_t(max_tiles(T, k, E, v.bm));
   const Kernel& kg = kernel("moe", "moe_group", v.defines);

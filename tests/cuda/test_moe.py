@@ -337,6 +337,36 @@ def test_experts_prefill_frag32_same_bits(spec, E, k, H, I, form):
         core.OpBench("cuda", {"moe_frag32_rows": 0})
 
 
+W_F16_TOL = 8 * 2.0 ** -12  # x, act and the three weights each rounded once to f16
+
+
+@pytest.mark.parametrize("spec,E,k,H,I", [c for c in EXPERT_CASES if c[0] in ("q4g64-bf16", "q4g32-f32")])
+def test_experts_prefill_w_f16(one_term_benches, spec, E, k, H, I):
+    """moe_w_f16 (off by default until this test and an A/B have run on a GPU): the fragment tiles with the experts'
+    weights dequantized to f16 in registers stay within the tolerance of their roundings (x, act and the weights each
+    rounded once) on tokens past f16's range and of subnormal size, are not the codes path's bits (the option took
+    effect), are deterministic, and give a token the same bits whatever the call (T = 7 = the first 7 rows of T = 80)."""
+    pair = (one_term_benches["f16"][0], core.OpBench("cuda", {"prefill_x": "f16", "moe_w_f16": True}))
+    handles = weights_for(pair, spec, E, k, H, I)
+    x, ids, w = token_inputs(37, E, k, H, 80)
+    x[0] *= 3e5
+    x[1] *= 1e-9
+    cpu, gpu = run_experts(pair, handles, "prefill", x, ids, w, E, k, H, I)
+    text = str_variants_experts(pair[1].report())
+    assert "the experts' weights dequantized to f16 (s·q + b) in registers" in text, text
+    err = rel_err(gpu, cpu)
+    assert err < W_F16_TOL, f"moe_w_f16 {spec} E={E}: relative error {err:.3g}"
+    for t in (0, 1):
+        assert rel_err(gpu[t], cpu[t]) < W_F16_TOL, (t, rel_err(gpu[t], cpu[t]))
+    codes_pair = one_term_benches["f16"]
+    _, codes = run_experts(codes_pair, weights_for(codes_pair, spec, E, k, H, I), "prefill", x, ids, w, E, k, H, I)
+    assert not np.array_equal(gpu.view(np.uint32), codes.view(np.uint32)), "moe_w_f16 did not change the GEMMs"
+    _, again = run_experts(pair, handles, "prefill", x, ids, w, E, k, H, I)
+    np.testing.assert_array_equal(again.view(np.uint32), gpu.view(np.uint32))
+    _, part = run_experts(pair, handles, "prefill", x[:7], ids[:7], w[:7], E, k, H, I)
+    np.testing.assert_array_equal(part.view(np.uint32), gpu[:7].view(np.uint32))
+
+
 def str_variants_experts(report) -> str:
     if isinstance(report, dict):
         if "moe.experts.prefill" in report:

@@ -1228,6 +1228,15 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #error "FRAG: at least 3 ring stages, and not with PIPE"
 #endif
 #define FMT (BM / 16)  // m16 tiles per warp
+// MWF16 (the host's moe_w_f16, with XF): each lane turns its widened code pairs into f16 weights, s·q + b by one f16x2
+// FMA with its column's group scale and bias, so a part's fold is acc += 2^-e·D: no scale per output, no b·Σx, no Σx.
+// The weights are rounded to f16 (≤ 2^-11 relative): not the codes path's bits.
+#ifndef MWF16
+#define MWF16 0
+#endif
+#if MWF16 && !XF
+#error "MWF16 needs x as one f16 term (XF)"
+#endif
 
 // One block: BM sorted rows of one expert × FBN columns of each of NMAT matrices (NMAT · FBN = 256 / FMT weight
 // rows); warp w owns columns [w·WC, (w+1)·WC) of every matrix, NTM n8 tiles each, for all FMT m16 tiles.
@@ -1323,10 +1332,10 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
       if (XS == 2) *reinterpret_cast<uint2*>(&Al[b][row * PITCH + col]) = make_uint2(l0, l1);
       float ps = (v.x + v.y) + (v.z + v.w);
 #pragma unroll
-      for (int o = LP / 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+      for (int o = LP / 2; o > 0; o >>= 1) ps += MWF16 ? 0.f : __shfl_xor_sync(0xffffffffu, ps, o);  // MWF16: no Σx
       const int q = c % (BK / 4);
       if (q % LP == 0) {
-        sxs[b][row * NP + q / LP] = ps;
+        if (!MWF16) sxs[b][row * NP + q / LP] = ps;
         if (XF) sxr[b][row * NP + q / LP] = inv;
       }
     }
@@ -1342,6 +1351,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
   // n8 tile j of this warp: matrix j / NTM, columns w·WC + 8·(j % NTM) .. + 7 of it; its stage row for lane group g.
   auto tile_row = [&](int j) { return (j / NTM) * FBN + warp * WC + 8 * (j % NTM); };
   const u32 sel = u32(t4) | u32(4 + t4) << 8;
+  u32 ws2[NTW], wb2[NTW];  // MWF16: this lane's column's group scale and bias of the current part, as f16 pairs
   // The A fragment of a k16 step by ldmatrix (common.cuh): matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
   // (8-15, 8-15), so lane l gives row (l & 15) at k offset 8·(l >> 4) of the step; m16 tile mt 16 rows further.
   const u32 a_lane = u32(((lane & 15) * PITCH + 8 * (lane >> 4)) * 2);
@@ -1380,11 +1390,29 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
         ldsm_x4(ah[mt], ah0 + b * AH_BYTES + mt * M16_BYTES + kk * 32);
         if (XS == 2) ldsm_x4(al[mt], al0 + b * AL_BYTES + mt * M16_BYTES + kk * 32);
       }
+      if (MWF16 && (kk * 16) % GP == 0) {  // a part starts: this lane's column's group scale and bias, as f16 pairs
+        const u32* sw = reinterpret_cast<const u32*>(st + ST_X + ST_C);
+        const u32* bw = reinterpret_cast<const u32*>(st + ST_X + ST_C + ST_S);
+        const int p = (kk * 16) / GP, k0 = kt * BK + p * GP;
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+          const int col = tile_row(j) + g;
+          const i64 gi = i64(n0 + col % FBN) * (KDIM / GROUP) + k0 / GROUP;
+          const float sg = word_scalar<SDT>(sw[col * NP + p], gi), bg = word_scalar<SDT>(bw[col * NP + p], gi);
+          ws2[j] = f16x2_rn(sg, sg);
+          wb2[j] = f16x2_rn(bg, bg);
+        }
+      }
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
         const uint4 c = cw[j][kk >> 1];
         const u32 w0 = (kk & 1) ? c.z : c.x, w1 = (kk & 1) ? c.w : c.y;
-        const u32 bq[2] = {q4_byte_pair<XF != 0>(w0, sel), q4_byte_pair<XF != 0>(w1, sel)};
+        u32 bq[2] = {q4_byte_pair<XF != 0>(w0, sel), q4_byte_pair<XF != 0>(w1, sel)};
+        if (MWF16) {  // f16(s·q + b): lane g's pairs all belong to column tile_row(j) + g
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(bq[h]) : "r"(bq[h]), "r"(ws2[j]), "r"(wb2[j]));
+        }
 #pragma unroll
         for (int mt = 0; mt < FMT; ++mt) {
           if (mt == 1 && !second) break;
@@ -1405,17 +1433,18 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
           for (int q = 0; q < 4; ++q) {
             const int col = tile_row(j) + 2 * t4 + (q & 1);
             const i64 gi = i64(n0 + col % FBN) * (KDIM / GROUP) + k0 / GROUP;  // the word's half (2-byte scales)
-            const float sg = group_end ? word_scalar<SDT>(sw[col * NP + p], gi) : 0.f;
-            const float bg = part_end ? word_scalar<SDT>(bw[col * NP + p], gi) : 0.f;
+            const float sg = group_end && !MWF16 ? word_scalar<SDT>(sw[col * NP + p], gi) : 0.f;
+            const float bg = part_end && !MWF16 ? word_scalar<SDT>(bw[col * NP + p], gi) : 0.f;
 #pragma unroll
             for (int mt = 0; mt < FMT; ++mt) {
               if (mt == 1 && !second) break;
               const int row = mt * 16 + g + 8 * (q >> 1);
               if (group_end) {
-                acc[mt][j][q] = fmaf(XF ? sg * sxr[b][row * NP + p] : sg, accg[mt][j][q], acc[mt][j][q]);
+                const float f = MWF16 ? sxr[b][row * NP + p] : XF ? sg * sxr[b][row * NP + p] : sg;
+                acc[mt][j][q] = fmaf(f, accg[mt][j][q], acc[mt][j][q]);
                 accg[mt][j][q] = 0.f;
               }
-              if (part_end) acc[mt][j][q] = fmaf(bg, sxs[b][row * NP + p], acc[mt][j][q]);
+              if (part_end && !MWF16) acc[mt][j][q] = fmaf(bg, sxs[b][row * NP + p], acc[mt][j][q]);
             }
           }
       }
