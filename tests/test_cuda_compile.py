@@ -426,6 +426,18 @@ def test_gemm_small_tiles_compile_and_report(cache, small):
             assert f"64-row tiles ({blocks} blocks, over half the SMs)" in text, text
 
 
+def _prefill_gemm_variants(b):
+    """The real model's prefill GEMMs at each tile height (q4 at T 64 / 256 / 512, q8, dense bf16) run on bench b:
+    (format, variant name, variant text) of each."""
+    for T, n, k, fmt in ((64, 512, 2048, "q4"), (256, 2048, 4096, "q4"), (512, 8192, 2048, "q4"),
+                         (512, 256, 2048, "q8"), (64, 2048, 4096, "bf16")):
+        b.run("matmul", "prefill", x=b.empty(T, k, poison=False), w=b.weight(_zeros_weight(n, k, fmt)),
+              out=b.empty(T, n, poison=False))
+        text = next(v for key, v in b.report()["variants"].items()
+                    if key.startswith("matmul.prefill") and f"[{n}, {k}]" in key)
+        yield fmt, text.split(":")[0], text
+
+
 @pytest.mark.parametrize("frag", [None, True])
 def test_gemm_frag_compiles_and_reports(cache, frag):
     """gemm_frag (off by default until measured on a GPU): the real model's 4-bit prefill GEMMs at every tile height
@@ -434,13 +446,7 @@ def test_gemm_frag_compiles_and_reports(cache, frag):
     for form in ("f16", "bf16x2"):
         b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, "prefill_x": form,
                                   **({} if frag is None else {"gemm_frag": frag})})
-        for T, n, k, fmt in ((64, 512, 2048, "q4"), (256, 2048, 4096, "q4"), (512, 8192, 2048, "q4"),
-                             (512, 256, 2048, "q8"), (64, 2048, 4096, "bf16")):
-            b.run("matmul", "prefill", x=b.empty(T, k, poison=False), w=b.weight(_zeros_weight(n, k, fmt)),
-                  out=b.empty(T, n, poison=False))
-            text = next(v for key, v in b.report()["variants"].items()
-                        if key.startswith("matmul.prefill") and f"[{n}, {k}]" in key)
-            name = text.split(":")[0]
+        for fmt, name, text in _prefill_gemm_variants(b):
             if fmt == "q4" and frag:
                 assert "B fragments (gemm_frag)" in text and "_frag" in name, text
             elif fmt == "q4":
@@ -460,13 +466,7 @@ def test_gemm_w_f16_compiles_and_reports(cache, wf16):
     for form in ("f16", "bf16x2"):
         b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, "prefill_x": form,
                                   **({} if wf16 is None else {"gemm_w_f16": wf16})})
-        for T, n, k, fmt in ((64, 512, 2048, "q4"), (256, 2048, 4096, "q4"), (512, 8192, 2048, "q4"),
-                             (512, 256, 2048, "q8"), (64, 2048, 4096, "bf16")):
-            b.run("matmul", "prefill", x=b.empty(T, k, poison=False), w=b.weight(_zeros_weight(n, k, fmt)),
-                  out=b.empty(T, n, poison=False))
-            text = next(v for key, v in b.report()["variants"].items()
-                        if key.startswith("matmul.prefill") and f"[{n}, {k}]" in key)
-            name = text.split(":")[0]
+        for fmt, name, text in _prefill_gemm_variants(b):
             if wf16 and fmt != "bf16" and form == "f16":
                 assert "weights dequantized to f16 (s·q + b) in the shared tile" in text and "_wf16" in name, text
             else:
