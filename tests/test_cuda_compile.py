@@ -148,7 +148,7 @@ def test_a_decode_step_that_writes_a_restore_is_not_memoised(checkpoints, cache)
         t.step(5)  # t's own decode ops memoised once
         t.restore(snap)
         before = memo()
-        t.prefill([7, 8, 9])  # the pending token's decode step (the restore's), then a prefill chunk
+        t.logits  # the pending token's decode step (the restore's); a prefill would feed it as its chunk's row 0
         assert memo() == before
         t.step(4)  # a plain decode step: memoised
         after = memo()

@@ -104,14 +104,15 @@ def test_every_reader_sees_the_restored_state(engine, ids, reader):
 
 
 def test_a_pending_token_is_fed_by_the_restoring_step(engine, ids):
-    """A snapshot taken after generate holds a sampled token not yet fed: the step that feeds it reads the snapshot."""
+    """A snapshot taken after generate holds a sampled token not yet fed: the chunk that feeds it (as its row 0)
+    reads the snapshot."""
     s, snap = source(engine, ids, pending=True)
     assert snap.position == 35
     t = engine.session(max_context=128)
     before = steps(engine)
     t.restore(snap)
     got = t.prefill(ids[32:40])
-    assert steps(engine) - before == 2  # the pending token's decode step and the chunk, nothing for the restore
+    assert steps(engine) - before == 1  # one chunk: the pending token and the ids; nothing for the restore
     np.testing.assert_array_equal(got, s.prefill(ids[32:40]))
     assert_same_snapshot(t.snapshot(), s.snapshot(), "pending token fed")
 

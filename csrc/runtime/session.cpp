@@ -319,20 +319,33 @@ void Session::decode_one_locked(int32_t token, bool was_pending) {
   has_logits_ = true;
 }
 
+int32_t Session::take_pending_locked() {
+  std::lock_guard<std::mutex> lk(state_mu_);
+  // Every forward of the calling API writes KV rows from here on: they no longer equal any segment's.
+  const int64_t from = int64_t(tokens_.size());
+  kv_held_.erase(std::remove_if(kv_held_.begin(), kv_held_.end(),
+                                [from](const HeldSegment& h) { return h.end > from || h.seg.expired(); }),
+                 kv_held_.end());
+  return pending_;
+}
+
 void Session::feed_pending_locked() {
-  int32_t t;
-  {
-    std::lock_guard<std::mutex> lk(state_mu_);
-    // Every forward of the calling API writes KV rows from here on: they no longer equal any segment's.
-    const int64_t from = int64_t(tokens_.size());
-    kv_held_.erase(std::remove_if(kv_held_.begin(), kv_held_.end(),
-                                  [from](const HeldSegment& h) { return h.end > from || h.seg.expired(); }),
-                   kv_held_.end());
-    if (pending_ < 0) return;
-    t = pending_;
-  }
+  const int32_t t = take_pending_locked();
+  if (t < 0) return;
   flush_deferred_locked();  // after this step the next forward writes the set a deferred state is owed from
   decode_one_locked(t, true);
+}
+
+// Model lock held. Uploads chunk row 0 = lead (a pending token, when lead >= 0) then the T - (lead >= 0) ids.
+void Session::upload_chunk_ids_locked(Scratch& sc, int32_t lead, const int32_t* ids, int64_t T) {
+  if (lead < 0) {
+    ops_.upload(sc.ids.rows_view(0, T), ids);
+    return;
+  }
+  std::vector<int32_t> rows(static_cast<size_t>(T));
+  rows[0] = lead;
+  std::copy(ids, ids + (T - 1), rows.begin() + 1);
+  ops_.upload(sc.ids.rows_view(0, T), rows.data());
 }
 
 bool Session::holds_locked(const KvSegment* seg) const {
@@ -372,22 +385,26 @@ int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* 
   BusyGuard busy(busy_);
   check_prefill(ids, n);
   const int64_t vocab = model_.config().vocab;
+  // A pending token (the last one a generate call delivered, or a restored snapshot's) is the first chunk's row 0:
+  // no decode step of its own before the chunk (a whole forward: every weight read once for one token).
+  int32_t lead;
   {
     std::lock_guard<std::mutex> lk(model_lock_);
     flush_deferred_locked();
-    feed_pending_locked();
+    lead = take_pending_locked();
     // Logits rows come in blocks of up to 16 to bound the [rows, vocab] scratch. Every prefill asks for the 16 that
     // all_logits and prefill_snapshots use, so a kept session state serves either without growing: a scratch grows
     // whole (on CUDA ~30 allocations, each an alloc, a memset and a sync: ~0.2 ms of a warm turn on the H200).
-    ensure_scratch(prefill_sc_, std::min(chunk_, n), std::min<int64_t>(16, chunk_));
+    ensure_scratch(prefill_sc_, std::min(chunk_, n + (lead >= 0)), std::min<int64_t>(16, chunk_));
   }
   int64_t done = 0;
   while (done < n) {
-    const int64_t T = std::min(chunk_, n - done);
+    const int64_t L = lead >= 0 ? 1 : 0;                // rows before the ids: the pending token, first chunk only
+    const int64_t T = std::min(chunk_, n - done + L);  // rows of this chunk (with prefill_chunk 1, the pending alone)
     {
       std::lock_guard<std::mutex> lk(model_lock_);
       Scratch& sc = prefill_sc_;
-      ops_.upload(sc.ids.rows_view(0, T), ids + done);
+      upload_chunk_ids_locked(sc, L ? lead : -1, ids + done, T);
       StepStats stats;
       {
         Step step(ops_, Phase::Prefill);
@@ -400,21 +417,22 @@ int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* 
         ops_.wait(step.submit());
         commit_restore_locked();
       }
-      for (int64_t r0 = 0; all_logits && r0 < T; r0 += sc.logit_rows) {
+      for (int64_t r0 = L; all_logits && r0 < T; r0 += sc.logit_rows) {  // the ids' rows (not the pending one's)
         const int64_t nb = std::min(sc.logit_rows, T - r0);
         const Tensor rows = sc.logits.rows_view(0, nb);
         Step step(ops_, Phase::Prefill);
         model_.encode_logits(sc, r0, nb, rows);
         if (r0 + nb == T) ops_.copy(rows.rows_view(nb - 1, 1), st_.now().logits);
         ops_.wait(step.submit());
-        ops_.download(rows, out + (done + r0) * vocab);
+        ops_.download(rows, out + (done + r0 - L) * vocab);
       }
       std::lock_guard<std::mutex> slk(state_mu_);
       prefill_stats_ = stats;
-      tokens_.insert(tokens_.end(), ids + done, ids + done + T);
+      if (L) tokens_.push_back(lead), pending_ = -1, lead = -1;
+      tokens_.insert(tokens_.end(), ids + done, ids + done + (T - L));
       has_logits_ = true;
     }
-    done += T;
+    done += T - L;
     if (progress && !progress(done, n) && done < n) break;  // cancelled between chunks
   }
   if (!all_logits) {
@@ -1191,7 +1209,7 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
     const std::function<bool(int64_t, int64_t)>& progress, bool defer) {
   BusyGuard busy(busy_);
   check_prefill(ids, n);
-  const int64_t pos0 = position();  // a pending token is fed first: it is at pos0 - 1 then
+  const int64_t pos0 = position();  // a pending token, at pos0 - 1, is the first chunk's row 0
   for (size_t i = 0; i < at.size(); ++i)
     if (at[i] <= pos0 || at[i] > pos0 + n || (i > 0 && at[i] <= at[i - 1]))
       throw std::invalid_argument("prefill_snapshots: positions must ascend strictly within (" + std::to_string(pos0) +
@@ -1205,18 +1223,20 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
   std::vector<std::unique_ptr<DeviceSnapshot>> snaps;
   std::shared_ptr<const KvSegment> parent_kv = base ? base->kv_ : nullptr;  // the KV rows the next one shares
   int64_t parent_pos = base ? base->position_ : 0;
+  int32_t lead;  // the pending token (as in prefill: row 0 of the first chunk, no decode step of its own)
   {
     std::lock_guard<std::mutex> lk(model_lock_);
     flush_deferred_locked();
-    feed_pending_locked();
+    lead = take_pending_locked();
     // Up to 16 logits rows: a position's row and the chunk's last row in one lm_head pass.
-    ensure_scratch(prefill_sc_, std::min(chunk_, n), std::min<int64_t>(16, chunk_));
+    ensure_scratch(prefill_sc_, std::min(chunk_, n + (lead >= 0)), std::min<int64_t>(16, chunk_));
   }
   size_t next = 0;  // the first position in `at` not yet taken
-  int64_t done = 0;
+  int64_t done = 0;  // ids fed
   while (done < n) {
-    int64_t T = std::min(chunk_, n - done);
-    const int64_t c0 = pos0 + done;
+    const int64_t L = lead >= 0 ? 1 : 0;         // rows before the ids: the pending token, first chunk only
+    int64_t T = std::min(chunk_, n - done + L);  // rows of this chunk (with prefill_chunk 1, the pending alone)
+    const int64_t c0 = pos0 + done - L;          // the context position of row 0
     int64_t inner = -1;  // a position strictly inside the chunk: captured after row inner - c0 - 1
     if (next < at.size() && at[next] < c0 + T) {
       inner = at[next];
@@ -1249,7 +1269,7 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
       std::lock_guard<std::mutex> lk(model_lock_);
       Scratch& sc = prefill_sc_;
       // With defer: every segment's rows, and the end snapshot's state when this chunk ends the prefill, wait.
-      const bool defer_end = defer && at_end && done + T == n;
+      const bool defer_end = defer && at_end && done + (T - L) == n;
       for (size_t i = 0; i < made.size(); ++i)  // an inner position's state goes into the engine's reserve
         alloc_snapshot_locked(*made[i], segs[i].get(), defer_end && i + 1 == made.size(), defer,
                               inner >= 0 && i == 0);
@@ -1266,7 +1286,7 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
           ++di;
         }
       }
-      ops_.upload(sc.ids.rows_view(0, T), ids + done);
+      upload_chunk_ids_locked(sc, L ? lead : -1, ids + done, T);
       StepStats stats;
       {
         Step step(ops_, Phase::Prefill);
@@ -1312,7 +1332,8 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
       }
       std::lock_guard<std::mutex> slk(state_mu_);
       prefill_stats_ = stats;
-      tokens_.insert(tokens_.end(), ids + done, ids + done + T);
+      if (L) tokens_.push_back(lead), pending_ = -1, lead = -1;
+      tokens_.insert(tokens_.end(), ids + done, ids + done + (T - L));
       has_logits_ = true;
     }
     for (size_t i = 0; i < made.size(); ++i) {  // in order: each one's rows sit on the previous one's
@@ -1328,7 +1349,7 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
       snaps.push_back(std::move(made[i]));
     }
     next = end_i + at_end;
-    done += T;
+    done += T - L;
     if (progress && !progress(done, n) && done < n) break;  // cancelled between chunks
   }
   return snaps;

@@ -300,6 +300,10 @@ class Session {
   void check_restorable(int64_t position, int32_t pending, const std::vector<int32_t>& tokens) const;
   void ensure_scratch(Scratch& sc, int64_t rows, int64_t logit_rows);
   void feed_pending_locked();  // model lock held; also forgets held KV rows from the position on
+  // Model lock held: the pending token (-1: none), left pending for the caller's first chunk to feed as its row 0;
+  // forgets held KV rows from the position on, as feed_pending_locked.
+  int32_t take_pending_locked();
+  void upload_chunk_ids_locked(Scratch& sc, int32_t lead, const int32_t* ids, int64_t T);
   std::vector<int32_t> generate_context_locked();
   uint64_t start_sampler_locked(const SamplingParams& params, const std::vector<int32_t>& context, const Tensor& ws,
                                 const Tensor& first_id);

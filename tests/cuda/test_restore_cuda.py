@@ -1,7 +1,7 @@
 """A restore without a step of its own (Session.restore, tests/test_restore_on_first_forward.py on the CPU) on the
 CUDA backend with lily-tiny: the next forward reads the snapshot's state in place of the session's, through the
-prefill kernels (a chunk) or the decode kernels (a pending token's step, begun with `once`: neither memoised nor
-captured as a graph). Bit for bit what a restore written first gives (the same kernels on the same values, only the
+prefill kernels (a chunk, whose row 0 is a pending token when the snapshot has one) or the decode kernels (a pending
+token's step before a generate, begun with `once`: neither memoised nor captured as a graph). Bit for bit what a restore written first gives (the same kernels on the same values, only the
 tensors they read from differ); the restored state matches the CPU backend's; the checkpoint reserve's tensors
 hold what a fresh allocation would."""
 
@@ -42,17 +42,20 @@ def written_first(engine, snap):
     return t
 
 
-@pytest.mark.parametrize("pending", [False, True], ids=["chunk-reads-it", "pending-token-step-reads-it"])
-def test_first_forward_reads_the_snapshot_bit_for_bit(gpu, pending):
+@pytest.mark.parametrize("pending, first", [(False, "prefill"), (True, "prefill"), (True, "generate")],
+                         ids=["chunk-reads-it", "chunk-with-the-pending-token-reads-it", "pending-token-step-reads-it"])
+def test_first_forward_reads_the_snapshot_bit_for_bit(gpu, pending, first):
     ids = gpu.tokenize(TEXT)
     snap = source(gpu, ids, pending)
     ref = written_first(gpu, snap)
-    want_logits = ref.prefill(ids[32:40])
+    forward = (lambda s: s.prefill(ids[32:40])) if first == "prefill" else \
+        (lambda s: np.asarray(list(s.generate(1, GREEDY, stop_token_ids=[], mtp="off"))))
+    want = forward(ref)
     captured = gpu.report()["cuda"]["graphs"]["captured"]
     t = gpu.session(max_context=128)
     t.restore(snap)
     assert t._core.restore_pending
-    np.testing.assert_array_equal(t.prefill(ids[32:40]), want_logits)
+    np.testing.assert_array_equal(forward(t), want)
     assert gpu.report()["cuda"]["graphs"]["captured"] == captured  # the restoring decode step was not captured
     assert_same_snapshot(t.snapshot(), ref.snapshot(), "after the first forward")
     assert list(t.generate(8, GREEDY, stop_token_ids=[], mtp="on")) == \
