@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA backend on a GPU machine in one command: build, GPU tests, compute-sanitizer, benchmark.
 #
-#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix] [mtp] [mtp-full] [trace] [ab] [ncu]
+#   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix] [continue] [mtp] [mtp-full] [trace]
+#                              [ab] [ncu]
 #   (default: build tests)
 #
 # tests: tests/cuda, or the files in TEST_PATHS.
@@ -9,6 +10,8 @@
 # AB_CONTEXTS (default 4K), AB_ROUNDS interleaved rounds (default 5): benchmarks/ab_decode.py.
 # quickbench: prefill at 512 and 4K, decode at 256 and 4K, for each backend-options JSON in QB_OPTIONS (';'-separated,
 # default {}), in turn, QB_ROUNDS times (default 1).
+# continue: a continued conversation's time to first token, the pending token folded into the prefill or fed by a
+# decode step first (benchmarks/bench_continue.py), on lily-tiny at 8K and the full-size model at 4K.
 # ncu: Nsight Compute's detailed sections (stall reasons, memory, occupancy, source hot spots) for the decode
 # kernels matching NCU_KERNELS (a regex; default the two decode MoE kernels) in the full-size model's decode steps.
 #
@@ -32,7 +35,7 @@ write_ckpt() {  # folder, MTP layers
   PYTHONPATH=src python3 -c "from lily import bench; bench.synthetic_checkpoint('full', '$1', progress=False, mtp_layers=$2)" \
     > "$OUT/ckpt-$(basename "$1").log" 2>&1 &
 }
-if has bench || has quickbench || has trace || has ab || has ncu; then write_ckpt /tmp/lily-full-q4 0; fi
+if has bench || has quickbench || has trace || has ab || has ncu || has continue; then write_ckpt /tmp/lily-full-q4 0; fi
 if has mtp-full; then write_ckpt /tmp/lily-full-mtp 1; fi
 
 if has build || [ ! -e "$PKG/lily" ]; then
@@ -75,6 +78,12 @@ fi
 if has prefix; then  # issue 13 item 7: warm vs new-only time to first token on lily-tiny, 8K shared prefix
   python3 benchmarks/bench_prefix_cache.py --backend cuda --prefix-tokens 8192 --turns 10 --repeats 3 \
     --keep-sessions 2 --json "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log"
+fi
+if has continue; then  # a continued conversation's first token: the pending token folded into the prefill or not
+  python3 benchmarks/bench_continue.py --backend cuda --context 8192 --pairs 20 2>&1 | tee "$OUT/continue.log"
+  wait
+  python3 benchmarks/bench_continue.py --backend cuda --model /tmp/lily-full-q4 --context 4096 --pairs 10 2>&1 \
+    | tee -a "$OUT/continue.log"
 fi
 if has mtp; then  # issue 14: MTP on lily-tiny, the verify through the prefill path and the decode kernels (default)
   python3 -m pytest -q -rs -p no:cacheprovider tests/cuda/test_mtp_cuda.py 2>&1 | tail -5 | tee "$OUT/mtp-tests.log"
