@@ -12,27 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import lily
-
-TEXT = "def main():\n    args = parse()\n    run(args)\n    return 0\n" * 4
-GREEDY = lily.SamplingParams()
-
-
-@pytest.fixture(scope="module")
-def engine():
-    with lily.Engine.from_pretrained(backend="cpu", mtp="on") as e:  # mtp: the MTP block's rows ride along
-        yield e
-
-
-@pytest.fixture(scope="module")
-def ids(engine):
-    ids = engine.tokenize(TEXT)
-    assert len(ids) >= 40
-    return ids
-
-
-def steps(engine) -> int:
-    return engine._core.steps_submitted()
+from test_restore_on_first_forward import GREEDY, engine, ids, steps  # noqa: F401  (the CPU engine with MTP, its ids)
 
 
 def generated(engine, ids, chunk=64):
