@@ -81,16 +81,26 @@ void CpuOps::kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& pos,
     }
 }
 
-// Per thread: scores [group, max_ctx], the output accumulators [group, D] and a widened bf16 row [D].
-static size_t attention_thread_floats(size_t group, size_t D, size_t max_ctx) {
+// Query rows per work item: the rows of a tile share each cached K and V row's load (and its bf16 widening), so a
+// prefill chunk reads the cache once per tile instead of once per row; their scores are kept whole, [rows · group,
+// max_ctx] per thread, so at most 16 rows and a 2 MiB score buffer (one row at the real model's longest contexts).
+static int64_t attention_tile_rows(int64_t rows, int64_t group, int64_t max_ctx) {
+  const int64_t per_row = std::max<int64_t>(1, group * max_ctx * int64_t(sizeof(float)));
+  const int64_t fit = std::max<int64_t>(1, (int64_t(2) << 20) / per_row);
+  return std::max<int64_t>(1, std::min({int64_t(16), fit, rows}));
+}
+
+// Per thread: scores [tile · group, max_ctx], the output accumulators [tile · group, D] and a widened bf16 row [D].
+static size_t attention_thread_floats(size_t tile, size_t group, size_t D, size_t max_ctx) {
   auto r16 = [](size_t n) { return (n + 15) / 16 * 16; };
-  return r16(group * max_ctx) + r16(group * D) + r16(D);
+  return r16(tile * group * max_ctx) + r16(tile * group * D) + r16(D);
 }
 
 size_t attention_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t max_ctx, int threads) {
-  const size_t group = size_t(c.heads / c.kv_heads), D = size_t(c.head_dim);
-  (void)rows;  // scores cover every cached position a query may see: at most max_ctx
-  return Arena::need<float>(size_t(threads) * attention_thread_floats(group, D, size_t(max_ctx)));
+  const int64_t group = c.heads / c.kv_heads;
+  const size_t tile = size_t(attention_tile_rows(rows, group, max_ctx));
+  return Arena::need<float>(size_t(threads) *
+                            attention_thread_floats(tile, size_t(group), size_t(c.head_dim), size_t(max_ctx)));
 }
 
 void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache,
@@ -109,55 +119,67 @@ void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k
     for (int64_t e = 0; e < D; ++e) tmp[e] = bf16_to_f32(src[e]);
     return tmp;
   };
-  // GQA packing: one work item is (query row, kv head); each cached K and V row is loaded once and used
-  // by all `group` query heads that share it. Items are dealt round-robin so the long causal rows at
-  // the end of a chunk spread over every thread. Each head's result depends only on its absolute
-  // position, so chunked and unchunked prefill agree bitwise.
-  const int64_t items = T * s.kv_heads, P = pool().size();
+  // GQA packing and row tiles: one work item is (a tile of R query rows, kv head); each cached K and V row is
+  // loaded once per item and used by the `group` query heads of every row of the tile that sees it (causal: row t
+  // sees positions < pos0 + t + 1). Items are dealt round-robin so the long causal rows at the end of a chunk
+  // spread over every thread. Each row's arithmetic (its dot products, its softmax over the positions in order,
+  // its weighted sum in position order) is the same whatever R and whichever item holds it, and depends only on
+  // its absolute position, so chunked and unchunked prefill agree bitwise.
   if (pos0 + T > max_ctx) throw std::logic_error("attention: position past max_context");
+  const int64_t R = attention_tile_rows(T, group, max_ctx), tiles = (T + R - 1) / R;
+  const int64_t items = tiles * s.kv_heads, P = pool().size();
   Arena a = arena(ws, "attention");
-  const size_t per = attention_thread_floats(size_t(group), size_t(D), size_t(max_ctx));
+  const size_t per = attention_thread_floats(size_t(R), size_t(group), size_t(D), size_t(max_ctx));
   float* const base = a.take<float>(size_t(P) * per);
   pool().parallel_for(std::min(P, items), 1, [&](int64_t r0, int64_t r1, int tid) {
-    float* scores = base + size_t(tid) * per;
-    float* acc = scores + (size_t(group * max_ctx) + 15) / 16 * 16;
-    float* tmp = acc + (size_t(group * D) + 15) / 16 * 16;
+    float* scores = base + size_t(tid) * per;  // [(ti · group + g) · max_ctx + j]
+    float* acc = scores + (size_t(R * group * max_ctx) + 15) / 16 * 16;  // [(ti · group + g) · D + e]
+    float* tmp = acc + (size_t(R * group * D) + 15) / 16 * 16;
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t i = r; i < items; i += P) {
-        const int64_t t = i / s.kv_heads, kvh = i % s.kv_heads, n = pos0 + t + 1;
-        const float* q0 = pq + t * q.stride + kvh * group * D;
-        for (int64_t j = 0; j < n; ++j) {
+        const int64_t tile = i / s.kv_heads, kvh = i % s.kv_heads;
+        const int64_t t0 = tile * R, rows = std::min(R, T - t0), last = pos0 + t0 + rows;  // positions seen: < last
+        for (int64_t j = 0; j < last; ++j) {
           const float* kr = row(k_cache, kvh, j, tmp);
-          for (int64_t g = 0; g < group; ++g) scores[g * n + j] = dot(q0 + g * D, kr, D) * scale;
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          float* sc = scores + g * n;
-          float mx = -INFINITY;
-          for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sc[j]);
-          float sum = 0.f;
-          for (int64_t j = 0; j < n; ++j) {
-            sc[j] = std::exp(sc[j] - mx);
-            sum += sc[j];
+          for (int64_t ti = std::max<int64_t>(0, j - pos0 - t0); ti < rows; ++ti) {  // the rows that see j
+            const float* q0 = pq + (t0 + ti) * q.stride + kvh * group * D;
+            for (int64_t g = 0; g < group; ++g)
+              scores[(ti * group + g) * max_ctx + j] = dot(q0 + g * D, kr, D) * scale;
           }
-          const float inv = 1.f / sum;
-          for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
         }
-        std::fill(acc, acc + group * D, 0.f);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* vr = row(v_cache, kvh, j, tmp);
+        for (int64_t ti = 0; ti < rows; ++ti) {
+          const int64_t n = pos0 + t0 + ti + 1;
           for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * n + j];
-            float* ag = acc + g * D;
-            for (int64_t e = 0; e < D; ++e) ag[e] += p * vr[e];
+            float* sc = scores + (ti * group + g) * max_ctx;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sc[j]);
+            float sum = 0.f;
+            for (int64_t j = 0; j < n; ++j) {
+              sc[j] = std::exp(sc[j] - mx);
+              sum += sc[j];
+            }
+            const float inv = 1.f / sum;
+            for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
           }
         }
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t h = kvh * group + g;
-          const float* gt = pg + t * gate.stride + h * D;
-          float* o = po + t * out.stride + h * D;
-          const float* ag = acc + g * D;
-          for (int64_t e = 0; e < D; ++e) o[e] = ag[e] / (1.f + std::exp(-gt[e]));
+        std::fill(acc, acc + rows * group * D, 0.f);
+        for (int64_t j = 0; j < last; ++j) {
+          const float* vr = row(v_cache, kvh, j, tmp);
+          for (int64_t ti = std::max<int64_t>(0, j - pos0 - t0); ti < rows; ++ti)
+            for (int64_t g = 0; g < group; ++g) {
+              const float p = scores[(ti * group + g) * max_ctx + j];
+              float* ag = acc + (ti * group + g) * D;
+              for (int64_t e = 0; e < D; ++e) ag[e] += p * vr[e];
+            }
         }
+        for (int64_t ti = 0; ti < rows; ++ti)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t t = t0 + ti, h = kvh * group + g;
+            const float* gt = pg + t * gate.stride + h * D;
+            float* o = po + t * out.stride + h * D;
+            const float* ag = acc + (ti * group + g) * D;
+            for (int64_t e = 0; e < D; ++e) o[e] = ag[e] / (1.f + std::exp(-gt[e]));
+          }
       }
   });
 }
