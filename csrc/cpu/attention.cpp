@@ -3,7 +3,8 @@
 // kv cache: [kv_heads * max_ctx, D] per layer, fp32 or bf16 (rows widened to fp32 as they are read),
 // head-major so one head's keys are contiguous.
 // attention: per query head h (kv head h / group), scores over cache rows 0..pos, fp32 softmax,
-// weighted sum of values, times sigmoid(gate). Floor per decode step: reads 2·kv·pos·D·4 bytes of cache.
+// weighted sum of values, times sigmoid(gate). Floor per decode step: reads 2·kv·pos·D·4 bytes of cache; a prefill
+// chunk reads it once per tile of up to 16 query rows (attention_tile_rows), not once per row.
 #include <algorithm>
 #include <cmath>
 #include <vector>
