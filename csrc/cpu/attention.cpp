@@ -90,11 +90,15 @@ static int64_t attention_tile_rows(int64_t rows, int64_t group, int64_t max_ctx)
   const int64_t fit = std::max<int64_t>(1, (int64_t(2) << 20) / per_row);
   return std::max<int64_t>(1, std::min({int64_t(16), fit, rows}));
 }
+// Cached rows per key block: a tile's query heads walk the block's K (then V) rows while one query vector (one
+// accumulator row) stays in L1 beside them, rather than every query vector and accumulator per key.
+constexpr int64_t kKeyBlock = 16;
 
-// Per thread: scores [tile · group, max_ctx], the output accumulators [tile · group, D] and a widened bf16 row [D].
+// Per thread: scores [tile · group, max_ctx], the output accumulators [tile · group, D] and a key block widened from
+// bf16 [kKeyBlock, D].
 static size_t attention_thread_floats(size_t tile, size_t group, size_t D, size_t max_ctx) {
   auto r16 = [](size_t n) { return (n + 15) / 16 * 16; };
-  return r16(tile * group * max_ctx) + r16(tile * group * D) + r16(D);
+  return r16(tile * group * max_ctx) + r16(tile * group * D) + r16(size_t(kKeyBlock) * D);
 }
 
 size_t attention_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t max_ctx, int threads) {
@@ -112,20 +116,21 @@ void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k
   const float *pq = f32(q), *pg = f32(gate);
   float* po = f32(out);
   const bool half = k_cache.dtype == DType::BF16;
-  // One cached row as fp32: the row itself (fp32 cache) or widened into `tmp` (bf16 cache).
-  auto row = [&](const Tensor& cache, int64_t kvh, int64_t j, float* tmp) -> const float* {
-    const int64_t r = (kvh * max_ctx + j) * D;
+  // Cached rows [j0, j0 + n) of one kv head as fp32 rows of stride D: the cache itself (fp32) or widened into `tmp`.
+  auto rows_at = [&](const Tensor& cache, int64_t kvh, int64_t j0, int64_t n, float* tmp) -> const float* {
+    const int64_t r = (kvh * max_ctx + j0) * D;
     if (!half) return f32(cache) + r;
     const uint16_t* src = u16(cache) + r;
-    for (int64_t e = 0; e < D; ++e) tmp[e] = bf16_to_f32(src[e]);
+    for (int64_t e = 0; e < n * D; ++e) tmp[e] = bf16_to_f32(src[e]);
     return tmp;
   };
-  // GQA packing and row tiles: one work item is (a tile of R query rows, kv head); each cached K and V row is
-  // loaded once per item and used by the `group` query heads of every row of the tile that sees it (causal: row t
-  // sees positions < pos0 + t + 1). Items are dealt round-robin so the long causal rows at the end of a chunk
-  // spread over every thread. Each row's arithmetic (its dot products, its softmax over the positions in order,
-  // its weighted sum in position order) is the same whatever R and whichever item holds it, and depends only on
-  // its absolute position, so chunked and unchunked prefill agree bitwise.
+  // GQA packing, row tiles and key blocks: one work item is (a tile of R query rows, kv head); each cached K and V
+  // row is loaded once per item, a block of kKeyBlock rows at a time, and used by the `group` query heads of every
+  // row of the tile that sees it (causal: row t sees positions < pos0 + t + 1). Items are dealt round-robin so the
+  // long causal rows at the end of a chunk spread over every thread. Each row's arithmetic (its dot products, its
+  // softmax over the positions in order, its weighted sum in position order) is the same whatever R, the blocks and
+  // whichever item holds it, and depends only on its absolute position, so chunked and unchunked prefill agree
+  // bitwise.
   if (pos0 + T > max_ctx) throw std::logic_error("attention: position past max_context");
   const int64_t R = attention_tile_rows(T, group, max_ctx), tiles = (T + R - 1) / R;
   const int64_t items = tiles * s.kv_heads, P = pool().size();
@@ -140,12 +145,16 @@ void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k
       for (int64_t i = r; i < items; i += P) {
         const int64_t tile = i / s.kv_heads, kvh = i % s.kv_heads;
         const int64_t t0 = tile * R, rows = std::min(R, T - t0), last = pos0 + t0 + rows;  // positions seen: < last
-        for (int64_t j = 0; j < last; ++j) {
-          const float* kr = row(k_cache, kvh, j, tmp);
-          for (int64_t ti = std::max<int64_t>(0, j - pos0 - t0); ti < rows; ++ti) {  // the rows that see j
-            const float* q0 = pq + (t0 + ti) * q.stride + kvh * group * D;
-            for (int64_t g = 0; g < group; ++g)
-              scores[(ti * group + g) * max_ctx + j] = dot(q0 + g * D, kr, D) * scale;
+        for (int64_t j0 = 0; j0 < last; j0 += kKeyBlock) {
+          const int64_t nb = std::min(kKeyBlock, last - j0);
+          const float* kb = rows_at(k_cache, kvh, j0, nb, tmp);
+          for (int64_t ti = std::max<int64_t>(0, j0 - pos0 - t0); ti < rows; ++ti) {  // the rows that see j0
+            const int64_t jend = std::min(j0 + nb, pos0 + t0 + ti + 1);
+            for (int64_t g = 0; g < group; ++g) {
+              const float* qv = pq + (t0 + ti) * q.stride + (kvh * group + g) * D;
+              float* sc = scores + (ti * group + g) * max_ctx;
+              for (int64_t j = j0; j < jend; ++j) sc[j] = dot(qv, kb + (j - j0) * D, D) * scale;
+            }
           }
         }
         for (int64_t ti = 0; ti < rows; ++ti) {
@@ -164,14 +173,21 @@ void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k
           }
         }
         std::fill(acc, acc + rows * group * D, 0.f);
-        for (int64_t j = 0; j < last; ++j) {
-          const float* vr = row(v_cache, kvh, j, tmp);
-          for (int64_t ti = std::max<int64_t>(0, j - pos0 - t0); ti < rows; ++ti)
+        for (int64_t j0 = 0; j0 < last; j0 += kKeyBlock) {
+          const int64_t nb = std::min(kKeyBlock, last - j0);
+          const float* vb = rows_at(v_cache, kvh, j0, nb, tmp);
+          for (int64_t ti = std::max<int64_t>(0, j0 - pos0 - t0); ti < rows; ++ti) {
+            const int64_t jend = std::min(j0 + nb, pos0 + t0 + ti + 1);
             for (int64_t g = 0; g < group; ++g) {
-              const float p = scores[(ti * group + g) * max_ctx + j];
+              const float* sc = scores + (ti * group + g) * max_ctx;
               float* ag = acc + (ti * group + g) * D;
-              for (int64_t e = 0; e < D; ++e) ag[e] += p * vr[e];
+              for (int64_t j = j0; j < jend; ++j) {  // positions in order, per element
+                const float p = sc[j];
+                const float* vr = vb + (j - j0) * D;
+                for (int64_t e = 0; e < D; ++e) ag[e] += p * vr[e];
+              }
             }
+          }
         }
         for (int64_t ti = 0; ti < rows; ++ti)
           for (int64_t g = 0; g < group; ++g) {
