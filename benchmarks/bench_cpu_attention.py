@@ -19,6 +19,7 @@ import argparse
 import json
 
 import numpy as np
+from bench_cuda_attention import time_case  # the same random inputs and timing, on the CPU bench
 
 import lily._core as core
 
@@ -57,14 +58,8 @@ def main() -> None:
         for ctx in (int(x) for x in args.contexts.split(",")):
             for T in (int(x) for x in args.rows.split(",")):
                 max_ctx = ctx + T
-                kc = b.tensor(rng.standard_normal((kv * max_ctx, D), dtype=np.float32), dtype=cache)
-                vc = b.tensor(rng.standard_normal((kv * max_ctx, D), dtype=np.float32), dtype=cache)
-                q = b.tensor(rng.standard_normal((T, H * D), dtype=np.float32))
-                gate = b.tensor(rng.standard_normal((T, H * D), dtype=np.float32))
-                pos = b.tensor(np.array([[ctx]], dtype=np.int32), dtype="i32")
-                sec = b.time("attention", "prefill" if T > 1 else "decode", args.repeats, args.runs, q=q, gate=gate,
-                             k_cache=kc, v_cache=vc, pos=pos, max_ctx=max_ctx, ws=b.workspace(config(s), T, max_ctx),
-                             out=b.empty(T, H * D), **s)
+                sec = time_case(b, rng, T, ctx, cache, args.repeats, args.runs, shape=s, cfg=config(s),
+                                phase="prefill" if T > 1 else "decode")
                 pairs = T * ctx + T * (T + 1) // 2  # visible (row, position) pairs, causal
                 flops = 4.0 * H * D * pairs
                 kv_bytes = 2 * kv * max_ctx * D * es

@@ -32,16 +32,18 @@ def config() -> dict:
             "full_attention": [i % 4 == 3 for i in range(40)]}
 
 
-def time_case(b, rng, T: int, pos0: int, cache: str, repeats: int, runs: int) -> float:
-    D, kv, H = SHAPE["head_dim"], SHAPE["kv_heads"], SHAPE["heads"]
+def time_case(b, rng, T: int, pos0: int, cache: str, repeats: int, runs: int, shape: dict = SHAPE,
+              cfg: dict | None = None, phase: str = "prefill") -> float:
+    """Seconds per attention call of T rows after pos0 cached positions (random q, gate and caches) on bench b."""
+    D, kv, H = shape["head_dim"], shape["kv_heads"], shape["heads"]
     max_ctx = pos0 + T
     kc = b.tensor(rng.standard_normal((kv * max_ctx, D), dtype=np.float32), dtype=cache)
     vc = b.tensor(rng.standard_normal((kv * max_ctx, D), dtype=np.float32), dtype=cache)
     q = b.tensor(rng.standard_normal((T, H * D), dtype=np.float32))
     gate = b.tensor(rng.standard_normal((T, H * D), dtype=np.float32))
     pos = b.tensor(np.array([[pos0]], dtype=np.int32), dtype="i32")
-    return b.time("attention", "prefill", repeats, runs, q=q, gate=gate, k_cache=kc, v_cache=vc, pos=pos,
-                  max_ctx=max_ctx, ws=b.workspace(config(), T, max_ctx), out=b.empty(T, H * D), **SHAPE)
+    return b.time("attention", phase, repeats, runs, q=q, gate=gate, k_cache=kc, v_cache=vc, pos=pos,
+                  max_ctx=max_ctx, ws=b.workspace(cfg or config(), T, max_ctx), out=b.empty(T, H * D), **shape)
 
 
 def main() -> None:
