@@ -2,7 +2,7 @@
 their scores would pass 2 MiB per thread) share each cached K and V row's load. Each row's arithmetic is the one a
 row alone would do, so a call of T rows gives, bit for bit, what T one-row calls give (the property chunked prefill
 and the GPU tests lean on), whatever the tile holds: full tiles, a partial last tile, tiles cut short by a long
-max_ctx. And it is attention: within fp32 rounding of a float64 reference. Cache rows past the live positions are
+max_ctx or by the thread count (tiles x kv heads cover the threads). And it is attention: within fp32 rounding of a float64 reference. Cache rows past the live positions are
 NaN, so a tile that reads past its causal limit fails.
 """
 
@@ -56,6 +56,7 @@ def _reference(s, q, gate, kc, vc, pos0, max_ctx):
     return (out / (1.0 + np.exp(-g))).reshape(q.shape[0], H * D)
 
 
+@pytest.mark.parametrize("threads", [0, 7], ids=["default-threads", "7-threads"])  # 7: smaller tiles, more items
 @pytest.mark.parametrize("cache_dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("T, pos0, max_ctx", [
@@ -64,7 +65,7 @@ def _reference(s, q, gate, kc, vc, pos0, max_ctx):
     (40, 37, 100),       # tiles of 16, 16, 8
     (33, 3000, 20000),   # tiles cut by the 2 MiB score budget: 13 rows at G 2, 6 at G 4
 ])
-def test_rows_in_tiles_equal_rows_alone(shape, cache_dtype, T, pos0, max_ctx):
+def test_rows_in_tiles_equal_rows_alone(shape, cache_dtype, T, pos0, max_ctx, threads):
     s = SHAPES[shape]
     rng = np.random.default_rng(T * 1000 + pos0)
     H, kv, D = s["heads"], s["kv_heads"], s["head_dim"]
@@ -77,7 +78,7 @@ def test_rows_in_tiles_equal_rows_alone(shape, cache_dtype, T, pos0, max_ctx):
         for h in range(kv):
             c[h * max_ctx + live:(h + 1) * max_ctx] = np.nan  # never to be read
         caches.append(c)
-    b = core.OpBench("cpu")
+    b = core.OpBench("cpu", {"threads": threads} if threads else {})
     kc, vc = (b.tensor(c, dtype=cache_dtype) for c in caches)
     whole = _attention(b, s, q, gate, kc, vc, pos0, max_ctx, cache_dtype, T)
     assert np.all(np.isfinite(whole))

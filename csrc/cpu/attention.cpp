@@ -84,11 +84,14 @@ void CpuOps::kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& pos,
 
 // Query rows per work item: the rows of a tile share each cached K and V row's load (and its bf16 widening), so a
 // prefill chunk reads the cache once per tile instead of once per row; their scores are kept whole, [rows · group,
-// max_ctx] per thread, so at most 16 rows and a 2 MiB score buffer (one row at the real model's longest contexts).
-static int64_t attention_tile_rows(int64_t rows, int64_t group, int64_t max_ctx) {
+// max_ctx] per thread, so at most 16 rows and a 2 MiB score buffer (one row at the real model's longest contexts);
+// and few enough rows that the items (tiles × kv heads) still cover every thread (a warm turn's 18 rows on 16
+// threads: tiles of 2). Never more for fewer rows, so a workspace sized for a scratch's rows fits every call.
+static int64_t attention_tile_rows(int64_t rows, int64_t group, int64_t kv_heads, int64_t max_ctx, int64_t threads) {
   const int64_t per_row = std::max<int64_t>(1, group * max_ctx * int64_t(sizeof(float)));
   const int64_t fit = std::max<int64_t>(1, (int64_t(2) << 20) / per_row);
-  return std::max<int64_t>(1, std::min({int64_t(16), fit, rows}));
+  const int64_t tiles_needed = (std::max<int64_t>(1, threads) + kv_heads - 1) / std::max<int64_t>(1, kv_heads);
+  return std::max<int64_t>(1, std::min({int64_t(16), fit, rows / tiles_needed}));
 }
 // Cached rows per key block: a tile's query heads walk the block's K (then V) rows while one query vector (one
 // accumulator row) stays in L1 beside them, rather than every query vector and accumulator per key.
@@ -103,7 +106,7 @@ static size_t attention_thread_floats(size_t tile, size_t group, size_t D, size_
 
 size_t attention_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t max_ctx, int threads) {
   const int64_t group = c.heads / c.kv_heads;
-  const size_t tile = size_t(attention_tile_rows(rows, group, max_ctx));
+  const size_t tile = size_t(attention_tile_rows(rows, group, c.kv_heads, max_ctx, threads));
   return Arena::need<float>(size_t(threads) *
                             attention_thread_floats(tile, size_t(group), size_t(c.head_dim), size_t(max_ctx)));
 }
@@ -132,8 +135,9 @@ void CpuOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k
   // whichever item holds it, and depends only on its absolute position, so chunked and unchunked prefill agree
   // bitwise.
   if (pos0 + T > max_ctx) throw std::logic_error("attention: position past max_context");
-  const int64_t R = attention_tile_rows(T, group, max_ctx), tiles = (T + R - 1) / R;
-  const int64_t items = tiles * s.kv_heads, P = pool().size();
+  const int64_t P = pool().size();
+  const int64_t R = attention_tile_rows(T, group, s.kv_heads, max_ctx, P), tiles = (T + R - 1) / R;
+  const int64_t items = tiles * s.kv_heads;
   Arena a = arena(ws, "attention");
   const size_t per = attention_thread_floats(size_t(R), size_t(group), size_t(D), size_t(max_ctx));
   float* const base = a.take<float>(size_t(P) * per);
