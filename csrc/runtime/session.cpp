@@ -348,6 +348,17 @@ void Session::upload_chunk_ids_locked(Scratch& sc, int32_t lead, const int32_t* 
   ops_.upload(sc.ids.rows_view(0, T), rows.data());
 }
 
+// State lock held. A fed chunk joins the context: its pending row (lead >= 0; then no longer pending, and lead is
+// cleared for the next chunk) and its n ids.
+void Session::append_chunk_tokens_locked(int32_t& lead, const int32_t* ids, int64_t n) {
+  if (lead >= 0) {
+    tokens_.push_back(lead);
+    pending_ = lead = -1;
+  }
+  tokens_.insert(tokens_.end(), ids, ids + n);
+  has_logits_ = true;
+}
+
 bool Session::holds_locked(const KvSegment* seg) const {
   for (const HeldSegment& h : kv_held_)
     if (h.raw == seg && !h.seg.expired()) return true;  // alive, so no other segment has its address
@@ -428,9 +439,7 @@ int64_t Session::prefill(const int32_t* ids, int64_t n, bool all_logits, float* 
       }
       std::lock_guard<std::mutex> slk(state_mu_);
       prefill_stats_ = stats;
-      if (L) tokens_.push_back(lead), pending_ = -1, lead = -1;
-      tokens_.insert(tokens_.end(), ids + done, ids + done + (T - L));
-      has_logits_ = true;
+      append_chunk_tokens_locked(lead, ids + done, T - L);
     }
     done += T - L;
     if (progress && !progress(done, n) && done < n) break;  // cancelled between chunks
@@ -1332,9 +1341,7 @@ std::vector<std::unique_ptr<DeviceSnapshot>> Session::prefill_snapshots(
       }
       std::lock_guard<std::mutex> slk(state_mu_);
       prefill_stats_ = stats;
-      if (L) tokens_.push_back(lead), pending_ = -1, lead = -1;
-      tokens_.insert(tokens_.end(), ids + done, ids + done + (T - L));
-      has_logits_ = true;
+      append_chunk_tokens_locked(lead, ids + done, T - L);
     }
     for (size_t i = 0; i < made.size(); ++i) {  // in order: each one's rows sit on the previous one's
       made[i]->kv_ = parent_kv;

@@ -304,6 +304,7 @@ class Session {
   // forgets held KV rows from the position on, as feed_pending_locked.
   int32_t take_pending_locked();
   void upload_chunk_ids_locked(Scratch& sc, int32_t lead, const int32_t* ids, int64_t T);
+  void append_chunk_tokens_locked(int32_t& lead, const int32_t* ids, int64_t n);
   std::vector<int32_t> generate_context_locked();
   uint64_t start_sampler_locked(const SamplingParams& params, const std::vector<int32_t>& context, const Tensor& ws,
                                 const Tensor& first_id);
