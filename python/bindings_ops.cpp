@@ -158,6 +158,7 @@ class OpBench {
       throw std::invalid_argument("weight kind must be dense or affine");
     }
     w.experts = E;
+    max_cols_ = std::max(max_cols_, w.cols);
     weights_.push_back(std::make_unique<Weight>(w));
     ops_->place_weights({weights_.back().get()});
     return int(weights_.size() - 1);
@@ -237,6 +238,9 @@ class OpBench {
     if (phase != "prefill" && phase != "decode") throw std::invalid_argument("phase must be prefill or decode");
     if (repeats < 1) throw std::invalid_argument("repeats must be >= 1");
     Ops& o = *ops_;
+    // The bench has no model scratch: the ops with matmuls size the backend's for their rows and the widest weight.
+    if (phase == "prefill" && (op.find("matmul") != std::string::npos || op == "moe"))
+      o.reserve_matmul(T(op == "add_rms_norm_matmuls" ? "a" : "x").rows, max_cols_);
     o.begin(phase == "decode" ? Phase::Decode : Phase::Prefill);
     try {
      for (int64_t rep = 0; rep < repeats; ++rep) {
@@ -339,6 +343,7 @@ class OpBench {
 
   std::unique_ptr<Ops> ops_;
   std::vector<Tensor> tensors_, views_;
+  int64_t max_cols_ = 0;  // the widest weight made (reserve_matmul)
   std::vector<std::unique_ptr<Weight>> weights_;
   std::vector<nb::object> keep_;  // the arrays weights point into (the CPU reads them in place)
   StepStats stats_{};

@@ -295,7 +295,9 @@ def test_full_model_shapes_compile_dry(arch, cache):
 
 
 @pytest.mark.parametrize("opts,dense_want,experts_want", [
-    ({}, "one f16 term scaled by 2^e per row and group part (prefill_x = f16)",
+    ({}, "f16 rows scaled by 2^e per row by a pre-pass (matmul_x_rows, once per op and x)",
+     "one f16 term scaled by 2^e per row and group part (prefill_x or moe_x = f16)"),
+    ({"gemm_x_rows": False}, "one f16 term scaled by 2^e per row and group part (prefill_x = f16) (gemm_x_rows=False)",
      "one f16 term scaled by 2^e per row and group part (prefill_x or moe_x = f16)"),
     ({"prefill_x": "bf16x2", "moe_x": "bf16"}, "bf16 hi+lo (prefill_x = bf16x2)",
      "one bf16 term (prefill_x or moe_x = bf16)"),
@@ -303,7 +305,7 @@ def test_full_model_shapes_compile_dry(arch, cache):
      "hi + lo bf16 (prefill_x or moe_x = bf16x2)"),
     ({"moe_x": "prefill", "prefill_x": "bf16"}, "one bf16 term (prefill_x = bf16)",
      "one bf16 term (prefill_x or moe_x = bf16)"),
-], ids=["default_f16", "moe_bf16", "dense_bf16", "follow"])
+], ids=["default_f16", "x_part_scales", "moe_bf16", "dense_bf16", "follow"])
 def test_prefill_x_options_reach_their_gemms(cache, opts, dense_want, experts_want):
     """prefill_x sets the dense prefill GEMMs' activation form and moe_x the expert GEMMs' ("prefill": follow
     prefill_x); each form compiles for the real shapes, and the report names it. A dense bf16 weight refuses f16 for hi
@@ -440,11 +442,12 @@ def _prefill_gemm_variants(b):
 
 @pytest.mark.parametrize("frag", [None, True])
 def test_gemm_frag_compiles_and_reports(cache, frag):
-    """gemm_frag (off by default until measured on a GPU): the real model's 4-bit prefill GEMMs at every tile height
-    compile with each warp widening its codes into B fragments, under each activation form; 8-bit and dense weights
-    keep the converted tile; report() says which, and lists the option among the optimizations either way."""
+    """gemm_frag (off by default: measured slower on the H200): the real model's 4-bit prefill GEMMs of integer codes
+    (gemm_w_f16 off) at every tile height compile with each warp widening its codes into B fragments, under each
+    activation form; 8-bit and dense weights keep the converted tile; report() says which, and lists the option among
+    the optimizations either way."""
     for form in ("f16", "bf16x2"):
-        b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, "prefill_x": form,
+        b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, "prefill_x": form, "gemm_w_f16": False,
                                   **({} if frag is None else {"gemm_frag": frag})})
         for fmt, name, text in _prefill_gemm_variants(b):
             if fmt == "q4" and frag:
@@ -458,14 +461,15 @@ def test_gemm_frag_compiles_and_reports(cache, frag):
         assert ("not active: prefill GEMM fragment widening (gemm_frag=False" in opt) != bool(frag), opt
 
 
-@pytest.mark.parametrize("wf16", [None, True])
-def test_gemm_w_f16_compiles_and_reports(cache, wf16):
-    """gemm_w_f16 (off by default until measured on a GPU): the real model's affine prefill GEMMs at every tile height
-    compile with the weights dequantized to f16 in the shared tile when x is one f16 term; with x as bf16 hi + lo, and
-    for dense weights, the codes path stays and the variant says why; report() lists the option either way."""
+@pytest.mark.parametrize("option", [None, False])
+def test_gemm_w_f16_compiles_and_reports(cache, option):
+    """gemm_w_f16 (on by default): the real model's affine prefill GEMMs at every tile height compile with the weights
+    dequantized to f16 in the shared tile when x is one f16 term; with x as bf16 hi + lo, and for dense weights, the
+    codes path stays and the variant says why; report() lists the option either way."""
+    wf16 = option is None
     for form in ("f16", "bf16x2"):
         b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, "prefill_x": form,
-                                  **({} if wf16 is None else {"gemm_w_f16": wf16})})
+                                  **({} if option is None else {"gemm_w_f16": option})})
         for fmt, name, text in _prefill_gemm_variants(b):
             if wf16 and fmt != "bf16" and form == "f16":
                 assert "weights dequantized to f16 (s·q + b) in the shared tile" in text and "_wf16" in name, text
@@ -478,11 +482,10 @@ def test_gemm_w_f16_compiles_and_reports(cache, wf16):
         assert ("not active: f16 weight tiles in the prefill GEMMs (gemm_w_f16=False)" in opt) != bool(wf16), opt
 
 
-@pytest.mark.parametrize("opts,applied", [({}, False), ({"moe_w_f16": True}, True),
-                                          ({"moe_w_f16": True, "prefill_x": "bf16x2"}, False),
-                                          ({"moe_w_f16": True, "moe_frag": 0}, False)])
+@pytest.mark.parametrize("opts,applied", [({}, True), ({"moe_w_f16": False}, False),
+                                          ({"prefill_x": "bf16x2"}, False), ({"moe_frag": 0}, False)])
 def test_moe_w_f16_compiles_and_reports(cache, opts, applied):
-    """moe_w_f16 (off by default until measured on a GPU): the real model's MoE prefill fragment tiles of 16 and 32 rows
+    """moe_w_f16 (on by default): the real model's MoE prefill fragment tiles of 16 and 32 rows
     compile with the experts' weights dequantized to f16 in registers when x is one f16 term; without the fragment
     tiles or with x as bf16 hi + lo the codes path stays and the variant says why; report() lists the option."""
     b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
@@ -493,11 +496,12 @@ def test_moe_w_f16_compiles_and_reports(cache, opts, applied):
               out=b.empty(T, H, poison=False))
         text = b.report()["variants"]["moe.experts.prefill"]
         assert ("the experts' weights dequantized to f16 (s·q + b) in registers" in text) == applied, text
+        option = opts.get("moe_w_f16", True)
         assert ("moe_w_f16 not applied: it needs the fragment tiles and x as one f16 term" in text) == \
-            (bool(opts.get("moe_w_f16")) and not applied), text
+            (option and not applied), text
     opt = " ".join(b.report()["optimizations"])
-    assert ("the experts' weights dequantized to f16 (s·q + b) in registers, each group part" in opt) == \
-        bool(opts.get("moe_w_f16")), opt
+    assert ("the experts' weights dequantized to f16 (s·q + b) in registers, each group part" in opt) == option, opt
+    assert ("not active: f16 expert weights in the MoE prefill GEMMs (moe_w_f16=False)" in opt) != option, opt
 
 
 @pytest.mark.parametrize("pipe", [None, 0, 2, 4])

@@ -203,6 +203,9 @@ class Ops {
   virtual size_t workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const = 0;
   // Grows backend-internal per-thread scratch for forwards of up to `rows` tokens (outside steps).
   virtual void reserve(const ModelConfig& cfg, int64_t rows) {}
+  // The same for prefill matmuls of up to `rows` rows of `cols` inputs, for op harnesses that call matmul without a
+  // model (reserve() covers the model's). Outside steps.
+  virtual void reserve_matmul(int64_t rows, int64_t cols) {}
 
   // ---- steps ----
   // `repeats`: the step's launches recur with the same arguments, step after step (decode steps do by design;

@@ -421,7 +421,12 @@ size_t CudaOps::workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t ma
   return std::max(need, sample_workspace_bytes(cfg.vocab));
 }
 
-void CudaOps::reserve(const ModelConfig&, int64_t) {}
+void CudaOps::reserve(const ModelConfig& cfg, int64_t rows) {
+  // The widest input of any prefill matmul of the model: the projections (hidden), o_proj and out_proj (the heads'
+  // and the value heads' width), the shared expert's down (its intermediate), the MTP block's fc (2 · hidden).
+  const int64_t cols = std::max({2 * cfg.hidden, cfg.heads * cfg.head_dim, cfg.value_dim(), cfg.shared_inter, cfg.moe_inter});
+  reserve_matmul(rows, cols);
+}
 
 std::map<std::string, size_t> CudaOps::memory_by_kind() const {
   std::map<std::string, size_t> m;
@@ -568,7 +573,10 @@ void CudaOps::execute(OpKind kind, const OpRun& run) {
     return;
   }
   const size_t first = launches_.size();
+  memo_skip_ = false;
   run();
+  ++graph_stats_.memo_misses;
+  if (memo_skip_) return;  // its launches depend on more than its arguments (the op's number)
   MemoEntry e;
   for (size_t i = first; i < launches_.size(); ++i) {
     Launch l = launches_[i];
@@ -577,7 +585,6 @@ void CudaOps::execute(OpKind kind, const OpRun& run) {
     e.args.insert(e.args.end(), args_.begin() + long(at), args_.begin() + long(at + l.args_len));
     e.launches.push_back(l);
   }
-  ++graph_stats_.memo_misses;
   if (memo_.size() < 65536) memo_.emplace(memo_key_, std::move(e));  // a bound against runaway growth
 }
 
@@ -995,6 +1002,16 @@ std::vector<std::string> CudaOps::optimizations() const {
                                "registers, each group part folded by the x scale alone (moe_w_f16)"
                              : "not active: f16 expert weights in the MoE prefill GEMMs (moe_w_f16=False): the integer "
                                "codes enter the MMAs exactly");
+  const bool x_rows = opt_.gemm_w_f16 && opt_.gemm_x_rows;
+  o.push_back(x_rows ? "prefill GEMMs with f16 weight tiles take x as f16 rows scaled once per row by a pre-pass "
+                       "(matmul_x_rows, once per op and x; gemm_x_rows), the MMAs accumulating without a group fold"
+              : std::string("not active: x as pre-scaled f16 rows in the prefill GEMMs (") +
+                    (opt_.gemm_w_f16 ? "gemm_x_rows=False" : "it needs gemm_w_f16") +
+                    "): x is scaled per row and group part in the tile, each part folded");
+  o.push_back(x_rows && opt_.gemm_tile128
+                  ? "128-row prefill GEMM tiles where their grid fills every SM twice (gemm_tile128; warp tiles 32 x 64)"
+                  : std::string("not active: 128-row prefill GEMM tiles (") +
+                        (x_rows ? "gemm_tile128=False" : "they need x as f16 rows, gemm_x_rows") + ")");
   o.push_back(opt_.attn_prefill_split
                   ? "split-KV prefill attention for few rows: up to 64 query rows whose grid leaves SMs idle read the "
                     "keys in ranges over more blocks, merged by attn_prefill_reduce (attention.prefill_split says when)"

@@ -160,11 +160,18 @@ struct CudaOptions {
   bool gemm_frag = false;
   // Prefill GEMMs of affine codes with x as f16 (prefill_x "f16"): the W tile holds f16(s·q + b) instead of the codes,
   // so no per-group fold of the scale and no b·Σx term (kernels/matmul.cu WF16). Not the codes path's bits: the
-  // weights are rounded to f16 (≤ 2^-11 relative). Off until a GPU has run its tests and an A/B: benchmarks/NOTES.md.
-  bool gemm_w_f16 = false;
+  // weights are rounded to f16 (≤ 2^-11 relative). Measured +5% prefill at 4K on the H100: benchmarks/NOTES.md.
+  bool gemm_w_f16 = true;
   // The same for the MoE prefill GEMMs' fragment tiles (4-bit experts, x as f16): each lane turns its widened code
-  // pairs into f16 weights (kernels/moe.cu MWF16). Off until measured.
-  bool moe_w_f16 = false;
+  // pairs into f16 weights (kernels/moe.cu MWF16). Measured +4% more at 4K on the H100.
+  bool moe_w_f16 = true;
+  // Prefill GEMMs with f16 weight tiles (gemm_w_f16): x as f16 rows scaled once per row by a pre-pass (matmul_x_rows,
+  // one per op and x), copied into the tiles by cp.async, the MMAs accumulating straight into the outputs (no group
+  // accumulator, no fold; kernels/matmul.cu XROW). Not gemm_w_f16's bits alone (another x scale). benchmarks/NOTES.md.
+  bool gemm_x_rows = true;
+  // With gemm_x_rows, GEMMs whose 128-row grid still fills every SM twice run 128-row tiles (warp tiles 32 x 64: each
+  // converted W tile and fragment serves twice the rows). The same bits as the smaller tiles.
+  bool gemm_tile128 = true;
   // Programmatic dependent launch (sm_90+): which launches get it. Decode (the default): the decode steps' (their
   // grids fit in one wave, so the next kernel's blocks take SM room its predecessor no longer needs; the decode
   // GEMVs, the MoE down pass, the conv and the recurrence load weights and carried state before they wait):
@@ -207,6 +214,7 @@ class CudaOps final : public Ops {
   void place_weights(const std::vector<Weight*>& weights) override;
   size_t workspace_bytes(const ModelConfig& cfg, int64_t rows, int64_t max_ctx) const override;
   void reserve(const ModelConfig& cfg, int64_t rows) override;
+  void reserve_matmul(int64_t rows, int64_t cols) override;
   void wait(uint64_t fence) override;
 
   std::string matmul_variant(const Weight& w, Phase phase) const override;
@@ -389,6 +397,19 @@ class CudaOps final : public Ops {
   CUdeviceptr norm_counters_ = 0;
   std::unordered_map<int32_t, int> norm_counter_slot_;
   int norm_counter_slot(int32_t sum_buf);
+  // The XROW prefill GEMMs' x as f16 rows (gemm_x_rows; kernels/matmul.cu matmul_x_rows): kXRowSlots slots of
+  // [xrows_rows_][xrows_kp_] halves then [xrows_rows_] floats (each row's 2^-e), one per lane a hazard stage's ops may
+  // run on side by side (issue_staged puts op o of a stage on lane (o - first) % lanes, lanes <= kXRowSlots, so ops
+  // with different o % kXRowSlots never share a slot while they could overlap). Sized outside steps by reserve() /
+  // reserve_matmul(); a GEMM that does not fit is refused by name. xrows_op_ / xrows_src_: the op and x whose rows the
+  // slot holds, so the products of one matmuls group share one pre-pass. The slot follows the op's number, which an
+  // encode memo entry would freeze: such ops are not memoised (memo_skip_).
+  static constexpr int kXRowSlots = 4;
+  Tensor xrows_;
+  int64_t xrows_rows_ = 0, xrows_kp_ = 0;
+  int64_t xrows_op_ = -1;
+  std::string xrows_src_;
+  size_t xrow_slot_bytes() const;
   struct MoeArgs experts_args(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
                               const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out,
                               const std::string& what, bool& aligned);
@@ -452,6 +473,7 @@ class CudaOps final : public Ops {
   };
   std::unordered_map<std::string, MemoEntry> memo_;
   std::string memo_key_;  // scratch for the lookup (no allocation once grown)
+  bool memo_skip_ = false;  // set by an op whose launches depend on more than its arguments: not memoised
   void forget_encodings() { memo_.clear(); }
   // Timing events around graph replays, oldest first; read once the step's fence has been waited for.
   std::vector<std::pair<CUevent, CUevent>> replay_timing_, spare_timing_;

@@ -195,7 +195,7 @@ int64_t gemv_dp4a_rows(const Weight& w) {
 }
 
 struct MatmulVariant {
-  bool gemm = false, mma = false, dp4a = false;
+  bool gemm = false, mma = false, dp4a = false, xrow = false;
   std::string name, reason;
   Defines defines;
 };
@@ -229,6 +229,9 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
                                                           : nullptr;
   const bool wf16 = no_wf16 == nullptr;  // xf16: a prefill GEMM of affine codes (bits 2, 4 or 8)
   if (wf16) v.defines.push_back({"WF16", 1});
+  // x as f16 rows scaled once per row by a pre-pass (matmul.cu XROW), accumulated without a fold.
+  v.xrow = wf16 && ops.options().gemm_x_rows;
+  if (v.xrow) v.defines.push_back({"XROW", 1});
 
   const std::string kind = w.quantized() ? "q" + std::to_string(w.bits) : dtype_name(w.dtype);
   std::string fmt = w.quantized() ? "g" + std::to_string(w.group) + "_" + dtype_name(w.scale_dtype) + "s" : "";
@@ -269,13 +272,13 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
   } else {
     const std::string mode = codes ? "codes" : (!w.quantized() && w.dtype == DType::BF16) ? "bf16" : "split";
     v.name = "gemm_" + kind + "_mma_" + mode + (fmt.empty() ? "" : "_" + fmt) +
-             (xf16 ? "_xf16" : "_x" + std::to_string(xs)) + (gfrag ? "_frag" : "") + (wf16 ? "_wf16" : "") + ld_suffix +
-             sc_suffix;
+             (xf16 ? "_xf16" : "_x" + std::to_string(xs)) + (gfrag ? "_frag" : "") + (wf16 ? "_wf16" : "") +
+             (v.xrow ? "_xrows" : "") + ld_suffix + sc_suffix;
     const bool f16_refused = xform == CudaOptions::XForm::F16 && !codes;
     v.reason = std::string("mma.sync m16n8k16 ") + (xf16 ? "f16" : "bf16") +
                ", tile 64x128x64, next K block prefetched into registers during the MMAs, 2 blocks per SM, " +
-               (wf16  ? std::string("weights dequantized to f16 (s·q + b) in the shared tile, each group part folded by "
-                                    "the x scale alone (gemm_w_f16)")
+               (wf16  ? std::string("weights dequantized to f16 (s·q + b) in the shared tile") +
+                            (v.xrow ? " (gemm_w_f16)" : ", each group part folded by the x scale alone (gemm_w_f16)")
                 : codes ? "integer codes with fp32 per-group scale/bias" +
                             std::string(gfrag ? ", each warp widening its columns' 4-bit codes into B fragments (gemm_frag)"
                                         : w.bits == 4 ? ", a converted W tile in shared memory (gemm_frag=False)"
@@ -283,7 +286,11 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
                       : mode == "bf16" ? "bf16 weights as stored" : "weights as bf16 hi+lo") +
                (codes && !wf16 && ops.options().gemm_w_f16 ? std::string(" (no f16 weight tile: ") + no_wf16 + ")" : "") +
                ", x as " +
-               (xf16 ? "one f16 term scaled by 2^e per row and group part (prefill_x = f16)"
+               (v.xrow ? "f16 rows scaled by 2^e per row by a pre-pass (matmul_x_rows, once per op and x), copied "
+                         "into two alternating tiles by cp.async, the MMAs accumulating straight into the outputs "
+                         "(gemm_x_rows)"
+                : xf16 ? "one f16 term scaled by 2^e per row and group part (prefill_x = f16)" +
+                             std::string(wf16 ? " (gemm_x_rows=False)" : "")
                      : xs == 2 ? std::string("bf16 hi+lo") +
                                      (f16_refused ? " (prefill_x = f16 needs integer codes in groups tiling the 64-wide "
                                                     "K block)" : " (prefill_x = bf16x2)")
@@ -294,6 +301,31 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
 }
 
 }  // namespace
+
+// Bytes of one slot of the XROW x rows (backend.h): the f16 rows, then the rows' 2^-e, each part 256-byte aligned.
+size_t CudaOps::xrow_slot_bytes() const {
+  const auto up = [](size_t b) { return (b + 255) / 256 * 256; };
+  return up(size_t(xrows_rows_) * size_t(xrows_kp_) * 2) + up(size_t(xrows_rows_) * 4);
+}
+
+void CudaOps::reserve_matmul(int64_t rows, int64_t cols) {
+  if (!opt_.gemm_w_f16 || !opt_.gemm_x_rows || rows <= 0 || cols <= 0) return;
+  const int64_t kp = ceil_div(cols, int64_t(kGemmBK)) * kGemmBK;
+  if (rows <= xrows_rows_ && kp <= xrows_kp_) return;
+  const int64_t old_rows = xrows_rows_, old_kp = xrows_kp_;
+  xrows_rows_ = std::max(rows, old_rows);
+  xrows_kp_ = std::max(kp, old_kp);
+  Tensor grown;
+  try {
+    grown = alloc("workspace", DType::F32, 1, int64_t(kXRowSlots * xrow_slot_bytes() / 4));
+  } catch (...) {
+    xrows_rows_ = old_rows, xrows_kp_ = old_kp;
+    throw;
+  }
+  release(xrows_);
+  xrows_ = grown;
+  xrows_op_ = -1;
+}
 
 // For a stacked weight (engine.report() asks about the routed experts) the variant of one expert's matrix.
 std::string CudaOps::matmul_variant(const Weight& w, Phase phase) const {
@@ -343,7 +375,9 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
   if (gy > 65535) throw std::invalid_argument("cuda matmul: weight " + describe(w) + " has too many rows for the GEMM grid");
   // 16 / 32-row tiles when 4x / 2x the 64-row grid still fits the SMs one block each (see the header): the same bits.
   const int64_t big_blocks = ceil_div(T, kGemmBM) * gy, sms = std::max(1, info().sms);
-  const int bm = !options().gemm_small_tiles ? kGemmBM
+  const int64_t blocks128 = ceil_div(T, 128) * gy;
+  const int bm = v.xrow && options().gemm_tile128 && blocks128 >= 2 * sms ? 128
+                 : !options().gemm_small_tiles ? kGemmBM
                  : 4 * big_blocks <= sms ? 16
                  : 2 * big_blocks <= sms ? 32
                                          : kGemmBM;
@@ -352,7 +386,9 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
   const int smem = gemm_smem(bm);
   const std::string grid = std::to_string(big_blocks) + " blocks";
   note_variant(key, v.name + (bm != kGemmBM ? "_m" + std::to_string(bm) : "") + ": " + v.reason + "; " +
-                        (bm == 16   ? "16-row tiles (the 64-row grid, " + grid +
+                        (bm == 128  ? "128-row tiles (the 128-row grid, " + std::to_string(blocks128) +
+                                        " blocks, fills every SM twice; warp tiles 32 x 64, gemm_tile128)"
+                         : bm == 16 ? "16-row tiles (the 64-row grid, " + grid +
                                         ", is at most a quarter of the SMs: 4x the blocks, a quarter of the MMAs each)"
                          : bm == 32 ? "32-row tiles (the 64-row grid, " + grid +
                                         ", is at most half the SMs: 2x the blocks, half the MMAs each)"
@@ -360,10 +396,31 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
                                                                          ? grid + ", over half the SMs"
                                                                          : "gemm_small_tiles=False") +
                                           ")"));
+  CUdeviceptr xa = ptr(x), xinv = 0;
+  int64_t lda = ldx;
+  if (v.xrow) {  // x as f16 rows in this op's slot (backend.h), written once per op and x
+    const int64_t kp = ceil_div(K, int64_t(kGemmBK)) * kGemmBK;
+    if (T > xrows_rows_ || kp > xrows_kp_)
+      throw std::logic_error("cuda matmul: the f16 x rows scratch holds " + std::to_string(xrows_rows_) + " rows of " +
+                             std::to_string(xrows_kp_) + " inputs, weight " + describe(w) + " needs " +
+                             std::to_string(T) + " of " + std::to_string(kp) + " (reserve / reserve_matmul size it)");
+    xa = ptr(xrows_) + CUdeviceptr(op_ % kXRowSlots) * xrow_slot_bytes();
+    xinv = xa + (size_t(xrows_rows_) * size_t(xrows_kp_) * 2 + 255) / 256 * 256;
+    lda = kp;
+    memo_skip_ = true;  // the slot is this op's number's
+    const std::string src = std::to_string(ptr(x)) + ":" + std::to_string(T) + ":" + std::to_string(ldx) + ":" +
+                            std::to_string(K);
+    if (xrows_op_ != op_ || xrows_src_ != src) {
+      launch(kernel("matmul", "matmul_x_rows", v.defines), Dim3{unsigned(T), 1, 1}, Dim3{unsigned(kThreads), 1, 1}, 0u,
+             ptr(x), Ti, ldx, xa, xinv);
+      xrows_op_ = op_;
+      xrows_src_ = src;
+    }
+  }
   const Kernel& k = kernel("matmul", "matmul_gemm", d);
   if (k.max_dynamic_smem < smem) set_dynamic_smem(k, smem);
-  launch(k, Dim3{unsigned(ceil_div(T, bm)), unsigned(gy), 1}, Dim3{unsigned(kThreads), 1, 1}, uint32_t(smem), ptr(x),
-         Ti, ldx, data(w), S, B, ptr(out), ldy, Ni);
+  launch(k, Dim3{unsigned(ceil_div(T, bm)), unsigned(gy), 1}, Dim3{unsigned(kThreads), 1, 1}, uint32_t(smem), xa,
+         Ti, lda, data(w), S, B, ptr(out), ldy, Ni, xinv);
 }
 
 // The CUDA-core GEMV over n parts (one weight format, the same x): each part's rows start on a block batch.

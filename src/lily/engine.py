@@ -317,8 +317,11 @@ class Engine:
         its columns' codes into tensor-core fragments instead of reading a converted weight tile, the same bits; default
         False: the same bits, measured 2% slower at 4K and 16K on the H200), ``gemm_w_f16`` (prefill GEMMs of
         affine weights with f16 x: the weights dequantized to f16 in the shared tile, no per-group fold; another
-        rounding (the weight's, 2^-11 relative); default False until measured), ``moe_w_f16`` (the same for the MoE
-        prefill GEMMs' 4-bit fragment tiles; default False), ``moe_frag`` (MoE prefill GEMMs of 4-bit experts with 16-row
+        rounding (the weight's, 2^-11 relative); default True: +5% prefill at 4K on the H100), ``moe_w_f16`` (the same
+        for the MoE prefill GEMMs' 4-bit fragment tiles; default True: +4% more), ``gemm_x_rows`` (with
+        ``gemm_w_f16``: x as f16 rows scaled once per row by a pre-pass, the MMAs accumulating without a per-group
+        fold; default True), ``gemm_tile128`` (with ``gemm_x_rows``: 128-row tiles for GEMMs whose grid still fills
+        every SM twice, the same bits; default True), ``moe_frag`` (MoE prefill GEMMs of 4-bit experts with 16-row
         tiles: each warp widens its own columns' codes into tensor-core fragments in registers, the K blocks through
         a cp.async ring of 3-6 stages, the same bits; 0 = a shared bf16 weight tile; default 3),
         ``moe_frag32_rows`` / ``moe_tile64_rows`` (the MoE prefill tile height by the expected rows per expert

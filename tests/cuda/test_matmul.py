@@ -554,7 +554,7 @@ def one_term_bound(x: np.ndarray, desc: dict, w64: np.ndarray, form: str) -> np.
 
 @pytest.fixture(scope="module")
 def one_term():
-    return {form: core.OpBench("cuda", {"prefill_x": form}) for form in ("f16", "bf16")}
+    return {form: core.OpBench("cuda", {"prefill_x": form, "gemm_w_f16": False}) for form in ("f16", "bf16")}
 
 
 def _wide_range_x(rng, t: int, k: int) -> np.ndarray:
@@ -613,7 +613,7 @@ def test_prefill_f16_small_tiles_same_bits(one_term, spec, n, k):
     rng = np.random.default_rng(zlib.crc32(f"f16 tiles {spec} {n} {k}".encode()))
     desc, _ = make_weight(rng, spec, n, k)
     x = _wide_range_x(rng, 130, k)
-    big = core.OpBench("cuda", {"prefill_x": "f16", "gemm_small_tiles": False})
+    big = core.OpBench("cuda", {"prefill_x": "f16", "gemm_w_f16": False, "gemm_small_tiles": False})
     for t in (3, 20, 130):
         ref = _run(big, desc, x[:t], "prefill")
         got = _run(one_term["f16"], desc, x[:t], "prefill")
@@ -634,7 +634,7 @@ def test_gemm_frag_same_bits(form, spec, n, k):
     rng = np.random.default_rng(zlib.crc32(f"frag {form} {spec} {n} {k}".encode()))
     desc, _ = make_weight(rng, spec, n, k)
     x = make_x(rng, 130, k)
-    frag, tile = (core.OpBench("cuda", {"prefill_x": form, "gemm_frag": f}) for f in (True, False))
+    frag, tile = (core.OpBench("cuda", {"prefill_x": form, "gemm_frag": f, "gemm_w_f16": False}) for f in (True, False))
     for t in (1, 7, 64, 130):
         got, ref = _run(frag, desc, x[:t], "prefill"), _run(tile, desc, x[:t], "prefill")
         np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32), err_msg=f"{form} {spec} T={t}")
@@ -661,14 +661,17 @@ def w_f16_bound(x: np.ndarray, desc: dict, w64: np.ndarray) -> np.ndarray:
     return u * 1.01 * (ax @ rounded.T) + 2.0 ** -21 * ax.sum(axis=1, keepdims=True) + 2e-5 * (ax @ wabs.T)
 
 
+@pytest.mark.parametrize("x_rows", [True, False], ids=["x_rows", "x_part_scales"])
 @pytest.mark.parametrize("spec,n,k", [("q4g64-bf16", 8192, 2048), ("q4g64-bf16", 2048, 4096), ("q8g64-f16", 100, 192),
-                                      ("q4g32-f32", 300, 1088), ("q4g128-f16", 64, 640), ("q8g128-bf16", 130, 256)])
-def test_gemm_w_f16(benches, one_term, spec, n, k):
-    """gemm_w_f16 (off by default until this test and an A/B have run on a GPU): within the two-rounding bound of every
-    output on rows past f16's range and of subnormal size, not the codes path's bits (the option took effect),
-    deterministic, rows independent of T and of the tile height, decode untouched; the report names the path."""
+                                      ("q4g32-f32", 300, 1088), ("q4g128-f16", 64, 640), ("q8g128-bf16", 130, 256),
+                                      ("q4g32-bf16", 77, 1056)])
+def test_gemm_w_f16(benches, one_term, spec, n, k, x_rows):
+    """gemm_w_f16 (on by default), with x as pre-scaled f16 rows (gemm_x_rows, the default) or scaled per group part:
+    within the two-rounding bound of every output on rows past f16's range and of subnormal size (K = 1056: a half
+    K block of padding), not the codes path's bits (the option took effect), deterministic, rows independent of T and
+    of the tile height, decode untouched; the report names the path."""
     cpu, _ = benches
-    wf = core.OpBench("cuda", {"prefill_x": "f16", "gemm_w_f16": True})
+    wf = core.OpBench("cuda", {"prefill_x": "f16", "gemm_w_f16": True, "gemm_x_rows": x_rows})
     rng = np.random.default_rng(zlib.crc32(f"wf16 {spec} {n} {k}".encode()))
     desc, w64 = make_weight(rng, spec, n, k)
     x = _wide_range_x(rng, 130, k)
@@ -682,11 +685,52 @@ def test_gemm_w_f16(benches, one_term, spec, n, k):
     assert np.array_equal(got.view(np.uint32), _run(wf, desc, x, "prefill").view(np.uint32)), "not deterministic"
     chunks = np.concatenate([_run(wf, desc, x[i:i + 7], "prefill") for i in range(0, 130, 7)])
     assert np.array_equal(got.view(np.uint32), chunks.view(np.uint32)), "chunks of 7 vs one batch"
-    big = core.OpBench("cuda", {"prefill_x": "f16", "gemm_w_f16": True, "gemm_small_tiles": False})
+    big = core.OpBench("cuda", {"prefill_x": "f16", "gemm_w_f16": True, "gemm_x_rows": x_rows,
+                                "gemm_small_tiles": False})
     for t in (3, 20):
         np.testing.assert_array_equal(_run(big, desc, x[:t], "prefill").view(np.uint32),
                                       _run(wf, desc, x[:t], "prefill").view(np.uint32), err_msg=f"tile heights T={t}")
     d1, d2 = _run(wf, desc, x[:3], "decode"), _run(one_term["f16"], desc, x[:3], "decode")
     assert np.array_equal(d1.view(np.uint32), d2.view(np.uint32)), "decode changed with gemm_w_f16"
     notes = [v for key, v in _variants(wf.report()).items() if key.startswith("matmul.prefill.")]
-    assert notes and all("_wf16" in v.split(":")[0] for v in notes), notes
+    assert notes and all("_wf16" in v.split(":")[0] and ("_xrows" in v.split(":")[0]) == x_rows for v in notes), notes
+    if x_rows:  # another x scale than the part scales': not their bits
+        parts = core.OpBench("cuda", {"prefill_x": "f16", "gemm_w_f16": True, "gemm_x_rows": False})
+        assert not np.array_equal(got.view(np.uint32), _run(parts, desc, x, "prefill").view(np.uint32))
+
+
+@pytest.mark.parametrize("spec,n,k", [("q4g64-bf16", 8192, 2048), ("q8g64-f16", 8320, 192), ("q4g32-f32", 8200, 1056)])
+def test_gemm_x_rows_tile128(benches, spec, n, k):
+    """gemm_x_rows' 128-row tiles (gemm_tile128, chosen when their grid fills every SM twice: 1100 rows of >= 8192
+    outputs): the 64-row tiles' bits (gemm_tile128 off), and the first 7 rows alone (16-row tiles) the same rows' bits;
+    within the f16-weight bound of the CPU; the report names the height."""
+    cpu, _ = benches
+    rng = np.random.default_rng(zlib.crc32(f"tile128 {spec} {n} {k}".encode()))
+    desc, w64 = make_weight(rng, spec, n, k)
+    x = _wide_range_x(rng, 1100, k)
+    t128, t64 = (core.OpBench("cuda", {"gemm_tile128": t}) for t in (True, False))
+    got = _run(t128, desc, x, "prefill")
+    ref = _run(cpu, desc, x, "prefill").astype(np.float64)
+    worst = float((np.abs(got.astype(np.float64) - ref) / w_f16_bound(x, desc, w64)).max())
+    assert worst <= 1.0, f"{spec} [{n}, {k}]: error {worst:.3g} of the f16-weight bound"
+    np.testing.assert_array_equal(got.view(np.uint32), _run(t64, desc, x, "prefill").view(np.uint32))
+    np.testing.assert_array_equal(got[:7].view(np.uint32), _run(t128, desc, x[:7], "prefill").view(np.uint32))
+    names = [v.split(":")[0] for key, v in _variants(t128.report()).items() if key.startswith("matmul.prefill.")]
+    assert any(nm.endswith("_m128") for nm in names), names
+    assert not any("_m128" in v for v in _variants(t64.report()).values())
+
+
+def test_gemm_x_rows_group_and_ops():
+    """One pre-pass serves every product of a matmuls group (the slot holds this op's x): each part has the bits of
+    its own matmul; a following op with another x of the same shape gets its own rows, not the group's."""
+    rng = np.random.default_rng(zlib.crc32(b"x rows group"))
+    descs = [make_weight(rng, "q4g64-bf16", n, 2048)[0] for n in (256, 600, 1)]
+    x, x2 = make_x(rng, 70, 2048), make_x(rng, 70, 2048)
+    b = core.OpBench("cuda", {})
+    outs = _run_group(b, descs, x, "prefill")
+    for d, o in zip(descs, outs):
+        np.testing.assert_array_equal(o[1:71].view(np.uint32), _run(b, d, x, "prefill").view(np.uint32))
+    again = _run_group(b, descs, x2, "prefill")
+    for d, o in zip(descs, again):
+        np.testing.assert_array_equal(o[1:71].view(np.uint32), _run(b, d, x2, "prefill").view(np.uint32))
+    assert not np.array_equal(outs[0], again[0])

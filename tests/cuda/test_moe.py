@@ -231,7 +231,7 @@ def test_experts_prefill_tiles_and_T(form):
     T = 7 16-row tiles. A token's output must not depend on the other tokens of the call or the tile size
     (chunked prefill equals one prefill bit for bit): the T = 7 call equals the first 7 rows of T = 80."""
     E, k, H, I = 16, 8, 2048, 512
-    benches = core.OpBench("cpu"), core.OpBench("cuda", {"prefill_x": form})
+    benches = core.OpBench("cpu"), core.OpBench("cuda", {"prefill_x": form, "moe_w_f16": False})
     handles = weights_for(benches, "q4g64-bf16", E, k, H, I)
     x, ids, w = token_inputs(5, E, k, H, 80)
     cpu, full = run_experts(benches, handles, "prefill", x, ids, w, E, k, H, I)
@@ -254,8 +254,8 @@ def test_experts_prefill_ring_same_bits(spec, E, k, H, I, form):
     """The cp.async ring (moe_pipe 2, 3, 4 stages; 64-row tiles, T·k/E ≥ moe_tile64_rows = 32) converts and
     multiplies what the register path (moe_pipe = 0) does: the same bits, equal to the 16-row tiles' (T = 7: the
     first rows), within the prefill tolerance of the CPU, and the report names the ring."""
-    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {"moe_pipe": p, "moe_tile64_rows": 32, "prefill_x": form})
-                                       for p in (0, 2, 3, 4)]
+    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {"moe_pipe": p, "moe_tile64_rows": 32, "prefill_x": form,
+                                                             "moe_w_f16": False}) for p in (0, 2, 3, 4)]
     rng = np.random.default_rng(zlib.crc32(f"ring {spec} {E} {H} {I}".encode()))
     descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
     handles = [tuple(b.weight(d) for d in descs) for b in benches]
@@ -282,7 +282,8 @@ def test_experts_prefill_frag_same_bits(spec, E, k, H, I, form):
     blocks through a ring of 3 or 6 stages) multiplies what the shared bf16 weight tile (moe_frag = 0) does: the same
     bits, within the prefill tolerance of the CPU, at T = 1, 7 and the most 16-row tokens; 8-bit experts keep the
     shared tile, and the reports say which form ran."""
-    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {"moe_frag": f, "prefill_x": form}) for f in (0, 3, 6)]
+    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {"moe_frag": f, "prefill_x": form, "moe_w_f16": False})
+                                       for f in (0, 3, 6)]
     rng = np.random.default_rng(zlib.crc32(f"frag {spec} {E} {H} {I}".encode()))
     descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
     handles = [tuple(b.weight(d) for d in descs) for b in benches]
@@ -313,7 +314,8 @@ def test_experts_prefill_frag32_same_bits(spec, E, k, H, I, form):
     several 32-row tiles with a short last one; the others hold 1-16 or 17-32 rows by T. The reports name the height."""
     opts = {"frag16": {"moe_frag32_rows": 1024}, "frag32": {"moe_frag32_rows": 1}, "shared16": {"moe_frag": 0},
             "tile64": {"moe_tile64_rows": 1}}
-    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {**o, "prefill_x": form}) for o in opts.values()]
+    benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {**o, "prefill_x": form, "moe_w_f16": False})
+                                       for o in opts.values()]
     rng = np.random.default_rng(zlib.crc32(f"frag32 {spec} {E} {H} {I}".encode()))
     descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
     handles = [tuple(b.weight(d) for d in descs) for b in benches]
@@ -342,7 +344,7 @@ W_F16_TOL = 8 * 2.0 ** -12  # x, act and the three weights each rounded once to 
 
 @pytest.mark.parametrize("spec,E,k,H,I", [c for c in EXPERT_CASES if c[0] in ("q4g64-bf16", "q4g32-f32")])
 def test_experts_prefill_w_f16(one_term_benches, spec, E, k, H, I):
-    """moe_w_f16 (off by default until this test and an A/B have run on a GPU): the fragment tiles with the experts'
+    """moe_w_f16 (on by default): the fragment tiles with the experts'
     weights dequantized to f16 in registers stay within the tolerance of their roundings (x, act and the weights each
     rounded once) on tokens past f16's range and of subnormal size, are not the codes path's bits (the option took
     effect), are deterministic, and give a token the same bits whatever the call (T = 7 = the first 7 rows of T = 80)."""
@@ -588,7 +590,8 @@ ONE_TERM_TOL = {"bf16": 4 * 2.0 ** -9, "f16": F16_TOL}  # u per rounding, enteri
 
 @pytest.fixture(scope="module")
 def one_term_benches():
-    return {form: (core.OpBench("cpu"), core.OpBench("cuda", {"prefill_x": form})) for form in ("f16", "bf16")}
+    return {form: (core.OpBench("cpu"), core.OpBench("cuda", {"prefill_x": form, "moe_w_f16": False}))
+            for form in ("f16", "bf16")}
 
 
 @pytest.mark.parametrize("form", ["f16", "bf16"])

@@ -23,6 +23,11 @@
 //   WF16   GEMM only, with XF (the host's gemm_w_f16): the W tile holds the weights themselves, f16(s·q + b) by one
 //          f16x2 FMA per pair (s, b as f16), so each part's fold is acc += 2^-e·D: no group scale, no b·Σx term, no
 //          Σx. Another rounding (the weight's, ≤ 2^-11 relative, besides x's), so not the codes path's bits
+//   XROW   GEMM only, with WF16 (the host's gemm_x_rows): x arrives as f16 rows already scaled by 2^e per ROW (one e
+//          over the whole K, matmul_x_rows below; row stride ldx in halves, K padded with zeros to whole K blocks),
+//          staged by cp.async into two alternating tiles; the MMAs accumulate straight into the outputs (no group
+//          accumulator, no fold) and the epilogue multiplies by the row's 2^-e. Not WF16's bits (another x scale)
+//   GBM    GEMM only: tile rows 64, 32 / 16 for small grids, 128 (XROW only) for large ones (matmul.cpp)
 //   NORM   GEMV only: 0 plain; 1 / 2: the RMSNorm (after a residual add) in front, done by every block (below)
 // One module per (K, format, alignment) serves both phases: ~6 modules for the real model.
 //
@@ -47,6 +52,10 @@
 // the tensor cores, W codes exact, x as bf16 hi + lo; scales/biases staged per 32-row tile in shared memory
 // with coalesced loads, two spans of codes in flight per warp; see its section at the end of the file. Floor as
 // above: 286 MB for the lm_head; ~2.4 instructions per code instead of ~3.8.
+//
+// matmul_x_rows (prefill, XROW): x f32 [T, K] (stride ldx) -> f16 [T, KP] (KP = K rounded up to the 64-wide K block,
+// the padding zero) scaled by 2^e, e from the row's max |x| (quant.cuh f16_part_scale: the max lands in [2^14, 2^15)),
+// and the row's 2^-e in xinv [T]. Grid T, block 256. Floor: 6·T·K bytes (f32 read, f16 written).
 //
 // matmul_gemm (prefill, any T): mma.sync m16n8k16 bf16 → f32. Block 256 threads = 8 warps (2 along T × 4
 // along N), tile BM 64 (T) × BN 128 (N) × BK 64 (K), warp tile 32 × 32; grid (ceil(T/BM), ceil(N/128)), T
@@ -109,6 +118,9 @@
 #endif
 #ifndef WF16
 #define WF16 0  // GEMM only, with XF: the W tile as f16 weights (s·q + b), folded by the x scale alone (below)
+#endif
+#ifndef XROW
+#define XROW 0  // GEMM only, with WF16: x as pre-scaled f16 rows (matmul_x_rows), accumulated without a fold
 #endif
 
 #define NT 256
@@ -749,9 +761,11 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
 
 #define BM GBM
 #define BN 128
-static_assert(BM == 64 || BM == 32 || BM == 16, "GEMM tile rows: 64, or 32 / 16 for small grids");
-// Warps: 2 along T × 4 along N with warp tiles of 32 × 32 (BM 64), or 1 × 8 with 32 × 16 (BM 32) / 16 × 16 (BM 16).
-#define G_WARPS_M (BM == 64 ? 2 : 1)
+static_assert(BM == 128 || BM == 64 || BM == 32 || BM == 16, "GEMM tile rows: 64, 32 / 16 for small grids, 128");
+static_assert(BM != 128 || XROW, "128-row tiles take x as f16 rows (XROW): the f32 staging has one row per 4 threads");
+// Warps: 2 along T × 4 along N with warp tiles of 32 × 32 (BM 64), 4 × 2 with 32 × 64 (BM 128: each fragment feeds
+// twice the MMAs, each converted W tile twice the rows), or 1 × 8 with 32 × 16 (BM 32) / 16 × 16 (BM 16).
+#define G_WARPS_M (BM == 128 ? 4 : BM == 64 ? 2 : 1)
 #define G_WARPS_N (8 / G_WARPS_M)
 #define G_WTM (BM / G_WARPS_M)
 #define G_WTN (BN / G_WARPS_N)
@@ -769,8 +783,8 @@ constexpr int CPR = BK * EB / 8 / 16;            // 16-byte chunks of a row per 
 constexpr int KB = (K + BK - 1) / BK;
 
 // Shared layout (bytes): x hi, x lo [BM][LDS] bf16; W hi, W lo [BN][LDS] bf16; Σx [BM][4] f32;
-// scales, biases [BN][4] f32; x's 2^-e [BM][4] f32 (XF). 61,440 bytes in all at BM 64, 51,200 at 32, 46,080 at 16
-// (matmul.cpp gemm_smem).
+// scales, biases [BN][4] f32; x's 2^-e [BM][4] f32 (XF). 61,440 bytes in all at BM 64, 51,200 at 32, 46,080 at 16,
+// 81,920 at 128 (matmul.cpp gemm_smem). XROW: x's two alternating f16 tiles are the x hi and x lo arrays.
 #define SM_XH 0
 #define SM_XL (SM_XH + BM * LDS * 2)
 #define SM_WH (SM_XL + BM * LDS * 2)
@@ -780,7 +794,8 @@ constexpr int KB = (K + BK - 1) / BK;
 #define SM_BS (SM_SS + BN * 4 * 4)
 #define SM_XR (SM_BS + BN * 4 * 4)
 #define GEMM_SMEM (SM_XR + BM * 4 * 4)
-static_assert(GEMM_SMEM == (BM == 64 ? 61440 : BM == 32 ? 51200 : 46080), "matmul.cpp gemm_smem");
+static_assert(GEMM_SMEM == (BM == 128 ? 81920 : BM == 64 ? 61440 : BM == 32 ? 51200 : 46080), "matmul.cpp gemm_smem");
+static_assert(XROW == 0 || WF16 == 1, "XROW: f16 weight tiles (WF16) with x as pre-scaled f16 rows");
 static_assert(XF == 0 || (XS == 1 && WM == 0), "XF: one f16 x term, affine codes folded per group part");
 static_assert(WF16 == 0 || (XF == 1 && GFRAG == 0 && GROUP % EPC == 0),
               "WF16: f16 x, a converted W tile, one group per 16-byte chunk of codes");
@@ -819,7 +834,8 @@ constexpr int GEMM_SCH = WM == 0 ? (BN * NP + NT - 1) / NT : 1;  // group scales
 
 extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
     matmul_gemm(const float* __restrict__ x, int T, i64 ldx, const unsigned char* __restrict__ W,
-                const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N) {
+                const void* __restrict__ S, const void* __restrict__ B, float* __restrict__ y, i64 ldy, int N,
+                const float* __restrict__ xinv) {
   LILY_PDL_PROLOGUE();
   extern __shared__ __align__(16) unsigned char smem[];
   u16* xh = reinterpret_cast<u16*>(smem + SM_XH);
@@ -868,7 +884,8 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
   auto load_block = [&](int kb) {
     const i64 kbase = i64(kb) * BK;
     const i64 k0 = kbase + xq * 16;
-    if (xrow && xvec && k0 + 16 <= K) {
+    if (XROW) {  // x comes by cp.async (issue_x)
+    } else if (xrow && xvec && k0 + 16 <= K) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float4 f = __ldg(reinterpret_cast<const float4*>(xrowp + k0) + i);
@@ -912,7 +929,7 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
   // Converts the carried block into the shared tile (the previous block's MMAs are done: barrier before).
   auto store_block = [&](int kb) {
     const i64 kbase = i64(kb) * BK;
-    if (xmine) {  // warp-uniform (BM · 4 threads are whole warps)
+    if (!XROW && xmine) {  // warp-uniform (BM · 4 threads are whole warps)
       constexpr int LP = GP >= 16 ? GP / 16 : 1;  // lanes sharing one group part (WM 0)
       u32 ph[8], pl[8];
       if (XF) {  // x · 2^e as f16, e from the part's max |x| over its LP lanes (quant.cuh)
@@ -1037,12 +1054,34 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
     }
   };
 
+  // XROW: K block kb's f16 x tile by cp.async into tile kb & 1 (x hi for even blocks, x lo for odd), 16 bytes per
+  // copy, rows past T zero-filled; the padded row stride means no column is ever past the rows' ends.
+  auto issue_x = [&](int kb) {
+    const u16* xh16 = reinterpret_cast<const u16*>(x);
+    u16* tile = (kb & 1) ? xl : xh;
+#pragma unroll
+    for (int i = 0; i < (BM * 8 + NT - 1) / NT; ++i) {
+      const int c = tid + i * NT, r = c >> 3, cc = c & 7;
+      if (c < BM * 8) {
+        const bool in = t0 + r < T;
+        cp_async16(smem_u32(tile + r * LDS + cc * 8), xh16 + (in ? (t0 + r) * ldx : 0) + i64(kb) * BK + cc * 8, in ? 16 : 0);
+      }
+    }
+    cp_async_commit();
+  };
+
+  if (XROW) issue_x(0);
   load_block(0);
   for (int kb = 0; kb < KB; ++kb) {
     const i64 kbase = i64(kb) * BK;
     store_block(kb);
+    if (XROW) cp_async_wait<0>();  // this thread's copies of x tile kb (the barrier makes them everyone's)
     __syncthreads();
-    if (kb + 1 < KB) load_block(kb + 1);  // in flight during this block's MMAs
+    if (kb + 1 < KB) {  // in flight during this block's MMAs (XROW: into the other x tile, last read two blocks ago)
+      if (XROW) issue_x(kb + 1);
+      load_block(kb + 1);
+    }
+    const u16* xa = (XROW && (kb & 1)) ? xl : xh;  // this block's A tile
 
     // ---- MMAs over the 4 k16 steps of the block
 #pragma unroll
@@ -1053,7 +1092,7 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
 #pragma unroll
       for (int mi = 0; mi < G_MI; ++mi) {
         const int row = wm * G_WTM + mi * 16 + (lane & 15), col = ks * 16 + (lane >> 4) * 8;
-        ldsm_x4(smem_u32(xh + row * LDS + col), ah[mi]);
+        ldsm_x4(smem_u32(xa + row * LDS + col), ah[mi]);
         if (XS == 2) ldsm_x4(smem_u32(xl + row * LDS + col), al[mi]);
       }
       if (GFRAG) {
@@ -1082,12 +1121,12 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
       for (int mi = 0; mi < G_MI; ++mi)
 #pragma unroll
         for (int ni = 0; ni < G_NI; ++ni) {
-          float* c = WM == 0 ? accg[mi][ni] : acc[mi][ni];
+          float* c = WM == 0 && !XROW ? accg[mi][ni] : acc[mi][ni];
           mma_m16n8k16<XF != 0>(c, ah[mi], bh[ni][0], bh[ni][1]);
           if (XS == 2) mma_m16n8k16(c, al[mi], bh[ni][0], bh[ni][1]);
           if (WM == 2) mma_m16n8k16(c, ah[mi], bl[ni][0], bl[ni][1]);
         }
-      if (WM == 0) {
+      if (WM == 0 && !XROW) {
         const int p = (ks * 16) / GP;
         const bool part_end = ((ks * 16 + 16) % GP) == 0;
         // XF folds at every part's end: each part has its own x scale
@@ -1123,8 +1162,37 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
       for (int e = 0; e < 4; ++e) {
         const i64 n = n0 + wn * G_WTN + ni * 8 + 2 * (lane & 3) + (e & 1);
         const i64 t = t0 + wm * G_WTM + mi * 16 + (lane >> 2) + (e >> 1) * 8;
-        if (t < T && n < N) y[t * ldy + n] = acc[mi][ni][e];
+        if (t < T && n < N) y[t * ldy + n] = XROW ? acc[mi][ni][e] * xinv[t] : acc[mi][ni][e];
       }
+}
+
+// x as f16 rows scaled by 2^e per row for the XROW GEMM (see the header): a block per row, the max |x| first (an
+// exact max, so any order), then the scaled pairs and the zero padding up to KP.
+extern "C" __global__ void __launch_bounds__(NT) matmul_x_rows(const float* __restrict__ x, int T, i64 ldx,
+                                                               u32* __restrict__ xh, float* __restrict__ xinv) {
+  LILY_PDL_PROLOGUE();
+  constexpr int KP = KB * BK;
+  __shared__ float wmax[NT / 32];
+  const int t = blockIdx.x, tid = threadIdx.x;
+  if (t >= T) return;
+  const float* row = x + i64(t) * ldx;
+  float am = 0.f;
+  for (int k = tid; k < K; k += NT) am = fmaxf(am, fabsf(row[k]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+  if ((tid & 31) == 0) wmax[tid >> 5] = am;
+  __syncthreads();
+  am = wmax[0];
+#pragma unroll
+  for (int w = 1; w < NT / 32; ++w) am = fmaxf(am, wmax[w]);
+  float sc, inv;
+  f16_part_scale(am, sc, inv);
+  u32* out = xh + i64(t) * (KP / 2);
+  for (int p = tid; p < KP / 2; p += NT) {
+    const int k = 2 * p;
+    out[p] = f16x2_rn(k < K ? row[k] * sc : 0.f, k + 1 < K ? row[k + 1] * sc : 0.f);
+  }
+  if (tid == 0) xinv[t] = inv;
 }
 
 // ------------------------------------------------------------------------------------------------------
