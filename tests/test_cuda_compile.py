@@ -586,7 +586,9 @@ def test_moe_frag_option_compiles_and_reports(cache, frag):
 @pytest.mark.parametrize("opts,text", [({}, "(2 gate+up rows per warp)"), ({"moe_rows_g": 4}, "(4 gate+up rows per warp)"),
                                        ({"moe_rows_g": 1, "moe_rows_d": 64}, "64 rows per block"),
                                        ({"moe_rows_d": 16}, "16 rows per block"),
-                                       ({"moe_decode_minb": 4}, "registers capped for 4 blocks per SM (moe_decode_minb)")])
+                                       ({"moe_decode_minb": 4}, "registers capped for 4 blocks per SM (moe_decode_minb)"),
+                                       ({"moe_early_loads": False}, "gate/up weight loads after x is staged "
+                                                                    "(moe_early_loads=False)")])
 def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
     """moe_rows_g / moe_rows_d / moe_decode_minb: the fused decode MoE of the real shapes compiles at each geometry and
     register cap, the variant names it (the default: 2 gate/up rows per warp, 8 down rows per block, no cap), and values
@@ -609,7 +611,11 @@ def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
     said = [o for o in b.report()["optimizations"] if "moe_decode_minb" in o and not o.startswith("moe.")]
     assert said == ([f"decode MoE kernels' registers capped for {opts['moe_decode_minb']} blocks per SM (moe_decode_minb)"]
                     if "moe_decode_minb" in opts else
-                    ["not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the compiler's choice"]), said
+                    ["not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the compiler's choice, "
+                     "but 3 blocks per SM for gate/up's early loads"]), said
+    early = "gate/up weight loads in flight while x is staged (the shared expert's before the wait)" in variant
+    assert early == (opts.get("moe_rows_g") != 4 and opts.get("moe_decode_minb", 0) <= 3
+                     and opts.get("moe_early_loads", True)), variant
     for bad in ({"moe_rows_g": 3}, {"moe_rows_g": -1}, {"moe_rows_d": 0}, {"moe_rows_d": 65}, {"moe_decode_minb": 9},
                 {"moe_decode_minb": -1}, {"moe_decode_minb": 2.0}, {"moe_decode_minb": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):

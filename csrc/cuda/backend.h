@@ -137,6 +137,10 @@ struct CudaOptions {
   // Blocks per SM the decode MoE kernels' registers must allow (__launch_bounds__; 0 = the compiler's choice, 3 at
   // the real shape; 4 caps them at 64 registers so the down pass's blocks sit beside gate/up's). The same bits.
   int moe_decode_minb = 0;
+  // The decode MoE's gate/up pass issues its weight loads while x is staged (after the routing; the shared expert's
+  // before its wait) instead of after: one DRAM round trip instead of several (kernels/moe.cu GU_EARLY). The same
+  // bits. False: the old order (an A/B).
+  bool moe_early_loads = true;
   // Prefill attention on tensor cores (bf16 caches): keys per K/V tile, 16 or 32. Shared memory per block is 101 KB or
   // 135 KB at head dim 256: two blocks per SM or one. benchmarks/NOTES.md.
   int attn_prefill_keys = 16;

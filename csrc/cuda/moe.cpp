@@ -330,11 +330,20 @@ void f16_expert_weights(ExpertsVariant& v, bool on) {
   }
 }
 
-// The decode kernels' register cap for `minb` blocks per SM (the option moe_decode_minb; kernels/moe.cu DEC_MINB).
-void cap_decode_registers(ExpertsVariant& v, int minb) {
+// The decode kernels' register cap for `minb` blocks per SM (the option moe_decode_minb; kernels/moe.cu DEC_MINB) and
+// the gate/up pass's load order (the option moe_early_loads; GU_ORDER, GU_EARLY: where a lane's weight vectors fit).
+void decode_caps_and_order(ExpertsVariant& v, const Weight& gate, int minb, bool early) {
   v.defines.push_back({"DEC_MINB", minb});
   if (minb > 0)
     v.text += ", registers capped for " + std::to_string(minb) + " blocks per SM (moe_decode_minb)";
+  if (!early) v.defines.push_back({"GU_ORDER", 0});
+  const int64_t nit = (gate.cols / codes_per_vector(gate) + 31) / 32;
+  const char* why_not = !early                  ? "moe_early_loads=False"
+                        : v.rows_g * nit > 4     ? "more than 4 weight vectors per lane"
+                        : minb > 3               ? "moe_decode_minb > 3 leaves no registers for them"
+                                                 : nullptr;
+  v.text += why_not ? std::string(", gate/up weight loads after x is staged (") + why_not + ")"
+                    : ", gate/up weight loads in flight while x is staged (the shared expert's before the wait)";
 }
 
 }  // namespace
@@ -426,7 +435,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
                                           info().max_smem_optin, options().moe_frag, options().moe_frag32_rows,
                                           options().moe_tile64_rows);
   if (ph == Phase::Decode) {
-    cap_decode_registers(v, options().moe_decode_minb);
+    decode_caps_and_order(v, gate, options().moe_decode_minb, options().moe_early_loads);
     note_variant("moe.experts.decode", v.text);
     const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
     const Kernel& k2 = kernel("moe", "moe_down_decode", v.defines);
@@ -518,7 +527,7 @@ void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tenso
   a.sgate_stride = shared_gate_logit.stride;
   ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned, CudaOptions::XForm::BF16x2, options().gemv_dp4a,
                                     options().moe_rows_g, options().moe_rows_d);
-  cap_decode_registers(v, options().moe_decode_minb);
+  decode_caps_and_order(v, w.gate, options().moe_decode_minb, options().moe_early_loads);
   v.defines.push_back({"FUSED", 1});
   // Under programmatic dependent launch the down pass routes its token itself and loads its weights before it
   // waits for the gate/up pass (kernels/moe.cu PREROUTE); otherwise it reads the ids the gate/up pass stored.

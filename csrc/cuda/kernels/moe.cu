@@ -26,7 +26,12 @@
 //       expert id from ids on the device, keeps x_t in shared memory (H floats, float4 index f stored at
 //       f ^ ((f>>3)&7): a lane reads 32 consecutive inputs, the swizzle makes a quarter-warp's float4
 //       reads hit 8 distinct bank quads), each warp owns ROWS_G rows of gate AND up (the same rows), lane
-//       l reads vectors l, l+32, ... of each row; act[slot, row] = silu(g)·u.
+//       l reads vectors l, l+32, ... of each row; act[slot, row] = silu(g)·u. Order (GU_EARLY, the default
+//       geometry): x into registers right after the wait, the routing, a barrier, then all the lane's weight
+//       loads, and only then x into shared memory and the barrier before the products, so x's L2 round trip
+//       overlaps the routing and its staging the weights' DRAM round trip (before, both preceded the loads,
+//       which the compiler then spread over the arithmetic); the shared expert's slot needs no routing and
+//       issues its weight loads before the wait (common.cuh's contract: weights only).
 //     moe_down_decode: grid (⌈H / ROWS_D⌉, T), block 256. The k act rows of token t in shared memory
 //       (swizzled as above); a group of LPR lanes (LPR = the power of two ≥ I/CPV, ≤ 32) owns one (row,
 //       slot) dot product, the ROWS_D·k partials land in shared memory and thread r sums row r's k of them
@@ -62,7 +67,8 @@
 //       BM/16 m16 tiles, A by ldmatrix, raw K blocks by a cp.async ring of S stages; the same MMAs in the same
 //       order, so the same bits (see its section).
 //     moe_expert_sum: grid T, block 256: out[t] = Σ_s w[t,s]·y[pair_pos[t,s]] in (id, slot) order.
-//   -D DEC_MINB (decode: blocks per SM the registers must allow, 0 = the compiler's choice),
+//   -D DEC_MINB (decode: blocks per SM the registers must allow, 0 = the compiler's choice, but 3 for the
+//   gate/up pass's early loads: GU_EARLY),
 //   WKIND (0 dense, 1 affine), WDT (dense dtype code), BITS, GROUP, SDT (scale dtype code), ALIGNED
 //   (1: every weight/activation address and stride allows 16-byte loads; 0: byte loads, a slow but
 //   correct path for unpadded checkpoints), DP4A (decode, above), PIPE (prefill ring stages, 0 = off), FRAG (the
@@ -297,8 +303,9 @@ __device__ __forceinline__ float moe_vec_dot_dp4a(const uint4 wv, const uint4* x
 __device__ __forceinline__ bool moe_valid_expert(int e) { return e >= 0 && e < NEXP; }
 
 // DEC_MINB (the host's moe_decode_minb): blocks per SM the two decode kernels' registers must allow (0: the
-// compiler's choice, 74-77 registers at the real shape, 3 blocks per SM). At 4, 64 registers: the 288 gate/up
-// blocks and nearly all 256 down blocks fit the SMs together, so more down blocks load their weights during gate/up.
+// compiler's choice, 77 registers for moe_down_decode at the real shape, 3 blocks per SM; moe_gate_up_decode: below).
+// At 4, 64 registers: the 288 gate/up blocks and nearly all 256 down blocks fit the SMs together, so more down blocks
+// load their weights during gate/up.
 #ifndef DEC_MINB
 #define DEC_MINB 0
 #endif
@@ -306,6 +313,22 @@ __device__ __forceinline__ bool moe_valid_expert(int e) { return e >= 0 && e < N
 #define MOE_DEC_BOUNDS __launch_bounds__(256, DEC_MINB)
 #else
 #define MOE_DEC_BOUNDS __launch_bounds__(256)
+#endif
+// GU_EARLY: moe_gate_up_decode issues its weight loads before it stages x, where a lane's weight vectors are the
+// host's default count (ROWS_G·GU_NIT ≤ 4: rows_g = 4 / nit) and the cap leaves registers for them (DEC_MINB ≤ 3).
+// All its weights and one vector's packed x are then live at once: left to itself the compiler takes 102 registers at
+// the real shape (2 blocks per SM: 264 slots on an H100 for the 288 blocks), so with DEC_MINB 0 and DP4A the bound
+// asks for 3 blocks (80 registers, one 4-byte spill after the staging's barrier). Otherwise the loads follow the
+// staging, as they did before (the compiler then spreads them over the arithmetic: 4-8 dependent DRAM round trips).
+#ifndef GU_ORDER
+#define GU_ORDER 1  // the host's moe_early_loads (0: the loads after the staging, for an A/B)
+#endif
+#define GU_NIT ((HID / CPV + 31) / 32)
+#define GU_EARLY (GU_ORDER && ROWS_G * GU_NIT <= 4 && DEC_MINB <= 3)
+#if DEC_MINB == 0 && DP4A && GU_EARLY
+#define MOE_GU_BOUNDS __launch_bounds__(256, 3)
+#else
+#define MOE_GU_BOUNDS MOE_DEC_BOUNDS
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -333,65 +356,17 @@ __device__ __forceinline__ float moe_vec_dot(const uint4 wv, const float4* xs, i
 #endif
 }
 
-extern "C" __global__ void MOE_DEC_BOUNDS moe_gate_up_decode(const MoeArgs a) {
-  LILY_PDL_PROLOGUE();
-  constexpr int NV = HID / CPV;          // vectors per gate/up row
-  constexpr int NIT = (NV + 31) / 32;    // per lane
-  constexpr int XF4 = (HID / 4 + 7) / 8 * 8;
-  extern __shared__ float4 moe_smem[];
-  float4* xs = moe_smem;  // [XF4], swizzled
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int slot = blockIdx.y, t = slot / SLOTS, s = slot - t * SLOTS;
-#if FUSED
-  // Every routed block routes its token itself (one warp, NEXP logits: cheaper than a launch); block
-  // (0, token's slot 0) also stores the routing for moe_down_decode and the caller.
-  __shared__ int route_id[TOPK];
-  if (s < TOPK && warp == 0) {
-    int id;
-    float wt;
-    route_warp(reinterpret_cast<const float*>(a.logits) + i64(t) * a.logits_stride, lane, id, wt);
-    if (lane < TOPK) {
-      route_id[lane] = id;
-      if (blockIdx.x == 0 && s == 0) {
-        reinterpret_cast<int*>(a.ids)[i64(t) * a.ids_stride + lane] = id;
-        reinterpret_cast<float*>(a.wts)[i64(t) * a.wts_stride + lane] = wt;
-      }
-    }
-  }
-  const bool shared_slot = s == TOPK;
-#else
-  const int e_routed = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + s];
-  constexpr bool shared_slot = false;
-#endif
-  const float* x = reinterpret_cast<const float*>(a.x) + i64(t) * a.x_stride;
-#if DP4A
-  uint4* xq = reinterpret_cast<uint4*>(moe_smem);
-  float* xsc = reinterpret_cast<float*>(xq + MQV * NV);
-  float* xsm = xsc + NV;
-  dp4a_quantize_rows<BITS>(x, 0, CPV, 1, NV, true, xq, xsc, xsm);
-  (void)xs;
-#else
-  for (int f = tid; f < XF4; f += 256) {
-    float4 v;
-    v.x = 4 * f < HID ? x[4 * f] : 0.f;
-    v.y = 4 * f + 1 < HID ? x[4 * f + 1] : 0.f;
-    v.z = 4 * f + 2 < HID ? x[4 * f + 2] : 0.f;
-    v.w = 4 * f + 3 < HID ? x[4 * f + 3] : 0.f;
-    xs[moe_swz(f)] = v;
-  }
-#endif
-  __syncthreads();
-#if FUSED
-  const int e = shared_slot ? 0 : route_id[s];
-#else
-  const int e = e_routed;
-#endif
-  float* act = reinterpret_cast<float*>(a.act) + i64(slot) * INTER;
-  const int row0 = (blockIdx.x * 8 + warp) * ROWS_G;
-  if (!moe_valid_expert(e)) {
-    if (lane < ROWS_G && row0 + lane < INTER) act[row0 + lane] = 0.f;
-    return;
-  }
+constexpr int GU_NV = HID / CPV;  // vectors per gate/up row (GU_NIT per lane)
+
+// The lane's vectors of rows row0 .. row0 + ROWS_G - 1 of one expert's gate and up (shared: the shared expert's
+// matrices, else routed expert e's), with their groups' scales and biases: ROWS_G·2·GU_NIT 16-byte loads in flight.
+// GU_EARLY: every load is issued, unpredicated: a row past INTER or a vector past GU_NV reads the last one instead
+// (the caller ignores both: a row's result is stored only for row < INTER and the products skip c ≥ GU_NV).
+// Predicated loads made the compiler branch around the last ones and widen the bf16 scales of the first ones before
+// that branch, i.e. wait a DRAM round trip before issuing them. Otherwise (loads after the staging) as before.
+__device__ __forceinline__ void moe_gate_up_load(const MoeArgs& a, bool shared, int e, int row0, int lane,
+                                                 uint4 (&wv)[ROWS_G][2][GU_NIT], float (&sc)[ROWS_G][2][GU_NIT],
+                                                 float (&bi)[ROWS_G][2][GU_NIT]) {
   const unsigned char* base[2];
 #if WKIND == 1
   const unsigned char* sbase[2];
@@ -399,29 +374,32 @@ extern "C" __global__ void MOE_DEC_BOUNDS moe_gate_up_decode(const MoeArgs a) {
 #endif
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
-    base[m] = shared_slot ? reinterpret_cast<const unsigned char*>(a.sdata[m])
-                          : reinterpret_cast<const unsigned char*>(a.data[m]) + i64(e) * i64(a.data_stride[m]);
+    base[m] = shared ? reinterpret_cast<const unsigned char*>(a.sdata[m])
+                     : reinterpret_cast<const unsigned char*>(a.data[m]) + i64(e) * i64(a.data_stride[m]);
 #if WKIND == 1
-    sbase[m] = shared_slot ? reinterpret_cast<const unsigned char*>(a.sscales[m])
-                           : reinterpret_cast<const unsigned char*>(a.scales[m]) + i64(e) * i64(a.scale_stride[m]);
-    bbase[m] = shared_slot ? reinterpret_cast<const unsigned char*>(a.sbiases[m])
-                           : reinterpret_cast<const unsigned char*>(a.biases[m]) + i64(e) * i64(a.bias_stride[m]);
+    sbase[m] = shared ? reinterpret_cast<const unsigned char*>(a.sscales[m])
+                      : reinterpret_cast<const unsigned char*>(a.scales[m]) + i64(e) * i64(a.scale_stride[m]);
+    bbase[m] = shared ? reinterpret_cast<const unsigned char*>(a.sbiases[m])
+                      : reinterpret_cast<const unsigned char*>(a.biases[m]) + i64(e) * i64(a.bias_stride[m]);
 #endif
   }
-  // All loads first (ROWS_G·2·NIT 16-byte vectors per lane in flight), then the arithmetic.
-  uint4 wv[ROWS_G][2][NIT];
-  float sc[ROWS_G][2][NIT], bi[ROWS_G][2][NIT];
 #pragma unroll
   for (int r = 0; r < ROWS_G; ++r)
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int it = 0; it < NIT; ++it) {
+      for (int it = 0; it < GU_NIT; ++it) {
+#if GU_EARLY
+        const int row = min(row0 + r, INTER - 1), c = min(lane + 32 * it, GU_NV - 1);
+        const bool ok = true;
+#else
         const int row = row0 + r, c = lane + 32 * it;
+        const bool ok = row < INTER && c < GU_NV;
+#endif
         wv[r][m][it] = make_uint4(0, 0, 0, 0);
         sc[r][m][it] = 0.f;
         bi[r][m][it] = 0.f;
-        if (row < INTER && c < NV) {
+        if (ok) {
           wv[r][m][it] = moe_ld16(base[m] + i64(row) * ROW_BYTES(HID) + VEC_BYTES_AT(c * CPV));
 #if WKIND == 1
           const i64 gi = i64(row) * (HID / GROUP) + (c * CPV) / GROUP;
@@ -430,6 +408,122 @@ extern "C" __global__ void MOE_DEC_BOUNDS moe_gate_up_decode(const MoeArgs a) {
 #endif
         }
       }
+}
+
+// The thread's share of x_t for the staging, into registers (DP4A: dp4a_quantize_rows' items for one row of GU_NV
+// vectors, 4 threads per vector, passes of 256 threads; else the fp32 float4s of the loop it replaces).
+#if DP4A
+constexpr int GU_XPASS = (GU_NV * 4 + 255) / 256;
+typedef float GuX[GU_XPASS][Dp4a<BITS>::EW];
+#else
+constexpr int GU_XF4 = (HID / 4 + 7) / 8 * 8;  // float4 of fp32 x in shared memory (padded for the swizzle)
+constexpr int GU_XPASS = (GU_XF4 + 255) / 256;
+typedef float4 GuX[GU_XPASS];
+#endif
+__device__ __forceinline__ void moe_gate_up_load_x(const float* x, int tid, GuX& xr) {
+#pragma unroll
+  for (int p = 0; p < GU_XPASS; ++p) {
+#if DP4A
+    constexpr int EW = Dp4a<BITS>::EW;
+    const int q = 256 * p + tid;
+    const float* xp = x + i64(q >> 2) * CPV + (q & 3) * EW;
+#pragma unroll
+    for (int j = 0; j < EW; j += 4) {
+      float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (q < GU_NV * 4) f = *reinterpret_cast<const float4*>(xp + j);
+      xr[p][j] = f.x, xr[p][j + 1] = f.y, xr[p][j + 2] = f.z, xr[p][j + 3] = f.w;
+    }
+#else
+    const int f = 256 * p + tid;
+    xr[p] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (f < GU_XF4) {
+      xr[p].x = 4 * f < HID ? x[4 * f] : 0.f;
+      xr[p].y = 4 * f + 1 < HID ? x[4 * f + 1] : 0.f;
+      xr[p].z = 4 * f + 2 < HID ? x[4 * f + 2] : 0.f;
+      xr[p].w = 4 * f + 3 < HID ? x[4 * f + 3] : 0.f;
+    }
+#endif
+  }
+}
+
+// Order (GU_EARLY): a shared-expert block issues its weight loads, waits (LILY_PDL_PROLOGUE) and loads its x; a
+// routed block waits, loads its x into registers, routes (warp 0; non-FUSED: reads its id) and, after a barrier,
+// issues its weight loads. Then every block moves x from registers to shared memory (DP4A: its packed terms), meets
+// a barrier and computes: x's L2 round trip overlaps the routing, its staging the weights' DRAM round trip. One
+// branch per kind of block (s is the block's), so no weight register is live across the routing. Without GU_EARLY
+// the weight loads of both kinds follow the staging's barrier. The arithmetic and its order are unchanged.
+extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_decode(const MoeArgs a) {
+  constexpr int NV = GU_NV, NIT = GU_NIT;
+  extern __shared__ float4 moe_smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int slot = blockIdx.y, t = slot / SLOTS, s = slot - t * SLOTS;
+  const int row0 = (blockIdx.x * 8 + warp) * ROWS_G;
+  const float* x = reinterpret_cast<const float*>(a.x) + i64(t) * a.x_stride;
+  float* act = reinterpret_cast<float*>(a.act) + i64(slot) * INTER;
+  uint4 wv[ROWS_G][2][NIT];
+  float sc[ROWS_G][2][NIT], bi[ROWS_G][2][NIT];
+  GuX xr;
+  const bool shared_slot = FUSED && s == TOPK;
+  int e = 0;
+  if (shared_slot) {  // FUSED only
+#if GU_EARLY
+    // No kernel writes the shared expert's weights: their loads go out before the wait (common.cuh's contract).
+    moe_gate_up_load(a, true, 0, row0, lane, wv, sc, bi);
+#endif
+    LILY_PDL_PROLOGUE();
+    moe_gate_up_load_x(x, tid, xr);
+  } else {
+    LILY_PDL_PROLOGUE();
+#if FUSED
+    moe_gate_up_load_x(x, tid, xr);  // its L2 round trip overlaps the routing
+    // Every routed block routes its token itself (one warp, NEXP logits: cheaper than a launch); block
+    // (0, token's slot 0) also stores the routing for moe_down_decode and the caller.
+    __shared__ int route_id[TOPK];
+    if (warp == 0) {
+      int id;
+      float wt;
+      route_warp(reinterpret_cast<const float*>(a.logits) + i64(t) * a.logits_stride, lane, id, wt);
+      if (lane < TOPK) {
+        route_id[lane] = id;
+        if (blockIdx.x == 0 && s == 0) {
+          reinterpret_cast<int*>(a.ids)[i64(t) * a.ids_stride + lane] = id;
+          reinterpret_cast<float*>(a.wts)[i64(t) * a.wts_stride + lane] = wt;
+        }
+      }
+    }
+    __syncthreads();  // route_id
+    e = route_id[s];
+#else
+    e = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + s];
+    moe_gate_up_load_x(x, tid, xr);
+#endif
+    if (!moe_valid_expert(e)) {  // e is the block's: the whole block leaves
+      if (lane < ROWS_G && row0 + lane < INTER) act[row0 + lane] = 0.f;
+      return;
+    }
+#if GU_EARLY
+    moe_gate_up_load(a, false, e, row0, lane, wv, sc, bi);  // in flight while x is staged
+#endif
+  }
+#if DP4A
+  uint4* xq = reinterpret_cast<uint4*>(moe_smem);
+  float* xsc = reinterpret_cast<float*>(xq + MQV * NV);
+  float* xsm = xsc + NV;
+#pragma unroll
+  for (int p = 0; p < GU_XPASS; ++p) {
+    const int q = 256 * p + tid;
+    dp4a_quantize_word<BITS>(xr[p], xq, NV, xsc, xsm, q >> 2, q & 3, q < NV * 4);
+  }
+#else
+  float4* xs = moe_smem;  // [GU_XF4], swizzled
+#pragma unroll
+  for (int p = 0; p < GU_XPASS; ++p)
+    if (256 * p + tid < GU_XF4) xs[moe_swz(256 * p + tid)] = xr[p];
+#endif
+  __syncthreads();
+#if !GU_EARLY
+  moe_gate_up_load(a, shared_slot, e, row0, lane, wv, sc, bi);
+#endif
 #if DP4A
   // Vector-major: each vector's packed x is read once for the warp's ROWS_G gate and up rows.
   float accd[ROWS_G][2];
