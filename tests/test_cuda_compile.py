@@ -295,9 +295,9 @@ def test_full_model_shapes_compile_dry(arch, cache):
 
 
 @pytest.mark.parametrize("opts,dense_want,experts_want", [
-    ({}, "f16 rows scaled by 2^e per row by a pre-pass (matmul_x_rows, once per op and x)",
+    ({}, "one f16 term scaled by 2^e per row and group part (prefill_x = f16) (gemm_x_rows=False)",
      "one f16 term scaled by 2^e per row and group part (prefill_x or moe_x = f16)"),
-    ({"gemm_x_rows": False}, "one f16 term scaled by 2^e per row and group part (prefill_x = f16) (gemm_x_rows=False)",
+    ({"gemm_x_rows": True}, "f16 rows scaled by 2^e per row by a pre-pass (matmul_x_rows, once per op and x)",
      "one f16 term scaled by 2^e per row and group part (prefill_x or moe_x = f16)"),
     ({"prefill_x": "bf16x2", "moe_x": "bf16"}, "bf16 hi+lo (prefill_x = bf16x2)",
      "one bf16 term (prefill_x or moe_x = bf16)"),
@@ -305,7 +305,7 @@ def test_full_model_shapes_compile_dry(arch, cache):
      "hi + lo bf16 (prefill_x or moe_x = bf16x2)"),
     ({"moe_x": "prefill", "prefill_x": "bf16"}, "one bf16 term (prefill_x = bf16)",
      "one bf16 term (prefill_x or moe_x = bf16)"),
-], ids=["default_f16", "x_part_scales", "moe_bf16", "dense_bf16", "follow"])
+], ids=["default_f16", "x_rows", "moe_bf16", "dense_bf16", "follow"])
 def test_prefill_x_options_reach_their_gemms(cache, opts, dense_want, experts_want):
     """prefill_x sets the dense prefill GEMMs' activation form and moe_x the expert GEMMs' ("prefill": follow
     prefill_x); each form compiles for the real shapes, and the report names it. A dense bf16 weight refuses f16 for hi
@@ -588,7 +588,8 @@ def test_moe_frag_option_compiles_and_reports(cache, frag):
                                        ({"moe_rows_d": 16}, "16 rows per block"),
                                        ({"moe_decode_minb": 4}, "registers capped for 4 blocks per SM (moe_decode_minb)"),
                                        ({"moe_early_loads": False}, "gate/up weight loads after x is staged "
-                                                                    "(moe_early_loads=False)")])
+                                                                    "(moe_early_loads=False)"),
+                                       ({"moe_early_loads": True}, "gate/up weight loads in flight while x is staged")])
 def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
     """moe_rows_g / moe_rows_d / moe_decode_minb: the fused decode MoE of the real shapes compiles at each geometry and
     register cap, the variant names it (the default: 2 gate/up rows per warp, 8 down rows per block, no cap), and values
@@ -611,11 +612,11 @@ def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
     said = [o for o in b.report()["optimizations"] if "moe_decode_minb" in o and not o.startswith("moe.")]
     assert said == ([f"decode MoE kernels' registers capped for {opts['moe_decode_minb']} blocks per SM (moe_decode_minb)"]
                     if "moe_decode_minb" in opts else
-                    ["not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the compiler's choice, "
-                     "but 3 blocks per SM for gate/up's early loads"]), said
+                    ["not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the compiler's choice"
+                     + (", but 3 blocks per SM for gate/up's early loads" if opts.get("moe_early_loads") else "")]), said
     early = "gate/up weight loads in flight while x is staged (the shared expert's before the wait)" in variant
     assert early == (opts.get("moe_rows_g") != 4 and opts.get("moe_decode_minb", 0) <= 3
-                     and opts.get("moe_early_loads", True)), variant
+                     and opts.get("moe_early_loads", False)), variant
     for bad in ({"moe_rows_g": 3}, {"moe_rows_g": -1}, {"moe_rows_d": 0}, {"moe_rows_d": 65}, {"moe_decode_minb": 9},
                 {"moe_decode_minb": -1}, {"moe_decode_minb": 2.0}, {"moe_decode_minb": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -1030,7 +1030,8 @@ std::vector<std::string> CudaOps::optimizations() const {
                   ? "decode MoE kernels' registers capped for " + std::to_string(opt_.moe_decode_minb) +
                         " blocks per SM (moe_decode_minb)"
                   : std::string("not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the "
-                                "compiler's choice, but 3 blocks per SM for gate/up's early loads"));
+                                "compiler's choice") + (opt_.moe_early_loads ? ", but 3 blocks per SM for gate/up's early loads"
+                                                                             : ""));
   o.push_back(opt_.moe_early_loads
                   ? "decode MoE gate/up: every weight load issued while x is staged, the shared expert's before its "
                     "wait (moe_early_loads; where a lane holds at most 4 weight vectors)"

@@ -708,7 +708,7 @@ def test_gemm_x_rows_tile128(benches, spec, n, k):
     rng = np.random.default_rng(zlib.crc32(f"tile128 {spec} {n} {k}".encode()))
     desc, w64 = make_weight(rng, spec, n, k)
     x = _wide_range_x(rng, 1100, k)
-    t128, t64 = (core.OpBench("cuda", {"gemm_tile128": t}) for t in (True, False))
+    t128, t64 = (core.OpBench("cuda", {"gemm_x_rows": True, "gemm_tile128": t}) for t in (True, False))
     got = _run(t128, desc, x, "prefill")
     ref = _run(cpu, desc, x, "prefill").astype(np.float64)
     worst = float((np.abs(got.astype(np.float64) - ref) / w_f16_bound(x, desc, w64)).max())
@@ -726,7 +726,7 @@ def test_gemm_x_rows_group_and_ops():
     rng = np.random.default_rng(zlib.crc32(b"x rows group"))
     descs = [make_weight(rng, "q4g64-bf16", n, 2048)[0] for n in (256, 600, 1)]
     x, x2 = make_x(rng, 70, 2048), make_x(rng, 70, 2048)
-    b = core.OpBench("cuda", {})
+    b = core.OpBench("cuda", {"gemm_x_rows": True})
     outs = _run_group(b, descs, x, "prefill")
     for d, o in zip(descs, outs):
         np.testing.assert_array_equal(o[1:71].view(np.uint32), _run(b, d, x, "prefill").view(np.uint32))
