@@ -414,7 +414,7 @@ class CudaOps final : public Ops {
   int64_t xrows_rows_ = 0, xrows_kp_ = 0;
   int64_t xrows_op_ = -1;
   std::string xrows_src_;
-  size_t xrow_slot_bytes() const;
+  size_t xrow_slot_bytes() const, xrow_scales_at() const;
   struct MoeArgs experts_args(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
                               const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out,
                               const std::string& what, bool& aligned);

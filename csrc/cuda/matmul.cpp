@@ -303,10 +303,9 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
 }  // namespace
 
 // Bytes of one slot of the XROW x rows (backend.h): the f16 rows, then the rows' 2^-e, each part 256-byte aligned.
-size_t CudaOps::xrow_slot_bytes() const {
-  const auto up = [](size_t b) { return (b + 255) / 256 * 256; };
-  return up(size_t(xrows_rows_) * size_t(xrows_kp_) * 2) + up(size_t(xrows_rows_) * 4);
-}
+size_t CudaOps::xrow_slot_bytes() const { return xrow_scales_at() + (size_t(xrows_rows_) * 4 + 255) / 256 * 256; }
+// Where the rows' 2^-e start inside a slot.
+size_t CudaOps::xrow_scales_at() const { return (size_t(xrows_rows_) * size_t(xrows_kp_) * 2 + 255) / 256 * 256; }
 
 void CudaOps::reserve_matmul(int64_t rows, int64_t cols) {
   if (!opt_.gemm_w_f16 || !opt_.gemm_x_rows || rows <= 0 || cols <= 0) return;
@@ -405,7 +404,7 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
                              std::to_string(xrows_kp_) + " inputs, weight " + describe(w) + " needs " +
                              std::to_string(T) + " of " + std::to_string(kp) + " (reserve / reserve_matmul size it)");
     xa = ptr(xrows_) + CUdeviceptr(op_ % kXRowSlots) * xrow_slot_bytes();
-    xinv = xa + (size_t(xrows_rows_) * size_t(xrows_kp_) * 2 + 255) / 256 * 256;
+    xinv = xa + xrow_scales_at();
     lda = kp;
     memo_skip_ = true;  // the slot is this op's number's
     const std::string src = std::to_string(ptr(x)) + ":" + std::to_string(T) + ":" + std::to_string(ldx) + ":" +

@@ -1172,19 +1172,13 @@ extern "C" __global__ void __launch_bounds__(NT) matmul_x_rows(const float* __re
                                                                u32* __restrict__ xh, float* __restrict__ xinv) {
   LILY_PDL_PROLOGUE();
   constexpr int KP = KB * BK;
-  __shared__ float wmax[NT / 32];
+  __shared__ float scratch[32];
   const int t = blockIdx.x, tid = threadIdx.x;
   if (t >= T) return;
   const float* row = x + i64(t) * ldx;
   float am = 0.f;
   for (int k = tid; k < K; k += NT) am = fmaxf(am, fabsf(row[k]));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-  if ((tid & 31) == 0) wmax[tid >> 5] = am;
-  __syncthreads();
-  am = wmax[0];
-#pragma unroll
-  for (int w = 1; w < NT / 32; ++w) am = fmaxf(am, wmax[w]);
+  am = block_max(am, scratch);
   float sc, inv;
   f16_part_scale(am, sc, inv);
   u32* out = xh + i64(t) * (KP / 2);
