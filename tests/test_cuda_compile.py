@@ -295,9 +295,9 @@ def test_full_model_shapes_compile_dry(arch, cache):
 
 
 @pytest.mark.parametrize("opts,dense_want,experts_want", [
-    ({}, "one f16 term scaled by 2^e per row and group part (prefill_x = f16) (gemm_x_rows=False)",
+    ({}, "f16 rows scaled by 2^e per row by a pre-pass (matmul_x_rows, once per op and x)",
      "one f16 term scaled by 2^e per row and group part (prefill_x or moe_x = f16)"),
-    ({"gemm_x_rows": True}, "f16 rows scaled by 2^e per row by a pre-pass (matmul_x_rows, once per op and x)",
+    ({"gemm_x_rows": False}, "one f16 term scaled by 2^e per row and group part (prefill_x = f16) (gemm_x_rows=False)",
      "one f16 term scaled by 2^e per row and group part (prefill_x or moe_x = f16)"),
     ({"prefill_x": "bf16x2", "moe_x": "bf16"}, "bf16 hi+lo (prefill_x = bf16x2)",
      "one bf16 term (prefill_x or moe_x = bf16)"),
@@ -305,7 +305,7 @@ def test_full_model_shapes_compile_dry(arch, cache):
      "hi + lo bf16 (prefill_x or moe_x = bf16x2)"),
     ({"moe_x": "prefill", "prefill_x": "bf16"}, "one bf16 term (prefill_x = bf16)",
      "one bf16 term (prefill_x or moe_x = bf16)"),
-], ids=["default_f16", "x_rows", "moe_bf16", "dense_bf16", "follow"])
+], ids=["default_x_rows", "part_scales", "moe_bf16", "dense_bf16", "follow"])
 def test_prefill_x_options_reach_their_gemms(cache, opts, dense_want, experts_want):
     """prefill_x sets the dense prefill GEMMs' activation form and moe_x the expert GEMMs' ("prefill": follow
     prefill_x); each form compiles for the real shapes, and the report names it. A dense bf16 weight refuses f16 for hi
@@ -613,10 +613,10 @@ def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
     assert said == ([f"decode MoE kernels' registers capped for {opts['moe_decode_minb']} blocks per SM (moe_decode_minb)"]
                     if "moe_decode_minb" in opts else
                     ["not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the compiler's choice"
-                     + (", but 3 blocks per SM for gate/up's early loads" if opts.get("moe_early_loads") else "")]), said
+                     + (", but 3 blocks per SM for gate/up's early loads" if opts.get("moe_early_loads", True) else "")]), said
     early = "gate/up weight loads in flight while x is staged (the shared expert's before the wait)" in variant
     assert early == (opts.get("moe_rows_g") != 4 and opts.get("moe_decode_minb", 0) <= 3
-                     and opts.get("moe_early_loads", False)), variant
+                     and opts.get("moe_early_loads", True)), variant
     for bad in ({"moe_rows_g": 3}, {"moe_rows_g": -1}, {"moe_rows_d": 0}, {"moe_rows_d": 65}, {"moe_decode_minb": 9},
                 {"moe_decode_minb": -1}, {"moe_decode_minb": 2.0}, {"moe_decode_minb": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):

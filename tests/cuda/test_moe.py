@@ -551,8 +551,8 @@ def test_moe_block_decode_geometry_same_bits(spec, E, k, H, I, Ish):
     fused decode block's output equals the default geometry's bit for bit, and the variant names the geometry and the
     load order in use."""
     geometries = ({}, {"moe_rows_g": 1, "moe_rows_d": 1}, {"moe_rows_g": 4, "moe_rows_d": 16}, {"moe_rows_d": 64},
-                  {"moe_decode_minb": 4}, {"moe_decode_minb": 8, "moe_rows_g": 4}, {"moe_early_loads": True},
-                  {"moe_early_loads": True, "moe_rows_g": 1}, {"moe_early_loads": True, "moe_decode_minb": 4})
+                  {"moe_decode_minb": 4}, {"moe_decode_minb": 8, "moe_rows_g": 4}, {"moe_early_loads": False},
+                  {"moe_early_loads": False, "moe_rows_g": 1}, {"moe_rows_g": 1, "moe_decode_minb": 3})
     benches = tuple(core.OpBench("cuda", g) for g in geometries)
     rng = np.random.default_rng(zlib.crc32(f"block geometry {spec} {E}".encode()))
     handles, shared = block_weights(benches, rng, spec, E, H, I, Ish)
@@ -573,7 +573,7 @@ def test_moe_block_decode_geometry_same_bits(spec, E, k, H, I, Ish):
         cpv = {"q4": 32, "q8": 16}.get(spec[:2], 8)  # inputs per 16-byte vector
         nit = -(-(H // cpv) // 32)  # a lane's vectors per row
         rows_g = g.get("moe_rows_g") or max(1, min(4, 4 // nit))
-        early = g.get("moe_early_loads", False) and g.get("moe_decode_minb", 0) <= 3 and rows_g * nit <= 4
+        early = g.get("moe_early_loads", True) and g.get("moe_decode_minb", 0) <= 3 and rows_g * nit <= 4
         assert ("gate/up weight loads in flight while x is staged" in text) == early, (g, text)
 
 
