@@ -1002,6 +1002,12 @@ std::vector<std::string> CudaOps::optimizations() const {
                                "registers, each group part folded by the x scale alone (moe_w_f16)"
                              : "not active: f16 expert weights in the MoE prefill GEMMs (moe_w_f16=False): the integer "
                                "codes enter the MMAs exactly");
+  o.push_back(opt_.moe_w_f16 && opt_.moe_x_rows
+                  ? "MoE prefill gate/up GEMM with f16 expert weights takes x as f16 rows scaled once per row by a "
+                    "pre-pass (moe_x_rows kernel; moe_x_rows), the MMAs accumulating without a per-part fold"
+                  : std::string("not active: x as pre-scaled f16 rows in the MoE gate/up GEMM (") +
+                        (opt_.moe_w_f16 ? "moe_x_rows=False" : "it needs moe_w_f16") +
+                        "): x is scaled per row and group part in the fragment tiles, each part folded");
   const bool x_rows = opt_.gemm_w_f16 && opt_.gemm_x_rows;
   o.push_back(x_rows ? "prefill GEMMs with f16 weight tiles take x as f16 rows scaled once per row by a pre-pass "
                        "(matmul_x_rows, once per op and x; gemm_x_rows), the MMAs accumulating without a group fold"

@@ -34,8 +34,9 @@ struct MoeArgs {
   int64_t logits_stride;
   uint64_t sgate;
   int64_t sgate_stride;
+  uint64_t xh, xinv;  // prefill with moe_x_rows: x as scaled f16 rows and their 2^-e (workspace)
 };
-static_assert(sizeof(MoeArgs) == 8 * 8 + 18 * 8 + 5 * 8 + 16 + 9 * 8 + 4 * 8,
+static_assert(sizeof(MoeArgs) == 8 * 8 + 18 * 8 + 5 * 8 + 16 + 9 * 8 + 4 * 8 + 2 * 8,
               "must match struct MoeArgs in kernels/moe.cu");
 
 namespace {
@@ -60,7 +61,7 @@ int64_t max_tiles(int64_t T, int64_t k, int64_t E, int bm) {
 
 // Workspace carve-up (byte offsets from the workspace start, each 256-byte aligned).
 struct Layout {
-  size_t act = 0, y = 0, tiles = 0, pair_token = 0, pair_pos = 0, total = 0;
+  size_t act = 0, y = 0, tiles = 0, pair_token = 0, pair_pos = 0, xh = 0, xinv = 0, total = 0;
 };
 Layout layout(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
   const size_t P = size_t(T * k);
@@ -70,7 +71,9 @@ Layout layout(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
   l.tiles = l.y + align256(P * size_t(H) * 4);
   l.pair_token = l.tiles + align256(size_t(1 + 3 * max_tiles(T, k, E, 16)) * 4);  // bm = 16: the most tiles
   l.pair_pos = l.pair_token + align256(P * 4);
-  l.total = l.pair_pos + align256(P * 4);
+  l.xh = l.pair_pos + align256(P * 4);  // moe_x_rows: [T][⌈H/64⌉·64] f16, then [T] f32
+  l.xinv = l.xh + align256(size_t(T) * size_t((H + 63) / 64 * 64) * 2);
+  l.total = l.xinv + align256(size_t(T) * 4);
   return l;
 }
 
@@ -313,9 +316,10 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
 bool aligned16(uint64_t v) { return v % 16 == 0; }
 
 // The prefill fragment tiles with the weights dequantized to f16 in registers (the option moe_w_f16; kernels/moe.cu
-// MWF16): only where the fragment tiles run with x as one f16 term.
-void f16_expert_weights(ExpertsVariant& v, bool on) {
-  if (!on) return;
+// MWF16): only where the fragment tiles run with x as one f16 term. With them, the gate/up pass's x as f16 rows scaled
+// once per row by a pre-pass (the option moe_x_rows; MXROW). Returns whether that pre-pass runs.
+bool f16_expert_forms(ExpertsVariant& v, bool w_f16, bool x_rows) {
+  if (!w_f16) return false;
   auto define = [&](const char* name) {
     for (const auto& [k, val] : v.defines)
       if (k == name) return val;
@@ -325,9 +329,16 @@ void f16_expert_weights(ExpertsVariant& v, bool on) {
     v.defines.push_back({"MWF16", 1});
     v.text += "; the experts' weights dequantized to f16 (s·q + b) in registers, each group part folded by the x "
               "scale alone (moe_w_f16)";
+    if (x_rows) {
+      v.defines.push_back({"MXROW", 1});
+      v.text += "; the gate/up GEMM's x as f16 rows scaled by 2^e per row by a pre-pass (moe_x_rows kernel), "
+                "accumulated without a fold (moe_x_rows)";
+      return true;
+    }
   } else {
     v.text += "; moe_w_f16 not applied: it needs the fragment tiles and x as one f16 term";
   }
+  return false;
 }
 
 // The decode kernels' register cap for `minb` blocks per SM (the option moe_decode_minb; kernels/moe.cu DEC_MINB) and
@@ -414,6 +425,8 @@ MoeArgs CudaOps::experts_args(const Tensor& x, const Tensor& ids, const Tensor& 
   a.tiles = base + L.tiles;
   a.pair_token = base + L.pair_token;
   a.pair_pos = base + L.pair_pos;
+  a.xh = base + L.xh;
+  a.xinv = base + L.xinv;
   a.T = int32_t(T);
   a.k = int32_t(k);
   return a;
@@ -450,7 +463,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
            uint32_t(smem2), a);
     return;
   }
-  f16_expert_weights(v, options().moe_w_f16);
+  const bool x_rows = f16_expert_forms(v, options().moe_w_f16, options().moe_x_rows);
   note_variant("moe.experts.prefill", v.text);
   a.max_tiles = int32_t(max_tiles(T, k, E, v.bm));
   const Kernel& kg = kernel("moe", "moe_group", v.defines);
@@ -462,6 +475,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
     set_dynamic_smem(k2, v.pipe_smem, v.static_smem);
   }
   launch(kg, Dim3{1, 1, 1}, Dim3{1024, 1, 1}, 0, a);
+  if (x_rows) launch(kernel("moe", "moe_x_rows", v.defines), Dim3{unsigned(T), 1, 1}, Dim3{256, 1, 1}, 0, a);
   const int fmt = v.bm / 16;  // FRAG's m16 tiles per warp: a block covers 256 / fmt weight rows
   const int bn1 = v.frag ? kFragBlockN / fmt : kMmaBlockN, bn2 = v.frag ? kFragBlockNDown / fmt : kMmaBlockNDown;
   launch(k1, Dim3{unsigned(a.max_tiles), unsigned((I + bn1 - 1) / bn1), 1}, Dim3{kMmaThreads, 1, 1},

@@ -342,13 +342,17 @@ def test_experts_prefill_frag32_same_bits(spec, E, k, H, I, form):
 W_F16_TOL = 8 * 2.0 ** -12  # x, act and the three weights each rounded once to f16
 
 
+@pytest.mark.parametrize("x_rows", [False, True], ids=["x_part_scales", "x_rows"])
 @pytest.mark.parametrize("spec,E,k,H,I", [c for c in EXPERT_CASES if c[0] in ("q4g64-bf16", "q4g32-f32")])
-def test_experts_prefill_w_f16(one_term_benches, spec, E, k, H, I):
+def test_experts_prefill_w_f16(one_term_benches, spec, E, k, H, I, x_rows):
     """moe_w_f16 (on by default): the fragment tiles with the experts'
     weights dequantized to f16 in registers stay within the tolerance of their roundings (x, act and the weights each
     rounded once) on tokens past f16's range and of subnormal size, are not the codes path's bits (the option took
-    effect), are deterministic, and give a token the same bits whatever the call (T = 7 = the first 7 rows of T = 80)."""
-    pair = (one_term_benches["f16"][0], core.OpBench("cuda", {"prefill_x": "f16", "moe_w_f16": True}))
+    effect), are deterministic, and give a token the same bits whatever the call (T = 7 = the first 7 rows of T = 80).
+    The same with the gate/up GEMM's x as f16 rows scaled once per row (moe_x_rows), which are not the part scales'
+    bits."""
+    pair = (one_term_benches["f16"][0],
+            core.OpBench("cuda", {"prefill_x": "f16", "moe_w_f16": True, "moe_x_rows": x_rows}))
     handles = weights_for(pair, spec, E, k, H, I)
     x, ids, w = token_inputs(37, E, k, H, 80)
     x[0] *= 3e5
@@ -356,6 +360,11 @@ def test_experts_prefill_w_f16(one_term_benches, spec, E, k, H, I):
     cpu, gpu = run_experts(pair, handles, "prefill", x, ids, w, E, k, H, I)
     text = str_variants_experts(pair[1].report())
     assert "the experts' weights dequantized to f16 (s·q + b) in registers" in text, text
+    assert ("gate/up GEMM's x as f16 rows scaled by 2^e per row by a pre-pass" in text) == x_rows, text
+    if x_rows:
+        parts = (pair[0], core.OpBench("cuda", {"prefill_x": "f16", "moe_w_f16": True, "moe_x_rows": False}))
+        _, by_part = run_experts(parts, weights_for(parts, spec, E, k, H, I), "prefill", x, ids, w, E, k, H, I)
+        assert not np.array_equal(gpu.view(np.uint32), by_part.view(np.uint32)), "moe_x_rows did not change the GEMM"
     err = rel_err(gpu, cpu)
     assert err < W_F16_TOL, f"moe_w_f16 {spec} E={E}: relative error {err:.3g}"
     for t in (0, 1):

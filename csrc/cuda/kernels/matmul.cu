@@ -1173,20 +1173,9 @@ extern "C" __global__ void __launch_bounds__(NT) matmul_x_rows(const float* __re
   LILY_PDL_PROLOGUE();
   constexpr int KP = KB * BK;
   __shared__ float scratch[32];
-  const int t = blockIdx.x, tid = threadIdx.x;
+  const int t = blockIdx.x;
   if (t >= T) return;
-  const float* row = x + i64(t) * ldx;
-  float am = 0.f;
-  for (int k = tid; k < K; k += NT) am = fmaxf(am, fabsf(row[k]));
-  am = block_max(am, scratch);
-  float sc, inv;
-  f16_part_scale(am, sc, inv);
-  u32* out = xh + i64(t) * (KP / 2);
-  for (int p = tid; p < KP / 2; p += NT) {
-    const int k = 2 * p;
-    out[p] = f16x2_rn(k < K ? row[k] * sc : 0.f, k + 1 < K ? row[k + 1] * sc : 0.f);
-  }
-  if (tid == 0) xinv[t] = inv;
+  f16_scaled_row(x + i64(t) * ldx, K, KP, xh + i64(t) * (KP / 2), xinv + t, scratch);
 }
 
 // ------------------------------------------------------------------------------------------------------

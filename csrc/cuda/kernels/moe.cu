@@ -207,6 +207,7 @@ struct MoeArgs {
   i64 logits_stride;
   u64 sgate;
   i64 sgate_stride;
+  u64 xh, xinv;  // MXROW prefill: x as f16 rows [T][⌈H/64⌉·64] scaled by 2^e per row, and each row's 2^-e (workspace)
 };
 #ifndef FUSED
 #define FUSED 0
@@ -1331,26 +1332,39 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #if MWF16 && !XF
 #error "MWF16 needs x as one f16 term (XF)"
 #endif
+// MXROW (the host's moe_x_rows, with MWF16): the gate/up pass takes x as f16 rows scaled by one 2^e per row, written
+// once per call by moe_x_rows (quant.cuh f16_scaled_row, matmul_x_rows' rule) into the workspace; the ring copies the
+// gathered f16 rows straight into the A tile's layout, the MMAs accumulate into the outputs without a per-part fold
+// (no group accumulator, no x conversion), and the epilogue multiplies each row by its 2^-e. Not MWF16's bits alone
+// (another x scale). The down pass keeps MWF16's form (its act rows are this pass's output).
+#ifndef MXROW
+#define MXROW 0
+#endif
+#if MXROW && !MWF16
+#error "MXROW needs the f16 expert weights (MWF16)"
+#endif
 
 // One block: BM sorted rows of one expert × FBN columns of each of NMAT matrices (NMAT · FBN = 256 / FMT weight
 // rows); warp w owns columns [w·WC, (w+1)·WC) of every matrix, NTM n8 tiles each, for all FMT m16 tiles.
 template <int NMAT, int FBN, int KDIM, int NDIM, bool GATHER>
 __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
+  constexpr bool XR = GATHER && MXROW;    // x as pre-scaled f16 rows: the ring stage holds the A tile itself
   constexpr int BK = 64, PITCH = BK + 8;  // A tile: halves per row (144 bytes: ldmatrix rows conflict-free)
   constexpr int BROWS = NMAT * FBN, WC = FBN / 8, NTM = WC / 8, NTW = NMAT * NTM;
   static_assert(BROWS * FMT == 256 && NTM >= 1, "moe.cpp frag_stage_bytes stages 256 / FMT weight rows");
   constexpr int GP = (GROUP % BK == 0 || BK % GROUP == 0) ? (GROUP < BK ? GROUP : BK) : 16;
   constexpr int NP = BK / GP, LP = GP / 4, KT = (KDIM + BK - 1) / BK;
   constexpr int CPITCH = 48;  // bytes per weight row of a stage: its 32 bytes of codes, 16 of padding
-  constexpr int ST_X = BM * BK * 4, ST_C = BROWS * CPITCH, ST_S = BROWS * NP * 4;
+  constexpr int ST_X = XR ? BM * PITCH * 2 : BM * BK * 4, ST_C = BROWS * CPITCH, ST_S = BROWS * NP * 4;
   constexpr int STAGE = ST_X + ST_C + 2 * ST_S;
   static_assert(ST_X % 16 == 0 && ST_C % 16 == 0 && ST_S % 16 == 0, "16-byte stage parts");
   static_assert((BM * BK / 4) % MMA_NT == 0 && (BROWS * 2) % MMA_NT == 0, "whole 16-byte chunks per thread");
-  __shared__ __align__(16) u16 Ah[2][BM * PITCH];
+  __shared__ __align__(16) u16 Ah[XR ? 1 : 2][XR ? 8 : BM * PITCH];
   __shared__ __align__(16) u16 Al[2][XS == 2 ? BM * PITCH : 8];
-  __shared__ float sxs[2][BM * NP];
-  __shared__ float sxr[2][XF ? BM * NP : 1];  // XF: 2^-e of each row's group part
+  __shared__ float sxs[XR ? 1 : 2][XR ? 1 : BM * NP];
+  __shared__ float sxr[XR ? 1 : 2][XF && !XR ? BM * NP : 1];  // XF: 2^-e of each row's group part
   __shared__ int rowsrc[BM];
+  __shared__ float rowinv[XR ? BM : 1];  // XR: each tile row's 2^-e
 
   const int* tiles = reinterpret_cast<const int*>(a.tiles);
   const int tile = blockIdx.x;
@@ -1359,8 +1373,10 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
   const bool second = FMT == 2 && rn > 16;  // the second m16 tile holds rows (uniform over the block)
   const int n0 = blockIdx.y * FBN;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-  if (tid < BM)
+  if (tid < BM) {
     rowsrc[tid] = tid < rn ? (GATHER ? reinterpret_cast<const int*>(a.pair_token)[r0 + tid] : r0 + tid) : -1;
+    if (XR) rowinv[tid] = tid < rn ? reinterpret_cast<const float*>(a.xinv)[rowsrc[tid]] : 0.f;
+  }
   __syncthreads();
 
   const float* asrc = reinterpret_cast<const float*>(GATHER ? a.x : a.act);
@@ -1381,11 +1397,20 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
   auto issue = [&](int kt) {
     if (kt < KT) {
       const u32 st = ring + u32((kt % FRAG) * STAGE);
+      if constexpr (XR) {  // 8 chunks of 8 halves per row, into the A tile's pitch; rows are zero-padded to KT·BK
+        const u16* xh = reinterpret_cast<const u16*>(a.xh);
+        for (int c = tid; c < BM * (BK / 8); c += MMA_NT) {
+          const int row = c / (BK / 8), kc = c % (BK / 8), src = rowsrc[row];
+          cp_async16(st + u32((row * PITCH + kc * 8) * 2), src >= 0 ? xh + i64(src) * (KT * BK) + kt * BK + kc * 8 : xh,
+                     src >= 0 ? 16 : 0);
+        }
+      } else {
 #pragma unroll
-      for (int i = 0; i < BM * BK / 4 / MMA_NT; ++i) {
-        const int c = tid + MMA_NT * i, row = c / (BK / 4), k = kt * BK + (c % (BK / 4)) * 4, src = rowsrc[row];
-        const bool ok = src >= 0 && k < KDIM;
-        cp_async16(st + u32(c * 16), ok ? asrc + i64(src) * astride + k : asrc, ok ? 16 : 0);
+        for (int i = 0; i < BM * BK / 4 / MMA_NT; ++i) {
+          const int c = tid + MMA_NT * i, row = c / (BK / 4), k = kt * BK + (c % (BK / 4)) * 4, src = rowsrc[row];
+          const bool ok = src >= 0 && k < KDIM;
+          cp_async16(st + u32(c * 16), ok ? asrc + i64(src) * astride + k : asrc, ok ? 16 : 0);
+        }
       }
 #pragma unroll
       for (int i = 0; i < BROWS * 2 / MMA_NT; ++i) {
@@ -1414,6 +1439,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
   // Stage kt's x rows -> A tile (kt & 1) as bf16 hi (+ lo), and Σx per group part: moe_mma_block's store() (the same
   // thread per chunk, the same xor tree).
   auto convert = [&](int kt) {
+    if constexpr (XR) return;
     const int b = kt & 1;
 #pragma unroll
     for (int i = 0; i < BM * BK / 4 / MMA_NT; ++i) {
@@ -1450,6 +1476,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
   // (8-15, 8-15), so lane l gives row (l & 15) at k offset 8·(l >> 4) of the step; m16 tile mt 16 rows further.
   const u32 a_lane = u32(((lane & 15) * PITCH + 8 * (lane >> 4)) * 2);
   const u32 ah0 = smem_addr(&Ah[0][0]) + a_lane, al0 = smem_addr(&Al[0][0]) + a_lane;
+  const u32 ring_a = ring + a_lane;  // XR: the A tile of stage s at ring_a + s·STAGE
   constexpr u32 AH_BYTES = sizeof(Ah[0]), AL_BYTES = sizeof(Al[0]);  // one buffer (a selector, not an array index)
   constexpr u32 M16_BYTES = 16 * PITCH * 2;
 
@@ -1481,7 +1508,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
 #pragma unroll
       for (int mt = 0; mt < FMT; ++mt) {
         if (mt == 1 && !second) break;
-        ldsm_x4(ah[mt], ah0 + b * AH_BYTES + mt * M16_BYTES + kk * 32);
+        ldsm_x4(ah[mt], (XR ? ring_a + u32((kt % FRAG) * STAGE) : ah0 + b * AH_BYTES) + mt * M16_BYTES + kk * 32);
         if (XS == 2) ldsm_x4(al[mt], al0 + b * AL_BYTES + mt * M16_BYTES + kk * 32);
       }
       if (MWF16 && (kk * 16) % GP == 0) {  // a part starts: this lane's column's group scale and bias, as f16 pairs
@@ -1510,14 +1537,14 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
 #pragma unroll
         for (int mt = 0; mt < FMT; ++mt) {
           if (mt == 1 && !second) break;
-          mma_m16n8k16<XF != 0>(accg[mt][j], ah[mt], bq[0], bq[1]);
+          mma_m16n8k16<XF != 0>(XR ? acc[mt][j] : accg[mt][j], ah[mt], bq[0], bq[1]);
           if (XS == 2) mma_m16n8k16(accg[mt][j], al[mt], bq[0], bq[1]);
         }
       }
       const int p = (kk * 16) / GP;
       const bool part_end = (kk * 16 + 16) % GP == 0;  // compile time
       const bool group_end = XF ? part_end : (k + 16) % GROUP == 0;  // XF: each part has its own x scale
-      if (group_end || part_end) {
+      if (!XR && (group_end || part_end)) {  // XR: no fold, each row's 2^-e at the end
         const u32* sw = reinterpret_cast<const u32*>(st + ST_X + ST_C);
         const u32* bw = reinterpret_cast<const u32*>(st + ST_X + ST_C + ST_S);
         const int k0 = kt * BK + p * GP;
@@ -1555,6 +1582,11 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
       for (int hrow = 0; hrow < 2; ++hrow) {
         const int row = mt * 16 + g + 8 * hrow, n = n0 + warp * WC + 8 * jj + 2 * t4;
         if (row >= rn || n >= NDIM) continue;  // NDIM is even (a multiple of CPV)
+        if (XR)
+#pragma unroll
+          for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) acc[mt][m * NTM + jj][2 * hrow + q] *= rowinv[row];
         moe_store_pair<NMAT>(a, i64(r0 + row), n, &acc[mt][jj][2 * hrow], &acc[mt][(NMAT - 1) * NTM + jj][2 * hrow]);
       }
 }
@@ -1577,6 +1609,19 @@ extern "C" __global__ void __launch_bounds__(MMA_NT, MMA_MINB) moe_down_mma(cons
   moe_mma_block<1, 128, INTER, HID, false>(a, 2);
 #endif
 }
+
+#if MXROW
+// MXROW: x row t as f16 scaled by 2^e (quant.cuh f16_scaled_row, zero-padded to whole K blocks) and its 2^-e, for the
+// gate/up pass. Grid T, block 256. Floor: T·H·(4 + 2) bytes.
+extern "C" __global__ void __launch_bounds__(256) moe_x_rows(const MoeArgs a) {
+  LILY_PDL_PROLOGUE();
+  constexpr int HP = (HID + 63) / 64 * 64;
+  __shared__ float scratch[32];
+  const int t = blockIdx.x;
+  f16_scaled_row(reinterpret_cast<const float*>(a.x) + i64(t) * a.x_stride, HID, HP,
+                 reinterpret_cast<u32*>(a.xh) + i64(t) * (HP / 2), reinterpret_cast<float*>(a.xinv) + t, scratch);
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Prefill 4: out[t] = Σ_s w[t,s] · y[pair_pos[t,s]] in (expert id, slot) order.

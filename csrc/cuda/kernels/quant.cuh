@@ -230,6 +230,23 @@ __device__ __forceinline__ float f16_scaled_pairs(const float* v, float am, u32*
   return inv;
 }
 
+// One row of n floats as padded / 2 f16 pairs of x · 2^e with one e for the whole row (f16_part_scale of the row's
+// max |x|; an exact max, so any order), zeros from n up to padded, and 2^-e to *inv: the x rows of the prefill GEMMs
+// (matmul_x_rows, moe_x_rows). Every thread of the block calls it; scratch is 32 floats of shared memory.
+__device__ __forceinline__ void f16_scaled_row(const float* __restrict__ row, int n, int padded, u32* __restrict__ out,
+                                               float* inv, float* scratch) {  // n, padded: K and KP (K is a macro)
+  float am = 0.f;
+  for (int k = threadIdx.x; k < n; k += blockDim.x) am = fmaxf(am, fabsf(row[k]));
+  am = block_max(am, scratch);
+  float sc, iv;
+  f16_part_scale(am, sc, iv);
+  for (int p = threadIdx.x; p < padded / 2; p += blockDim.x) {
+    const int k = 2 * p;
+    out[p] = f16x2_rn(k < n ? row[k] * sc : 0.f, k + 1 < n ? row[k + 1] * sc : 0.f);
+  }
+  if (threadIdx.x == 0) *inv = iv;
+}
+
 // An exact small integer pair (8-bit codes) as bf16x2, or f16x2 (F16).
 template <bool F16>
 __device__ __forceinline__ u32 half2_rn(float lo, float hi) {
