@@ -484,12 +484,13 @@ def test_gemm_w_f16_compiles_and_reports(cache, option):
 
 @pytest.mark.parametrize("opts,applied", [({}, True), ({"moe_w_f16": False}, False),
                                           ({"prefill_x": "bf16x2"}, False), ({"moe_frag": 0}, False),
-                                          ({"moe_x_rows": True}, True), ({"moe_x_rows": True, "moe_frag": 0}, False)])
+                                          ({"moe_x_rows": False}, True)])
 def test_moe_w_f16_compiles_and_reports(cache, opts, applied):
     """moe_w_f16 (on by default): the real model's MoE prefill fragment tiles of 16 and 32 rows
     compile with the experts' weights dequantized to f16 in registers when x is one f16 term; without the fragment
     tiles or with x as bf16 hi + lo the codes path stays and the variant says why; report() lists the option. The
-    same for moe_x_rows (the gate/up GEMM's x as f16 rows scaled once per row, with its pre-pass), which needs them."""
+    same for moe_x_rows (on by default: the GEMMs' x and act as f16 rows scaled once per row, with their pre-passes),
+    which needs them."""
     b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
     c, (H, E, K, I), (g, u, d) = _full_q4_experts(b)
     for T in (64, 1024):
@@ -501,13 +502,13 @@ def test_moe_w_f16_compiles_and_reports(cache, opts, applied):
         option = opts.get("moe_w_f16", True)
         assert ("moe_w_f16 not applied: it needs the fragment tiles and x as one f16 term" in text) == \
             (option and not applied), text
-        x_rows = opts.get("moe_x_rows", False) and applied
-        assert ("the gate/up GEMM's x as f16 rows scaled by 2^e per row by a pre-pass" in text) == x_rows, text
+        x_rows = opts.get("moe_x_rows", True) and applied
+        assert ("x and act as f16 rows scaled by 2^e per row by pre-passes" in text) == x_rows, text
     opt = " ".join(b.report()["optimizations"])
     assert ("the experts' weights dequantized to f16 (s·q + b) in registers, each group part" in opt) == option, opt
     assert ("not active: f16 expert weights in the MoE prefill GEMMs (moe_w_f16=False)" in opt) != option, opt
-    assert ("MoE prefill gate/up GEMM with f16 expert weights takes x as f16 rows" in opt) == \
-        (option and opts.get("moe_x_rows", False)), opt
+    assert ("MoE prefill GEMMs with f16 expert weights take x and act as f16 rows" in opt) == \
+        (option and opts.get("moe_x_rows", True)), opt
 
 
 @pytest.mark.parametrize("pipe", [None, 0, 2, 4])

@@ -1003,9 +1003,9 @@ std::vector<std::string> CudaOps::optimizations() const {
                              : "not active: f16 expert weights in the MoE prefill GEMMs (moe_w_f16=False): the integer "
                                "codes enter the MMAs exactly");
   o.push_back(opt_.moe_w_f16 && opt_.moe_x_rows
-                  ? "MoE prefill gate/up GEMM with f16 expert weights takes x as f16 rows scaled once per row by a "
-                    "pre-pass (moe_x_rows kernel; moe_x_rows), the MMAs accumulating without a per-part fold"
-                  : std::string("not active: x as pre-scaled f16 rows in the MoE gate/up GEMM (") +
+                  ? "MoE prefill GEMMs with f16 expert weights take x and act as f16 rows scaled once per row by "
+                    "pre-passes (moe_x_rows, moe_act_rows; moe_x_rows), the MMAs accumulating without a per-part fold"
+                  : std::string("not active: x and act as pre-scaled f16 rows in the MoE prefill GEMMs (") +
                         (opt_.moe_w_f16 ? "moe_x_rows=False" : "it needs moe_w_f16") +
                         "): x is scaled per row and group part in the fragment tiles, each part folded");
   const bool x_rows = opt_.gemm_w_f16 && opt_.gemm_x_rows;

@@ -169,10 +169,11 @@ struct CudaOptions {
   // The same for the MoE prefill GEMMs' fragment tiles (4-bit experts, x as f16): each lane turns its widened code
   // pairs into f16 weights (kernels/moe.cu MWF16). Measured +4% more at 4K on the H100.
   bool moe_w_f16 = true;
-  // With moe_w_f16: the MoE gate/up GEMM's x as f16 rows scaled once per row by a pre-pass (moe_x_rows), the
-  // fragment tiles' ring copying them straight into the A tile and the MMAs accumulating without a per-part fold
-  // (kernels/moe.cu MXROW); the down pass keeps the part scales. Not moe_w_f16's bits alone (another x scale).
-  bool moe_x_rows = false;
+  // With moe_w_f16: the MoE prefill GEMMs' x and act as f16 rows scaled once per row by pre-passes (moe_x_rows,
+  // moe_act_rows), the fragment tiles' ring copying them straight into the A tile and the MMAs accumulating without a
+  // per-part fold (kernels/moe.cu MXROW). Not moe_w_f16's bits alone (another x scale). Measured on the gate/up GEMM
+  // alone: +6.7% prefill at 4K on the H100 (benchmarks/NOTES.md).
+  bool moe_x_rows = true;
   // Prefill GEMMs with f16 weight tiles (gemm_w_f16): x as f16 rows scaled once per row by a pre-pass (matmul_x_rows,
   // one per op and x), copied into the tiles by cp.async, the MMAs accumulating straight into the outputs (no group
   // accumulator, no fold; kernels/matmul.cu XROW). Not gemm_w_f16's bits alone (another x scale). Measured +15%

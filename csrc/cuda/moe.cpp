@@ -71,9 +71,10 @@ Layout layout(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
   l.tiles = l.y + align256(P * size_t(H) * 4);
   l.pair_token = l.tiles + align256(size_t(1 + 3 * max_tiles(T, k, E, 16)) * 4);  // bm = 16: the most tiles
   l.pair_pos = l.pair_token + align256(P * 4);
-  l.xh = l.pair_pos + align256(P * 4);  // moe_x_rows: [T][⌈H/64⌉·64] f16, then [T] f32
-  l.xinv = l.xh + align256(size_t(T) * size_t((H + 63) / 64 * 64) * 2);
-  l.total = l.xinv + align256(size_t(T) * 4);
+  // moe_x_rows: x's rows [T][⌈H/64⌉·64] f16 and their 2^-e [T] f32, later the act rows [P][⌈I/64⌉·64] and [P]
+  l.xh = l.pair_pos + align256(P * 4);
+  l.xinv = l.xh + align256(std::max(size_t(T) * size_t((H + 63) / 64 * 64), P * size_t((I + 63) / 64 * 64)) * 2);
+  l.total = l.xinv + align256(std::max(size_t(T), P) * 4);
   return l;
 }
 
@@ -331,7 +332,7 @@ bool f16_expert_forms(ExpertsVariant& v, bool w_f16, bool x_rows) {
               "scale alone (moe_w_f16)";
     if (x_rows) {
       v.defines.push_back({"MXROW", 1});
-      v.text += "; the gate/up GEMM's x as f16 rows scaled by 2^e per row by a pre-pass (moe_x_rows kernel), "
+      v.text += "; x and act as f16 rows scaled by 2^e per row by pre-passes (moe_x_rows, moe_act_rows), "
                 "accumulated without a fold (moe_x_rows)";
       return true;
     }
@@ -480,6 +481,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   const int bn1 = v.frag ? kFragBlockN / fmt : kMmaBlockN, bn2 = v.frag ? kFragBlockNDown / fmt : kMmaBlockNDown;
   launch(k1, Dim3{unsigned(a.max_tiles), unsigned((I + bn1 - 1) / bn1), 1}, Dim3{kMmaThreads, 1, 1},
          uint32_t(v.pipe_smem), a);
+  if (x_rows) launch(kernel("moe", "moe_act_rows", v.defines), Dim3{unsigned(T * k), 1, 1}, Dim3{128, 1, 1}, 0, a);
   launch(k2, Dim3{unsigned(a.max_tiles), unsigned((H + bn2 - 1) / bn2), 1}, Dim3{kMmaThreads, 1, 1},
          uint32_t(v.pipe_smem), a);
   launch(k3, Dim3{unsigned(T), 1, 1}, Dim3{256, 1, 1}, 0, a);

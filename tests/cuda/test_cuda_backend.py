@@ -346,16 +346,15 @@ def _perplexity(logits: np.ndarray, targets: list[int]) -> float:
 # and that error's perplexity drift is +0.030% with the scan but +0.108% with the chunked form (H200, 2026-12-04); the
 # defaults give +0.006% with both forms (benchmarks/NOTES.md, "Chunked DeltaNet prefill on CUDA, second attempt").
 @pytest.mark.parametrize("opts", [{}, {"gemm_w_f16": False, "moe_w_f16": False}, {"prefill_x": "bf16x2"},
-                                  {"prefill_x": "bf16", "delta_chunk_rows": 0}, {"moe_x": "bf16"}, {"moe_x_rows": True}],
+                                  {"prefill_x": "bf16", "delta_chunk_rows": 0}, {"moe_x": "bf16"}, {"moe_x_rows": False}],
                          ids=["default_x_f16", "codes_x_f16", "x_hi_lo", "x_one_bf16_term", "moe_x_one_bf16_term",
-                              "moe_x_rows"])
+                              "moe_x_part_scales"])
 def test_lily_tiny_teacher_forced_agreement(opts):
     """The issue's bar on the shipped model: top-1 agreement with the CPU >= 99%, perplexity within 0.1% (the default
-    runs the chunked DeltaNet form for this 2048-token prefill, the dense GEMMs' activations as f16 rows scaled once
-    per row, the MoE's as one f16 term scaled per group part, and their weights dequantized to f16); also with the
-    integer codes in the MMAs (the f16-weight options off), with the activations as bf16 hi + lo, as one bf16 term
-    (prefill_x = "bf16", not the default), with the MoE's alone as one bf16 term, and with the MoE gate/up's as f16
-    rows (moe_x_rows)."""
+    runs the chunked DeltaNet form for this 2048-token prefill, the GEMMs' activations as f16 rows scaled once per
+    row, and their weights dequantized to f16); also with the integer codes in the MMAs (the f16-weight options off),
+    with the activations as bf16 hi + lo, as one bf16 term (prefill_x = "bf16", not the default), with the MoE's alone
+    as one bf16 term, and with the MoE's scaled per group part (moe_x_rows off)."""
     with lily.Engine.from_pretrained(backend="cpu") as cpu, \
             lily.Engine.from_pretrained(backend="cuda", backend_options=opts) as gpu:
         ids = cpu.tokenize(HELDOUT.read_text())[:2048]

@@ -349,8 +349,8 @@ def test_experts_prefill_w_f16(one_term_benches, spec, E, k, H, I, x_rows):
     weights dequantized to f16 in registers stay within the tolerance of their roundings (x, act and the weights each
     rounded once) on tokens past f16's range and of subnormal size, are not the codes path's bits (the option took
     effect), are deterministic, and give a token the same bits whatever the call (T = 7 = the first 7 rows of T = 80).
-    The same with the gate/up GEMM's x as f16 rows scaled once per row (moe_x_rows), which are not the part scales'
-    bits."""
+    The same with the GEMMs' x and act as f16 rows scaled once per row (moe_x_rows, the default), which are not the
+    part scales' bits."""
     pair = (one_term_benches["f16"][0],
             core.OpBench("cuda", {"prefill_x": "f16", "moe_w_f16": True, "moe_x_rows": x_rows}))
     handles = weights_for(pair, spec, E, k, H, I)
@@ -360,7 +360,7 @@ def test_experts_prefill_w_f16(one_term_benches, spec, E, k, H, I, x_rows):
     cpu, gpu = run_experts(pair, handles, "prefill", x, ids, w, E, k, H, I)
     text = str_variants_experts(pair[1].report())
     assert "the experts' weights dequantized to f16 (s·q + b) in registers" in text, text
-    assert ("gate/up GEMM's x as f16 rows scaled by 2^e per row by a pre-pass" in text) == x_rows, text
+    assert ("x and act as f16 rows scaled by 2^e per row by pre-passes" in text) == x_rows, text
     if x_rows:
         parts = (pair[0], core.OpBench("cuda", {"prefill_x": "f16", "moe_w_f16": True, "moe_x_rows": False}))
         _, by_part = run_experts(parts, weights_for(parts, spec, E, k, H, I), "prefill", x, ids, w, E, k, H, I)

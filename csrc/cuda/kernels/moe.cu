@@ -1332,11 +1332,12 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 #if MWF16 && !XF
 #error "MWF16 needs x as one f16 term (XF)"
 #endif
-// MXROW (the host's moe_x_rows, with MWF16): the gate/up pass takes x as f16 rows scaled by one 2^e per row, written
-// once per call by moe_x_rows (quant.cuh f16_scaled_row, matmul_x_rows' rule) into the workspace; the ring copies the
-// gathered f16 rows straight into the A tile's layout, the MMAs accumulate into the outputs without a per-part fold
-// (no group accumulator, no x conversion), and the epilogue multiplies each row by its 2^-e. Not MWF16's bits alone
-// (another x scale). The down pass keeps MWF16's form (its act rows are this pass's output).
+// MXROW (the host's moe_x_rows, with MWF16): both GEMMs take their activations as f16 rows scaled by one 2^e per row
+// (quant.cuh f16_scaled_row, matmul_x_rows' rule), written into the workspace's xh / xinv by a pre-pass: moe_x_rows
+// (x, before gate/up), then moe_act_rows (the sorted act rows, before down; gate/up's rows are dead by then, so both
+// use one region). The ring copies the (gathered) f16 rows straight into the A tile's layout, the MMAs accumulate
+// into the outputs without a per-part fold (no group accumulator, no conversion), and the epilogue multiplies each
+// row by its 2^-e. Not MWF16's bits alone (another x scale).
 #ifndef MXROW
 #define MXROW 0
 #endif
@@ -1348,7 +1349,7 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 // rows); warp w owns columns [w·WC, (w+1)·WC) of every matrix, NTM n8 tiles each, for all FMT m16 tiles.
 template <int NMAT, int FBN, int KDIM, int NDIM, bool GATHER>
 __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
-  constexpr bool XR = GATHER && MXROW;    // x as pre-scaled f16 rows: the ring stage holds the A tile itself
+  constexpr bool XR = MXROW;  // x / act as pre-scaled f16 rows: the ring stage holds the A tile itself
   constexpr int BK = 64, PITCH = BK + 8;  // A tile: halves per row (144 bytes: ldmatrix rows conflict-free)
   constexpr int BROWS = NMAT * FBN, WC = FBN / 8, NTM = WC / 8, NTW = NMAT * NTM;
   static_assert(BROWS * FMT == 256 && NTM >= 1, "moe.cpp frag_stage_bytes stages 256 / FMT weight rows");
@@ -1611,8 +1612,9 @@ extern "C" __global__ void __launch_bounds__(MMA_NT, MMA_MINB) moe_down_mma(cons
 }
 
 #if MXROW
-// MXROW: x row t as f16 scaled by 2^e (quant.cuh f16_scaled_row, zero-padded to whole K blocks) and its 2^-e, for the
-// gate/up pass. Grid T, block 256. Floor: T·H·(4 + 2) bytes.
+// MXROW: x row t (moe_x_rows, for gate/up; grid T, block 256) or sorted act row r (moe_act_rows, for down; grid T·k,
+// block 128) as f16 scaled by 2^e (quant.cuh f16_scaled_row, zero-padded to whole K blocks) and its 2^-e.
+// Floors: T·H·(4 + 2) and T·k·I·(4 + 2) bytes.
 extern "C" __global__ void __launch_bounds__(256) moe_x_rows(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
   constexpr int HP = (HID + 63) / 64 * 64;
@@ -1620,6 +1622,14 @@ extern "C" __global__ void __launch_bounds__(256) moe_x_rows(const MoeArgs a) {
   const int t = blockIdx.x;
   f16_scaled_row(reinterpret_cast<const float*>(a.x) + i64(t) * a.x_stride, HID, HP,
                  reinterpret_cast<u32*>(a.xh) + i64(t) * (HP / 2), reinterpret_cast<float*>(a.xinv) + t, scratch);
+}
+extern "C" __global__ void __launch_bounds__(128) moe_act_rows(const MoeArgs a) {
+  LILY_PDL_PROLOGUE();
+  constexpr int IP = (INTER + 63) / 64 * 64;
+  __shared__ float scratch[32];
+  const int r = blockIdx.x;
+  f16_scaled_row(reinterpret_cast<const float*>(a.act) + i64(r) * INTER, INTER, IP,
+                 reinterpret_cast<u32*>(a.xh) + i64(r) * (IP / 2), reinterpret_cast<float*>(a.xinv) + r, scratch);
 }
 #endif
 
