@@ -118,6 +118,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", default=None, help="folder of the synthetic checkpoint (default: temp dir)")
     ap.add_argument("--prompt", type=int, default=512, help="tokens of the traced prefill")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="Engine prefill_chunk (default: the engine's; bench_cuda.py uses 4096)")
     ap.add_argument("--context", type=int, default=4096, help="KV positions before the traced decode steps")
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--backend-options", default="{}", help="JSON for Engine backend_options")
@@ -137,8 +139,9 @@ def main() -> int:
     from lily import bench
 
     path = bench.synthetic_checkpoint("full", a.cache)
+    chunk = {} if a.prefill_chunk is None else {"prefill_chunk": a.prefill_chunk}
     engine = lily.Engine.from_pretrained(path, backend="cuda", kv_cache_dtype="bf16",
-                                         backend_options=json.loads(a.backend_options))
+                                         backend_options=json.loads(a.backend_options), **chunk)
     engine.report()  # the probe step runs now
     torch.cuda.init()
     rng = np.random.default_rng(0)

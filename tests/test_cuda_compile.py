@@ -376,6 +376,18 @@ def test_smem_carveout_option(tmp_path, cache):
             core.OpBench("cuda", {"dry_arch": 90, "smem_carveout": bad})
 
 
+def test_cuda_engine_prefills_in_chunks_of_4096_by_default(tmp_path, cache):
+    """An Engine on CUDA given no prefill_chunk takes 4096 prompt tokens per forward (the CPU's default is 512); a
+    session's own prefill_chunk still wins, and the engine reports the chunk it uses."""
+    path = write_synthetic_checkpoint(tmp_path / "m", TINY_CONFIG, fmt="mlx", bits=4, seed=4)
+    with lily.Engine(lily.engine.load_checkpoint(path), backend="cuda",
+                     backend_options={"dry_arch": 90, "cache_dir": cache}) as e:
+        assert e.prefill_chunk == 4096 == lily.engine.default_prefill_chunk("cuda")
+        assert e.session(max_context=64).prefill_chunk == 4096
+        assert e.session(max_context=64, prefill_chunk=32).prefill_chunk == 32
+        assert e.report()["prefill_chunk"] == 4096
+
+
 def test_report_lists_kernels_and_launch_shapes(tmp_path, cache):
     """report()["cuda"]["kernels"]: every kernel a prefill and a decode step loaded, with its module (family and
     defines) and each launch shape it ran with, once; registers, spills and blocks per SM need a device (None in a

@@ -75,6 +75,17 @@ def test_backend_choice_auto_and_unbuilt_backends_raise_clearly(ckpt_small):
         lily.Engine.from_pretrained(str(ckpt_small.path), backend="tpu")
 
 
+def test_prefill_chunk_default_and_bad_values(ckpt_small):
+    """prefill_chunk=None (the default) takes the backend's: 512 on the CPU; anything but a positive int or None is
+    refused naming the field."""
+    cpu = lily.Engine.from_pretrained(str(ckpt_small.path), backend="cpu")
+    assert cpu.prefill_chunk == 512 == lily.engine.default_prefill_chunk("cpu")
+    assert cpu.session(max_context=32).prefill_chunk == 512
+    for bad in (0, -1, 1.5, True, "512"):
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            lily.Engine.from_pretrained(str(ckpt_small.path), backend="cpu", prefill_chunk=bad)
+
+
 def test_profile_times_every_op_of_a_step(eng):
     s = eng.session(max_context=64)
     s.prefill(eng.tokenize(PROMPT))

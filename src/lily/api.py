@@ -31,7 +31,7 @@ _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"
 
 
 def load(path_or_hf_repo: str | os.PathLike | None = None, *, revision: str | None = None,
-         backend: str = "cpu", threads: int | None = None, prefill_chunk: int = 512,
+         backend: str = "cpu", threads: int | None = None, prefill_chunk: int | None = None,
          kv_cache_dtype: str = "f32", progress: bool | None = None,
          lm_head: str = "auto") -> tuple["Engine", "Tokenizer"]:
     """Load a model like ``mlx_lm.load``: returns ``(engine, engine.tokenizer)``.

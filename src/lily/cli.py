@@ -13,7 +13,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="checkpoint folder, Hugging Face repo id, or 'lily-tiny' (default: the packaged lily-tiny)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default 512)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="tokens per prefill chunk (default: 4096 on CUDA, 512 elsewhere)")
     p.add_argument("--kv-cache-dtype", choices=("f32", "bf16"), default="f32",
                    help="KV cache precision (bf16 halves its memory; default f32)")
     p.add_argument("--lm-head", choices=("auto", "8bit", "native"), default="auto",

@@ -65,6 +65,15 @@ def backends() -> dict[str, dict]:
     return {k: dict(v) for k, v in _core.backends().items()}
 
 
+# Prompt tokens per forward when the caller gives none (Engine's prefill_chunk=None), by backend.
+_PREFILL_CHUNK = {"cuda": 4096}
+
+
+def default_prefill_chunk(backend: str) -> int:
+    """The prefill chunk an Engine on ``backend`` ("cpu", "cuda", "metal") uses when given none."""
+    return _PREFILL_CHUNK.get(backend, 512)
+
+
 def _choose_backend(backend: str) -> str:
     known = backends()
     if not isinstance(backend, str) or (backend != "auto" and backend not in known):
@@ -137,7 +146,7 @@ class Engine:
     """
 
     def __init__(self, checkpoint: Checkpoint, *, backend: str = "auto", threads: int | None = None,
-                 prefill_chunk: int = 512, kv_cache_dtype: str = "f32", tokenizer: Tokenizer | None = None,
+                 prefill_chunk: int | None = None, kv_cache_dtype: str = "f32", tokenizer: Tokenizer | None = None,
                  backend_options: dict | None = None, keep_sessions: int = 0, lm_head: str = "auto",
                  mtp: str = "auto"):
         check_lm_head(lm_head)
@@ -151,8 +160,10 @@ class Engine:
         backend = "cuda" if backend == "cuda" and backend_options.get("dry_arch") else _choose_backend(backend)
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk(backend)
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+            raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
         if kv_cache_dtype not in ("f32", "bf16"):
             raise ValueError(f"kv_cache_dtype must be 'f32' or 'bf16', got {kv_cache_dtype!r}")
         self.keep_sessions = check_int(keep_sessions, "keep_sessions", maximum=1 << 16)
@@ -246,7 +257,7 @@ class Engine:
     # ---- construction ----
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, backend: str = "auto",
-                        threads: int | None = None, prefill_chunk: int = 512, kv_cache_dtype: str = "f32",
+                        threads: int | None = None, prefill_chunk: int | None = None, kv_cache_dtype: str = "f32",
                         revision: str | None = None, progress: bool | None = None,
                         backend_options: dict | None = None, keep_sessions: int = 0,
                         lm_head: str = "auto", mtp: str = "auto") -> "Engine":
@@ -256,6 +267,11 @@ class Engine:
         ``backend``: ``"auto"`` (the first usable of :func:`lily.engine.backends`, in the order CUDA, Metal,
         CPU), ``"cpu"``, ``"cuda"`` or ``"metal"``; a backend this build lacks, or whose device is absent,
         raises :class:`LilyError` saying which.
+
+        ``prefill_chunk``: the most prompt tokens one forward takes (a longer prompt runs in chunks; scratch grows
+        to the largest chunk a session has run). None: :func:`default_prefill_chunk` of the backend, 4096 on CUDA
+        (a GPU's GEMMs need the rows: a 4K prompt in chunks of 512 took ~1.8x the time of one chunk on an H100,
+        benchmarks/NOTES.md) and 512 elsewhere.
 
         ``kv_cache_dtype="bf16"`` halves the KV cache (long contexts) at bf16 precision for K and V;
         the default ``"f32"`` keeps the CPU backend an exact fp32 oracle. ``progress=True`` shows a
