@@ -42,7 +42,8 @@
 //       default): x and the act rows are staged as three int8 terms per 16-byte vector instead of fp32 (quant.cuh;
 //       4 threads per vector) and each vector's products are dp4a integer dot products combined in fp32 per
 //       vector: ~45 instructions per 4-bit vector instead of ~190 (3 per code plus the x reads), error ~1e-7.
-//   Prefill (4 launches; grids sized for the worst case, so no host knowledge of the routing):
+//   Prefill (4 launches, 6 with MXROW's pre-passes moe_x_rows and moe_act_rows (below); grids sized for the worst
+//   case, so no host knowledge of the routing):
 //     moe_group (1 block of 1024): histogram of rows per expert (shared atomics: counts only), exclusive
 //       scans of rows and of tiles (⌈n_e/BM⌉) per expert, the tile map (expert, first sorted row, rows),
 //       and a stable scatter of the (token, slot) pairs into expert-sorted order (tokens ascending per
@@ -207,7 +208,7 @@ struct MoeArgs {
   i64 logits_stride;
   u64 sgate;
   i64 sgate_stride;
-  u64 xh, xinv;  // MXROW prefill: x as f16 rows [T][⌈H/64⌉·64] scaled by 2^e per row, and each row's 2^-e (workspace)
+  u64 xh, xinv;  // MXROW prefill: x's (then act's) rows as f16 scaled by 2^e per row, and each row's 2^-e (workspace)
 };
 #ifndef FUSED
 #define FUSED 0
