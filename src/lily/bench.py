@@ -220,7 +220,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", default=None, help="folder of the synthetic checkpoint (default: temp dir)")
     p.add_argument("--backend", default="cpu", help="backend passed to Engine.from_pretrained (default cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default 512)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="tokens per prefill chunk (default: the engine's, 4096 on CUDA, 512 elsewhere)")
     p.add_argument("--kv-cache-dtype", choices=("f32", "bf16"), default="f32")
     p.add_argument("--lm-head", choices=("auto", "8bit", "native"), default="auto",
                    help="LM head format of a bf16/f16/f32 checkpoint (Engine.from_pretrained's lm_head)")
