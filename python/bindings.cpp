@@ -301,6 +301,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("gemm_w_f16").is_none()) o.gemm_w_f16 = nb::cast<bool>(opt("gemm_w_f16"));
     if (!opt("moe_w_f16").is_none()) o.moe_w_f16 = nb::cast<bool>(opt("moe_w_f16"));
     if (!opt("moe_x_rows").is_none()) o.moe_x_rows = nb::cast<bool>(opt("moe_x_rows"));
+    if (!opt("moe_group_blocks").is_none()) o.moe_group_blocks = nb::cast<bool>(opt("moe_group_blocks"));
     if (!opt("gemm_x_rows").is_none()) o.gemm_x_rows = nb::cast<bool>(opt("gemm_x_rows"));
     if (!opt("moe_early_loads").is_none()) o.moe_early_loads = nb::cast<bool>(opt("moe_early_loads"));
     if (!opt("gemm_tile128").is_none()) o.gemm_tile128 = nb::cast<bool>(opt("gemm_tile128"));

@@ -602,6 +602,24 @@ def test_moe_frag_option_compiles_and_reports(cache, frag):
             core.OpBench("cuda", {"dry_arch": 90, "moe_frag": bad})
 
 
+@pytest.mark.parametrize("on", [False, True])
+def test_moe_group_blocks_compiles_and_reports(cache, on):
+    """moe_group_blocks: the real model's prefill grouping split over a block per 1024-pair chunk compiles and is
+    named with its chunk count where there is more than one chunk (128 tokens x 8 experts: one, the single block);
+    report() lists the option either way."""
+    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, "moe_group_blocks": on})
+    c, (H, E, K, I), (g, u, d) = _full_q4_experts(b)
+    for T, chunks in ((1024, 8), (128, 1)):
+        b.run("moe_experts", "prefill", x=b.empty(T, H, poison=False), ids=b.empty(T, K, "i32", poison=False),
+              weights=b.empty(T, K, poison=False), gate=g, up=u, down=d, ws=b.workspace(c, T, 4096),
+              out=b.empty(T, H, poison=False))
+        text = b.report()["variants"]["moe.experts.prefill"]
+        assert (f"{chunks} chunks; moe_group_blocks" in text) == (on and chunks > 1), text
+    opt = " ".join(b.report()["optimizations"])
+    assert ("MoE prefill grouping split over a block per 1024-pair chunk (moe_group_blocks)" in opt) == on, opt
+    assert ("not active: MoE prefill grouping across blocks (moe_group_blocks=False)" in opt) != on, opt
+
+
 @pytest.mark.parametrize("opts,text", [({}, "(2 gate+up rows per warp)"), ({"moe_rows_g": 4}, "(4 gate+up rows per warp)"),
                                        ({"moe_rows_g": 1, "moe_rows_d": 64}, "64 rows per block"),
                                        ({"moe_rows_d": 16}, "16 rows per block"),

@@ -1008,6 +1008,11 @@ std::vector<std::string> CudaOps::optimizations() const {
                   : std::string("not active: x and act as pre-scaled f16 rows in the MoE prefill GEMMs (") +
                         (opt_.moe_w_f16 ? "moe_x_rows=False" : "it needs moe_w_f16") +
                         "): x is scaled per row and group part in the fragment tiles, each part folded");
+  o.push_back(opt_.moe_group_blocks
+                  ? "MoE prefill grouping split over a block per 1024-pair chunk (moe_group_blocks): the chunks' "
+                    "stable scatters side by side"
+                  : "not active: MoE prefill grouping across blocks (moe_group_blocks=False): one block of 1024 "
+                    "threads scatters the 1024-pair chunks in turn");
   const bool x_rows = opt_.gemm_w_f16 && opt_.gemm_x_rows;
   o.push_back(x_rows ? "prefill GEMMs with f16 weight tiles take x as f16 rows scaled once per row by a pre-pass "
                        "(matmul_x_rows, once per op and x; gemm_x_rows), the MMAs accumulating without a group fold"

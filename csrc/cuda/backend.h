@@ -174,6 +174,10 @@ struct CudaOptions {
   // per-part fold (kernels/moe.cu MXROW). Not moe_w_f16's bits alone (another x scale). Measured on the gate/up GEMM
   // alone: +6.7% prefill at 4K on the H100 (benchmarks/NOTES.md).
   bool moe_x_rows = true;
+  // MoE prefill grouping of more than 1024 (token, expert) pairs split over a block per 1024-pair chunk (count, one
+  // scan block, scatter: kernels/moe.cu moe_group_count / _scan / _scatter) instead of one block walking the chunks
+  // in turn. The same tile map and row order.
+  bool moe_group_blocks = false;
   // Prefill GEMMs with f16 weight tiles (gemm_w_f16): x as f16 rows scaled once per row by a pre-pass (matmul_x_rows,
   // one per op and x), copied into the tiles by cp.async, the MMAs accumulating straight into the outputs (no group
   // accumulator, no fold; kernels/matmul.cu XROW). Not gemm_w_f16's bits alone (another x scale). Measured +15%

@@ -35,8 +35,9 @@ struct MoeArgs {
   uint64_t sgate;
   int64_t sgate_stride;
   uint64_t xh, xinv;  // prefill with moe_x_rows: x as scaled f16 rows and their 2^-e (workspace)
+  uint64_t gcount;    // prefill grouping across blocks (moe_group_blocks): per chunk and expert (workspace)
 };
-static_assert(sizeof(MoeArgs) == 8 * 8 + 18 * 8 + 5 * 8 + 16 + 9 * 8 + 4 * 8 + 2 * 8,
+static_assert(sizeof(MoeArgs) == 8 * 8 + 18 * 8 + 5 * 8 + 16 + 9 * 8 + 4 * 8 + 3 * 8,
               "must match struct MoeArgs in kernels/moe.cu");
 
 namespace {
@@ -61,7 +62,7 @@ int64_t max_tiles(int64_t T, int64_t k, int64_t E, int bm) {
 
 // Workspace carve-up (byte offsets from the workspace start, each 256-byte aligned).
 struct Layout {
-  size_t act = 0, y = 0, tiles = 0, pair_token = 0, pair_pos = 0, xh = 0, xinv = 0, total = 0;
+  size_t act = 0, y = 0, tiles = 0, pair_token = 0, pair_pos = 0, xh = 0, xinv = 0, gcount = 0, total = 0;
 };
 Layout layout(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
   const size_t P = size_t(T * k);
@@ -74,7 +75,8 @@ Layout layout(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
   // moe_x_rows: x's rows [T][⌈H/64⌉·64] f16 and their 2^-e [T] f32, later the act rows [P][⌈I/64⌉·64] and [P]
   l.xh = l.pair_pos + align256(P * 4);
   l.xinv = l.xh + align256(std::max(size_t(T) * size_t((H + 63) / 64 * 64), P * size_t((I + 63) / 64 * 64)) * 2);
-  l.total = l.xinv + align256(std::max(size_t(T), P) * 4);
+  l.gcount = l.xinv + align256(std::max(size_t(T), P) * 4);  // moe_group_blocks: int [⌈P/1024⌉][E]
+  l.total = l.gcount + align256((P + 1023) / 1024 * size_t(E) * 4);
   return l;
 }
 
@@ -428,6 +430,7 @@ MoeArgs CudaOps::experts_args(const Tensor& x, const Tensor& ids, const Tensor& 
   a.pair_pos = base + L.pair_pos;
   a.xh = base + L.xh;
   a.xinv = base + L.xinv;
+  a.gcount = base + L.gcount;
   a.T = int32_t(T);
   a.k = int32_t(k);
   return a;
@@ -465,6 +468,11 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
     return;
   }
   const bool x_rows = f16_expert_forms(v, options().moe_w_f16, options().moe_x_rows);
+  const unsigned chunks = unsigned((T * k + 1023) / 1024);  // the grouping's 1024-pair chunks
+  const bool group_blocks = options().moe_group_blocks && chunks > 1;
+  if (group_blocks)
+    v.text += "; the grouping split over a block per 1024-pair chunk (moe_group_count / _scan / _scatter, " +
+              std::to_string(chunks) + " chunks; moe_group_blocks)";
   note_variant("moe.experts.prefill", v.text);
   a.max_tiles = int32_t(max_tiles(T, k, E, v.bm));
   const Kernel& kg = kernel("moe", "moe_group", v.defines);
@@ -475,7 +483,13 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
     set_dynamic_smem(k1, v.pipe_smem, v.static_smem);
     set_dynamic_smem(k2, v.pipe_smem, v.static_smem);
   }
-  launch(kg, Dim3{1, 1, 1}, Dim3{1024, 1, 1}, 0, a);
+  if (group_blocks) {  // the same grouping, each chunk's scatter in its own block
+    launch(kernel("moe", "moe_group_count", v.defines), Dim3{chunks, 1, 1}, Dim3{1024, 1, 1}, 0, a);
+    launch(kernel("moe", "moe_group_scan", v.defines), Dim3{1, 1, 1}, Dim3{1024, 1, 1}, 0, a);
+    launch(kernel("moe", "moe_group_scatter", v.defines), Dim3{chunks, 1, 1}, Dim3{1024, 1, 1}, 0, a);
+  } else {
+    launch(kg, Dim3{1, 1, 1}, Dim3{1024, 1, 1}, 0, a);
+  }
   if (x_rows) launch(kernel("moe", "moe_x_rows", v.defines), Dim3{unsigned(T), 1, 1}, Dim3{256, 1, 1}, 0, a);
   const int fmt = v.bm / 16;  // FRAG's m16 tiles per warp: a block covers 256 / fmt weight rows
   const int bn1 = v.frag ? kFragBlockN / fmt : kMmaBlockN, bn2 = v.frag ? kFragBlockNDown / fmt : kMmaBlockNDown;

@@ -410,6 +410,26 @@ def test_experts_decode_dp4a_matches_the_fp32_form(benches, fp32_benches, spec, 
     assert "fp32 x and act (gemv_dp4a=False)" in str(fp32_benches[1].report())
 
 
+@pytest.mark.parametrize("spec,E,k,H,I,T", [("q4g64-bf16", 5, 3, 192, 320, 1500), ("q4g64-bf16", 256, 8, 192, 320, 300),
+                                            ("q8g64-f16", 7, 3, 448, 192, 342), ("q4g32-f32", 12, 3, 256, 160, 700)])
+def test_experts_prefill_group_blocks_same_bits(spec, E, k, H, I, T):
+    """moe_group_blocks splits the prefill grouping of more than 1024 (token, expert) pairs over a block per 1024-pair
+    chunk: the same tile map and row order as the single block, so the experts' output is its bit for bit (expert 1
+    is in every token, so its rows cross every chunk; 342 x 3 leaves a last chunk of 2 pairs), near the CPU's, and
+    the report says which ran."""
+    cpu = core.OpBench("cpu")
+    split = (cpu, core.OpBench("cuda", {"moe_group_blocks": True}))
+    single = (cpu, core.OpBench("cuda", {"moe_group_blocks": False}))
+    x, ids, w = token_inputs(91 + T, E, k, H, T)
+    ref_cpu, got = run_experts(split, weights_for(split, spec, E, k, H, I), "prefill", x, ids, w, E, k, H, I)
+    _, ref = run_experts(single, weights_for(single, spec, E, k, H, I), "prefill", x, ids, w, E, k, H, I)
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+    assert rel_err(got, ref_cpu) < 1e-2, rel_err(got, ref_cpu)  # garbage check; the tolerances are the tests' above
+    chunks = -(-T * k // 1024)
+    assert f"{chunks} chunks; moe_group_blocks" in str_variants_experts(split[1].report())
+    assert "moe_group_blocks" not in str_variants_experts(single[1].report())
+
+
 def test_experts_variants_reported(benches):
     E, k, H, I = 5, 3, 192, 320
     handles = weights_for(benches, "q4g64-bf16", E, k, H, I)
