@@ -171,12 +171,12 @@ struct CudaOptions {
   bool moe_w_f16 = true;
   // With moe_w_f16: the MoE prefill GEMMs' x and act as f16 rows scaled once per row by pre-passes (moe_x_rows,
   // moe_act_rows), the fragment tiles' ring copying them straight into the A tile and the MMAs accumulating without a
-  // per-part fold (kernels/moe.cu MXROW). Not moe_w_f16's bits alone (another x scale). Measured on the gate/up GEMM
-  // alone: +6.7% prefill at 4K on the H100 (benchmarks/NOTES.md).
+  // per-part fold (kernels/moe.cu MXROW). Not moe_w_f16's bits alone (another x scale). Measured +9.3% prefill at 4K
+  // on the H100 (benchmarks/NOTES.md).
   bool moe_x_rows = true;
   // MoE prefill grouping of more than 1024 (token, expert) pairs split over a block per 1024-pair chunk (count, one
   // scan block, scatter: kernels/moe.cu moe_group_count / _scan / _scatter) instead of one block walking the chunks
-  // in turn. The same tile map and row order.
+  // in turn. The same tile map and row order. Off until a GPU has run its tests and an A/B (written without one).
   bool moe_group_blocks = false;
   // Prefill GEMMs with f16 weight tiles (gemm_w_f16): x as f16 rows scaled once per row by a pre-pass (matmul_x_rows,
   // one per op and x), copied into the tiles by cp.async, the MMAs accumulating straight into the outputs (no group

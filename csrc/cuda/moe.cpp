@@ -319,8 +319,8 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
 bool aligned16(uint64_t v) { return v % 16 == 0; }
 
 // The prefill fragment tiles with the weights dequantized to f16 in registers (the option moe_w_f16; kernels/moe.cu
-// MWF16): only where the fragment tiles run with x as one f16 term. With them, the gate/up pass's x as f16 rows scaled
-// once per row by a pre-pass (the option moe_x_rows; MXROW). Returns whether that pre-pass runs.
+// MWF16): only where the fragment tiles run with x as one f16 term. With them, both GEMMs' x and act as f16 rows scaled
+// once per row by pre-passes (the option moe_x_rows; MXROW). Returns whether those pre-passes run.
 bool f16_expert_forms(ExpertsVariant& v, bool w_f16, bool x_rows) {
   if (!w_f16) return false;
   auto define = [&](const char* name) {

@@ -336,12 +336,12 @@ class Engine:
         rounding (the weight's, 2^-11 relative); default True: +5% prefill at 4K on the H100), ``moe_w_f16`` (the same
         for the MoE prefill GEMMs' 4-bit fragment tiles; default True: +4% more), ``moe_x_rows`` (with
         ``moe_w_f16``: the MoE GEMMs' x and act as f16 rows scaled once per row by pre-passes, no per-part fold;
-        default True: +6.7% prefill at 4K on the H100 from the gate/up GEMM), ``moe_group_blocks`` (the MoE
-        prefill grouping of more than 1024 (token, expert) pairs split over a block per 1024-pair chunk, the same
-        row order; default False until run on a GPU), ``gemm_x_rows`` (with
-        ``gemm_w_f16``: x as f16 rows scaled once per row by a pre-pass, the MMAs accumulating without a per-group
-        fold; default True: +15% prefill at 4K on the H100), ``gemm_tile128`` (with ``gemm_x_rows``: 128-row tiles for GEMMs
-        whose grid still fills every SM twice, the same bits; default True), ``moe_frag`` (MoE prefill GEMMs of 4-bit experts with 16-row
+        default True: +9.3% prefill at 4K on the H100), ``moe_group_blocks`` (the MoE prefill grouping of more
+        than 1024 (token, expert) pairs split over a block per 1024-pair chunk, the same row order; default False
+        until run on a GPU), ``gemm_x_rows`` (with ``gemm_w_f16``: x as f16 rows scaled once per row by a pre-pass,
+        the MMAs accumulating without a per-group fold; default True: +15% prefill at 4K on the H100),
+        ``gemm_tile128`` (with ``gemm_x_rows``: 128-row tiles for GEMMs whose grid still fills every SM twice, the
+        same bits; default True: +6% at 4K), ``moe_frag`` (MoE prefill GEMMs of 4-bit experts with 16-row
         tiles: each warp widens its own columns' codes into tensor-core fragments in registers, the K blocks through
         a cp.async ring of 3-6 stages, the same bits; 0 = a shared bf16 weight tile; default 3),
         ``moe_frag32_rows`` / ``moe_tile64_rows`` (the MoE prefill tile height by the expected rows per expert
