@@ -737,6 +737,17 @@ __device__ __forceinline__ int moe_pair_expert(const MoeArgs& a, int p) {
   return moe_valid_expert(e) ? e : -1;
 }
 
+// hist[e] = the pairs p in [p0, p1) routed to expert e (shared atomics: counts only). Ends with a barrier.
+__device__ __forceinline__ void moe_group_histogram(const MoeArgs& a, int p0, int p1, int* hist) {
+  for (int e = threadIdx.x; e < NEXP; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  for (int p = p0 + int(threadIdx.x); p < p1; p += blockDim.x) {
+    const int e = moe_pair_expert(a, p);
+    if (e >= 0) atomicAdd(&hist[e], 1);
+  }
+  __syncthreads();
+}
+
 // From rows per expert (hist), by warp 0: each expert's first sorted row (cursor) and first tile (tstart), exclusive
 // scans of lane-serial chunks then a warp scan; tiles[0] = the tile count (at most max_tiles). Then, by the whole
 // block, the tile map (expert, first row, rows) of every tile. Ends with a barrier.
@@ -829,15 +840,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
   __shared__ int hist[NEXP], cursor[NEXP], tstart[NEXP];
   __shared__ u16 wcnt[32][NEXP + (NEXP & 1)];  // pairs of expert e in warp w of the current chunk
-  const int tid = threadIdx.x;
   const int P = a.T * a.k;
-  for (int e = tid; e < NEXP; e += 1024) hist[e] = 0;
-  __syncthreads();
-  for (int p = tid; p < P; p += 1024) {
-    const int e = moe_pair_expert(a, p);
-    if (e >= 0) atomicAdd(&hist[e], 1);
-  }
-  __syncthreads();
+  moe_group_histogram(a, 0, P, hist);
   moe_group_scan_experts(a, hist, cursor, tstart);
   for (int base = 0; base < P; base += 1024) moe_group_scatter_chunk(a, base, cursor, wcnt, true);
 }
@@ -846,16 +850,10 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const MoeArgs a) {
 extern "C" __global__ void __launch_bounds__(1024) moe_group_count(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
   __shared__ int hist[NEXP];
-  const int tid = threadIdx.x, p = blockIdx.x * 1024 + tid;
-  for (int e = tid; e < NEXP; e += 1024) hist[e] = 0;
-  __syncthreads();
-  if (p < a.T * a.k) {
-    const int e = moe_pair_expert(a, p);
-    if (e >= 0) atomicAdd(&hist[e], 1);
-  }
-  __syncthreads();
+  const int p0 = blockIdx.x * 1024;
+  moe_group_histogram(a, p0, min(p0 + 1024, a.T * a.k), hist);
   int* cnt = reinterpret_cast<int*>(a.gcount) + i64(blockIdx.x) * NEXP;
-  for (int e = tid; e < NEXP; e += 1024) cnt[e] = hist[e];
+  for (int e = threadIdx.x; e < NEXP; e += 1024) cnt[e] = hist[e];
 }
 
 // 2 of 3 (one block): per expert, gcount[c][e] becomes the sorted row where chunk c's pairs of e start; the tile map.
