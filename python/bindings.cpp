@@ -335,6 +335,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
       throw std::invalid_argument("backend option attn_prefill_keys must be 16 or 32, got " +
                                   std::to_string(o.attn_prefill_keys));
     if (!opt("delta_chunk_rows").is_none()) o.delta_chunk_rows = nb::cast<int>(opt("delta_chunk_rows"));
+    if (!opt("delta_chunk_mma").is_none()) o.delta_chunk_mma = nb::cast<bool>(opt("delta_chunk_mma"));
     if (o.delta_chunk_rows < 0 || o.delta_chunk_rows > (1 << 24))
       throw std::invalid_argument("backend option delta_chunk_rows must be 0 (off) to 2^24 rows, got " +
                                   std::to_string(o.delta_chunk_rows));

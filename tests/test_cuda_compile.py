@@ -771,17 +771,21 @@ def test_attn_prefill_keys_option_compiles_and_reports(cache, keys):
             core.OpBench("cuda", {"dry_arch": 90, "attn_prefill_keys": bad})
 
 
-@pytest.mark.parametrize("opts", [{}, {"delta_chunk_rows": 0}, {"delta_chunk_rows": 513}])
+@pytest.mark.parametrize("opts", [{}, {"delta_chunk_rows": 0}, {"delta_chunk_rows": 513}, {"delta_chunk_mma": False},
+                                  {"dry_arch": 80}])
 def test_delta_chunked_form_compiles_and_reports(cache, opts):
-    """The chunked (WY) DeltaNet form compiles for the real shapes (gated_delta_chunk_prep / _scan, sm_90) and is
-    chosen for prefill calls of at least delta_chunk_rows rows (default 64) without a state capture; every other
-    call reports the sequential scan and why. Values out of range are refused naming the option."""
+    """The chunked (WY) DeltaNet form compiles for the real shapes (gated_delta_chunk_prep_mma / _scan_mma on the
+    tensor cores by default, gated_delta_chunk_prep / _scan with delta_chunk_mma off; sm_90 and sm_80) and is chosen
+    for prefill calls of at least delta_chunk_rows rows (default 64) without a state capture; every other call
+    reports the sequential scan and why. Values out of range are refused naming the option."""
     c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
                                           source="FULL_CONFIG").to_core()
     Hk, Hv, Dk, Dv = c["lin_k_heads"], c["lin_v_heads"], c["lin_k_dim"], c["lin_v_dim"]
     b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
     dshape = dict(k_heads=Hk, v_heads=Hv, k_dim=Dk, v_dim=Dv, conv_kernel=c["conv_kernel"], eps=1e-6)
     threshold = opts.get("delta_chunk_rows", 64)
+    mma = opts.get("delta_chunk_mma", True)
+    suffix = "_mma" if mma else ""
     for T, capture in ((63, None), (64, None), (512, None), (512, (100, 2))):
         ws = b.workspace(c, T, 4096)
         st = b.empty(Hv * Dk, Dv, poison=False)
@@ -797,13 +801,19 @@ def test_delta_chunked_form_compiles_and_reports(cache, opts):
         chunked = threshold > 0 and T >= threshold and capture is None
         assert text.startswith("chunked") == chunked, (T, capture, text)
         if chunked:
-            assert f"gated_delta_chunk_prep over ({(T + 63) // 64} chunks of 64, {Hv} heads)" in text, text
+            assert f"gated_delta_chunk_prep{suffix} over ({(T + 63) // 64} chunks of 64, {Hv} heads)" in text, text
+            assert f"gated_delta_chunk_scan{suffix} over ({Hv}, {Dv // 32})" in text, text
+            assert ("products on the tensor cores (3xTF32" in text) == mma, text
+            assert ("not on the tensor cores: delta_chunk_mma=False" in text) != mma, text
         elif threshold == 0:
             assert "not chunked: delta_chunk_rows = 0" in text, text
         elif capture and T >= threshold:
             assert "not chunked: a state capture" in text, text
         else:
             assert f"not chunked: {T} rows < delta_chunk_rows = {threshold}" in text, text
+    opt = " ".join(b.report()["optimizations"])
+    assert ("chunked DeltaNet prefill on the tensor cores (delta_chunk_mma)" in opt) == mma, opt
+    assert ("not active: the chunked DeltaNet's products on the tensor cores (delta_chunk_mma=False)" in opt) != mma
     for bad in (-1, (1 << 24) + 1):
         with pytest.raises(ValueError, match="delta_chunk_rows"):
             core.OpBench("cuda", {"dry_arch": 90, "delta_chunk_rows": bad})

@@ -1023,6 +1023,11 @@ std::vector<std::string> CudaOps::optimizations() const {
                   ? "128-row prefill GEMM tiles where their grid fills every SM twice (gemm_tile128; warp tiles 32 x 64)"
                   : std::string("not active: 128-row prefill GEMM tiles (") +
                         (x_rows ? "gemm_tile128=False" : "they need x as f16 rows, gemm_x_rows") + ")");
+  o.push_back(opt_.delta_chunk_mma
+                  ? "chunked DeltaNet prefill on the tensor cores (delta_chunk_mma): every product of the chunk prep and "
+                    "scan in 3xTF32 mma.sync (fp32's error level), the prep's solve as a blocked inverse"
+                  : "not active: the chunked DeltaNet's products on the tensor cores (delta_chunk_mma=False): fp32 FMAs "
+                    "on the CUDA cores, the prep's solve by forward substitution");
   o.push_back(opt_.attn_prefill_split
                   ? "split-KV prefill attention for few rows: up to 64 query rows whose grid leaves SMs idle read the "
                     "keys in ranges over more blocks, merged by attn_prefill_reduce (attention.prefill_split says when)"

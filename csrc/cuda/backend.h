@@ -154,6 +154,10 @@ struct CudaOptions {
   // verification) and 0 take the sequential scan. Another summation order than the scan: not the same bits, the
   // same tolerance to the CPU. benchmarks/NOTES.md.
   int delta_chunk_rows = 64;
+  // The chunked form's products on the tensor cores (gated_delta_chunk_prep_mma / _scan_mma: mma.sync m16n8k8 in
+  // 3xTF32, fp32's error level; the prep's solve as a blocked inverse of the four 16-row diagonal blocks) where
+  // Dk % 16 == 0. False: the fp32 FMA kernels (A/B). Not their bits: another summation order. benchmarks/NOTES.md.
+  bool delta_chunk_mma = true;
   // Prefill GEMMs whose 64-row grid has at most a quarter (half) as many blocks as there are SMs (small T and small
   // N) run 16-row (32-row) tiles: 4x (2x) the blocks, the same bits. False: always 64 rows (A/B). benchmarks/NOTES.md.
   bool gemm_small_tiles = true;

@@ -51,6 +51,18 @@ size_t chunk_scan_smem(int64_t Dk, int64_t Dv) {
   const int64_t cw = chunk_scan_cols(Dv);
   return size_t(Dk * (cw + 4) + 2 * kChunk * (Dk + 4) + kChunk * Dk + kChunk * (kChunk + 4) + 2 * kChunk * cw) * 4;
 }
+// The tensor-core forms (delta_chunk_mma): the prep's tiles or X [64, Dv + Dk + 8], A and the block inverse [64, 68]
+// each, L, β, βΓ; the scan's slice [Dk, cw + 8], W and q̂ [64, Dk + 4], k̂ [64, Dk + 8], P [64, 68], Δ and ksc·Δ
+// [64, cw + 8] (pitches for conflict-free fragment loads).
+size_t chunk_prep_mma_smem(int64_t Dk, int64_t Dv) {
+  const int64_t tiles = std::max(2 * kChunk * (Dk + 4), kChunk * (Dv + Dk + 8));
+  return size_t(tiles + 2 * kChunk * 68) * 4 + kChunk * 8 + 2 * kChunk * 4;
+}
+size_t chunk_scan_mma_smem(int64_t Dk, int64_t Dv) {
+  const int64_t cw = chunk_scan_cols(Dv);
+  return size_t(Dk * (cw + 8) + 2 * kChunk * (Dk + 4) + kChunk * (Dk + 8) + kChunk * (kChunk + 4) +
+                2 * kChunk * (cw + 8)) * 4;
+}
 }  // namespace
 
 size_t delta_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t chunk_rows) {
@@ -143,6 +155,16 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
     scan_why = "the chunked kernels need " + std::to_string(std::max(chunk_prep_smem(Dk, Dv), chunk_scan_smem(Dk, Dv))) +
                " bytes of shared memory";
   const bool chunked = scan_why.empty();
+  // The tensor-core form of the chunked kernels, or why not.
+  std::string mma_why;
+  if (!options().delta_chunk_mma)
+    mma_why = "delta_chunk_mma=False";
+  else if (Dk % 16 != 0)
+    mma_why = "Dk=" + std::to_string(Dk) + " (tensor cores: Dk % 16 == 0)";
+  else if (std::max(chunk_prep_mma_smem(Dk, Dv), chunk_scan_mma_smem(Dk, Dv)) > size_t(info().max_smem_optin))
+    mma_why = "they need " + std::to_string(std::max(chunk_prep_mma_smem(Dk, Dv), chunk_scan_mma_smem(Dk, Dv))) +
+              " bytes of shared memory";
+  const bool mma = mma_why.empty();
   const size_t need = prep_bytes(T, key_dim, Hv) + (chunked ? chunk_bytes(T, Hv, Dk, Dv) : 0);
   if (!ws.valid() || ws.bytes() < need)
     throw std::invalid_argument("gated_delta (cuda): workspace smaller than delta_workspace_bytes");
@@ -155,24 +177,29 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
   if (chunked) {
     const CUdeviceptr rec = ptr(ws) + prep_bytes(T, key_dim, Hv);
     const unsigned chunks = unsigned((T + kChunk - 1) / kChunk);
-    const Kernel& kc = kernel("gated_delta", "gated_delta_chunk_prep", {{"DK", Dk}, {"DV", Dv}});
-    set_dynamic_smem(kc, int(chunk_prep_smem(Dk, Dv)), 0);  // ~85 KB at the real shape: past the 48 KB default
-    launch(kc, Dim3{chunks, unsigned(Hv), 1}, Dim3{kChunkThreads, 1, 1}, uint32_t(chunk_prep_smem(Dk, Dv)), ptr(qkv),
-           int64_t(qkv.stride), ptr(a), int64_t(a.stride), ptr(A_log), ptr(dt_bias), qn, kn, beta, rec, int(T),
-           int(Hk), int(Hv));
-    const Kernel& ks = kernel("gated_delta", "gated_delta_chunk_scan", {{"DK", Dk}, {"DV", Dv}});
+    const uint32_t prep_smem = uint32_t(mma ? chunk_prep_mma_smem(Dk, Dv) : chunk_prep_smem(Dk, Dv));
+    const uint32_t scan_smem = uint32_t(mma ? chunk_scan_mma_smem(Dk, Dv) : chunk_scan_smem(Dk, Dv));
+    const char* prep_name = mma ? "gated_delta_chunk_prep_mma" : "gated_delta_chunk_prep";
+    const char* scan_name = mma ? "gated_delta_chunk_scan_mma" : "gated_delta_chunk_scan";
+    const Kernel& kc = kernel("gated_delta", prep_name, {{"DK", Dk}, {"DV", Dv}});
+    set_dynamic_smem(kc, int(prep_smem), 0);  // ~85-104 KB at the real shape: past the 48 KB default
+    launch(kc, Dim3{chunks, unsigned(Hv), 1}, Dim3{kChunkThreads, 1, 1}, prep_smem, ptr(qkv), int64_t(qkv.stride),
+           ptr(a), int64_t(a.stride), ptr(A_log), ptr(dt_bias), qn, kn, beta, rec, int(T), int(Hk), int(Hv));
+    const Kernel& ks = kernel("gated_delta", scan_name, {{"DK", Dk}, {"DV", Dv}});
     const int64_t cw = chunk_scan_cols(Dv);
-    set_dynamic_smem(ks, int(chunk_scan_smem(Dk, Dv)), 0);
-    launch(ks, Dim3{unsigned(Hv), unsigned(Dv / cw), 1}, Dim3{kChunkThreads, 1, 1}, uint32_t(chunk_scan_smem(Dk, Dv)),
-           rec, qn, kn, ptr(state_in), int64_t(state_in.stride), ptr(state_out), int64_t(state_out.stride), ptr(out),
+    set_dynamic_smem(ks, int(scan_smem), 0);
+    launch(ks, Dim3{unsigned(Hv), unsigned(Dv / cw), 1}, Dim3{kChunkThreads, 1, 1}, scan_smem, rec, qn, kn,
+           ptr(state_in), int64_t(state_in.stride), ptr(state_out), int64_t(state_out.stride), ptr(out),
            int64_t(out.stride), int(T), int(Hk), int(Hv));
     note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
                  "chunked (WY / UT-transform, " + std::to_string(T) + " rows >= delta_chunk_rows = " +
-                     std::to_string(chunk_rows) + "): gated_delta_prep, gated_delta_chunk_prep over (" +
-                     std::to_string(chunks) + " chunks of 64, " + std::to_string(Hv) +
-                     " heads) × 256 threads, gated_delta_chunk_scan over (" + std::to_string(Hv) + ", " +
-                     std::to_string(Dv / cw) + ") × 256 threads, " + std::to_string(cw) +
-                     " state columns per block and each chunk's tiles in shared memory (cp.async)");
+                     std::to_string(chunk_rows) + "): gated_delta_prep, " + prep_name + " over (" +
+                     std::to_string(chunks) + " chunks of 64, " + std::to_string(Hv) + " heads) × 256 threads, " +
+                     std::string(scan_name) + " over (" + std::to_string(Hv) + ", " + std::to_string(Dv / cw) +
+                     ") × 256 threads, " + std::to_string(cw) +
+                     " state columns per block and each chunk's tiles in shared memory (cp.async); " +
+                     (mma ? "products on the tensor cores (3xTF32 mma.sync m16n8k8)"
+                          : "products in fp32 FMAs (not on the tensor cores: " + mma_why + ")"));
     return;
   }
   launch(k, grid, block, 0, ptr(qkv), int64_t(qkv.stride), ptr(b), int64_t(b.stride), ptr(a), int64_t(a.stride),

@@ -286,14 +286,22 @@ def strong_decay_inputs(rng, T, Hk, Hv, Dk, Dv):
     return qkv, b, a, A_log, dt_bias
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.fixture(scope="module")
+def fma_bench():
+    """The GPU with the chunked form's products in fp32 FMAs (delta_chunk_mma off), not on the tensor cores."""
+    return core.OpBench("cuda", {"delta_chunk_mma": False})
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(2, 4, 36, 32)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("T", [64, 65, 127, 200, 1000])
 @pytest.mark.parametrize("decay", ["normal", "strong"])
-def test_gated_delta_chunked(benches, scan_bench, shape, T, decay):
-    """From delta_chunk_rows (64 by default) the GPU runs the chunked form (the report says so): output and new
-    state within TOL of the CPU's sequential scan and of the GPU's own scan, at whole and partial last chunks,
-    in place and not, for ordinary decays and for decays strong enough to underflow."""
-    cpu, gpu = benches
+@pytest.mark.parametrize("form", ["mma", "fma"])
+def test_gated_delta_chunked(benches, scan_bench, fma_bench, shape, T, decay, form):
+    """From delta_chunk_rows (64 by default) the GPU runs the chunked form (the report says so), its products on the
+    tensor cores in 3xTF32 by default (Dk % 16 == 0; Dk = 36 says why not) or in fp32 FMAs (delta_chunk_mma off):
+    output and new state within TOL of the CPU's sequential scan and of the GPU's own scan, at whole and partial last
+    chunks, in place and not, for ordinary decays and for decays strong enough to underflow."""
+    cpu, gpu = benches[0], (benches[1] if form == "mma" else fma_bench)
     rng = np.random.default_rng(T * 31 + shape[2] + (decay == "strong"))
     make = strong_decay_inputs if decay == "strong" else delta_inputs
     inputs = make(rng, T, *shape)
@@ -302,7 +310,14 @@ def test_gated_delta_chunked(benches, scan_bench, shape, T, decay):
         dst = 0 if inplace else 1
         rc, rg, rs = (DeltaRun(b, shape, state0, T) for b in (cpu, gpu, scan_bench))
         o_c, o_g, o_s = rc.step(inputs, 0, dst), rg.step(inputs, 0, dst), rs.step(inputs, 0, dst)
-        assert gpu.report()["variants"]["gated_delta.prefill"].startswith("chunked"), gpu.report()["variants"]
+        text = gpu.report()["variants"]["gated_delta.prefill"]
+        assert text.startswith("chunked"), text
+        if form == "fma":
+            assert "not on the tensor cores: delta_chunk_mma=False" in text, text
+        elif shape[2] % 16:
+            assert f"not on the tensor cores: Dk={shape[2]} (tensor cores: Dk % 16 == 0)" in text, text
+        else:
+            assert "products on the tensor cores (3xTF32 mma.sync m16n8k8)" in text, text
         assert "not chunked" in scan_bench.report()["variants"]["gated_delta.prefill"]
         assert np.isfinite(o_g).all() and np.isfinite(rg.state(dst)).all()
         assert rel(o_g, o_c) < TOL, rel(o_g, o_c)

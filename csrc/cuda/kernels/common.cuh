@@ -160,3 +160,70 @@ __device__ __forceinline__ void mma_m16n8k16(float* c, const u32* a, u32 b0, u32
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// ---- fp32 products on the tensor cores: 3xTF32 (mma.sync m16n8k8, sm_80+) ----
+// x = hi + lo with hi, lo tf32 (10-bit mantissas): hi·hi' + hi·lo' + lo·hi' misses only lo·lo' (~2^-22 relative), so
+// a product accumulated in fp32 this way sits at fp32's error level, not tf32's (~2^-11).
+__device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+}
+// c[16x8] += a[16x8] (row) · b[8x8] (col), tf32 in, fp32 accumulation. Fragments (g = lane / 4, t = lane % 4):
+// a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4); b0 (k t, n g), b1 (k t + 4, n g);
+// c0, c1 (g, 2t and 2t + 1), c2, c3 (g + 8, 2t and 2t + 1).
+__device__ __forceinline__ void mma_m16n8k8_tf32(float* c, const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// One operand's split fragments: A (16 x 8) or B (8 x 8, then only [0] and [1] are used).
+struct Tf32Frag {
+  u32 hi[4], lo[4];
+};
+// c += a · b in 3xTF32, the small terms first.
+__device__ __forceinline__ void mma_3xtf32(float* c, const Tf32Frag& a, const Tf32Frag& b) {
+  mma_m16n8k8_tf32(c, a.lo, b.hi[0], b.hi[1]);
+  mma_m16n8k8_tf32(c, a.hi, b.lo[0], b.lo[1]);
+  mma_m16n8k8_tf32(c, a.hi, b.hi[0], b.hi[1]);
+}
+// Fragments from fp32 shared memory, split as they are loaded. p is the tile's first element, ld its row pitch in
+// floats. Conflict-free pitches: rows read as A (frag_a) or as Bᵀ (frag_bt) want ld % 32 == 4, rows read as B (frag_b)
+// or as Aᵀ (frag_at) ld % 32 == 8 (or 24).
+// A (16 x 8), element (r, k) at p[r·ld + k].
+__device__ __forceinline__ Tf32Frag frag_a(const float* p, int ld, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  Tf32Frag f;
+  tf32_split(p[g * ld + t], f.hi[0], f.lo[0]);
+  tf32_split(p[(g + 8) * ld + t], f.hi[1], f.lo[1]);
+  tf32_split(p[g * ld + t + 4], f.hi[2], f.lo[2]);
+  tf32_split(p[(g + 8) * ld + t + 4], f.hi[3], f.lo[3]);
+  return f;
+}
+// A (16 x 8) stored transposed: element (r, k) at p[k·ld + r].
+__device__ __forceinline__ Tf32Frag frag_at(const float* p, int ld, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  Tf32Frag f;
+  tf32_split(p[t * ld + g], f.hi[0], f.lo[0]);
+  tf32_split(p[t * ld + g + 8], f.hi[1], f.lo[1]);
+  tf32_split(p[(t + 4) * ld + g], f.hi[2], f.lo[2]);
+  tf32_split(p[(t + 4) * ld + g + 8], f.hi[3], f.lo[3]);
+  return f;
+}
+// B (8 x 8), element (k, n) at p[k·ld + n].
+__device__ __forceinline__ Tf32Frag frag_b(const float* p, int ld, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  Tf32Frag f;
+  tf32_split(p[t * ld + g], f.hi[0], f.lo[0]);
+  tf32_split(p[(t + 4) * ld + g], f.hi[1], f.lo[1]);
+  return f;
+}
+// B (8 x 8) stored transposed: element (k, n) at p[n·ld + k].
+__device__ __forceinline__ Tf32Frag frag_bt(const float* p, int ld, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  Tf32Frag f;
+  tf32_split(p[g * ld + t], f.hi[0], f.lo[0]);
+  tf32_split(p[g * ld + t + 4], f.hi[1], f.lo[1]);
+  return f;
+}

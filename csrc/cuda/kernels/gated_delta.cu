@@ -398,6 +398,61 @@ extern "C" __global__ void __launch_bounds__(64)
 #define GD_PREP_TILE_FLOATS (2 * GD_CHUNK * GD_QS > GD_CHUNK * GD_XC ? 2 * GD_CHUNK * GD_QS : GD_CHUNK * GD_XC)
 #if DK % 4 == 0 && DV % 16 == 0  // the chunked form's shapes (the host checks them before asking for its kernels)
 
+// The prep's first stage, both forms: the chunk's q̂ and k̂ rows into [64, GD_QS] tiles (zero past the rows), the
+// cumulative log decay L in order in fp64 (64 adds, from the gate itself: log(alpha) would be -inf where the decay
+// underflowed to 0) and β. The caller synchronises.
+__device__ __forceinline__ void gd_prep_stage(float* sQ, float* sK, double* sL, float* sB, const float* qn,
+                                              const float* kn, const float* a, i64 a_stride, const float* beta,
+                                              float neg_A, float dtb, int t0, int n, int kh, int j, i64 key_dim,
+                                              int Hv, int tid) {
+  for (int e = tid; e < GD_CHUNK * (DK / 4); e += blockDim.x) {  // float4 columns fastest: coalesced rows
+    const int i = e / (DK / 4), d = (e % (DK / 4)) * 4;
+    float4 q4 = make_float4(0.f, 0.f, 0.f, 0.f), k4 = q4;
+    if (i < n) {
+      q4 = *reinterpret_cast<const float4*>(qn + i64(t0 + i) * key_dim + i64(kh) * DK + d);
+      k4 = *reinterpret_cast<const float4*>(kn + i64(t0 + i) * key_dim + i64(kh) * DK + d);
+    }
+    *reinterpret_cast<float4*>(sQ + i * GD_QS + d) = q4;
+    *reinterpret_cast<float4*>(sK + i * GD_QS + d) = k4;
+  }
+  if (tid == 0) {
+    double L = 0.0;
+    for (int i = 0; i < GD_CHUNK; ++i) {
+      if (i < n) L += double(neg_A * softplus(a[i64(t0 + i) * a_stride + j] + dtb));
+      sL[i] = L;
+    }
+  }
+  if (tid < GD_CHUNK) sB[tid] = tid < n ? beta[i64(t0 + tid) * Hv + j] : 0.f;
+}
+
+// The record's decay factors (gam = Γ_i, ksc = Γ_last/Γ_i, zero past the rows) and the K̂ part's row factor βΓ
+// (one fp64 exp per row, not per element), both forms. After the stage's barrier.
+__device__ __forceinline__ void gd_prep_factors(float* R, const double* sL, const float* sB, float* sBG, int n,
+                                                int tid) {
+  if (tid < GD_CHUNK) {
+    const bool live = tid < n;
+    const float gam = live ? float(exp(sL[tid])) : 0.f;
+    R[GD_REC_G + tid] = gam;
+    R[GD_REC_K + tid] = live ? float(exp(sL[n - 1] - sL[tid])) : 0.f;
+    sBG[tid] = sB[tid] * gam;
+  }
+}
+
+// The solve's right-hand side [βV | βΓK̂] into sX [64, pitch] (zero past the rows), both forms. After the barrier
+// that follows gd_prep_factors (it reads βΓ) and the last read of the q̂, k̂ tiles (sX overlays them).
+__device__ __forceinline__ void gd_prep_rhs(float* sX, int pitch, const float* qkv, i64 qkv_stride, const float* kn,
+                                            const float* sB, const float* sBG, int t0, int n, int j, int kh,
+                                            i64 key_dim, int tid) {
+  for (int e = tid; e < GD_CHUNK * GD_XC; e += blockDim.x) {
+    const int i = e / GD_XC, col = e % GD_XC;
+    float x = 0.f;
+    if (i < n)
+      x = col < DV ? sB[i] * qkv[i64(t0 + i) * qkv_stride + 2 * key_dim + i64(j) * DV + col]
+                   : sBG[i] * kn[i64(t0 + i) * key_dim + i64(kh) * DK + (col - DV)];
+    sX[i * pitch + col] = x;
+  }
+}
+
 // Grid (⌈T/64⌉, Hv), block 256. Shared: the chunk's q̂ and k̂ rows (later overlaid by the solve's [64, DV + DK]
 // right-hand side), Aᵀ [64, 68], L (fp64), β and βΓ. Thread (ti, tj) = (tid / 16, tid % 16) computes the 4 × 4 tile of
 // q̂·k̂ and k̂·k̂ at rows 4ti.., columns 4tj.. (tiles above the diagonal write zeros); then each thread solves whole
@@ -424,26 +479,7 @@ extern "C" __global__ void __launch_bounds__(256)
   const i64 key_dim = i64(Hk) * DK;
   const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
   LILY_PDL_PROLOGUE();
-  for (int e = tid; e < GD_CHUNK * (DK / 4); e += blockDim.x) {  // float4 columns fastest: coalesced rows
-    const int i = e / (DK / 4), d = (e % (DK / 4)) * 4;
-    float4 q4 = make_float4(0.f, 0.f, 0.f, 0.f), k4 = q4;
-    if (i < n) {
-      q4 = *reinterpret_cast<const float4*>(qn + i64(t0 + i) * key_dim + i64(kh) * DK + d);
-      k4 = *reinterpret_cast<const float4*>(kn + i64(t0 + i) * key_dim + i64(kh) * DK + d);
-    }
-    *reinterpret_cast<float4*>(sQ + i * GD_QS + d) = q4;
-    *reinterpret_cast<float4*>(sK + i * GD_QS + d) = k4;
-  }
-  // The cumulative log decay, in order, in fp64 (64 adds), from the gate itself: log(alpha) would be -inf where the
-  // decay underflowed to 0.
-  if (tid == 0) {
-    double L = 0.0;
-    for (int i = 0; i < GD_CHUNK; ++i) {
-      if (i < n) L += double(neg_A * softplus(a[i64(t0 + i) * a_stride + j] + dtb));
-      sL[i] = L;
-    }
-  }
-  if (tid < GD_CHUNK) sB[tid] = tid < n ? beta[i64(t0 + tid) * Hv + j] : 0.f;
+  gd_prep_stage(sQ, sK, sL, sB, qn, kn, a, a_stride, beta, neg_A, dtb, t0, n, kh, j, key_dim, Hv, tid);
   __syncthreads();
   float* R = rec + (i64(c) * Hv + j) * GD_REC;
   {
@@ -482,22 +518,9 @@ extern "C" __global__ void __launch_bounds__(256)
       *reinterpret_cast<float4*>(R + GD_REC_P + i * GD_CHUNK + 4 * tj) = make_float4(p4[0], p4[1], p4[2], p4[3]);
     }
   }
-  if (tid < GD_CHUNK) {
-    const bool live = tid < n;
-    const float gam = live ? float(exp(sL[tid])) : 0.f;
-    R[GD_REC_G + tid] = gam;
-    R[GD_REC_K + tid] = live ? float(exp(sL[n - 1] - sL[tid])) : 0.f;
-    sBG[tid] = sB[tid] * gam;  // β_i Γ_i, the K̂ part's row factor: one fp64 exp per row, not per element
-  }
+  gd_prep_factors(R, sL, sB, sBG, n, tid);
   __syncthreads();  // the q̂, k̂ tiles are read: the right-hand side takes their place
-  for (int e = tid; e < GD_CHUNK * GD_XC; e += blockDim.x) {
-    const int i = e / GD_XC, col = e % GD_XC;
-    float x = 0.f;
-    if (i < n)
-      x = col < DV ? sB[i] * qkv[i64(t0 + i) * qkv_stride + 2 * key_dim + i64(j) * DV + col]
-                   : sBG[i] * kn[i64(t0 + i) * key_dim + i64(kh) * DK + (col - DV)];
-    sX[e] = x;
-  }
+  gd_prep_rhs(sX, GD_XC, qkv, qkv_stride, kn, sB, sBG, t0, n, j, kh, key_dim, tid);
   __syncthreads();
   // A thread per column, in blocks of 16 rows: the block's unknowns in registers (its loops unroll fully, so their
   // indices are constants), first less the earlier blocks' solved unknowns (read back once each from the thread's own
@@ -550,6 +573,47 @@ __device__ __forceinline__ void axpy4(float4& acc, float a, const float4& x) {
 #define GD_SSP (GD_SCW + 4)              // row pitch of the state slice in shared memory (4-way, not 32-way, in (3))
 #define GD_SPP (GD_CHUNK + 4)            // row pitch of P in shared memory
 
+// The scan's per-chunk staging by cp.async, both forms: W (the record's, contiguous) and q̂ into [64, GD_QS] tiles;
+// k̂ into [64, kp] and P into [64, GD_SPP]. q̂ and k̂ rows past the chunk are zero-filled (0 · garbage could be NaN).
+__device__ __forceinline__ void gd_stage_wq(float* sW, float* sQ, const float* R, const float* qn, int t0, int n,
+                                            int kh, i64 key_dim, int tid) {
+  for (int e = tid; e < GD_CHUNK * (DK / 4); e += blockDim.x) {
+    const int r = e / (DK / 4), f = e % (DK / 4);
+    cp_async16(smem_addr(sW + r * GD_QS + 4 * f), R + GD_REC_W + r * DK + 4 * f, 16);
+    cp_async16(smem_addr(sQ + r * GD_QS + 4 * f), qn + i64(t0 + min(r, n - 1)) * key_dim + i64(kh) * DK + 4 * f,
+               r < n ? 16 : 0);
+  }
+}
+__device__ __forceinline__ void gd_stage_kp(float* sK, int kp, float* sP, const float* R, const float* kn, int t0,
+                                            int n, int kh, i64 key_dim, int tid) {
+  for (int e = tid; e < GD_CHUNK * (DK / 4); e += blockDim.x) {
+    const int r = e / (DK / 4), f = e % (DK / 4);
+    cp_async16(smem_addr(sK + r * kp + 4 * f), kn + i64(t0 + min(r, n - 1)) * key_dim + i64(kh) * DK + 4 * f,
+               r < n ? 16 : 0);
+  }
+  for (int e = tid; e < GD_CHUNK * (GD_CHUNK / 4); e += blockDim.x) {
+    const int r = e / (GD_CHUNK / 4), f = e % (GD_CHUNK / 4);
+    cp_async16(smem_addr(sP + r * GD_SPP + 4 * f), R + GD_REC_P + r * GD_CHUNK + 4 * f, 16);
+  }
+}
+// Head j's state columns [c0, c0 + GD_SCW) into / out of shared memory rows of pitch sp, both forms. The load reads
+// the previous call's output (never the kernel just before this one) through the L2, so it may run before the wait.
+__device__ __forceinline__ void gd_load_slice(float* sS, int sp, const float* S_in, i64 in_stride, int j, int c0,
+                                              int tid) {
+  for (int e = tid; e < DK * (GD_SCW / 4); e += blockDim.x) {
+    const int d = e / (GD_SCW / 4), f = e % (GD_SCW / 4);
+    *reinterpret_cast<float4*>(sS + d * sp + 4 * f) = ld_cg4(S_in + (i64(j) * DK + d) * in_stride + c0 + 4 * f);
+  }
+}
+__device__ __forceinline__ void gd_store_slice(const float* sS, int sp, float* S_out, i64 st_stride, int j, int c0,
+                                               int tid) {
+  for (int e = tid; e < DK * (GD_SCW / 4); e += blockDim.x) {
+    const int d = e / (GD_SCW / 4), f = e % (GD_SCW / 4);
+    *reinterpret_cast<float4*>(S_out + (i64(j) * DK + d) * st_stride + c0 + 4 * f) =
+        *reinterpret_cast<const float4*>(sS + d * sp + 4 * f);
+  }
+}
+
 // Grid (Hv, DV/SCW), block 256, one block per SM (SCW = 32 state columns: 128 blocks at the real shape). Block (j, y)
 // keeps columns [SCW·y, SCW·y + SCW) of value head j's state in shared memory for the whole call. Per chunk the
 // block stages the chunk's W, q̂, k̂ and P tiles in shared memory by cp.async (W and q̂ of the next chunk are in
@@ -576,40 +640,13 @@ extern "C" __global__ void __launch_bounds__(256, 1)
   const int j = blockIdx.x, c0 = blockIdx.y * CW, tid = threadIdx.x;
   const int kh = j / (Hv / Hk);
   const i64 key_dim = i64(Hk) * DK;
-  // The state (the previous call's output, never the kernel just before this one) before the wait.
-  for (int e = tid; e < DK * (CW / 4); e += blockDim.x) {
-    const int d = e / (CW / 4), f = e % (CW / 4);
-    *reinterpret_cast<float4*>(sS + d * GD_SSP + 4 * f) = ld_cg4(S_in + (i64(j) * DK + d) * in_stride + c0 + 4 * f);
-  }
+  gd_load_slice(sS, GD_SSP, S_in, in_stride, j, c0, tid);
   LILY_PDL_PROLOGUE();
   const int chunks = (T + GD_CHUNK - 1) / GD_CHUNK;
   auto record = [&](int c) { return rec + (i64(c) * Hv + j) * GD_REC; };
   auto rows_of = [&](int c) { return min(GD_CHUNK, T - c * GD_CHUNK); };
-  auto stage_wq = [&](int c) {  // W (the record's, contiguous) and q̂ (rows past the chunk zero-filled)
-    const float* R = record(c);
-    const int t0 = c * GD_CHUNK, n = rows_of(c);
-    for (int e = tid; e < GD_CHUNK * (DK / 4); e += blockDim.x) {
-      const int r = e / (DK / 4), f = e % (DK / 4);
-      cp_async16(smem_addr(sW + r * GD_QS + 4 * f), R + GD_REC_W + r * DK + 4 * f, 16);
-      cp_async16(smem_addr(sQ + r * GD_QS + 4 * f), qn + i64(t0 + min(r, n - 1)) * key_dim + i64(kh) * DK + 4 * f,
-                 r < n ? 16 : 0);
-    }
-  };
-  auto stage_kp = [&](int c) {  // k̂ (zero-filled past the chunk: 0 · garbage could be NaN) and P
-    const float* R = record(c);
-    const int t0 = c * GD_CHUNK, n = rows_of(c);
-    for (int e = tid; e < GD_CHUNK * (DK / 4); e += blockDim.x) {
-      const int r = e / (DK / 4), f = e % (DK / 4);
-      cp_async16(smem_addr(sK + r * DK + 4 * f), kn + i64(t0 + min(r, n - 1)) * key_dim + i64(kh) * DK + 4 * f,
-                 r < n ? 16 : 0);
-    }
-    for (int e = tid; e < GD_CHUNK * (GD_CHUNK / 4); e += blockDim.x) {
-      const int r = e / (GD_CHUNK / 4), f = e % (GD_CHUNK / 4);
-      cp_async16(smem_addr(sP + r * GD_SPP + 4 * f), R + GD_REC_P + r * GD_CHUNK + 4 * f, 16);
-    }
-  };
-  stage_wq(0);
-  stage_kp(0);
+  gd_stage_wq(sW, sQ, record(0), qn, 0, rows_of(0), kh, key_dim, tid);
+  gd_stage_kp(sK, DK, sP, record(0), kn, 0, rows_of(0), kh, key_dim, tid);
   cp_async_commit();
   // (1), (2): row i, columns 8g .. 8g + 7; a warp holds 32 rows of one column group, so its state and Δ reads are
   // one address (a broadcast, one wavefront for the warp; with 4 column groups per warp they were 4 wavefronts).
@@ -652,7 +689,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     }
     __syncthreads();
     if (c + 1 < chunks) {  // W and q̂ are read: the next chunk's come in during (2) and (3)
-      stage_wq(c + 1);
+      gd_stage_wq(sW, sQ, record(c + 1), qn, t0 + GD_CHUNK, rows_of(c + 1), kh, key_dim, tid);
       cp_async_commit();
     }
     if (row_thread && i < n) {  // (2) P is zero above the diagonal: columns up to i's group of 4
@@ -695,16 +732,268 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     }
     __syncthreads();
     if (c + 1 < chunks) {  // k̂ and P are read
-      stage_kp(c + 1);
+      gd_stage_kp(sK, DK, sP, record(c + 1), kn, t0 + GD_CHUNK, rows_of(c + 1), kh, key_dim, tid);
       cp_async_commit();
     }
   }
-  for (int e = tid; e < DK * (CW / 4); e += blockDim.x) {
-    const int d = e / (CW / 4), f = e % (CW / 4);
-    *reinterpret_cast<float4*>(S_out + (i64(j) * DK + d) * st_stride + c0 + 4 * f) =
-        *reinterpret_cast<const float4*>(sS + d * GD_SSP + 4 * f);
+  gd_store_slice(sS, GD_SSP, S_out, st_stride, j, c0, tid);
+}
+
+#if DK % 16 == 0  // ---- the chunked form on the tensor cores (delta_chunk_mma): every product in 3xTF32 ----
+// The same record and the same algebra as the two kernels above; each small dense product runs as mma.sync m16n8k8
+// tf32 tiles, three per tile (common.cuh mma_3xtf32: fp32's error level, ~1e-6 relative against the fp64 scan in the
+// tests' shapes, not tf32's 1e-3). Shared-memory pitches are chosen for conflict-free fragment loads (common.cuh).
+#define GD_MXP (DV + DK + 8)  // row pitch of the solve's right-hand side (B operand)
+#define GD_MPREP_TILE_FLOATS (2 * GD_CHUNK * GD_QS > GD_CHUNK * GD_MXP ? 2 * GD_CHUNK * GD_QS : GD_CHUNK * GD_MXP)
+
+// Grid (⌈T/64⌉, Hv), block 256 = 8 warps. Shared: the q̂, k̂ tiles [64, GD_QS] (later overlaid by the right-hand side
+// X [64, GD_MXP]), A [64, 68] (row-major: A_ij at i·68 + j), the block inverse B [64, 68], L (fp64), β, βΓ.
+// (a) q̂k̂ᵀ and k̂k̂ᵀ: the 20 16 × 8 tiles of each on or below the 16-row block diagonal, 5 per warp, 16 k-steps each;
+//     epilogue P (to the record, zero above the diagonal and past the rows) and A (strictly lower, β and decay).
+// (b) T_b = (I + A_bb)^-1 of the four 16 × 16 diagonal blocks: a thread per (block, column), forward substitution.
+// (c) B_bj = −T_b A_bj below the diagonal blocks (fp32, 16 FMAs per element), B_bb = T_b, so that block row b of the
+//     solution is X_b = Σ_{j<b} B_bj X_j + B_bb R_b.
+// (d) [U | W] = X by those four block steps on the tensor cores, a warp per 8-column tile of X, in place in sX (a warp
+//     reads only its own columns), each block row written to the record as it is solved.
+// Rows past n: zero q̂, k̂, β, A rows and right-hand side, so B's rows there are the identity's and X's zero (exactly).
+// Floor: as gated_delta_chunk_prep (~1 MFLOP per (chunk, head)), here ~3 MFLOP of tf32 MMAs.
+extern "C" __global__ void __launch_bounds__(256)
+    gated_delta_chunk_prep_mma(const float* __restrict__ qkv, i64 qkv_stride, const float* __restrict__ a,
+                               i64 a_stride, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                               const float* __restrict__ qn, const float* __restrict__ kn,
+                               const float* __restrict__ beta, float* __restrict__ rec, int T, int Hk, int Hv) {
+  extern __shared__ float4 gd_smem4[];
+  float* sm = reinterpret_cast<float*>(gd_smem4);
+  float* sQ = sm;                           // [64, GD_QS]
+  float* sK = sm + GD_CHUNK * GD_QS;        // [64, GD_QS]
+  float* sX = sm;                           // [64, GD_MXP], after (a)
+  float* sA = sm + GD_MPREP_TILE_FLOATS;    // [64, GD_AS]
+  float* sBi = sA + GD_CHUNK * GD_AS;       // [64, GD_AS]
+  double* sL = reinterpret_cast<double*>(sBi + GD_CHUNK * GD_AS);  // 8-byte aligned: every offset is even
+  float* sB = reinterpret_cast<float*>(sL + GD_CHUNK);
+  float* sBG = sB + GD_CHUNK;
+  const int c = blockIdx.x, j = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int t0 = c * GD_CHUNK, n = min(GD_CHUNK, T - t0);
+  const int kh = j / (Hv / Hk);
+  const i64 key_dim = i64(Hk) * DK;
+  const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
+  LILY_PDL_PROLOGUE();
+  gd_prep_stage(sQ, sK, sL, sB, qn, kn, a, a_stride, beta, neg_A, dtb, t0, n, kh, j, key_dim, Hv, tid);
+  float* R = rec + (i64(c) * Hv + j) * GD_REC;
+  for (int e = tid; e < GD_CHUNK * (GD_CHUNK / 4); e += blockDim.x) {  // P above the 16-row block diagonal: zeros
+    const int i = e / (GD_CHUNK / 4), c4 = 4 * (e % (GD_CHUNK / 4));
+    if (c4 >= 16 * (i / 16 + 1))
+      *reinterpret_cast<float4*>(R + GD_REC_P + i * GD_CHUNK + c4) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  __syncthreads();
+  // (a) unit u = warp + 8v: matrix u / 20 (0: q̂k̂ᵀ, 1: k̂k̂ᵀ), then row tile m and column tile nt <= 2m + 1.
+  for (int u = warp; u < 40; u += 8) {
+    const int mat = u / 20, rem = u % 20;
+    const int m = rem < 2 ? 0 : rem < 6 ? 1 : rem < 12 ? 2 : 3, nt = rem - m * (m + 1);
+    const float* arows = (mat ? sK : sQ) + 16 * m * GD_QS;
+    const float* bcols = sK + 8 * nt * GD_QS;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+    for (int k0 = 0; k0 < DK; k0 += 8) mma_3xtf32(acc, frag_a(arows + k0, GD_QS, lane), frag_bt(bcols + k0, GD_QS, lane));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = 16 * m + g + 8 * h, jj = 8 * nt + 2 * t;
+      float v[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool live = i < n && jj + e <= i;
+        const float dec = live ? float(exp(sL[i] - sL[jj + e])) : 0.f;
+        v[e] = mat == 0 ? (live ? dec * acc[2 * h + e] : 0.f)
+                        : (live && jj + e < i ? sB[i] * dec * acc[2 * h + e] : 0.f);
+      }
+      float* dst = mat == 0 ? R + GD_REC_P + i * GD_CHUNK + jj : sA + i * GD_AS + jj;
+      *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
+    }
+  }
+  gd_prep_factors(R, sL, sB, sBG, n, tid);
+  __syncthreads();  // A is complete and the q̂, k̂ tiles are read: the right-hand side takes their place
+  if (tid < GD_CHUNK) {  // (b)
+    const int b = tid / 16, col = tid % 16;
+    const float* arow = sA + 16 * b * GD_AS + 16 * b;
+    float x[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      float v = r == col ? 1.f : 0.f;
+#pragma unroll
+      for (int s = 0; s < r; ++s) v -= arow[r * GD_AS + s] * x[s];
+      x[r] = v;
+    }
+#pragma unroll
+    for (int r = 0; r < 16; ++r) sBi[(16 * b + r) * GD_AS + 16 * b + col] = x[r];
+  }
+  gd_prep_rhs(sX, GD_MXP, qkv, qkv_stride, kn, sB, sBG, t0, n, j, kh, key_dim, tid);
+  __syncthreads();
+  // (c) the six blocks (b, jb), jb < b, 256 elements each: element (r, col) = −Σ_{s<=r} T_b[r][s] A[16b + s][16jb + col].
+  for (int e = tid; e < 6 * 256; e += blockDim.x) {
+    const int blk = e / 256, b = blk < 1 ? 1 : blk < 3 ? 2 : 3, jb = blk - b * (b - 1) / 2;
+    const int r = (e / 16) % 16, col = e % 16;
+    const float* trow = sBi + (16 * b + r) * GD_AS + 16 * b;
+    const float* acol = sA + 16 * b * GD_AS + 16 * jb + col;
+    float s = 0.f;
+    for (int q = 0; q <= r; ++q) s += trow[q] * acol[q * GD_AS];
+    sBi[(16 * b + r) * GD_AS + 16 * jb + col] = -s;
+  }
+  __syncthreads();
+  // (d) X_b = Σ_{j<=b} B_bj Y_j over k = 16(b + 1) rows of this warp's 8 columns (Y_j = X_j solved, Y_b = R_b).
+  for (int nt = warp; nt < GD_XC / 8; nt += 8) {
+    const int col = 8 * nt;
+    float* dst = col < DV ? R + col : R + GD_REC_W + (col - DV);
+    const int pitch = col < DV ? DV : DK;
+#pragma unroll 1
+    for (int b = 0; b < 4; ++b) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+      for (int k0 = 0; k0 < 16 * (b + 1); k0 += 8)
+        mma_3xtf32(acc, frag_a(sBi + 16 * b * GD_AS + k0, GD_AS, lane), frag_b(sX + k0 * GD_MXP + col, GD_MXP, lane));
+      __syncwarp();  // every lane's reads of R_b are done
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 16 * b + g + 8 * h;
+        const float2 v = make_float2(acc[2 * h], acc[2 * h + 1]);
+        *reinterpret_cast<float2*>(sX + i * GD_MXP + col + 2 * t) = v;
+        *reinterpret_cast<float2*>(dst + i * pitch + 2 * t) = v;
+      }
+      __syncwarp();  // X_b is in place before the next block row reads it
+    }
   }
 }
+
+#define GD_MSP (GD_SCW + 8)  // row pitch of the state slice, Δ and ksc·Δ (B operands) in the mma scan
+#define GD_MKP (DK + 8)      // row pitch of k̂ (the Aᵀ operand of (3)) in the mma scan
+
+// Grid (Hv, DV/SCW), block 256 = 8 warps, one block per SM: gated_delta_chunk_scan's geometry, staging and barriers,
+// its three products on the tensor cores. Per chunk: (1) warp w: rows 16(w % 4).. of W (w < 4) or of q̂ (w >= 4) times
+// the state slice (128 × SCW outputs, DK/8 k-steps); warps 0-3 store Δ = U − W S0 and ksc·Δ, warps 4-7 keep Γ q̂ S0;
+// (2) warp 4 + m adds P[16m.., 0..16m + 15] Δ and stores o; (3) warp w takes state rows 16w.. (16-row tiles over the
+// warps): S = Γ_last S0 + k̂ᵀ (ksc·Δ) over ⌈n/8⌉ k-steps, written back in place. Floor per chunk and block: as the
+// SIMT scan's ~0.9 M MACs, here ~2,500 tf32 MMAs (3 per tile).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    gated_delta_chunk_scan_mma(const float* __restrict__ rec, const float* __restrict__ qn,
+                               const float* __restrict__ kn, const float* S_in, i64 in_stride, float* S_out,
+                               i64 st_stride, float* __restrict__ out, i64 out_stride, int T, int Hk, int Hv) {
+  constexpr int CW = GD_SCW, NT = CW / 8;
+  extern __shared__ float4 gd_smem4[];
+  float* sS = reinterpret_cast<float*>(gd_smem4);  // [DK, GD_MSP]
+  float* sW = sS + DK * GD_MSP;                     // [64, GD_QS]
+  float* sQ = sW + GD_CHUNK * GD_QS;                // [64, GD_QS]
+  float* sK = sQ + GD_CHUNK * GD_QS;                // [64, GD_MKP]
+  float* sP = sK + GD_CHUNK * GD_MKP;               // [64, GD_SPP]
+  float* sD = sP + GD_CHUNK * GD_SPP;               // [64, GD_MSP]: Δ
+  float* sDk = sD + GD_CHUNK * GD_MSP;              // [64, GD_MSP]: ksc_j Δ_j
+  const int j = blockIdx.x, c0 = blockIdx.y * CW, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int kh = j / (Hv / Hk);
+  const i64 key_dim = i64(Hk) * DK;
+  gd_load_slice(sS, GD_MSP, S_in, in_stride, j, c0, tid);
+  LILY_PDL_PROLOGUE();
+  const int chunks = (T + GD_CHUNK - 1) / GD_CHUNK;
+  auto record = [&](int c) { return rec + (i64(c) * Hv + j) * GD_REC; };
+  auto rows_of = [&](int c) { return min(GD_CHUNK, T - c * GD_CHUNK); };
+  gd_stage_wq(sW, sQ, record(0), qn, 0, rows_of(0), kh, key_dim, tid);
+  gd_stage_kp(sK, GD_MKP, sP, record(0), kn, 0, rows_of(0), kh, key_dim, tid);
+  cp_async_commit();
+  const int m = warp & 3, r0 = 16 * m + g;  // (1), (2): this lane's rows r0 and r0 + 8 of the warp's 16
+  for (int c = 0; c < chunks; ++c) {
+    const int t0 = c * GD_CHUNK, n = rows_of(c);
+    const float* R = record(c);
+    cp_async_wait<0>();
+    __syncthreads();
+    float acc[NT][4] = {};
+    {  // (1)
+      const float* arows = (warp < 4 ? sW : sQ) + 16 * m * GD_QS;
+#pragma unroll 2
+      for (int k0 = 0; k0 < DK; k0 += 8) {
+        const Tf32Frag fa = frag_a(arows + k0, GD_QS, lane);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_3xtf32(acc[nt], fa, frag_b(sS + k0 * GD_MSP + 8 * nt, GD_MSP, lane));
+      }
+    }
+    if (warp < 4) {  // Δ = U − W S0 (zero past the rows: U and W are) and ksc·Δ
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = r0 + 8 * h;
+        const float ks = R[GD_REC_K + i];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int col = 8 * nt + 2 * t;
+          const float2 u = *reinterpret_cast<const float2*>(R + i * DV + c0 + col);
+          const float2 d = make_float2(u.x - acc[nt][2 * h], u.y - acc[nt][2 * h + 1]);
+          *reinterpret_cast<float2*>(sD + i * GD_MSP + col) = d;
+          *reinterpret_cast<float2*>(sDk + i * GD_MSP + col) = make_float2(ks * d.x, ks * d.y);
+        }
+      }
+    }
+    __syncthreads();
+    if (c + 1 < chunks) {  // W and q̂ are read: the next chunk's come in during (2) and (3)
+      gd_stage_wq(sW, sQ, record(c + 1), qn, t0 + GD_CHUNK, rows_of(c + 1), kh, key_dim, tid);
+      cp_async_commit();
+    }
+    if (warp >= 4) {  // (2) o = Γ q̂ S0 + P Δ, P zero right of the row tile's diagonal block
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float gm = R[GD_REC_G + r0 + 8 * h];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          acc[nt][2 * h] *= gm;
+          acc[nt][2 * h + 1] *= gm;
+        }
+      }
+      for (int k0 = 0; k0 < 16 * (m + 1); k0 += 8) {
+        const Tf32Frag fa = frag_a(sP + 16 * m * GD_SPP + k0, GD_SPP, lane);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_3xtf32(acc[nt], fa, frag_b(sD + k0 * GD_MSP + 8 * nt, GD_MSP, lane));
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = r0 + 8 * h;
+        if (i < n) {
+          float* orow = out + i64(t0 + i) * out_stride + i64(j) * DV + c0 + 2 * t;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            *reinterpret_cast<float2*>(orow + 8 * nt) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+        }
+      }
+    }
+    // (3) every warp has passed (1)'s reads of S (the barrier above)
+    const float gl = R[GD_REC_G + n - 1];
+    const int ksteps = (n + 7) / 8;
+    for (int mt = warp; mt < DK / 16; mt += 8) {
+      float s[NT][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float2 v = *reinterpret_cast<const float2*>(sS + (16 * mt + g + 8 * h) * GD_MSP + 8 * nt + 2 * t);
+          s[nt][2 * h] = gl * v.x;
+          s[nt][2 * h + 1] = gl * v.y;
+        }
+      for (int ks = 0; ks < ksteps; ++ks) {
+        const Tf32Frag fa = frag_at(sK + 8 * ks * GD_MKP + 16 * mt, GD_MKP, lane);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_3xtf32(s[nt], fa, frag_b(sDk + 8 * ks * GD_MSP + 8 * nt, GD_MSP, lane));
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          *reinterpret_cast<float2*>(sS + (16 * mt + g + 8 * h) * GD_MSP + 8 * nt + 2 * t) =
+              make_float2(s[nt][2 * h], s[nt][2 * h + 1]);
+    }
+    __syncthreads();
+    if (c + 1 < chunks) {  // k̂ and P are read
+      gd_stage_kp(sK, GD_MKP, sP, record(c + 1), kn, t0 + GD_CHUNK, rows_of(c + 1), kh, key_dim, tid);
+      cp_async_commit();
+    }
+  }
+  gd_store_slice(sS, GD_MSP, S_out, st_stride, j, c0, tid);
+}
+#endif  // DK % 16 == 0
 #endif  // DK % 4 == 0 && DV % 16 == 0
 #endif  // DK && DV
 
