@@ -150,13 +150,15 @@ _WEIGHTS: dict = {}
 
 def weights_for(benches, spec: str, E: int, k: int, H: int, I: int):
     """Stacked gate, up [E, I, H] and down [E, H, I], registered once per bench pair and case (the real
-    q4 stack is 453 MB; the module's benches keep what they registered)."""
-    key = (id(benches), spec, E, k, H, I)
+    q4 stack is 453 MB; the module's benches keep what they registered). The entry holds the benches themselves, so
+    their ids cannot be reused by a later test's benches while it exists (a stale entry would hand those benches
+    another bench's weight handles)."""
+    key = (tuple(id(b) for b in benches), spec, E, k, H, I)
     if key not in _WEIGHTS:
         rng = np.random.default_rng(zlib.crc32(f"{spec} {E} {H} {I}".encode()))
         descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
-        _WEIGHTS[key] = [tuple(b.weight(d) for d in descs) for b in benches]
-    return _WEIGHTS[key]
+        _WEIGHTS[key] = (tuple(benches), [tuple(b.weight(d) for d in descs) for b in benches])
+    return _WEIGHTS[key][1]
 
 
 def run_experts(benches, handles, phase: str, x, ids, w, E, k, H, I):
