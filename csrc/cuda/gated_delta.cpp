@@ -52,8 +52,8 @@ size_t chunk_scan_smem(int64_t Dk, int64_t Dv) {
   return size_t(Dk * (cw + 4) + 2 * kChunk * (Dk + 4) + kChunk * Dk + kChunk * (kChunk + 4) + 2 * kChunk * cw) * 4;
 }
 // The tensor-core forms (delta_chunk_mma): the prep's tiles or X [64, Dv + Dk + 8], A and the block inverse [64, 68]
-// each, L, β, βΓ; the scan's slice [Dk, cw + 8], W and q̂ [64, Dk + 4], k̂ [64, Dk + 8], P [64, 68], Δ and ksc·Δ
-// [64, cw + 8] (pitches for conflict-free fragment loads).
+// each, L, β, βΓ; the scan's slice [Dk, cw + 8], W and q̂ [64, Dk + 4], k̂ [64, Dk + 8], P [64, 68], Δ, ksc·Δ and
+// the U slice [64, cw + 8], two chunks' Γ and ksc [2][128] (pitches for conflict-free fragment loads).
 size_t chunk_prep_mma_smem(int64_t Dk, int64_t Dv) {
   const int64_t tiles = std::max(2 * kChunk * (Dk + 4), kChunk * (Dv + Dk + 8));
   return size_t(tiles + 2 * kChunk * 68) * 4 + kChunk * 8 + 2 * kChunk * 4;
@@ -61,7 +61,7 @@ size_t chunk_prep_mma_smem(int64_t Dk, int64_t Dv) {
 size_t chunk_scan_mma_smem(int64_t Dk, int64_t Dv) {
   const int64_t cw = chunk_scan_cols(Dv);
   return size_t(Dk * (cw + 8) + 2 * kChunk * (Dk + 4) + kChunk * (Dk + 8) + kChunk * (kChunk + 4) +
-                2 * kChunk * (cw + 8)) * 4;
+                3 * kChunk * (cw + 8) + 4 * kChunk) * 4;
 }
 }  // namespace
 

@@ -182,11 +182,12 @@ __device__ __forceinline__ void mma_m16n8k8_tf32(float* c, const u32 (&a)[4], u3
 struct Tf32Frag {
   u32 hi[4], lo[4];
 };
-// c += a · b in 3xTF32, the small terms first.
-__device__ __forceinline__ void mma_3xtf32(float* c, const Tf32Frag& a, const Tf32Frag& b) {
-  mma_m16n8k8_tf32(c, a.lo, b.hi[0], b.hi[1]);
-  mma_m16n8k8_tf32(c, a.hi, b.lo[0], b.lo[1]);
+// c += a · b in 3xTF32: hi·hi' into c, the two small terms into corr, a second dependency chain beside c's (each MMA
+// waits for the one before it on the same accumulator); the caller adds corr into c once, after its last product.
+__device__ __forceinline__ void mma_3xtf32(float* c, float* corr, const Tf32Frag& a, const Tf32Frag& b) {
+  mma_m16n8k8_tf32(corr, a.lo, b.hi[0], b.hi[1]);
   mma_m16n8k8_tf32(c, a.hi, b.hi[0], b.hi[1]);
+  mma_m16n8k8_tf32(corr, a.hi, b.lo[0], b.lo[1]);
 }
 // Fragments from fp32 shared memory, split as they are loaded. p is the tile's first element, ld its row pitch in
 // floats. Conflict-free pitches: rows read as A (frag_a) or as Bᵀ (frag_bt) want ld % 32 == 4, rows read as B (frag_b)

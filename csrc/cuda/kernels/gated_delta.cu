@@ -399,8 +399,9 @@ extern "C" __global__ void __launch_bounds__(64)
 #if DK % 4 == 0 && DV % 16 == 0  // the chunked form's shapes (the host checks them before asking for its kernels)
 
 // The prep's first stage, both forms: the chunk's q̂ and k̂ rows into [64, GD_QS] tiles (zero past the rows), the
-// cumulative log decay L in order in fp64 (64 adds, from the gate itself: log(alpha) would be -inf where the decay
-// underflowed to 0) and β. The caller synchronises.
+// cumulative log decay L in fp64 (from the gate itself: log(alpha) would be -inf where the decay underflowed to 0)
+// and β. Warp 0 forms the 64 gates at once (two rows a lane) and sums them by a shuffle scan: one thread walking the
+// rows waited for 64 loads in turn. The caller synchronises.
 __device__ __forceinline__ void gd_prep_stage(float* sQ, float* sK, double* sL, float* sB, const float* qn,
                                               const float* kn, const float* a, i64 a_stride, const float* beta,
                                               float neg_A, float dtb, int t0, int n, int kh, int j, i64 key_dim,
@@ -415,12 +416,19 @@ __device__ __forceinline__ void gd_prep_stage(float* sQ, float* sK, double* sL, 
     *reinterpret_cast<float4*>(sQ + i * GD_QS + d) = q4;
     *reinterpret_cast<float4*>(sK + i * GD_QS + d) = k4;
   }
-  if (tid == 0) {
-    double L = 0.0;
-    for (int i = 0; i < GD_CHUNK; ++i) {
-      if (i < n) L += double(neg_A * softplus(a[i64(t0 + i) * a_stride + j] + dtb));
-      sL[i] = L;
+  if (tid < 32) {
+    const int i0 = 2 * tid;
+    const double g0 = i0 < n ? double(neg_A * softplus(a[i64(t0 + i0) * a_stride + j] + dtb)) : 0.0;
+    const double g1 = i0 + 1 < n ? double(neg_A * softplus(a[i64(t0 + i0 + 1) * a_stride + j] + dtb)) : 0.0;
+    double incl = g0 + g1;  // rows past n add 0: L stays L_{n-1}
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const double v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (tid >= o) incl += v;
     }
+    const double excl = __shfl_up_sync(0xffffffffu, incl, 1);
+    sL[i0] = (tid > 0 ? excl : 0.0) + g0;
+    sL[i0 + 1] = incl;
   }
   if (tid < GD_CHUNK) sB[tid] = tid < n ? beta[i64(t0 + tid) * Hv + j] : 0.f;
 }
@@ -787,28 +795,41 @@ extern "C" __global__ void __launch_bounds__(256)
       *reinterpret_cast<float4*>(R + GD_REC_P + i * GD_CHUNK + c4) = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   __syncthreads();
-  // (a) unit u = warp + 8v: matrix u / 20 (0: q̂k̂ᵀ, 1: k̂k̂ᵀ), then row tile m and column tile nt <= 2m + 1.
-  for (int u = warp; u < 40; u += 8) {
-    const int mat = u / 20, rem = u % 20;
-    const int m = rem < 2 ? 0 : rem < 6 ? 1 : rem < 12 ? 2 : 3, nt = rem - m * (m + 1);
-    const float* arows = (mat ? sK : sQ) + 16 * m * GD_QS;
-    const float* bcols = sK + 8 * nt * GD_QS;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-    for (int k0 = 0; k0 < DK; k0 += 8) mma_3xtf32(acc, frag_a(arows + k0, GD_QS, lane), frag_bt(bcols + k0, GD_QS, lane));
+  // (a) unit u = warp + 8v (v < 5, side by side: five independent accumulators): matrix u / 20 (0: q̂k̂ᵀ, 1: k̂k̂ᵀ),
+  // then row tile m and column tile nt <= 2m + 1.
+  constexpr int UNITS = 5;
+  int mat[UNITS], m[UNITS], nt[UNITS];
+  float acc[UNITS][4] = {}, corr[UNITS][4] = {};
+#pragma unroll
+  for (int v = 0; v < UNITS; ++v) {
+    const int u = warp + 8 * v, rem = u % 20;
+    mat[v] = u / 20;
+    m[v] = rem < 2 ? 0 : rem < 6 ? 1 : rem < 12 ? 2 : 3;
+    nt[v] = rem - m[v] * (m[v] + 1);
+  }
+#pragma unroll 2
+  for (int k0 = 0; k0 < DK; k0 += 8)
+#pragma unroll
+    for (int v = 0; v < UNITS; ++v)
+      mma_3xtf32(acc[v], corr[v], frag_a((mat[v] ? sK : sQ) + 16 * m[v] * GD_QS + k0, GD_QS, lane),
+                 frag_bt(sK + 8 * nt[v] * GD_QS + k0, GD_QS, lane));
+#pragma unroll
+  for (int v = 0; v < UNITS; ++v) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[v][e] += corr[v][e];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int i = 16 * m + g + 8 * h, jj = 8 * nt + 2 * t;
-      float v[2];
+      const int i = 16 * m[v] + g + 8 * h, jj = 8 * nt[v] + 2 * t;
+      float x[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const bool live = i < n && jj + e <= i;
         const float dec = live ? float(exp(sL[i] - sL[jj + e])) : 0.f;
-        v[e] = mat == 0 ? (live ? dec * acc[2 * h + e] : 0.f)
-                        : (live && jj + e < i ? sB[i] * dec * acc[2 * h + e] : 0.f);
+        x[e] = mat[v] == 0 ? (live ? dec * acc[v][2 * h + e] : 0.f)
+                           : (live && jj + e < i ? sB[i] * dec * acc[v][2 * h + e] : 0.f);
       }
-      float* dst = mat == 0 ? R + GD_REC_P + i * GD_CHUNK + jj : sA + i * GD_AS + jj;
-      *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
+      float* dst = mat[v] == 0 ? R + GD_REC_P + i * GD_CHUNK + jj : sA + i * GD_AS + jj;
+      *reinterpret_cast<float2*>(dst) = make_float2(x[0], x[1]);
     }
   }
   gd_prep_factors(R, sL, sB, sBG, n, tid);
@@ -840,39 +861,51 @@ extern "C" __global__ void __launch_bounds__(256)
     sBi[(16 * b + r) * GD_AS + 16 * jb + col] = -s;
   }
   __syncthreads();
-  // (d) X_b = Σ_{j<=b} B_bj Y_j over k = 16(b + 1) rows of this warp's 8 columns (Y_j = X_j solved, Y_b = R_b).
-  for (int nt = warp; nt < GD_XC / 8; nt += 8) {
-    const int col = 8 * nt;
-    float* dst = col < DV ? R + col : R + GD_REC_W + (col - DV);
-    const int pitch = col < DV ? DV : DK;
+  // (d) X_b = Σ_{j<=b} B_bj Y_j over k = 16(b + 1) rows (Y_j = X_j solved, Y_b = R_b), for the warp's 8-column
+  // tiles nt = warp + 8v side by side (independent accumulators).
+  constexpr int NTX = GD_XC / 8, NTW = (NTX + 7) / 8;
 #pragma unroll 1
-    for (int b = 0; b < 4; ++b) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int b = 0; b < 4; ++b) {
+    float acc[NTW][4] = {}, corr[NTW][4] = {};
 #pragma unroll 2
-      for (int k0 = 0; k0 < 16 * (b + 1); k0 += 8)
-        mma_3xtf32(acc, frag_a(sBi + 16 * b * GD_AS + k0, GD_AS, lane), frag_b(sX + k0 * GD_MXP + col, GD_MXP, lane));
-      __syncwarp();  // every lane's reads of R_b are done
+    for (int k0 = 0; k0 < 16 * (b + 1); k0 += 8) {
+      const Tf32Frag fa = frag_a(sBi + 16 * b * GD_AS + k0, GD_AS, lane);
+#pragma unroll
+      for (int v = 0; v < NTW; ++v)
+        if (warp + 8 * v < NTX)
+          mma_3xtf32(acc[v], corr[v], fa, frag_b(sX + k0 * GD_MXP + 8 * (warp + 8 * v), GD_MXP, lane));
+    }
+    __syncwarp();  // every lane's reads of R_b are done
+#pragma unroll
+    for (int v = 0; v < NTW; ++v) {
+      const int col = 8 * (warp + 8 * v);
+      if (col >= GD_XC) continue;
+      float* dst = col < DV ? R + col : R + GD_REC_W + (col - DV);
+      const int pitch = col < DV ? DV : DK;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 16 * b + g + 8 * h;
-        const float2 v = make_float2(acc[2 * h], acc[2 * h + 1]);
-        *reinterpret_cast<float2*>(sX + i * GD_MXP + col + 2 * t) = v;
-        *reinterpret_cast<float2*>(dst + i * pitch + 2 * t) = v;
+        const float2 x = make_float2(acc[v][2 * h] + corr[v][2 * h], acc[v][2 * h + 1] + corr[v][2 * h + 1]);
+        *reinterpret_cast<float2*>(sX + i * GD_MXP + col + 2 * t) = x;
+        *reinterpret_cast<float2*>(dst + i * pitch + 2 * t) = x;
       }
-      __syncwarp();  // X_b is in place before the next block row reads it
     }
+    __syncwarp();  // X_b is in place before the next block row reads it
   }
 }
 
-#define GD_MSP (GD_SCW + 8)  // row pitch of the state slice, Δ and ksc·Δ (B operands) in the mma scan
+#define GD_MSP (GD_SCW + 8)  // row pitch of the state slice, Δ, ksc·Δ and U (B operands, C tiles) in the mma scan
 #define GD_MKP (DK + 8)      // row pitch of k̂ (the Aᵀ operand of (3)) in the mma scan
 
-// Grid (Hv, DV/SCW), block 256 = 8 warps, one block per SM: gated_delta_chunk_scan's geometry, staging and barriers,
-// its three products on the tensor cores. Per chunk: (1) warp w: rows 16(w % 4).. of W (w < 4) or of q̂ (w >= 4) times
-// the state slice (128 × SCW outputs, DK/8 k-steps); warps 0-3 store Δ = U − W S0 and ksc·Δ, warps 4-7 keep Γ q̂ S0;
+// Grid (Hv, DV/SCW), block 256 = 8 warps, one block per SM: gated_delta_chunk_scan's geometry and barriers, its three
+// products on the tensor cores. Per chunk: (1) warp w: rows 16(w % 4).. of W (w < 4) or of q̂ (w >= 4) times the
+// state slice (128 × SCW outputs, DK/8 k-steps); warps 0-3 store Δ = U − W S0 and ksc·Δ, warps 4-7 keep Γ q̂ S0;
 // (2) warp 4 + m adds P[16m.., 0..16m + 15] Δ and stores o; (3) warp w takes state rows 16w.. (16-row tiles over the
-// warps): S = Γ_last S0 + k̂ᵀ (ksc·Δ) over ⌈n/8⌉ k-steps, written back in place. Floor per chunk and block: as the
-// SIMT scan's ~0.9 M MACs, here ~2,500 tf32 MMAs (3 per tile).
+// warps): S = Γ_last S0 + k̂ᵀ (ksc·Δ) over ⌈n/8⌉ k-steps, written back in place.
+// Staging (cp.async, two groups per chunk): W, q̂, the U slice and the factors Γ, ksc (double-buffered: chunk c's are
+// read in (2) and (3) while chunk c + 1's arrive) are issued after (1) of the chunk before, for (1); k̂ and P after
+// (3) of the chunk before, and waited for only after (1), so they arrive while (1) runs. Nothing in the chunk loop
+// reads global memory. Floor per chunk and block: as the SIMT scan's ~0.9 M MACs, here ~2,500 tf32 MMAs (3 per tile).
 extern "C" __global__ void __launch_bounds__(256, 1)
     gated_delta_chunk_scan_mma(const float* __restrict__ rec, const float* __restrict__ qn,
                                const float* __restrict__ kn, const float* S_in, i64 in_stride, float* S_out,
@@ -886,6 +919,8 @@ extern "C" __global__ void __launch_bounds__(256, 1)
   float* sP = sK + GD_CHUNK * GD_MKP;               // [64, GD_SPP]
   float* sD = sP + GD_CHUNK * GD_SPP;               // [64, GD_MSP]: Δ
   float* sDk = sD + GD_CHUNK * GD_MSP;              // [64, GD_MSP]: ksc_j Δ_j
+  float* sU = sDk + GD_CHUNK * GD_MSP;              // [64, GD_MSP]: the U slice
+  float* sF = sU + GD_CHUNK * GD_MSP;               // [2][128]: Γ [64] then ksc [64], per chunk parity
   const int j = blockIdx.x, c0 = blockIdx.y * CW, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int kh = j / (Hv / Hk);
@@ -895,49 +930,70 @@ extern "C" __global__ void __launch_bounds__(256, 1)
   const int chunks = (T + GD_CHUNK - 1) / GD_CHUNK;
   auto record = [&](int c) { return rec + (i64(c) * Hv + j) * GD_REC; };
   auto rows_of = [&](int c) { return min(GD_CHUNK, T - c * GD_CHUNK); };
-  gd_stage_wq(sW, sQ, record(0), qn, 0, rows_of(0), kh, key_dim, tid);
-  gd_stage_kp(sK, GD_MKP, sP, record(0), kn, 0, rows_of(0), kh, key_dim, tid);
-  cp_async_commit();
+  auto stage_for_1 = [&](int c) {  // W, q̂, U slice, factors
+    const float* R = record(c);
+    gd_stage_wq(sW, sQ, R, qn, c * GD_CHUNK, rows_of(c), kh, key_dim, tid);
+    for (int e = tid; e < GD_CHUNK * (CW / 4); e += blockDim.x) {
+      const int r = e / (CW / 4), f = e % (CW / 4);
+      cp_async16(smem_addr(sU + r * GD_MSP + 4 * f), R + r * DV + c0 + 4 * f, 16);
+    }
+    if (tid < 2 * GD_CHUNK / 4)  // Γ and ksc are adjacent in the record (GD_REC_G, GD_REC_K)
+      cp_async16(smem_addr(sF + (c & 1) * 2 * GD_CHUNK + 4 * tid), R + GD_REC_G + 4 * tid, 16);
+    cp_async_commit();
+  };
+  auto stage_for_23 = [&](int c) {  // k̂, P
+    gd_stage_kp(sK, GD_MKP, sP, record(c), kn, c * GD_CHUNK, rows_of(c), kh, key_dim, tid);
+    cp_async_commit();
+  };
+  stage_for_1(0);
+  stage_for_23(0);
   const int m = warp & 3, r0 = 16 * m + g;  // (1), (2): this lane's rows r0 and r0 + 8 of the warp's 16
   for (int c = 0; c < chunks; ++c) {
     const int t0 = c * GD_CHUNK, n = rows_of(c);
-    const float* R = record(c);
-    cp_async_wait<0>();
+    const float* sGam = sF + (c & 1) * 2 * GD_CHUNK;
+    const float* sKsc = sGam + GD_CHUNK;
+    cp_async_wait<1>();  // this chunk's (1) group; its k̂ and P may still be in flight
     __syncthreads();
-    float acc[NT][4] = {};
+    float acc[NT][4] = {}, corr[NT][4] = {};
     {  // (1)
       const float* arows = (warp < 4 ? sW : sQ) + 16 * m * GD_QS;
 #pragma unroll 2
       for (int k0 = 0; k0 < DK; k0 += 8) {
         const Tf32Frag fa = frag_a(arows + k0, GD_QS, lane);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma_3xtf32(acc[nt], fa, frag_b(sS + k0 * GD_MSP + 8 * nt, GD_MSP, lane));
+        for (int nt = 0; nt < NT; ++nt)
+          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sS + k0 * GD_MSP + 8 * nt, GD_MSP, lane));
       }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[nt][e] += corr[nt][e];
+          corr[nt][e] = 0.f;
+        }
     }
     if (warp < 4) {  // Δ = U − W S0 (zero past the rows: U and W are) and ksc·Δ
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = r0 + 8 * h;
-        const float ks = R[GD_REC_K + i];
+        const float ks = sKsc[i];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           const int col = 8 * nt + 2 * t;
-          const float2 u = *reinterpret_cast<const float2*>(R + i * DV + c0 + col);
+          const float2 u = *reinterpret_cast<const float2*>(sU + i * GD_MSP + col);
           const float2 d = make_float2(u.x - acc[nt][2 * h], u.y - acc[nt][2 * h + 1]);
           *reinterpret_cast<float2*>(sD + i * GD_MSP + col) = d;
           *reinterpret_cast<float2*>(sDk + i * GD_MSP + col) = make_float2(ks * d.x, ks * d.y);
         }
       }
     }
+    cp_async_wait<0>();  // k̂ and P
     __syncthreads();
-    if (c + 1 < chunks) {  // W and q̂ are read: the next chunk's come in during (2) and (3)
-      gd_stage_wq(sW, sQ, record(c + 1), qn, t0 + GD_CHUNK, rows_of(c + 1), kh, key_dim, tid);
-      cp_async_commit();
-    }
+    if (c + 1 < chunks) stage_for_1(c + 1);  // W, q̂, U are read; the factors go to the other buffer
     if (warp >= 4) {  // (2) o = Γ q̂ S0 + P Δ, P zero right of the row tile's diagonal block
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float gm = R[GD_REC_G + r0 + 8 * h];
+        const float gm = sGam[r0 + 8 * h];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           acc[nt][2 * h] *= gm;
@@ -947,7 +1003,8 @@ extern "C" __global__ void __launch_bounds__(256, 1)
       for (int k0 = 0; k0 < 16 * (m + 1); k0 += 8) {
         const Tf32Frag fa = frag_a(sP + 16 * m * GD_SPP + k0, GD_SPP, lane);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma_3xtf32(acc[nt], fa, frag_b(sD + k0 * GD_MSP + 8 * nt, GD_MSP, lane));
+        for (int nt = 0; nt < NT; ++nt)
+          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sD + k0 * GD_MSP + 8 * nt, GD_MSP, lane));
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -956,15 +1013,16 @@ extern "C" __global__ void __launch_bounds__(256, 1)
           float* orow = out + i64(t0 + i) * out_stride + i64(j) * DV + c0 + 2 * t;
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt)
-            *reinterpret_cast<float2*>(orow + 8 * nt) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+            *reinterpret_cast<float2*>(orow + 8 * nt) =
+                make_float2(acc[nt][2 * h] + corr[nt][2 * h], acc[nt][2 * h + 1] + corr[nt][2 * h + 1]);
         }
       }
     }
     // (3) every warp has passed (1)'s reads of S (the barrier above)
-    const float gl = R[GD_REC_G + n - 1];
+    const float gl = sGam[n - 1];
     const int ksteps = (n + 7) / 8;
     for (int mt = warp; mt < DK / 16; mt += 8) {
-      float s[NT][4];
+      float s[NT][4], sc[NT][4] = {};
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -976,20 +1034,18 @@ extern "C" __global__ void __launch_bounds__(256, 1)
       for (int ks = 0; ks < ksteps; ++ks) {
         const Tf32Frag fa = frag_at(sK + 8 * ks * GD_MKP + 16 * mt, GD_MKP, lane);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma_3xtf32(s[nt], fa, frag_b(sDk + 8 * ks * GD_MSP + 8 * nt, GD_MSP, lane));
+        for (int nt = 0; nt < NT; ++nt)
+          mma_3xtf32(s[nt], sc[nt], fa, frag_b(sDk + 8 * ks * GD_MSP + 8 * nt, GD_MSP, lane));
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
           *reinterpret_cast<float2*>(sS + (16 * mt + g + 8 * h) * GD_MSP + 8 * nt + 2 * t) =
-              make_float2(s[nt][2 * h], s[nt][2 * h + 1]);
+              make_float2(s[nt][2 * h] + sc[nt][2 * h], s[nt][2 * h + 1] + sc[nt][2 * h + 1]);
     }
     __syncthreads();
-    if (c + 1 < chunks) {  // k̂ and P are read
-      gd_stage_kp(sK, GD_MKP, sP, record(c + 1), kn, t0 + GD_CHUNK, rows_of(c + 1), kh, key_dim, tid);
-      cp_async_commit();
-    }
+    if (c + 1 < chunks) stage_for_23(c + 1);  // k̂ and P are read
   }
   gd_store_slice(sS, GD_MSP, S_out, st_stride, j, c0, tid);
 }
