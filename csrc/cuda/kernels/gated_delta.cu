@@ -398,23 +398,30 @@ extern "C" __global__ void __launch_bounds__(64)
 #define GD_PREP_TILE_FLOATS (2 * GD_CHUNK * GD_QS > GD_CHUNK * GD_XC ? 2 * GD_CHUNK * GD_QS : GD_CHUNK * GD_XC)
 #if DK % 4 == 0 && DV % 16 == 0  // the chunked form's shapes (the host checks them before asking for its kernels)
 
-// The prep's first stage, both forms: the chunk's q̂ and k̂ rows into [64, GD_QS] tiles (zero past the rows), the
-// cumulative log decay L in fp64 (from the gate itself: log(alpha) would be -inf where the decay underflowed to 0)
-// and β. Warp 0 forms the 64 gates at once (two rows a lane) and sums them by a shuffle scan: one thread walking the
-// rows waited for 64 loads in turn. The caller synchronises.
+// The prep's first stage, both forms: the chunk's q̂ and k̂ rows into [64, GD_QS] tiles (zero past the rows; ASYNC:
+// by cp.async, the caller commits and waits), the cumulative log decay L in fp64 (from the gate itself: log(alpha)
+// would be -inf where the decay underflowed to 0) and β. Warp 0 forms the 64 gates at once (two rows a lane) and sums
+// them by a shuffle scan: one thread walking the rows waited for 64 loads in turn. The caller synchronises.
+template <bool ASYNC>
 __device__ __forceinline__ void gd_prep_stage(float* sQ, float* sK, double* sL, float* sB, const float* qn,
                                               const float* kn, const float* a, i64 a_stride, const float* beta,
                                               float neg_A, float dtb, int t0, int n, int kh, int j, i64 key_dim,
                                               int Hv, int tid) {
   for (int e = tid; e < GD_CHUNK * (DK / 4); e += blockDim.x) {  // float4 columns fastest: coalesced rows
     const int i = e / (DK / 4), d = (e % (DK / 4)) * 4;
-    float4 q4 = make_float4(0.f, 0.f, 0.f, 0.f), k4 = q4;
-    if (i < n) {
-      q4 = *reinterpret_cast<const float4*>(qn + i64(t0 + i) * key_dim + i64(kh) * DK + d);
-      k4 = *reinterpret_cast<const float4*>(kn + i64(t0 + i) * key_dim + i64(kh) * DK + d);
+    const i64 src = i64(t0 + min(i, n - 1)) * key_dim + i64(kh) * DK + d;
+    if constexpr (ASYNC) {
+      cp_async16(smem_addr(sQ + i * GD_QS + d), qn + src, i < n ? 16 : 0);
+      cp_async16(smem_addr(sK + i * GD_QS + d), kn + src, i < n ? 16 : 0);
+    } else {
+      float4 q4 = make_float4(0.f, 0.f, 0.f, 0.f), k4 = q4;
+      if (i < n) {
+        q4 = *reinterpret_cast<const float4*>(qn + src);
+        k4 = *reinterpret_cast<const float4*>(kn + src);
+      }
+      *reinterpret_cast<float4*>(sQ + i * GD_QS + d) = q4;
+      *reinterpret_cast<float4*>(sK + i * GD_QS + d) = k4;
     }
-    *reinterpret_cast<float4*>(sQ + i * GD_QS + d) = q4;
-    *reinterpret_cast<float4*>(sK + i * GD_QS + d) = k4;
   }
   if (tid < 32) {
     const int i0 = 2 * tid;
@@ -446,7 +453,7 @@ __device__ __forceinline__ void gd_prep_factors(float* R, const double* sL, cons
   }
 }
 
-// The solve's right-hand side [βV | βΓK̂] into sX [64, pitch] (zero past the rows), both forms. After the barrier
+// The solve's right-hand side [βV | βΓK̂] into sX [64, pitch] (zero past the rows; the SIMT prep). After the barrier
 // that follows gd_prep_factors (it reads βΓ) and the last read of the q̂, k̂ tiles (sX overlays them).
 __device__ __forceinline__ void gd_prep_rhs(float* sX, int pitch, const float* qkv, i64 qkv_stride, const float* kn,
                                             const float* sB, const float* sBG, int t0, int n, int j, int kh,
@@ -487,7 +494,7 @@ extern "C" __global__ void __launch_bounds__(256)
   const i64 key_dim = i64(Hk) * DK;
   const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
   LILY_PDL_PROLOGUE();
-  gd_prep_stage(sQ, sK, sL, sB, qn, kn, a, a_stride, beta, neg_A, dtb, t0, n, kh, j, key_dim, Hv, tid);
+  gd_prep_stage<false>(sQ, sK, sL, sB, qn, kn, a, a_stride, beta, neg_A, dtb, t0, n, kh, j, key_dim, Hv, tid);
   __syncthreads();
   float* R = rec + (i64(c) * Hv + j) * GD_REC;
   {
@@ -755,7 +762,9 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 #define GD_MPREP_TILE_FLOATS (2 * GD_CHUNK * GD_QS > GD_CHUNK * GD_MXP ? 2 * GD_CHUNK * GD_QS : GD_CHUNK * GD_MXP)
 
 // Grid (⌈T/64⌉, Hv), block 256 = 8 warps. Shared: the q̂, k̂ tiles [64, GD_QS] (later overlaid by the right-hand side
-// X [64, GD_MXP]), A [64, 68] (row-major: A_ij at i·68 + j), the block inverse B [64, 68], L (fp64), β, βΓ.
+// X [64, GD_MXP]), A [64, 68] (row-major: A_ij at i·68 + j), the block inverse B [64, 68], L (fp64), β, βΓ. The
+// tiles and the right-hand side's raw rows come by cp.async (all of a thread's copies in flight at once; plain loads
+// in a loop waited for each batch in turn), the right-hand side scaled by β and βΓ in place.
 // (a) q̂k̂ᵀ and k̂k̂ᵀ: the 20 16 × 8 tiles of each on or below the 16-row block diagonal, 5 per warp, 16 k-steps each;
 //     epilogue P (to the record, zero above the diagonal and past the rows) and A (strictly lower, β and decay).
 // (b) T_b = (I + A_bb)^-1 of the four 16 × 16 diagonal blocks: a thread per (block, column), forward substitution.
@@ -787,13 +796,15 @@ extern "C" __global__ void __launch_bounds__(256)
   const i64 key_dim = i64(Hk) * DK;
   const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
   LILY_PDL_PROLOGUE();
-  gd_prep_stage(sQ, sK, sL, sB, qn, kn, a, a_stride, beta, neg_A, dtb, t0, n, kh, j, key_dim, Hv, tid);
+  gd_prep_stage<true>(sQ, sK, sL, sB, qn, kn, a, a_stride, beta, neg_A, dtb, t0, n, kh, j, key_dim, Hv, tid);
+  cp_async_commit();
   float* R = rec + (i64(c) * Hv + j) * GD_REC;
   for (int e = tid; e < GD_CHUNK * (GD_CHUNK / 4); e += blockDim.x) {  // P above the 16-row block diagonal: zeros
     const int i = e / (GD_CHUNK / 4), c4 = 4 * (e % (GD_CHUNK / 4));
     if (c4 >= 16 * (i / 16 + 1))
       *reinterpret_cast<float4*>(R + GD_REC_P + i * GD_CHUNK + c4) = make_float4(0.f, 0.f, 0.f, 0.f);
   }
+  cp_async_wait<0>();
   __syncthreads();
   // (a) unit u = warp + 8v (v < 5, side by side: five independent accumulators): matrix u / 20 (0: q̂k̂ᵀ, 1: k̂k̂ᵀ),
   // then row tile m and column tile nt <= 2m + 1.
@@ -848,9 +859,22 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int r = 0; r < 16; ++r) sBi[(16 * b + r) * GD_AS + 16 * b + col] = x[r];
   }
-  gd_prep_rhs(sX, GD_MXP, qkv, qkv_stride, kn, sB, sBG, t0, n, j, kh, key_dim, tid);
+  // The right-hand side's raw rows (v of head j, k̂ of its key head; zero past the rows) by cp.async, scaled below.
+  for (int e = tid; e < GD_CHUNK * (GD_XC / 4); e += blockDim.x) {
+    const int i = e / (GD_XC / 4), col = 4 * (e % (GD_XC / 4)), row = t0 + min(i, n - 1);
+    const float* src = col < DV ? qkv + i64(row) * qkv_stride + 2 * key_dim + i64(j) * DV + col
+                                : kn + i64(row) * key_dim + i64(kh) * DK + (col - DV);
+    cp_async16(smem_addr(sX + i * GD_MXP + col), src, i < n ? 16 : 0);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
   __syncthreads();
-  // (c) the six blocks (b, jb), jb < b, 256 elements each: element (r, col) = −Σ_{s<=r} T_b[r][s] A[16b + s][16jb + col].
+  for (int e = tid; e < GD_CHUNK * GD_XC; e += blockDim.x) {  // [βV | βΓK̂]
+    const int i = e / GD_XC, col = e % GD_XC;
+    sX[i * GD_MXP + col] *= col < DV ? sB[i] : sBG[i];
+  }
+  // (c) the six blocks (b, jb), jb < b, 256 elements each: element (r, col) = −Σ_{s<=r} T_b[r][s] A[16b + s][16jb + col]
+  // (beside the scaling above: neither reads what the other writes).
   for (int e = tid; e < 6 * 256; e += blockDim.x) {
     const int blk = e / 256, b = blk < 1 ? 1 : blk < 3 ? 2 : 3, jb = blk - b * (b - 1) / 2;
     const int r = (e / 16) % 16, col = e % 16;
@@ -897,20 +921,21 @@ extern "C" __global__ void __launch_bounds__(256)
 #define GD_MSP (GD_SCW + 8)  // row pitch of the state slice, Δ, ksc·Δ and U (B operands, C tiles) in the mma scan
 #define GD_MKP (DK + 8)      // row pitch of k̂ (the Aᵀ operand of (3)) in the mma scan
 
-// Grid (Hv, DV/SCW), block 256 = 8 warps, one block per SM: gated_delta_chunk_scan's geometry and barriers, its three
-// products on the tensor cores. Per chunk: (1) warp w: rows 16(w % 4).. of W (w < 4) or of q̂ (w >= 4) times the
-// state slice (128 × SCW outputs, DK/8 k-steps); warps 0-3 store Δ = U − W S0 and ksc·Δ, warps 4-7 keep Γ q̂ S0;
-// (2) warp 4 + m adds P[16m.., 0..16m + 15] Δ and stores o; (3) warp w takes state rows 16w.. (16-row tiles over the
-// warps): S = Γ_last S0 + k̂ᵀ (ksc·Δ) over ⌈n/8⌉ k-steps, written back in place.
+// Grid (Hv, DV/SCW), block 512 = 16 warps, one block per SM: gated_delta_chunk_scan's grid and barriers, its three
+// products on the tensor cores, twice its warps (each warp's MMAs are a chain of dependent steps: more warps, shorter
+// chains). Warp w takes the column half h = w / 8 (SCW/16 8-column tiles) and row role r = w % 8. Per chunk:
+// (1) rows 16(r % 4).. of W (r < 4) or of q̂ (r >= 4) times the state slice (128 × SCW outputs, DK/8 k-steps);
+// r < 4 store Δ = U − W S0 and ksc·Δ, r >= 4 keep Γ q̂ S0; (2) r = 4 + m adds P[16m.., 0..16m + 15] Δ and stores o;
+// (3) state rows 16r.. (16-row tiles over the roles): S = Γ_last S0 + k̂ᵀ (ksc·Δ) over ⌈n/8⌉ k-steps, in place.
 // Staging (cp.async, two groups per chunk): W, q̂, the U slice and the factors Γ, ksc (double-buffered: chunk c's are
 // read in (2) and (3) while chunk c + 1's arrive) are issued after (1) of the chunk before, for (1); k̂ and P after
 // (3) of the chunk before, and waited for only after (1), so they arrive while (1) runs. Nothing in the chunk loop
 // reads global memory. Floor per chunk and block: as the SIMT scan's ~0.9 M MACs, here ~2,500 tf32 MMAs (3 per tile).
-extern "C" __global__ void __launch_bounds__(256, 1)
+extern "C" __global__ void __launch_bounds__(512, 1)
     gated_delta_chunk_scan_mma(const float* __restrict__ rec, const float* __restrict__ qn,
                                const float* __restrict__ kn, const float* S_in, i64 in_stride, float* S_out,
                                i64 st_stride, float* __restrict__ out, i64 out_stride, int T, int Hk, int Hv) {
-  constexpr int CW = GD_SCW, NT = CW / 8;
+  constexpr int CW = GD_SCW, NT = CW / 16;  // NT: the warp's 8-column tiles (half the slice)
   extern __shared__ float4 gd_smem4[];
   float* sS = reinterpret_cast<float*>(gd_smem4);  // [DK, GD_MSP]
   float* sW = sS + DK * GD_MSP;                     // [64, GD_QS]
@@ -947,7 +972,8 @@ extern "C" __global__ void __launch_bounds__(256, 1)
   };
   stage_for_1(0);
   stage_for_23(0);
-  const int m = warp & 3, r0 = 16 * m + g;  // (1), (2): this lane's rows r0 and r0 + 8 of the warp's 16
+  const int role = warp & 7, m = role & 3, r0 = 16 * m + g;  // (1), (2): this lane's rows r0, r0 + 8 of the warp's 16
+  const int cb = (warp >> 3) * 8 * NT;                         // the warp's first column in the slice
   for (int c = 0; c < chunks; ++c) {
     const int t0 = c * GD_CHUNK, n = rows_of(c);
     const float* sGam = sF + (c & 1) * 2 * GD_CHUNK;
@@ -956,13 +982,13 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     __syncthreads();
     float acc[NT][4] = {}, corr[NT][4] = {};
     {  // (1)
-      const float* arows = (warp < 4 ? sW : sQ) + 16 * m * GD_QS;
+      const float* arows = (role < 4 ? sW : sQ) + 16 * m * GD_QS;
 #pragma unroll 2
       for (int k0 = 0; k0 < DK; k0 += 8) {
         const Tf32Frag fa = frag_a(arows + k0, GD_QS, lane);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sS + k0 * GD_MSP + 8 * nt, GD_MSP, lane));
+          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sS + k0 * GD_MSP + cb + 8 * nt, GD_MSP, lane));
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
@@ -972,14 +998,14 @@ extern "C" __global__ void __launch_bounds__(256, 1)
           corr[nt][e] = 0.f;
         }
     }
-    if (warp < 4) {  // Δ = U − W S0 (zero past the rows: U and W are) and ksc·Δ
+    if (role < 4) {  // Δ = U − W S0 (zero past the rows: U and W are) and ksc·Δ
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = r0 + 8 * h;
         const float ks = sKsc[i];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const int col = 8 * nt + 2 * t;
+          const int col = cb + 8 * nt + 2 * t;
           const float2 u = *reinterpret_cast<const float2*>(sU + i * GD_MSP + col);
           const float2 d = make_float2(u.x - acc[nt][2 * h], u.y - acc[nt][2 * h + 1]);
           *reinterpret_cast<float2*>(sD + i * GD_MSP + col) = d;
@@ -990,7 +1016,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     cp_async_wait<0>();  // k̂ and P
     __syncthreads();
     if (c + 1 < chunks) stage_for_1(c + 1);  // W, q̂, U are read; the factors go to the other buffer
-    if (warp >= 4) {  // (2) o = Γ q̂ S0 + P Δ, P zero right of the row tile's diagonal block
+    if (role >= 4) {  // (2) o = Γ q̂ S0 + P Δ, P zero right of the row tile's diagonal block
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float gm = sGam[r0 + 8 * h];
@@ -1004,13 +1030,13 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         const Tf32Frag fa = frag_a(sP + 16 * m * GD_SPP + k0, GD_SPP, lane);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sD + k0 * GD_MSP + 8 * nt, GD_MSP, lane));
+          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sD + k0 * GD_MSP + cb + 8 * nt, GD_MSP, lane));
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = r0 + 8 * h;
         if (i < n) {
-          float* orow = out + i64(t0 + i) * out_stride + i64(j) * DV + c0 + 2 * t;
+          float* orow = out + i64(t0 + i) * out_stride + i64(j) * DV + c0 + cb + 2 * t;
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt)
             *reinterpret_cast<float2*>(orow + 8 * nt) =
@@ -1021,13 +1047,13 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     // (3) every warp has passed (1)'s reads of S (the barrier above)
     const float gl = sGam[n - 1];
     const int ksteps = (n + 7) / 8;
-    for (int mt = warp; mt < DK / 16; mt += 8) {
+    for (int mt = role; mt < DK / 16; mt += 8) {
       float s[NT][4], sc[NT][4] = {};
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const float2 v = *reinterpret_cast<const float2*>(sS + (16 * mt + g + 8 * h) * GD_MSP + 8 * nt + 2 * t);
+          const float2 v = *reinterpret_cast<const float2*>(sS + (16 * mt + g + 8 * h) * GD_MSP + cb + 8 * nt + 2 * t);
           s[nt][2 * h] = gl * v.x;
           s[nt][2 * h + 1] = gl * v.y;
         }
@@ -1035,13 +1061,13 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         const Tf32Frag fa = frag_at(sK + 8 * ks * GD_MKP + 16 * mt, GD_MKP, lane);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          mma_3xtf32(s[nt], sc[nt], fa, frag_b(sDk + 8 * ks * GD_MSP + 8 * nt, GD_MSP, lane));
+          mma_3xtf32(s[nt], sc[nt], fa, frag_b(sDk + 8 * ks * GD_MSP + cb + 8 * nt, GD_MSP, lane));
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          *reinterpret_cast<float2*>(sS + (16 * mt + g + 8 * h) * GD_MSP + 8 * nt + 2 * t) =
+          *reinterpret_cast<float2*>(sS + (16 * mt + g + 8 * h) * GD_MSP + cb + 8 * nt + 2 * t) =
               make_float2(s[nt][2 * h] + sc[nt][2 * h], s[nt][2 * h + 1] + sc[nt][2 * h + 1]);
     }
     __syncthreads();
