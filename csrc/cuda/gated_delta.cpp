@@ -29,7 +29,6 @@ void require_f32(const Tensor& t, const char* what) {
 
 constexpr int64_t kChunk = 64;           // tokens per chunk of the chunked form (GD_CHUNK)
 constexpr int kChunkThreads = 256;
-constexpr int kChunkScanMmaThreads = 512;  // gated_delta_chunk_scan_mma: 16 warps
 
 // The prefill path's workspace: qn, kn [T, Hk·Dk], alpha, beta [T, Hv], each region 256-byte aligned; then, for
 // the chunked form, one record per (chunk, value head): U [64, Dv], W [64, Dk], P [64, 64], two [64] factor rows.
@@ -191,16 +190,15 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
     const Kernel& ks = kernel("gated_delta", scan_name, {{"DK", Dk}, {"DV", Dv}});
     const int64_t cw = chunk_scan_cols(Dv);
     set_dynamic_smem(ks, int(scan_smem), 0);
-    const unsigned scan_threads = mma ? kChunkScanMmaThreads : kChunkThreads;
-    launch(ks, Dim3{unsigned(Hv), unsigned(Dv / cw), 1}, Dim3{scan_threads, 1, 1}, scan_smem, rec, qn, kn,
+    launch(ks, Dim3{unsigned(Hv), unsigned(Dv / cw), 1}, Dim3{kChunkThreads, 1, 1}, scan_smem, rec, qn, kn,
            ptr(state_in), int64_t(state_in.stride), ptr(state_out), int64_t(state_out.stride), ptr(out),
            int64_t(out.stride), int(T), int(Hk), int(Hv));
     note_variant(phase() == Phase::Decode ? "gated_delta.decode" : "gated_delta.prefill",
                  "chunked (WY / UT-transform, " + std::to_string(T) + " rows >= delta_chunk_rows = " +
                      std::to_string(chunk_rows) + "): gated_delta_prep, " + prep_name + " over (" +
                      std::to_string(chunks) + " chunks of 64, " + std::to_string(Hv) + " heads) × 256 threads, " +
-                     std::string(scan_name) + " over (" + std::to_string(Hv) + ", " + std::to_string(Dv / cw) + ") × " +
-                     std::to_string(scan_threads) + " threads, " + std::to_string(cw) +
+                     std::string(scan_name) + " over (" + std::to_string(Hv) + ", " + std::to_string(Dv / cw) +
+                     ") × 256 threads, " + std::to_string(cw) +
                      " state columns per block and each chunk's tiles in shared memory (cp.async); " +
                      (mma ? "products on the tensor cores (3xTF32 mma.sync m16n8k8)"
                           : "products in fp32 FMAs (not on the tensor cores: " + mma_why + ")"));

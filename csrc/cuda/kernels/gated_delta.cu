@@ -921,21 +921,20 @@ extern "C" __global__ void __launch_bounds__(256)
 #define GD_MSP (GD_SCW + 8)  // row pitch of the state slice, Δ, ksc·Δ and U (B operands, C tiles) in the mma scan
 #define GD_MKP (DK + 8)      // row pitch of k̂ (the Aᵀ operand of (3)) in the mma scan
 
-// Grid (Hv, DV/SCW), block 512 = 16 warps, one block per SM: gated_delta_chunk_scan's grid and barriers, its three
-// products on the tensor cores, twice its warps (each warp's MMAs are a chain of dependent steps: more warps, shorter
-// chains). Warp w takes the column half h = w / 8 (SCW/16 8-column tiles) and row role r = w % 8. Per chunk:
-// (1) rows 16(r % 4).. of W (r < 4) or of q̂ (r >= 4) times the state slice (128 × SCW outputs, DK/8 k-steps);
-// r < 4 store Δ = U − W S0 and ksc·Δ, r >= 4 keep Γ q̂ S0; (2) r = 4 + m adds P[16m.., 0..16m + 15] Δ and stores o;
-// (3) state rows 16r.. (16-row tiles over the roles): S = Γ_last S0 + k̂ᵀ (ksc·Δ) over ⌈n/8⌉ k-steps, in place.
+// Grid (Hv, DV/SCW), block 256 = 8 warps, one block per SM: gated_delta_chunk_scan's geometry and barriers, its three
+// products on the tensor cores. Per chunk: (1) warp w: rows 16(w % 4).. of W (w < 4) or of q̂ (w >= 4) times the
+// state slice (128 × SCW outputs, DK/8 k-steps); warps 0-3 store Δ = U − W S0 and ksc·Δ, warps 4-7 keep Γ q̂ S0;
+// (2) warp 4 + m adds P[16m.., 0..16m + 15] Δ and stores o; (3) warp w takes state rows 16w.. (16-row tiles over the
+// warps): S = Γ_last S0 + k̂ᵀ (ksc·Δ) over ⌈n/8⌉ k-steps, written back in place.
 // Staging (cp.async, two groups per chunk): W, q̂, the U slice and the factors Γ, ksc (double-buffered: chunk c's are
 // read in (2) and (3) while chunk c + 1's arrive) are issued after (1) of the chunk before, for (1); k̂ and P after
 // (3) of the chunk before, and waited for only after (1), so they arrive while (1) runs. Nothing in the chunk loop
 // reads global memory. Floor per chunk and block: as the SIMT scan's ~0.9 M MACs, here ~2,500 tf32 MMAs (3 per tile).
-extern "C" __global__ void __launch_bounds__(512, 1)
+extern "C" __global__ void __launch_bounds__(256, 1)
     gated_delta_chunk_scan_mma(const float* __restrict__ rec, const float* __restrict__ qn,
                                const float* __restrict__ kn, const float* S_in, i64 in_stride, float* S_out,
                                i64 st_stride, float* __restrict__ out, i64 out_stride, int T, int Hk, int Hv) {
-  constexpr int CW = GD_SCW, NT = CW / 16;  // NT: the warp's 8-column tiles (half the slice)
+  constexpr int CW = GD_SCW, NT = CW / 8;
   extern __shared__ float4 gd_smem4[];
   float* sS = reinterpret_cast<float*>(gd_smem4);  // [DK, GD_MSP]
   float* sW = sS + DK * GD_MSP;                     // [64, GD_QS]
@@ -972,8 +971,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
   };
   stage_for_1(0);
   stage_for_23(0);
-  const int role = warp & 7, m = role & 3, r0 = 16 * m + g;  // (1), (2): this lane's rows r0, r0 + 8 of the warp's 16
-  const int cb = (warp >> 3) * 8 * NT;                         // the warp's first column in the slice
+  const int m = warp & 3, r0 = 16 * m + g;  // (1), (2): this lane's rows r0 and r0 + 8 of the warp's 16
   for (int c = 0; c < chunks; ++c) {
     const int t0 = c * GD_CHUNK, n = rows_of(c);
     const float* sGam = sF + (c & 1) * 2 * GD_CHUNK;
@@ -982,13 +980,13 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     __syncthreads();
     float acc[NT][4] = {}, corr[NT][4] = {};
     {  // (1)
-      const float* arows = (role < 4 ? sW : sQ) + 16 * m * GD_QS;
+      const float* arows = (warp < 4 ? sW : sQ) + 16 * m * GD_QS;
 #pragma unroll 2
       for (int k0 = 0; k0 < DK; k0 += 8) {
         const Tf32Frag fa = frag_a(arows + k0, GD_QS, lane);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sS + k0 * GD_MSP + cb + 8 * nt, GD_MSP, lane));
+          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sS + k0 * GD_MSP + 8 * nt, GD_MSP, lane));
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
@@ -998,14 +996,14 @@ extern "C" __global__ void __launch_bounds__(512, 1)
           corr[nt][e] = 0.f;
         }
     }
-    if (role < 4) {  // Δ = U − W S0 (zero past the rows: U and W are) and ksc·Δ
+    if (warp < 4) {  // Δ = U − W S0 (zero past the rows: U and W are) and ksc·Δ
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = r0 + 8 * h;
         const float ks = sKsc[i];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const int col = cb + 8 * nt + 2 * t;
+          const int col = 8 * nt + 2 * t;
           const float2 u = *reinterpret_cast<const float2*>(sU + i * GD_MSP + col);
           const float2 d = make_float2(u.x - acc[nt][2 * h], u.y - acc[nt][2 * h + 1]);
           *reinterpret_cast<float2*>(sD + i * GD_MSP + col) = d;
@@ -1016,7 +1014,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     cp_async_wait<0>();  // k̂ and P
     __syncthreads();
     if (c + 1 < chunks) stage_for_1(c + 1);  // W, q̂, U are read; the factors go to the other buffer
-    if (role >= 4) {  // (2) o = Γ q̂ S0 + P Δ, P zero right of the row tile's diagonal block
+    if (warp >= 4) {  // (2) o = Γ q̂ S0 + P Δ, P zero right of the row tile's diagonal block
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float gm = sGam[r0 + 8 * h];
@@ -1030,13 +1028,13 @@ extern "C" __global__ void __launch_bounds__(512, 1)
         const Tf32Frag fa = frag_a(sP + 16 * m * GD_SPP + k0, GD_SPP, lane);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sD + k0 * GD_MSP + cb + 8 * nt, GD_MSP, lane));
+          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sD + k0 * GD_MSP + 8 * nt, GD_MSP, lane));
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = r0 + 8 * h;
         if (i < n) {
-          float* orow = out + i64(t0 + i) * out_stride + i64(j) * DV + c0 + cb + 2 * t;
+          float* orow = out + i64(t0 + i) * out_stride + i64(j) * DV + c0 + 2 * t;
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt)
             *reinterpret_cast<float2*>(orow + 8 * nt) =
@@ -1047,13 +1045,13 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     // (3) every warp has passed (1)'s reads of S (the barrier above)
     const float gl = sGam[n - 1];
     const int ksteps = (n + 7) / 8;
-    for (int mt = role; mt < DK / 16; mt += 8) {
+    for (int mt = warp; mt < DK / 16; mt += 8) {
       float s[NT][4], sc[NT][4] = {};
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const float2 v = *reinterpret_cast<const float2*>(sS + (16 * mt + g + 8 * h) * GD_MSP + cb + 8 * nt + 2 * t);
+          const float2 v = *reinterpret_cast<const float2*>(sS + (16 * mt + g + 8 * h) * GD_MSP + 8 * nt + 2 * t);
           s[nt][2 * h] = gl * v.x;
           s[nt][2 * h + 1] = gl * v.y;
         }
@@ -1061,13 +1059,13 @@ extern "C" __global__ void __launch_bounds__(512, 1)
         const Tf32Frag fa = frag_at(sK + 8 * ks * GD_MKP + 16 * mt, GD_MKP, lane);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          mma_3xtf32(s[nt], sc[nt], fa, frag_b(sDk + 8 * ks * GD_MSP + cb + 8 * nt, GD_MSP, lane));
+          mma_3xtf32(s[nt], sc[nt], fa, frag_b(sDk + 8 * ks * GD_MSP + 8 * nt, GD_MSP, lane));
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          *reinterpret_cast<float2*>(sS + (16 * mt + g + 8 * h) * GD_MSP + cb + 8 * nt + 2 * t) =
+          *reinterpret_cast<float2*>(sS + (16 * mt + g + 8 * h) * GD_MSP + 8 * nt + 2 * t) =
               make_float2(s[nt][2 * h] + sc[nt][2 * h], s[nt][2 * h + 1] + sc[nt][2 * h + 1]);
     }
     __syncthreads();
