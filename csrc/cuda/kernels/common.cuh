@@ -162,11 +162,15 @@ __device__ __forceinline__ void mma_m16n8k16(float* c, const u32* a, u32 b0, u32
 }
 
 // ---- fp32 products on the tensor cores: 3xTF32 (mma.sync m16n8k8, sm_80+) ----
-// x = hi + lo with hi, lo tf32 (10-bit mantissas): hi·hi' + hi·lo' + lo·hi' misses only lo·lo' (~2^-22 relative), so
-// a product accumulated in fp32 this way sits at fp32's error level, not tf32's (~2^-11).
+// x = hi + lo with hi, lo tf32 (10-bit mantissas): hi·hi' + hi·lo' + lo·hi' misses only lo·lo' and lo's own
+// rounding (~2^-21 relative), so a product accumulated in fp32 this way sits near fp32's error level, not tf32's
+// (~2^-11). hi is x rounded to nearest (half an ulp added, the low 13 bits cleared; finite x), lo = x − hi exactly,
+// passed as fp32 bits: the tensor core reads a tf32 operand's top 19 bits and ignores the rest (ptxas lowers
+// cvt.rna.tf32.f32 itself to an add of half an ulp without the mask, plus an Inf test: 4 instructions where these
+// are 3 for both halves; the split's instructions bounded the chunked DeltaNet kernels, ncu).
 __device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
 }
 // c[16x8] += a[16x8] (row) · b[8x8] (col), tf32 in, fp32 accumulation. Fragments (g = lane / 4, t = lane % 4):
 // a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4); b0 (k t, n g), b1 (k t + 4, n g);
