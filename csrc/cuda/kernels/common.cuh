@@ -193,42 +193,24 @@ __device__ __forceinline__ void mma_3xtf32(float* c, float* corr, const Tf32Frag
   mma_m16n8k8_tf32(c, a.hi, b.hi[0], b.hi[1]);
   mma_m16n8k8_tf32(corr, a.hi, b.lo[0], b.lo[1]);
 }
-// Fragments from fp32 shared memory, split as they are loaded. p is the tile's first element, ld its row pitch in
-// floats. Conflict-free pitches: rows read as A (frag_a) or as Bᵀ (frag_bt) want ld % 32 == 4, rows read as B (frag_b)
-// or as Aᵀ (frag_at) ld % 32 == 8 (or 24).
-// A (16 x 8), element (r, k) at p[r·ld + k].
-__device__ __forceinline__ Tf32Frag frag_a(const float* p, int ld, int lane) {
+// Fragments from fp32 shared memory, split as they are loaded; p is the tile's first element. Conflict-free layouts
+// (32 banks): an operand whose lanes step 1 along t (its rows read along k, g·ld + t) wants ld % 32 == 4, one whose
+// lanes step 1 along g (t·ld + g) ld % 32 == 8 (or 24).
+// A (16 x 8): element (r, k) at p[r·rs + k·ks] (row-major: rs = ld, ks = 1; stored transposed: rs = 1, ks = ld).
+__device__ __forceinline__ Tf32Frag frag_a(const float* p, int rs, int ks, int lane) {
   const int g = lane >> 2, t = lane & 3;
   Tf32Frag f;
-  tf32_split(p[g * ld + t], f.hi[0], f.lo[0]);
-  tf32_split(p[(g + 8) * ld + t], f.hi[1], f.lo[1]);
-  tf32_split(p[g * ld + t + 4], f.hi[2], f.lo[2]);
-  tf32_split(p[(g + 8) * ld + t + 4], f.hi[3], f.lo[3]);
+  tf32_split(p[g * rs + t * ks], f.hi[0], f.lo[0]);
+  tf32_split(p[(g + 8) * rs + t * ks], f.hi[1], f.lo[1]);
+  tf32_split(p[g * rs + (t + 4) * ks], f.hi[2], f.lo[2]);
+  tf32_split(p[(g + 8) * rs + (t + 4) * ks], f.hi[3], f.lo[3]);
   return f;
 }
-// A (16 x 8) stored transposed: element (r, k) at p[k·ld + r].
-__device__ __forceinline__ Tf32Frag frag_at(const float* p, int ld, int lane) {
+// B (8 x 8): element (k, n) at p[k·ks + n·ns] (k-major: ks = ld, ns = 1; n-major: ks = 1, ns = ld).
+__device__ __forceinline__ Tf32Frag frag_b(const float* p, int ks, int ns, int lane) {
   const int g = lane >> 2, t = lane & 3;
   Tf32Frag f;
-  tf32_split(p[t * ld + g], f.hi[0], f.lo[0]);
-  tf32_split(p[t * ld + g + 8], f.hi[1], f.lo[1]);
-  tf32_split(p[(t + 4) * ld + g], f.hi[2], f.lo[2]);
-  tf32_split(p[(t + 4) * ld + g + 8], f.hi[3], f.lo[3]);
-  return f;
-}
-// B (8 x 8), element (k, n) at p[k·ld + n].
-__device__ __forceinline__ Tf32Frag frag_b(const float* p, int ld, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  Tf32Frag f;
-  tf32_split(p[t * ld + g], f.hi[0], f.lo[0]);
-  tf32_split(p[(t + 4) * ld + g], f.hi[1], f.lo[1]);
-  return f;
-}
-// B (8 x 8) stored transposed: element (k, n) at p[n·ld + k].
-__device__ __forceinline__ Tf32Frag frag_bt(const float* p, int ld, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  Tf32Frag f;
-  tf32_split(p[g * ld + t], f.hi[0], f.lo[0]);
-  tf32_split(p[g * ld + t + 4], f.hi[1], f.lo[1]);
+  tf32_split(p[t * ks + g * ns], f.hi[0], f.lo[0]);
+  tf32_split(p[(t + 4) * ks + g * ns], f.hi[1], f.lo[1]);
   return f;
 }

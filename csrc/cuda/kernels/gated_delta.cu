@@ -822,8 +822,8 @@ extern "C" __global__ void __launch_bounds__(256)
   for (int k0 = 0; k0 < DK; k0 += 8)
 #pragma unroll
     for (int v = 0; v < UNITS; ++v)
-      mma_3xtf32(acc[v], corr[v], frag_a((mat[v] ? sK : sQ) + 16 * m[v] * GD_QS + k0, GD_QS, lane),
-                 frag_bt(sK + 8 * nt[v] * GD_QS + k0, GD_QS, lane));
+      mma_3xtf32(acc[v], corr[v], frag_a((mat[v] ? sK : sQ) + 16 * m[v] * GD_QS + k0, GD_QS, 1, lane),
+                 frag_b(sK + 8 * nt[v] * GD_QS + k0, 1, GD_QS, lane));
 #pragma unroll
   for (int v = 0; v < UNITS; ++v) {
 #pragma unroll
@@ -893,11 +893,11 @@ extern "C" __global__ void __launch_bounds__(256)
     float acc[NTW][4] = {}, corr[NTW][4] = {};
 #pragma unroll 2
     for (int k0 = 0; k0 < 16 * (b + 1); k0 += 8) {
-      const Tf32Frag fa = frag_a(sBi + 16 * b * GD_AS + k0, GD_AS, lane);
+      const Tf32Frag fa = frag_a(sBi + 16 * b * GD_AS + k0, GD_AS, 1, lane);
 #pragma unroll
       for (int v = 0; v < NTW; ++v)
         if (warp + 8 * v < NTX)
-          mma_3xtf32(acc[v], corr[v], fa, frag_b(sX + k0 * GD_MXP + 8 * (warp + 8 * v), GD_MXP, lane));
+          mma_3xtf32(acc[v], corr[v], fa, frag_b(sX + k0 * GD_MXP + 8 * (warp + 8 * v), GD_MXP, 1, lane));
     }
     __syncwarp();  // every lane's reads of R_b are done
 #pragma unroll
@@ -983,10 +983,10 @@ extern "C" __global__ void __launch_bounds__(256, 1)
       const float* arows = (warp < 4 ? sW : sQ) + 16 * m * GD_QS;
 #pragma unroll 2
       for (int k0 = 0; k0 < DK; k0 += 8) {
-        const Tf32Frag fa = frag_a(arows + k0, GD_QS, lane);
+        const Tf32Frag fa = frag_a(arows + k0, GD_QS, 1, lane);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sS + k0 * GD_MSP + 8 * nt, GD_MSP, lane));
+          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sS + k0 * GD_MSP + 8 * nt, GD_MSP, 1, lane));
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
@@ -1025,10 +1025,10 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         }
       }
       for (int k0 = 0; k0 < 16 * (m + 1); k0 += 8) {
-        const Tf32Frag fa = frag_a(sP + 16 * m * GD_SPP + k0, GD_SPP, lane);
+        const Tf32Frag fa = frag_a(sP + 16 * m * GD_SPP + k0, GD_SPP, 1, lane);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sD + k0 * GD_MSP + 8 * nt, GD_MSP, lane));
+          mma_3xtf32(acc[nt], corr[nt], fa, frag_b(sD + k0 * GD_MSP + 8 * nt, GD_MSP, 1, lane));
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -1056,10 +1056,10 @@ extern "C" __global__ void __launch_bounds__(256, 1)
           s[nt][2 * h + 1] = gl * v.y;
         }
       for (int ks = 0; ks < ksteps; ++ks) {
-        const Tf32Frag fa = frag_at(sK + 8 * ks * GD_MKP + 16 * mt, GD_MKP, lane);
+        const Tf32Frag fa = frag_a(sK + 8 * ks * GD_MKP + 16 * mt, 1, GD_MKP, lane);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          mma_3xtf32(s[nt], sc[nt], fa, frag_b(sDk + 8 * ks * GD_MSP + 8 * nt, GD_MSP, lane));
+          mma_3xtf32(s[nt], sc[nt], fa, frag_b(sDk + 8 * ks * GD_MSP + 8 * nt, GD_MSP, 1, lane));
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h)
