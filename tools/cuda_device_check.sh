@@ -2,7 +2,7 @@
 # The CUDA backend on a GPU machine in one command: build, GPU tests, compute-sanitizer, benchmark.
 #
 #   tools/cuda_device_check.sh [build] [tests] [sanitize] [bench] [quickbench] [prefix] [continue] [mtp] [mtp-full] [trace]
-#                              [ab] [ncu]
+#                              [ab] [ncu] [delta]
 #   (default: build tests)
 #
 # tests: tests/cuda, or the files in TEST_PATHS.
@@ -12,6 +12,8 @@
 # default {}), in turn, QB_ROUNDS times (default 1).
 # continue: a continued conversation's time to first token, the pending token folded into the prefill or fed by a
 # decode step first (benchmarks/bench_continue.py), on lily-tiny at 8K and the full-size model at 4K.
+# delta: the prefill DeltaNet op alone per form (tensor cores, fp32 FMAs, the sequential scan) at DELTA_ROWS (default
+# 4096,16384): benchmarks/bench_cuda_delta.py; no checkpoint needed.
 # ncu: Nsight Compute's detailed sections (stall reasons, memory, occupancy, source hot spots) for the decode
 # kernels matching NCU_KERNELS (a regex; default the two decode MoE kernels) in the full-size model's decode steps.
 #
@@ -63,6 +65,9 @@ if has sanitize; then
       tests/cuda/test_cuda_backend.py -k "logits_match_cpu and mlx4 or f16_within and mlx4 or decode_graphs" > "$OUT/sanitize-$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $?"; tail -5 "$OUT/sanitize-$tool.log"
   done
+fi
+if has delta; then  # the DeltaNet op per form (benchmarks/bench_cuda_delta.py)
+  python3 benchmarks/bench_cuda_delta.py --rows "${DELTA_ROWS:-4096,16384}" --json "$OUT/delta.json" 2>&1 | tee "$OUT/delta.log"
 fi
 if has quickbench; then  # QB_OPTIONS: backend-options JSONs (';'-separated), run in turn QB_ROUNDS times (an A/B)
   wait
