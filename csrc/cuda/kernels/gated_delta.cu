@@ -398,6 +398,13 @@ extern "C" __global__ void __launch_bounds__(64)
 #define GD_PREP_TILE_FLOATS (2 * GD_CHUNK * GD_QS > GD_CHUNK * GD_XC ? 2 * GD_CHUNK * GD_QS : GD_CHUNK * GD_XC)
 #if DK % 4 == 0 && DV % 16 == 0  // the chunked form's shapes (the host checks them before asking for its kernels)
 
+// Chunk c's record of value head j (all four chunked kernels), and its rows (the last chunk may be partial).
+template <class F>
+__device__ __forceinline__ F* gd_record(F* rec, int c, int Hv, int j) {
+  return rec + (i64(c) * Hv + j) * GD_REC;
+}
+__device__ __forceinline__ int gd_rows(int T, int c) { return min(GD_CHUNK, T - c * GD_CHUNK); }
+
 // The prep's first stage, both forms: the chunk's q̂ and k̂ rows into [64, GD_QS] tiles (zero past the rows; ASYNC:
 // by cp.async, the caller commits and waits), the cumulative log decay L in fp64 (from the gate itself: log(alpha)
 // would be -inf where the decay underflowed to 0) and β. Warp 0 forms the 64 gates at once (two rows a lane) and sums
@@ -489,14 +496,14 @@ extern "C" __global__ void __launch_bounds__(256)
   float* sB = reinterpret_cast<float*>(sL + GD_CHUNK);
   float* sBG = sB + GD_CHUNK;
   const int c = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
-  const int t0 = c * GD_CHUNK, n = min(GD_CHUNK, T - t0);
+  const int t0 = c * GD_CHUNK, n = gd_rows(T, c);
   const int kh = j / (Hv / Hk);
   const i64 key_dim = i64(Hk) * DK;
   const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
   LILY_PDL_PROLOGUE();
   gd_prep_stage<false>(sQ, sK, sL, sB, qn, kn, a, a_stride, beta, neg_A, dtb, t0, n, kh, j, key_dim, Hv, tid);
   __syncthreads();
-  float* R = rec + (i64(c) * Hv + j) * GD_REC;
+  float* R = gd_record(rec, c, Hv, j);
   {
     const int ti = tid / 16, tj = tid % 16;
     float qk[4][4] = {}, kk[4][4] = {};
@@ -658,8 +665,8 @@ extern "C" __global__ void __launch_bounds__(256, 1)
   gd_load_slice(sS, GD_SSP, S_in, in_stride, j, c0, tid);
   LILY_PDL_PROLOGUE();
   const int chunks = (T + GD_CHUNK - 1) / GD_CHUNK;
-  auto record = [&](int c) { return rec + (i64(c) * Hv + j) * GD_REC; };
-  auto rows_of = [&](int c) { return min(GD_CHUNK, T - c * GD_CHUNK); };
+  auto record = [&](int c) { return gd_record(rec, c, Hv, j); };
+  auto rows_of = [&](int c) { return gd_rows(T, c); };
   gd_stage_wq(sW, sQ, record(0), qn, 0, rows_of(0), kh, key_dim, tid);
   gd_stage_kp(sK, DK, sP, record(0), kn, 0, rows_of(0), kh, key_dim, tid);
   cp_async_commit();
@@ -791,14 +798,14 @@ extern "C" __global__ void __launch_bounds__(256)
   float* sBG = sB + GD_CHUNK;
   const int c = blockIdx.x, j = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int t0 = c * GD_CHUNK, n = min(GD_CHUNK, T - t0);
+  const int t0 = c * GD_CHUNK, n = gd_rows(T, c);
   const int kh = j / (Hv / Hk);
   const i64 key_dim = i64(Hk) * DK;
   const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
   LILY_PDL_PROLOGUE();
   gd_prep_stage<true>(sQ, sK, sL, sB, qn, kn, a, a_stride, beta, neg_A, dtb, t0, n, kh, j, key_dim, Hv, tid);
   cp_async_commit();
-  float* R = rec + (i64(c) * Hv + j) * GD_REC;
+  float* R = gd_record(rec, c, Hv, j);
   for (int e = tid; e < GD_CHUNK * (GD_CHUNK / 4); e += blockDim.x) {  // P above the 16-row block diagonal: zeros
     const int i = e / (GD_CHUNK / 4), c4 = 4 * (e % (GD_CHUNK / 4));
     if (c4 >= 16 * (i / 16 + 1))
@@ -952,8 +959,8 @@ extern "C" __global__ void __launch_bounds__(256, 1)
   gd_load_slice(sS, GD_MSP, S_in, in_stride, j, c0, tid);
   LILY_PDL_PROLOGUE();
   const int chunks = (T + GD_CHUNK - 1) / GD_CHUNK;
-  auto record = [&](int c) { return rec + (i64(c) * Hv + j) * GD_REC; };
-  auto rows_of = [&](int c) { return min(GD_CHUNK, T - c * GD_CHUNK); };
+  auto record = [&](int c) { return gd_record(rec, c, Hv, j); };
+  auto rows_of = [&](int c) { return gd_rows(T, c); };
   auto stage_for_1 = [&](int c) {  // W, q̂, U slice, factors
     const float* R = record(c);
     gd_stage_wq(sW, sQ, R, qn, c * GD_CHUNK, rows_of(c), kh, key_dim, tid);
