@@ -275,12 +275,16 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("encode_memo").is_none()) o.encode_memo = nb::cast<bool>(opt("encode_memo"));
     if (!opt("gemv_async").is_none()) o.gemv_async = nb::cast<bool>(opt("gemv_async"));
     if (!opt("gemv_dp4a").is_none()) o.gemv_dp4a = nb::cast<bool>(opt("gemv_dp4a"));
+    if (!opt("gemv_ahead").is_none())
+      o.gemv_ahead = bounded_int("gemv_ahead", opt("gemv_ahead"), 1, 2,
+                                 "1 or 2 (warp batches of the dp4a GEMV loaded before its wait)");
     if (!opt("fused_norm").is_none()) o.fused_norm = nb::cast<bool>(opt("fused_norm"));
     if (!opt("fused_delta").is_none())  // True / False as before ("narrow" / "off")
       o.fused_delta = mode_option("fused_delta", opt("fused_delta"),
                                   {{"off", cuda::CudaOptions::FusedDelta::Off},
                                    {"narrow", cuda::CudaOptions::FusedDelta::Narrow},
-                                   {"wide", cuda::CudaOptions::FusedDelta::Wide}},
+                                   {"wide", cuda::CudaOptions::FusedDelta::Wide},
+                                   {"norm", cuda::CudaOptions::FusedDelta::Norm}},
                                   cuda::CudaOptions::FusedDelta::Narrow, cuda::CudaOptions::FusedDelta::Off);
     // prefill_x / moe_x: the prefill GEMMs' activation form (CudaOptions::XForm); moe_x "prefill" follows prefill_x.
     auto x_form = [&](const char* key, bool follow_ok) -> std::optional<cuda::CudaOptions::XForm> {

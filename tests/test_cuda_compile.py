@@ -726,13 +726,13 @@ def test_pdl_option_refuses_other_values(bad):
 
 
 
-@pytest.mark.parametrize("form", ["narrow", "wide"])
-def test_fused_delta_forms_compile_for_the_real_shape(cache, form):
-    """Both one-launch DeltaNet decode forms build for the real shape (sm_90) and the report names the form;
-    bad values of the option are refused naming it."""
+@pytest.mark.parametrize("form,arch", [("narrow", 90), ("wide", 90), ("norm", 90), ("norm", 80)])
+def test_fused_delta_forms_compile_for_the_real_shape(cache, form, arch):
+    """The fused DeltaNet decode forms build for the real shape and the report names the form; "norm" (thread-block
+    clusters) says why it composes the three kernels on sm_80; bad values of the option are refused naming it."""
     c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
                                           source="FULL_CONFIG").to_core()
-    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, "fused_delta": form})
+    b = core.OpBench("cuda", {"dry_arch": arch, "cache_dir": cache, "fused_delta": form})
     e = lambda r, k, dt="f32": b.empty(r, k, dt, poison=False)  # noqa: E731
     Hk, Hv, Dk, Dv, K = c["lin_k_heads"], c["lin_v_heads"], c["lin_k_dim"], c["lin_v_dim"], c["conv_kernel"]
     C, VD = 2 * Hk * Dk + Hv * Dv, Hv * Dv
@@ -742,10 +742,27 @@ def test_fused_delta_forms_compile_for_the_real_shape(cache, form):
           mixed=e(1, C), delta_o=e(1, VD), ws=b.workspace(c, 1, 64), out=e(1, VD), k_heads=Hk, v_heads=Hv, k_dim=Dk,
           v_dim=Dv, conv_kernel=K, eps=1e-6)
     v = b.report()["variants"]["conv_delta_norm.decode"]
-    assert v.startswith("fused " + form), v
+    if arch >= 90:
+        assert v.startswith("fused " + form), v
+    else:
+        assert v.startswith("composed") and "clusters (sm_90; this device is sm_80)" in v, v
     for bad in ("both", 2):
         with pytest.raises(ValueError, match="backend option fused_delta must be"):
             core.OpBench("cuda", {"dry_arch": 90, "fused_delta": bad})
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_gemv_ahead_compiles_and_reports(cache, arch):
+    """gemv_ahead = 2: the dp4a decode GEMV with two weight batches loaded before its wait builds for the real
+    projections (4- and 8-bit, K 2048 and 4096) and the variant says so; the default's variant does not."""
+    for ahead in (1, 2):
+        b = core.OpBench("cuda", {"dry_arch": arch, "cache_dir": cache, "gemv_ahead": ahead})
+        for fmt, n, k in (("q4", 8192, 2048), ("q4", 2048, 4096), ("q8", 256, 2048)):
+            w = b.weight(_zeros_weight(n, k, fmt))
+            b.run("matmul", "decode", x=b.empty(1, k, poison=False), w=w, out=b.empty(1, n, poison=False))
+        notes = [v for key, v in b.report()["variants"].items() if key.startswith("matmul.decode.")]
+        assert len(notes) == 3 and all("_dp4a_" in v for v in notes), notes
+        assert all(("the first two batches loaded before the wait" in v) == (ahead == 2) for v in notes), notes
 
 
 @pytest.mark.parametrize("keys", [None, 16, 32])

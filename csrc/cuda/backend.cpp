@@ -989,6 +989,11 @@ std::vector<std::string> CudaOps::optimizations() const {
                                "chunk and dp4a integer dot products (~1e-7 relative error, the fp32 form's level)"
                              : "not active: dp4a decode GEMV (gemv_dp4a=False): fp32 x on the CUDA cores, the q4 lm_head "
                                "on the tensor-core GEMV");
+  o.push_back(opt_.gemv_ahead == 2
+                  ? "dp4a decode GEMVs load each warp's first two weight batches before waiting for the kernel before "
+                    "them (gemv_ahead=2)"
+                  : std::string("not active: two weight batches before the dp4a GEMV's wait (gemv_ahead=1): one, then "
+                                "one batch ahead"));
   o.push_back(opt_.gemm_frag ? "prefill GEMMs of 4-bit codes: each warp widens its columns' codes into tensor-core B "
                                "fragments (gemm_frag), no converted weight tile"
                              : "not active: prefill GEMM fragment widening (gemm_frag=False: the same bits, measured 2% "

@@ -93,6 +93,9 @@ struct CudaOptions {
   // int8 terms per chunk and dp4a integer dot products (matmul_gemv_dp4a; error ~1e-7 relative, the fp32 form's
   // level); false: the fp32 CUDA-core forms above.
   bool gemv_dp4a = true;
+  // Warp batches of the dp4a decode GEMV whose weight loads go out before its programmatic-launch wait: 1 (then one
+  // batch ahead, a register double buffer) or 2 (the second buffer filled before the wait as well).
+  int gemv_ahead = 1;
   // Decode: the RMSNorm in front of a layer's projections (Ops::rms_norm_matmuls / add_rms_norm_matmuls) done by
   // every block of their GEMV launch; false: the norm's own launch, then the GEMV (the same bits).
   bool fused_norm = true;
@@ -100,8 +103,10 @@ struct CudaOptions {
   // layer (the same bits as the three kernels). Narrow: a block per key head (kernels/gated_delta.cu
   // conv_delta_norm; measured slower on the H200: 16 blocks stream the state where the scan has 256). Wide:
   // gated_delta's 256 blocks, each computing the conv of the channels it reads, arrival counters for the conv state
-  // and the norm (conv_delta_norm_wide). Off: the three kernels. benchmarks/NOTES.md.
-  enum class FusedDelta { Off, Narrow, Wide };
+  // and the norm (conv_delta_norm_wide). Norm (sm_90): conv1d_silu, then the recurrent update and the gated norm
+  // in one launch on gated_delta's grid, the blocks of a value head a cluster summing the norm through distributed
+  // shared memory (gated_delta_norm). Off: the three kernels. benchmarks/NOTES.md.
+  enum class FusedDelta { Off, Narrow, Wide, Norm };
   FusedDelta fused_delta = FusedDelta::Off;
   // Prefill GEMMs (dense and MoE): how the fp32 activations enter the tensor cores. F16: one fp16 term scaled by a
   // power of two per row and group part (quant.cuh f16_part_scale; ~2.4e-4 relative per product, one MMA per step),

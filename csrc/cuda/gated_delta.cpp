@@ -232,7 +232,7 @@ void CudaOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Ten
                          ptr(out) % 16 == 0 && delta_o.stride % 4 == 0 && z.stride % 4 == 0 && out.stride % 4 == 0;
   const std::string key = phase() == Phase::Decode ? "conv_delta_norm.decode" : "conv_delta_norm.prefill";
   using F = CudaOptions::FusedDelta;
-  const bool wide = options().fused_delta == F::Wide;
+  const bool wide = options().fused_delta == F::Wide, norm = options().fused_delta == F::Norm;
   std::string why;  // empty: fused
   if (options().fused_delta == F::Off)
     why = "option fused_delta = \"off\"";
@@ -249,6 +249,12 @@ void CudaOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Ten
     why = "unaligned norm operands (the composed norm would take 4-byte loads, another sum order)";
   else if (rec_in.stride % 4 != 0 || rec_out.stride % 4 != 0 || ptr(rec_in) % 16 != 0 || ptr(rec_out) % 16 != 0)
     why = "recurrent state rows not 16-byte aligned";
+  else if (norm && info().arch() < 90)
+    why = "fused_delta \"norm\" needs thread-block clusters (sm_90; this device is sm_" +
+          std::to_string(info().arch()) + ")";
+  else if (norm && (Dv % kDeltaColsPerBlock != 0 || Dv > 8 * kDeltaColsPerBlock))
+    why = "Dv=" + std::to_string(Dv) + " (fused_delta \"norm\": a value head's Dv/16 blocks form one cluster of at "
+          "most 8, so Dv % 16 == 0 and Dv <= 128)";
   else if (wide && (Hk + Hv > kDeltaCounters || delta_o.dtype != DType::F32 || delta_o.rows != 1 ||
                     delta_o.cols != Hv * Dv))
     why = "Hk + Hv over the " + std::to_string(kDeltaCounters) + " arrival counters, or delta_o not F32 [1, Hv·Dv]";
@@ -266,6 +272,21 @@ void CudaOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Ten
       a.cols != Hv || A_log.cols != Hv || dt_bias.cols != Hv || rec_in.rows != Hv * Dk || rec_in.cols != Dv ||
       rec_out.rows != Hv * Dk || rec_out.cols != Dv)
     throw std::invalid_argument("conv_delta_norm (cuda): shapes do not match the DeltaShape");
+  if (norm) {  // conv1d_silu's launch, then the recurrence with the norm (kernels/gated_delta.cu gated_delta_norm)
+    conv1d_silu_impl(qkv, conv_w, conv_in, conv_out, mixed, conv_cap);
+    barrier_in_op();
+    const Kernel& k = kernel("gated_delta", "gated_delta_norm", {{"DK", Dk}, {"DV", Dv}});
+    const Dim3 grid{unsigned(Hv), unsigned(Dv / kDeltaColsPerBlock), 1};
+    launch(k, grid, Dim3{kDeltaThreads, 1, 1}, 0, ptr(mixed), int64_t(mixed.stride), ptr(b), int64_t(b.stride), ptr(a),
+           int64_t(a.stride), ptr(A_log), ptr(dt_bias), ptr(z), ptr(norm_w), eps, ptr(rec_in), int64_t(rec_in.stride),
+           ptr(rec_out), int64_t(rec_out.stride), ptr(out), int(Hk), int(Hv));
+    note_variant(key, "fused norm: conv1d_silu, then the recurrent update and the gated RMSNorm in one launch "
+                      "(gated_delta_norm) on gated_delta's grid (" + std::to_string(grid.x) + ", " +
+                          std::to_string(grid.y) + ") × 64 threads, each value head's " + std::to_string(grid.y) +
+                          " blocks a thread-block cluster summing the norm through distributed shared memory; "
+                          "delta_o stays in shared memory");
+    return;
+  }
   if (wide) {
     const Kernel& k = kernel("gated_delta", "conv_delta_norm_wide", {{"KTAPS", K}, {"DK", Dk}, {"DV", Dv}, {"WIDE", 1}});
     const Dim3 grid{unsigned(Hv), unsigned((Dv + kDeltaColsPerBlock - 1) / kDeltaColsPerBlock), 1};

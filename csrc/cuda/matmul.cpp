@@ -247,7 +247,8 @@ MatmulVariant select_matmul(const CudaOps& ops, const Weight& w, Phase phase) {
     v.reason = "x quantized per 16-byte chunk into three int8 terms (error ~1e-7 relative) and dotted with the codes "
                "by dp4a, fp32 per-chunk combine with the group's scale and bias; a warp per " + std::to_string(rb) +
                (rb == 1 ? " row" : " rows") + " per batch, the next batch's 16-byte loads in flight during this one's "
-               "arithmetic, persistent grid, 16-byte loads";
+               "arithmetic" + (ops.options().gemv_ahead == 2 ? ", the first two batches loaded before the wait" : "") +
+               ", persistent grid, 16-byte loads";
   } else if (!v.gemm && gemv_mma_fits(w) && gemv_mma_smem(w, kMmaMaxRows) <= ops.info().max_smem_optin) {
     v.mma = true;
     v.name = "gemv_" + kind + "_mma_" + fmt + ld_suffix + sc_suffix;
@@ -437,6 +438,7 @@ void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, i
   if (gemv_dp4a_fits(*this, w[0])) {
     name = "matmul_gemv_dp4a";
     rb = gemv_dp4a_rows(w[0]);
+    if (options().gemv_ahead == 2) d.push_back({"GEMV_AHEAD", 2});
     per_block = kThreads / 32;
   } else {  // U from all the parts' rows, never from T
     const int64_t rpp = gemv_rows_per_pass(w[0]);

@@ -217,7 +217,7 @@ __device__ __forceinline__ void gated_delta_scan(const float* __restrict__ qkv, 
                                                  const float* S_in, i64 in_stride, float* S_out, i64 st_stride,
                                                  float* __restrict__ out, i64 out_stride, float* __restrict__ cap,
                                                  i64 cap_stride, int cap_first, int cap_count, int T, int Hk,
-                                                 int Hv) {
+                                                 int Hv, float* o_shared = nullptr) {
   const int j = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int c0 = (blockIdx.y * GD_WARPS + warp) * GD_WCOLS;
@@ -330,8 +330,11 @@ __device__ __forceinline__ void gated_delta_scan(const float* __restrict__ qkv, 
       o.w += p.q[r] * s.w;
     }
     const float os = quad_sum_t(o.x, o.y, o.z, o.w, lane);
-    if ((lane & 6) == 0)  // lanes 0,1, 8,9, 16,17, 24,25: the 8 columns of the slice, one store
-      out[i64(t) * out_stride + i64(j) * DV + col + ((lane >> 3) & 1) + 2 * (lane >> 4)] = os;
+    if ((lane & 6) == 0) {  // lanes 0,1, 8,9, 16,17, 24,25: the 8 columns of the slice, one store
+      const int oc = col + ((lane >> 3) & 1) + 2 * (lane >> 4);
+      if (o_shared) o_shared[oc - int(blockIdx.y) * GD_WARPS * GD_WCOLS] = os;  // gated_delta_norm: T = 1
+      else out[i64(t) * out_stride + i64(j) * DV + oc] = os;
+    }
     if (unsigned(t - cap_first) < unsigned(cap_count)) {  // the state after token t is captured (warp-uniform)
       const i64 slice = i64(t - cap_first) * Hv;
 #pragma unroll
@@ -371,6 +374,73 @@ extern "C" __global__ void __launch_bounds__(64)
                          in_stride, S_out, st_stride, out, out_stride, cap, cap_stride, cap_first, cap_count, T, Hk,
                          Hv);
 }
+
+// ---- gated_delta_norm (sm_90, DV % 16 == 0, DV <= 128): a decode row's recurrent update and gated RMSNorm ----
+//   gated_delta (T = 1) followed by norm.cu gated_rms_norm over value head j (SEG = DV, NT = 32, VEC = 4:
+//   lane m of the norm's warp sums the squares of columns 4m .. 4m+3 in order, then warp_sum), in one launch on
+//   gated_delta's grid (Hv, DV/16) × 64 threads, where the DV/16 blocks of a value head form a thread-block
+//   cluster (rank = blockIdx.y). Each block keeps its 16 o columns in shared memory and forms the norm lanes'
+//   partial sums of its columns (lanes 4y .. 4y+3); after a cluster barrier warp 0 of every block reads the
+//   head's DV/4 partials through distributed shared memory into the lanes that held them and sums them with the
+//   same warp_sum, so every block has the composed kernels' r, and lanes 0-15 scale the block's own columns.
+//   A second barrier (arrive after the reads, wait before exit) keeps each block's partials alive until the
+//   other blocks of its cluster have read them.
+//   Reads: gated_delta's, plus z [1, Hv·DV] (the projection's output, two kernels back: loaded before the wait
+//   through the L2, common.cuh) and norm_w [DV]. Writes: S_out and out [1, Hv·DV]; o (delta_o) is not written
+//   (ops.h allows it). Floor: gated_delta's (the state, 4 MiB per layer across memory); the norm adds 16 floats
+//   a block each way. It replaces gated_rms_norm's launch (~2.5 µs on the decode critical path).
+//   Bits: equal to gated_delta + gated_rms_norm (tests/cuda/test_conv_delta_norm.py).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && DV % 16 == 0 && DV <= 128
+// The float at `p` (a shared array of this block) in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
+  const unsigned local = unsigned(__cvta_generic_to_shared(p));
+  unsigned remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+extern "C" __global__ void __launch_bounds__(64) __cluster_dims__(1, DV / 16, 1)
+    gated_delta_norm(GD_PARAMS, const float* __restrict__ z, const float* __restrict__ norm_w, float eps,
+                     const float* S_in, i64 in_stride, float* S_out, i64 st_stride, float* __restrict__ out, int Hk,
+                     int Hv) {
+  static_assert(GD_WARPS * GD_WCOLS == 16, "a block holds 16 columns: 4 lanes of the norm's warp");
+  __shared__ float o_cols[16], part[4];
+  const int tid = threadIdx.x;
+  const i64 base = i64(blockIdx.x) * DV + 16 * blockIdx.y;  // this block's 16 columns of the output row
+  float zv = 0.f, wv = 0.f;
+  if (tid < 16) {  // before the scan's wait: weights, and z from two kernels back
+    zv = ld_cg(z + base + tid);
+    wv = norm_w[16 * blockIdx.y + tid];
+  }
+  gated_delta_scan<false>(qkv, qkv_stride, b, b_stride, a, a_stride, A_log, dt_bias, nullptr, nullptr, nullptr,
+                          nullptr, S_in, in_stride, S_out, st_stride, nullptr, 0, nullptr, 0, 0, 0, 1, Hk, Hv, o_cols);
+  __syncthreads();
+  if (tid < 4) {  // norm lane 4y + tid: columns 4·tid .. 4·tid+3 of the block, squares summed in order
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ss = fmaf(o_cols[4 * tid + e], o_cols[4 * tid + e], ss);
+    part[tid] = ss;
+  }
+  cluster_arrive();  // every block's partials written (release) ...
+  cluster_wait();    // ... and visible here (acquire)
+  float ss = 0.f;
+  if (tid < 32) {  // warp 0 is the norm's warp: lane m takes block m / 4's partial m % 4 (0 past DV)
+    ss = tid < DV / 4 ? ld_cluster(part + (tid & 3), unsigned(tid >> 2)) : 0.f;
+    ss = warp_sum(ss);
+  }
+  cluster_arrive();  // this block's reads of the others' partials are done
+  if (tid < 16) {
+    const float r = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, float(DV)), eps)));
+    const float sg = __fdiv_rn(zv, __fadd_rn(1.f, expf(-zv)));  // silu, the CPU's formula
+    out[base + tid] = __fmul_rn(__fmul_rn(wv, __fmul_rn(o_cols[tid], r)), sg);
+  }
+  cluster_wait();  // the others' reads of this block's partials are done before it exits
+}
+#endif  // sm_90, DV % 16 == 0, DV <= 128
 
 // ---- The chunked (WY / UT-transform) form: calls of T >= delta_chunk_rows without a capture ----
 // Over a chunk of C = 64 tokens with chunk-local cumulative log decays L_i = Σ_{t<=i} gate_t (Γ_i = exp L_i) and

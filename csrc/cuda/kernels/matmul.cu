@@ -616,7 +616,8 @@ extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
 // and xsm (Σ_c x). Row sums: xor shuffles within the TPR8 lanes. Shared memory C · (QW · 4 + 8) (+ NORM's row).
 // Floor: W.bytes() per call, as above; ~1.4 instructions per 4-bit code (~10 codes per clock per SMSP).
 // Under programmatic dependent launch the first batch's weight loads go out before the wait for the kernel before
-// (common.cuh), so they stream while it finishes; x, the residual and the norm counters come after.
+// (common.cuh), so they stream while it finishes; x, the residual and the norm counters come after. GEMV_AHEAD 2
+// (the host's gemv_ahead): the warp's first two batches before the wait, then two register buffers in turn.
 // Determinism: a row's bits depend on K, the format and x's row only (not on T, the grid or the part).
 // (The preprocessor's form of: 4/8 bits, AL 16, SAL 1, GROUP % EPC == 0, XSH.)
 #if (BITS == 4 || BITS == 8) && AL == 16 && SAL == 1 && GROUP % (128 / (BITS ? BITS : 1)) == 0 && \
@@ -686,6 +687,10 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
   };
   int bt = b0 * (NT / 32) + warp;
   if (bt < nbatches) load(bt, cw, cs, cb);  // the first weights are in flight while x is quantized
+#if GEMV_AHEAD == 2
+  u32 nw[RU8][J8][4], ns[RU8][J8], nb[RU8][J8];
+  if (bt + wstep < nbatches) load(bt + wstep, nw, ns, nb);  // and the warp's second batch
+#endif
   // Weights only so far: under programmatic dependent launch they stream while the kernel before this one
   // finishes (common.cuh); x, the residual and the norm's counters are its output.
   LILY_PDL_PROLOGUE();
@@ -731,6 +736,23 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
       if (tr == 0 && n < N) y[i64(t) * ldy + n] = s;
     }
   };
+#if GEMV_AHEAD == 2
+  // Both buffers were loaded before the wait: the batch after next goes into the second one once the next batch
+  // has moved into the first (so a warp's second batch was in flight during the wait and x's staging).
+  for (; bt < nbatches; bt += wstep) {
+    compute(bt, cw, cs, cb);
+    if (bt + wstep >= nbatches) break;
+#pragma unroll
+    for (int u = 0; u < RU8; ++u)
+#pragma unroll
+      for (int j = 0; j < J8; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cw[u][j][i] = nw[u][j][i];
+        cs[u][j] = ns[u][j], cb[u][j] = nb[u][j];
+      }
+    if (bt + 2 * wstep < nbatches) load(bt + 2 * wstep, nw, ns, nb);
+  }
+#else
   // The next batch's loads go out before this one's arithmetic (a register double buffer).
   for (; bt < nbatches; bt += wstep) {
     u32 nw[RU8][J8][4], ns[RU8][J8], nb[RU8][J8];
@@ -748,6 +770,7 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
         }
     }
   }
+#endif
 }
 extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
     matmul_gemv_dp4a(const float* __restrict__ x, int T, i64 ldx, const GemvParts P GEMV_NORM_PARAM) {
