@@ -94,8 +94,9 @@ struct CudaOptions {
   // level); false: the fp32 CUDA-core forms above.
   bool gemv_dp4a = true;
   // Warp batches of the dp4a decode GEMV whose weight loads go out before its programmatic-launch wait: 1 (then one
-  // batch ahead, a register double buffer) or 2 (the second buffer filled before the wait as well).
-  int gemv_ahead = 1;
+  // batch ahead, a register double buffer) or 2 (the second buffer filled before the wait as well; the default:
+  // +0.7% decode at 4K on the H100).
+  int gemv_ahead = 2;
   // Decode: the RMSNorm in front of a layer's projections (Ops::rms_norm_matmuls / add_rms_norm_matmuls) done by
   // every block of their GEMV launch; false: the norm's own launch, then the GEMV (the same bits).
   bool fused_norm = true;
@@ -105,9 +106,10 @@ struct CudaOptions {
   // gated_delta's 256 blocks, each computing the conv of the channels it reads, arrival counters for the conv state
   // and the norm (conv_delta_norm_wide). Norm (sm_90): conv1d_silu, then the recurrent update and the gated norm
   // in one launch on gated_delta's grid, the blocks of a value head a cluster summing the norm through distributed
-  // shared memory (gated_delta_norm). Off: the three kernels. benchmarks/NOTES.md.
+  // shared memory (gated_delta_norm; the default: +1.2% decode at 4K on the H100; elsewhere the three kernels, and
+  // the report says why). Off: the three kernels. benchmarks/NOTES.md.
   enum class FusedDelta { Off, Narrow, Wide, Norm };
-  FusedDelta fused_delta = FusedDelta::Off;
+  FusedDelta fused_delta = FusedDelta::Norm;
   // Prefill GEMMs (dense and MoE): how the fp32 activations enter the tensor cores. F16: one fp16 term scaled by a
   // power of two per row and group part (quant.cuh f16_part_scale; ~2.4e-4 relative per product, one MMA per step),
   // for affine weights whose integer codes enter the MMA exactly; the others (dense weights, groups that do not tile

@@ -316,15 +316,16 @@ class Engine:
         (reuse the launches of a decode op whose arguments were seen before, skipping its host code; default
         True), ``gemv_async`` (decode GEMV weights staged through shared memory by cp.async; default True),
         ``gemv_ahead`` (warp batches of the dp4a decode GEMV whose weight loads go out before it waits for the
-        kernel before it, 1 or 2; the same bits; default 1), ``gemv_dp4a`` (decode GEMVs of 4/8-bit weights with x as three int8 terms and integer dot products,
+        kernel before it, 1 or 2; the same bits; default 2: +0.7% decode at 4K on the H100), ``gemv_dp4a`` (decode GEMVs of 4/8-bit weights with x as three int8 terms and integer dot products,
         ~1e-7 relative error, the lm_head included; default True; False: fp32 x, the lm_head on the tensor cores),
         ``smem_carveout`` (the preferred shared-memory carveout of every kernel, percent 0-100; default -1: the
         driver's choice per kernel), ``fused_norm`` (decode: each layer's RMSNorms done inside the projection GEMV that follows them, one
         launch instead of two; default True), ``fused_delta`` (decode: a DeltaNet layer's conv, recurrent update
         and gated norm in one launch: ``"narrow"`` / True a block per key head, ``"wide"`` 256 blocks with arrival
         counters, both measured slower on the H200; ``"norm"`` the conv's launch, then the recurrence and the norm in
-        one launch whose value heads are thread-block clusters (sm_90; Dv % 16 == 0, Dv <= 128); default ``"off"`` /
-        False, the three kernels), ``prefill_x`` (how
+        one launch whose value heads are thread-block clusters (sm_90; Dv % 16 == 0, Dv <= 128; elsewhere the three
+        kernels, and the report says why), the default: +1.2% decode at 4K on the H100; ``"off"`` / False the
+        three kernels), ``prefill_x`` (how
         prefill GEMMs take the activations: ``"f16"`` one fp16 term scaled by a power of two per row and weight group,
         ~2.4e-4 relative error per product, for affine weights (others take ``"bf16x2"`` and say so); ``"bf16x2"``
         hi + lo bf16, ~1e-5, twice the MMAs; ``"bf16"`` one bf16 term, ~2e-3; default ``"f16"``), ``moe_x`` (the

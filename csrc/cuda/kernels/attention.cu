@@ -6,8 +6,9 @@
 //
 // attn_qk_prep   qg [T, heads*2D] (per head [query D | gate D]), k [T, kv*D], q_norm/k_norm [D]
 //                -> q_out, gate_out [T, heads*D], k_out [T, kv*D]. RMSNorm per head, then rotate-half
-//                RoPE on the first rotary_dim dims at position pos[0] + t (angles in double, like the CPU).
-//                Grid (T, ceil((heads + kv) / 4)), block 128: one warp per (token, head).
+//                RoPE on the first rotary_dim dims at position pos[0] + t (angles in double, like the CPU; their
+//                cos / sin before the wait under programmatic launch). Grid (T, ceil((heads + kv) / 4)), block 128:
+//                one warp per (token, head).
 //                Floor: reads 4·T·(2·heads + kv)·D bytes, writes the same less nothing: memory bound, tiny.
 // kv_append      k, v [T, kv*D] -> rows pos[0] + t of each kv head's cache. Grid (T, kv), block 64.
 //                Floor: reads 8·T·kv·D bytes, writes 2·ES·T·kv·D.
@@ -229,11 +230,29 @@ extern "C" __global__ void __launch_bounds__(128) attn_qk_prep(
     float* __restrict__ q_out, i64 q_stride, float* __restrict__ gate_out, i64 g_stride,
     float* __restrict__ k_out, i64 ko_stride, int heads, int kv_heads, int rotary_dim, double theta,
     float eps) {
-  LILY_PDL_PROLOGUE();
   __shared__ float row[4][D];
   const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int hh = blockIdx.y * 4 + warp;
   if (hh >= heads + kv_heads) return;
+  // The rotation's cos / sin before the wait: the double-precision pow, cos and sin are most of this kernel's
+  // latency, and they need only the position, which the step's upload or the previous step's advance_position
+  // wrote (two or more kernels back: read through the L2, common.cuh).
+  constexpr int NI = (D / 2 + 31) / 32;  // rotary pairs per lane (rotary_dim <= D)
+  const int half = rotary_dim / 2;
+  const i64 p = i64(ld_cg_i32(pos)) + t;
+  float rc[NI], rs[NI];
+#pragma unroll
+  for (int it = 0; it < NI; ++it) {
+    const int i = lane + 32 * it;
+    rc[it] = rs[it] = 0.f;
+    if (i < half) {
+      const float inv_freq = float(1.0 / pow(theta, double(2 * i) / double(rotary_dim)));
+      const double ang = double(p) * double(inv_freq);
+      rc[it] = float(cos(ang));
+      rs[it] = float(sin(ang));
+    }
+  }
+  LILY_PDL_PROLOGUE();
   const bool is_q = hh < heads;
   const float* src = is_q ? qg + t * qg_stride + i64(hh) * 2 * D : k + t * k_stride + i64(hh - heads) * D;
   const float* w = is_q ? q_norm : k_norm;
@@ -250,15 +269,15 @@ extern "C" __global__ void __launch_bounds__(128) attn_qk_prep(
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) row[warp][lane + 32 * i] = __fmul_rn(__fmul_rn(x[i], r), w[lane + 32 * i]);
   __syncwarp();
-  const i64 p = i64(pos[0]) + t;
-  const int half = rotary_dim / 2;
-  for (int i = lane; i < half; i += 32) {
-    const float inv_freq = float(1.0 / pow(theta, double(2 * i) / double(rotary_dim)));
-    const double ang = double(p) * double(inv_freq);
-    const float c = float(cos(ang)), s = float(sin(ang));
-    const float x0 = row[warp][i], x1 = row[warp][i + half];
-    dst[i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-    dst[i + half] = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+#pragma unroll
+  for (int it = 0; it < NI; ++it) {
+    const int i = lane + 32 * it;
+    if (i < half) {
+      const float c = rc[it], s = rs[it];
+      const float x0 = row[warp][i], x1 = row[warp][i + half];
+      dst[i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+      dst[i + half] = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+    }
   }
   for (int e = rotary_dim + lane; e < D; e += 32) dst[e] = row[warp][e];
   if (is_q) {
