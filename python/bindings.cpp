@@ -284,7 +284,8 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
                                   {{"off", cuda::CudaOptions::FusedDelta::Off},
                                    {"narrow", cuda::CudaOptions::FusedDelta::Narrow},
                                    {"wide", cuda::CudaOptions::FusedDelta::Wide},
-                                   {"norm", cuda::CudaOptions::FusedDelta::Norm}},
+                                   {"norm", cuda::CudaOptions::FusedDelta::Norm},
+                                   {"cluster", cuda::CudaOptions::FusedDelta::Cluster}},
                                   cuda::CudaOptions::FusedDelta::Narrow, cuda::CudaOptions::FusedDelta::Off);
     // prefill_x / moe_x: the prefill GEMMs' activation form (CudaOptions::XForm); moe_x "prefill" follows prefill_x.
     auto x_form = [&](const char* key, bool follow_ok) -> std::optional<cuda::CudaOptions::XForm> {

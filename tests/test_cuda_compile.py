@@ -726,10 +726,12 @@ def test_pdl_option_refuses_other_values(bad):
 
 
 
-@pytest.mark.parametrize("form,arch", [("narrow", 90), ("wide", 90), ("norm", 90), ("norm", 80)])
+@pytest.mark.parametrize("form,arch", [("narrow", 90), ("wide", 90), ("norm", 90), ("norm", 80), ("cluster", 90),
+                                       ("cluster", 80)])
 def test_fused_delta_forms_compile_for_the_real_shape(cache, form, arch):
-    """The fused DeltaNet decode forms build for the real shape and the report names the form; "norm" (thread-block
-    clusters) says why it composes the three kernels on sm_80; bad values of the option are refused naming it."""
+    """The fused DeltaNet decode forms build for the real shape and the report names the form; "norm" and "cluster"
+    (thread-block clusters) say why they compose the three kernels on sm_80; bad values of the option are refused
+    naming it."""
     c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
                                           source="FULL_CONFIG").to_core()
     b = core.OpBench("cuda", {"dry_arch": arch, "cache_dir": cache, "fused_delta": form})

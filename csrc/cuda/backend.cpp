@@ -513,6 +513,16 @@ void CudaOps::set_dynamic_smem(const Kernel& k, int bytes, int static_bytes) {
   const_cast<Kernel&>(k).max_dynamic_smem = bytes + static_bytes;
 }
 
+void CudaOps::allow_large_clusters(const Kernel& k) {
+  if (k.large_clusters) return;
+  if (!opt_.dry_arch)
+    guarded([&] {
+      check(drv().cuFuncSetAttribute(k.fn, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+            "cuFuncSetAttribute (clusters of more than 8 blocks)");
+    });
+  const_cast<Kernel&>(k).large_clusters = true;
+}
+
 void CudaOps::note_variant(const std::string& key, const std::string& variant) { variants_[key] = variant; }
 
 std::vector<KernelResources> CudaOps::kernel_resources() {

@@ -46,6 +46,7 @@ struct Kernel {
   std::string family, name;
   std::string module;  // the family and its defines (the compile key)
   int max_dynamic_smem = 48 * 1024;  // static + dynamic bytes a launch may use; raised with set_dynamic_smem
+  bool large_clusters = false;       // thread-block clusters past the portable 8 allowed (allow_large_clusters)
   // What the compiler gave it (cuFuncGetAttribute at load; -1 in a dry run): registers per thread, local memory per
   // thread (spills and stack), static shared memory.
   int registers = -1, local_bytes = -1, static_smem = -1;
@@ -107,8 +108,9 @@ struct CudaOptions {
   // and the norm (conv_delta_norm_wide). Norm (sm_90): conv1d_silu, then the recurrent update and the gated norm
   // in one launch on gated_delta's grid, the blocks of a value head a cluster summing the norm through distributed
   // shared memory (gated_delta_norm; the default: +1.2% decode at 4K on the H100; elsewhere the three kernels, and
-  // the report says why). Off: the three kernels. benchmarks/NOTES.md.
-  enum class FusedDelta { Off, Narrow, Wide, Norm };
+  // the report says why). Cluster (sm_90): wide's product with a key head's blocks one thread-block cluster in place
+  // of the arrival counters (conv_delta_norm_cluster). Off: the three kernels. benchmarks/NOTES.md.
+  enum class FusedDelta { Off, Narrow, Wide, Norm, Cluster };
   FusedDelta fused_delta = FusedDelta::Norm;
   // Prefill GEMMs (dense and MoE): how the fp32 activations enter the tensor cores. F16: one fp16 term scaled by a
   // power of two per row and group part (quant.cuh f16_part_scale; ~2.4e-4 relative per product, one MMA per step),
@@ -253,6 +255,8 @@ class CudaOps final : public Ops {
   // Allows k `bytes` of dynamic shared memory next to its `static_bytes` of static arrays when the two pass 48 KB
   // (up to the device's opt-in limit).
   void set_dynamic_smem(const Kernel& k, int bytes, int static_bytes = 0);
+  // Lets k's compile-time clusters hold more than the portable 8 blocks (up to 16 on sm_90).
+  void allow_large_clusters(const Kernel& k);
   // Records one launch in the current step. Arguments are packed with their natural alignment, the layout
   // the kernel's parameter list has: pass scalars (int, int64_t, float, unsigned, CUdeviceptr) or small
   // trivially copyable structs, exactly the kernel's parameter types, in order.

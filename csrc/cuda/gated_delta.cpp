@@ -232,7 +232,8 @@ void CudaOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Ten
                          ptr(out) % 16 == 0 && delta_o.stride % 4 == 0 && z.stride % 4 == 0 && out.stride % 4 == 0;
   const std::string key = phase() == Phase::Decode ? "conv_delta_norm.decode" : "conv_delta_norm.prefill";
   using F = CudaOptions::FusedDelta;
-  const bool wide = options().fused_delta == F::Wide, norm = options().fused_delta == F::Norm;
+  const bool wide = options().fused_delta == F::Wide, norm = options().fused_delta == F::Norm,
+             cluster = options().fused_delta == F::Cluster;
   std::string why;  // empty: fused
   if (options().fused_delta == F::Off)
     why = "option fused_delta = \"off\"";
@@ -249,12 +250,15 @@ void CudaOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Ten
     why = "unaligned norm operands (the composed norm would take 4-byte loads, another sum order)";
   else if (rec_in.stride % 4 != 0 || rec_out.stride % 4 != 0 || ptr(rec_in) % 16 != 0 || ptr(rec_out) % 16 != 0)
     why = "recurrent state rows not 16-byte aligned";
-  else if (norm && info().arch() < 90)
-    why = "fused_delta \"norm\" needs thread-block clusters (sm_90; this device is sm_" +
-          std::to_string(info().arch()) + ")";
+  else if ((norm || cluster) && info().arch() < 90)
+    why = "fused_delta \"" + std::string(norm ? "norm" : "cluster") + "\" needs thread-block clusters (sm_90; this "
+          "device is sm_" + std::to_string(info().arch()) + ")";
   else if (norm && (Dv % kDeltaColsPerBlock != 0 || Dv > 8 * kDeltaColsPerBlock))
     why = "Dv=" + std::to_string(Dv) + " (fused_delta \"norm\": a value head's Dv/16 blocks form one cluster of at "
           "most 8, so Dv % 16 == 0 and Dv <= 128)";
+  else if (cluster && (Dv % kDeltaColsPerBlock != 0 || Dv > 8 * kDeltaColsPerBlock || G * Dv > 16 * kDeltaColsPerBlock))
+    why = "Dv=" + std::to_string(Dv) + ", Hv/Hk=" + std::to_string(G) + " (fused_delta \"cluster\": a key head's "
+          "Hv/Hk · Dv/16 blocks form one cluster of at most 16, so Dv % 16 == 0, Dv <= 128 and Hv/Hk · Dv/16 <= 16)";
   else if (wide && (Hk + Hv > kDeltaCounters || delta_o.dtype != DType::F32 || delta_o.rows != 1 ||
                     delta_o.cols != Hv * Dv))
     why = "Hk + Hv over the " + std::to_string(kDeltaCounters) + " arrival counters, or delta_o not F32 [1, Hv·Dv]";
@@ -272,6 +276,24 @@ void CudaOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Ten
       a.cols != Hv || A_log.cols != Hv || dt_bias.cols != Hv || rec_in.rows != Hv * Dk || rec_in.cols != Dv ||
       rec_out.rows != Hv * Dk || rec_out.cols != Dv)
     throw std::invalid_argument("conv_delta_norm (cuda): shapes do not match the DeltaShape");
+  if (cluster) {
+    const Kernel& k = kernel("gated_delta", "conv_delta_norm_cluster",
+                             {{"KTAPS", K}, {"DK", Dk}, {"DV", Dv}, {"CLUSTER_G", G}});
+    const Dim3 grid{unsigned(Hv), unsigned(Dv / kDeltaColsPerBlock), 1};
+    const int64_t blocks = G * grid.y;
+    if (blocks > 8) allow_large_clusters(k);
+    launch(k, grid, Dim3{kDeltaThreads, 1, 1}, 0, ptr(qkv), ptr(z), ptr(b), ptr(a), ptr(conv_w), int64_t(conv_w.stride),
+           ptr(A_log), ptr(dt_bias), ptr(norm_w), eps, ptr(conv_in), int64_t(conv_in.stride), ptr(conv_out),
+           int64_t(conv_out.stride), ptr(rec_in), int64_t(rec_in.stride), ptr(rec_out), int64_t(rec_out.stride), ptr(out),
+           int(Hk));
+    note_variant(key, "fused cluster: one launch on gated_delta's grid (" + std::to_string(grid.x) + ", " +
+                          std::to_string(grid.y) + ") × 64 threads, each key head's " + std::to_string(blocks) +
+                          " blocks a thread-block cluster: each block computes the conv of the channels it reads, "
+                          "writes the conv state of those it owns after the cluster barrier and normalises its "
+                          "columns with its value head's sums (distributed shared memory); mixed and delta_o stay in "
+                          "shared memory");
+    return;
+  }
   if (norm) {  // conv1d_silu's launch, then the recurrence with the norm (kernels/gated_delta.cu gated_delta_norm)
     conv1d_silu_impl(qkv, conv_w, conv_in, conv_out, mixed, conv_cap);
     barrier_in_op();

@@ -1,7 +1,7 @@
 """CUDA conv_delta_norm (ops.h): the fused decode kernels (kernels/gated_delta.cu conv_delta_norm, a block per key
 head, fused_delta = "narrow"; conv_delta_norm_wide, gated_delta's grid with arrival counters, "wide";
 conv1d_silu + gated_delta_norm, the recurrence and the gated norm in one launch whose value heads are thread-block
-clusters, "norm") against the composed three kernels (conv1d_silu, gated_delta, gated_rms_norm; fused_delta = "off")
+clusters, "norm"; conv_delta_norm_cluster, wide's product with a key head's blocks one cluster, "cluster") against the composed three kernels (conv1d_silu, gated_delta, gated_rms_norm; fused_delta = "off")
 bit for bit, and against the CPU oracle within fp32 tolerance (the composed kernels' own bound, tests/cuda/
 test_gated_delta.py). T > 1, state captures and the shapes a form does not take go the composed path and the report
 says why. End to end: greedy decode on a random model gives the same logits with and without the fusion, and the
@@ -26,8 +26,8 @@ REAL = (16, 32, 128, 128)  # Hk, Hv, Dk, Dv
 SHAPES = [REAL, (2, 6, 32, 48), (3, 3, 64, 64), (2, 4, 32, 32), (1, 8, 40, 24)]
 
 
-FORMS = ["narrow", "wide", "norm"]
-SAVED_LAUNCHES = {"narrow": 2, "wide": 2, "norm": 1}  # per DeltaNet layer and decode step
+FORMS = ["narrow", "wide", "norm", "cluster"]
+SAVED_LAUNCHES = {"narrow": 2, "wide": 2, "norm": 1, "cluster": 2}  # per DeltaNet layer and decode step
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,14 @@ def all_benches():
 
 
 def takes(form, shape) -> bool:
-    """Whether the form runs fused at this shape (norm: a value head's Dv/16 blocks are one cluster of <= 8)."""
-    Dv = shape[3]
-    return form != "norm" or (Dv % 16 == 0 and Dv <= 128)
+    """Whether the form runs fused at this shape (norm: a value head's Dv/16 blocks are one cluster of <= 8;
+    cluster: a key head's Hv/Hk · Dv/16 blocks one of <= 16, past 8 at (2, 6, 32, 48) and the real shape)."""
+    Hk, Hv, _, Dv = shape
+    if form == "norm":
+        return Dv % 16 == 0 and Dv <= 128
+    if form == "cluster":
+        return Dv % 16 == 0 and Dv <= 128 and Hv // Hk * Dv // 16 <= 16
+    return True
 
 
 @pytest.fixture(params=FORMS)

@@ -403,6 +403,40 @@ __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
+// The gated RMSNorm of one value head from its DV/16 blocks' 16-column slices of o (o_cols, in each block's shared
+// memory), as above: the block's 4 norm-lane partials into `part`, a cluster barrier, warp 0 gathers the head's
+// DV/4 partials (the head's block y' is cluster rank rank0 + rank_step·y') and sums them with warp_sum; then
+// after_barrier() (other work the first barrier allowed), lanes 0-15 scale the block's columns into out16 (zv, wv:
+// thread tid's z and norm weight), and the final wait keeps `part` alive until the cluster has read it.
+template <class AfterBarrier>
+__device__ __forceinline__ void cluster_gated_norm(const float* o_cols, float* part, float zv, float wv, float eps,
+                                                   float* __restrict__ out16, unsigned rank0, unsigned rank_step,
+                                                   AfterBarrier&& after_barrier) {
+  const int tid = threadIdx.x;
+  __syncthreads();  // o_cols written
+  if (tid < 4) {  // norm lane 4y + tid: columns 4·tid .. 4·tid+3 of the block, squares summed in order
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ss = fmaf(o_cols[4 * tid + e], o_cols[4 * tid + e], ss);
+    part[tid] = ss;
+  }
+  cluster_arrive();  // every block's partials written (release) ...
+  cluster_wait();    // ... and visible here (acquire)
+  float ss = 0.f;
+  if (tid < 32) {  // warp 0 is the norm's warp: lane m takes block m / 4's partial m % 4 (0 past DV)
+    ss = tid < DV / 4 ? ld_cluster(part + (tid & 3), rank0 + rank_step * unsigned(tid >> 2)) : 0.f;
+    ss = warp_sum(ss);
+  }
+  cluster_arrive();  // this block's reads of the others' partials are done
+  after_barrier();
+  if (tid < 16) {
+    const float r = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, float(DV)), eps)));
+    const float sg = __fdiv_rn(zv, __fadd_rn(1.f, expf(-zv)));  // silu, the CPU's formula
+    out16[tid] = __fmul_rn(__fmul_rn(wv, __fmul_rn(o_cols[tid], r)), sg);
+  }
+  cluster_wait();  // the others' reads of this block's partials are done before it exits
+}
+
 extern "C" __global__ void __launch_bounds__(64) __cluster_dims__(1, DV / 16, 1)
     gated_delta_norm(GD_PARAMS, const float* __restrict__ z, const float* __restrict__ norm_w, float eps,
                      const float* S_in, i64 in_stride, float* S_out, i64 st_stride, float* __restrict__ out, int Hk,
@@ -418,27 +452,7 @@ extern "C" __global__ void __launch_bounds__(64) __cluster_dims__(1, DV / 16, 1)
   }
   gated_delta_scan<false>(qkv, qkv_stride, b, b_stride, a, a_stride, A_log, dt_bias, nullptr, nullptr, nullptr,
                           nullptr, S_in, in_stride, S_out, st_stride, nullptr, 0, nullptr, 0, 0, 0, 1, Hk, Hv, o_cols);
-  __syncthreads();
-  if (tid < 4) {  // norm lane 4y + tid: columns 4·tid .. 4·tid+3 of the block, squares summed in order
-    float ss = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) ss = fmaf(o_cols[4 * tid + e], o_cols[4 * tid + e], ss);
-    part[tid] = ss;
-  }
-  cluster_arrive();  // every block's partials written (release) ...
-  cluster_wait();    // ... and visible here (acquire)
-  float ss = 0.f;
-  if (tid < 32) {  // warp 0 is the norm's warp: lane m takes block m / 4's partial m % 4 (0 past DV)
-    ss = tid < DV / 4 ? ld_cluster(part + (tid & 3), unsigned(tid >> 2)) : 0.f;
-    ss = warp_sum(ss);
-  }
-  cluster_arrive();  // this block's reads of the others' partials are done
-  if (tid < 16) {
-    const float r = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, float(DV)), eps)));
-    const float sg = __fdiv_rn(zv, __fadd_rn(1.f, expf(-zv)));  // silu, the CPU's formula
-    out[base + tid] = __fmul_rn(__fmul_rn(wv, __fmul_rn(o_cols[tid], r)), sg);
-  }
-  cluster_wait();  // the others' reads of this block's partials are done before it exits
+  cluster_gated_norm(o_cols, part, zv, wv, eps, out + base, 0u, 1u, [] {});
 }
 #endif  // sm_90, DV % 16 == 0, DV <= 128
 
@@ -1377,9 +1391,55 @@ extern "C" __global__ void __launch_bounds__(FUSED_WARPS * 32)
 //   written (ops.h allows it); delta_o is (the norm reads it back).
 //   Floor: the state, 4 MiB each way per layer at the real shape; the rest a few KiB per block.
 //   Bits: equal to conv1d_silu + gated_delta + gated_rms_norm (tests/cuda/test_conv_delta_norm.py).
-#if defined(WIDE) && defined(KTAPS) && defined(DK) && defined(DV)
+#if (defined(WIDE) || defined(CLUSTER_G)) && defined(KTAPS) && defined(DK) && defined(DV)
 #define WIDE_CH (2 * DK + 16)          // conv channels one block computes
 #define WIDE_PT ((WIDE_CH + 63) / 64)  // per thread
+// The conv side of the one-launch forms on gated_delta's grid (wide, cluster): block (j, y) computes the conv +
+// silu of the channels it reads itself, local channel t = q (t < DK), k (t < 2·DK) of its key head kh, then v
+// column 16·y + t − 2·DK of value head j; thread tid holds channels tid + 64·p (taps, carried rows, input).
+struct WideConv {
+  static constexpr int S = KTAPS - 1;
+  float wk[WIDE_PT][KTAPS], hist[WIDE_PT][S > 0 ? S : 1], x[WIDE_PT];
+  int j, y, kh;
+  i64 key_dim;
+  __device__ i64 channel(int t) const {
+    return t < DK ? i64(kh) * DK + t
+           : t < 2 * DK ? key_dim + i64(kh) * DK + (t - DK)
+                        : 2 * key_dim + i64(j) * DV + 16 * y + (t - 2 * DK);
+  }
+  __device__ bool valid(int t) const { return t < 2 * DK || (t < WIDE_CH && 16 * y + (t - 2 * DK) < DV); }
+  // Before the wait (common.cuh): the taps (weights) and the carried rows (the previous step's).
+  __device__ void load(const float* __restrict__ conv_w, i64 w_stride, const float* conv_in, i64 cin_stride) {
+#pragma unroll
+    for (int p = 0; p < WIDE_PT; ++p) {
+      const int t = threadIdx.x + 64 * p;
+      if (valid(t)) {
+        const i64 c = channel(t);
+#pragma unroll
+        for (int q = 0; q < KTAPS; ++q) wk[p][q] = conv_w[c * w_stride + q];
+#pragma unroll
+        for (int q = 0; q < S; ++q) hist[p][q] = ld_cg(conv_in + i64(q) * cin_stride + c);
+      }
+    }
+  }
+  // After it: the projection's row into silu(conv) in shared memory (sq, sk: DK each; sv: the block's 16 columns).
+  __device__ void run(const float* __restrict__ qkv, float* sq, float* sk, float* sv) {
+#pragma unroll
+    for (int p = 0; p < WIDE_PT; ++p) {
+      const int t = threadIdx.x + 64 * p;
+      if (valid(t)) {
+        x[p] = qkv[channel(t)];
+        const float v = silu(conv_taps(wk[p], hist[p], x[p]));
+        if (t < DK) sq[t] = v;
+        else if (t < 2 * DK) sk[t - DK] = v;
+        else sv[t - 2 * DK] = v;
+      }
+    }
+  }
+};
+#endif  // (WIDE || CLUSTER_G) && KTAPS && DK && DV
+
+#if defined(WIDE) && defined(KTAPS) && defined(DK) && defined(DV)
 extern "C" __global__ void __launch_bounds__(64)
     conv_delta_norm_wide(const float* __restrict__ qkv, const float* __restrict__ z, const float* __restrict__ b,
                          const float* __restrict__ a, const float* __restrict__ conv_w, i64 w_stride,
@@ -1396,26 +1456,9 @@ extern "C" __global__ void __launch_bounds__(64)
   const i64 key_dim = i64(Hk) * DK;
   const int c0 = (2 * y + warp) * GD_WCOLS, col = c0 + 4 * quad;
   const bool live = c0 < DV;  // warp-uniform
-  // Local channel t: q (t < DK), k (t < 2·DK), then v column 16·y + t - 2·DK of head j.
-  auto channel = [&](int t) -> i64 {
-    return t < DK ? i64(kh) * DK + t
-           : t < 2 * DK ? key_dim + i64(kh) * DK + (t - DK)
-                        : 2 * key_dim + i64(j) * DV + 16 * y + (t - 2 * DK);
-  };
-  auto valid = [&](int t) { return t < 2 * DK || (t < WIDE_CH && 16 * y + (t - 2 * DK) < DV); };
-
-  float wk[WIDE_PT][KTAPS], hist[WIDE_PT][S > 0 ? S : 1];
-#pragma unroll
-  for (int p = 0; p < WIDE_PT; ++p) {
-    const int t = tid + 64 * p;
-    if (valid(t)) {
-      const i64 c = channel(t);
-#pragma unroll
-      for (int q = 0; q < KTAPS; ++q) wk[p][q] = conv_w[c * w_stride + q];
-#pragma unroll
-      for (int q = 0; q < S; ++q) hist[p][q] = ld_cg(conv_in + i64(q) * cin_stride + c);
-    }
-  }
+  WideConv cv;
+  cv.j = j, cv.y = y, cv.kh = kh, cv.key_dim = key_dim;
+  cv.load(conv_w, w_stride, conv_in, cin_stride);
   float4 St[GD_R];
   if (live) {
 #pragma unroll
@@ -1427,16 +1470,7 @@ extern "C" __global__ void __launch_bounds__(64)
   const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
   LILY_PDL_PROLOGUE();  // qkv, z, b, a are the projection's output
 
-#pragma unroll
-  for (int p = 0; p < WIDE_PT; ++p) {
-    const int t = tid + 64 * p;
-    if (valid(t)) {
-      const float v = silu(conv_taps(wk[p], hist[p], qkv[channel(t)]));
-      if (t < DK) sq_[t] = v;
-      else if (t < 2 * DK) sk_[t - DK] = v;
-      else sv_[t - 2 * DK] = v;
-    }
-  }
+  cv.run(qkv, sq_, sk_, sv_);
   __syncthreads();
   if (tid == 0) {  // every thread's conv reads are done: count the block in for the key head's state write
     __threadfence();
@@ -1462,7 +1496,7 @@ extern "C" __global__ void __launch_bounds__(64)
     __threadfence();
     const int nch = 2 * DK + G * DV;
     for (int t = tid; t < nch; t += 64) {
-      const i64 c = t < 2 * DK ? channel(t) : 2 * key_dim + i64(kh) * G * DV + (t - 2 * DK);
+      const i64 c = t < 2 * DK ? cv.channel(t) : 2 * key_dim + i64(kh) * G * DV + (t - 2 * DK);
       float row[S > 0 ? S : 1];
 #pragma unroll
       for (int q = 0; q + 1 < S; ++q) row[q] = ld_cg(conv_in + i64(q + 1) * cin_stride + c);
@@ -1479,3 +1513,77 @@ extern "C" __global__ void __launch_bounds__(64)
   }
 }
 #endif  // WIDE
+
+// ---- conv_delta_norm_cluster (-D CLUSTER_G = Hv / Hk, with KTAPS, DK, DV; sm_90, DV % 16 == 0, DV <= 128,
+//      CLUSTER_G · DV/16 <= 16): one decode row (T = 1) ----
+//   conv_delta_norm_wide's product with thread-block clusters in place of its arrival counters: grid (Hv, DV/16) ×
+//   64 threads, and the G·DV/16 blocks of a key head (value heads kh·G .. kh·G + G − 1, every y) form one cluster
+//   (rank (j % G) + G·y; 16 blocks at the real shape, past the portable 8: the host allows it per function).
+//   Each block computes the conv of the channels it reads (WideConv) and its 8-column slices' update (the state in
+//   registers, loaded before the wait), keeps its 16 o columns in shared memory, and cluster_gated_norm (above)
+//   normalises them with its value head's sums. The cluster barrier there also says every block of the key head
+//   has read the carried conv rows (into registers, before the wait), so after it each block writes the new conv
+//   rows of the channels it owns from its registers: its own v columns, and the q / k channels
+//   t·(G·DV/16) / (2·DK) = its rank. mixed and delta_o are not written (ops.h allows it).
+//   Floor: the state, 4 MiB per layer across memory; the rest a few KiB per block.
+//   Bits: equal to conv1d_silu + gated_delta + gated_rms_norm (tests/cuda/test_conv_delta_norm.py).
+#if defined(CLUSTER_G) && defined(KTAPS) && defined(DK) && defined(DV) && defined(__CUDA_ARCH__) && \
+    __CUDA_ARCH__ >= 900 && DV % 16 == 0 && DV <= 128 && CLUSTER_G * (DV / 16) <= 16
+extern "C" __global__ void __launch_bounds__(64) __cluster_dims__(CLUSTER_G, DV / 16, 1)
+    conv_delta_norm_cluster(const float* __restrict__ qkv, const float* __restrict__ z, const float* __restrict__ b,
+                            const float* __restrict__ a, const float* __restrict__ conv_w, i64 w_stride,
+                            const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                            const float* __restrict__ norm_w, float eps, const float* conv_in, i64 cin_stride,
+                            float* conv_out, i64 cout_stride, const float* rec_in, i64 rin_stride, float* rec_out,
+                            i64 rout_stride, float* __restrict__ out, int Hk) {
+  constexpr int S = KTAPS - 1, NB = CLUSTER_G * (DV / 16);
+  __shared__ float sq_[DK], sk_[DK], sv_[16], o_cols[16], part[4];
+  const int j = blockIdx.x, y = blockIdx.y, kh = j / CLUSTER_G;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int quad = lane & (GD_QUADS - 1), rl = lane / GD_QUADS;
+  const int col = (2 * y + warp) * GD_WCOLS + 4 * quad;  // every warp is live: DV % 16 == 0
+  const unsigned rank = unsigned(j % CLUSTER_G + CLUSTER_G * y);
+  const i64 base = i64(j) * DV + 16 * y;  // this block's 16 columns of the output row
+  WideConv cv;
+  cv.j = j, cv.y = y, cv.kh = kh, cv.key_dim = i64(Hk) * DK;
+  cv.load(conv_w, w_stride, conv_in, cin_stride);
+  float4 St[GD_R];
+#pragma unroll
+  for (int r = 0; r < GD_R; ++r) {
+    const int i = r * GD_RPP + rl;
+    St[r] = i < DK ? ld_cg4(rec_in + (i64(j) * DK + i) * rin_stride + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
+  float zv = 0.f, wv = 0.f;
+  if (tid < 16) {  // z is the projection's output: read after the wait
+    wv = norm_w[16 * y + tid];
+  }
+  LILY_PDL_PROLOGUE();  // qkv, z, b, a are the projection's output
+
+  if (tid < 16) zv = z[base + tid];
+  cv.run(qkv, sq_, sk_, sv_);
+  __syncthreads();
+  float v[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) v[e] = sv_[col - 16 * y + e];
+  const float os = delta_slice_decode(St, sq_, sk_, v, neg_A, dtb, b[j], a[j], lane);
+  if ((lane & 6) == 0) o_cols[col - 16 * y + ((lane >> 3) & 1) + 2 * (lane >> 4)] = os;
+#pragma unroll
+  for (int r = 0; r < GD_R; ++r) {
+    const int i = r * GD_RPP + rl;
+    if (i < DK) *reinterpret_cast<float4*>(rec_out + (i64(j) * DK + i) * rout_stride + col) = St[r];
+  }
+  cluster_gated_norm(o_cols, part, zv, wv, eps, out + base, unsigned(j % CLUSTER_G), unsigned(CLUSTER_G), [&] {
+    // every block of the key head has read its carried conv rows: the owners write the new ones
+#pragma unroll
+    for (int p = 0; p < WIDE_PT; ++p) {
+      const int t = tid + 64 * p;
+      if (cv.valid(t) && (t >= 2 * DK || t * NB / (2 * DK) == int(rank))) {
+        const i64 c = cv.channel(t);
+#pragma unroll
+        for (int q = 0; q < S; ++q) conv_out[i64(q) * cout_stride + c] = q + 1 < S ? cv.hist[p][q + 1] : cv.x[p];
+      }
+    }
+  });
+}
+#endif  // CLUSTER_G
