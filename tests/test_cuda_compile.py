@@ -744,10 +744,13 @@ def test_fused_delta_forms_compile_for_the_real_shape(cache, form, arch):
           mixed=e(1, C), delta_o=e(1, VD), ws=b.workspace(c, 1, 64), out=e(1, VD), k_heads=Hk, v_heads=Hv, k_dim=Dk,
           v_dim=Dv, conv_kernel=K, eps=1e-6)
     v = b.report()["variants"]["conv_delta_norm.decode"]
+    said = [o for o in b.report()["optimizations"] if f'fused_delta="{form}"' in o]
     if arch >= 90:
         assert v.startswith("fused " + form), v
+        assert len(said) == 1 and said[0].startswith("decode DeltaNet layers fused"), said
     else:
         assert v.startswith("composed") and "clusters (sm_90; this device is sm_80)" in v, v
+        assert len(said) == 1 and said[0].startswith("not active"), said
     for bad in ("both", 2):
         with pytest.raises(ValueError, match="backend option fused_delta must be"):
             core.OpBench("cuda", {"dry_arch": 90, "fused_delta": bad})

@@ -999,6 +999,28 @@ std::vector<std::string> CudaOps::optimizations() const {
                                "chunk and dp4a integer dot products (~1e-7 relative error, the fp32 form's level)"
                              : "not active: dp4a decode GEMV (gemv_dp4a=False): fp32 x on the CUDA cores, the q4 lm_head "
                                "on the tensor-core GEMV");
+  {
+    using F = CudaOptions::FusedDelta;
+    const F fd = opt_.fused_delta;
+    const bool clusters = fd == F::Norm || fd == F::Cluster;
+    const std::string name = fd == F::Narrow ? "narrow" : fd == F::Wide ? "wide" : fd == F::Norm ? "norm" : "cluster";
+    if (fd == F::Off || (clusters && info_.arch() < 90))
+      o.push_back("not active: fused DeltaNet decode (" +
+                  (fd == F::Off ? std::string("fused_delta=\"off\"")
+                                : "fused_delta=\"" + name + "\" needs thread-block clusters, sm_90") +
+                  "): conv1d_silu, gated_delta and gated_rms_norm launch apart");
+    else
+      o.push_back("decode DeltaNet layers fused (fused_delta=\"" + name + "\"): " +
+                  (fd == F::Cluster ? std::string("conv, recurrent update and gated norm in one launch, a key head's "
+                                                  "blocks one thread-block cluster")
+                   : fd == F::Norm  ? std::string("the recurrent update and gated norm in one launch after the conv's, "
+                                                  "a value head's blocks one thread-block cluster")
+                   : fd == F::Wide  ? std::string("conv, recurrent update and gated norm in one launch on 256 blocks "
+                                                  "with arrival counters")
+                                    : std::string("conv, recurrent update and gated norm in one launch, a block per "
+                                                  "key head")) +
+                  " (the variant conv_delta_norm.decode says where a shape composes the three kernels)");
+  }
   o.push_back(opt_.gemv_ahead == 2
                   ? "dp4a decode GEMVs load each warp's first two weight batches before waiting for the kernel before "
                     "them (gemv_ahead=2)"

@@ -107,11 +107,12 @@ struct CudaOptions {
   // gated_delta's 256 blocks, each computing the conv of the channels it reads, arrival counters for the conv state
   // and the norm (conv_delta_norm_wide). Norm (sm_90): conv1d_silu, then the recurrent update and the gated norm
   // in one launch on gated_delta's grid, the blocks of a value head a cluster summing the norm through distributed
-  // shared memory (gated_delta_norm; the default: +1.2% decode at 4K on the H100; elsewhere the three kernels, and
-  // the report says why). Cluster (sm_90): wide's product with a key head's blocks one thread-block cluster in place
-  // of the arrival counters (conv_delta_norm_cluster). Off: the three kernels. benchmarks/NOTES.md.
+  // shared memory (gated_delta_norm; +1.2% decode at 4K on the H100 over the three kernels). Cluster (sm_90; the
+  // default: +0.7% at 4K over Norm): wide's product with a key head's blocks one thread-block cluster in place of the
+  // arrival counters (conv_delta_norm_cluster). Where a form's shape or device does not allow it, the three kernels,
+  // and the report says why. Off: the three kernels. benchmarks/NOTES.md.
   enum class FusedDelta { Off, Narrow, Wide, Norm, Cluster };
-  FusedDelta fused_delta = FusedDelta::Norm;
+  FusedDelta fused_delta = FusedDelta::Cluster;
   // Prefill GEMMs (dense and MoE): how the fp32 activations enter the tensor cores. F16: one fp16 term scaled by a
   // power of two per row and group part (quant.cuh f16_part_scale; ~2.4e-4 relative per product, one MMA per step),
   // for affine weights whose integer codes enter the MMA exactly; the others (dense weights, groups that do not tile

@@ -324,9 +324,10 @@ class Engine:
         and gated norm in one launch: ``"narrow"`` / True a block per key head, ``"wide"`` 256 blocks with arrival
         counters, both measured slower on the H200; ``"norm"`` the conv's launch, then the recurrence and the norm in
         one launch whose value heads are thread-block clusters (sm_90; Dv % 16 == 0, Dv <= 128; elsewhere the three
-        kernels, and the report says why), the default: +1.2% decode at 4K on the H100; ``"cluster"`` the wide
+        kernels, and the report says why): +1.2% decode at 4K on the H100; ``"cluster"`` (the default) the wide
         form with a key head's blocks one thread-block cluster instead of arrival counters (sm_90; Dv % 16 == 0,
-        Dv <= 128, Hv/Hk · Dv/16 <= 16); ``"off"`` / False the three kernels), ``prefill_x`` (how
+        Dv <= 128, Hv/Hk · Dv/16 <= 16; elsewhere the three kernels, and the report says why): +0.7% over
+        ``"norm"``; ``"off"`` / False the three kernels), ``prefill_x`` (how
         prefill GEMMs take the activations: ``"f16"`` one fp16 term scaled by a power of two per row and weight group,
         ~2.4e-4 relative error per product, for affine weights (others take ``"bf16x2"`` and say so); ``"bf16x2"``
         hi + lo bf16, ~1e-5, twice the MMAs; ``"bf16"`` one bf16 term, ~2e-3; default ``"f16"``), ``moe_x`` (the
