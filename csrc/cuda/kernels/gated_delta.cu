@@ -160,6 +160,25 @@ struct GdPrep {  // normalised
   float q[GD_R], k[GD_R], v[4], alpha, beta;
 };
 
+// A warp's 8-column slice of value head j's state in registers (lane: the column quad at col, rows 16·r + (lane >> 1)),
+// loaded through the L2 (it may be read before the wait: common.cuh) and stored back.
+__device__ __forceinline__ void delta_state_load(float4 (&S)[GD_R], const float* src, i64 stride, int j, int col,
+                                                 int rl) {
+#pragma unroll
+  for (int r = 0; r < GD_R; ++r) {
+    const int i = r * GD_RPP + rl;
+    S[r] = i < DK ? ld_cg4(src + (i64(j) * DK + i) * stride + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+__device__ __forceinline__ void delta_state_store(const float4 (&S)[GD_R], float* dst, i64 stride, int j, int col,
+                                                  int rl) {
+#pragma unroll
+  for (int r = 0; r < GD_R; ++r) {
+    const int i = r * GD_RPP + rl;
+    if (i < DK) *reinterpret_cast<float4*>(dst + (i64(j) * DK + i) * stride + col) = S[r];
+  }
+}
+
 // Per-token quantities of the prefill path, computed once instead of in every warp of the scan:
 // qn, kn [T, Hk·DK] (q̂ with its 1/sqrt(DK) scale, k̂), alpha, beta [T, Hv]. Grid (T, ⌈Hk/4⌉), block 128:
 // warp w normalises key head 4y + w of token t; block y = 0 also computes alpha, beta of every value head.
@@ -230,11 +249,7 @@ __device__ __forceinline__ void gated_delta_scan(const float* __restrict__ qkv, 
   // The state (the previous call's output, never the kernel just before this one) and the head's constants
   // (weights) before the wait (common.cuh); q, k, v, a, b are this step's, after it.
   float4 S[GD_R];
-#pragma unroll
-  for (int r = 0; r < GD_R; ++r) {
-    const int i = r * GD_RPP + rl;
-    S[r] = i < DK ? ld_cg4(S_in + (i64(j) * DK + i) * in_stride + col) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
+  delta_state_load(S, S_in, in_stride, j, col, rl);
   const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
   LILY_PDL_PROLOGUE();
   const float q_scale = 1.f / sqrtf(float(DK));
@@ -346,11 +361,7 @@ __device__ __forceinline__ void gated_delta_scan(const float* __restrict__ qkv, 
     p = pn;
     nxt = nn;
   }
-#pragma unroll
-  for (int r = 0; r < GD_R; ++r) {
-    const int i = r * GD_RPP + rl;
-    if (i < DK) *reinterpret_cast<float4*>(S_out + (i64(j) * DK + i) * st_stride + col) = S[r];
-  }
+  delta_state_store(S, S_out, st_stride, j, col, rl);
 }
 
 #define GD_PARAMS                                                                                            \
@@ -1329,11 +1340,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_WARPS * 32)
   float4 St[GD_R];
   auto load_slice = [&](int u) {
     const int j = kh * G + u / (DV / GD_WCOLS), col = (u % (DV / GD_WCOLS)) * GD_WCOLS + 4 * quad;
-#pragma unroll
-    for (int r = 0; r < GD_R; ++r) {
-      const int i = r * GD_RPP + rl;
-      St[r] = i < DK ? ld_cg4(rec_in + (i64(j) * DK + i) * rin_stride + col) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    delta_state_load(St, rec_in, rin_stride, j, col, rl);
   };
   if (int(threadIdx.x) < nch) load_conv(threadIdx.x);
   if (warp < slices) load_slice(warp);
@@ -1360,11 +1367,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_WARPS * 32)
     for (int e = 0; e < 4; ++e) v[e] = sv_[g * DV + col + e];
     const float os = delta_slice_decode(St, sq_, sk_, v, -expf(A_log[j]), dt_bias[j], b[j], a[j], lane);
     if ((lane & 6) == 0) so_[g * DV + col + ((lane >> 3) & 1) + 2 * (lane >> 4)] = os;
-#pragma unroll
-    for (int r = 0; r < GD_R; ++r) {
-      const int i = r * GD_RPP + rl;
-      if (i < DK) *reinterpret_cast<float4*>(rec_out + (i64(j) * DK + i) * rout_stride + col) = St[r];
-    }
+    delta_state_store(St, rec_out, rout_stride, j, col, rl);
   }
   __syncthreads();
 
@@ -1461,11 +1464,7 @@ extern "C" __global__ void __launch_bounds__(64)
   cv.load(conv_w, w_stride, conv_in, cin_stride);
   float4 St[GD_R];
   if (live) {
-#pragma unroll
-    for (int r = 0; r < GD_R; ++r) {
-      const int i = r * GD_RPP + rl;
-      St[r] = i < DK ? ld_cg4(rec_in + (i64(j) * DK + i) * rin_stride + col) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    delta_state_load(St, rec_in, rin_stride, j, col, rl);
   }
   const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
   LILY_PDL_PROLOGUE();  // qkv, z, b, a are the projection's output
@@ -1482,11 +1481,7 @@ extern "C" __global__ void __launch_bounds__(64)
     for (int e = 0; e < 4; ++e) v[e] = sv_[col - 16 * y + e];
     const float os = delta_slice_decode(St, sq_, sk_, v, neg_A, dtb, b[j], a[j], lane);
     if ((lane & 6) == 0) delta_o[i64(j) * DV + col + ((lane >> 3) & 1) + 2 * (lane >> 4)] = os;
-#pragma unroll
-    for (int r = 0; r < GD_R; ++r) {
-      const int i = r * GD_RPP + rl;
-      if (i < DK) *reinterpret_cast<float4*>(rec_out + (i64(j) * DK + i) * rout_stride + col) = St[r];
-    }
+    delta_state_store(St, rec_out, rout_stride, j, col, rl);
   }
   __threadfence();  // this block's o columns visible before it counts itself in for the norm
   __syncthreads();
@@ -1548,11 +1543,7 @@ extern "C" __global__ void __launch_bounds__(64) __cluster_dims__(CLUSTER_G, DV 
   cv.j = j, cv.y = y, cv.kh = kh, cv.key_dim = i64(Hk) * DK;
   cv.load(conv_w, w_stride, conv_in, cin_stride);
   float4 St[GD_R];
-#pragma unroll
-  for (int r = 0; r < GD_R; ++r) {
-    const int i = r * GD_RPP + rl;
-    St[r] = i < DK ? ld_cg4(rec_in + (i64(j) * DK + i) * rin_stride + col) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
+  delta_state_load(St, rec_in, rin_stride, j, col, rl);
   const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
   float zv = 0.f, wv = 0.f;
   if (tid < 16) {  // z is the projection's output: read after the wait
@@ -1568,11 +1559,7 @@ extern "C" __global__ void __launch_bounds__(64) __cluster_dims__(CLUSTER_G, DV 
   for (int e = 0; e < 4; ++e) v[e] = sv_[col - 16 * y + e];
   const float os = delta_slice_decode(St, sq_, sk_, v, neg_A, dtb, b[j], a[j], lane);
   if ((lane & 6) == 0) o_cols[col - 16 * y + ((lane >> 3) & 1) + 2 * (lane >> 4)] = os;
-#pragma unroll
-  for (int r = 0; r < GD_R; ++r) {
-    const int i = r * GD_RPP + rl;
-    if (i < DK) *reinterpret_cast<float4*>(rec_out + (i64(j) * DK + i) * rout_stride + col) = St[r];
-  }
+  delta_state_store(St, rec_out, rout_stride, j, col, rl);
   cluster_gated_norm(o_cols, part, zv, wv, eps, out + base, unsigned(j % CLUSTER_G), unsigned(CLUSTER_G), [&] {
     // every block of the key head has read its carried conv rows: the owners write the new ones
 #pragma unroll

@@ -736,20 +736,24 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
       if (tr == 0 && n < N) y[i64(t) * ldy + n] = s;
     }
   };
+  // The next batch's registers become the current one's (waiting for its loads).
+  auto take = [&](const u32 (&vw)[RU8][J8][4], const u32 (&vs)[RU8][J8], const u32 (&vb)[RU8][J8]) {
+#pragma unroll
+    for (int u = 0; u < RU8; ++u)
+#pragma unroll
+      for (int j = 0; j < J8; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cw[u][j][i] = vw[u][j][i];
+        cs[u][j] = vs[u][j], cb[u][j] = vb[u][j];
+      }
+  };
 #if GEMV_AHEAD == 2
   // Both buffers were loaded before the wait: the batch after next goes into the second one once the next batch
   // has moved into the first (so a warp's second batch was in flight during the wait and x's staging).
   for (; bt < nbatches; bt += wstep) {
     compute(bt, cw, cs, cb);
     if (bt + wstep >= nbatches) break;
-#pragma unroll
-    for (int u = 0; u < RU8; ++u)
-#pragma unroll
-      for (int j = 0; j < J8; ++j) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) cw[u][j][i] = nw[u][j][i];
-        cs[u][j] = ns[u][j], cb[u][j] = nb[u][j];
-      }
+    take(nw, ns, nb);
     if (bt + 2 * wstep < nbatches) load(bt + 2 * wstep, nw, ns, nb);
   }
 #else
@@ -759,16 +763,7 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
     const bool more = bt + wstep < nbatches;
     if (more) load(bt + wstep, nw, ns, nb);
     compute(bt, cw, cs, cb);
-    if (more) {
-#pragma unroll
-      for (int u = 0; u < RU8; ++u)
-#pragma unroll
-        for (int j = 0; j < J8; ++j) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) cw[u][j][i] = nw[u][j][i];
-          cs[u][j] = ns[u][j], cb[u][j] = nb[u][j];
-        }
-    }
+    if (more) take(nw, ns, nb);
   }
 #endif
 }
