@@ -92,8 +92,9 @@ void CudaOps::attn_qk_prep_impl(const Tensor& qg, const Tensor& k, const Tensor&
          int64_t(k.stride), ptr(q_norm), ptr(k_norm), ptr(pos), ptr(q_out), int64_t(q_out.stride), ptr(gate_out),
          int64_t(gate_out.stride), ptr(k_out), int64_t(k_out.stride), int(s.heads), int(s.kv_heads),
          int(s.rotary_dim), double(s.rope_theta), float(s.eps));
-  note_variant("attention.qk_prep", "attn_qk_prep: warp per (token, head), RoPE angles in double, their cos / sin before the wait for "
-                                   "the projections");
+  note_variant("attention.qk_prep",
+               "attn_qk_prep: warp per (token, head), RoPE angles in double, their cos / sin before the wait for the "
+               "projections");
 }
 
 void CudaOps::kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& pos, const Tensor& k_cache,

@@ -284,8 +284,8 @@ void CudaOps::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Ten
     if (blocks > 8) allow_large_clusters(k);
     launch(k, grid, Dim3{kDeltaThreads, 1, 1}, 0, ptr(qkv), ptr(z), ptr(b), ptr(a), ptr(conv_w), int64_t(conv_w.stride),
            ptr(A_log), ptr(dt_bias), ptr(norm_w), eps, ptr(conv_in), int64_t(conv_in.stride), ptr(conv_out),
-           int64_t(conv_out.stride), ptr(rec_in), int64_t(rec_in.stride), ptr(rec_out), int64_t(rec_out.stride), ptr(out),
-           int(Hk));
+           int64_t(conv_out.stride), ptr(rec_in), int64_t(rec_in.stride), ptr(rec_out), int64_t(rec_out.stride),
+           ptr(out), int(Hk));
     note_variant(key, "fused cluster: one launch on gated_delta's grid (" + std::to_string(grid.x) + ", " +
                           std::to_string(grid.y) + ") × 64 threads, each key head's " + std::to_string(blocks) +
                           " blocks a thread-block cluster: each block computes the conv of the channels it reads, "

@@ -160,8 +160,8 @@ struct GdPrep {  // normalised
   float q[GD_R], k[GD_R], v[4], alpha, beta;
 };
 
-// A warp's 8-column slice of value head j's state in registers (lane: the column quad at col, rows 16·r + (lane >> 1)),
-// loaded through the L2 (it may be read before the wait: common.cuh) and stored back.
+// A warp's 8-column slice of value head j's state in registers (lane: the column quad at col, rows
+// 16·r + (lane >> 1)), loaded through the L2 (it may be read before the wait: common.cuh) and stored back.
 __device__ __forceinline__ void delta_state_load(float4 (&S)[GD_R], const float* src, i64 stride, int j, int col,
                                                  int rl) {
 #pragma unroll
@@ -411,8 +411,12 @@ __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
   return v;
 }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
 
 // The gated RMSNorm of one value head from its DV/16 blocks' 16-column slices of o (o_cols, in each block's shared
 // memory), as above: the block's 4 norm-lane partials into `part`, a cluster barrier, warp 0 gathers the head's
@@ -1546,10 +1550,8 @@ extern "C" __global__ void __launch_bounds__(64) __cluster_dims__(CLUSTER_G, DV 
   delta_state_load(St, rec_in, rin_stride, j, col, rl);
   const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
   float zv = 0.f, wv = 0.f;
-  if (tid < 16) {  // z is the projection's output: read after the wait
-    wv = norm_w[16 * y + tid];
-  }
-  LILY_PDL_PROLOGUE();  // qkv, z, b, a are the projection's output
+  if (tid < 16) wv = norm_w[16 * y + tid];  // a weight: before the wait
+  LILY_PDL_PROLOGUE();                      // qkv, z, b, a are the projection's output (the kernel just before)
 
   if (tid < 16) zv = z[base + tid];
   cv.run(qkv, sq_, sk_, sv_);
