@@ -140,6 +140,11 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
   const int64_t key_dim = Hk * Dk;
   // The chunked form, or why not (the report names it).
   const int64_t chunk_rows = options().delta_chunk_rows;
+  // The larger of a form's two kernels' shared memory where it is past the device's limit, else 0.
+  auto over_smem = [&](size_t prep, size_t scan) {
+    const size_t need = std::max(prep, scan);
+    return need > size_t(info().max_smem_optin) ? need : size_t(0);
+  };
   std::string scan_why;
   if (chunk_rows == 0)
     scan_why = "delta_chunk_rows = 0";
@@ -151,9 +156,8 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
     scan_why = "shape Dk=" + std::to_string(Dk) + " Dv=" + std::to_string(Dv) + " (chunked: Dk % 4 == 0, Dv % 16 == 0)";
   else if (out.stride % 4 != 0 || ptr(out) % 16 != 0)
     scan_why = "output rows not 16-byte aligned";
-  else if (std::max(chunk_prep_smem(Dk, Dv), chunk_scan_smem(Dk, Dv)) > size_t(info().max_smem_optin))
-    scan_why = "the chunked kernels need " + std::to_string(std::max(chunk_prep_smem(Dk, Dv), chunk_scan_smem(Dk, Dv))) +
-               " bytes of shared memory";
+  else if (const size_t need = over_smem(chunk_prep_smem(Dk, Dv), chunk_scan_smem(Dk, Dv)))
+    scan_why = "the chunked kernels need " + std::to_string(need) + " bytes of shared memory";
   const bool chunked = scan_why.empty();
   // The tensor-core form of the chunked kernels, or why not.
   std::string mma_why;
@@ -163,9 +167,8 @@ void CudaOps::gated_delta_impl(const Tensor& qkv, const Tensor& b, const Tensor&
     mma_why = "Dk=" + std::to_string(Dk) + " (tensor cores: Dk % 16 == 0)";
   else if (qkv.stride % 4 != 0 || ptr(qkv) % 16 != 0)
     mma_why = "qkv rows not 16-byte aligned (the prep copies v by cp.async)";
-  else if (std::max(chunk_prep_mma_smem(Dk, Dv), chunk_scan_mma_smem(Dk, Dv)) > size_t(info().max_smem_optin))
-    mma_why = "they need " + std::to_string(std::max(chunk_prep_mma_smem(Dk, Dv), chunk_scan_mma_smem(Dk, Dv))) +
-              " bytes of shared memory";
+  else if (const size_t need = over_smem(chunk_prep_mma_smem(Dk, Dv), chunk_scan_mma_smem(Dk, Dv)))
+    mma_why = "they need " + std::to_string(need) + " bytes of shared memory";
   const bool mma = mma_why.empty();
   const size_t need = prep_bytes(T, key_dim, Hv) + (chunked ? chunk_bytes(T, Hv, Dk, Dv) : 0);
   if (!ws.valid() || ws.bytes() < need)

@@ -504,6 +504,17 @@ __device__ __forceinline__ F* gd_record(F* rec, int c, int Hv, int j) {
 }
 __device__ __forceinline__ int gd_rows(int T, int c) { return min(GD_CHUNK, T - c * GD_CHUNK); }
 
+// A chunk prep block's place (both forms; grid (chunks, Hv)): chunk c of value head j, its first token and rows, the
+// key head, and the head's decay constants (weights: read before the wait).
+struct GdPrepBlock {
+  int c, j, t0, n, kh;
+  i64 key_dim;
+  float neg_A, dtb;
+  __device__ GdPrepBlock(int T, int Hk, int Hv, const float* __restrict__ A_log, const float* __restrict__ dt_bias)
+      : c(blockIdx.x), j(blockIdx.y), t0(blockIdx.x * GD_CHUNK), n(gd_rows(T, blockIdx.x)),
+        kh(blockIdx.y / (Hv / Hk)), key_dim(i64(Hk) * DK), neg_A(-expf(A_log[blockIdx.y])), dtb(dt_bias[blockIdx.y]) {}
+};
+
 // The prep's first stage, both forms: the chunk's q̂ and k̂ rows into [64, GD_QS] tiles (zero past the rows; ASYNC:
 // by cp.async, the caller commits and waits), the cumulative log decay L in fp64 (from the gate itself: log(alpha)
 // would be -inf where the decay underflowed to 0) and β. Warp 0 forms the 64 gates at once (two rows a lane) and sums
@@ -594,11 +605,10 @@ extern "C" __global__ void __launch_bounds__(256)
   double* sL = reinterpret_cast<double*>(sA + GD_CHUNK * GD_AS);  // 8-byte aligned: both offsets are even
   float* sB = reinterpret_cast<float*>(sL + GD_CHUNK);
   float* sBG = sB + GD_CHUNK;
-  const int c = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
-  const int t0 = c * GD_CHUNK, n = gd_rows(T, c);
-  const int kh = j / (Hv / Hk);
-  const i64 key_dim = i64(Hk) * DK;
-  const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
+  const GdPrepBlock B(T, Hk, Hv, A_log, dt_bias);
+  const int c = B.c, j = B.j, t0 = B.t0, n = B.n, kh = B.kh, tid = threadIdx.x;
+  const i64 key_dim = B.key_dim;
+  const float neg_A = B.neg_A, dtb = B.dtb;
   LILY_PDL_PROLOGUE();
   gd_prep_stage<false>(sQ, sK, sL, sB, qn, kn, a, a_stride, beta, neg_A, dtb, t0, n, kh, j, key_dim, Hv, tid);
   __syncthreads();
@@ -691,8 +701,35 @@ __device__ __forceinline__ void axpy4(float4& acc, float a, const float4& x) {
 }
 
 #define GD_SCW (DV % 32 == 0 ? 32 : 16)  // state columns per scan block
+// A chunked scan block's place (both forms; grid (Hv, DV/SCW)): value head j and its key head, its first state
+// column, the call's chunks, and each chunk's record and rows.
+struct GdScanBlock {
+  const float* rec;
+  int T, Hv, j, c0, kh, chunks;
+  i64 key_dim;
+  __device__ GdScanBlock(const float* rec_, int T_, int Hk, int Hv_)
+      : rec(rec_), T(T_), Hv(Hv_), j(blockIdx.x), c0(blockIdx.y * GD_SCW), kh(blockIdx.x / (Hv_ / Hk)),
+        chunks((T_ + GD_CHUNK - 1) / GD_CHUNK), key_dim(i64(Hk) * DK) {}
+  __device__ const float* record(int c) const { return gd_record(rec, c, Hv, j); }
+  __device__ int rows(int c) const { return gd_rows(T, c); }
+};
 #define GD_SSP (GD_SCW + 4)              // row pitch of the state slice in shared memory (4-way, not 32-way, in (3))
 #define GD_SPP (GD_CHUNK + 4)            // row pitch of P in shared memory
+// Both scan forms' shared tiles, carved from the dynamic shared memory in this order: the state slice [DK, SP], W and
+// q̂ [64, GD_QS] each, k̂ [64, KP], P [64, GD_SPP], Δ and ksc_j Δ_j [64, DP] each (pitches per form: the host's
+// chunk_scan_smem / chunk_scan_mma_smem). Returns what follows them.
+template <int SP, int KP, int DP>
+__device__ __forceinline__ float* gd_scan_tiles(float4* smem, float*& sS, float*& sW, float*& sQ, float*& sK,
+                                                float*& sP, float*& sD, float*& sDk) {
+  sS = reinterpret_cast<float*>(smem);
+  sW = sS + DK * SP;
+  sQ = sW + GD_CHUNK * GD_QS;
+  sK = sQ + GD_CHUNK * GD_QS;
+  sP = sK + GD_CHUNK * KP;
+  sD = sP + GD_CHUNK * GD_SPP;
+  sDk = sD + GD_CHUNK * DP;
+  return sDk + GD_CHUNK * DP;
+}
 
 // The scan's per-chunk staging by cp.async, both forms: W (the record's, contiguous) and q̂ into [64, GD_QS] tiles;
 // k̂ into [64, kp] and P into [64, GD_SPP]. q̂ and k̂ rows past the chunk are zero-filled (0 · garbage could be NaN).
@@ -751,31 +788,23 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                            i64 out_stride, int T, int Hk, int Hv) {
   constexpr int CW = GD_SCW, G = CW / 8;
   extern __shared__ float4 gd_smem4[];
-  float* sS = reinterpret_cast<float*>(gd_smem4);  // [DK, GD_SSP]
-  float* sW = sS + DK * GD_SSP;                     // [64, GD_QS]
-  float* sQ = sW + GD_CHUNK * GD_QS;                // [64, GD_QS]
-  float* sK = sQ + GD_CHUNK * GD_QS;                // [64, DK]
-  float* sP = sK + GD_CHUNK * DK;                   // [64, GD_SPP]
-  float* sD = sP + GD_CHUNK * GD_SPP;               // [64, CW]: Δ
-  float* sDk = sD + GD_CHUNK * CW;                  // [64, CW]: ksc_j Δ_j
-  const int j = blockIdx.x, c0 = blockIdx.y * CW, tid = threadIdx.x;
-  const int kh = j / (Hv / Hk);
-  const i64 key_dim = i64(Hk) * DK;
+  float *sS, *sW, *sQ, *sK, *sP, *sD, *sDk;  // k̂ rows of DK, Δ rows of CW
+  gd_scan_tiles<GD_SSP, DK, CW>(gd_smem4, sS, sW, sQ, sK, sP, sD, sDk);
+  const GdScanBlock B(rec, T, Hk, Hv);
+  const int j = B.j, c0 = B.c0, tid = threadIdx.x, kh = B.kh, chunks = B.chunks;
+  const i64 key_dim = B.key_dim;
   gd_load_slice(sS, GD_SSP, S_in, in_stride, j, c0, tid);
   LILY_PDL_PROLOGUE();
-  const int chunks = (T + GD_CHUNK - 1) / GD_CHUNK;
-  auto record = [&](int c) { return gd_record(rec, c, Hv, j); };
-  auto rows_of = [&](int c) { return gd_rows(T, c); };
-  gd_stage_wq(sW, sQ, record(0), qn, 0, rows_of(0), kh, key_dim, tid);
-  gd_stage_kp(sK, DK, sP, record(0), kn, 0, rows_of(0), kh, key_dim, tid);
+  gd_stage_wq(sW, sQ, B.record(0), qn, 0, B.rows(0), kh, key_dim, tid);
+  gd_stage_kp(sK, DK, sP, B.record(0), kn, 0, B.rows(0), kh, key_dim, tid);
   cp_async_commit();
   // (1), (2): row i, columns 8g .. 8g + 7; a warp holds 32 rows of one column group, so its state and Δ reads are
   // one address (a broadcast, one wavefront for the warp; with 4 column groups per warp they were 4 wavefronts).
   const int i = tid % GD_CHUNK, g = tid / GD_CHUNK;
   const bool row_thread = g < G;  // threads past the column groups idle (SCW = 16: half the block)
   for (int c = 0; c < chunks; ++c) {
-    const int t0 = c * GD_CHUNK, n = rows_of(c);
-    const float* R = record(c);
+    const int t0 = c * GD_CHUNK, n = B.rows(c);
+    const float* R = B.record(c);
     cp_async_wait<0>();
     __syncthreads();
     float4 o0 = make_float4(0.f, 0.f, 0.f, 0.f), o1 = o0;
@@ -810,7 +839,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     }
     __syncthreads();
     if (c + 1 < chunks) {  // W and q̂ are read: the next chunk's come in during (2) and (3)
-      gd_stage_wq(sW, sQ, record(c + 1), qn, t0 + GD_CHUNK, rows_of(c + 1), kh, key_dim, tid);
+      gd_stage_wq(sW, sQ, B.record(c + 1), qn, t0 + GD_CHUNK, B.rows(c + 1), kh, key_dim, tid);
       cp_async_commit();
     }
     if (row_thread && i < n) {  // (2) P is zero above the diagonal: columns up to i's group of 4
@@ -853,7 +882,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     }
     __syncthreads();
     if (c + 1 < chunks) {  // k̂ and P are read
-      gd_stage_kp(sK, DK, sP, record(c + 1), kn, t0 + GD_CHUNK, rows_of(c + 1), kh, key_dim, tid);
+      gd_stage_kp(sK, DK, sP, B.record(c + 1), kn, t0 + GD_CHUNK, B.rows(c + 1), kh, key_dim, tid);
       cp_async_commit();
     }
   }
@@ -895,12 +924,11 @@ extern "C" __global__ void __launch_bounds__(256)
   double* sL = reinterpret_cast<double*>(sBi + GD_CHUNK * GD_AS);  // 8-byte aligned: every offset is even
   float* sB = reinterpret_cast<float*>(sL + GD_CHUNK);
   float* sBG = sB + GD_CHUNK;
-  const int c = blockIdx.x, j = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const GdPrepBlock B(T, Hk, Hv, A_log, dt_bias);
+  const int c = B.c, j = B.j, t0 = B.t0, n = B.n, kh = B.kh, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int t0 = c * GD_CHUNK, n = gd_rows(T, c);
-  const int kh = j / (Hv / Hk);
-  const i64 key_dim = i64(Hk) * DK;
-  const float neg_A = -expf(A_log[j]), dtb = dt_bias[j];
+  const i64 key_dim = B.key_dim;
+  const float neg_A = B.neg_A, dtb = B.dtb;
   LILY_PDL_PROLOGUE();
   gd_prep_stage<true>(sQ, sK, sL, sB, qn, kn, a, a_stride, beta, neg_A, dtb, t0, n, kh, j, key_dim, Hv, tid);
   cp_async_commit();
@@ -1042,27 +1070,18 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                                i64 st_stride, float* __restrict__ out, i64 out_stride, int T, int Hk, int Hv) {
   constexpr int CW = GD_SCW, NT = CW / 8;
   extern __shared__ float4 gd_smem4[];
-  float* sS = reinterpret_cast<float*>(gd_smem4);  // [DK, GD_MSP]
-  float* sW = sS + DK * GD_MSP;                     // [64, GD_QS]
-  float* sQ = sW + GD_CHUNK * GD_QS;                // [64, GD_QS]
-  float* sK = sQ + GD_CHUNK * GD_QS;                // [64, GD_MKP]
-  float* sP = sK + GD_CHUNK * GD_MKP;               // [64, GD_SPP]
-  float* sD = sP + GD_CHUNK * GD_SPP;               // [64, GD_MSP]: Δ
-  float* sDk = sD + GD_CHUNK * GD_MSP;              // [64, GD_MSP]: ksc_j Δ_j
-  float* sU = sDk + GD_CHUNK * GD_MSP;              // [64, GD_MSP]: the U slice
+  float *sS, *sW, *sQ, *sK, *sP, *sD, *sDk;  // padded pitches for conflict-free fragment loads
+  float* sU = gd_scan_tiles<GD_MSP, GD_MKP, GD_MSP>(gd_smem4, sS, sW, sQ, sK, sP, sD, sDk);  // [64, GD_MSP]: U slice
   float* sF = sU + GD_CHUNK * GD_MSP;               // [2][128]: Γ [64] then ksc [64], per chunk parity
-  const int j = blockIdx.x, c0 = blockIdx.y * CW, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const GdScanBlock B(rec, T, Hk, Hv);
+  const int j = B.j, c0 = B.c0, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, kh = B.kh, chunks = B.chunks;
   const int g = lane >> 2, t = lane & 3;
-  const int kh = j / (Hv / Hk);
-  const i64 key_dim = i64(Hk) * DK;
+  const i64 key_dim = B.key_dim;
   gd_load_slice(sS, GD_MSP, S_in, in_stride, j, c0, tid);
   LILY_PDL_PROLOGUE();
-  const int chunks = (T + GD_CHUNK - 1) / GD_CHUNK;
-  auto record = [&](int c) { return gd_record(rec, c, Hv, j); };
-  auto rows_of = [&](int c) { return gd_rows(T, c); };
   auto stage_for_1 = [&](int c) {  // W, q̂, U slice, factors
-    const float* R = record(c);
-    gd_stage_wq(sW, sQ, R, qn, c * GD_CHUNK, rows_of(c), kh, key_dim, tid);
+    const float* R = B.record(c);
+    gd_stage_wq(sW, sQ, R, qn, c * GD_CHUNK, B.rows(c), kh, key_dim, tid);
     for (int e = tid; e < GD_CHUNK * (CW / 4); e += blockDim.x) {
       const int r = e / (CW / 4), f = e % (CW / 4);
       cp_async16(smem_addr(sU + r * GD_MSP + 4 * f), R + r * DV + c0 + 4 * f, 16);
@@ -1072,14 +1091,14 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     cp_async_commit();
   };
   auto stage_for_23 = [&](int c) {  // k̂, P
-    gd_stage_kp(sK, GD_MKP, sP, record(c), kn, c * GD_CHUNK, rows_of(c), kh, key_dim, tid);
+    gd_stage_kp(sK, GD_MKP, sP, B.record(c), kn, c * GD_CHUNK, B.rows(c), kh, key_dim, tid);
     cp_async_commit();
   };
   stage_for_1(0);
   stage_for_23(0);
   const int m = warp & 3, r0 = 16 * m + g;  // (1), (2): this lane's rows r0 and r0 + 8 of the warp's 16
   for (int c = 0; c < chunks; ++c) {
-    const int t0 = c * GD_CHUNK, n = rows_of(c);
+    const int t0 = c * GD_CHUNK, n = B.rows(c);
     const float* sGam = sF + (c & 1) * 2 * GD_CHUNK;
     const float* sKsc = sGam + GD_CHUNK;
     cp_async_wait<1>();  // this chunk's (1) group; its k̂ and P may still be in flight
