@@ -6,6 +6,7 @@
 #   (default: build tests)
 #
 # tests: tests/cuda, or the files in TEST_PATHS.
+# trace: the decode critical path at TRACE_CONTEXT positions (default 4096): benchmarks/trace_cuda.py.
 # ab: decode tokens/s of each backend-options JSON in AB_OPTIONS (';'-separated; the first is the baseline) at
 # AB_CONTEXTS (default 4K), AB_ROUNDS interleaved rounds (default 5): benchmarks/ab_decode.py.
 # quickbench: prefill at 512 and 4K, decode at 256 and 4K, for each backend-options JSON in QB_OPTIONS (';'-separated,
@@ -100,7 +101,7 @@ if has mtp; then  # issue 14: MTP on lily-tiny, the verify through the prefill p
 fi
 if has trace; then  # issue 11: where a decode step's wall time goes (CUPTI), with and without the Python handoff
   wait
-  python3 benchmarks/trace_cuda.py --cache /tmp/lily-full-q4 --prompt 512 --context 4096 --decode-tokens 32 \
+  python3 benchmarks/trace_cuda.py --cache /tmp/lily-full-q4 --prompt 512 --context "${TRACE_CONTEXT:-4096}" --decode-tokens 32 \
     --decode-paths generator,core --json "$OUT/trace.json" 2>&1 | tee "$OUT/trace.log"
 fi
 if has ab; then  # decode backend options A/B'd in one process, interleaved (benchmarks/ab_decode.py)
