@@ -401,17 +401,15 @@ def test_report_lists_kernels_and_launch_shapes(tmp_path, cache):
             s.step(t)
         kernels = e.report()["cuda"]["kernels"]
     names = {k["name"] for k in kernels}
-    assert {"matmul_gemm", "moe_gate_up_down_decode", "moe_down_sum_decode", "attn_decode_reduce"} <= names, names
+    assert {"matmul_gemm", "moe_gate_up_decode", "moe_down_decode", "attn_decode_reduce"} <= names, names
     for k in kernels:
         assert k["module"].split()[0] + ".cu" in {p.name for p in CUDA_KERNELS.glob("*.cu")}, k
         assert k["registers"] is None and k["local_bytes"] is None and k["static_smem"] is None, k
         shapes = [(ln["threads"], ln["dynamic_smem"]) for ln in k["launches"]]
         assert shapes and len(shapes) == len(set(shapes)), k  # each shape once, however many launches
         assert all(0 < t <= 1024 and ln["blocks_per_sm"] is None for (t, _), ln in zip(shapes, k["launches"])), k
-    (moe,) = [k for k in kernels if k["name"] == "moe_gate_up_down_decode"]
+    (moe,) = [k for k in kernels if k["name"] == "moe_gate_up_decode"]
     assert [ln["threads"] for ln in moe["launches"]] == [256], moe
-    (moe_sum,) = [k for k in kernels if k["name"] == "moe_down_sum_decode"]  # a warp per slot: top-k + shared
-    assert [ln["threads"] for ln in moe_sum["launches"]] == [32 * (TINY_CONFIG["num_experts_per_tok"] + 1)], moe_sum
 
 
 @pytest.mark.parametrize("small", [None, False])
@@ -622,28 +620,20 @@ def test_moe_group_blocks_compiles_and_reports(cache, on):
     assert ("not active: MoE prefill grouping across blocks (moe_group_blocks=False)" in opt) != on, opt
 
 
-SPLIT_OFF = {"moe_split_down": False}
-
-
-@pytest.mark.parametrize("opts,text", [({}, "(2 gate+up rows per warp; clusters of 2 blocks per 16-byte act vector"),
-                                       ({"moe_rows_g": 4}, "(4 gate+up rows per warp; clusters of 1 block per"),
-                                       ({"moe_rows_g": 1}, "(1 gate+up rows per warp; clusters of 4 blocks per"),
-                                       ({**SPLIT_OFF, "moe_rows_g": 4}, "(4 gate+up rows per warp)"),
-                                       ({**SPLIT_OFF, "moe_rows_g": 1, "moe_rows_d": 64}, "64 rows per block"),
-                                       ({**SPLIT_OFF, "moe_rows_d": 16}, "16 rows per block"),
-                                       (SPLIT_OFF, "(split down not active: moe_split_down=False)"),
-                                       ({"dry_arch": 80}, "(split down not active: thread-block clusters need sm_90)"),
+@pytest.mark.parametrize("opts,text", [({}, "(2 gate+up rows per warp)"), ({"moe_rows_g": 4}, "(4 gate+up rows per warp)"),
+                                       ({"moe_rows_g": 1, "moe_rows_d": 64}, "64 rows per block"),
+                                       ({"moe_rows_d": 16}, "16 rows per block"),
                                        ({"moe_decode_minb": 4}, "registers capped for 4 blocks per SM (moe_decode_minb)"),
                                        ({"moe_early_loads": False}, "gate/up weight loads after x is staged "
                                                                     "(moe_early_loads=False)"),
-                                       ({"moe_early_loads": True}, "gate/up weight loads in flight while x is staged")])
+                                       ({"moe_early_loads": True}, "gate/up weight loads in flight while x is staged"),
+                                       ({"moe_prefetch_down": True}, "each gate/up block prefetches its share of its "
+                                                                     "expert's down matrix into the L2")])
 def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
-    """moe_rows_g / moe_rows_d / moe_decode_minb / moe_split_down: the fused decode MoE of the real shapes compiles at
-    each geometry, register cap and form, the variant names it (the default on sm_90: the split down pass, 2 gate/up
-    rows per warp, clusters of 2 blocks, no cap; without it 8 down rows per block), and values outside the kernels'
-    range are refused."""
+    """moe_rows_g / moe_rows_d / moe_decode_minb: the fused decode MoE of the real shapes compiles at each geometry and
+    register cap, the variant names it (the default: 2 gate/up rows per warp, 8 down rows per block, no cap), and values
+    outside the kernels' range are refused."""
     b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
-    split = opts.get("moe_split_down", True) and opts.get("dry_arch", 90) >= 90
     c, (H, E, K, I), (g, u, d) = _full_q4_experts(b)
     sg, su, sd = (b.weight(_zeros_weight(I, H, "q4")), b.weight(_zeros_weight(I, H, "q4")),
                   b.weight(_zeros_weight(H, I, "q4")))
@@ -654,9 +644,7 @@ def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
           shared_g=e(1, I), shared_u=e(1, I), shared_act=e(1, I), shared=e(1, H), ws=b.workspace(c, 1, 4096), h=h)
     variant = b.report()["variants"]["moe.block.decode"]
     assert "fused, 2 launches" in variant and text in variant, variant
-    assert ("moe_gate_up_down_decode" in variant and "moe_down_sum_decode" in variant) == split, variant
-    assert ("moe_down_decode (" in variant) != split, variant
-    if "moe_rows_d" not in opts and not split:
+    if "moe_rows_d" not in opts:
         assert "8 rows per block" in variant, variant
     if "moe_decode_minb" not in opts:
         assert "registers capped" not in variant, variant
@@ -665,8 +653,9 @@ def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
                     if "moe_decode_minb" in opts else
                     ["not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the compiler's choice"
                      + (", but 3 blocks per SM for gate/up's early loads" if opts.get("moe_early_loads", True) else "")]), said
-    said = [o for o in b.report()["optimizations"] if "moe_split_down" in o and not o.startswith("moe.")]
-    assert len(said) == 1 and said[0].startswith("not active") != split, said
+    prefetch = [o for o in b.report()["optimizations"] if "moe_prefetch_down" in o and not o.startswith("moe.")]
+    assert len(prefetch) == 1 and prefetch[0].startswith("not active") != opts.get("moe_prefetch_down", False), prefetch
+    assert ("(moe_prefetch_down)" in variant) == opts.get("moe_prefetch_down", False), variant
     early = "gate/up weight loads in flight while x is staged (the shared expert's before the wait)" in variant
     assert early == (opts.get("moe_rows_g") != 4 and opts.get("moe_decode_minb", 0) <= 3
                      and opts.get("moe_early_loads", True)), variant
@@ -712,12 +701,11 @@ def test_moe_tile_heights_compile_and_report(cache, opts, heights):
 @pytest.mark.parametrize("mode", [None, "decode", "all", True, "off", False])
 def test_pdl_modes_compile_and_report(checkpoints, cache, mode):
     """pdl = "decode" (the default; or "all" / True) builds the decode step's programmatic forms (the MoE down pass routing and
-    loading its weights before it waits: PREROUTE, a form of the two-kernel down pass, so moe_split_down is off
-    here) and the report says which launches get it; "off" / False neither. On sm_80 it is reported not active,
-    naming why."""
+    loading its weights before it waits: PREROUTE) and the report says which launches get it; "off" / False
+    neither. On sm_80 it is reported not active, naming why."""
     for arch in ARCHES:
         with lily.Engine(lily.engine.load_checkpoint(checkpoints["mlx4"]), backend="cuda", prefill_chunk=16,
-                         backend_options={"dry_arch": arch, "cache_dir": cache, "moe_split_down": False,
+                         backend_options={"dry_arch": arch, "cache_dir": cache,
                                           **({} if mode is None else {"pdl": mode})}) as e:
             s = e.session(max_context=64)
             s.prefill(list(range(20)))

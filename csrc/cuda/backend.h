@@ -151,10 +151,10 @@ struct CudaOptions {
   // before its wait) instead of after: one DRAM round trip instead of several (kernels/moe.cu GU_EARLY). The same
   // bits. Measured +2.3% decode at 4K, +1.6% at 128K on the H100: benchmarks/NOTES.md.
   bool moe_early_loads = true;
-  // The fused decode MoE (dp4a, sm_90) as moe_gate_up_down_decode + moe_down_sum_decode: each gate/up block also
-  // takes its act vector's share of the down products, its down weights streaming with its gate/up weights, and a
-  // light launch sums the partials (kernels/moe.cu SPLIT_DOWN). The same bits. False: moe_down_decode (A/B).
-  bool moe_split_down = true;
+  // Decode: each gate/up block prefetches its share of its routed (or the shared) expert's down matrix into the L2,
+  // so the down pass's blocks that start late read it there (kernels/moe.cu MOE_PF_DOWN). A hint: the same bits.
+  // Off by default: written without a GPU (benchmarks/NOTES.md gives the prediction).
+  bool moe_prefetch_down = false;
   // Prefill attention on tensor cores (bf16 caches): keys per K/V tile, 16 or 32. Shared memory per block is 101 KB or
   // 135 KB at head dim 256: two blocks per SM or one. benchmarks/NOTES.md.
   int attn_prefill_keys = 16;

@@ -51,7 +51,6 @@ constexpr int kMmaBlockNDown = 128;   // moe_down_mma columns per block
 constexpr int kFragBlockN = 128;      // FRAG (codes widened in registers), 16-row tiles: gate (and up) columns per block
 constexpr int kFragBlockNDown = 256;  // FRAG, 16-row tiles: down columns per block (32-row tiles: half of each)
 constexpr unsigned kMmaThreads = 256;  // MMA_NT in kernels/moe.cu: threads of a GEMM block
-constexpr int64_t kSplitDownRows = 16;  // the split decode down pass's partials have workspace for this many rows
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
@@ -70,10 +69,7 @@ Layout layout(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
   Layout l;
   l.act = 0;
   l.y = l.act + align256((P + size_t(T)) * size_t(I) * 4);  // the fused decode adds the shared expert's row
-  // y: prefill's expert rows, or the split decode down pass's partials [T][k + 1][I / 16-byte vector][H] (a vector
-  // holds at least 16 inputs in the dp4a formats it takes)
-  const size_t split = size_t(std::min(T, kSplitDownRows) * (k + 1) * ((I + 15) / 16)) * size_t(H) * 4;
-  l.tiles = l.y + align256(std::max(P * size_t(H) * 4, split));
+  l.tiles = l.y + align256(P * size_t(H) * 4);
   l.pair_token = l.tiles + align256(size_t(1 + 3 * max_tiles(T, k, E, 16)) * 4);  // bm = 16: the most tiles
   l.pair_pos = l.pair_token + align256(P * 4);
   // moe_x_rows: x's rows [T][⌈H/64⌉·64] f16 and their 2^-e [T] f32, later the act rows [P][⌈I/64⌉·64] and [P]
@@ -109,7 +105,6 @@ struct ExpertsVariant {
   Defines defines;
   std::string text;  // for note_variant
   int rows_g = 1, rows_d = 8, bm = 16;  // decode: gate/up rows per warp, down rows per block (ROWS_G, ROWS_D)
-  bool dp4a = false;                    // decode: x and act as int8 terms (DP4A)
   int pipe = 0, pipe_smem = 0, static_smem = 0;  // prefill's cp.async ring: stages, its bytes, the tiles' bytes
   int frag = 0;  // 16 or 32-row tiles with the codes widened in registers (kernels/moe.cu FRAG): ring stages, 0 = off
   int min_blocks = 2;  // blocks per SM the GEMMs' registers must allow (MMA_MINB)
@@ -202,7 +197,6 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
   const int64_t nit = (H / cpv + 31) / 32;  // 16-byte vectors per lane per gate/up row
   v.rows_g = rows_g > 0 ? rows_g : int(std::max<int64_t>(1, std::min<int64_t>(4, 4 / nit)));
   v.rows_d = rows_d;
-  v.dp4a = dp4a;
   const int lpr = next_pow2(I / cpv);
   std::string pipe_text, rows_text;
   // The prefill GEMMs' activation form (kernels/moe.cu XS, XF): f16 needs affine codes; dense weights take hi + lo.
@@ -351,9 +345,14 @@ bool f16_expert_forms(ExpertsVariant& v, bool w_f16, bool x_rows) {
 }
 
 // The decode kernels' register cap for `minb` blocks per SM (the option moe_decode_minb; kernels/moe.cu DEC_MINB) and
-// the gate/up pass's load order (the option moe_early_loads; GU_ORDER, GU_EARLY: where a lane's weight vectors fit).
-void decode_caps_and_order(ExpertsVariant& v, const Weight& gate, int minb, bool early) {
+// the gate/up pass's load order (the option moe_early_loads; GU_ORDER, GU_EARLY: where a lane's weight vectors fit) and
+// its L2 prefetch of the down matrices (moe_prefetch_down; MOE_PF_DOWN).
+void decode_caps_and_order(ExpertsVariant& v, const Weight& gate, int minb, bool early, bool prefetch_down) {
   v.defines.push_back({"DEC_MINB", minb});
+  if (prefetch_down) {
+    v.defines.push_back({"MOE_PF_DOWN", 1});
+    v.text += ", each gate/up block prefetches its share of its expert's down matrix into the L2 (moe_prefetch_down)";
+  }
   if (minb > 0)
     v.text += ", registers capped for " + std::to_string(minb) + " blocks per SM (moe_decode_minb)";
   if (!early) v.defines.push_back({"GU_ORDER", 0});
@@ -458,7 +457,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
                                           info().max_smem_optin, options().moe_frag, options().moe_frag32_rows,
                                           options().moe_tile64_rows);
   if (ph == Phase::Decode) {
-    decode_caps_and_order(v, gate, options().moe_decode_minb, options().moe_early_loads);
+    decode_caps_and_order(v, gate, options().moe_decode_minb, options().moe_early_loads, options().moe_prefetch_down);
     note_variant("moe.experts.decode", v.text);
     const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
     const Kernel& k2 = kernel("moe", "moe_down_decode", v.defines);
@@ -563,51 +562,9 @@ void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tenso
   a.sgate_stride = shared_gate_logit.stride;
   ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned, CudaOptions::XForm::BF16x2, options().gemv_dp4a,
                                     options().moe_rows_g, options().moe_rows_d);
-  decode_caps_and_order(v, w.gate, options().moe_decode_minb, options().moe_early_loads);
+  decode_caps_and_order(v, w.gate, options().moe_decode_minb, options().moe_early_loads,
+                        options().moe_prefetch_down);
   v.defines.push_back({"FUSED", 1});
-  const int smem1 = int((H / 4 + 7) / 8 * 8 * 16), smem2 = int((k + 1) * ((I / 4 + 7) / 8 * 8) * 16);
-  if (T * (k + 1) > 65535) throw std::invalid_argument(what + ": decode supports T·(k + 1) ≤ 65535");
-  const Dim3 gate_up_grid{unsigned((I + 8 * v.rows_g - 1) / (8 * v.rows_g)), unsigned(T * (k + 1)), 1};
-
-  // The split down pass (kernels/moe.cu SPLIT_DOWN): a cluster of gate/up blocks per 16-byte act vector, each with
-  // H / (blocks of a cluster) down rows of that vector in shared memory (16 bytes of codes, a scale word and a bias
-  // word each) after x's staging.
-  const int64_t cpv = codes_per_vector(w.gate), block_rows = 8 * v.rows_g, cluster = cpv / block_rows;
-  const int64_t split_smem = smem1 + (cluster > 0 ? H / cluster : 0) * 24;
-  bool scales4 = true;
-  for (uint64_t p : {a.scales[2], a.biases[2], a.scale_stride[2], a.bias_stride[2], a.sscales[2], a.sbiases[2]})
-    scales4 = scales4 && p % 4 == 0;
-  const char* no_split = !options().moe_split_down ? "moe_split_down=False"
-                         : info().arch() < 90      ? "thread-block clusters need sm_90"
-                         : !v.dp4a                 ? "the fp32 form: it takes the dp4a form"
-                         : cluster < 1 || cpv % block_rows != 0 || cluster > 8
-                             ? "a block's gate/up rows (8·moe_rows_g) are not a whole part of a 16-byte vector's "
-                               "inputs, at most 8 parts"
-                         : I / cpv > 32                 ? "more than 32 act vectors a row"
-                         : H % cluster != 0             ? "H is not a multiple of a cluster's blocks"
-                         : !scales4                     ? "down scales or biases not 4-byte aligned"
-                         : T > kSplitDownRows           ? "more than 16 rows"
-                         : split_smem > info().max_smem_optin ? "the down slice exceeds a block's shared memory"
-                                                               : nullptr;
-  if (!no_split) {
-    v.defines.push_back({"SPLIT_DOWN", 1});
-    // v.text names moe_down_decode's geometry first; the rest (format, dp4a, load order) holds for this form too.
-    const size_t rest = v.text.find("rows per block), ");
-    note_variant("moe.block.decode",
-                 "fused, 2 launches, split down: moe_gate_up_down_decode (" + std::to_string(v.rows_g) +
-                     " gate+up rows per warp; clusters of " + std::to_string(cluster) + (cluster == 1 ? " block" : " blocks") +
-                     " per 16-byte act vector, each block also taking that vector's products with " + std::to_string(H / cluster) +
-                     " down rows, streamed into shared memory with its gate/up weights; routing in every block, the "
-                     "shared expert as slot k) + moe_down_sum_decode (the partials summed in moe_down_decode's "
-                     "order with the routing weights, σ(gate)·shared and the residual), " +
-                     (rest == std::string::npos ? v.text : v.text.substr(rest + 17)));
-    const Kernel& k1 = kernel("moe", "moe_gate_up_down_decode", v.defines);
-    const Kernel& k2 = kernel("moe", "moe_down_sum_decode", v.defines);
-    if (split_smem > 48 * 1024) set_dynamic_smem(k1, int(split_smem));
-    launch(k1, gate_up_grid, Dim3{256, 1, 1}, uint32_t(split_smem), a);
-    launch(k2, Dim3{unsigned((H + 31) / 32), unsigned(T), 1}, Dim3{unsigned(32 * (k + 1)), 1, 1}, 0, a);
-    return;
-  }
   // Under programmatic dependent launch the down pass routes its token itself and loads its weights before it
   // waits for the gate/up pass (kernels/moe.cu PREROUTE); otherwise it reads the ids the gate/up pass stored.
   const bool preroute = pdl_now();
@@ -616,13 +573,15 @@ void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tenso
                                        v.text + ", the down pass adding σ(gate)·shared and the residual" +
                                        (preroute ? "; the down pass routes and loads its weights before waiting "
                                                    "for the gate/up pass (programmatic dependent launch)"
-                                                 : "") +
-                                       " (split down not active: " + no_split + ")");
+                                                 : ""));
   const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
   const Kernel& k2 = kernel("moe", "moe_down_decode", v.defines);
+  const int smem1 = int((H / 4 + 7) / 8 * 8 * 16), smem2 = int((k + 1) * ((I / 4 + 7) / 8 * 8) * 16);
   if (smem1 > 48 * 1024) set_dynamic_smem(k1, smem1);
   if (smem2 > 48 * 1024) set_dynamic_smem(k2, smem2);
-  launch(k1, gate_up_grid, Dim3{256, 1, 1}, uint32_t(smem1), a);
+  if (T * (k + 1) > 65535) throw std::invalid_argument(what + ": decode supports T·(k + 1) ≤ 65535");
+  launch(k1, Dim3{unsigned((I + 8 * v.rows_g - 1) / (8 * v.rows_g)), unsigned(T * (k + 1)), 1}, Dim3{256, 1, 1},
+         uint32_t(smem1), a);
   launch(k2, Dim3{unsigned((H + v.rows_d - 1) / v.rows_d), unsigned(T), 1}, Dim3{256, 1, 1},
          uint32_t(smem2), a);
 }

@@ -17,7 +17,6 @@ Outputs live in poisoned tensors with a guard row on each side that must stay Na
 
 from __future__ import annotations
 
-import re
 import zlib
 
 import numpy as np
@@ -579,16 +578,13 @@ def test_moe_block_pdl_decode_same_bits(spec, E, k, H, I, Ish):
 @pytest.mark.parametrize("spec,E,k,H,I,Ish", [c for c in BLOCK_CASES if c[4] == c[5]])
 def test_moe_block_decode_geometry_same_bits(spec, E, k, H, I, Ish):
     """moe_rows_g / moe_rows_d (gate/up rows per warp, down rows per block) move work between threads and blocks,
-    moe_decode_minb caps registers, moe_early_loads moves gate/up's weight loads and moe_split_down moves the down
-    products into the gate/up launch (clusters of 1, 2 or 4 blocks per act vector by moe_rows_g), never the order of a
-    sum: the fused decode block's output equals the default geometry's bit for bit, and the variant names the form,
-    the geometry and the load order in use."""
-    no_split = {"moe_split_down": False}
+    moe_decode_minb caps registers, moe_early_loads moves gate/up's weight loads and moe_prefetch_down adds L2
+    prefetches, never the order of a sum: the fused decode block's output equals the default geometry's bit for bit,
+    and the variant names the geometry, the load order and the prefetch in use."""
     geometries = ({}, {"moe_rows_g": 1, "moe_rows_d": 1}, {"moe_rows_g": 4, "moe_rows_d": 16}, {"moe_rows_d": 64},
                   {"moe_decode_minb": 4}, {"moe_decode_minb": 8, "moe_rows_g": 4}, {"moe_early_loads": False},
-                  {"moe_early_loads": False, "moe_rows_g": 1}, {"moe_rows_g": 1, "moe_decode_minb": 3}, no_split,
-                  {**no_split, "moe_rows_g": 1, "moe_rows_d": 1}, {**no_split, "moe_rows_g": 4, "moe_rows_d": 16},
-                  {**no_split, "moe_early_loads": False})
+                  {"moe_early_loads": False, "moe_rows_g": 1}, {"moe_rows_g": 1, "moe_decode_minb": 3},
+                  {"moe_prefetch_down": True}, {"moe_prefetch_down": True, "moe_early_loads": False, "moe_rows_g": 1})
     benches = tuple(core.OpBench("cuda", g) for g in geometries)
     rng = np.random.default_rng(zlib.crc32(f"block geometry {spec} {E}".encode()))
     handles, shared = block_weights(benches, rng, spec, E, H, I, Ish)
@@ -601,28 +597,17 @@ def test_moe_block_decode_geometry_same_bits(spec, E, k, H, I, Ish):
         for (bh, bi, bw), g in zip(out[1:], geometries[1:]):
             np.testing.assert_array_equal(bi, out[0][1], err_msg=str(g))
             np.testing.assert_array_equal(bh.view(np.uint32), out[0][0].view(np.uint32), err_msg=str(g))
-    arch = int(re.search(r"sm_(\d+)", benches[0].report()["device"]).group(1))
-    split_forms = set()
     for b, g in zip(benches, geometries):
         text = str_variants(b.report())["moe.block.decode"]
+        assert f"{g.get('moe_rows_d', 8)} rows per block" in text, (g, text)
+        if "moe_rows_g" in g:
+            assert f"({g['moe_rows_g']} gate+up rows per warp)" in text, (g, text)
         cpv = {"q4": 32, "q8": 16}.get(spec[:2], 8)  # inputs per 16-byte vector
         nit = -(-(H // cpv) // 32)  # a lane's vectors per row
         rows_g = g.get("moe_rows_g") or max(1, min(4, 4 // nit))
-        # the split form: dp4a codes on sm_90, a block's 8·rows_g gate/up rows a whole part of one act vector
-        split = (g.get("moe_split_down", True) and arch >= 90 and spec[:2] in ("q4", "q8") and cpv % (8 * rows_g) == 0
-                 and I // cpv <= 32)
-        assert ("moe_gate_up_down_decode" in text) == split, (g, text)
-        if split:
-            split_forms.add(cpv // (8 * rows_g))
-            assert f"({rows_g} gate+up rows per warp; clusters of {cpv // (8 * rows_g)} block" in text, (g, text)
-        else:
-            assert f"{g.get('moe_rows_d', 8)} rows per block" in text, (g, text)
-            if "moe_rows_g" in g:
-                assert f"({g['moe_rows_g']} gate+up rows per warp)" in text, (g, text)
         early = g.get("moe_early_loads", True) and g.get("moe_decode_minb", 0) <= 3 and rows_g * nit <= 4
         assert ("gate/up weight loads in flight while x is staged" in text) == early, (g, text)
-    if arch >= 90:  # the cluster sizes that met the two-kernel form's bits (q8: 4 rows a warp span two act vectors)
-        assert split_forms >= {"q4": {1, 4}, "q8": {2}}.get(spec[:2], set()), split_forms
+        assert ("prefetches its share of its expert's down matrix" in text) == g.get("moe_prefetch_down", False), text
 
 
 def str_variants(report) -> dict:

@@ -56,25 +56,6 @@ __device__ __forceinline__ float4 ld_cg4(const float* p) {
   return v;
 }
 
-// Thread-block clusters (sm_90+): distributed shared memory and the cluster barrier.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// The float at `p` (a shared array of this block) in the shared memory of the cluster's block `rank`.
-__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
-  const unsigned local = unsigned(__cvta_generic_to_shared(p));
-  unsigned remote;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-#endif
-
 // cp.async (sm_80+): global -> shared without registers. The first `bytes` of src are copied (at most 16 / 4) and
 // the rest of the 16 / 4 zero-filled; 0 reads nothing. A bool would silently mean 1 byte, so it does not compile.
 __device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }

@@ -402,6 +402,22 @@ extern "C" __global__ void __launch_bounds__(64)
 //   a block each way. It replaces gated_rms_norm's launch (~2.5 µs on the decode critical path).
 //   Bits: equal to gated_delta + gated_rms_norm (tests/cuda/test_conv_delta_norm.py).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && DV % 16 == 0 && DV <= 128
+// The float at `p` (a shared array of this block) in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
+  const unsigned local = unsigned(__cvta_generic_to_shared(p));
+  unsigned remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 // The gated RMSNorm of one value head from its DV/16 blocks' 16-column slices of o (o_cols, in each block's shared
 // memory), as above: the block's 4 norm-lane partials into `part`, a cluster barrier, warp 0 gathers the head's
 // DV/4 partials (the head's block y' is cluster rank rank0 + rank_step·y') and sums them with warp_sum; then

@@ -38,19 +38,6 @@
 //       in (id, slot) order times the routing weights. No atomics. PREROUTE (fused, under programmatic dependent
 //       launch): the block routes its token from the router logits and issues its weight loads before it waits
 //       for the gate/up pass (common.cuh's contract); only the act rows come after the wait.
-//   Decode, split down (SPLIT_DOWN, the host's moe_split_down: FUSED, DP4A, sm_90; 2 launches, the down pass's
-//     weights stream with gate/up's):
-//     moe_gate_up_down_decode: moe_gate_up_decode's grid and work, clusters of SD_CL = CPV / (8·ROWS_G) blocks along
-//       x: a cluster's rows are one 16-byte vector c of the act row (CPV rows). Each block also copies (cp.async,
-//       issued with its gate/up loads) its HID / SD_CL rows of vector c of its expert's down matrix and their
-//       scales; after a cluster barrier warp 0 gathers vector c's CPV act values through distributed shared memory,
-//       packs them as moe_down_decode does, and each thread writes the dp4a dot product of a down row's vector c
-//       with them: part[t][slot][c][n] (fp32, the workspace's y), the value moe_down_decode's lane c of row n holds
-//       before its shuffle tree.
-//     moe_down_sum_decode: grid (⌈HID/32⌉, T), block 32·SLOTS: warp s sums slot s's NVI partials of 32 rows in the
-//       shuffle tree's order (LPR lanes), then warp 0 moe_down_decode's weighted sum and residual. Bits: equal to
-//       the two-kernel form (tests/cuda/test_moe.py). Floor: the two-kernel form's weight bytes, plus T·SLOTS·NVI·HID
-//       fp32 partials each way through the L2 (1.2 MB a token at the real shape).
 //     DP4A (4/8-bit affine experts, 16-byte loads, groups of whole vectors; the host's gemv_dp4a, on by
 //       default): x and the act rows are staged as three int8 terms per 16-byte vector instead of fp32 (quant.cuh;
 //       4 threads per vector) and each vector's products are dp4a integer dot products combined in fp32 per
@@ -348,103 +335,33 @@ __device__ __forceinline__ bool moe_valid_expert(int e) { return e >= 0 && e < N
 #define MOE_GU_BOUNDS MOE_DEC_BOUNDS
 #endif
 
-// SPLIT_DOWN (the host's moe_split_down): moe_gate_up_down_decode does the down pass's dot products for its act
-// vector, moe_down_sum_decode only their sums (the header). The host sets it for the fused dp4a decode on sm_90.
-#ifndef SPLIT_DOWN
-#define SPLIT_DOWN 0
+// MOE_PF_DOWN (the host's moe_prefetch_down): once a gate/up block knows its expert it asks the L2 for its share
+// (1/gridDim.x) of that expert's down matrix: the codes, and the scales and biases of affine weights. The down pass's
+// blocks load their weights before they wait, but only those that find room on an SM while gate/up runs (108 of
+// 256 slots at the real shape on an H100); the rest start as gate/up's blocks leave and would wait a DRAM round trip
+// under load. 16.5 KB a block at the real shape, 0.6 prefetch instructions a thread. A hint: no result changes.
+#ifndef MOE_PF_DOWN
+#define MOE_PF_DOWN 0
 #endif
-#if SPLIT_DOWN
-#if !(FUSED && DP4A) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900
-#error "SPLIT_DOWN needs the fused dp4a decode MoE and thread-block clusters (sm_90)"
+#if MOE_PF_DOWN
+__device__ __forceinline__ void l2_prefetch_share(const unsigned char* p, i64 bytes) {
+  const i64 lines = (bytes + 127) / 128, per = (lines + gridDim.x - 1) / gridDim.x;
+  const i64 l0 = i64(blockIdx.x) * per, l1 = min(lines, l0 + per);
+  for (i64 l = l0 + threadIdx.x; l < l1; l += blockDim.x) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + 128 * l));
+}
+__device__ __forceinline__ void moe_prefetch_down(const MoeArgs& a, bool shared, int e) {
+  l2_prefetch_share(shared ? reinterpret_cast<const unsigned char*>(a.sdata[2])
+                           : reinterpret_cast<const unsigned char*>(a.data[2]) + i64(e) * i64(a.data_stride[2]),
+                    i64(HID) * ROW_BYTES(INTER));
+#if WKIND == 1
+  const i64 sbytes = i64(HID) * (INTER / GROUP) * ESIZE_SCALE;
+  l2_prefetch_share(shared ? reinterpret_cast<const unsigned char*>(a.sscales[2])
+                           : reinterpret_cast<const unsigned char*>(a.scales[2]) + i64(e) * i64(a.scale_stride[2]),
+                    sbytes);
+  l2_prefetch_share(shared ? reinterpret_cast<const unsigned char*>(a.sbiases[2])
+                           : reinterpret_cast<const unsigned char*>(a.biases[2]) + i64(e) * i64(a.bias_stride[2]),
+                    sbytes);
 #endif
-constexpr int SD_RB = 8 * ROWS_G;          // act rows of a block
-constexpr int SD_CL = CPV / SD_RB;         // blocks of a cluster: one act vector
-constexpr int SD_NV = INTER / CPV;         // act vectors of a row: a down row's vectors
-constexpr int SD_ROWS = HID / SD_CL;       // down rows of a block
-constexpr int SD_PASS = (SD_ROWS + 255) / 256;
-constexpr int SD_OFF = (HID / 4 + 7) / 8 * 8 * 16;  // the down slice's place in dynamic shared memory, after x's
-static_assert(SD_CL * SD_RB == CPV && SD_CL <= 8 && INTER % CPV == 0 && HID % SD_CL == 0 && SD_NV <= LPR &&
-                  LPR <= 32,
-              "split down: a cluster of at most 8 blocks per act vector, at most 32 vectors a row");
-
-// A block's slice of the down matrix in dynamic shared memory (after x's staging): rows n0 .. n0 + SD_ROWS - 1 of
-// vector c (w), and the 4-byte words holding their scales (s) and biases (b).
-struct DownSlice {
-  uint4* w;
-  u32* s;
-  u32* b;
-  int c, n0;
-};
-__device__ __forceinline__ DownSlice down_slice(float4* smem) {
-  uint4* w = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(smem) + SD_OFF);
-  u32* s = reinterpret_cast<u32*>(w + SD_ROWS);
-  return {w, s, s + SD_ROWS, int(blockIdx.x) / SD_CL, int(blockIdx.x % SD_CL) * SD_ROWS};
-}
-
-// Copies (cp.async, one group) the block's down slice of the shared expert (shared) or of expert e.
-__device__ __forceinline__ void moe_down_slice_load(const MoeArgs& a, bool shared, int e, const DownSlice& d) {
-  const unsigned char* base = shared ? reinterpret_cast<const unsigned char*>(a.sdata[2])
-                                     : reinterpret_cast<const unsigned char*>(a.data[2]) + i64(e) * i64(a.data_stride[2]);
-  const unsigned char* sb = shared ? reinterpret_cast<const unsigned char*>(a.sscales[2])
-                                   : reinterpret_cast<const unsigned char*>(a.scales[2]) + i64(e) * i64(a.scale_stride[2]);
-  const unsigned char* bb = shared ? reinterpret_cast<const unsigned char*>(a.sbiases[2])
-                                   : reinterpret_cast<const unsigned char*>(a.biases[2]) + i64(e) * i64(a.bias_stride[2]);
-#pragma unroll
-  for (int p = 0; p < SD_PASS; ++p) {
-    const int nl = 256 * p + int(threadIdx.x);
-    if (nl < SD_ROWS) {
-      const i64 n = d.n0 + nl, word = (n * (INTER / GROUP) + (d.c * CPV) / GROUP) * ESIZE_SCALE & ~i64(3);
-      cp_async16(smem_addr(d.w + nl), base + n * ROW_BYTES(INTER) + VEC_BYTES_AT(d.c * CPV), 16);
-      cp_async4(smem_addr(d.s + nl), sb + word, 4);
-      cp_async4(smem_addr(d.b + nl), bb + word, 4);
-    }
-  }
-  cp_async_commit();
-}
-
-// Scale (or bias) gi of the 4-byte word w that holds it: moe_scalar's value.
-__device__ __forceinline__ float moe_scalar_in_word(u32 w, i64 gi) {
-  if (SDT == LILY_F32) return __uint_as_float(w);
-  const u16 h = u16((gi * ESIZE_SCALE) & 2 ? w >> 16 : w & 0xffffu);
-  return SDT == LILY_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
-}
-
-// After the block's act rows are in act_s: the cluster's act vector packed (moe_down_stage_act's terms), then
-// part[slot][c][n0 + i] = the dp4a dot product of the slice's row i with it (moe_down_decode's lane value).
-__device__ __forceinline__ void moe_down_partials(const MoeArgs& a, const float* act_s, const DownSlice& d, int slot) {
-  __shared__ uint4 aq[MQV];
-  __shared__ float asc[1], asm_[1];
-  const int tid = threadIdx.x, lane = tid & 31;
-  cluster_arrive();  // every block's act rows written (release) ...
-  cluster_wait();    // ... and visible here (acquire)
-  if (tid < 32) {    // vector c's inputs: block j / SD_RB's act row j % SD_RB
-    constexpr int EW = Dp4a<BITS>::EW;
-    float v[EW];
-#pragma unroll
-    for (int i = 0; i < EW; ++i) {
-      const int j = (lane & 3) * EW + i;
-      v[i] = lane < 4 ? ld_cluster(act_s + j % SD_RB, unsigned(j / SD_RB)) : 0.f;
-    }
-    dp4a_quantize_word<BITS>(v, aq, 1, asc, asm_, 0, lane & 3, lane < 4);
-  }
-  cluster_arrive();  // this block's reads of the others' act rows are done
-  cp_async_wait<0>();
-  __syncthreads();  // the packed vector and the down slice
-  u32 xw[Dp4a<BITS>::QW];
-  dp4a_load_x<BITS>(aq, 1, 0, xw);
-  float* part = reinterpret_cast<float*>(a.y) + (i64(slot) * SD_NV + d.c) * HID + d.n0;
-#pragma unroll
-  for (int p = 0; p < SD_PASS; ++p) {
-    const int nl = 256 * p + tid;
-    if (nl < SD_ROWS) {
-      const uint4 w = d.w[nl];
-      const u32 w4[4] = {w.x, w.y, w.z, w.w};
-      const i64 gi = i64(d.n0 + nl) * (INTER / GROUP) + (d.c * CPV) / GROUP;
-      part[nl] = dp4a_chunk<BITS>(w4, xw, asc[0], asm_[0], moe_scalar_in_word(d.s[nl], gi),
-                                  moe_scalar_in_word(d.b[nl], gi), 0.f);
-    }
-  }
-  cluster_wait();  // the others' reads of act_s are done before this block leaves
 }
 #endif
 
@@ -569,32 +486,26 @@ __device__ __forceinline__ void moe_gate_up_load_x(const float* x, int tid, GuX&
 // a barrier and computes: x's L2 round trip overlaps the routing, its staging the weights' DRAM round trip. One
 // branch per kind of block (s is the block's), so no weight register is live across the routing. Without GU_EARLY
 // the weight loads of both kinds follow the staging's barrier. The arithmetic and its order are unchanged.
-// kSplit (moe_gate_up_down_decode): the act rows go to shared memory instead of the workspace, the down slice's
-// copies go out with the weight loads, and moe_down_partials follows.
-template <bool kSplit>
-__device__ __forceinline__ void moe_gate_up_rows(const MoeArgs& a, float4* moe_smem) {
+extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_decode(const MoeArgs a) {
   constexpr int NV = GU_NV, NIT = GU_NIT;
+  extern __shared__ float4 moe_smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int slot = blockIdx.y, t = slot / SLOTS, s = slot - t * SLOTS;
   const int row0 = (blockIdx.x * 8 + warp) * ROWS_G;
   const float* x = reinterpret_cast<const float*>(a.x) + i64(t) * a.x_stride;
   float* act = reinterpret_cast<float*>(a.act) + i64(slot) * INTER;
-  __shared__ float act_s[kSplit ? 8 * ROWS_G : 1];
-#if SPLIT_DOWN
-  const DownSlice down = down_slice(moe_smem);
-#endif
   uint4 wv[ROWS_G][2][NIT];
   float sc[ROWS_G][2][NIT], bi[ROWS_G][2][NIT];
   GuX xr;
   const bool shared_slot = FUSED && s == TOPK;
   int e = 0;
   if (shared_slot) {  // FUSED only
+#if MOE_PF_DOWN
+    moe_prefetch_down(a, true, 0);  // before the weight loads: no register of theirs is live yet
+#endif
 #if GU_EARLY
     // No kernel writes the shared expert's weights: their loads go out before the wait (common.cuh's contract).
     moe_gate_up_load(a, true, 0, row0, lane, wv, sc, bi);
-#endif
-#if SPLIT_DOWN
-    if constexpr (kSplit) moe_down_slice_load(a, true, 0, down);
 #endif
     LILY_PDL_PROLOGUE();
     moe_gate_up_load_x(x, tid, xr);
@@ -627,11 +538,11 @@ __device__ __forceinline__ void moe_gate_up_rows(const MoeArgs& a, float4* moe_s
       if (lane < ROWS_G && row0 + lane < INTER) act[row0 + lane] = 0.f;
       return;
     }
+#if MOE_PF_DOWN
+    moe_prefetch_down(a, false, e);  // before the weight loads: no register of theirs is live yet
+#endif
 #if GU_EARLY
     moe_gate_up_load(a, false, e, row0, lane, wv, sc, bi);  // in flight while x is staged
-#endif
-#if SPLIT_DOWN
-    if constexpr (kSplit) moe_down_slice_load(a, false, e, down);
 #endif
   }
 #if DP4A
@@ -691,27 +602,9 @@ __device__ __forceinline__ void moe_gate_up_rows(const MoeArgs& a, float4* moe_s
 #endif
     const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
     const int row = row0 + r;
-    if (lane == 0 && row < INTER) {
-      if constexpr (kSplit) act_s[warp * ROWS_G + r] = silu(g) * u;
-      else act[row] = silu(g) * u;
-    }
+    if (lane == 0 && row < INTER) act[row] = silu(g) * u;
   }
-#if SPLIT_DOWN
-  if constexpr (kSplit) moe_down_partials(a, act_s, down, slot);
-#endif
 }
-
-extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_decode(const MoeArgs a) {
-  extern __shared__ float4 moe_smem[];
-  moe_gate_up_rows<false>(a, moe_smem);
-}
-
-#if SPLIT_DOWN
-extern "C" __global__ void MOE_GU_BOUNDS __cluster_dims__(SD_CL, 1, 1) moe_gate_up_down_decode(const MoeArgs a) {
-  extern __shared__ float4 moe_smem[];
-  moe_gate_up_rows<true>(a, moe_smem);
-}
-#endif
 
 // ---------------------------------------------------------------------------------------------
 // Decode 2: grouped down + routing weights, summed per output row in (id, slot) order.
@@ -865,49 +758,6 @@ extern "C" __global__ void MOE_DEC_BOUNDS moe_down_decode(const MoeArgs a) {
 #endif
   }
 }
-
-#if SPLIT_DOWN
-// The split down pass's sums (the header): warp s takes slot s's partials of rows n0 .. n0 + 31, lane l row n0 + l,
-// and folds its LPR vectors in moe_down_decode's shuffle-tree order (lanes past SD_NV hold 0); warp 0 then sums the
-// slots in (id, slot) order times the routing weights and adds σ(gate)·shared into h, as moe_down_decode does.
-extern "C" __global__ void __launch_bounds__(32 * SLOTS) moe_down_sum_decode(const MoeArgs a) {
-  LILY_PDL_PROLOGUE();  // the partials are moe_gate_up_down_decode's output, the ids too
-  __shared__ float y[SLOTS][32];
-  __shared__ int eid[TOPK], ord[TOPK];
-  __shared__ float ew[TOPK];
-  const int tid = threadIdx.x, lane = tid & 31, s = tid >> 5, t = blockIdx.y, n = blockIdx.x * 32 + lane;
-  if (tid < TOPK) {
-    eid[tid] = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + tid];
-    ew[tid] = reinterpret_cast<const float*>(a.wts)[i64(t) * a.wts_stride + tid];
-  }
-  const float* part = reinterpret_cast<const float*>(a.y) + (i64(t) * SLOTS + s) * SD_NV * HID + n;
-  float v[LPR];
-#pragma unroll
-  for (int c = 0; c < LPR; ++c) v[c] = c < SD_NV && n < HID ? part[i64(c) * HID] : 0.f;
-#pragma unroll
-  for (int o = LPR / 2; o > 0; o >>= 1)
-#pragma unroll
-    for (int i = 0; i < o; ++i) v[i] += v[i + o];  // lane i's value after the shuffle with offset o
-  y[s][lane] = v[0];
-  __syncthreads();  // eid, ew
-  if (tid < TOPK) {  // rank of slot tid by (expert id, slot)
-    int rank = 0;
-    for (int j = 0; j < TOPK; ++j) rank += eid[j] < eid[tid] || (eid[j] == eid[tid] && j < tid);
-    ord[rank] = tid;
-  }
-  __syncthreads();  // ord, y
-  if (s == 0 && n < HID) {
-    float o = 0.f;
-    for (int j = 0; j < TOPK; ++j) {
-      const int r = ord[j];
-      if (moe_valid_expert(eid[r])) o += ew[r] * y[r][lane];
-    }
-    float* out = reinterpret_cast<float*>(a.out) + i64(t) * a.out_stride + n;
-    const float g = sigmoid(reinterpret_cast<const float*>(a.sgate)[i64(t) * a.sgate_stride]);
-    *out += o + g * y[TOPK][lane];
-  }
-}
-#endif
 
 // ---------------------------------------------------------------------------------------------
 // Prefill 1: grouping. moe_group: one block of 1024 threads does it all. With more than one 1024-pair chunk, the
