@@ -626,9 +626,7 @@ def test_moe_group_blocks_compiles_and_reports(cache, on):
                                        ({"moe_decode_minb": 4}, "registers capped for 4 blocks per SM (moe_decode_minb)"),
                                        ({"moe_early_loads": False}, "gate/up weight loads after x is staged "
                                                                     "(moe_early_loads=False)"),
-                                       ({"moe_early_loads": True}, "gate/up weight loads in flight while x is staged"),
-                                       ({"moe_prefetch_down": True}, "each gate/up block prefetches its share of its "
-                                                                     "expert's down matrix into the L2")])
+                                       ({"moe_early_loads": True}, "gate/up weight loads in flight while x is staged")])
 def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
     """moe_rows_g / moe_rows_d / moe_decode_minb: the fused decode MoE of the real shapes compiles at each geometry and
     register cap, the variant names it (the default: 2 gate/up rows per warp, 8 down rows per block, no cap), and values
@@ -653,9 +651,6 @@ def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
                     if "moe_decode_minb" in opts else
                     ["not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the compiler's choice"
                      + (", but 3 blocks per SM for gate/up's early loads" if opts.get("moe_early_loads", True) else "")]), said
-    prefetch = [o for o in b.report()["optimizations"] if "moe_prefetch_down" in o and not o.startswith("moe.")]
-    assert len(prefetch) == 1 and prefetch[0].startswith("not active") != opts.get("moe_prefetch_down", False), prefetch
-    assert ("(moe_prefetch_down)" in variant) == opts.get("moe_prefetch_down", False), variant
     early = "gate/up weight loads in flight while x is staged (the shared expert's before the wait)" in variant
     assert early == (opts.get("moe_rows_g") != 4 and opts.get("moe_decode_minb", 0) <= 3
                      and opts.get("moe_early_loads", True)), variant

@@ -1085,11 +1085,6 @@ std::vector<std::string> CudaOps::optimizations() const {
                   : std::string("not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the "
                                 "compiler's choice") + (opt_.moe_early_loads ? ", but 3 blocks per SM for gate/up's early loads"
                                                                              : ""));
-  o.push_back(opt_.moe_prefetch_down
-                  ? "decode MoE gate/up blocks prefetch their share of their expert's down matrix into the L2 "
-                    "(moe_prefetch_down)"
-                  : std::string("not active: the decode MoE's L2 prefetch of the down matrices (moe_prefetch_down=False: "
-                                "not yet measured on a GPU)"));
   o.push_back(opt_.moe_early_loads
                   ? "decode MoE gate/up: every weight load issued while x is staged, the shared expert's before its "
                     "wait (moe_early_loads; where a lane holds at most 4 weight vectors)"

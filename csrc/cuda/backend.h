@@ -151,10 +151,6 @@ struct CudaOptions {
   // before its wait) instead of after: one DRAM round trip instead of several (kernels/moe.cu GU_EARLY). The same
   // bits. Measured +2.3% decode at 4K, +1.6% at 128K on the H100: benchmarks/NOTES.md.
   bool moe_early_loads = true;
-  // Decode: each gate/up block prefetches its share of its routed (or the shared) expert's down matrix into the L2,
-  // so the down pass's blocks that start late read it there (kernels/moe.cu MOE_PF_DOWN). A hint: the same bits.
-  // Off by default: written without a GPU (benchmarks/NOTES.md gives the prediction).
-  bool moe_prefetch_down = false;
   // Prefill attention on tensor cores (bf16 caches): keys per K/V tile, 16 or 32. Shared memory per block is 101 KB or
   // 135 KB at head dim 256: two blocks per SM or one. benchmarks/NOTES.md.
   int attn_prefill_keys = 16;

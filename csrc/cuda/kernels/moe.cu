@@ -335,36 +335,6 @@ __device__ __forceinline__ bool moe_valid_expert(int e) { return e >= 0 && e < N
 #define MOE_GU_BOUNDS MOE_DEC_BOUNDS
 #endif
 
-// MOE_PF_DOWN (the host's moe_prefetch_down): once a gate/up block knows its expert it asks the L2 for its share
-// (1/gridDim.x) of that expert's down matrix: the codes, and the scales and biases of affine weights. The down pass's
-// blocks load their weights before they wait, but only those that find room on an SM while gate/up runs (108 of
-// 256 slots at the real shape on an H100); the rest start as gate/up's blocks leave and would wait a DRAM round trip
-// under load. 16.5 KB a block at the real shape, 0.6 prefetch instructions a thread. A hint: no result changes.
-#ifndef MOE_PF_DOWN
-#define MOE_PF_DOWN 0
-#endif
-#if MOE_PF_DOWN
-__device__ __forceinline__ void l2_prefetch_share(const unsigned char* p, i64 bytes) {
-  const i64 lines = (bytes + 127) / 128, per = (lines + gridDim.x - 1) / gridDim.x;
-  const i64 l0 = i64(blockIdx.x) * per, l1 = min(lines, l0 + per);
-  for (i64 l = l0 + threadIdx.x; l < l1; l += blockDim.x) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + 128 * l));
-}
-__device__ __forceinline__ void moe_prefetch_down(const MoeArgs& a, bool shared, int e) {
-  l2_prefetch_share(shared ? reinterpret_cast<const unsigned char*>(a.sdata[2])
-                           : reinterpret_cast<const unsigned char*>(a.data[2]) + i64(e) * i64(a.data_stride[2]),
-                    i64(HID) * ROW_BYTES(INTER));
-#if WKIND == 1
-  const i64 sbytes = i64(HID) * (INTER / GROUP) * ESIZE_SCALE;
-  l2_prefetch_share(shared ? reinterpret_cast<const unsigned char*>(a.sscales[2])
-                           : reinterpret_cast<const unsigned char*>(a.scales[2]) + i64(e) * i64(a.scale_stride[2]),
-                    sbytes);
-  l2_prefetch_share(shared ? reinterpret_cast<const unsigned char*>(a.sbiases[2])
-                           : reinterpret_cast<const unsigned char*>(a.biases[2]) + i64(e) * i64(a.bias_stride[2]),
-                    sbytes);
-#endif
-}
-#endif
-
 // ---------------------------------------------------------------------------------------------
 // Decode 1: grouped gate + up + SiLU·mul.
 
@@ -500,9 +470,6 @@ extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_decode(const MoeArgs a) {
   const bool shared_slot = FUSED && s == TOPK;
   int e = 0;
   if (shared_slot) {  // FUSED only
-#if MOE_PF_DOWN
-    moe_prefetch_down(a, true, 0);  // before the weight loads: no register of theirs is live yet
-#endif
 #if GU_EARLY
     // No kernel writes the shared expert's weights: their loads go out before the wait (common.cuh's contract).
     moe_gate_up_load(a, true, 0, row0, lane, wv, sc, bi);
@@ -538,9 +505,6 @@ extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_decode(const MoeArgs a) {
       if (lane < ROWS_G && row0 + lane < INTER) act[row0 + lane] = 0.f;
       return;
     }
-#if MOE_PF_DOWN
-    moe_prefetch_down(a, false, e);  // before the weight loads: no register of theirs is live yet
-#endif
 #if GU_EARLY
     moe_gate_up_load(a, false, e, row0, lane, wv, sc, bi);  // in flight while x is staged
 #endif
