@@ -1085,11 +1085,6 @@ std::vector<std::string> CudaOps::optimizations() const {
                   : std::string("not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the "
                                 "compiler's choice") + (opt_.moe_early_loads ? ", but 3 blocks per SM for gate/up's early loads"
                                                                              : ""));
-  o.push_back(opt_.dp4a_stage_once
-                  ? "decode dp4a staging (the GEMV's x, the MoE down pass's act rows): every pass's loads issued before "
-                    "the first is packed (dp4a_stage_once)"
-                  : "not active: one staging round trip for the dp4a decode kernels (dp4a_stage_once=False): a round "
-                    "trip to the L2 per pass");
   o.push_back(opt_.moe_early_loads
                   ? "decode MoE gate/up: every weight load issued while x is staged, the shared expert's before its "
                     "wait (moe_early_loads; where a lane holds at most 4 weight vectors)"

@@ -151,9 +151,6 @@ struct CudaOptions {
   // before its wait) instead of after: one DRAM round trip instead of several (kernels/moe.cu GU_EARLY). The same
   // bits. Measured +2.3% decode at 4K, +1.6% at 128K on the H100: benchmarks/NOTES.md.
   bool moe_early_loads = true;
-  // Decode dp4a staging (quant.cuh dp4a_quantize_rows: the down pass's act rows, the GEMV's x): every pass's loads
-  // before the first pass is packed, one L2 round trip. False: a round trip per pass (DP4A_STAGE_PASSES, for an A/B).
-  bool dp4a_stage_once = true;
   // Prefill attention on tensor cores (bf16 caches): keys per K/V tile, 16 or 32. Shared memory per block is 101 KB or
   // 135 KB at head dim 256: two blocks per SM or one. benchmarks/NOTES.md.
   int attn_prefill_keys = 16;

@@ -439,7 +439,6 @@ void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, i
     name = "matmul_gemv_dp4a";
     rb = gemv_dp4a_rows(w[0]);
     if (options().gemv_ahead == 2) d.push_back({"GEMV_AHEAD", 2});
-    if (!options().dp4a_stage_once) d.push_back({"DP4A_STAGE_PASSES", 1});
     per_block = kThreads / 32;
   } else {  // U from all the parts' rows, never from T
     const int64_t rpp = gemv_rows_per_pass(w[0]);

@@ -578,13 +578,12 @@ def test_moe_block_pdl_decode_same_bits(spec, E, k, H, I, Ish):
 @pytest.mark.parametrize("spec,E,k,H,I,Ish", [c for c in BLOCK_CASES if c[4] == c[5]])
 def test_moe_block_decode_geometry_same_bits(spec, E, k, H, I, Ish):
     """moe_rows_g / moe_rows_d (gate/up rows per warp, down rows per block) move work between threads and blocks,
-    moe_decode_minb caps registers, moe_early_loads moves gate/up's weight loads and dp4a_stage_once
-    the down pass's staging loads, never the order of a sum: the fused decode block's output equals the default geometry's bit for bit, and the variant names
+    moe_decode_minb caps registers, moe_early_loads moves gate/up's weight loads, never the
+    order of a sum: the fused decode block's output equals the default geometry's bit for bit, and the variant names
     the geometry and the load order in use."""
     geometries = ({}, {"moe_rows_g": 1, "moe_rows_d": 1}, {"moe_rows_g": 4, "moe_rows_d": 16}, {"moe_rows_d": 64},
                   {"moe_decode_minb": 4}, {"moe_decode_minb": 8, "moe_rows_g": 4}, {"moe_early_loads": False},
-                  {"moe_early_loads": False, "moe_rows_g": 1}, {"moe_rows_g": 1, "moe_decode_minb": 3},
-                  {"dp4a_stage_once": False})
+                  {"moe_early_loads": False, "moe_rows_g": 1}, {"moe_rows_g": 1, "moe_decode_minb": 3})
     benches = tuple(core.OpBench("cuda", g) for g in geometries)
     rng = np.random.default_rng(zlib.crc32(f"block geometry {spec} {E}".encode()))
     handles, shared = block_weights(benches, rng, spec, E, H, I, Ish)

@@ -699,9 +699,9 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
   if constexpr (NORM != 0) {
     gemv_stage_normed<XLD>(xr, t, b0, bstep, NP, xsh);
     __syncthreads();
-    dp4a_quantize_rows<BITS, NT, 1, C>(xsh, 0, XLD, true, xq, xsc, xsm);
+    dp4a_quantize_rows<BITS>(xsh, 0, XLD, 1, C, true, xq, xsc, xsm);
   } else {
-    dp4a_quantize_rows<BITS, NT, 1, C>(xr, 0, EPC, (reinterpret_cast<unsigned long long>(xr) & 15u) == 0, xq, xsc, xsm);
+    dp4a_quantize_rows<BITS>(xr, 0, EPC, 1, C, (reinterpret_cast<unsigned long long>(xr) & 15u) == 0, xq, xsc, xsm);
   }
   __syncthreads();
 

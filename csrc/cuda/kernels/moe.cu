@@ -582,7 +582,7 @@ __device__ __forceinline__ void moe_down_stage_act(const float* act, float4* moe
   uint4* aq = reinterpret_cast<uint4*>(moe_smem);
   float* asc = reinterpret_cast<float*>(aq + SLOTS * MQV * NVI);
   float* asm_ = asc + SLOTS * NVI;
-  dp4a_quantize_rows<BITS, 256, SLOTS, NVI>(act, INTER, CPV, true, aq, asc, asm_);
+  dp4a_quantize_rows<BITS>(act, INTER, CPV, SLOTS, NVI, true, aq, asc, asm_);
 #else
   for (int i = threadIdx.x; i < SLOTS * AF4; i += 256) {
     const int s = i / AF4, f = i - s * AF4;

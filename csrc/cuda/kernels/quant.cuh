@@ -361,19 +361,16 @@ __device__ __forceinline__ void dp4a_quantize_word(const float (&v)[Dp4a<kBits>:
     xsm[c] = sum;
   }
 }
-// Rows r < kRows of kN chunks each (chunk c of row r: EPC floats at src + r·rstride + c·cstride) into their packed
-// terms (row r's at xq + r·QW/4·kN, xsc + r·kN, xsm + r·kN), by a block of kThreads (a multiple of 32): 4 threads
-// per chunk, in passes of kThreads whose loads are all issued before the first pass is packed (one round trip to
-// the L2, not one per pass). vec: src and both strides allow 16-byte loads. The block must reach this together.
-template <int kBits, int kThreads, int kRows, int kN>
-__device__ __forceinline__ void dp4a_quantize_rows(const float* src, i64 rstride, int cstride, bool vec, uint4* xq,
-                                                   float* xsc, float* xsm) {
-  constexpr int EW = Dp4a<kBits>::EW, QV = Dp4a<kBits>::QW / 4, PASSES = (kRows * kN * 4 + kThreads - 1) / kThreads;
-#if DP4A_STAGE_PASSES  // A/B: each pass's loads, then its packing (the form before)
-#pragma unroll 1
-  for (int pass = 0; pass < PASSES; ++pass) {
-    const int q = pass * kThreads + int(threadIdx.x), r = q / (kN * 4), c = (q >> 2) - r * kN, i = q & 3;
-    const bool live = r < kRows;
+// Rows r < rows of n chunks each (chunk c of row r: EPC floats at src + r·rstride + c·cstride) into their packed
+// terms (row r's at xq + r·QW/4·n, xsc + r·n, xsm + r·n), by the whole block: 4 threads per chunk, passes of
+// blockDim.x (a multiple of 32). vec: src and both strides allow 16-byte loads. The block must reach this together.
+template <int kBits>
+__device__ __forceinline__ void dp4a_quantize_rows(const float* src, i64 rstride, int cstride, int rows, int n,
+                                                   bool vec, uint4* xq, float* xsc, float* xsm) {
+  constexpr int EW = Dp4a<kBits>::EW, QV = Dp4a<kBits>::QW / 4;
+  for (int base = 0; base < rows * n * 4; base += int(blockDim.x)) {
+    const int q = base + int(threadIdx.x), r = q / (n * 4), c = (q >> 2) - r * n, i = q & 3;
+    const bool live = r < rows;
     const int rr = live ? r : 0;
     const float* p = src + i64(rr) * rstride + i64(c) * cstride + i * EW;
     float v[EW];
@@ -384,30 +381,7 @@ __device__ __forceinline__ void dp4a_quantize_rows(const float* src, i64 rstride
       else if (live) f = make_float4(p[e], p[e + 1], p[e + 2], p[e + 3]);
       v[e] = f.x, v[e + 1] = f.y, v[e + 2] = f.z, v[e + 3] = f.w;
     }
-    dp4a_quantize_word<kBits>(v, xq + rr * QV * kN, kN, xsc + rr * kN, xsm + rr * kN, c, i, live);
-  }
-  return;
-#endif
-  float v[PASSES][EW];
-#pragma unroll
-  for (int pass = 0; pass < PASSES; ++pass) {
-    const int q = pass * kThreads + int(threadIdx.x), r = q / (kN * 4), c = (q >> 2) - r * kN, i = q & 3;
-    const bool live = r < kRows;
-    const float* p = src + i64(live ? r : 0) * rstride + i64(c) * cstride + i * EW;
-#pragma unroll
-    for (int e = 0; e < EW; e += 4) {
-      float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (live && vec) f = *reinterpret_cast<const float4*>(p + e);
-      else if (live) f = make_float4(p[e], p[e + 1], p[e + 2], p[e + 3]);
-      v[pass][e] = f.x, v[pass][e + 1] = f.y, v[pass][e + 2] = f.z, v[pass][e + 3] = f.w;
-    }
-  }
-#pragma unroll
-  for (int pass = 0; pass < PASSES; ++pass) {
-    const int q = pass * kThreads + int(threadIdx.x), r = q / (kN * 4), c = (q >> 2) - r * kN, i = q & 3;
-    const bool live = r < kRows;
-    const int rr = live ? r : 0;
-    dp4a_quantize_word<kBits>(v[pass], xq + rr * QV * kN, kN, xsc + rr * kN, xsm + rr * kN, c, i, live);
+    dp4a_quantize_word<kBits>(v, xq + rr * QV * n, n, xsc + rr * n, xsm + rr * n, c, i, live);
   }
 }
 // Chunk c's packed terms.
