@@ -325,12 +325,6 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("moe_decode_minb").is_none())  // 8 blocks of 256 threads fill an SM's 2048
       o.moe_decode_minb = bounded_int("moe_decode_minb", opt("moe_decode_minb"), 0, 8,
                                       "an int from 0 (the compiler's choice) to 8 blocks per SM");
-    if (!opt("moe_down_regs").is_none()) {
-      o.moe_down_regs = bounded_int("moe_down_regs", opt("moe_down_regs"), 0, 255, "0 (no cap) or 32 to 255 registers");
-      if (o.moe_down_regs != 0 && o.moe_down_regs < 32)
-        throw std::invalid_argument("backend option moe_down_regs must be 0 (no cap) or 32 to 255 registers, got " +
-                                    std::to_string(o.moe_down_regs));
-    }
     if (!opt("moe_frag").is_none()) o.moe_frag = nb::cast<int>(opt("moe_frag"));
     if (o.moe_frag != 0 && (o.moe_frag < 3 || o.moe_frag > 6))
       throw std::invalid_argument("backend option moe_frag must be 0 (off) or 3 to 6 stages, got " +

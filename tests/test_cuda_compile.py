@@ -626,14 +626,11 @@ def test_moe_group_blocks_compiles_and_reports(cache, on):
                                        ({"moe_decode_minb": 4}, "registers capped for 4 blocks per SM (moe_decode_minb)"),
                                        ({"moe_early_loads": False}, "gate/up weight loads after x is staged "
                                                                     "(moe_early_loads=False)"),
-                                       ({"moe_early_loads": True}, "gate/up weight loads in flight while x is staged"),
-                                       ({"moe_down_regs": 64}, "moe_down_decode capped at 64 registers (moe_down_regs)"),
-                                       ({"moe_down_regs": 0}, "(2 gate+up rows per warp)")])
+                                       ({"moe_early_loads": True}, "gate/up weight loads in flight while x is staged")])
 def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
-    """moe_rows_g / moe_rows_d / moe_decode_minb / moe_down_regs: the fused decode MoE of the real shapes compiles at
-    each geometry and register cap, the variant names it (the default: 2 gate/up rows per warp, 8 down rows per block,
-    no blocks-per-SM cap, the down pass capped at 72 registers), and values outside the kernels' range are
-    refused."""
+    """moe_rows_g / moe_rows_d / moe_decode_minb: the fused decode MoE of the real shapes compiles at each geometry and
+    register cap, the variant names it (the default: 2 gate/up rows per warp, 8 down rows per block, no cap), and values
+    outside the kernels' range are refused."""
     b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
     c, (H, E, K, I), (g, u, d) = _full_q4_experts(b)
     sg, su, sd = (b.weight(_zeros_weight(I, H, "q4")), b.weight(_zeros_weight(I, H, "q4")),
@@ -654,18 +651,11 @@ def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
                     if "moe_decode_minb" in opts else
                     ["not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the compiler's choice"
                      + (", but 3 blocks per SM for gate/up's early loads" if opts.get("moe_early_loads", True) else "")]), said
-    regs = opts.get("moe_down_regs", 72)
-    assert (f"moe_down_decode capped at {regs} registers (moe_down_regs)" in variant) == (regs > 0), variant
-    said = [o for o in b.report()["optimizations"] if "moe_down_regs" in o and not o.startswith("moe.")]
-    assert said == ([f"decode MoE down pass capped at {regs} registers, so a block of the next input GEMV fits beside "
-                     "two of its blocks (moe_down_regs)"] if regs else
-                    ["not active: a register cap on moe_down_decode (moe_down_regs=0)"]), said
     early = "gate/up weight loads in flight while x is staged (the shared expert's before the wait)" in variant
     assert early == (opts.get("moe_rows_g") != 4 and opts.get("moe_decode_minb", 0) <= 3
                      and opts.get("moe_early_loads", True)), variant
     for bad in ({"moe_rows_g": 3}, {"moe_rows_g": -1}, {"moe_rows_d": 0}, {"moe_rows_d": 65}, {"moe_decode_minb": 9},
-                {"moe_decode_minb": -1}, {"moe_decode_minb": 2.0}, {"moe_decode_minb": True}, {"moe_down_regs": 16},
-                {"moe_down_regs": 256}, {"moe_down_regs": True}):
+                {"moe_decode_minb": -1}, {"moe_decode_minb": 2.0}, {"moe_decode_minb": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             core.OpBench("cuda", {"dry_arch": 90, **bad})
 

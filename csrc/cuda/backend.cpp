@@ -1085,10 +1085,6 @@ std::vector<std::string> CudaOps::optimizations() const {
                   : std::string("not active: a register cap on the decode MoE kernels (moe_decode_minb=0): the "
                                 "compiler's choice") + (opt_.moe_early_loads ? ", but 3 blocks per SM for gate/up's early loads"
                                                                              : ""));
-  o.push_back(opt_.moe_down_regs > 0
-                  ? "decode MoE down pass capped at " + std::to_string(opt_.moe_down_regs) +
-                        " registers, so a block of the next input GEMV fits beside two of its blocks (moe_down_regs)"
-                  : std::string("not active: a register cap on moe_down_decode (moe_down_regs=0)"));
   o.push_back(opt_.moe_early_loads
                   ? "decode MoE gate/up: every weight load issued while x is staged, the shared expert's before its "
                     "wait (moe_early_loads; where a lane holds at most 4 weight vectors)"

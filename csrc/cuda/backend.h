@@ -147,10 +147,6 @@ struct CudaOptions {
   // Blocks per SM the decode MoE kernels' registers must allow (__launch_bounds__; 0 = the compiler's choice, 3 at
   // the real shape; 4 caps them at 64 registers so the down pass's blocks sit beside gate/up's). The same bits.
   int moe_decode_minb = 0;
-  // moe_down_decode's register cap (__maxnreg__; 0 = none, else 32-255; it takes precedence over moe_decode_minb for
-  // that kernel). 72: two down blocks and a block of the next GEMV (104 registers) fit one SM together, so the GEMV's
-  // early weight loads overlap the down pass. The same bits.
-  int moe_down_regs = 72;
   // The decode MoE's gate/up pass issues its weight loads while x is staged (after the routing; the shared expert's
   // before its wait) instead of after: one DRAM round trip instead of several (kernels/moe.cu GU_EARLY). The same
   // bits. Measured +2.3% decode at 4K, +1.6% at 128K on the H100: benchmarks/NOTES.md.

@@ -346,12 +346,8 @@ bool f16_expert_forms(ExpertsVariant& v, bool w_f16, bool x_rows) {
 
 // The decode kernels' register cap for `minb` blocks per SM (the option moe_decode_minb; kernels/moe.cu DEC_MINB) and
 // the gate/up pass's load order (the option moe_early_loads; GU_ORDER, GU_EARLY: where a lane's weight vectors fit).
-void decode_caps_and_order(ExpertsVariant& v, const Weight& gate, int minb, bool early, int down_regs) {
+void decode_caps_and_order(ExpertsVariant& v, const Weight& gate, int minb, bool early) {
   v.defines.push_back({"DEC_MINB", minb});
-  if (down_regs > 0) {
-    v.defines.push_back({"DOWN_MAXREG", down_regs});
-    v.text += ", moe_down_decode capped at " + std::to_string(down_regs) + " registers (moe_down_regs)";
-  }
   if (minb > 0)
     v.text += ", registers capped for " + std::to_string(minb) + " blocks per SM (moe_decode_minb)";
   if (!early) v.defines.push_back({"GU_ORDER", 0});
@@ -456,7 +452,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
                                           info().max_smem_optin, options().moe_frag, options().moe_frag32_rows,
                                           options().moe_tile64_rows);
   if (ph == Phase::Decode) {
-    decode_caps_and_order(v, gate, options().moe_decode_minb, options().moe_early_loads, options().moe_down_regs);
+    decode_caps_and_order(v, gate, options().moe_decode_minb, options().moe_early_loads);
     note_variant("moe.experts.decode", v.text);
     const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
     const Kernel& k2 = kernel("moe", "moe_down_decode", v.defines);
@@ -561,7 +557,7 @@ void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tenso
   a.sgate_stride = shared_gate_logit.stride;
   ExpertsVariant v = select_experts(w.gate, T, k, Phase::Decode, aligned, CudaOptions::XForm::BF16x2, options().gemv_dp4a,
                                     options().moe_rows_g, options().moe_rows_d);
-  decode_caps_and_order(v, w.gate, options().moe_decode_minb, options().moe_early_loads, options().moe_down_regs);
+  decode_caps_and_order(v, w.gate, options().moe_decode_minb, options().moe_early_loads);
   v.defines.push_back({"FUSED", 1});
   // Under programmatic dependent launch the down pass routes its token itself and loads its weights before it
   // waits for the gate/up pass (kernels/moe.cu PREROUTE); otherwise it reads the ids the gate/up pass stored.

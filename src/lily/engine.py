@@ -356,10 +356,9 @@ class Engine:
         ``moe_rows_g`` / ``moe_rows_d`` (the decode MoE's geometry: gate/up rows per warp, 1, 2 or 4, default 0 =
         by shape; output rows per down-pass block, 1-64, default 8; the same bits at any setting),
         ``moe_decode_minb`` (blocks per SM the decode MoE kernels' registers must allow, 0-8; default 0 = the
-        compiler's choice; the same bits), ``moe_down_regs`` (the decode MoE down pass's register cap, 0 = none
-        or 32-255; default 72: a block of the next GEMV fits beside two down blocks and loads its weights early;
-        the same bits), ``moe_early_loads`` (the decode MoE's gate/up pass issues its weight loads while x is
-        staged, the shared expert's before its wait; the same bits; default True: +2% decode at 4K on the H100),
+        compiler's choice; the same bits), ``moe_early_loads`` (the decode MoE's gate/up pass issues its weight
+        loads while x is staged, the shared expert's before its wait; the same bits; default True: +2% decode at
+        4K on the H100),
         ``attn_prefill_keys`` (prefill attention on tensor cores: K/V tiles of 16 or 32 keys; default 16),
         ``attn_prefill_split`` (prefill attention for at most 64 rows whose grid leaves SMs idle, e.g. a warm turn's
         new tokens after a long context: the keys split over more blocks, the partials merged; default True),

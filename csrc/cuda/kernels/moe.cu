@@ -318,17 +318,6 @@ __device__ __forceinline__ bool moe_valid_expert(int e) { return e >= 0 && e < N
 #else
 #define MOE_DEC_BOUNDS __launch_bounds__(256)
 #endif
-// DOWN_MAXREG (the host's moe_down_regs; 0: none): moe_down_decode's register cap. At 72 (the default; 77 uncapped at
-// the real shape, allocated as 80) two down blocks leave an SM room for a block of the next layer's input GEMV (104
-// allocated), which then issues its early weight loads while the down pass runs instead of after it.
-#ifndef DOWN_MAXREG
-#define DOWN_MAXREG 0
-#endif
-#if DOWN_MAXREG > 0
-#define MOE_DOWN_BOUNDS __maxnreg__(DOWN_MAXREG)
-#else
-#define MOE_DOWN_BOUNDS MOE_DEC_BOUNDS
-#endif
 // GU_EARLY: moe_gate_up_decode issues its weight loads before it stages x, where a lane's weight vectors are the
 // host's default count (ROWS_G·GU_NIT ≤ 4: rows_g = 4 / nit) and the cap leaves registers for them (DEC_MINB ≤ 3).
 // All its weights and one vector's packed x are then live at once: left to itself the compiler takes 102 registers at
@@ -614,7 +603,7 @@ __device__ __forceinline__ void moe_down_stage_act(const float* act, float4* moe
 #if PREROUTE && !FUSED
 #error "PREROUTE needs the fused decode MoE (its router logits)"
 #endif
-extern "C" __global__ void MOE_DOWN_BOUNDS moe_down_decode(const MoeArgs a) {
+extern "C" __global__ void MOE_DEC_BOUNDS moe_down_decode(const MoeArgs a) {
 #if !PREROUTE
   LILY_PDL_PROLOGUE();
 #endif
