@@ -6,6 +6,8 @@
 #   (default: build tests)
 #
 # tests: tests/cuda, or the files in TEST_PATHS.
+# bench: the full sweep (benchmarks/bench_cuda.py; BENCH_ARGS adds arguments, e.g. "--repeats 3 --decode-tokens 32",
+# the published sweeps' command, ~160 s on an H100).
 # trace: the decode critical path at TRACE_CONTEXT positions (default 4096): benchmarks/trace_cuda.py.
 # ab: decode tokens/s of each backend-options JSON in AB_OPTIONS (';'-separated; the first is the baseline) at
 # AB_CONTEXTS (default 4K), AB_ROUNDS interleaved rounds (default 5): benchmarks/ab_decode.py.
@@ -131,7 +133,7 @@ if has mtp-full; then  # issue 14 item 8: the full-size synthetic model's verify
 fi
 if has bench; then
   wait
-  python3 benchmarks/bench_cuda.py --cache /tmp/lily-full-q4 --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \
+  python3 benchmarks/bench_cuda.py --cache /tmp/lily-full-q4 ${BENCH_ARGS:-} --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \
     | tee "$OUT/bench.log"
 fi
 exit $rc
