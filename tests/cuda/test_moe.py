@@ -608,9 +608,114 @@ def test_moe_block_decode_geometry_same_bits(spec, E, k, H, I, Ish):
         assert ("gate/up weight loads in flight while x is staged" in text) == early, (g, text)
 
 
+# ------------------------------------------------------------------------------------------------
+# proj_moe: the mixer's projection, the residual add, the norm with the router and the shared gate, and the MoE
+# (decode: the router's products as per-block fixed-point sums in the projection's launch; kernels/matmul.cu ROUTE,
+# kernels/moe.cu RACC)
+# ------------------------------------------------------------------------------------------------
+
+PROJ_CASES = [
+    # (projection spec, mixer width K, router spec, E, k, H, I): the real shapes (4-bit projection from 4096, 8-bit
+    # router); awkward fused ones (a 4-bit router with group 32 and f32 scales, odd E and k, H 192 / 448); a dense
+    # router (composed in decode, reported).
+    ("q4g64-bf16", 4096, "q8g64-bf16", 256, 8, 2048, 512),
+    ("q4g64-bf16", 320, "q4g32-f32", 5, 3, 192, 320),
+    ("q8g64-f16", 448, "q8g64-f16", 7, 3, 448, 192),
+    ("q4g64-bf16", 256, "bf16", 12, 3, 256, 128),
+]
+
+
+def matrix(rng, spec: str, n: int, k: int) -> dict:
+    d = stacked(rng, spec, 1, n, k)
+    d.pop("experts")
+    return d
+
+
+def run_proj_moe(benches, case, inputs, handles):
+    """Runs proj_moe on each bench: h (with a NaN-free guard row on each side that must stay as it was), the ids and
+    the weights."""
+    spec, K, rspec, E, k, H, I = case
+    y, h0 = inputs
+    T = y.shape[0]
+    res = []
+    for b, hd in zip(benches, handles):
+        h = b.tensor(h0)
+        ids, wts = b.empty(T, k, "i32"), b.empty(T, k)
+        b.run("proj_moe", phase="decode", y=b.tensor(y), proj=hd["proj"], norm_w=b.tensor(hd["norm_w"]), eps=1e-6,
+              router=hd["router"], shared_gate=hd["shared_gate"], k=k, gate=hd["gate"], up=hd["up"], down=hd["down"],
+              shared_gate_proj=hd["sgp"], shared_up=hd["su"], shared_down=hd["sd"], ids=ids, weights=wts,
+              routed=b.empty(T, H), shared_g=b.empty(T, I), shared_u=b.empty(T, I), shared_act=b.empty(T, I),
+              shared=b.empty(T, H), mixer_out=b.empty(T, H), normed=b.empty(T, H), router_logits=b.empty(T, E),
+              shared_gate_logit=b.empty(T, 1), ws=b.workspace(config(E, k, H, I), T, 16), h=b.view(h, 1, T))
+        res.append((b.read(h), b.read(ids), b.read(wts)))
+    return res
+
+
+def proj_handles(benches, rng, case):
+    spec, K, rspec, E, k, H, I = case
+    descs = {"proj": matrix(rng, spec, H, K), "router": matrix(rng, rspec, E, H), "shared_gate": matrix(rng, rspec, 1, H),
+             "gate": stacked(rng, spec, E, I, H), "up": stacked(rng, spec, E, I, H), "down": stacked(rng, spec, E, H, I),
+             "sgp": matrix(rng, spec, I, H), "su": matrix(rng, spec, I, H), "sd": matrix(rng, spec, H, I)}
+    norm_w = rng.uniform(0.5, 1.5, size=(1, H)).astype(np.float32)
+    return [{**{n: b.weight(d) for n, d in descs.items()}, "norm_w": norm_w} for b in benches]
+
+
+@pytest.mark.parametrize("case", PROJ_CASES, ids=[f"{c[0]}-K{c[1]}-{c[2]}-E{c[3]}" for c in PROJ_CASES])
+def test_proj_moe_decode(case):
+    """The fused form against the CPU's composition (matmul, add_rms_norm_matmuls, moe): the ids equal, the weights and
+    the block's contribution to h within the decode tolerance, the guard rows untouched. It runs twice per T and once
+    at another T in between: equal bits each time, so the router sums were put back to 0 after every call (a sum left
+    over would double the next call's logits: the same experts, other weights). pdl off: the down pass routes after
+    its wait and still puts them back."""
+    spec, K, rspec, E, k, H, I = case
+    fused = not rspec.startswith(("bf16", "f16", "f32"))
+    for pdl in ("decode", False):
+        benches = (core.OpBench("cpu", {"threads": 1}), core.OpBench("cuda", {"pdl": pdl}))
+        rng = np.random.default_rng(zlib.crc32(f"proj {case} {pdl}".encode()))
+        handles = proj_handles(benches, rng, case)
+        first = {}
+        for T in (1, 3, 1, 3):
+            inputs = first.setdefault(T, (signed(rng, T, K, 0.1, 0.5), signed(rng, T + 2, H)))
+            (ch, ci, cw), (gh, gi, gw) = run_proj_moe(benches, case, inputs, handles)
+            h0 = inputs[1]
+            np.testing.assert_array_equal(gh[0], h0[0])
+            np.testing.assert_array_equal(gh[-1], h0[-1])
+            np.testing.assert_array_equal(gi, ci, err_msg=f"routing differs from the CPU (T={T})")
+            assert rel_err(gw, cw) < 2e-5
+            err = rel_err(gh[1:-1] - h0[1:-1], ch[1:-1] - h0[1:-1])
+            assert err < 2e-5, f"proj_moe {case} T={T}: relative error {err:.3g}"
+            key = ("bits", T)
+            if key in first:
+                np.testing.assert_array_equal(gh.view(np.uint32), first[key][0].view(np.uint32))
+                np.testing.assert_array_equal(gw.view(np.uint32), first[key][1].view(np.uint32))
+            else:
+                first[key] = (gh, gw)
+        text = str_variants(benches[1].report()).get("proj_moe.decode", "")
+        assert ("3 launches" in text) == fused, text
+        if not fused:
+            assert "a router that is not 4- or 8-bit affine" in text, text
+
+
+def test_proj_moe_option_off_composes():
+    """proj_router=False: the projection, add_rms_norm_matmuls and the MoE as before, reported; the fused form gives
+    the same routing and h within the decode tolerance of it."""
+    case = PROJ_CASES[1]
+    spec, K, rspec, E, k, H, I = case
+    benches = (core.OpBench("cuda", {"proj_router": False}), core.OpBench("cuda"))
+    rng = np.random.default_rng(7)
+    handles = proj_handles(benches, rng, case)
+    inputs = (signed(rng, 2, K, 0.1, 0.5), signed(rng, 4, H))
+    (ah, ai, aw), (bh, bi, bw) = run_proj_moe(benches, case, inputs, handles)
+    np.testing.assert_array_equal(ai, bi)
+    assert rel_err(bh[1:-1] - inputs[1][1:-1], ah[1:-1] - inputs[1][1:-1]) < 2e-5
+    off = str_variants(benches[0].report())["proj_moe.decode"]
+    assert off.startswith("composed") and "proj_router=False" in off, off
+    assert "3 launches" in str_variants(benches[1].report())["proj_moe.decode"]
+
+
 def str_variants(report) -> dict:
     if isinstance(report, dict):
-        if "moe.block.decode" in report or "moe.block.prefill" in report:
+        if "moe.block.decode" in report or "moe.block.prefill" in report or "proj_moe.decode" in report:
             return report
         for v in report.values():
             found = str_variants(v)
