@@ -29,6 +29,8 @@
 //          accumulator, no fold) and the epilogue multiplies by the row's 2^-e. Not WF16's bits (another x scale)
 //   GBM    GEMM only: tile rows 64, 32 / 16 for small grids, 128 (XROW only) for large ones (matmul.cpp)
 //   NORM   GEMV only: 0 plain; 1 / 2: the RMSNorm (after a residual add) in front, done by every block (below)
+//   ROUTE  dp4a GEMV only (Ops::proj_moe): y is the residual h, added into, and every block adds its rows' share of
+//          the router's sums (GemvRoute below; RNEXP, RBITS, RGROUP, RSDT, RH: the router's rows, format and width)
 // One module per (K, format, alignment) serves both phases: ~6 modules for the real model.
 //
 // matmul_gemv (decode, T <= 16; Ops::matmul and Ops::matmuls: up to GEMV_PARTS weights of one format read

@@ -38,6 +38,11 @@
 //       in (id, slot) order times the routing weights. No atomics. PREROUTE (fused, under programmatic dependent
 //       launch): the block routes its token from the router logits and issues its weight loads before it waits
 //       for the gate/up pass (common.cuh's contract); only the act rows come after the wait.
+//     RACC (Ops::proj_moe, the host's proj_router): no router logits; the projection before left h itself and the
+//       router's sums [T][NEXP + 1] as int64 fixed point (kernels/matmul.cu ROUTE). x is h: every gate/up block takes
+//       its inverse rms (a block sum) and normalises it; the routing is the top-k of the sums (route_acc_warp), the
+//       weights and the shared gate's logit from them times that scale (block 0 of the shared slot stores them); the
+//       down pass routes from the sums too, and its last block puts them back to 0.
 //     DP4A (4/8-bit affine experts, 16-byte loads, groups of whole vectors; the host's gemv_dp4a, on by
 //       default): x and the act rows are staged as three int8 terms per 16-byte vector instead of fp32 (quant.cuh;
 //       4 threads per vector) and each vector's products are dp4a integer dot products combined in fp32 per
