@@ -631,6 +631,19 @@ def matrix(rng, spec: str, n: int, k: int) -> dict:
     return d
 
 
+def router_matrix(rng, spec: str, n: int, k: int) -> dict:
+    """A router whose logits spread over a few units, as a real model's do. With stacked()'s scales they reach ±400, so
+    softmax underflows to exact zeros below the top few: the CPU then takes the lowest ids among those ties while the
+    fused form ranks them by their logits (either way with weight 0, so h is the same)."""
+    d = matrix(rng, spec, n, k)
+    if d["kind"] == "affine":
+        ng = k // d["group"]
+        d["scales"] = stored(rng.uniform(2e-4, 2e-3, size=(n, ng)) * rng.choice([-1.0, 1.0], size=(n, ng)),
+                             d["scale_dtype"])
+        d["biases"] = stored(rng.normal(0.0, 0.02, size=(n, ng)), d["scale_dtype"])
+    return d
+
+
 def run_proj_moe(benches, case, inputs, handles):
     """Runs proj_moe on each bench: h (with a NaN-free guard row on each side that must stay as it was), the ids and
     the weights."""
@@ -653,7 +666,8 @@ def run_proj_moe(benches, case, inputs, handles):
 
 def proj_handles(benches, rng, case):
     spec, K, rspec, E, k, H, I = case
-    descs = {"proj": matrix(rng, spec, H, K), "router": matrix(rng, rspec, E, H), "shared_gate": matrix(rng, rspec, 1, H),
+    descs = {"proj": matrix(rng, spec, H, K), "router": router_matrix(rng, rspec, E, H),
+             "shared_gate": router_matrix(rng, rspec, 1, H),
              "gate": stacked(rng, spec, E, I, H), "up": stacked(rng, spec, E, I, H), "down": stacked(rng, spec, E, H, I),
              "sgp": matrix(rng, spec, I, H), "su": matrix(rng, spec, I, H), "sd": matrix(rng, spec, H, I)}
     norm_w = rng.uniform(0.5, 1.5, size=(1, H)).astype(np.float32)

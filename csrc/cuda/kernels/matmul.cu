@@ -672,15 +672,16 @@ __device__ __forceinline__ float gemv_raw_to_f32(u32 r) {
 static_assert((RBITS == 4 || RBITS == 8) && RGROUP % (32 / RBITS) == 0 && RH % RGROUP == 0, "the router's format");
 #define GEMV_ROUTE_PARAM , const GemvRoute R
 #define GEMV_ROUTE_ARG R
-// Router row e's (e = RNEXP: the shared gate's) weight at column n: fma(q, s, b), the CPU's dequantisation.
-__device__ __forceinline__ float route_weight(const GemvRoute& R, int e, int n) {
+// Router row e's (e = RNEXP: the shared gate's) code word holding column n (n a multiple of 32 / RBITS) with its
+// group's scale and bias (a word never straddles groups).
+__device__ __forceinline__ void route_word(const GemvRoute& R, int e, int n, u32& word, float& s, float& b) {
   constexpr int PER = 32 / RBITS;
   const int m = e < RNEXP ? 0 : 1, row = e < RNEXP ? e : 0;
   const unsigned char* w = m ? R.w[1] : R.w[0];
-  const u32 word = *reinterpret_cast<const u32*>(w + (i64(row) * (RH / PER) + n / PER) * 4);
-  const float q = float((word >> ((n % PER) * RBITS)) & ((1u << RBITS) - 1u));
+  word = *reinterpret_cast<const u32*>(w + (i64(row) * (RH / PER) + n / PER) * 4);
   const i64 gi = i64(row) * (RH / RGROUP) + n / RGROUP;
-  return fmaf(q, mm_scalar<RSDT, 1>(m ? R.s[1] : R.s[0], gi), mm_scalar<RSDT, 1>(m ? R.b[1] : R.b[0], gi));
+  s = mm_scalar<RSDT, 1>(m ? R.s[1] : R.s[0], gi);
+  b = mm_scalar<RSDT, 1>(m ? R.b[1] : R.b[0], gi);
 }
 // Its codes and scale/bias over the block's first round (columns n0 .. n0 + 8·RB8 - 1) into L1 before the wait.
 __device__ __forceinline__ void route_prefetch(const GemvRoute& R, int e, int n0) {
@@ -847,10 +848,21 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
     for (int q = 0; q < 2; ++q) {
       const int e = tid + q * NT;
       if (e <= RNEXP) {
+        // Σ over the round's rows in order, w = fma(q, s, b) as the CPU dequantises; every load of the round issued
+        // at once (the round starts on a whole word: base · RB8 is a multiple of 8, and RH of 32 / RBITS).
+        constexpr int PER = 32 / RBITS;
         float p = 0.f;
-        for (int i = 0; i < 8 * RB8; ++i) {
+#pragma unroll
+        for (int i = 0; i < 8 * RB8; i += PER) {
           const int n = base * RB8 + i;
-          if (n < P.N[0]) p = fmaf(route_weight(R, e, n), rsh[i], p);
+          if (n < P.N[0]) {
+            u32 word;
+            float ws, wb;
+            route_word(R, e, n, word, ws, wb);
+#pragma unroll
+            for (int c = 0; c < PER; ++c)
+              p = fmaf(fmaf(float((word >> (c * RBITS)) & ((1u << RBITS) - 1u)), ws, wb), rsh[i + c], p);
+          }
         }
         part[q] += __float2ll_rn(p * 4294967296.f);  // 2^32: exact
       }

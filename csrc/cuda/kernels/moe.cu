@@ -42,7 +42,7 @@
 //       router's sums [T][NEXP + 1] as int64 fixed point (kernels/matmul.cu ROUTE). x is h: every gate/up block takes
 //       its inverse rms (a block sum) and normalises it; the routing is the top-k of the sums (route_acc_warp), the
 //       weights and the shared gate's logit from them times that scale (block 0 of the shared slot stores them); the
-//       down pass routes from the sums too, and its last block puts them back to 0.
+//       down pass routes from the sums too, and its last block to arrive puts them back to 0 after its wait.
 //     DP4A (4/8-bit affine experts, 16-byte loads, groups of whole vectors; the host's gemv_dp4a, on by
 //       default): x and the act rows are staged as three int8 terms per 16-byte vector instead of fp32 (quant.cuh;
 //       4 threads per vector) and each vector's products are dp4a integer dot products combined in fp32 per
@@ -596,10 +596,9 @@ extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_decode(const MoeArgs a) {
 #endif
   if (shared_slot) {  // FUSED only
 #if RACC
-    // Block 0 of the slot routes the token with its weights for moe_down_decode and the caller; it triggers once its
-    // reads of the router sums are done: moe_down_decode's last reader puts them back to 0.
+    // Block 0 of the slot routes the token with its weights for moe_down_decode and the caller.
     const bool router = blockIdx.x == 0;
-    LILY_PDL_WAIT();
+    LILY_PDL_PROLOGUE();
     moe_gate_up_load_x(x, tid, xr);
     rinv = moe_row_inv_rms(a, xr);
     if (router && warp == 0) {
@@ -614,8 +613,6 @@ extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_decode(const MoeArgs a) {
         reinterpret_cast<float*>(a.sgate)[i64(t) * a.sgate_stride] =
             __ll2float_rn(ld_cg_s64(moe_racc(a, t) + NEXP * 16)) * 2.3283064365386963e-10f * rinv;
     }
-    __syncthreads();
-    LILY_PDL_TRIGGER();
     moe_norm_x(gw, rinv, xr);
 #if GU_EARLY
     moe_gate_up_load(a, true, 0, row0, lane, wv, sc, bi);
@@ -630,7 +627,7 @@ extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_decode(const MoeArgs a) {
 #endif
   } else {
 #if RACC
-    LILY_PDL_WAIT();
+    LILY_PDL_PROLOGUE();
     moe_gate_up_load_x(x, tid, xr);  // its L2 round trip overlaps the routing
     __shared__ int route_id[TOPK];
     if (warp == 0) {
@@ -639,8 +636,7 @@ extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_decode(const MoeArgs a) {
       route_acc_warp<false>(moe_racc(a, t), lane, 0.f, id, unused);
       if (lane < TOPK) route_id[lane] = id;
     }
-    rinv = moe_row_inv_rms(a, xr);  // its barriers publish route_id, after the block's reads of the sums
-    LILY_PDL_TRIGGER();
+    rinv = moe_row_inv_rms(a, xr);  // its barriers publish route_id
     moe_norm_x(gw, rinv, xr);
     e = route_id[s];
 #else
@@ -787,24 +783,16 @@ extern "C" __global__ void MOE_DEC_BOUNDS moe_down_decode(const MoeArgs a) {
   const int tid = threadIdx.x, t = blockIdx.y, n0 = blockIdx.x * ROWS_D;
 #if RACC
   // The gate/up pass's experts from the router sums (its weights come after the wait, below); then the block counts
-  // itself in, and the last reader of the sums (the gate/up blocks read theirs before they let this launch start)
-  // puts them and the counter back to 0 for the next projection.
+  // itself in (the count comes back while the weight loads go out), and the last block to arrive puts the sums and
+  // the counter back to 0 for the next projection once it has waited for the gate/up pass, their other reader.
+  int arrived = 0;  // warp 0: the counter before this block's arrival
   if (tid < 32) {
     int id;
     float unused;
     route_acc_warp<false>(moe_racc(a, t), tid, 0.f, id, unused);
     if (tid < TOPK) eid[tid] = id;
     __threadfence();  // the warp's reads of the sums are done before the block counts itself in
-    __syncwarp();
-    int* count = reinterpret_cast<int*>(a.racc_count);
-    int last = 0;
-    if (tid == 0) last = atomicAdd(count, 1) == int(gridDim.x * gridDim.y) - 1;
-    if (__shfl_sync(0xffffffffu, last, 0)) {
-      __threadfence();
-      unsigned long long* acc = reinterpret_cast<unsigned long long*>(a.racc);
-      for (int i = tid; i < a.T * (NEXP + 1); i += 32) acc[i64(i) * 16] = 0ull;
-      if (tid == 0) *count = 0;
-    }
+    if (tid == 0) arrived = atomicAdd(reinterpret_cast<int*>(a.racc_count), 1);
   }
 #elif PREROUTE
   if (tid < 32) {
@@ -868,6 +856,13 @@ extern "C" __global__ void MOE_DEC_BOUNDS moe_down_decode(const MoeArgs a) {
   LILY_PDL_PROLOGUE();  // the act rows are moe_gate_up_decode's output
   moe_down_stage_act(act, moe_smem);
   __syncthreads();
+#endif
+#if RACC
+  if (tid < 32 && __shfl_sync(0xffffffffu, arrived, 0) == int(gridDim.x * gridDim.y) - 1) {  // every block has read
+    unsigned long long* acc = reinterpret_cast<unsigned long long*>(a.racc);
+    for (int i = tid; i < a.T * (NEXP + 1); i += 32) acc[i64(i) * 16] = 0ull;
+    if (tid == 0) *reinterpret_cast<int*>(a.racc_count) = 0;
+  }
 #endif
 #if DP4A
   const uint4* aq = reinterpret_cast<const uint4*>(moe_smem);  // slot s's packed terms at aq + s·MQV·NVI
