@@ -309,7 +309,6 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("moe_group_blocks").is_none()) o.moe_group_blocks = nb::cast<bool>(opt("moe_group_blocks"));
     if (!opt("gemm_x_rows").is_none()) o.gemm_x_rows = nb::cast<bool>(opt("gemm_x_rows"));
     if (!opt("moe_early_loads").is_none()) o.moe_early_loads = nb::cast<bool>(opt("moe_early_loads"));
-    if (!opt("proj_router").is_none()) o.proj_router = nb::cast<bool>(opt("proj_router"));
     if (!opt("gemm_tile128").is_none()) o.gemm_tile128 = nb::cast<bool>(opt("gemm_tile128"));
     if (!opt("attn_prefill_split").is_none()) o.attn_prefill_split = nb::cast<bool>(opt("attn_prefill_split"));
     if (!opt("moe_pipe").is_none()) o.moe_pipe = nb::cast<int>(opt("moe_pipe"));

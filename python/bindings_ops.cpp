@@ -239,8 +239,8 @@ class OpBench {
     if (repeats < 1) throw std::invalid_argument("repeats must be >= 1");
     Ops& o = *ops_;
     // The bench has no model scratch: the ops with matmuls size the backend's for their rows and the widest weight.
-    if (phase == "prefill" && (op.find("matmul") != std::string::npos || op == "moe" || op == "proj_moe"))
-      o.reserve_matmul(T(op == "add_rms_norm_matmuls" ? "a" : op == "proj_moe" ? "y" : "x").rows, max_cols_);
+    if (phase == "prefill" && (op.find("matmul") != std::string::npos || op == "moe"))
+      o.reserve_matmul(T(op == "add_rms_norm_matmuls" ? "a" : "x").rows, max_cols_);
     o.begin(phase == "decode" ? Phase::Decode : Phase::Prefill);
     try {
      for (int64_t rep = 0; rep < repeats; ++rep) {
@@ -255,13 +255,6 @@ class OpBench {
         const MoeWeights mw{W("gate"), W("up"), W("down"), W("shared_gate_proj"), W("shared_up"), W("shared_down")};
         const MoeScratch ms{T("ids"), T("weights"), T("routed"), T("shared_g"), T("shared_u"), T("shared_act"), T("shared")};
         o.moe(T("x"), T("router_logits"), T("shared_gate_logit"), I("k"), mw, ms, T("ws"), T("h"));
-      }
-      else if (op == "proj_moe") {
-        const MoeWeights mw{W("gate"), W("up"), W("down"), W("shared_gate_proj"), W("shared_up"), W("shared_down")};
-        const MoeScratch ms{T("ids"), T("weights"), T("routed"), T("shared_g"), T("shared_u"), T("shared_act"), T("shared")};
-        const ProjMoeScratch ps{T("mixer_out"), T("normed"), T("router_logits"), T("shared_gate_logit"), ms};
-        o.proj_moe(T("y"), W("proj"), T("norm_w"), float(F("eps", 1e-6)), W("router"), W("shared_gate"), I("k"), mw, ps,
-                   T("ws"), T("h"));
       }
       else if (op == "add") o.add(T("a"), T("b"), T("out"));
       else if (op == "add_rms_norm") o.add_rms_norm(T("a"), T("b"), T("w"), float(F("eps", 1e-6)), T("sum"), T("normed"));

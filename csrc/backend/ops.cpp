@@ -76,18 +76,6 @@ void Ops::moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& s
   moe_combine_impl(sc.routed, sc.shared, shared_gate_logit, h);
 }
 
-// The projection, then the residual add and the norm with the router and the shared gate, then the MoE.
-void Ops::proj_moe_impl(const Tensor& y, const Weight& proj, const Tensor& norm_w, float eps, const Weight& router,
-                        const Weight& shared_gate, int64_t k, const MoeWeights& w, const ProjMoeScratch& sc,
-                        const Tensor& ws, const Tensor& h) {
-  matmul_impl(y, proj, sc.mixer_out);
-  barrier_in_op();
-  norm_matmuls_impl(h, sc.mixer_out, norm_w, eps, h, sc.normed,
-                    MatmulGroup().add(router, sc.router_logits).add(shared_gate, sc.shared_gate_logit));
-  barrier_in_op();
-  moe_impl(sc.normed, sc.router_logits, sc.shared_gate_logit, k, w, sc.moe, ws, h);
-}
-
 void Ops::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
                                const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias, const Tensor& norm_w,
                                float eps, const DeltaShape& s, const Tensor& conv_in, const Tensor& conv_out,

@@ -123,13 +123,6 @@ struct MoeScratch {
   Tensor ids, weights, routed, shared_g, shared_u, shared_act, shared;
 };
 
-// The intermediates of Ops::proj_moe in front of the MoE's: the projection's output [T, H], the normed rows [T, H],
-// the router logits [T, E] and the shared expert's gate logit [T, 1]. A fused backend may leave them unwritten.
-struct ProjMoeScratch {
-  Tensor mixer_out, normed, router_logits, shared_gate_logit;
-  MoeScratch moe;
-};
-
 struct SamplerState {
   static constexpr int64_t kRngWords = 2 * 312 + 2;
   Tensor counts, seen, rng, ring, ring_count;
@@ -160,10 +153,6 @@ inline void key_append(std::string& k, const MoeWeights& w) {
 inline void key_append(std::string& k, const MoeScratch& s) {
   for (const Tensor* t : {&s.ids, &s.weights, &s.routed, &s.shared_g, &s.shared_u, &s.shared_act, &s.shared})
     key_append(k, *t);
-}
-inline void key_append(std::string& k, const ProjMoeScratch& s) {
-  for (const Tensor* t : {&s.mixer_out, &s.normed, &s.router_logits, &s.shared_gate_logit}) key_append(k, *t);
-  key_append(k, s.moe);
 }
 inline void key_append(std::string& k, const AttentionShape& s) {
   for (int64_t v : {s.heads, s.kv_heads, s.head_dim, s.rotary_dim}) key_append(k, v);
@@ -416,20 +405,6 @@ class Ops {
             sc.shared_act.buf, sc.shared.buf},
            &Ops::moe_impl, x, router_logits, shared_gate_logit, k, w, sc, ws, h);
   }
-  // A layer's second half from its mixer's output y: the output projection, the residual add, the post-attention
-  // norm with the router and the shared expert's gate, and the MoE (MODEL.md sections 4-6):
-  //   h += y · projᵀ;  u = rms_norm(h, norm_w, eps);  h += moe(u, u · routerᵀ, u · shared_gateᵀ)
-  // The default composes matmul, add_rms_norm_matmuls and moe through `sc`; a GPU backend folds the router into the
-  // projection's launch (the router is linear in h, so each block adds its rows' share).
-  void proj_moe(const Tensor& y, const Weight& proj, const Tensor& norm_w, float eps, const Weight& router,
-                const Weight& shared_gate, int64_t k, const MoeWeights& w, const ProjMoeScratch& sc, const Tensor& ws,
-                const Tensor& h) {
-    record(OpKind::ProjMoe, {y.buf, norm_w.buf, h.buf},
-           {h.buf, ws.buf, sc.mixer_out.buf, sc.normed.buf, sc.router_logits.buf, sc.shared_gate_logit.buf,
-            sc.moe.ids.buf, sc.moe.weights.buf, sc.moe.routed.buf, sc.moe.shared_g.buf, sc.moe.shared_u.buf,
-            sc.moe.shared_act.buf, sc.moe.shared.buf},
-           &Ops::proj_moe_impl, y, proj, norm_w, eps, router, shared_gate, k, w, sc, ws, h);
-  }
   // dst = src (same shape and dtype; state handles and the logits hand-over).
   void copy(const Tensor& src, const Tensor& dst) {
     record(OpKind::Copy, {src.buf}, {dst.buf}, &Ops::copy_impl, src, dst);
@@ -556,9 +531,6 @@ class Ops {
                                  const Tensor& normed, const MatmulGroup& g);
   virtual void moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
                         const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h);
-  virtual void proj_moe_impl(const Tensor& y, const Weight& proj, const Tensor& norm_w, float eps,
-                             const Weight& router, const Weight& shared_gate, int64_t k, const MoeWeights& w,
-                             const ProjMoeScratch& sc, const Tensor& ws, const Tensor& h);
   // Default: conv1d_silu_impl, gated_delta_impl, gated_rms_norm_impl, a barrier between each.
   virtual void conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
                                     const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias,

@@ -100,7 +100,6 @@ CudaOps::CudaOps(const CudaOptions& opt) : opt_(opt) {
     info_.l2_bytes = 50 << 20;
     info_.total_mem = size_t(141) << 30;
     norm_counters_ = CUdeviceptr(1) << 52;
-    route_acc_ = CUdeviceptr(1) << 51;
     pdl_active_ = opt_.pdl != CudaOptions::Pdl::Off && info_.cc_major >= 9;  // compiles what a device would run
     return;
   }
@@ -152,11 +151,8 @@ CudaOps::CudaOps(const CudaOptions& opt) : opt_(opt) {
     check(d.cuMemAllocHost_v2(&staging_, staging_bytes_), "cuMemAllocHost (transfer staging)");
     check(d.cuMemAlloc_v2(&norm_counters_, kCounterBytes), "cuMemAlloc (arrival counters)");
     check(d.cuMemsetD8Async(norm_counters_, 0, kCounterBytes, copy_stream_), "cuMemsetD8Async");
-    check(d.cuMemAlloc_v2(&route_acc_, kRouteSlots * kRouteSlotBytes), "cuMemAlloc (router sums)");
-    check(d.cuMemsetD8Async(route_acc_, 0, kRouteSlots * kRouteSlotBytes, copy_stream_), "cuMemsetD8Async");
     check(d.cuStreamSynchronize(copy_stream_), "cuStreamSynchronize");
   } catch (...) {
-    if (route_acc_) d.cuMemFree_v2(route_acc_);
     if (norm_counters_) d.cuMemFree_v2(norm_counters_);
     if (staging_) d.cuMemFreeHost(staging_);
     for (CUstream st : side_streams_) d.cuStreamDestroy_v2(st);
@@ -194,7 +190,6 @@ CudaOps::~CudaOps() {
   if (fork_event_) d.cuEventDestroy_v2(fork_event_);
   if (staging_) d.cuMemFreeHost(staging_);
   if (norm_counters_) d.cuMemFree_v2(norm_counters_);
-  if (route_acc_) d.cuMemFree_v2(route_acc_);
   d.cuStreamDestroy_v2(stream_);
   d.cuStreamDestroy_v2(copy_stream_);
   CUdevice dev = 0;
@@ -1095,11 +1090,6 @@ std::vector<std::string> CudaOps::optimizations() const {
                     "wait (moe_early_loads; where a lane holds at most 4 weight vectors)"
                   : "not active: early weight loads in the decode MoE gate/up (moe_early_loads=False): they follow "
                     "the staging of x");
-  o.push_back(opt_.proj_router
-                  ? "decode proj_moe: the router's and the shared gate's products as per-block sums in the mixer's "
-                    "output projection, no router GEMV launch (proj_router)"
-                  : "not active: the router in the output projection (proj_router=False): the projection, "
-                    "add_rms_norm_matmuls and the MoE as separate launches");
   o.push_back(opt_.replay_timing == 0
                   ? std::string("decode GPU time not measured (replay_timing=0): no events around replays")
                   : "decode GPU time from events around " +

@@ -151,10 +151,6 @@ struct CudaOptions {
   // before its wait) instead of after: one DRAM round trip instead of several (kernels/moe.cu GU_EARLY). The same
   // bits. Measured +2.3% decode at 4K, +1.6% at 128K on the H100: benchmarks/NOTES.md.
   bool moe_early_loads = true;
-  // proj_moe in decode: the router's and the shared gate's products folded into the mixer's output projection as
-  // per-block sums (the router is linear in h), so the router's GEMV launch is gone (kernels/matmul.cu ROUTE).
-  // False: the projection, add_rms_norm_matmuls and the MoE as before (A/B). benchmarks/NOTES.md.
-  bool proj_router = true;
   // Prefill attention on tensor cores (bf16 caches): keys per K/V tile, 16 or 32. Shared memory per block is 101 KB or
   // 135 KB at head dim 256: two blocks per SM or one. benchmarks/NOTES.md.
   int attn_prefill_keys = 16;
@@ -382,9 +378,6 @@ class CudaOps final : public Ops {
                          const Tensor& normed, const MatmulGroup& g) override;
   void moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
                 const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h) override;
-  void proj_moe_impl(const Tensor& y, const Weight& proj, const Tensor& norm_w, float eps, const Weight& router,
-                     const Weight& shared_gate, int64_t k, const MoeWeights& w, const ProjMoeScratch& sc,
-                     const Tensor& ws, const Tensor& h) override;
   void moe_combine_impl(const Tensor& routed, const Tensor& shared, const Tensor& shared_gate_logit,
                         const Tensor& h) override;
   void copy_impl(const Tensor& src, const Tensor& dst) override;
@@ -422,14 +415,7 @@ class CudaOps final : public Ops {
   // The CUDA-core GEMV over n parts of one format; `norm` (rms_norm_matmuls / add_rms_norm_matmuls) puts the
   // RMSNorm in front, done by every block (kernels/matmul.cu, NORM).
   void launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, int n, const Defines& defines,
-                   const struct GemvNorm* norm = nullptr, const struct GemvRoute* route = nullptr,
-                   const Defines& route_defines = {});
-  // proj_moe's projection with the router sums (kernels/matmul.cu ROUTE): why it cannot run ("" when it can), and
-  // its launch into the sums at acc.
-  std::string route_gemv_blocker(const Tensor& y, const Weight& proj, const Tensor& h, const Tensor& norm_w,
-                                 const Weight& router, const Weight& shared_gate);
-  void launch_route_gemv(const Tensor& y, const Weight& proj, const Tensor& h, const Tensor& norm_w,
-                         const Weight& router, const Weight& shared_gate, CUdeviceptr acc);
+                   const struct GemvNorm* norm = nullptr);
   // add_rms_norm_matmuls' arrival counters (kernels/matmul.cu, NORM 2): kNormCounterSlots slots of 16 rows,
   // zero between launches. A slot per sum buffer, so two such launches that may run side by side (different
   // sums: the hazard tracker orders ones writing the same) never share one; -1 when every slot is taken.
@@ -455,28 +441,6 @@ class CudaOps final : public Ops {
   int64_t xrows_op_ = -1;
   std::string xrows_src_;
   size_t xrow_slot_bytes() const, xrow_scales_at() const;
-  // The fused decode MoE (moe.cpp): why it cannot run ("" when it can), and its two launches; with `route`
-  // (proj_moe) they take the routing from the projection's router sums and x from h.
-  struct RouteSums {
-    CUdeviceptr acc, count;
-    Tensor norm_w;
-    float eps;
-  };
-  std::string fused_moe_blocker(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit,
-                                int64_t k, const MoeWeights& w, const Tensor& h) const;
-  void launch_fused_moe(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
-                        const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h,
-                        const RouteSums* route);
-  // proj_moe's router sums (kernels/matmul.cu ROUTE): kRouteSlots slots of [16 rows][512 + 1] int64 128 bytes apart
-  // then a readers' counter, zero between launches (moe_down_decode's last reader puts them back). A slot per
-  // residual buffer, so two proj_moe launches that may run side by side (different h: the hazard tracker orders ones
-  // writing the same) never share one; -1 when every slot is taken.
-  static constexpr int kRouteSlots = 8;
-  static constexpr size_t kRouteSumBytes = size_t(16) * (512 + 1) * 128;
-  static constexpr size_t kRouteSlotBytes = kRouteSumBytes + 128;
-  CUdeviceptr route_acc_ = 0;
-  std::unordered_map<int32_t, int> route_slot_;
-  int route_slot(int32_t h_buf);
   struct MoeArgs experts_args(const Tensor& x, const Tensor& ids, const Tensor& weights, const Weight& gate,
                               const Weight& up, const Weight& down, const Tensor& ws, const Tensor& out,
                               const std::string& what, bool& aligned);

@@ -53,14 +53,6 @@ struct GemvNorm {
 };
 static_assert(sizeof(GemvNorm) == 72, "must match kernels/matmul.cu");
 
-// Must match struct GemvRoute in kernels/matmul.cu (ROUTE).
-struct GemvRoute {
-  uint64_t g;
-  uint64_t w[2], s[2], b[2];
-  uint64_t acc;
-};
-static_assert(sizeof(GemvRoute) == 64, "must match kernels/matmul.cu");
-
 namespace {
 
 constexpr int kThreads = 256;          // NT in matmul.cu
@@ -433,7 +425,7 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
 
 // The CUDA-core GEMV over n parts (one weight format, the same x): each part's rows start on a block batch.
 void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, int n, const Defines& defines,
-                          const GemvNorm* norm, const GemvRoute* route, const Defines& route_defines) {
+                          const GemvNorm* norm) {
   const int64_t T = x.rows;
   int64_t rows = 0;
   for (int i = 0; i < n; ++i) rows += w[i].rows;
@@ -458,11 +450,6 @@ void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, i
     rb = rpp * (u1 ? 1 : kGemvRows);
   }
   if (norm) d.push_back({"NORM", norm->b ? 2 : 1});
-  if (route) {
-    if (name != std::string("matmul_gemv_dp4a") || n != 1 || options().gemv_ahead != 2)
-      throw std::logic_error("launch_gemv: the router sums need the dp4a GEMV of one weight, two batches ahead");
-    d.insert(d.end(), route_defines.begin(), route_defines.end());
-  }
   const Kernel& k = kernel("matmul", name, d);
   if (smem > 48 * 1024 && k.max_dynamic_smem < smem) set_dynamic_smem(k, smem);
   GemvParts P{};
@@ -485,8 +472,6 @@ void CudaOps::launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, i
   const Dim3 grid{unsigned(nb * T), 1, 1}, block{unsigned(kThreads), 1, 1};
   if (norm)
     launch(k, grid, block, uint32_t(smem), ptr(x), int(T), int64_t(x.stride), P, *norm);
-  else if (route)
-    launch(k, grid, block, uint32_t(smem), ptr(x), int(T), int64_t(x.stride), P, *route);
   else
     launch(k, grid, block, uint32_t(smem), ptr(x), int(T), int64_t(x.stride), P);
 }
@@ -602,48 +587,6 @@ void CudaOps::norm_matmuls_impl(const Tensor& a, const Tensor& b, const Tensor& 
   n.counters = norm_counters_ + uint64_t(slot) * 16 * 4;
   n.eps = eps;
   launch_gemv(a, g.w.data(), g.out.data(), g.n, v0.defines, &n);
-}
-
-// proj_moe's first launch (kernels/matmul.cu ROUTE): h += y · projᵀ, each block adding its rows' share of the
-// router's and the shared gate's sums into acc. Why it cannot run here ("" when it can).
-std::string CudaOps::route_gemv_blocker(const Tensor& y, const Weight& proj, const Tensor& h, const Tensor& norm_w,
-                                        const Weight& router, const Weight& shared_gate) {
-  MatmulVariant v0;
-  const std::string why = gemv_group_blocker(*this, y, MatmulGroup().add(proj, h), Phase::Decode, v0);
-  const int64_t H = h.cols;
-  if (!why.empty()) return "the projection is not one GEMV launch (" + why + ")";
-  if (!gemv_dp4a_fits(*this, proj)) return "the projection does not take the dp4a GEMV (" + describe(proj) + ")";
-  if (options().gemv_ahead != 2) return "gemv_ahead=1 (the router sums take the two-batches-ahead GEMV)";
-  if (!router.quantized() || (router.bits != 4 && router.bits != 8))
-    return "a router that is not 4- or 8-bit affine (" + describe(router) + ")";
-  const bool one_format = shared_gate.quantized() && shared_gate.bits == router.bits &&
-                          shared_gate.group == router.group && shared_gate.scale_dtype == router.scale_dtype;
-  if (!one_format || router.experts > 1 || shared_gate.experts > 1 || router.cols != H ||
-      shared_gate.cols != H || shared_gate.rows != 1)
-    return "a router and shared gate not of one format and width (" + describe(router) + ", " + describe(shared_gate) +
-           ")";
-  const size_t sb = dtype_size(router.scale_dtype);
-  if (router.group % (32 / router.bits) != 0 || H % router.group != 0 || H % (32 / router.bits) != 0)
-    return "a router group that does not tile whole code words";
-  for (const Weight* w : {&router, &shared_gate})
-    if (data(*w) % 4 != 0 || scales(*w) % sb != 0 || biases(*w) % sb != 0)
-      return "router codes or scales not aligned to their size";
-  if (norm_w.dtype != DType::F32 || norm_w.rows * norm_w.cols != H || ptr(norm_w) % 16 != 0)
-    return "a post-attention norm weight that is not 16-byte aligned f32 [hidden]";
-  return "";
-}
-
-void CudaOps::launch_route_gemv(const Tensor& y, const Weight& proj, const Tensor& h, const Tensor& norm_w,
-                                const Weight& router, const Weight& shared_gate, CUdeviceptr acc) {
-  const MatmulVariant v0 = select_matmul(*this, proj, Phase::Decode);
-  GemvRoute r{};
-  r.g = ptr(norm_w);
-  const Weight* rw[2] = {&router, &shared_gate};
-  for (int i = 0; i < 2; ++i) r.w[i] = data(*rw[i]), r.s[i] = scales(*rw[i]), r.b[i] = biases(*rw[i]);
-  r.acc = acc;
-  const Defines rd{{"ROUTE", 1},         {"RNEXP", int(router.rows)},           {"RBITS", router.bits},
-                   {"RGROUP", router.group}, {"RSDT", dtype_code(router.scale_dtype)}, {"RH", int(h.cols)}};
-  launch_gemv(y, &proj, &h, 1, v0.defines, nullptr, &r, rd);
 }
 
 }  // namespace lily::cuda

@@ -36,11 +36,8 @@ struct MoeArgs {
   int64_t sgate_stride;
   uint64_t xh, xinv;  // prefill with moe_x_rows: x as scaled f16 rows and their 2^-e (workspace)
   uint64_t gcount;    // prefill grouping across blocks (moe_group_blocks): per chunk and expert (workspace)
-  uint64_t racc, racc_count, normw;  // RACC (proj_moe): the router's fixed-point sums, their readers' counter, norm w
-  float eps;
-  int32_t pad2;
 };
-static_assert(sizeof(MoeArgs) == 8 * 8 + 18 * 8 + 5 * 8 + 16 + 9 * 8 + 4 * 8 + 3 * 8 + 3 * 8 + 8,
+static_assert(sizeof(MoeArgs) == 8 * 8 + 18 * 8 + 5 * 8 + 16 + 9 * 8 + 4 * 8 + 3 * 8,
               "must match struct MoeArgs in kernels/moe.cu");
 
 namespace {
@@ -512,46 +509,32 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
 // and runs the k routed experts' and the shared expert's gate/up rows as k + 1 slots; moe_down_decode
 // (FUSED) sums the routed rows in (id, slot) order with their weights, adds σ(shared gate) · shared and
 // adds the result into h. Otherwise, and in prefill, the composed form (Ops::moe_impl), reported.
-std::string CudaOps::fused_moe_blocker(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit,
-                                       int64_t k, const MoeWeights& w, const Tensor& h) const {
-  const int64_t T = x.rows, H = x.cols, E = w.gate.experts, I = w.gate.rows;
-  if (phase() != Phase::Decode) return "prefill";
-  if (w.shared_gate_proj.experts > 1 || w.shared_up.experts > 1 || w.shared_down.experts > 1)
-    return "stacked shared-expert weights";
-  if (!same_format(w.gate, w.shared_gate_proj) || !same_format(w.gate, w.shared_up) ||
-      !same_format(w.gate, w.shared_down))
-    return "the shared expert's format (" + w.shared_gate_proj.describe() + ") differs from the experts' (" +
-           w.gate.describe() + ")";
-  if (w.shared_gate_proj.rows != I || w.shared_up.rows != I || w.shared_gate_proj.cols != H ||
-      w.shared_up.cols != H || w.shared_down.rows != H || w.shared_down.cols != I)
-    return "the shared expert's width (" + std::to_string(w.shared_gate_proj.rows) + ") differs from the experts' (" +
-           std::to_string(I) + ")";
-  if (router_logits.dtype != DType::F32 || router_logits.cols != E || router_logits.rows != T ||
-      shared_gate_logit.dtype != DType::F32 || shared_gate_logit.rows != T || shared_gate_logit.cols < 1 ||
-      h.dtype != DType::F32 || h.rows != T || h.cols != H)
-    return "logits or h of other shapes than the block's";
-  if (E > kMaxExperts || k < 1 || k > std::min<int64_t>(E, kMaxTopk))
-    return "an expert count or top-k the fused router does not take";
-  return "";
-}
-
 void CudaOps::moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit, int64_t k,
                        const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h) {
-  const std::string why = fused_moe_blocker(x, router_logits, shared_gate_logit, k, w, h);
+  const int64_t T = x.rows, H = x.cols, E = w.gate.experts, I = w.gate.rows;
+  std::string why;
+  if (phase() != Phase::Decode) why = "prefill";
+  else if (w.shared_gate_proj.experts > 1 || w.shared_up.experts > 1 || w.shared_down.experts > 1)
+    why = "stacked shared-expert weights";
+  else if (!same_format(w.gate, w.shared_gate_proj) || !same_format(w.gate, w.shared_up) ||
+           !same_format(w.gate, w.shared_down))
+    why = "the shared expert's format (" + w.shared_gate_proj.describe() + ") differs from the experts' (" +
+          w.gate.describe() + ")";
+  else if (w.shared_gate_proj.rows != I || w.shared_up.rows != I || w.shared_gate_proj.cols != H ||
+           w.shared_up.cols != H || w.shared_down.rows != H || w.shared_down.cols != I)
+    why = "the shared expert's width (" + std::to_string(w.shared_gate_proj.rows) + ") differs from the experts' (" +
+          std::to_string(I) + ")";
+  else if (router_logits.dtype != DType::F32 || router_logits.cols != E || router_logits.rows != T ||
+           shared_gate_logit.dtype != DType::F32 || shared_gate_logit.rows != T || shared_gate_logit.cols < 1 ||
+           h.dtype != DType::F32 || h.rows != T || h.cols != H)
+    why = "logits or h of other shapes than the block's";
+  else if (E > kMaxExperts || k < 1 || k > std::min<int64_t>(E, kMaxTopk))
+    why = "an expert count or top-k the fused router does not take";
   if (!why.empty()) {
     note_variant(std::string("moe.block.") + (phase() == Phase::Decode ? "decode" : "prefill"),
                  "composed: moe_route + moe_experts + shared-expert matmuls + swiglu + moe_combine (" + why + ")");
     return Ops::moe_impl(x, router_logits, shared_gate_logit, k, w, sc, ws, h);
   }
-  launch_fused_moe(x, router_logits, shared_gate_logit, k, w, sc, ws, h, nullptr);
-}
-
-// The fused decode MoE's two launches; `route` (proj_moe): x is h itself, and the routing comes from the router sums
-// the projection's launch left (kernels/moe.cu RACC), not from logits.
-void CudaOps::launch_fused_moe(const Tensor& x, const Tensor& router_logits, const Tensor& shared_gate_logit,
-                               int64_t k, const MoeWeights& w, const MoeScratch& sc, const Tensor& ws, const Tensor& h,
-                               const RouteSums* route) {
-  const int64_t T = x.rows, H = x.cols, I = w.gate.rows;
   const std::string what = "moe (cuda, " + shape_text(w.gate) + ")";
   bool aligned = false;
   MoeArgs a = experts_args(x, sc.ids, sc.weights, w.gate, w.up, w.down, ws, h, what, aligned);
@@ -580,19 +563,11 @@ void CudaOps::launch_fused_moe(const Tensor& x, const Tensor& router_logits, con
   // waits for the gate/up pass (kernels/moe.cu PREROUTE); otherwise it reads the ids the gate/up pass stored.
   const bool preroute = pdl_now();
   if (preroute) v.defines.push_back({"PREROUTE", 1});
-  if (route) {
-    v.defines.push_back({"RACC", 1});
-    a.racc = route->acc;
-    a.racc_count = route->count;
-    a.normw = ptr(route->norm_w);
-    a.eps = route->eps;
-  }
   note_variant("moe.block.decode", "fused, 2 launches: routing in every block + the shared expert as slot k of " +
                                        v.text + ", the down pass adding σ(gate)·shared and the residual" +
                                        (preroute ? "; the down pass routes and loads its weights before waiting "
                                                    "for the gate/up pass (programmatic dependent launch)"
-                                                 : "") +
-                                       (route ? "; the routing and the norm from the projection's router sums" : ""));
+                                                 : ""));
   const Kernel& k1 = kernel("moe", "moe_gate_up_decode", v.defines);
   const Kernel& k2 = kernel("moe", "moe_down_decode", v.defines);
   const int smem1 = int((H / 4 + 7) / 8 * 8 * 16), smem2 = int((k + 1) * ((I / 4 + 7) / 8 * 8) * 16);
@@ -603,54 +578,6 @@ void CudaOps::launch_fused_moe(const Tensor& x, const Tensor& router_logits, con
          uint32_t(smem1), a);
   launch(k2, Dim3{unsigned((H + v.rows_d - 1) / v.rows_d), unsigned(T), 1}, Dim3{256, 1, 1},
          uint32_t(smem2), a);
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// proj_moe: the mixer's projection, the norm, the router and the MoE
-
-// Decode, where the fused MoE and the projection's router sums both apply (proj_router, on by default): three launches
-// instead of four. The projection's GEMV adds h += y · projᵀ and each block's share of the router's and the shared
-// gate's sums (the router is linear in h: Σ_n R_e[n]·w[n]·h[n], scaled by the row's inverse rms later), so the
-// router's own GEMV, a dependent launch of ~3.8 µs on the decode step's critical path, is gone; the MoE's passes take
-// the norm's scale from h and the routing from the sums (kernels/matmul.cu ROUTE, kernels/moe.cu RACC). Otherwise the
-// composed form (matmul, add_rms_norm_matmuls, moe), reported.
-void CudaOps::proj_moe_impl(const Tensor& y, const Weight& proj, const Tensor& norm_w, float eps, const Weight& router,
-                            const Weight& shared_gate, int64_t k, const MoeWeights& w, const ProjMoeScratch& sc,
-                            const Tensor& ws, const Tensor& h) {
-  std::string why;
-  if (phase() != Phase::Decode) why = "prefill";
-  else if (!opt_.proj_router) why = "proj_router=False";
-  else if (router.rows != w.gate.experts) why = "a router of " + std::to_string(router.rows) + " rows for " +
-                                                 std::to_string(w.gate.experts) + " experts";
-  if (why.empty()) {
-    const std::string moe_why = fused_moe_blocker(h, sc.router_logits, sc.shared_gate_logit, k, w, h);
-    if (!moe_why.empty()) why = "the MoE is not fused (" + moe_why + ")";
-  }
-  if (why.empty()) why = route_gemv_blocker(y, proj, h, norm_w, router, shared_gate);
-  int slot = -1;
-  if (why.empty() && (slot = route_slot(h.buf)) < 0)
-    why = "every router-sum slot taken (" + std::to_string(kRouteSlots) + " residual buffers)";
-  if (!why.empty()) {
-    if (phase() == Phase::Decode) note_variant("proj_moe.decode", "composed: matmul + add_rms_norm_matmuls + moe (" + why + ")");
-    return Ops::proj_moe_impl(y, proj, norm_w, eps, router, shared_gate, k, w, sc, ws, h);
-  }
-  if (h.rows == 0) return;
-  note_variant("proj_moe.decode", "3 launches: the projection's GEMV adding h and each block's share of the router's "
-                                  "and the shared gate's sums (int64 fixed point), then the fused MoE routing from "
-                                  "them (no router GEMV)");
-  const RouteSums rs{route_acc_ + CUdeviceptr(slot) * kRouteSlotBytes,
-                     route_acc_ + CUdeviceptr(slot) * kRouteSlotBytes + kRouteSumBytes, norm_w, eps};
-  launch_route_gemv(y, proj, h, norm_w, router, shared_gate, rs.acc);
-  launch_fused_moe(h, sc.router_logits, sc.shared_gate_logit, k, w, sc.moe, ws, h, &rs);
-}
-
-int CudaOps::route_slot(int32_t h_buf) {
-  auto it = route_slot_.find(h_buf);
-  if (it != route_slot_.end()) return it->second;
-  if (route_slot_.size() >= size_t(kRouteSlots)) return -1;
-  const int slot = int(route_slot_.size());
-  route_slot_.emplace(h_buf, slot);
-  return slot;
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@
 namespace lily {
 
 // Gated DeltaNet mixer (MODEL.md section 5): the input norm with the projections, causal conv + silu on [q|k|v], the gated delta
-// recurrence, per-head gated RMSNorm with silu(z) into sc.delta_y (its output projection opens moe_block).
+// recurrence, per-head gated RMSNorm with silu(z), output projection.
 void Qwen36::delta_layer(const LayerWeights& L, const StepState& in, const StepState& out, size_t li, Scratch& sc,
                          int64_t T, const ChunkCapture* capture) {
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
@@ -26,17 +26,17 @@ void Qwen36::delta_layer(const LayerWeights& L, const StepState& in, const StepS
   ops_.conv_delta_norm(r(sc.qkv), r(sc.z), r(sc.b), r(sc.a), L.conv, L.A_log, L.dt_bias, L.delta_norm, cfg_.eps,
                        delta_shape(), in.conv[li], out.conv[li], in.recurrent[li], out.recurrent[li], r(sc.mixed),
                        r(sc.delta_o), sc.ws, r(sc.delta_y), conv_cap, recurrent_cap);
+  ops_.matmul(r(sc.delta_y), L.out, r(sc.mixer_out));
 }
 
 // Gated full attention (MODEL.md section 4): the input norm with the projections, q/gate split per head,
-// q/k RMSNorm, partial RoPE, KV cache, causal GQA softmax attention, sigmoid output gate into sc.attn_o (its output
-// projection opens moe_block).
+// q/k RMSNorm, partial RoPE, KV cache, causal GQA softmax attention, sigmoid output gate, output projection.
 void Qwen36::attention_layer(const LayerWeights& L, SessionState& st, const Tensor& pos, size_t li, Scratch& sc,
                              int64_t T) {
   attend(L, sc.h, st.k_cache[li], st.v_cache[li], st.max_ctx, pos, sc, T);
 }
 
-// The attention mixer over residual stream x (the decoder's sc.h or the MTP block's sc.mtp_x) into sc.attn_o,
+// The attention mixer over residual stream x (the decoder's sc.h or the MTP block's sc.mtp_x) into sc.mixer_out,
 // with the KV cache given (a decoder layer's or the MTP block's).
 void Qwen36::attend(const LayerWeights& L, const Tensor& x, const Tensor& k_cache, const Tensor& v_cache,
                     int64_t max_ctx, const Tensor& pos, Scratch& sc, int64_t T) {
@@ -47,19 +47,22 @@ void Qwen36::attend(const LayerWeights& L, const Tensor& x, const Tensor& k_cach
   ops_.attn_qk_prep(r(sc.qg), r(sc.k), L.q_norm, L.k_norm, pos, s, r(sc.q), r(sc.gate), r(sc.kr));
   ops_.kv_append(r(sc.kr), r(sc.v), pos, k_cache, v_cache, max_ctx, s);
   ops_.attention(r(sc.q), r(sc.gate), k_cache, v_cache, pos, max_ctx, s, sc.ws, r(sc.attn_o));
+  ops_.matmul(r(sc.attn_o), L.o, r(sc.mixer_out));
 }
 
-// The mixer's output projection (y = sc.delta_y or sc.attn_o, proj = L.out or L.o) and the sparse MoE (MODEL.md
-// section 6), each added into residual stream h [T, hidden] (the decoder's sc.h or the MTP block's sc.mtp_x): the
-// projection, the residual add, the post-attention norm, the router and the shared expert's sigmoid gate (they read
-// the same normed rows) and the rest of the block as one op.
-void Qwen36::moe_block(const LayerWeights& L, Scratch& sc, int64_t T, const Tensor& h, const Tensor& y,
-                       const Weight& proj) {
+// Sparse MoE (MODEL.md section 6), added into the residual stream after the mixer's: the residual add, the
+// post-attention norm, the router and the shared expert's sigmoid gate (they read the same normed rows) as one
+// op, then the rest of the block as one op.
+void Qwen36::moe_block(const LayerWeights& L, Scratch& sc, int64_t T) { moe_block(L, sc, T, sc.h); }
+
+// The same into residual stream h [T, hidden] (the decoder's sc.h or the MTP block's sc.mtp_x).
+void Qwen36::moe_block(const LayerWeights& L, Scratch& sc, int64_t T, const Tensor& h) {
   auto r = [T](const Tensor& t) { return t.rows_view(0, T); };
+  ops_.add_rms_norm_matmuls(r(h), r(sc.mixer_out), L.post_norm, cfg_.eps, r(h), r(sc.u),
+                            MatmulGroup().add(L.router, r(sc.router_logits)).add(L.shared_gate, r(sc.sh_gate)));
   const MoeWeights w{L.experts_gate, L.experts_up, L.experts_down, L.shared_gate_proj, L.shared_up, L.shared_down};
   const MoeScratch ms{r(sc.topk_ids), r(sc.topk_w), r(sc.routed), r(sc.sh_g), r(sc.sh_u), r(sc.sh_act), r(sc.shared)};
-  const ProjMoeScratch ps{r(sc.mixer_out), r(sc.u), r(sc.router_logits), r(sc.sh_gate), ms};
-  ops_.proj_moe(r(y), proj, L.post_norm, cfg_.eps, L.router, L.shared_gate, cfg_.topk, w, ps, sc.ws, r(h));
+  ops_.moe(r(sc.u), r(sc.router_logits), r(sc.sh_gate), cfg_.topk, w, ms, sc.ws, r(h));
 }
 
 void Qwen36::encode_layers(SessionState& st, const StepState& in, const StepState& out, Scratch& sc,
@@ -76,7 +79,7 @@ void Qwen36::encode_layers(SessionState& st, const StepState& in, const StepStat
       attention_layer(L, st, in.pos, li, sc, T);
     else
       delta_layer(L, in, out, li, sc, T, capture);
-    moe_block(L, sc, T, sc.h, L.full ? sc.attn_o : sc.delta_y, L.full ? L.o : L.out);
+    moe_block(L, sc, T);
   }
   ops_.advance_position(in.pos, out.pos, T);
 }
@@ -114,7 +117,7 @@ void Qwen36::mtp_block(SessionState& st, Scratch& sc, const Tensor& ids, const T
       return;
     }
     attend(L, sc.mtp_x, st.mtp_k_cache[j], st.mtp_v_cache[j], st.max_ctx, pos, sc, n);
-    moe_block(L, sc, n, sc.mtp_x, sc.attn_o, L.o);  // the projection, residual add and post norm included
+    moe_block(L, sc, n, sc.mtp_x);  // the residual add and post norm included
   }
 }
 

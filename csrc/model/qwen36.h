@@ -206,8 +206,8 @@ class Qwen36 {
                        int64_t T);
   void attend(const LayerWeights& L, const Tensor& x, const Tensor& k_cache, const Tensor& v_cache, int64_t max_ctx,
               const Tensor& pos, Scratch& sc, int64_t T);
-  // The mixer's output y through its projection, then the MoE, into residual h [T, hidden] (one op: proj_moe).
-  void moe_block(const LayerWeights& L, Scratch& sc, int64_t T, const Tensor& h, const Tensor& y, const Weight& proj);
+  void moe_block(const LayerWeights& L, Scratch& sc, int64_t T);
+  void moe_block(const LayerWeights& L, Scratch& sc, int64_t T, const Tensor& h);  // into residual h [T, hidden]
   // The MTP block over n rows: x = [RMSNorm1p(E[ids]) | RMSNorm1p(h)] · fcᵀ into sc.mtp_x, then its layers at
   // positions pos[0]..; with kv_only the last layer stops after writing its KV rows (nothing reads its output).
   void mtp_block(SessionState& st, Scratch& sc, const Tensor& ids, const Tensor& h, const Tensor& pos, int64_t n,

@@ -358,8 +358,7 @@ class Engine:
         ``moe_decode_minb`` (blocks per SM the decode MoE kernels' registers must allow, 0-8; default 0 = the
         compiler's choice; the same bits), ``moe_early_loads`` (the decode MoE's gate/up pass issues its weight
         loads while x is staged, the shared expert's before its wait; the same bits; default True: +2% decode at
-        4K on the H100), ``proj_router`` (decode: the router's and the shared gate's products folded into the
-        mixer's output projection as per-block fixed-point sums, so the router's GEMV launch is gone; default True),
+        4K on the H100),
         ``attn_prefill_keys`` (prefill attention on tensor cores: K/V tiles of 16 or 32 keys; default 16),
         ``attn_prefill_split`` (prefill attention for at most 64 rows whose grid leaves SMs idle, e.g. a warm turn's
         new tokens after a long context: the keys split over more blocks, the partials merged; default True),

@@ -29,8 +29,6 @@
 //          accumulator, no fold) and the epilogue multiplies by the row's 2^-e. Not WF16's bits (another x scale)
 //   GBM    GEMM only: tile rows 64, 32 / 16 for small grids, 128 (XROW only) for large ones (matmul.cpp)
 //   NORM   GEMV only: 0 plain; 1 / 2: the RMSNorm (after a residual add) in front, done by every block (below)
-//   ROUTE  dp4a GEMV only (Ops::proj_moe): y is the residual h, added into, and every block adds its rows' share of
-//          the router's sums (GemvRoute below; RNEXP, RBITS, RGROUP, RSDT, RH: the router's rows, format and width)
 // One module per (K, format, alignment) serves both phases: ~6 modules for the real model.
 //
 // matmul_gemv (decode, T <= 16; Ops::matmul and Ops::matmuls: up to GEMV_PARTS weights of one format read
@@ -194,30 +192,6 @@ struct GemvNorm {
   int* counters;   // NORM 2: [T] arrivals, 0 between launches
   float eps;
   int pad;
-};
-
-// ROUTE (Ops::proj_moe, decode; the dp4a GEMV only, one part): y is the residual h [T, N], added into (h[n] += the
-// product), and every block also adds its rows' share of the router's and the shared expert's gate logits before the
-// norm's scale: acc[t][e] += Σ_{its rows n} R_e[n] · g[n] · h[n] for the RNEXP router rows and the shared gate (e =
-// RNEXP), as int64 fixed point (2^-32 units: the sum of the blocks' parts is exact, so its bits do not depend on their
-// order; range ±2^31, far past any logit times the row's rms). The MoE's passes scale by the row's inverse rms, which
-// they compute from h (kernels/moe.cu RACC). acc entries sit 16 apart (one 128-byte line each: the blocks' atomic adds
-// spread over the L2 slices) and are 0 before the launch; moe_down_decode puts them back to 0. The router matrices
-// [RNEXP, RH] and [1, RH] (RH = N) are MLX affine codes of RBITS bits, groups of RGROUP, scales of dtype RSDT.
-// matmul.cpp's GemvRoute must match.
-#ifndef ROUTE
-#define ROUTE 0
-#endif
-static_assert(!(ROUTE && NORM), "ROUTE modules take no norm in front");
-#if ROUTE && GEMV_AHEAD != 2
-#error "ROUTE takes the dp4a GEMV's two batches ahead (GEMV_AHEAD 2)"
-#endif
-struct GemvRoute {
-  const float* g;                // the post-attention norm's weight [N]
-  const unsigned char* w[2];     // router codes, shared-gate codes
-  const void* s[2];              // their scales
-  const void* b[2];              // their biases
-  unsigned long long* acc;       // [T][RNEXP + 1] · 16
 };
 
 // The part batch bt belongs to, found with constant indices only (a dynamically indexed kernel parameter
@@ -668,44 +642,9 @@ __device__ __forceinline__ float gemv_raw_to_f32(u32 r) {
   return DT == LILY_BF16 ? __uint_as_float(r << 16) : f16_to_f32(u16(r));
 }
 
-#if ROUTE
-static_assert((RBITS == 4 || RBITS == 8) && RGROUP % (32 / RBITS) == 0 && RH % RGROUP == 0, "the router's format");
-#define GEMV_ROUTE_PARAM , const GemvRoute R
-#define GEMV_ROUTE_ARG R
-// Router row e's (e = RNEXP: the shared gate's) code word holding column n (n a multiple of 32 / RBITS) with its
-// group's scale and bias (a word never straddles groups).
-__device__ __forceinline__ void route_word(const GemvRoute& R, int e, int n, u32& word, float& s, float& b) {
-  constexpr int PER = 32 / RBITS;
-  const int m = e < RNEXP ? 0 : 1, row = e < RNEXP ? e : 0;
-  const unsigned char* w = m ? R.w[1] : R.w[0];
-  word = *reinterpret_cast<const u32*>(w + (i64(row) * (RH / PER) + n / PER) * 4);
-  const i64 gi = i64(row) * (RH / RGROUP) + n / RGROUP;
-  s = mm_scalar<RSDT, 1>(m ? R.s[1] : R.s[0], gi);
-  b = mm_scalar<RSDT, 1>(m ? R.b[1] : R.b[0], gi);
-}
-// Its codes and scale/bias over the block's first round (columns n0 .. n0 + 8·RB8 - 1) into L1 before the wait.
-__device__ __forceinline__ void route_prefetch(const GemvRoute& R, int e, int n0) {
-  constexpr int PER = 32 / RBITS, SB = RSDT == LILY_F32 ? 4 : 2;
-  const int m = e < RNEXP ? 0 : 1, row = e < RNEXP ? e : 0;
-  const int n1 = min(n0 + 8 * RB8, RH) - 1;
-  if (n0 > n1) return;
-  const unsigned char* w = (m ? R.w[1] : R.w[0]) + i64(row) * (RH / PER) * 4;
-  const unsigned char* sp = static_cast<const unsigned char*>(m ? R.s[1] : R.s[0]) + i64(row) * (RH / RGROUP) * SB;
-  const unsigned char* bp = static_cast<const unsigned char*>(m ? R.b[1] : R.b[0]) + i64(row) * (RH / RGROUP) * SB;
-  const unsigned char* lines[6] = {w + (n0 / PER) * 4,          w + (n1 / PER) * 4,
-                                   sp + (n0 / RGROUP) * SB,     sp + (n1 / RGROUP) * SB,
-                                   bp + (n0 / RGROUP) * SB,     bp + (n1 / RGROUP) * SB};
-#pragma unroll
-  for (int i = 0; i < 6; ++i) asm volatile("prefetch.global.L1 [%0];" ::"l"(lines[i]));
-}
-#else
-#define GEMV_ROUTE_PARAM
-#define GEMV_ROUTE_ARG GemvRoute{}
-#endif
-
 template <int kUnused = 0>
 __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int T, i64 ldx, const GemvParts& P,
-                                               const GemvNorm& NP, const GemvRoute& R) {
+                                               const GemvNorm& NP) {
   __shared__ __align__(16) float xsh[NORM ? C * XLD : 4];  // NORM: the normed row, as the fp32 form stages it
   __shared__ uint4 xq[QV * C];
   __shared__ float xsc[C], xsm[C];
@@ -752,10 +691,6 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
   u32 nw[RU8][J8][4], ns[RU8][J8], nb[RU8][J8];
   if (bt + wstep < nbatches) load(bt + wstep, nw, ns, nb);  // and the warp's second batch
 #endif
-#if ROUTE
-  __shared__ float rsh[8 * RB8];  // a round's g[n]·h[n] (below), 0 past N
-  for (int e = tid; e <= RNEXP; e += NT) route_prefetch(R, e, b0 * 8 * RB8);
-#endif
   // Weights only so far: under programmatic dependent launch they stream while the kernel before this one
   // finishes (common.cuh); x, the residual and the norm's counters are its output.
   LILY_PDL_PROLOGUE();
@@ -775,15 +710,6 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
     float acc[RU8];
 #pragma unroll
     for (int u = 0; u < RU8; ++u) acc[u] = 0.f;
-#if ROUTE  // the rows' residual and norm weight, loaded before the products so their round trip overlaps them
-    float hres[RU8], gn[RU8];
-#pragma unroll
-    for (int u = 0; u < RU8; ++u) {
-      const int n = (bt - P.bstart[0]) * RB8 + rs + u * RWP8;
-      hres[u] = n < P.N[0] ? P.y[0][i64(t) * P.ldy[0] + n] : 0.f;
-      gn[u] = n < P.N[0] ? R.g[n] : 0.f;
-    }
-#endif
 #pragma unroll
     for (int j = 0; j < J8; ++j) {
       const int c = tr + j * TPR8;
@@ -807,15 +733,7 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
 #pragma unroll
       for (int o = TPR8 / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
       const int n = r0 + u * RWP8;
-#if ROUTE
-      const float hn = __fadd_rn(hres[u], s);  // add_rms_norm's sum: h + the product
-      if (tr == 0) {
-        if (n < N) y[i64(t) * ldy + n] = hn;
-        rsh[warp * RB8 + rs + u * RWP8] = n < N ? __fmul_rn(gn[u], hn) : 0.f;
-      }
-#else
       if (tr == 0 && n < N) y[i64(t) * ldy + n] = s;
-#endif
     }
   };
   // The next batch's registers become the current one's (waiting for its loads).
@@ -829,52 +747,7 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
         cs[u][j] = vs[u][j], cb[u][j] = vb[u][j];
       }
   };
-#if ROUTE
-  // Rounds of the block's 8 warp batches (8·RB8 consecutive rows from base·RB8): the warps' rows into rsh, a barrier,
-  // then thread e's share of router row e over them, in row order, summed over the rounds in fixed point.
-  long long part[2] = {0, 0};
-  for (int base = b0 * 8; base < nbatches; base += 8 * bstep, bt += wstep) {
-    if (bt < nbatches) {  // GEMV_AHEAD 2's order (below)
-      compute(bt, cw, cs, cb);
-      if (bt + wstep < nbatches) {
-        take(nw, ns, nb);
-        if (bt + 2 * wstep < nbatches) load(bt + 2 * wstep, nw, ns, nb);
-      }
-    } else {
-      for (int i = lane; i < RB8; i += 32) rsh[warp * RB8 + i] = 0.f;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int e = tid + q * NT;
-      if (e <= RNEXP) {
-        // Σ over the round's rows in order, w = fma(q, s, b) as the CPU dequantises; every load of the round issued
-        // at once (the round starts on a whole word: base · RB8 is a multiple of 8, and RH of 32 / RBITS).
-        constexpr int PER = 32 / RBITS;
-        float p = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8 * RB8; i += PER) {
-          const int n = base * RB8 + i;
-          if (n < P.N[0]) {
-            u32 word;
-            float ws, wb;
-            route_word(R, e, n, word, ws, wb);
-#pragma unroll
-            for (int c = 0; c < PER; ++c)
-              p = fmaf(fmaf(float((word >> (c * RBITS)) & ((1u << RBITS) - 1u)), ws, wb), rsh[i + c], p);
-          }
-        }
-        part[q] += __float2ll_rn(p * 4294967296.f);  // 2^32: exact
-      }
-    }
-    __syncthreads();  // rsh is the next round's
-  }
-#pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int e = tid + q * NT;
-    if (e <= RNEXP) atomicAdd(R.acc + (i64(t) * (RNEXP + 1) + e) * 16, static_cast<unsigned long long>(part[q]));
-  }
-#elif GEMV_AHEAD == 2
+#if GEMV_AHEAD == 2
   // Both buffers were loaded before the wait: the batch after next goes into the second one once the next batch
   // has moved into the first (so a warp's second batch was in flight during the wait and x's staging).
   for (; bt < nbatches; bt += wstep) {
@@ -895,8 +768,8 @@ __device__ __forceinline__ void gemv_dp4a_body(const float* __restrict__ x, int 
 #endif
 }
 extern "C" __global__ void __launch_bounds__(NT, GEMV_MINB)
-    matmul_gemv_dp4a(const float* __restrict__ x, int T, i64 ldx, const GemvParts P GEMV_NORM_PARAM GEMV_ROUTE_PARAM) {
-  gemv_dp4a_body(x, T, ldx, P, GEMV_NORM_ARG, GEMV_ROUTE_ARG);
+    matmul_gemv_dp4a(const float* __restrict__ x, int T, i64 ldx, const GemvParts P GEMV_NORM_PARAM) {
+  gemv_dp4a_body(x, T, ldx, P, GEMV_NORM_ARG);
 }
 #endif
 

@@ -38,11 +38,6 @@
 //       in (id, slot) order times the routing weights. No atomics. PREROUTE (fused, under programmatic dependent
 //       launch): the block routes its token from the router logits and issues its weight loads before it waits
 //       for the gate/up pass (common.cuh's contract); only the act rows come after the wait.
-//     RACC (Ops::proj_moe, the host's proj_router): no router logits; the projection before left h itself and the
-//       router's sums [T][NEXP + 1] as int64 fixed point (kernels/matmul.cu ROUTE). x is h: every gate/up block takes
-//       its inverse rms (a block sum) and normalises it; the routing is the top-k of the sums (route_acc_warp), the
-//       weights and the shared gate's logit from them times that scale (block 0 of the shared slot stores them); the
-//       down pass routes from the sums too, and its last block to arrive puts them back to 0 after its wait.
 //     DP4A (4/8-bit affine experts, 16-byte loads, groups of whole vectors; the host's gemv_dp4a, on by
 //       default): x and the act rows are staged as three int8 terms per 16-byte vector instead of fp32 (quant.cuh;
 //       4 threads per vector) and each vector's products are dp4a integer dot products combined in fp32 per
@@ -216,86 +211,11 @@ struct MoeArgs {
   i64 sgate_stride;
   u64 xh, xinv;  // MXROW prefill: x's (then act's) rows as f16 scaled by 2^e per row, and each row's 2^-e (workspace)
   u64 gcount;    // prefill grouping across blocks (moe_group_blocks): int [⌈T·k/1024⌉][NEXP] (workspace)
-  // RACC (proj_moe, decode): x is h (the residual after the projection), racc the router's fixed-point sums
-  // (kernels/matmul.cu ROUTE: [T][NEXP + 1] int64 in 2^-32 units, 16 apart), racc_count their readers' counter, normw
-  // the post-attention norm's weight [HID], eps its epsilon.
-  u64 racc, racc_count, normw;
-  float eps;
-  int pad2;
 };
 #ifndef FUSED
 #define FUSED 0
 #endif
 #define SLOTS (TOPK + FUSED)  // act rows per token in decode: the routed experts, then the shared expert
-
-// RACC (the host's proj_moe form; FUSED decode only): the router arrives as fixed-point sums, not logits (above).
-#ifndef RACC
-#define RACC 0
-#endif
-#if RACC && !FUSED
-#error "RACC needs the fused decode MoE"
-#endif
-#if RACC
-// Routes token t from its router sums at acc (entries 16 apart, read through the L2: written by the projection's
-// atomics one or two kernels back). The experts are the top-TOPK by the sums themselves (z = sum · 2^-32 as a float,
-// ties to the lower id): softmax(z · r) orders them the same for any r > 0 but for values within an ulp of each other,
-// so the gate/up and the down pass pick the same experts without the norm's scale r, which only the gate/up pass has.
-// WEIGHTS: lane s < TOPK also gets slot s's renormalised weight from p = softmax(z · r) with route_warp's arithmetic
-// (p over all experts, then p_s / Σ_{s'<k} p_s' in slot order).
-template <bool WEIGHTS>
-__device__ __forceinline__ void route_acc_warp(const unsigned long long* __restrict__ acc, int lane, float r, int& my_id,
-                                               float& my_w) {
-  constexpr int NJ = (NEXP + 31) / 32;
-  float v[NJ];
-  u32 key[NJ];
-  float mx = -3.402823466e38f;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) {
-    const int e = lane + 32 * j;
-    const float z = e < NEXP ? __ll2float_rn(ld_cg_s64(acc + i64(e) * 16)) * 2.3283064365386963e-10f : 0.f;  // 2^-32
-    const u32 b = __float_as_uint(z), ord = b ^ ((b >> 31) ? 0xffffffffu : 0x80000000u);  // orders as z does
-    key[j] = e < NEXP ? max(ord, 1u) : 0u;  // 0: taken
-    v[j] = e < NEXP ? z * r : -3.402823466e38f;
-    mx = fmaxf(mx, v[j]);
-  }
-  if (WEIGHTS) {
-    mx = warp_max(mx);
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      v[j] = lane + 32 * j < NEXP ? expf(v[j] - mx) : 0.f;
-      sum += v[j];
-    }
-    sum = warp_sum(sum);
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) v[j] = v[j] / sum;
-  }
-  my_id = 0;
-  float my_p = 0.f, top = 0.f;
-#pragma unroll 1
-  for (int s = 0; s < TOPK; ++s) {  // route_warp's rounds, over these keys
-    u32 bk = 0u;
-    int bi = 0x7fffffff;
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-      if (key[j] > bk) bk = key[j], bi = lane + 32 * j;
-    u32 wk;
-    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(wk) : "r"(bk));
-    int wi;
-    asm volatile("redux.sync.min.s32 %0, %1, 0xffffffff;" : "=r"(wi) : "r"(bk == wk ? bi : 0x7fffffff));
-    float pj = 0.f;  // the winner's p, in its lane
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      if (lane + 32 * j == wi) key[j] = 0u;
-      if (WEIGHTS && j == (wi >> 5)) pj = v[j];
-    }
-    const float bp = WEIGHTS ? __shfl_sync(0xffffffffu, pj, wi & 31) : 0.f;
-    top += bp;  // slot order, as the CPU sums
-    if (lane == s) my_id = wi, my_p = bp;
-  }
-  my_w = WEIGHTS ? my_p / top : 0.f;
-}
-#endif
 
 // ---- weight format ----
 #if WKIND == 1
@@ -530,43 +450,6 @@ __device__ __forceinline__ void moe_gate_up_load_x(const float* x, int tid, GuX&
   }
 }
 
-#if RACC
-// RACC: x_t is h, the norm's input: its inverse rms over the block (norm.cu's formula; the sum in this staging's
-// order, thread by thread, then block_sum), and x_t normalised in place as the norm does ((h · r) · w, with the
-// thread's share of w loaded as x is).
-__device__ __forceinline__ float moe_row_inv_rms(const MoeArgs& a, const GuX& xr) {
-  __shared__ float red[32];
-  float ss = 0.f;
-#pragma unroll
-  for (int p = 0; p < GU_XPASS; ++p) {
-#if DP4A
-#pragma unroll
-    for (int j = 0; j < Dp4a<BITS>::EW; ++j) ss = fmaf(xr[p][j], xr[p][j], ss);
-#else
-    ss = fmaf(xr[p].x, xr[p].x, ss), ss = fmaf(xr[p].y, xr[p].y, ss);
-    ss = fmaf(xr[p].z, xr[p].z, ss), ss = fmaf(xr[p].w, xr[p].w, ss);
-#endif
-  }
-  const float total = block_sum(ss, red);
-  return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, float(HID)), a.eps)));
-}
-__device__ __forceinline__ void moe_norm_x(const GuX& g, float r, GuX& xr) {
-#pragma unroll
-  for (int p = 0; p < GU_XPASS; ++p) {
-#if DP4A
-#pragma unroll
-    for (int j = 0; j < Dp4a<BITS>::EW; ++j) xr[p][j] = __fmul_rn(__fmul_rn(xr[p][j], r), g[p][j]);
-#else
-    xr[p].x = __fmul_rn(__fmul_rn(xr[p].x, r), g[p].x), xr[p].y = __fmul_rn(__fmul_rn(xr[p].y, r), g[p].y);
-    xr[p].z = __fmul_rn(__fmul_rn(xr[p].z, r), g[p].z), xr[p].w = __fmul_rn(__fmul_rn(xr[p].w, r), g[p].w);
-#endif
-  }
-}
-__device__ __forceinline__ const unsigned long long* moe_racc(const MoeArgs& a, int t) {
-  return reinterpret_cast<const unsigned long long*>(a.racc) + i64(t) * (NEXP + 1) * 16;
-}
-#endif
-
 // Order (GU_EARLY): a shared-expert block issues its weight loads, waits (LILY_PDL_PROLOGUE) and loads its x; a
 // routed block waits, loads its x into registers, routes (warp 0; non-FUSED: reads its id) and, after a barrier,
 // issues its weight loads. Then every block moves x from registers to shared memory (DP4A: its packed terms), meets
@@ -586,63 +469,16 @@ extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_decode(const MoeArgs a) {
   GuX xr;
   const bool shared_slot = FUSED && s == TOPK;
   int e = 0;
-#if RACC
-  // Every block normalises x_t itself: the norm's weight (no kernel writes it) comes in before the wait, and x_t is
-  // normalised before the weight loads go out (with both in registers beside the weights they would spill), so the
-  // shared expert's blocks load theirs after the wait too, as the routed ones do.
-  GuX gw;
-  moe_gate_up_load_x(reinterpret_cast<const float*>(a.normw), tid, gw);
-  float rinv;  // x_t's inverse rms
-#endif
   if (shared_slot) {  // FUSED only
-#if RACC
-    // Block 0 of the slot routes the token with its weights for moe_down_decode and the caller.
-    const bool router = blockIdx.x == 0;
-    LILY_PDL_PROLOGUE();
-    moe_gate_up_load_x(x, tid, xr);
-    rinv = moe_row_inv_rms(a, xr);
-    if (router && warp == 0) {
-      int id;
-      float wt;
-      route_acc_warp<true>(moe_racc(a, t), lane, rinv, id, wt);
-      if (lane < TOPK) {
-        reinterpret_cast<int*>(a.ids)[i64(t) * a.ids_stride + lane] = id;
-        reinterpret_cast<float*>(a.wts)[i64(t) * a.wts_stride + lane] = wt;
-      }
-      if (lane == 0)  // the shared expert's gate logit: its sum times r
-        reinterpret_cast<float*>(a.sgate)[i64(t) * a.sgate_stride] =
-            __ll2float_rn(ld_cg_s64(moe_racc(a, t) + NEXP * 16)) * 2.3283064365386963e-10f * rinv;
-    }
-    moe_norm_x(gw, rinv, xr);
-#if GU_EARLY
-    moe_gate_up_load(a, true, 0, row0, lane, wv, sc, bi);
-#endif
-#else
 #if GU_EARLY
     // No kernel writes the shared expert's weights: their loads go out before the wait (common.cuh's contract).
     moe_gate_up_load(a, true, 0, row0, lane, wv, sc, bi);
 #endif
     LILY_PDL_PROLOGUE();
     moe_gate_up_load_x(x, tid, xr);
-#endif
   } else {
-#if RACC
     LILY_PDL_PROLOGUE();
-    moe_gate_up_load_x(x, tid, xr);  // its L2 round trip overlaps the routing
-    __shared__ int route_id[TOPK];
-    if (warp == 0) {
-      int id;
-      float unused;
-      route_acc_warp<false>(moe_racc(a, t), lane, 0.f, id, unused);
-      if (lane < TOPK) route_id[lane] = id;
-    }
-    rinv = moe_row_inv_rms(a, xr);  // its barriers publish route_id
-    moe_norm_x(gw, rinv, xr);
-    e = route_id[s];
-#else
-    LILY_PDL_PROLOGUE();
-#endif
-#if FUSED && !RACC
+#if FUSED
     moe_gate_up_load_x(x, tid, xr);  // its L2 round trip overlaps the routing
     // Every routed block routes its token itself (one warp, NEXP logits: cheaper than a launch); block
     // (0, token's slot 0) also stores the routing for moe_down_decode and the caller.
@@ -661,7 +497,7 @@ extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_decode(const MoeArgs a) {
     }
     __syncthreads();  // route_id
     e = route_id[s];
-#elif !FUSED
+#else
     e = reinterpret_cast<const int*>(a.ids)[i64(t) * a.ids_stride + s];
     moe_gate_up_load_x(x, tid, xr);
 #endif
@@ -781,20 +617,7 @@ extern "C" __global__ void MOE_DEC_BOUNDS moe_down_decode(const MoeArgs a) {
   __shared__ int eid[SLOTS], ord[TOPK];
   __shared__ float ew[TOPK];
   const int tid = threadIdx.x, t = blockIdx.y, n0 = blockIdx.x * ROWS_D;
-#if RACC
-  // The gate/up pass's experts from the router sums (its weights come after the wait, below); then the block counts
-  // itself in (the count comes back while the weight loads go out), and the last block to arrive puts the sums and
-  // the counter back to 0 for the next projection once it has waited for the gate/up pass, their other reader.
-  int arrived = 0;  // warp 0: the counter before this block's arrival
-  if (tid < 32) {
-    int id;
-    float unused;
-    route_acc_warp<false>(moe_racc(a, t), tid, 0.f, id, unused);
-    if (tid < TOPK) eid[tid] = id;
-    __threadfence();  // the warp's reads of the sums are done before the block counts itself in
-    if (tid == 0) arrived = atomicAdd(reinterpret_cast<int*>(a.racc_count), 1);
-  }
-#elif PREROUTE
+#if PREROUTE
   if (tid < 32) {
     int id;
     float wt;
@@ -857,13 +680,6 @@ extern "C" __global__ void MOE_DEC_BOUNDS moe_down_decode(const MoeArgs a) {
   moe_down_stage_act(act, moe_smem);
   __syncthreads();
 #endif
-#if RACC
-  if (tid < 32 && __shfl_sync(0xffffffffu, arrived, 0) == int(gridDim.x * gridDim.y) - 1) {  // every block has read
-    unsigned long long* acc = reinterpret_cast<unsigned long long*>(a.racc);
-    for (int i = tid; i < a.T * (NEXP + 1); i += 32) acc[i64(i) * 16] = 0ull;
-    if (tid == 0) *reinterpret_cast<int*>(a.racc_count) = 0;
-  }
-#endif
 #if DP4A
   const uint4* aq = reinterpret_cast<const uint4*>(moe_smem);  // slot s's packed terms at aq + s·MQV·NVI
   const float* asc = reinterpret_cast<const float*>(aq + SLOTS * MQV * NVI);
@@ -889,9 +705,6 @@ extern "C" __global__ void MOE_DEC_BOUNDS moe_down_decode(const MoeArgs a) {
     for (int o = LPR / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
     if (gl == 0 && item < ITEMS) part[item] = d;
   }
-#if RACC
-  if (tid < TOPK) ew[tid] = reinterpret_cast<const float*>(a.wts)[i64(t) * a.wts_stride + tid];  // the gate/up pass's
-#endif
   __syncthreads();
   if (tid < ROWS_D && n0 + tid < HID) {
     float o = 0.f;
