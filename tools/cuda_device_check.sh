@@ -5,7 +5,8 @@
 #                              [ab] [ncu] [delta]
 #   (default: build tests)
 #
-# tests: tests/cuda, or the files in TEST_PATHS.
+# tests: tests/cuda, or the files in TEST_PATHS; TEST_K selects by a pytest -k expression (one argument, spaces
+# and all: PYTEST_ARGS is split on spaces).
 # bench: the full sweep (benchmarks/bench_cuda.py; BENCH_ARGS adds arguments, e.g. "--repeats 3 --decode-tokens 32",
 # the published sweeps' command, ~160 s on an H100).
 # trace: the decode critical path at TRACE_CONTEXT positions (default 4096): benchmarks/trace_cuda.py.
@@ -59,6 +60,7 @@ python3 -c "import lily.engine as e; print(e.backends()['cuda'])"
 if has tests; then
   # Parallel processes: most of the time is NVRTC compiling each test shape's modules (one core each).
   python3 -m pytest -q -rs --durations=20 -p no:cacheprovider -n 8 --timeout 300 ${TEST_PATHS:-tests/cuda} ${PYTEST_ARGS:-} \
+    ${TEST_K:+-k "$TEST_K"} \
     2>&1 | tee "$OUT/tests.log"
   rc=${PIPESTATUS[0]}
 fi
