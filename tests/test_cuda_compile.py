@@ -259,6 +259,9 @@ def test_full_model_shapes_compile_dry(arch, cache):
             b.run("attn_qk_prep", phase, qg=b.empty(T, 2 * qh * hd), k=b.empty(T, kvh * hd), q_norm=b.empty(1, hd),
                   k_norm=b.empty(1, hd), pos=pos, q_out=q, gate_out=gate, k_out=kr, **shape)
             b.run("kv_append", phase, k=kr, v=b.empty(T, kvh * hd), pos=pos, k_cache=kc, v_cache=vc, max_ctx=131072, **shape)
+            b.run("attn_qk_prep_append", phase, qg=b.empty(T, 2 * qh * hd), k=b.empty(T, kvh * hd),
+                  v=b.empty(T, kvh * hd), q_norm=b.empty(1, hd), k_norm=b.empty(1, hd), pos=pos, q_out=q, gate_out=gate,
+                  k_out=kr, k_cache=kc, v_cache=vc, max_ctx=131072, **shape)
             b.run("attention", phase, q=q, gate=gate, k_cache=kc, v_cache=vc, pos=pos, max_ctx=131072, ws=ws,
                   out=b.empty(T, qh * hd), **shape)
             if T == 7:  # few rows over a long cache: the split-KV prefill and its reduce (PF_SPLIT)

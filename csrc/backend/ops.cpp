@@ -76,6 +76,15 @@ void Ops::moe_impl(const Tensor& x, const Tensor& router_logits, const Tensor& s
   moe_combine_impl(sc.routed, sc.shared, shared_gate_logit, h);
 }
 
+void Ops::attn_qk_prep_append_impl(const Tensor& qg, const Tensor& k, const Tensor& v, const Tensor& q_norm,
+                                   const Tensor& k_norm, const Tensor& pos, const AttentionShape& s,
+                                   const Tensor& q_out, const Tensor& gate_out, const Tensor& k_out,
+                                   const Tensor& k_cache, const Tensor& v_cache, int64_t max_ctx) {
+  attn_qk_prep_impl(qg, k, q_norm, k_norm, pos, s, q_out, gate_out, k_out);
+  barrier_in_op();
+  kv_append_impl(k_out, v, pos, k_cache, v_cache, max_ctx, s);
+}
+
 void Ops::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
                                const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias, const Tensor& norm_w,
                                float eps, const DeltaShape& s, const Tensor& conv_in, const Tensor& conv_out,

@@ -307,6 +307,17 @@ class Ops {
     record(OpKind::KvAppend, {k.buf, v.buf, pos.buf}, {k_cache.buf, v_cache.buf},
            &Ops::kv_append_impl, k, v, pos, k_cache, v_cache, max_ctx, s);
   }
+  // attn_qk_prep, then kv_append of its prepared k rows and of v, as one op: q_out, gate_out and k_out as
+  // attn_qk_prep writes them, and rows pos[0].. of the caches as kv_append writes them (the same values). The
+  // graph's form: a backend that runs it as one kernel saves a dependent launch per attention layer.
+  void attn_qk_prep_append(const Tensor& qg, const Tensor& k, const Tensor& v, const Tensor& q_norm,
+                           const Tensor& k_norm, const Tensor& pos, const AttentionShape& s, const Tensor& q_out,
+                           const Tensor& gate_out, const Tensor& k_out, const Tensor& k_cache, const Tensor& v_cache,
+                           int64_t max_ctx) {
+    record(OpKind::AttnQkPrepAppend, {qg.buf, k.buf, v.buf, q_norm.buf, k_norm.buf, pos.buf},
+           {q_out.buf, gate_out.buf, k_out.buf, k_cache.buf, v_cache.buf}, &Ops::attn_qk_prep_append_impl, qg, k, v,
+           q_norm, k_norm, pos, s, q_out, gate_out, k_out, k_cache, v_cache, max_ctx);
+  }
   // Causal GQA attention of T queries at positions pos[0].. over cache positions [0, pos[0] + t],
   // then the output gate: out = attention · sigmoid(gate).
   void attention(const Tensor& q, const Tensor& gate, const Tensor& k_cache, const Tensor& v_cache,
@@ -506,6 +517,11 @@ class Ops {
                                  const Tensor& q_out, const Tensor& gate_out, const Tensor& k_out) = 0;
   virtual void kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& pos, const Tensor& k_cache,
                               const Tensor& v_cache, int64_t max_ctx, const AttentionShape& s) = 0;
+  // Default: attn_qk_prep_impl, then kv_append_impl of k_out and v (ops.cpp).
+  virtual void attn_qk_prep_append_impl(const Tensor& qg, const Tensor& k, const Tensor& v, const Tensor& q_norm,
+                                        const Tensor& k_norm, const Tensor& pos, const AttentionShape& s,
+                                        const Tensor& q_out, const Tensor& gate_out, const Tensor& k_out,
+                                        const Tensor& k_cache, const Tensor& v_cache, int64_t max_ctx);
   virtual void attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache,
                               const Tensor& v_cache, const Tensor& pos, int64_t max_ctx,
                               const AttentionShape& s, const Tensor& ws, const Tensor& out) = 0;

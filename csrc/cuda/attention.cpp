@@ -1,7 +1,9 @@
 // Gated full attention on CUDA (MODEL.md section 4): kernels/attention.cu, oracle csrc/cpu/attention.cpp.
 //
 // Variants.
-// - attn_qk_prep, kv_append: one kernel each, one warp per (token, head) / one block per (token, kv head).
+// - attn_qk_prep, kv_append: one kernel each, one warp per (token, head) / one block per (token, kv head);
+//   attn_qk_prep_append (the graph's op) both in one kernel, a warp per (token, q, k or v head), unless
+//   qk_prep_append=False.
 // - attention, decode step (phase Decode, T = 1): always the split-KV form. The grid has ns blocks per kv
 //   head, ns = min(ceil(max_ctx / 64), ceil(b·SMs / kv_heads), 256) with b the resident blocks per SM (1
 //   for the tensor-core kernel, 2 for the fp32 one), fixed at encode time so the captured graph fits every
@@ -107,6 +109,31 @@ void CudaOps::kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& pos
          int64_t(v.stride), ptr(pos), ptr(k_cache), ptr(v_cache), int64_t(max_ctx), cache_code(k_cache));
 }
 
+void CudaOps::attn_qk_prep_append_impl(const Tensor& qg, const Tensor& k, const Tensor& v, const Tensor& q_norm,
+                                       const Tensor& k_norm, const Tensor& pos, const AttentionShape& s,
+                                       const Tensor& q_out, const Tensor& gate_out, const Tensor& k_out,
+                                       const Tensor& k_cache, const Tensor& v_cache, int64_t max_ctx) {
+  if (!options().qk_prep_append) {
+    note_variant("attention.qk_prep_append", "attn_qk_prep, then attn_kv_append (qk_prep_append=False)");
+    return Ops::attn_qk_prep_append_impl(qg, k, v, q_norm, k_norm, pos, s, q_out, gate_out, k_out, k_cache, v_cache,
+                                         max_ctx);
+  }
+  check_shape(s.heads, s.kv_heads, s.head_dim, s.rotary_dim);
+  if (qg.rows == 0) return;
+  if (k_cache.dtype != v_cache.dtype)
+    throw std::invalid_argument("cuda attn_qk_prep_append: K and V caches differ in dtype");
+  const Kernel& kn = kernel("attention", "attn_qk_prep_append", {{"HEAD_DIM", s.head_dim}});
+  const unsigned gy = unsigned(ceil_div(s.heads + 2 * s.kv_heads, 4));
+  launch(kn, Dim3{unsigned(qg.rows), gy, 1}, Dim3{128, 1, 1}, 0, ptr(qg), int64_t(qg.stride), ptr(k),
+         int64_t(k.stride), ptr(v), int64_t(v.stride), ptr(q_norm), ptr(k_norm), ptr(pos), ptr(q_out),
+         int64_t(q_out.stride), ptr(gate_out), int64_t(gate_out.stride), ptr(k_out), int64_t(k_out.stride),
+         ptr(k_cache), ptr(v_cache), int64_t(max_ctx), cache_code(k_cache), int(s.heads), int(s.kv_heads),
+         int(s.rotary_dim), double(s.rope_theta), float(s.eps));
+  note_variant("attention.qk_prep_append",
+               "attn_qk_prep_append: the q/k prep and the k and v rows' cache writes in one launch, a warp per (token, "
+               "q, k or v head)");
+}
+
 void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache, const Tensor& v_cache,
                              const Tensor& pos, int64_t max_ctx, const AttentionShape& s, const Tensor& ws,
                              const Tensor& out) {
@@ -141,7 +168,9 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
     if (mma) {
       if (ptr(q) % 16 != 0)  // the kernel stages q with float4 loads
         throw std::invalid_argument("cuda attention: q must be 16-byte aligned for the tensor-core decode kernel");
-      const Kernel& split = kernel("attention", "attn_decode_mma", defs);
+      Defines mma_defs = defs;
+      mma_defs.push_back({"DM_EARLY", options().attn_decode_early ? 1 : 0});
+      const Kernel& split = kernel("attention", "attn_decode_mma", mma_defs);
       if (dm_smem > 48 * 1024) set_dynamic_smem(split, dm_smem);
       launch(split, Dim3{unsigned(ns), unsigned(s.kv_heads), 1}, Dim3{128, 1, 1}, uint32_t(dm_smem), ptr(q),
              ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx), int(ns), scale, po, pml);
@@ -164,7 +193,12 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
                  mma ? "split-KV mma.sync bf16: " + splits +
                            ", 4 warps × 16-key tiles via cp.async, G heads as mma rows, " +
                            (G <= 8 ? "q as three bf16 parts (the third in the padding rows)" : "q as bf16 hi + lo") +
-                           ", p as bf16 hi + lo; then the reduce"
+                           ", p as bf16 hi + lo" +
+                           (options().attn_decode_early
+                                ? ", each warp's first tile but the step's new row loaded before the wait for the "
+                                  "q/k prep"
+                                : ", every tile loaded after the wait (attn_decode_early=False)") +
+                           "; then the reduce"
                      : "split-KV fp32: " + splits + ", " + std::to_string(kDecodeWarps) + " warps × " +
                            (code == 2 ? "4 bf16" : "2 f32") +
                            " rows in flight, all G heads per KV row, fp32 FMA; then the reduce" +

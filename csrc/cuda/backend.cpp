@@ -1070,6 +1070,16 @@ std::vector<std::string> CudaOps::optimizations() const {
                     "keys in ranges over more blocks, merged by attn_prefill_reduce (attention.prefill_split says when)"
                   : "not active: split-KV prefill attention (attn_prefill_split=False): a warm turn's few new tokens "
                     "read the whole context in a handful of blocks");
+  o.push_back(opt_.qk_prep_append
+                  ? "attention's q/k prep and KV append in one launch (qk_prep_append): the prep's warps write the k "
+                    "rows, and v warps the v rows, into the caches"
+                  : "not active: q/k prep and KV append in one launch (qk_prep_append=False): attn_kv_append launches "
+                    "after attn_qk_prep");
+  o.push_back(opt_.attn_decode_early
+                  ? "decode attention on tensor cores loads each warp's first K/V tile, less the step's new row, before "
+                    "waiting for the q/k prep (attn_decode_early)"
+                  : "not active: early K/V loads in decode attention (attn_decode_early=False): every tile after the "
+                    "wait");
   o.push_back("host reads of the sampled id on a separate copy stream: reading id k does not wait for step k + 1");
   o.push_back(opt_.branches ? "graph branches: the launches of one hazard stage run side by side (up to 4 streams "
                               "forked and joined per stage)"

@@ -158,6 +158,12 @@ struct CudaOptions {
   // a long context): the key range split over more blocks and the partials merged (kernels/attention.cu PF_SPLIT).
   // False: one block per query tile reads every key (A/B). benchmarks/NOTES.md.
   bool attn_prefill_split = true;
+  // Ops::attn_qk_prep_append as one kernel (kernels/attention.cu attn_qk_prep_append: the k and v rows go into the
+  // caches from the prep's warps, the same values); false: attn_qk_prep, then attn_kv_append (A/B).
+  bool qk_prep_append = true;
+  // Decode attention on tensor cores: each warp's first K/V tile, less the step's new row, loaded before the
+  // programmatic-launch wait (kernels/attention.cu DM_EARLY; the same bits). False: after it (A/B).
+  bool attn_decode_early = true;
   // Prefill DeltaNet: calls of at least this many rows without a state capture take the chunked (WY / UT-transform)
   // form (kernels/gated_delta.cu gated_delta_chunk_prep / _scan: 64-token chunks, three small products per chunk
   // instead of 64 dependent token steps); shorter calls, captures (the prefix cache's checkpoint inside a chunk, MTP
@@ -350,6 +356,10 @@ class CudaOps final : public Ops {
                          const Tensor& gate_out, const Tensor& k_out) override;
   void kv_append_impl(const Tensor& k, const Tensor& v, const Tensor& pos, const Tensor& k_cache,
                       const Tensor& v_cache, int64_t max_ctx, const AttentionShape& s) override;
+  void attn_qk_prep_append_impl(const Tensor& qg, const Tensor& k, const Tensor& v, const Tensor& q_norm,
+                                const Tensor& k_norm, const Tensor& pos, const AttentionShape& s, const Tensor& q_out,
+                                const Tensor& gate_out, const Tensor& k_out, const Tensor& k_cache,
+                                const Tensor& v_cache, int64_t max_ctx) override;
   void attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache, const Tensor& v_cache,
                       const Tensor& pos, int64_t max_ctx, const AttentionShape& s, const Tensor& ws,
                       const Tensor& out) override;

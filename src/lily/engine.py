@@ -362,6 +362,10 @@ class Engine:
         ``attn_prefill_keys`` (prefill attention on tensor cores: K/V tiles of 16 or 32 keys; default 16),
         ``attn_prefill_split`` (prefill attention for at most 64 rows whose grid leaves SMs idle, e.g. a warm turn's
         new tokens after a long context: the keys split over more blocks, the partials merged; default True),
+        ``qk_prep_append`` (attention's q/k norm + RoPE and the KV cache append in one launch, the same values;
+        False: two launches; default True),
+        ``attn_decode_early`` (decode attention on tensor cores: each warp's first K/V tile, less the step's new
+        row, loaded before the wait for the kernel before it; the same bits; default True),
         ``delta_chunk_rows`` (prefill DeltaNet calls of at least this many rows without a state capture take the
         chunked (WY) form, 64-token chunks; shorter ones and 0 the sequential scan; default 64),
         ``delta_chunk_mma`` (the chunked form's products on the tensor cores in 3xTF32, fp32's error level, where the

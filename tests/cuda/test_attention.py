@@ -145,6 +145,61 @@ def test_kv_append(benches, cache_dtype):
     assert np.array_equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.parametrize("s", [REAL] + AWKWARD, ids=["real"] + AWKWARD_IDS)
+@pytest.mark.parametrize("cache_dtype", ["f32", "bf16"])
+def test_qk_prep_append(benches, s, cache_dtype):
+    """attn_qk_prep_append (one kernel: the prep's k rows and the v rows go into the caches) against the CPU's
+    attn_qk_prep then kv_append, and bit for bit against the CUDA pair (qk_prep_append=False); a chunk that runs
+    past max_ctx writes its rows inside the cache and nothing past it, as attn_kv_append does."""
+    rng = np.random.default_rng(11)
+    H, kv, D, max_ctx = s["heads"], s["kv_heads"], s["head_dim"], 4100
+    pair = core.OpBench("cuda", {"qk_prep_append": False})
+    cpu, fused = benches
+    nan = np.full((kv * max_ctx, D), np.nan, dtype=np.float32)
+    caches = {b: (b.tensor(nan, dtype=cache_dtype), b.tensor(nan, dtype=cache_dtype)) for b in (cpu, fused, pair)}
+
+    def run(b, qg, k, v, qn, kn, pos0):
+        T = qg.shape[0]
+        q_out, g_out, k_out = b.empty(T, H * D), b.empty(T, H * D), b.empty(T, kv * D)
+        kc, vc = caches[b]
+        b.run("attn_qk_prep_append", phase="prefill" if T > 1 else "decode", qg=b.tensor(qg), k=b.tensor(k),
+              v=b.tensor(v), q_norm=b.tensor(qn), k_norm=b.tensor(kn), pos=_pos(b, pos0), q_out=q_out,
+              gate_out=g_out, k_out=k_out, k_cache=kc, v_cache=vc, max_ctx=max_ctx, **s)
+        return [b.read(x) for x in (q_out, g_out, k_out)]
+
+    for T, pos0 in ((1, 0), (33, 1), (7, 4090), (1, 4099), (5, 40)):
+        qg = (rng.standard_normal((T, 2 * H * D)) * rng.uniform(0.2, 3.0)).astype(np.float32)
+        k = (rng.standard_normal((T, kv * D)) * 7).astype(np.float32)
+        v = rng.standard_normal((T, kv * D)).astype(np.float32)
+        qn = rng.uniform(-1.5, 1.5, (1, D)).astype(np.float32)
+        kn = rng.uniform(-1.5, 1.5, (1, D)).astype(np.float32)
+        (cq, cg, ck), (gq, gg, gk), (pq, pg, pk) = (run(b, qg, k, v, qn, kn, pos0) for b in (cpu, fused, pair))
+        assert _rel(gq, cq) < 1e-6 and _rel(gk, ck) < 1e-6, (T, pos0)
+        assert np.array_equal(gg, cg), (T, pos0)
+        for a, b_ in ((gq, pq), (gg, pg), (gk, pk)):
+            assert np.array_equal(a, b_), (T, pos0)
+    (ckc, cvc), (gkc, gvc), (pkc, pvc) = ([b.read(c) for c in caches[b]] for b in (cpu, fused, pair))
+    live = np.isfinite(ckc)
+    assert live.sum() == kv * 47 * D  # the five chunks' rows, each head's
+    assert np.array_equal(np.isfinite(gkc), live)
+    # k from the prep, a few ulps apart on the two benches (a bf16 cache may round an element the other way)
+    assert _rel(gkc[live], ckc[live]) < (1e-6 if cache_dtype == "f32" else 1e-4)
+    assert np.array_equal(gvc, cvc, equal_nan=True)
+    assert np.array_equal(gkc, pkc, equal_nan=True) and np.array_equal(gvc, pvc, equal_nan=True)
+    # Past max_ctx (the CPU refuses such a chunk): rows inside the cache written, nothing past it, as the pair does.
+    T, pos0 = 4, max_ctx - 2
+    qg = rng.standard_normal((T, 2 * H * D)).astype(np.float32)
+    k, v = (rng.standard_normal((T, kv * D)).astype(np.float32) for _ in range(2))
+    qn, kn = (rng.uniform(-1.5, 1.5, (1, D)).astype(np.float32) for _ in range(2))
+    assert all(np.array_equal(a, b_) for a, b_ in zip(run(fused, qg, k, v, qn, kn, pos0), run(pair, qg, k, v, qn, kn, pos0)))
+    (gkc2, gvc2), (pkc2, pvc2) = ([b.read(c) for c in caches[b]] for b in (fused, pair))
+    assert np.array_equal(gkc2, pkc2, equal_nan=True) and np.array_equal(gvc2, pvc2, equal_nan=True)
+    for h in range(kv):
+        assert np.isfinite(gvc2[h * max_ctx + pos0:(h + 1) * max_ctx]).all()
+    assert "one launch" in fused.report()["variants"]["attention.qk_prep_append"]
+    assert "qk_prep_append=False" in pair.report()["variants"]["attention.qk_prep_append"]
+
+
 # ------------------------------------------------------------------------------------------------
 # attention
 # ------------------------------------------------------------------------------------------------
@@ -171,6 +226,25 @@ def test_attention_decode_real(benches, cache_dtype):
         kc, vc = _cache(rng, s, max_ctx, ctx), _cache(rng, s, max_ctx, ctx)
         c, g = _attention(benches, s, q, gate, kc, vc, ctx - 1, max_ctx, cache_dtype, "decode")
         assert _rel(g, c) < _tol("decode", cache_dtype), (ctx, max_ctx)
+
+
+@pytest.mark.parametrize("s", [REAL, AWKWARD[0]], ids=["real", AWKWARD_IDS[0]])
+def test_attention_decode_early_same_bits(benches, s):
+    """attn_decode_mma with each warp's first tile loaded before its wait, the step's new row after it
+    (attn_decode_early, the default), gives the bits of the kernel that loads every tile after the wait, at
+    contexts where the new row falls in a first tile (one to four tiles a block), in a later one, and at the
+    block boundaries; and stays within the tolerance of the CPU."""
+    rng = np.random.default_rng(21)
+    late = core.OpBench("cuda", {"attn_decode_early": False})
+    for ctx, max_ctx in ((1, 1), (16, 40), (17, 40), (64, 64), (65, 300), (1000, 1024), (4096, 4100), (20000, 20000)):
+        q, gate = _qgate(rng, s, 1)
+        kc, vc = _cache(rng, s, max_ctx, ctx), _cache(rng, s, max_ctx, ctx)
+        c, g = _attention(benches, s, q, gate, kc, vc, ctx - 1, max_ctx, "bf16", "decode")
+        _, g_late = _attention((benches[0], late), s, q, gate, kc, vc, ctx - 1, max_ctx, "bf16", "decode")
+        assert np.array_equal(g, g_late), (ctx, max_ctx)
+        assert _rel(g, c) < _tol("decode", "bf16"), (ctx, max_ctx)
+    assert "before the wait" in benches[1].report()["variants"]["attention.decode"]
+    assert "attn_decode_early=False" in late.report()["variants"]["attention.decode"]
 
 
 def _reference(s: dict, q: np.ndarray, gate: np.ndarray, kc: np.ndarray, vc: np.ndarray, n: int) -> np.ndarray:

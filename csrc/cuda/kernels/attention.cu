@@ -12,6 +12,10 @@
 //                Floor: reads 4·T·(2·heads + kv)·D bytes, writes the same less nothing: memory bound, tiny.
 // kv_append      k, v [T, kv*D] -> rows pos[0] + t of each kv head's cache. Grid (T, kv), block 64.
 //                Floor: reads 8·T·kv·D bytes, writes 2·ES·T·kv·D.
+// attn_qk_prep_append  the two above in one launch (v [T, kv*D] and the caches besides qk_prep's arguments): grid
+//                (T, ceil((heads + 2·kv) / 4)), block 128, one warp per (token, q, k or v head); a k warp writes its
+//                prepared row to k_out and to the cache, a v warp copies its row. The same values as the two
+//                kernels; one dependent launch fewer per attention layer. Floor: the two kernels' less k's re-read.
 // attn_decode_split + attn_decode_reduce (T = 1): split-KV ("flash decoding"), the fp32 form (f32
 //                caches). Grid (NS, kv) blocks of DEC_NW warps; the live length len = pos[0] + 1 is read on
 //                the device and cut into a = min(NS, ceil(len / MIN_CHUNK)) contiguous chunks, block s < a
@@ -224,22 +228,27 @@ __device__ __forceinline__ void warp_rows(WarpAttn& A, const u32 (&kr)[U][NCH][R
 // ---------------------------------------------------------------------------------------------------
 // qk_prep
 // ---------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(128) attn_qk_prep(
+// One warp per (token, head): q heads, then k heads, then (APPEND) v heads. APPEND also writes each prepared k row
+// and each v row at cache row pos[0] + t (what attn_kv_append would write, from the same fp32 values), or nothing
+// there for a position outside [0, max_ctx) as attn_kv_append does.
+template <bool APPEND>
+__device__ __forceinline__ void qk_prep_body(
     const float* __restrict__ qg, i64 qg_stride, const float* __restrict__ k, i64 k_stride,
-    const float* __restrict__ q_norm, const float* __restrict__ k_norm, const int* __restrict__ pos,
-    float* __restrict__ q_out, i64 q_stride, float* __restrict__ gate_out, i64 g_stride,
-    float* __restrict__ k_out, i64 ko_stride, int heads, int kv_heads, int rotary_dim, double theta,
-    float eps) {
+    const float* __restrict__ v, i64 v_stride, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+    const int* __restrict__ pos, float* __restrict__ q_out, i64 q_stride, float* __restrict__ gate_out,
+    i64 g_stride, float* __restrict__ k_out, i64 ko_stride, void* __restrict__ k_cache, void* __restrict__ v_cache,
+    i64 max_ctx, int cache_dtype, int heads, int kv_heads, int rotary_dim, double theta, float eps) {
   __shared__ float row[4][D];
   const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int hh = blockIdx.y * 4 + warp;
-  if (hh >= heads + kv_heads) return;
+  if (hh >= heads + (APPEND ? 2 : 1) * kv_heads) return;
   // The rotation's cos / sin before the wait: the double-precision pow, cos and sin are most of this kernel's
   // latency, and they need only the position, which the step's upload or the previous step's advance_position
   // wrote (two or more kernels back: read through the L2, common.cuh).
   constexpr int NI = (D / 2 + 31) / 32;  // rotary pairs per lane (rotary_dim <= D)
   const int half = rotary_dim / 2;
-  const i64 p = i64(ld_cg_i32(pos)) + t;
+  const int p0 = ld_cg_i32(pos);
+  const i64 p = i64(p0) + t;
   float rc[NI], rs[NI];
 #pragma unroll
   for (int it = 0; it < NI; ++it) {
@@ -253,10 +262,23 @@ extern "C" __global__ void __launch_bounds__(128) attn_qk_prep(
     }
   }
   LILY_PDL_PROLOGUE();
+  const bool in_cache = APPEND && p0 >= 0 && p < max_ctx;
+  if (APPEND && hh >= heads + kv_heads) {  // a v head: its row into the cache
+    const int h = hh - heads - kv_heads;
+    if (!in_cache) return;
+    const float* vs = v + t * v_stride + i64(h) * D;
+    const i64 crow = (i64(h) * max_ctx + p) * D;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) store_from_f32(v_cache, cache_dtype, crow + lane + 32 * i, vs[lane + 32 * i]);
+    return;
+  }
   const bool is_q = hh < heads;
   const float* src = is_q ? qg + t * qg_stride + i64(hh) * 2 * D : k + t * k_stride + i64(hh - heads) * D;
   const float* w = is_q ? q_norm : k_norm;
   float* dst = is_q ? q_out + t * q_stride + i64(hh) * D : k_out + t * ko_stride + i64(hh - heads) * D;
+  // APPEND, a k head in the cache: its cache row, written with the same values as dst.
+  const bool to_cache = in_cache && !is_q;
+  const i64 crow = to_cache ? (i64(hh - heads) * max_ctx + p) * D : 0;
   float x[D / 32];
   float ss = 0.f;
 #pragma unroll
@@ -275,16 +297,47 @@ extern "C" __global__ void __launch_bounds__(128) attn_qk_prep(
     if (i < half) {
       const float c = rc[it], s = rs[it];
       const float x0 = row[warp][i], x1 = row[warp][i + half];
-      dst[i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-      dst[i + half] = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+      const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+      const float y1 = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+      dst[i] = y0;
+      dst[i + half] = y1;
+      if (to_cache) {
+        store_from_f32(k_cache, cache_dtype, crow + i, y0);
+        store_from_f32(k_cache, cache_dtype, crow + i + half, y1);
+      }
     }
   }
-  for (int e = rotary_dim + lane; e < D; e += 32) dst[e] = row[warp][e];
+  for (int e = rotary_dim + lane; e < D; e += 32) {
+    dst[e] = row[warp][e];
+    if (to_cache) store_from_f32(k_cache, cache_dtype, crow + e, row[warp][e]);
+  }
   if (is_q) {
     float* gd = gate_out + t * g_stride + i64(hh) * D;
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) gd[lane + 32 * i] = src[D + lane + 32 * i];
   }
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_qk_prep(
+    const float* __restrict__ qg, i64 qg_stride, const float* __restrict__ k, i64 k_stride,
+    const float* __restrict__ q_norm, const float* __restrict__ k_norm, const int* __restrict__ pos,
+    float* __restrict__ q_out, i64 q_stride, float* __restrict__ gate_out, i64 g_stride,
+    float* __restrict__ k_out, i64 ko_stride, int heads, int kv_heads, int rotary_dim, double theta,
+    float eps) {
+  qk_prep_body<false>(qg, qg_stride, k, k_stride, nullptr, 0, q_norm, k_norm, pos, q_out, q_stride, gate_out, g_stride,
+                      k_out, ko_stride, nullptr, nullptr, 0, 0, heads, kv_heads, rotary_dim, theta, eps);
+}
+
+// attn_qk_prep and attn_kv_append in one launch (Ops::attn_qk_prep_append): grid (T, ceil((heads + 2 kv) / 4)).
+extern "C" __global__ void __launch_bounds__(128) attn_qk_prep_append(
+    const float* __restrict__ qg, i64 qg_stride, const float* __restrict__ k, i64 k_stride,
+    const float* __restrict__ v, i64 v_stride, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+    const int* __restrict__ pos, float* __restrict__ q_out, i64 q_stride, float* __restrict__ gate_out,
+    i64 g_stride, float* __restrict__ k_out, i64 ko_stride, void* __restrict__ k_cache, void* __restrict__ v_cache,
+    i64 max_ctx, int cache_dtype, int heads, int kv_heads, int rotary_dim, double theta, float eps) {
+  qk_prep_body<true>(qg, qg_stride, k, k_stride, v, v_stride, q_norm, k_norm, pos, q_out, q_stride, gate_out,
+                     g_stride, k_out, ko_stride, k_cache, v_cache, max_ctx, cache_dtype, heads, kv_heads, rotary_dim,
+                     theta, eps);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -863,7 +916,14 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
 // keys a warp issues 128 mma + 64 ldmatrix instead of ~3400 fp32 instructions, so the kernel streams the
 // cache at the memory's pace. Shared memory: Q (2 × 16 rows) + 4 warps × 2 stages × 32 rows, each of
 // D·2 + 16 bytes (152 KB at D = 256), the start reused for the block merge. One block (4 warps) per SM.
+// DM_EARLY (host option attn_decode_early): each warp's first tile, less the step's new row, is loaded before the
+// programmatic-launch wait (the rows are older steps'), the new row and q after it: at a short context that is
+// every row of the chunk but one, so the kernel's critical path keeps q's staging and an L2 read instead of the
+// cache's DRAM round trip.
 #if KV_BF16
+#ifndef DM_EARLY
+#define DM_EARLY 0
+#endif
 #define DM_BN 16
 constexpr int DM_PITCH = D * 2 + 16;
 constexpr int DM_WARP_BYTES = 2 * 2 * DM_BN * DM_PITCH;  // 2 stages of [K tile | V tile]
@@ -874,11 +934,15 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
     const float* __restrict__ q, const unsigned char* __restrict__ k_cache,
     const unsigned char* __restrict__ v_cache, const int* __restrict__ pos, i64 max_ctx, int ns, float scale,
     float* __restrict__ part_o, float* __restrict__ part_ml) {
+#if !DM_EARLY
   LILY_PDL_PROLOGUE();
+#endif
   extern __shared__ __align__(16) unsigned char dm_smem[];
   __shared__ float sml[4][G][2];
   const int split = blockIdx.x, kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int len = pos[0] + 1;
+  // DM_EARLY: the position through the L2 before the wait (the step's upload or the previous step's
+  // advance_position wrote it, two or more kernels back: common.cuh's contract).
+  const int len = (DM_EARLY ? ld_cg_i32(pos) : pos[0]) + 1;
   const int a = active_splits(len, ns);
   if (split >= a) return;
   const int chunk = (len + a - 1) / a;
@@ -892,18 +956,32 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
   // This warp's tiles: starts j0 + 16·(warp + 4·i) below j1.
   const int ntiles = (j1 - j0 + DM_BN - 1) / DM_BN;
   const int my_tiles = ntiles > warp ? (ntiles - warp + 3) / 4 : 0;
-  auto load_tile = [&](int stage, int js) {
+  // Tile rows js.. of K and V into the stage (rows past j1 zero-filled); rows == skip are left alone, rows other
+  // than `only` too when only >= 0.
+  auto load_tile = [&](int stage, int js, int skip, int only) {
     constexpr int ROW16 = D * 2 / 16;
     const u32 base = smem_addr(wbuf + stage * 2 * DM_BN * DM_PITCH);
     for (int ci = lane; ci < 2 * DM_BN * ROW16; ci += 32) {
       const int which = ci / (DM_BN * ROW16), cj = ci % (DM_BN * ROW16), r = cj / ROW16, c16 = cj % ROW16;
+      if (js + r == skip || (only >= 0 && js + r != only)) continue;
       const bool ok = js + r < j1;
       const unsigned char* src = (which ? vb : kb) + (ok ? (i64(js + r) * ROW16 + c16) * 16 : 0);
       cp_async16(base + u32((which * DM_BN + r) * DM_PITCH + c16 * 16), src, ok ? 16 : 0);
     }
   };
-  if (my_tiles > 0) load_tile(0, j0 + DM_BN * warp);
+#if DM_EARLY
+  // The first tile's rows written by earlier steps go out before the wait, so they stream while the kernel before
+  // (the step's q/k prep and KV append) runs; the step's new row, len - 1, which that kernel writes, after it.
+  const int js_first = j0 + DM_BN * warp;
+  if (my_tiles > 0) load_tile(0, js_first, len - 1, -1);
   cp_async_commit();
+  LILY_PDL_PROLOGUE();
+  if (my_tiles > 0 && len - 1 >= js_first && len - 1 < js_first + DM_BN) load_tile(0, js_first, -1, len - 1);
+  cp_async_commit();  // tile 0 is both groups: the loop's first wait leaves at most the group after them pending
+#else
+  if (my_tiles > 0) load_tile(0, j0 + DM_BN * warp, -1, -1);
+  cp_async_commit();
+#endif
 
   // Q (rows = heads, rows >= G zero) as bf16 parts in shared memory, read by ldmatrix as A fragments:
   // Q_hi rows 0..G-1 hold hi, Q_lo rows 0..G-1 hold lo. For G <= 8 the padding rows 8..8+G-1 of Q_lo hold
@@ -957,7 +1035,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
   for (int i = 0; i < my_tiles; ++i) {
     const int js = j0 + DM_BN * (warp + 4 * i);
     if (i + 1 < my_tiles) {
-      load_tile((i + 1) & 1, js + 4 * DM_BN);
+      load_tile((i + 1) & 1, js + 4 * DM_BN, -1, -1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {

@@ -227,6 +227,28 @@ void check_i32(Both& b, const std::string& op, const std::string& name, const Bo
   g_failures += diff != 0;
 }
 
+// bf16 rows written from fp32 values that differ by a few ulps on the two backends (a prepared k row): one bf16
+// rounding may go the other way, so widened and compared as check_f32 does.
+void check_bf16_close(Both& b, const std::string& op, const std::string& name, const Both::T2& t, double tol) {
+  auto c = b.get<uint16_t>(b.cpu, t.c);
+  auto m = b.get<uint16_t>(b.mtl, t.m);
+  auto widen = [](uint16_t u) {
+    const uint32_t w = uint32_t(u) << 16;
+    float f;
+    std::memcpy(&f, &w, 4);
+    return f;
+  };
+  double scale = 1e-30, err = 0;
+  for (uint16_t x : c) scale = std::max(scale, double(std::fabs(widen(x))));
+  for (size_t i = 0; i < c.size(); ++i) {
+    const float mv = widen(m[i]);
+    err = std::max(err, std::isfinite(mv) ? std::fabs(double(mv) - widen(c[i])) / scale : double(INFINITY));
+  }
+  const bool ok = err <= tol;
+  printf("op %s %s: max_err %.3g tol %.3g %s\n", op.c_str(), name.c_str(), err, tol, ok ? "ok" : "FAIL");
+  g_failures += !ok;
+}
+
 void check_u16(Both& b, const std::string& op, const std::string& name, const Both::T2& t) {
   auto c = b.get<uint16_t>(b.cpu, t.c);
   auto m = b.get<uint16_t>(b.mtl, t.m);
@@ -416,6 +438,34 @@ int run_ops(const std::string& msl) {
       for (auto* t : {&q, &gate, &kr}) {
         auto v = b.get<float>(b.cpu, t->c);
         b.mtl.upload(t->m, v.data());
+      }
+    }
+    if (wanted("attn_qk_prep_append") && c.max_ctx <= 1000) {
+      // The fused op (Metal runs Ops' composition: attn_qk_prep, a barrier, kv_append) into caches of random rows.
+      const DType cd = c.bf16 ? DType::BF16 : DType::F32;
+      const int64_t rows = c.kv * c.max_ctx;
+      std::vector<uint16_t> kb(size_t(rows * c.D)), vb(kb.size());
+      for (auto& x : kb) x = f32_bf16(signed_uniform());
+      for (auto& x : vb) x = f32_bf16(signed_uniform());
+      auto kc = c.bf16 ? b.alloc(cd, rows, c.D, kb.data()) : b.f32(rows, c.D);
+      auto vc = c.bf16 ? b.alloc(cd, rows, c.D, vb.data()) : b.f32(rows, c.D);
+      auto q2 = b.alloc(DType::F32, c.T, c.heads * c.D), gate2 = b.alloc(DType::F32, c.T, c.heads * c.D);
+      auto kr2 = b.alloc(DType::F32, c.T, c.kv * c.D);
+      for (auto* t : {&q2, &gate2, &kr2}) poison(b, *t);
+      b.run(c.ph, [&](Ops& o, bool m) {
+        o.attn_qk_prep_append(m ? qg.m : qg.c, m ? k.m : k.c, m ? v.m : v.c, m ? qn.m : qn.c, m ? kn.m : kn.c,
+                              m ? pos.m : pos.c, s, m ? q2.m : q2.c, m ? gate2.m : gate2.c, m ? kr2.m : kr2.c,
+                              m ? kc.m : kc.c, m ? vc.m : vc.c, c.max_ctx);
+      });
+      check_f32(b, "attn_qk_prep_append", name + " q", q2, 2e-6);
+      check_f32(b, "attn_qk_prep_append", name + " gate", gate2, 0);
+      check_f32(b, "attn_qk_prep_append", name + " k", kr2, 2e-6);
+      if (c.bf16) {
+        check_bf16_close(b, "attn_qk_prep_append", name + " k cache", kc, 1.0 / 128);
+        check_u16(b, "attn_qk_prep_append", name + " v cache", vc);
+      } else {
+        check_f32(b, "attn_qk_prep_append", name + " k cache", kc, 2e-6);
+        check_f32(b, "attn_qk_prep_append", name + " v cache", vc, 0);
       }
     }
     if (!wanted("attention") || c.max_ctx > 1000) continue;
