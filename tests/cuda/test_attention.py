@@ -200,6 +200,76 @@ def test_qk_prep_append(benches, s, cache_dtype):
     assert "qk_prep_append=False" in pair.report()["variants"]["attention.qk_prep_append"]
 
 
+def _prep_attention(b, s, qg, k, v, qn, kn, kc, vc, pos0, max_ctx, cache_dtype, phase):
+    """Runs attn_qk_prep_attention on bench b over fresh caches made from kc / vc; returns (out, k cache, v cache)."""
+    T, H, kv, D = qg.shape[0], s["heads"], s["kv_heads"], s["head_dim"]
+    kct, vct = b.tensor(kc, dtype=cache_dtype), b.tensor(vc, dtype=cache_dtype)
+    out = b.empty(T, H * D)
+    b.run("attn_qk_prep_attention", phase=phase, qg=b.tensor(qg), k=b.tensor(k), v=b.tensor(v), q_norm=b.tensor(qn),
+          k_norm=b.tensor(kn), pos=_pos(b, pos0), q=b.empty(T, H * D), gate=b.empty(T, H * D), k_work=b.empty(T, kv * D),
+          k_cache=kct, v_cache=vct, max_ctx=max_ctx, ws=b.workspace(_config(s), T, max_ctx), out=out, **s)
+    return b.read(out), b.read(kct), b.read(vct)
+
+
+def _prep_inputs(rng, s, T):
+    H, kv, D = s["heads"], s["kv_heads"], s["head_dim"]
+    qg = (rng.standard_normal((T, 2 * H * D)) * rng.uniform(0.2, 3.0)).astype(np.float32)
+    k = (rng.standard_normal((T, kv * D)) * 7).astype(np.float32)
+    v = rng.standard_normal((T, kv * D)).astype(np.float32)
+    qn, kn = (rng.uniform(-1.5, 1.5, (1, D)).astype(np.float32) for _ in range(2))
+    return qg, k, v, qn, kn
+
+
+@pytest.mark.parametrize("s", [REAL] + AWKWARD, ids=["real"] + AWKWARD_IDS)
+@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
+def test_qk_prep_attention_decode(benches, s, early):
+    """attn_qk_prep_attention's decode step as one kernel (attn_decode_mma_prep: the q/k prep in every block, the new
+    row written and patched in by the block that holds it) gives the bits of attn_qk_prep_append then the decode
+    attention (attn_decode_prep=False) in out and in both bf16 caches, with the early loads on and off, at contexts
+    where the new row falls in a warp's first tile, in a later one, alone in the last chunk, and where another
+    block's zero-filled tile padding covers it; and stays within the tolerance of the CPU's composition."""
+    rng = np.random.default_rng(31)
+    cpu = benches[0]
+    fused = core.OpBench("cuda", {"attn_decode_early": early})
+    pair = core.OpBench("cuda", {"attn_decode_early": early, "attn_decode_prep": False})
+    for ctx, max_ctx in ((1, 1), (16, 40), (17, 40), (64, 64), (65, 300), (200, 256), (1000, 1024), (4097, 4100),
+                         (4226, 4300), (20000, 20000)):
+        qg, k, v, qn, kn = _prep_inputs(rng, s, 1)
+        kc, vc = _cache(rng, s, max_ctx, ctx - 1), _cache(rng, s, max_ctx, ctx - 1)  # row ctx - 1: the op's
+        (co, ckc, cvc), (go, gkc, gvc), (po, pkc, pvc) = (
+            _prep_attention(b, s, qg, k, v, qn, kn, kc, vc, ctx - 1, max_ctx, "bf16", "decode")
+            for b in (cpu, fused, pair))
+        assert np.array_equal(go, po), (ctx, max_ctx)
+        assert np.array_equal(gkc, pkc, equal_nan=True) and np.array_equal(gvc, pvc, equal_nan=True), (ctx, max_ctx)
+        assert _rel(go, co) < _tol("decode", "bf16"), (ctx, max_ctx)
+        live = np.isfinite(ckc)
+        assert live.sum() == s["kv_heads"] * ctx * s["head_dim"] and np.array_equal(np.isfinite(gkc), live)
+        assert _rel(gkc[live], ckc[live]) < 1e-4 and np.array_equal(gvc, cvc, equal_nan=True), (ctx, max_ctx)
+    assert "attn_decode_mma_prep" in fused.report()["variants"]["attention.decode_prep"]
+    assert "attn_decode_prep=False" in pair.report()["variants"]["attention.decode_prep"]
+
+
+@pytest.mark.parametrize("cache_dtype", ["f32", "bf16"])
+def test_qk_prep_attention_composed(benches, cache_dtype):
+    """Where the fused kernel does not apply (a prefill, f32 caches) attn_qk_prep_attention runs the composition, and
+    matches the CPU's: out within the attention's tolerance, the caches as attn_qk_prep_append writes them."""
+    rng = np.random.default_rng(32)
+    s, max_ctx = REAL, 600
+    cpu, gpu = benches
+    for T, pos0, phase in ((7, 300, "prefill"), (1, 0, "prefill"), (1, 511, "decode")):
+        qg, k, v, qn, kn = _prep_inputs(rng, s, T)
+        kc, vc = _cache(rng, s, max_ctx, pos0), _cache(rng, s, max_ctx, pos0)
+        (co, ckc, cvc), (go, gkc, gvc) = (
+            _prep_attention(b, s, qg, k, v, qn, kn, kc, vc, pos0, max_ctx, cache_dtype, phase) for b in (cpu, gpu))
+        assert _rel(go, co) < _tol(phase, cache_dtype), (T, pos0, phase)
+        live = np.isfinite(ckc)
+        assert np.array_equal(np.isfinite(gkc), live)
+        assert _rel(gkc[live], ckc[live]) < (1e-6 if cache_dtype == "f32" else 1e-4)
+        assert np.array_equal(gvc, cvc, equal_nan=True)
+    if cache_dtype == "f32":
+        assert "runs in fp32 here" in gpu.report()["variants"]["attention.decode_prep"]
+
+
 # ------------------------------------------------------------------------------------------------
 # attention
 # ------------------------------------------------------------------------------------------------
