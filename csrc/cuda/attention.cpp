@@ -267,15 +267,14 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
   check_shape(s.heads, s.kv_heads, s.head_dim, s.rotary_dim);
   const int64_t T = q.rows, D = s.head_dim, G = s.heads / s.kv_heads;
   if (T == 0) return;
+  if (phase() == Phase::Decode && T == 1)
+    return decode_attention(q, ptr(gate), D, k_cache, v_cache, pos, max_ctx, s, ws, out, nullptr);
   const int code = cache_code(k_cache);
   if (v_cache.dtype != k_cache.dtype) throw std::invalid_argument("cuda attention: K and V caches differ in dtype");
   if ((ptr(k_cache) | ptr(v_cache)) % 16 != 0)
     throw std::invalid_argument("cuda attention: KV caches must be 16-byte aligned");
   const Defines defs = {{"HEAD_DIM", D}, {"GROUP", G}, {"KV_BF16", code == 2 ? 1 : 0}};
   const float scale = 1.f / std::sqrt(float(D));
-
-  if (phase() == Phase::Decode && T == 1)
-    return decode_attention(q, ptr(gate), D, k_cache, v_cache, pos, max_ctx, s, ws, out, nullptr);
 
   // Tensor-core prefill for bf16 caches (K and V exact in bf16; q and p carried as two bf16 halves) when the
   // group divides the 64-row query tile and the shared memory fits; LILY_CUDA_ATTENTION_PREFILL=fp32 forces
