@@ -468,6 +468,37 @@ int run_ops(const std::string& msl) {
         check_f32(b, "attn_qk_prep_append", name + " v cache", vc, 0);
       }
     }
+    if (wanted("attn_qk_prep_attention") && c.max_ctx <= 1000) {
+      // The fused op (Metal runs Ops' composition: attn_qk_prep_append, a barrier, attention) over caches of random
+      // rows. q, gate and k_work are intermediates the contract leaves unspecified: poisoned, never compared.
+      const DType cd = c.bf16 ? DType::BF16 : DType::F32;
+      const int64_t rows = c.kv * c.max_ctx;
+      std::vector<uint16_t> kb(size_t(rows * c.D)), vb(kb.size());
+      for (auto& x : kb) x = f32_bf16(signed_uniform());
+      for (auto& x : vb) x = f32_bf16(signed_uniform());
+      auto kc = c.bf16 ? b.alloc(cd, rows, c.D, kb.data()) : b.f32(rows, c.D);
+      auto vc = c.bf16 ? b.alloc(cd, rows, c.D, vb.data()) : b.f32(rows, c.D);
+      auto q2 = b.alloc(DType::F32, c.T, c.heads * c.D), gate2 = b.alloc(DType::F32, c.T, c.heads * c.D);
+      auto kr2 = b.alloc(DType::F32, c.T, c.kv * c.D), out2 = b.alloc(DType::F32, c.T, c.heads * c.D);
+      for (auto* t : {&q2, &gate2, &kr2, &out2}) poison(b, *t);
+      ModelConfig cfg;
+      cfg.heads = c.heads, cfg.kv_heads = c.kv, cfg.head_dim = c.D;
+      auto ws = b.alloc(DType::F32, 1, int64_t(std::max(cpu::attention_workspace_bytes(cfg, c.T, c.max_ctx, 1),
+                                                        b.mtl.workspace_bytes(cfg, c.T, c.max_ctx)) / 4 + 16));
+      b.run(c.ph, [&](Ops& o, bool m) {
+        o.attn_qk_prep_attention(m ? qg.m : qg.c, m ? k.m : k.c, m ? v.m : v.c, m ? qn.m : qn.c, m ? kn.m : kn.c,
+                                 m ? pos.m : pos.c, s, m ? q2.m : q2.c, m ? gate2.m : gate2.c, m ? kr2.m : kr2.c,
+                                 m ? kc.m : kc.c, m ? vc.m : vc.c, c.max_ctx, m ? ws.m : ws.c, m ? out2.m : out2.c);
+      });
+      check_f32(b, "attn_qk_prep_attention", name + " out", out2, 1e-5);
+      if (c.bf16) {
+        check_bf16_close(b, "attn_qk_prep_attention", name + " k cache", kc, 1.0 / 128);
+        check_u16(b, "attn_qk_prep_attention", name + " v cache", vc);
+      } else {
+        check_f32(b, "attn_qk_prep_attention", name + " k cache", kc, 2e-6);
+        check_f32(b, "attn_qk_prep_attention", name + " v cache", vc, 0);
+      }
+    }
     if (!wanted("attention") || c.max_ctx > 1000) continue;
     // A cache already holding random rows before pos (the context), then this step's rows appended.
     const DType cd = c.bf16 ? DType::BF16 : DType::F32;
