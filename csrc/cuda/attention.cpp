@@ -65,6 +65,15 @@ int cache_code(const Tensor& c) {
   throw std::invalid_argument("cuda attention: KV cache must be f32 or bf16");
 }
 
+// Checks the caches (one dtype, 16-byte aligned at kp / vp for cp.async) and gives the attention module's defines.
+Defines attention_defines(const Tensor& k_cache, const Tensor& v_cache, CUdeviceptr kp, CUdeviceptr vp,
+                          const AttentionShape& s) {
+  const int code = cache_code(k_cache);
+  if (v_cache.dtype != k_cache.dtype) throw std::invalid_argument("cuda attention: K and V caches differ in dtype");
+  if ((kp | vp) % 16 != 0) throw std::invalid_argument("cuda attention: KV caches must be 16-byte aligned");
+  return {{"HEAD_DIM", s.head_dim}, {"GROUP", s.heads / s.kv_heads}, {"KV_BF16", code == 2 ? 1 : 0}};
+}
+
 }  // namespace
 
 // attn_qk_prep_attention's inputs to the fused decode kernel.
@@ -191,10 +200,7 @@ void CudaOps::decode_attention(const Tensor& q, CUdeviceptr gate, int64_t gate_h
                                const Tensor& ws, const Tensor& out, const DecodePrepArgs* prep) {
   const int64_t D = s.head_dim, G = s.heads / s.kv_heads;
   const int code = cache_code(k_cache);
-  if (v_cache.dtype != k_cache.dtype) throw std::invalid_argument("cuda attention: K and V caches differ in dtype");
-  if ((ptr(k_cache) | ptr(v_cache)) % 16 != 0)
-    throw std::invalid_argument("cuda attention: KV caches must be 16-byte aligned");
-  const Defines defs = {{"HEAD_DIM", D}, {"GROUP", G}, {"KV_BF16", code == 2 ? 1 : 0}};
+  const Defines defs = attention_defines(k_cache, v_cache, ptr(k_cache), ptr(v_cache), s);
   const float scale = 1.f / std::sqrt(float(D));
   // bf16 caches: the tensor-core split kernel (one block of 4 warps per SM, 152 KB of shared memory at
   // D = 256, 158 KB with the prep's rows); f32 caches (or LILY_CUDA_ATTENTION_DECODE=fp32): the fp32 one (two
@@ -270,10 +276,7 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
   if (phase() == Phase::Decode && T == 1)
     return decode_attention(q, ptr(gate), D, k_cache, v_cache, pos, max_ctx, s, ws, out, nullptr);
   const int code = cache_code(k_cache);
-  if (v_cache.dtype != k_cache.dtype) throw std::invalid_argument("cuda attention: K and V caches differ in dtype");
-  if ((ptr(k_cache) | ptr(v_cache)) % 16 != 0)
-    throw std::invalid_argument("cuda attention: KV caches must be 16-byte aligned");
-  const Defines defs = {{"HEAD_DIM", D}, {"GROUP", G}, {"KV_BF16", code == 2 ? 1 : 0}};
+  const Defines defs = attention_defines(k_cache, v_cache, ptr(k_cache), ptr(v_cache), s);
   const float scale = 1.f / std::sqrt(float(D));
 
   // Tensor-core prefill for bf16 caches (K and V exact in bf16; q and p carried as two bf16 halves) when the

@@ -440,15 +440,29 @@ int run_ops(const std::string& msl) {
         b.mtl.upload(t->m, v.data());
       }
     }
-    if (wanted("attn_qk_prep_append") && c.max_ctx <= 1000) {
-      // The fused op (Metal runs Ops' composition: attn_qk_prep, a barrier, kv_append) into caches of random rows.
-      const DType cd = c.bf16 ? DType::BF16 : DType::F32;
+    // K and V caches of random rows, bf16 or f32 as the case says.
+    auto random_caches = [&] {
       const int64_t rows = c.kv * c.max_ctx;
+      if (!c.bf16) return std::make_pair(b.f32(rows, c.D), b.f32(rows, c.D));
       std::vector<uint16_t> kb(size_t(rows * c.D)), vb(kb.size());
       for (auto& x : kb) x = f32_bf16(signed_uniform());
       for (auto& x : vb) x = f32_bf16(signed_uniform());
-      auto kc = c.bf16 ? b.alloc(cd, rows, c.D, kb.data()) : b.f32(rows, c.D);
-      auto vc = c.bf16 ? b.alloc(cd, rows, c.D, vb.data()) : b.f32(rows, c.D);
+      return std::make_pair(b.alloc(DType::BF16, rows, c.D, kb.data()), b.alloc(DType::BF16, rows, c.D, vb.data()));
+    };
+    // The caches after an op that appended this step's rows: k within bf16's rounding of the CPU's (the prepared k
+    // may round the other way), v exact.
+    auto check_caches = [&](const char* op, const Both::T2& kc, const Both::T2& vc) {
+      if (c.bf16) {
+        check_bf16_close(b, op, name + " k cache", kc, 1.0 / 128);
+        check_u16(b, op, name + " v cache", vc);
+      } else {
+        check_f32(b, op, name + " k cache", kc, 2e-6);
+        check_f32(b, op, name + " v cache", vc, 0);
+      }
+    };
+    if (wanted("attn_qk_prep_append") && c.max_ctx <= 1000) {
+      // The fused op (Metal runs Ops' composition: attn_qk_prep, a barrier, kv_append) into caches of random rows.
+      auto [kc, vc] = random_caches();
       auto q2 = b.alloc(DType::F32, c.T, c.heads * c.D), gate2 = b.alloc(DType::F32, c.T, c.heads * c.D);
       auto kr2 = b.alloc(DType::F32, c.T, c.kv * c.D);
       for (auto* t : {&q2, &gate2, &kr2}) poison(b, *t);
@@ -460,24 +474,12 @@ int run_ops(const std::string& msl) {
       check_f32(b, "attn_qk_prep_append", name + " q", q2, 2e-6);
       check_f32(b, "attn_qk_prep_append", name + " gate", gate2, 0);
       check_f32(b, "attn_qk_prep_append", name + " k", kr2, 2e-6);
-      if (c.bf16) {
-        check_bf16_close(b, "attn_qk_prep_append", name + " k cache", kc, 1.0 / 128);
-        check_u16(b, "attn_qk_prep_append", name + " v cache", vc);
-      } else {
-        check_f32(b, "attn_qk_prep_append", name + " k cache", kc, 2e-6);
-        check_f32(b, "attn_qk_prep_append", name + " v cache", vc, 0);
-      }
+      check_caches("attn_qk_prep_append", kc, vc);
     }
     if (wanted("attn_qk_prep_attention") && c.max_ctx <= 1000) {
       // The fused op (Metal runs Ops' composition: attn_qk_prep_append, a barrier, attention) over caches of random
       // rows. q, gate and k_work are intermediates the contract leaves unspecified: poisoned, never compared.
-      const DType cd = c.bf16 ? DType::BF16 : DType::F32;
-      const int64_t rows = c.kv * c.max_ctx;
-      std::vector<uint16_t> kb(size_t(rows * c.D)), vb(kb.size());
-      for (auto& x : kb) x = f32_bf16(signed_uniform());
-      for (auto& x : vb) x = f32_bf16(signed_uniform());
-      auto kc = c.bf16 ? b.alloc(cd, rows, c.D, kb.data()) : b.f32(rows, c.D);
-      auto vc = c.bf16 ? b.alloc(cd, rows, c.D, vb.data()) : b.f32(rows, c.D);
+      auto [kc, vc] = random_caches();
       auto q2 = b.alloc(DType::F32, c.T, c.heads * c.D), gate2 = b.alloc(DType::F32, c.T, c.heads * c.D);
       auto kr2 = b.alloc(DType::F32, c.T, c.kv * c.D), out2 = b.alloc(DType::F32, c.T, c.heads * c.D);
       for (auto* t : {&q2, &gate2, &kr2, &out2}) poison(b, *t);
@@ -491,13 +493,7 @@ int run_ops(const std::string& msl) {
                                  m ? kc.m : kc.c, m ? vc.m : vc.c, c.max_ctx, m ? ws.m : ws.c, m ? out2.m : out2.c);
       });
       check_f32(b, "attn_qk_prep_attention", name + " out", out2, 1e-5);
-      if (c.bf16) {
-        check_bf16_close(b, "attn_qk_prep_attention", name + " k cache", kc, 1.0 / 128);
-        check_u16(b, "attn_qk_prep_attention", name + " v cache", vc);
-      } else {
-        check_f32(b, "attn_qk_prep_attention", name + " k cache", kc, 2e-6);
-        check_f32(b, "attn_qk_prep_attention", name + " v cache", vc, 0);
-      }
+      check_caches("attn_qk_prep_attention", kc, vc);
     }
     if (!wanted("attention") || c.max_ctx > 1000) continue;
     // A cache already holding random rows before pos (the context), then this step's rows appended.
