@@ -205,7 +205,8 @@ def test_full_model_shapes_compile_dry(arch, cache):
     c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
                                           source="FULL_CONFIG").to_core()
     H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
-    bench = core.OpBench("cuda", {"dry_arch": arch, "cache_dir": cache, "fused_delta": True, "attn_prefill_split": True})
+    bench = core.OpBench("cuda", {"dry_arch": arch, "cache_dir": cache, "fused_delta": True, "attn_prefill_split": True,
+                                  "attn_decode_prep": True})
 
     class Dry:  # outputs need no poison: nothing runs
         def __getattr__(self, name):

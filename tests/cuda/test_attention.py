@@ -230,7 +230,7 @@ def test_qk_prep_attention_decode(benches, s, early):
     block's zero-filled tile padding covers it; and stays within the tolerance of the CPU's composition."""
     rng = np.random.default_rng(31)
     cpu = benches[0]
-    fused = core.OpBench("cuda", {"attn_decode_early": early})
+    fused = core.OpBench("cuda", {"attn_decode_early": early, "attn_decode_prep": True})
     pair = core.OpBench("cuda", {"attn_decode_early": early, "attn_decode_prep": False})
     for ctx, max_ctx in ((1, 1), (16, 40), (17, 40), (64, 64), (65, 300), (200, 256), (1000, 1024), (4097, 4100),
                          (4226, 4300), (20000, 20000)):
@@ -255,7 +255,7 @@ def test_qk_prep_attention_composed(benches, cache_dtype):
     matches the CPU's: out within the attention's tolerance, the caches as attn_qk_prep_append writes them."""
     rng = np.random.default_rng(32)
     s, max_ctx = REAL, 600
-    cpu, gpu = benches
+    cpu, gpu = benches[0], core.OpBench("cuda", {"attn_decode_prep": True})
     for T, pos0, phase in ((7, 300, "prefill"), (1, 0, "prefill"), (1, 511, "decode")):
         qg, k, v, qn, kn = _prep_inputs(rng, s, T)
         kc, vc = _cache(rng, s, max_ctx, pos0), _cache(rng, s, max_ctx, pos0)

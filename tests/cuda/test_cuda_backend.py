@@ -240,7 +240,7 @@ def test_decode_prep_same_logits(checkpoints):
     vocab = TINY_CONFIG["vocab_size"]
     ids, feed = _ids(vocab, 60, 17), _ids(vocab, 12, 18)
     runs = []
-    for opts in ({}, {"attn_decode_prep": False}):
+    for opts in ({"attn_decode_prep": True}, {"attn_decode_prep": False}):
         with lily.Engine.from_pretrained(path, backend="cuda", kv_cache_dtype="bf16", backend_options=opts) as e:
             s = e.session()
             s.prefill(ids)
@@ -248,7 +248,7 @@ def test_decode_prep_same_logits(checkpoints):
             steps += [s.fork().step(feed[0])]  # reads every row the steps appended
             runs.append(np.stack(steps))
             variant = e.report()["cuda"]["variants"]["attention.decode_prep"]
-            assert ("attn_decode_mma_prep" in variant) == (opts == {}), variant
+            assert ("attn_decode_mma_prep" in variant) == opts["attn_decode_prep"], variant
     assert np.all(np.isfinite(runs[0]))
     np.testing.assert_array_equal(runs[0], runs[1])
 
