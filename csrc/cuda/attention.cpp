@@ -13,8 +13,9 @@
 //   parts for G <= 8 (two above), p as two); f32 caches or LILY_CUDA_ATTENTION_DECODE=fp32:
 //   attn_decode_split (fp32 FMA).
 // - attn_qk_prep_attention (the graph's op), decode step on tensor cores: one kernel, attn_decode_mma_prep (the
-//   q/k prep inside every block, the new K/V row written by the block that holds it), then the reduce, unless
-//   attn_decode_prep=False; anything else runs Ops' composition (attn_qk_prep_append, then attention).
+//   q/k prep inside every block, the new K/V row written by the block that holds it), then the reduce, with
+//   attn_decode_prep on (off by default until measured on a GPU); anything else runs Ops' composition
+//   (attn_qk_prep_append, then attention).
 // - attention, prefill (any other call), bf16 caches and G dividing 64: attn_prefill_mma, flash attention
 //   on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulation) with q and p split into two bf16 halves so
 //   the result stays within ~1e-5 of fp32. f32 caches (or LILY_CUDA_ATTENTION_PREFILL=fp32): the fp32

@@ -166,8 +166,8 @@ struct CudaOptions {
   bool attn_decode_early = true;
   // Ops::attn_qk_prep_attention's decode step on tensor cores as one kernel (kernels/attention.cu
   // attn_decode_mma_prep: the q/k prep and the new row's cache writes inside the attention, the same bits); false:
-  // attn_qk_prep_append, then the attention (A/B).
-  bool attn_decode_prep = true;
+  // attn_qk_prep_append, then the attention. Off by default until it has run on a GPU (benchmarks/NOTES.md).
+  bool attn_decode_prep = false;
   // Prefill DeltaNet: calls of at least this many rows without a state capture take the chunked (WY / UT-transform)
   // form (kernels/gated_delta.cu gated_delta_chunk_prep / _scan: 64-token chunks, three small products per chunk
   // instead of 64 dependent token steps); shorter calls, captures (the prefix cache's checkpoint inside a chunk, MTP
