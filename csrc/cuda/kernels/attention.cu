@@ -31,6 +31,9 @@
 //                for f32 rows.
 // attn_decode_mma (T = 1, bf16 caches): the same chunks and partials, computed on tensor cores (see its
 //                section); then the same reduce.
+// attn_decode_mma_prep (T = 1, bf16 caches): attn_decode_mma reading qg, k, v and the norms instead of q: each
+//                block prepares its G query rows, the block holding row pos[0] prepares that row's k and v and writes
+//                them to the caches. Floor: attn_decode_mma's plus qg's query half per block (G·D·4 bytes, L2).
 //                Floor: 2·kv·len·D·ES bytes of cache; real shape, bf16, len 128K: 2·2·131072·256·2 =
 //                268 MB, ~60 µs at 4.5 TB/s; FLOPs 4·heads·len·D = 2.1 GFLOP.
 // attn_prefill   (any T; f32 caches): grid (ceil(T / PF_QT), kv), block PF_QT warps, warp w = token
@@ -458,7 +461,8 @@ extern "C" __global__ void __launch_bounds__(DEC_NW * 32) attn_decode_split(
 }
 
 // Grid (heads, D / RED_RC), block 256: merges the active partials of head h for RED_RC of its columns,
-// out = o / l · sigmoid(gate), head h's gate at gate + h · gate_head_stride (D: attn_qk_prep's gate rows; 2D: qg). Thread (sg, f) sums splits sg, sg + RED_SG, ... of float4 column f (up to RED_NPT
+// out = o / l · sigmoid(gate), head h's gate at gate + h · gate_head_stride (D: attn_qk_prep's gate rows; 2D: qg).
+// Thread (sg, f) sums splits sg, sg + RED_SG, ... of float4 column f (up to RED_NPT
 // of them loaded before the weights are known, so the partials' L2 round trip overlaps the max and sum), the
 // RED_SG partial sums meet in shared memory in sg order. The one-block-per-head form walked all splits in one
 // thread per column: ~64 dependent L2 loads, 11 µs on the critical path of every attention layer (H100 trace).
