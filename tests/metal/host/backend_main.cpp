@@ -22,6 +22,8 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu/backend.h"
@@ -462,7 +464,8 @@ int run_ops(const std::string& msl) {
     };
     if (wanted("attn_qk_prep_append") && c.max_ctx <= 1000) {
       // The fused op (Metal runs Ops' composition: attn_qk_prep, a barrier, kv_append) into caches of random rows.
-      auto [kc, vc] = random_caches();
+      Both::T2 kc, vc;
+      std::tie(kc, vc) = random_caches();
       auto q2 = b.alloc(DType::F32, c.T, c.heads * c.D), gate2 = b.alloc(DType::F32, c.T, c.heads * c.D);
       auto kr2 = b.alloc(DType::F32, c.T, c.kv * c.D);
       for (auto* t : {&q2, &gate2, &kr2}) poison(b, *t);
@@ -479,7 +482,8 @@ int run_ops(const std::string& msl) {
     if (wanted("attn_qk_prep_attention") && c.max_ctx <= 1000) {
       // The fused op (Metal runs Ops' composition: attn_qk_prep_append, a barrier, attention) over caches of random
       // rows. q, gate and k_work are intermediates the contract leaves unspecified: poisoned, never compared.
-      auto [kc, vc] = random_caches();
+      Both::T2 kc, vc;
+      std::tie(kc, vc) = random_caches();
       auto q2 = b.alloc(DType::F32, c.T, c.heads * c.D), gate2 = b.alloc(DType::F32, c.T, c.heads * c.D);
       auto kr2 = b.alloc(DType::F32, c.T, c.kv * c.D), out2 = b.alloc(DType::F32, c.T, c.heads * c.D);
       for (auto* t : {&q2, &gate2, &kr2, &out2}) poison(b, *t);
