@@ -264,9 +264,6 @@ class OpBench {
       else if (op == "attn_qk_prep_append")
         o.attn_qk_prep_append(T("qg"), T("k"), T("v"), T("q_norm"), T("k_norm"), T("pos"), attn(), T("q_out"),
                               T("gate_out"), T("k_out"), T("k_cache"), T("v_cache"), I("max_ctx"));
-      else if (op == "attn_qk_prep_attention")
-        o.attn_qk_prep_attention(T("qg"), T("k"), T("v"), T("q_norm"), T("k_norm"), T("pos"), attn(), T("q"), T("gate"),
-                                 T("k_work"), T("k_cache"), T("v_cache"), I("max_ctx"), T("ws"), T("out"));
       else if (op == "attention")
         o.attention(T("q"), T("gate"), T("k_cache"), T("v_cache"), T("pos"), I("max_ctx"), attn(), T("ws"), T("out"));
       else if (op == "conv1d_silu")

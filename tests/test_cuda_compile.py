@@ -205,8 +205,7 @@ def test_full_model_shapes_compile_dry(arch, cache):
     c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
                                           source="FULL_CONFIG").to_core()
     H, E, K, I = c["hidden"], c["experts"], c["topk"], c["moe_inter"]
-    bench = core.OpBench("cuda", {"dry_arch": arch, "cache_dir": cache, "fused_delta": True, "attn_prefill_split": True,
-                                  "attn_decode_prep": True})
+    bench = core.OpBench("cuda", {"dry_arch": arch, "cache_dir": cache, "fused_delta": True, "attn_prefill_split": True})
 
     class Dry:  # outputs need no poison: nothing runs
         def __getattr__(self, name):
@@ -265,11 +264,6 @@ def test_full_model_shapes_compile_dry(arch, cache):
                   k_out=kr, k_cache=kc, v_cache=vc, max_ctx=131072, **shape)
             b.run("attention", phase, q=q, gate=gate, k_cache=kc, v_cache=vc, pos=pos, max_ctx=131072, ws=ws,
                   out=b.empty(T, qh * hd), **shape)
-            b.run("attn_qk_prep_attention", phase, qg=b.empty(T, 2 * qh * hd), k=b.empty(T, kvh * hd),
-                  v=b.empty(T, kvh * hd), q_norm=b.empty(1, hd), k_norm=b.empty(1, hd), pos=pos, q=q, gate=gate,
-                  k_work=kr, k_cache=kc, v_cache=vc, max_ctx=131072, ws=ws, out=b.empty(T, qh * hd), **shape)
-            if phase == "decode" and T == 1 and kv == "bf16":  # the decode step's fused kernel (its own entry)
-                assert "attn_decode_mma_prep" in b.report()["variants"]["attention.decode_prep"]
             if T == 7:  # few rows over a long cache: the split-KV prefill and its reduce (PF_SPLIT)
                 assert "split-KV for 7 rows" in b.report()["variants"].get("attention.prefill_split", ""), kv
         dshape = dict(k_heads=c["lin_k_heads"], v_heads=c["lin_v_heads"], k_dim=c["lin_k_dim"], v_dim=c["lin_v_dim"],

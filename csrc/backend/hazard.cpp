@@ -11,7 +11,7 @@ const char* op_name(OpKind k) {
       "attn_decode",  "attn_prefill", "conv1d_silu", "gated_delta", "gated_rms_norm", "moe_route",
       "moe_experts",  "swiglu",       "moe_combine", "copy",        "fill",         "advance_position",
       "sample",       "add_rms_norm", "matmuls",     "moe",         "norm_matmuls", "conv_delta_norm", "accept_drafts", "copy_rows_at",
-      "mtp_input",    "attn_qk_prep_append", "attn_qk_prep_attention"};
+      "mtp_input",    "attn_qk_prep_append"};
   return size_t(k) < kOpKinds ? names[size_t(k)] : "?";
 }
 

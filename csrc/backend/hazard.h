@@ -15,7 +15,7 @@ namespace lily {
 enum class OpKind : uint8_t {
   Embed, RmsNorm, Matmul, Add, AttnQkPrep, KvAppend, AttnDecode, AttnPrefill, Conv1dSilu, GatedDelta,
   GatedRmsNorm, MoeRoute, MoeExperts, Swiglu, MoeCombine, Copy, Fill, AdvancePosition, Sample, AddRmsNorm,
-  Matmuls, Moe, NormMatmuls, ConvDeltaNorm, AcceptDrafts, CopyRowsAt, MtpInput, AttnQkPrepAppend, AttnQkPrepAttention, Count
+  Matmuls, Moe, NormMatmuls, ConvDeltaNorm, AcceptDrafts, CopyRowsAt, MtpInput, AttnQkPrepAppend, Count
 };
 constexpr size_t kOpKinds = size_t(OpKind::Count);
 const char* op_name(OpKind k);

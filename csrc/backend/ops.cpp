@@ -85,15 +85,6 @@ void Ops::attn_qk_prep_append_impl(const Tensor& qg, const Tensor& k, const Tens
   kv_append_impl(k_out, v, pos, k_cache, v_cache, max_ctx, s);
 }
 
-void Ops::attn_qk_prep_attention_impl(const Tensor& qg, const Tensor& k, const Tensor& v, const Tensor& q_norm,
-                                      const Tensor& k_norm, const Tensor& pos, const AttentionShape& s, const Tensor& q,
-                                      const Tensor& gate, const Tensor& k_work, const Tensor& k_cache,
-                                      const Tensor& v_cache, int64_t max_ctx, const Tensor& ws, const Tensor& out) {
-  attn_qk_prep_append_impl(qg, k, v, q_norm, k_norm, pos, s, q, gate, k_work, k_cache, v_cache, max_ctx);
-  barrier_in_op();
-  attention_impl(q, gate, k_cache, v_cache, pos, max_ctx, s, ws, out);
-}
-
 void Ops::conv_delta_norm_impl(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
                                const Tensor& conv_w, const Tensor& A_log, const Tensor& dt_bias, const Tensor& norm_w,
                                float eps, const DeltaShape& s, const Tensor& conv_in, const Tensor& conv_out,

@@ -318,19 +318,6 @@ class Ops {
            {q_out.buf, gate_out.buf, k_out.buf, k_cache.buf, v_cache.buf}, &Ops::attn_qk_prep_append_impl, qg, k, v,
            q_norm, k_norm, pos, s, q_out, gate_out, k_out, k_cache, v_cache, max_ctx);
   }
-  // attn_qk_prep_append, then attention of its q and gate over the caches, as one op (the graph's form of an
-  // attention layer's middle): rows pos[0].. of the caches as attn_qk_prep_append writes them and out as attention
-  // writes it. q, gate and k_work are the composed form's intermediates (attn_qk_prep's outputs): a backend that
-  // runs the op as one kernel leaves them unwritten, so their contents afterwards are unspecified. On CUDA a
-  // decode step is one kernel fewer per attention layer.
-  void attn_qk_prep_attention(const Tensor& qg, const Tensor& k, const Tensor& v, const Tensor& q_norm,
-                              const Tensor& k_norm, const Tensor& pos, const AttentionShape& s, const Tensor& q,
-                              const Tensor& gate, const Tensor& k_work, const Tensor& k_cache, const Tensor& v_cache,
-                              int64_t max_ctx, const Tensor& ws, const Tensor& out) {
-    record(OpKind::AttnQkPrepAttention, {qg.buf, k.buf, v.buf, q_norm.buf, k_norm.buf, pos.buf},
-           {q.buf, gate.buf, k_work.buf, k_cache.buf, v_cache.buf, ws.buf, out.buf}, &Ops::attn_qk_prep_attention_impl,
-           qg, k, v, q_norm, k_norm, pos, s, q, gate, k_work, k_cache, v_cache, max_ctx, ws, out);
-  }
   // Causal GQA attention of T queries at positions pos[0].. over cache positions [0, pos[0] + t],
   // then the output gate: out = attention · sigmoid(gate).
   void attention(const Tensor& q, const Tensor& gate, const Tensor& k_cache, const Tensor& v_cache,
@@ -535,12 +522,6 @@ class Ops {
                                         const Tensor& k_norm, const Tensor& pos, const AttentionShape& s,
                                         const Tensor& q_out, const Tensor& gate_out, const Tensor& k_out,
                                         const Tensor& k_cache, const Tensor& v_cache, int64_t max_ctx);
-  // Default: attn_qk_prep_append_impl, then attention_impl of its q and gate (ops.cpp).
-  virtual void attn_qk_prep_attention_impl(const Tensor& qg, const Tensor& k, const Tensor& v, const Tensor& q_norm,
-                                           const Tensor& k_norm, const Tensor& pos, const AttentionShape& s,
-                                           const Tensor& q, const Tensor& gate, const Tensor& k_work,
-                                           const Tensor& k_cache, const Tensor& v_cache, int64_t max_ctx,
-                                           const Tensor& ws, const Tensor& out);
   virtual void attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache,
                               const Tensor& v_cache, const Tensor& pos, int64_t max_ctx,
                               const AttentionShape& s, const Tensor& ws, const Tensor& out) = 0;

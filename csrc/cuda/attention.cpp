@@ -12,10 +12,6 @@
 //   a 128K one fills the machine in one wave. bf16 caches: attn_decode_mma (tensor cores, q as three bf16
 //   parts for G <= 8 (two above), p as two); f32 caches or LILY_CUDA_ATTENTION_DECODE=fp32:
 //   attn_decode_split (fp32 FMA).
-// - attn_qk_prep_attention (the graph's op), decode step on tensor cores: one kernel, attn_decode_mma_prep (the
-//   q/k prep inside every block, the new K/V row written by the block that holds it), then the reduce, with
-//   attn_decode_prep on (off by default until measured on a GPU); anything else runs Ops' composition
-//   (attn_qk_prep_append, then attention).
 // - attention, prefill (any other call), bf16 caches and G dividing 64: attn_prefill_mma, flash attention
 //   on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulation) with q and p split into two bf16 halves so
 //   the result stays within ~1e-5 of fp32. f32 caches (or LILY_CUDA_ATTENTION_PREFILL=fp32): the fp32
@@ -66,21 +62,7 @@ int cache_code(const Tensor& c) {
   throw std::invalid_argument("cuda attention: KV cache must be f32 or bf16");
 }
 
-// Checks the caches (one dtype, 16-byte aligned at kp / vp for cp.async) and gives the attention module's defines.
-Defines attention_defines(const Tensor& k_cache, const Tensor& v_cache, CUdeviceptr kp, CUdeviceptr vp,
-                          const AttentionShape& s) {
-  const int code = cache_code(k_cache);
-  if (v_cache.dtype != k_cache.dtype) throw std::invalid_argument("cuda attention: K and V caches differ in dtype");
-  if ((kp | vp) % 16 != 0) throw std::invalid_argument("cuda attention: KV caches must be 16-byte aligned");
-  return {{"HEAD_DIM", s.head_dim}, {"GROUP", s.heads / s.kv_heads}, {"KV_BF16", code == 2 ? 1 : 0}};
-}
-
 }  // namespace
-
-// attn_qk_prep_attention's inputs to the fused decode kernel.
-struct DecodePrepArgs {
-  const Tensor &qg, &k, &v, &q_norm, &k_norm;
-};
 
 size_t attention_workspace_bytes(const ModelConfig& c, int64_t rows, int64_t max_ctx) {
   (void)rows;  // decode partials depend on max_ctx only; a split prefill's are bounded by kSplitPartials
@@ -152,133 +134,77 @@ void CudaOps::attn_qk_prep_append_impl(const Tensor& qg, const Tensor& k, const 
                "q, k or v head)");
 }
 
-namespace {
-// attn_decode_mma's dynamic shared memory: Q's two parts, 4 warps × 2 stages of K and V tiles; the prep's f32 rows
-// (a warp's) and the new K/V row in bf16 besides for attn_decode_mma_prep.
-int decode_mma_smem(int64_t D, bool prep) {
-  return int((2 * 16 + 4 * 2 * 2 * 16) * (D * 2 + 16) + (prep ? 4 * D * 4 + 2 * D * 2 : 0));
-}
-}  // namespace
-
-bool CudaOps::decode_on_tensor_cores(const Tensor& k_cache, const AttentionShape& s, bool prep) {
-  const char* force = std::getenv("LILY_CUDA_ATTENTION_DECODE");
-  return k_cache.dtype == DType::BF16 && !(force && std::string(force) == "fp32") &&
-         decode_mma_smem(s.head_dim, prep) <= info().max_smem_optin;
-}
-
-void CudaOps::attn_qk_prep_attention_impl(const Tensor& qg, const Tensor& k, const Tensor& v, const Tensor& q_norm,
-                                          const Tensor& k_norm, const Tensor& pos, const AttentionShape& s,
-                                          const Tensor& q, const Tensor& gate, const Tensor& k_work,
-                                          const Tensor& k_cache, const Tensor& v_cache, int64_t max_ctx,
-                                          const Tensor& ws, const Tensor& out) {
-  check_shape(s.heads, s.kv_heads, s.head_dim, s.rotary_dim);
-  if (qg.rows == 0) return;
-  const bool decode = phase() == Phase::Decode && qg.rows == 1;
-  const char* why = !decode                               ? nullptr
-                    : !options().attn_decode_prep         ? "attn_decode_prep=False"
-                    : !decode_on_tensor_cores(k_cache, s, true) ? "the decode attention runs in fp32 here (f32 "
-                                                                  "caches, LILY_CUDA_ATTENTION_DECODE=fp32, or too "
-                                                                  "little shared memory)"
-                                                                : nullptr;
-  if (!decode || why) {
-    if (why)
-      note_variant("attention.decode_prep",
-                   std::string("composed: attn_qk_prep_append, then the decode attention (") + why + ")");
-    return Ops::attn_qk_prep_attention_impl(qg, k, v, q_norm, k_norm, pos, s, q, gate, k_work, k_cache, v_cache,
-                                            max_ctx, ws, out);
-  }
-  const DecodePrepArgs prep{qg, k, v, q_norm, k_norm};
-  // The gate is read from qg: head h's at h · 2D + D.
-  decode_attention(qg, ptr(qg) + CUdeviceptr(s.head_dim * sizeof(float)), 2 * s.head_dim, k_cache, v_cache, pos,
-                   max_ctx, s, ws, out, &prep);
-  note_variant("attention.decode_prep",
-               "attn_decode_mma_prep: the q/k prep inside every block of the decode attention, the new K/V row "
-               "written and patched into its tile by the block that holds it; one launch fewer per attention layer");
-}
-
-void CudaOps::decode_attention(const Tensor& q, CUdeviceptr gate, int64_t gate_head_stride, const Tensor& k_cache,
-                               const Tensor& v_cache, const Tensor& pos, int64_t max_ctx, const AttentionShape& s,
-                               const Tensor& ws, const Tensor& out, const DecodePrepArgs* prep) {
-  const int64_t D = s.head_dim, G = s.heads / s.kv_heads;
-  const int code = cache_code(k_cache);
-  const Defines defs = attention_defines(k_cache, v_cache, ptr(k_cache), ptr(v_cache), s);
-  const float scale = 1.f / std::sqrt(float(D));
-  // bf16 caches: the tensor-core split kernel (one block of 4 warps per SM, 152 KB of shared memory at
-  // D = 256, 158 KB with the prep's rows); f32 caches (or LILY_CUDA_ATTENTION_DECODE=fp32): the fp32 one (two
-  // blocks per SM). Both write the same partials for the same reduce.
-  const char* force = std::getenv("LILY_CUDA_ATTENTION_DECODE");
-  const bool want_fp32 = force && std::string(force) == "fp32";
-  const bool mma = decode_on_tensor_cores(k_cache, s, prep != nullptr);
-  if (prep && !mma) throw std::logic_error("cuda attention: the fused decode kernel needs the tensor-core path");
-  const int dm_smem = decode_mma_smem(D, prep != nullptr);
-  const int64_t sms = int64_t(std::max(1, info().sms));
-  const int64_t room = split_room(max_ctx);
-  const int64_t fill = ceil_div((mma ? 1 : 2) * sms, s.kv_heads);  // one wave of resident blocks
-  const int64_t ns = std::max<int64_t>(1, std::min(room, fill));
-  const size_t part_o = size_t(s.kv_heads) * size_t(room) * size_t(G) * size_t(D);
-  const size_t need = (part_o + size_t(s.kv_heads) * size_t(room) * size_t(G) * 2) * sizeof(float);
-  if (ws.bytes() < need)
-    throw std::logic_error("cuda attention: workspace of " + std::to_string(ws.bytes()) + " bytes, " +
-                           std::to_string(need) + " needed");
-  const CUdeviceptr po = ptr(ws), pml = po + part_o * sizeof(float);
-  if (mma) {
-    Defines mma_defs = defs;
-    mma_defs.push_back({"DM_EARLY", options().attn_decode_early ? 1 : 0});
-    const Kernel& split = kernel("attention", prep ? "attn_decode_mma_prep" : "attn_decode_mma", mma_defs);
-    if (dm_smem > 48 * 1024) set_dynamic_smem(split, dm_smem);
-    if (prep) {
-      launch(split, Dim3{unsigned(ns), unsigned(s.kv_heads), 1}, Dim3{128, 1, 1}, uint32_t(dm_smem), ptr(prep->qg),
-             ptr(prep->k), ptr(prep->v), ptr(prep->q_norm), ptr(prep->k_norm), ptr(pos), ptr(k_cache), ptr(v_cache),
-             int64_t(max_ctx), int(ns), scale, po, pml, int(s.rotary_dim), double(s.rope_theta), float(s.eps));
-    } else {
-      if (ptr(q) % 16 != 0)  // the kernel stages q with float4 loads
-        throw std::invalid_argument("cuda attention: q must be 16-byte aligned for the tensor-core decode kernel");
-      launch(split, Dim3{unsigned(ns), unsigned(s.kv_heads), 1}, Dim3{128, 1, 1}, uint32_t(dm_smem), ptr(q),
-             ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx), int(ns), scale, po, pml);
-    }
-  } else {
-    const Kernel& split = kernel("attention", "attn_decode_split", defs);
-    const int so_smem = int(kDecodeWarps * G * D * int64_t(sizeof(float)));
-    if (so_smem > 48 * 1024) set_dynamic_smem(split, so_smem);
-    launch(split, Dim3{unsigned(ns), unsigned(s.kv_heads), 1}, Dim3{32 * kDecodeWarps, 1, 1}, uint32_t(so_smem),
-           ptr(q), ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx), int(ns), scale, po, pml);
-  }
-  const Kernel& reduce = kernel("attention", "attn_decode_reduce", defs);
-  // wsplit [ns] rounded up to whole float4s: the compiler reads it 16 bytes at a time (compute-sanitizer's
-  // memcheck caught a read past ns = 1..3).
-  // Grid (heads, column blocks of min(D, 64)): kernels/attention.cu RED_RC.
-  launch(reduce, Dim3{unsigned(s.heads), unsigned(D / std::min<int64_t>(D, 64)), 1}, Dim3{256, 1, 1},
-         uint32_t((ns + 3) / 4 * 4 * sizeof(float)), po, pml, ptr(pos), int(ns), gate, int64_t(gate_head_stride),
-         ptr(out));
-  const std::string splits = std::to_string(ns) + " splits/kv head (max_ctx " + std::to_string(max_ctx) +
-                             ", >= 64 rows each, live length cut on device)";
-  note_variant("attention.decode",
-               mma ? "split-KV mma.sync bf16: " + splits +
-                         ", 4 warps × 16-key tiles via cp.async, G heads as mma rows, " +
-                         (G <= 8 ? "q as three bf16 parts (the third in the padding rows)" : "q as bf16 hi + lo") +
-                         ", p as bf16 hi + lo" +
-                         (options().attn_decode_early
-                              ? ", each warp's first tile but the step's new row loaded before the wait for the "
-                                "q/k prep"
-                              : ", every tile loaded after the wait (attn_decode_early=False)") +
-                         "; then the reduce"
-                   : "split-KV fp32: " + splits + ", " + std::to_string(kDecodeWarps) + " warps × " +
-                         (code == 2 ? "4 bf16" : "2 f32") +
-                         " rows in flight, all G heads per KV row, fp32 FMA; then the reduce" +
-                         (want_fp32 ? " (forced by LILY_CUDA_ATTENTION_DECODE)" : ""));
-}
-
 void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache, const Tensor& v_cache,
                              const Tensor& pos, int64_t max_ctx, const AttentionShape& s, const Tensor& ws,
                              const Tensor& out) {
   check_shape(s.heads, s.kv_heads, s.head_dim, s.rotary_dim);
   const int64_t T = q.rows, D = s.head_dim, G = s.heads / s.kv_heads;
   if (T == 0) return;
-  if (phase() == Phase::Decode && T == 1)
-    return decode_attention(q, ptr(gate), D, k_cache, v_cache, pos, max_ctx, s, ws, out, nullptr);
   const int code = cache_code(k_cache);
-  const Defines defs = attention_defines(k_cache, v_cache, ptr(k_cache), ptr(v_cache), s);
+  if (v_cache.dtype != k_cache.dtype) throw std::invalid_argument("cuda attention: K and V caches differ in dtype");
+  if ((ptr(k_cache) | ptr(v_cache)) % 16 != 0)
+    throw std::invalid_argument("cuda attention: KV caches must be 16-byte aligned");
+  const Defines defs = {{"HEAD_DIM", D}, {"GROUP", G}, {"KV_BF16", code == 2 ? 1 : 0}};
   const float scale = 1.f / std::sqrt(float(D));
+
+  if (phase() == Phase::Decode && T == 1) {
+    // bf16 caches: the tensor-core split kernel (one block of 4 warps per SM, 152 KB of shared memory at
+    // D = 256); f32 caches (or LILY_CUDA_ATTENTION_DECODE=fp32): the fp32 one (two blocks per SM). Both
+    // write the same partials for the same reduce.
+    const char* force = std::getenv("LILY_CUDA_ATTENTION_DECODE");
+    const bool want_fp32 = force && std::string(force) == "fp32";
+    const int dm_smem = int((2 * 16 + 4 * 2 * 2 * 16) * (D * 2 + 16));
+    const bool mma = code == 2 && !want_fp32 && dm_smem <= info().max_smem_optin;
+    const int64_t sms = int64_t(std::max(1, info().sms));
+    const int64_t room = split_room(max_ctx);
+    const int64_t fill = ceil_div((mma ? 1 : 2) * sms, s.kv_heads);  // one wave of resident blocks
+    const int64_t ns = std::max<int64_t>(1, std::min(room, fill));
+    const size_t part_o = size_t(s.kv_heads) * size_t(room) * size_t(G) * size_t(D);
+    const size_t need = (part_o + size_t(s.kv_heads) * size_t(room) * size_t(G) * 2) * sizeof(float);
+    if (ws.bytes() < need)
+      throw std::logic_error("cuda attention: workspace of " + std::to_string(ws.bytes()) + " bytes, " +
+                             std::to_string(need) + " needed");
+    const CUdeviceptr po = ptr(ws), pml = po + part_o * sizeof(float);
+    if (mma) {
+      if (ptr(q) % 16 != 0)  // the kernel stages q with float4 loads
+        throw std::invalid_argument("cuda attention: q must be 16-byte aligned for the tensor-core decode kernel");
+      Defines mma_defs = defs;
+      mma_defs.push_back({"DM_EARLY", options().attn_decode_early ? 1 : 0});
+      const Kernel& split = kernel("attention", "attn_decode_mma", mma_defs);
+      if (dm_smem > 48 * 1024) set_dynamic_smem(split, dm_smem);
+      launch(split, Dim3{unsigned(ns), unsigned(s.kv_heads), 1}, Dim3{128, 1, 1}, uint32_t(dm_smem), ptr(q),
+             ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx), int(ns), scale, po, pml);
+    } else {
+      const Kernel& split = kernel("attention", "attn_decode_split", defs);
+      const int so_smem = int(kDecodeWarps * G * D * int64_t(sizeof(float)));
+      if (so_smem > 48 * 1024) set_dynamic_smem(split, so_smem);
+      launch(split, Dim3{unsigned(ns), unsigned(s.kv_heads), 1}, Dim3{32 * kDecodeWarps, 1, 1}, uint32_t(so_smem),
+             ptr(q), ptr(k_cache), ptr(v_cache), ptr(pos), int64_t(max_ctx), int(ns), scale, po, pml);
+    }
+    const Kernel& reduce = kernel("attention", "attn_decode_reduce", defs);
+    // wsplit [ns] rounded up to whole float4s: the compiler reads it 16 bytes at a time (compute-sanitizer's
+    // memcheck caught a read past ns = 1..3).
+    // Grid (heads, column blocks of min(D, 64)): kernels/attention.cu RED_RC.
+    launch(reduce, Dim3{unsigned(s.heads), unsigned(D / std::min<int64_t>(D, 64)), 1}, Dim3{256, 1, 1},
+           uint32_t((ns + 3) / 4 * 4 * sizeof(float)), po, pml, ptr(pos), int(ns), ptr(gate), ptr(out));
+    const std::string splits = std::to_string(ns) + " splits/kv head (max_ctx " + std::to_string(max_ctx) +
+                               ", >= 64 rows each, live length cut on device)";
+    note_variant("attention.decode",
+                 mma ? "split-KV mma.sync bf16: " + splits +
+                           ", 4 warps × 16-key tiles via cp.async, G heads as mma rows, " +
+                           (G <= 8 ? "q as three bf16 parts (the third in the padding rows)" : "q as bf16 hi + lo") +
+                           ", p as bf16 hi + lo" +
+                           (options().attn_decode_early
+                                ? ", each warp's first tile but the step's new row loaded before the wait for the "
+                                  "q/k prep"
+                                : ", every tile loaded after the wait (attn_decode_early=False)") +
+                           "; then the reduce"
+                     : "split-KV fp32: " + splits + ", " + std::to_string(kDecodeWarps) + " warps × " +
+                           (code == 2 ? "4 bf16" : "2 f32") +
+                           " rows in flight, all G heads per KV row, fp32 FMA; then the reduce" +
+                           (want_fp32 ? " (forced by LILY_CUDA_ATTENTION_DECODE)" : ""));
+    return;
+  }
 
   // Tensor-core prefill for bf16 caches (K and V exact in bf16; q and p carried as two bf16 halves) when the
   // group divides the 64-row query tile and the shared memory fits; LILY_CUDA_ATTENTION_PREFILL=fp32 forces

@@ -1080,11 +1080,6 @@ std::vector<std::string> CudaOps::optimizations() const {
                     "waiting for the q/k prep (attn_decode_early)"
                   : "not active: early K/V loads in decode attention (attn_decode_early=False): every tile after the "
                     "wait");
-  o.push_back(opt_.attn_decode_prep
-                  ? "decode attention on tensor cores does the q/k prep and the KV append itself (attn_decode_prep): "
-                    "attn_decode_mma_prep, one launch fewer per attention layer (attention.decode_prep says when)"
-                  : "not active: the q/k prep inside the decode attention (attn_decode_prep=False, the default until "
-                    "it is measured on a GPU): attn_qk_prep_append launches before the attention");
   o.push_back("host reads of the sampled id on a separate copy stream: reading id k does not wait for step k + 1");
   o.push_back(opt_.branches ? "graph branches: the launches of one hazard stage run side by side (up to 4 streams "
                               "forked and joined per stage)"

@@ -164,10 +164,6 @@ struct CudaOptions {
   // Decode attention on tensor cores: each warp's first K/V tile, less the step's new row, loaded before the
   // programmatic-launch wait (kernels/attention.cu DM_EARLY; the same bits). False: after it (A/B).
   bool attn_decode_early = true;
-  // Ops::attn_qk_prep_attention's decode step on tensor cores as one kernel (kernels/attention.cu
-  // attn_decode_mma_prep: the q/k prep and the new row's cache writes inside the attention, the same bits); false:
-  // attn_qk_prep_append, then the attention. Off by default until it has run on a GPU (benchmarks/NOTES.md).
-  bool attn_decode_prep = false;
   // Prefill DeltaNet: calls of at least this many rows without a state capture take the chunked (WY / UT-transform)
   // form (kernels/gated_delta.cu gated_delta_chunk_prep / _scan: 64-token chunks, three small products per chunk
   // instead of 64 dependent token steps); shorter calls, captures (the prefix cache's checkpoint inside a chunk, MTP
@@ -364,11 +360,6 @@ class CudaOps final : public Ops {
                                 const Tensor& k_norm, const Tensor& pos, const AttentionShape& s, const Tensor& q_out,
                                 const Tensor& gate_out, const Tensor& k_out, const Tensor& k_cache,
                                 const Tensor& v_cache, int64_t max_ctx) override;
-  void attn_qk_prep_attention_impl(const Tensor& qg, const Tensor& k, const Tensor& v, const Tensor& q_norm,
-                                   const Tensor& k_norm, const Tensor& pos, const AttentionShape& s, const Tensor& q,
-                                   const Tensor& gate, const Tensor& k_work, const Tensor& k_cache,
-                                   const Tensor& v_cache, int64_t max_ctx, const Tensor& ws,
-                                   const Tensor& out) override;
   void attention_impl(const Tensor& q, const Tensor& gate, const Tensor& k_cache, const Tensor& v_cache,
                       const Tensor& pos, int64_t max_ctx, const AttentionShape& s, const Tensor& ws,
                       const Tensor& out) override;
@@ -431,14 +422,6 @@ class CudaOps final : public Ops {
     std::memcpy(args_.data() + at, &v, sizeof(T));
   }
   void record_launch(Launch& l);
-  // A decode step's split-KV attention and its reduce (attention.cpp). prep: Ops::attn_qk_prep_attention's inputs,
-  // for attn_decode_mma_prep (q is then unused and the gate is read from qg: head stride 2D), or null.
-  void decode_attention(const Tensor& q, CUdeviceptr gate, int64_t gate_head_stride, const Tensor& k_cache,
-                        const Tensor& v_cache, const Tensor& pos, int64_t max_ctx, const AttentionShape& s,
-                        const Tensor& ws, const Tensor& out, const struct DecodePrepArgs* prep);
-  // Whether a decode step's attention over these caches takes the tensor-core kernel (attention.cpp); prep: the
-  // fused form's (its shared memory holds the prep's rows too).
-  bool decode_on_tensor_cores(const Tensor& k_cache, const AttentionShape& s, bool prep);
   // The CUDA-core GEMV over n parts of one format; `norm` (rms_norm_matmuls / add_rms_norm_matmuls) puts the
   // RMSNorm in front, done by every block (kernels/matmul.cu, NORM).
   void launch_gemv(const Tensor& x, const Weight* w, const Tensor* out, int n, const Defines& defines,

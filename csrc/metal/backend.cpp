@@ -423,9 +423,6 @@ std::vector<std::string> MetalOps::optimizations() const {
       "active: fused q/k RMSNorm + RoPE prep",
       "inactive: the KV append inside the q/k prep's dispatch (attn_qk_prep_append runs composed here: attn_qk_prep, "
       "a barrier, kv_append; the fusion is written for CUDA, one launch fewer per attention layer there)",
-      "inactive: the q/k prep and the KV append inside the decode attention's dispatch (attn_qk_prep_attention runs "
-      "composed here: attn_qk_prep_append, a barrier, attention; the fusion is written for CUDA, one launch fewer per "
-      "attention layer there)",
       std::string(counters_.delta_scan_sg_calls ? "active" : "inactive") +
           ": register-resident DeltaNet scan with one state column per simdgroup for prefill rows (gated_delta_scan_sg: "
           "the column over the 32 lanes, reductions by simd_sum; " + std::to_string(counters_.delta_scan_sg_calls) +

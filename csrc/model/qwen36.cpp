@@ -44,8 +44,9 @@ void Qwen36::attend(const LayerWeights& L, const Tensor& x, const Tensor& k_cach
   const AttentionShape s = attn_shape();
   ops_.rms_norm_matmuls(r(x), L.input_norm, cfg_.eps, r(sc.u),
                         MatmulGroup().add(L.q, r(sc.qg)).add(L.k, r(sc.k)).add(L.v, r(sc.v)));
-  ops_.attn_qk_prep_attention(r(sc.qg), r(sc.k), r(sc.v), L.q_norm, L.k_norm, pos, s, r(sc.q), r(sc.gate), r(sc.kr),
-                              k_cache, v_cache, max_ctx, sc.ws, r(sc.attn_o));
+  ops_.attn_qk_prep_append(r(sc.qg), r(sc.k), r(sc.v), L.q_norm, L.k_norm, pos, s, r(sc.q), r(sc.gate), r(sc.kr),
+                           k_cache, v_cache, max_ctx);
+  ops_.attention(r(sc.q), r(sc.gate), k_cache, v_cache, pos, max_ctx, s, sc.ws, r(sc.attn_o));
   ops_.matmul(r(sc.attn_o), L.o, r(sc.mixer_out));
 }
 

@@ -366,9 +366,6 @@ class Engine:
         False: two launches; default True),
         ``attn_decode_early`` (decode attention on tensor cores: each warp's first K/V tile, less the step's new
         row, loaded before the wait for the kernel before it; the same bits; default True),
-        ``attn_decode_prep`` (a decode step's attention on tensor cores does the q/k norm + RoPE and the KV cache
-        append itself, one launch fewer per attention layer; the same bits; default False until it is measured on
-        a GPU),
         ``delta_chunk_rows`` (prefill DeltaNet calls of at least this many rows without a state capture take the
         chunked (WY) form, 64-token chunks; shorter ones and 0 the sequential scan; default 64),
         ``delta_chunk_mma`` (the chunked form's products on the tensor cores in 3xTF32, fp32's error level, where the

@@ -232,27 +232,6 @@ def test_chunked_prefill_and_snapshots(checkpoints, opts):
         np.testing.assert_array_equal(fork.step(9), s.step(9))
 
 
-def test_decode_prep_same_logits(checkpoints):
-    """bf16 KV caches: decode steps whose attention layers run attn_decode_mma_prep (the q/k prep and the KV append
-    inside the attention kernel) give the logits of the composed form (attn_decode_prep=False) bit for bit, over
-    steps that cross a 64-row chunk of the split attention, and the same cache rows (the fork continues alike)."""
-    path = checkpoints["mlx4"]
-    vocab = TINY_CONFIG["vocab_size"]
-    ids, feed = _ids(vocab, 60, 17), _ids(vocab, 12, 18)
-    runs = []
-    for opts in ({"attn_decode_prep": True}, {"attn_decode_prep": False}):
-        with lily.Engine.from_pretrained(path, backend="cuda", kv_cache_dtype="bf16", backend_options=opts) as e:
-            s = e.session()
-            s.prefill(ids)
-            steps = [s.step(t) for t in feed]
-            steps += [s.fork().step(feed[0])]  # reads every row the steps appended
-            runs.append(np.stack(steps))
-            variant = e.report()["cuda"]["variants"]["attention.decode_prep"]
-            assert ("attn_decode_mma_prep" in variant) == opts["attn_decode_prep"], variant
-    assert np.all(np.isfinite(runs[0]))
-    np.testing.assert_array_equal(runs[0], runs[1])
-
-
 def test_decode_graphs_and_one_read_per_token(checkpoints):
     path = checkpoints["mlx4"]
     with lily.Engine.from_pretrained(path, backend="cuda") as gpu:

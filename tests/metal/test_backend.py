@@ -91,8 +91,7 @@ def test_every_op_matches_cpu_backend(program, order):
     assert ops == {"matmul", "embed", "rms_norm", "add", "add_rms_norm", "gated_rms_norm", "swiglu", "moe_combine",
                    "attn_qk_prep", "kv_append", "attention", "conv1d_silu", "gated_delta", "moe_route", "moe_experts",
                    "copy", "fill", "advance_position", "sample", "matmuls", "moe", "conv_delta_norm", "accept_drafts",
-                   "copy_rows_at", "mtp_input", "attn_qk_prep_append",
-                   "attn_qk_prep_attention"}, ops
+                   "copy_rows_at", "mtp_input", "attn_qk_prep_append"}, ops
     # The sampler over three rows in one op (an MTP verify's): every case, the CPU's ids.
     assert len(re.findall(r"^op sample .+ rows ids: 0 of 3 differ ok$", r.stdout, re.M)) == 7, r.stdout
     # The fused DeltaNet decode kernel ran where it applies, and the composed path took the rest, with its reason.

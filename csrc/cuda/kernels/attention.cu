@@ -31,9 +31,6 @@
 //                for f32 rows.
 // attn_decode_mma (T = 1, bf16 caches): the same chunks and partials, computed on tensor cores (see its
 //                section); then the same reduce.
-// attn_decode_mma_prep (T = 1, bf16 caches): attn_decode_mma reading qg, k, v and the norms instead of q: each
-//                block prepares its G query rows, the block holding row pos[0] prepares that row's k and v and writes
-//                them to the caches. Floor: attn_decode_mma's plus qg's query half per block (G·D·4 bytes, L2).
 //                Floor: 2·kv·len·D·ES bytes of cache; real shape, bf16, len 128K: 2·2·131072·256·2 =
 //                268 MB, ~60 µs at 4.5 TB/s; FLOPs 4·heads·len·D = 2.1 GFLOP.
 // attn_prefill   (any T; f32 caches): grid (ceil(T / PF_QT), kv), block PF_QT warps, warp w = token
@@ -231,53 +228,6 @@ __device__ __forceinline__ void warp_rows(WarpAttn& A, const u32 (&kr)[U][NCH][R
 // ---------------------------------------------------------------------------------------------------
 // qk_prep
 // ---------------------------------------------------------------------------------------------------
-constexpr int NI = (D / 2 + 31) / 32;  // rotary pairs per lane (rotary_dim <= D)
-
-// The rotation's cos / sin at position p for this lane's pairs lane + 32 it (angles in double, like the CPU).
-__device__ __forceinline__ void rope_angles(i64 p, int rotary_dim, double theta, float (&rc)[NI], float (&rs)[NI],
-                                            int lane) {
-  const int half = rotary_dim / 2;
-#pragma unroll
-  for (int it = 0; it < NI; ++it) {
-    const int i = lane + 32 * it;
-    rc[it] = rs[it] = 0.f;
-    if (i < half) {
-      const float inv_freq = float(1.0 / pow(theta, double(2 * i) / double(rotary_dim)));
-      const double ang = double(p) * double(inv_freq);
-      rc[it] = float(cos(ang));
-      rs[it] = float(sin(ang));
-    }
-  }
-}
-
-// One head row, this lane's x[i] = element lane + 32 i: RMSNorm times w, then rotate-half RoPE of the first
-// rotary_dim elements, into row [D] (this warp's, shared). attn_qk_prep and the fused decode kernel both prepare
-// their rows here, so they hold the same values.
-__device__ __forceinline__ void norm_rope_row(const float (&x)[D / 32], const float* __restrict__ w,
-                                              const float (&rc)[NI], const float (&rs)[NI], int rotary_dim, float eps,
-                                              float* row, int lane) {
-  float ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < D / 32; ++i) ss = fmaf(x[i], x[i], ss);
-  ss = warp_sum(ss);
-  const float r = 1.f / sqrtf(ss / float(D) + eps);
-#pragma unroll
-  for (int i = 0; i < D / 32; ++i) row[lane + 32 * i] = __fmul_rn(__fmul_rn(x[i], r), w[lane + 32 * i]);
-  __syncwarp();
-  const int half = rotary_dim / 2;
-#pragma unroll
-  for (int it = 0; it < NI; ++it) {
-    const int i = lane + 32 * it;
-    if (i < half) {  // pair (i, i + half) belongs to this lane alone: rotated in place
-      const float c = rc[it], s = rs[it];
-      const float x0 = row[i], x1 = row[i + half];
-      row[i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-      row[i + half] = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
-    }
-  }
-  __syncwarp();
-}
-
 // One warp per (token, head): q heads, then k heads, then (APPEND) v heads. APPEND also writes each prepared k row
 // and each v row at cache row pos[0] + t (what attn_kv_append would write, from the same fp32 values), or nothing
 // there for a position outside [0, max_ctx) as attn_kv_append does.
@@ -295,10 +245,22 @@ __device__ __forceinline__ void qk_prep_body(
   // The rotation's cos / sin before the wait: the double-precision pow, cos and sin are most of this kernel's
   // latency, and they need only the position, which the step's upload or the previous step's advance_position
   // wrote (two or more kernels back: read through the L2, common.cuh).
+  constexpr int NI = (D / 2 + 31) / 32;  // rotary pairs per lane (rotary_dim <= D)
+  const int half = rotary_dim / 2;
   const int p0 = ld_cg_i32(pos);
   const i64 p = i64(p0) + t;
   float rc[NI], rs[NI];
-  rope_angles(p, rotary_dim, theta, rc, rs, lane);
+#pragma unroll
+  for (int it = 0; it < NI; ++it) {
+    const int i = lane + 32 * it;
+    rc[it] = rs[it] = 0.f;
+    if (i < half) {
+      const float inv_freq = float(1.0 / pow(theta, double(2 * i) / double(rotary_dim)));
+      const double ang = double(p) * double(inv_freq);
+      rc[it] = float(cos(ang));
+      rs[it] = float(sin(ang));
+    }
+  }
   LILY_PDL_PROLOGUE();
   const bool in_cache = APPEND && p0 >= 0 && p < max_ctx;
   if (APPEND && hh >= heads + kv_heads) {  // a v head: its row into the cache
@@ -312,19 +274,42 @@ __device__ __forceinline__ void qk_prep_body(
   }
   const bool is_q = hh < heads;
   const float* src = is_q ? qg + t * qg_stride + i64(hh) * 2 * D : k + t * k_stride + i64(hh - heads) * D;
+  const float* w = is_q ? q_norm : k_norm;
   float* dst = is_q ? q_out + t * q_stride + i64(hh) * D : k_out + t * ko_stride + i64(hh - heads) * D;
   // APPEND, a k head in the cache: its cache row, written with the same values as dst.
   const bool to_cache = in_cache && !is_q;
   const i64 crow = to_cache ? (i64(hh - heads) * max_ctx + p) * D : 0;
   float x[D / 32];
-#pragma unroll
-  for (int i = 0; i < D / 32; ++i) x[i] = src[lane + 32 * i];
-  norm_rope_row(x, is_q ? q_norm : k_norm, rc, rs, rotary_dim, eps, row[warp], lane);
+  float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) {
-    const float y = row[warp][lane + 32 * i];
-    dst[lane + 32 * i] = y;
-    if (to_cache) store_from_f32(k_cache, cache_dtype, crow + lane + 32 * i, y);
+    x[i] = src[lane + 32 * i];
+    ss = fmaf(x[i], x[i], ss);
+  }
+  ss = warp_sum(ss);
+  const float r = 1.f / sqrtf(ss / float(D) + eps);
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) row[warp][lane + 32 * i] = __fmul_rn(__fmul_rn(x[i], r), w[lane + 32 * i]);
+  __syncwarp();
+#pragma unroll
+  for (int it = 0; it < NI; ++it) {
+    const int i = lane + 32 * it;
+    if (i < half) {
+      const float c = rc[it], s = rs[it];
+      const float x0 = row[warp][i], x1 = row[warp][i + half];
+      const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+      const float y1 = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+      dst[i] = y0;
+      dst[i + half] = y1;
+      if (to_cache) {
+        store_from_f32(k_cache, cache_dtype, crow + i, y0);
+        store_from_f32(k_cache, cache_dtype, crow + i + half, y1);
+      }
+    }
+  }
+  for (int e = rotary_dim + lane; e < D; e += 32) {
+    dst[e] = row[warp][e];
+    if (to_cache) store_from_f32(k_cache, cache_dtype, crow + e, row[warp][e]);
   }
   if (is_q) {
     float* gd = gate_out + t * g_stride + i64(hh) * D;
@@ -461,8 +446,7 @@ extern "C" __global__ void __launch_bounds__(DEC_NW * 32) attn_decode_split(
 }
 
 // Grid (heads, D / RED_RC), block 256: merges the active partials of head h for RED_RC of its columns,
-// out = o / l · sigmoid(gate), head h's gate at gate + h · gate_head_stride (D: attn_qk_prep's gate rows; 2D: qg).
-// Thread (sg, f) sums splits sg, sg + RED_SG, ... of float4 column f (up to RED_NPT
+// out = o / l · sigmoid(gate). Thread (sg, f) sums splits sg, sg + RED_SG, ... of float4 column f (up to RED_NPT
 // of them loaded before the weights are known, so the partials' L2 round trip overlaps the max and sum), the
 // RED_SG partial sums meet in shared memory in sg order. The one-block-per-head form walked all splits in one
 // thread per column: ~64 dependent L2 loads, 11 µs on the critical path of every attention layer (H100 trace).
@@ -472,7 +456,7 @@ constexpr int RED_SG = 256 / RED_RF;     // split groups
 #define RED_NPT 8                        // partials per thread loaded ahead of the weights
 extern "C" __global__ void __launch_bounds__(256) attn_decode_reduce(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* __restrict__ pos, int ns,
-    const float* __restrict__ gate, i64 gate_head_stride, float* __restrict__ out) {
+    const float* __restrict__ gate, float* __restrict__ out) {
   LILY_PDL_PROLOGUE();
   extern __shared__ float wsplit[];  // [ns]
   __shared__ float scratch[32];
@@ -488,7 +472,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode_reduce(
     const int s = sg + i * RED_SG;
     ahead[i] = s < a ? *po(s) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  const float gt = tid < RED_RC ? gate[i64(h) * gate_head_stride + blockIdx.y * RED_RC + tid] : 0.f;
+  const float gt = tid < RED_RC ? gate[i64(h) * D + blockIdx.y * RED_RC + tid] : 0.f;
   float mx = NEG_INF;
   for (int s = tid; s < a; s += blockDim.x) mx = fmaxf(mx, part_ml[((base + s) * G + g) * 2]);
   const float M = block_max(mx, scratch);
@@ -936,12 +920,6 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
 // programmatic-launch wait (the rows are older steps'), the new row and q after it: at a short context that is
 // every row of the chunk but one, so the kernel's critical path keeps q's staging and an L2 read instead of the
 // cache's DRAM round trip.
-// attn_decode_mma_prep (Ops::attn_qk_prep_attention, host option attn_decode_prep): the same kernel doing the q/k prep
-// and the KV append itself, so an attention layer's decode chain loses a launch. It reads qg, k and v (the
-// projections) instead of q: every block prepares its kv head's G query rows (norm_rope_row, attn_qk_prep's values)
-// straight into the bf16 parts, and the block whose chunk ends at the new row prepares that row's k and v, writes them
-// to the caches and patches them into its tile in shared memory (its cache loads skip the row). The reduce reads the
-// gate from qg. The same bits as attn_qk_prep_append, then attn_decode_mma.
 #if KV_BF16
 #ifndef DM_EARLY
 #define DM_EARLY 0
@@ -952,103 +930,58 @@ constexpr int DM_WARP_BYTES = 2 * 2 * DM_BN * DM_PITCH;  // 2 stages of [K tile 
 constexpr int DM_NT = D / 8;
 constexpr bool DM_Q3 = G <= 8;  // the padding rows 8..15 carry q's third bf16 part
 
-// The fused form's inputs (attn_decode_mma_prep); attn_decode_mma passes none.
-struct DecodePrep {
-  const float* qg;      // [heads · 2D]: per head [query D | gate D]
-  const float* k;       // [kv · D]
-  const float* v;       // [kv · D]
-  const float* q_norm;  // [D]
-  const float* k_norm;  // [D]
-  u16* k_cache;         // the caches again, for the new row's writes
-  u16* v_cache;
-  int rotary_dim;
-  double theta;
-  float eps;
-};
-
-// q row g's elements e..e+3 as bf16 parts into the A operand's rows (see the staging below).
-__device__ __forceinline__ void stage_q4(unsigned char* qhi, unsigned char* qlo, int g, int e, const float4& v) {
-  uint2 hi, lo, lo2;
-  split3(v.x, v.y, hi.x, lo.x, lo2.x);
-  split3(v.z, v.w, hi.y, lo.y, lo2.y);
-  *reinterpret_cast<uint2*>(qhi + g * DM_PITCH + e * 2) = hi;
-  *reinterpret_cast<uint2*>(qlo + g * DM_PITCH + e * 2) = lo;
-  if (DM_Q3) {  // row g + 8 carries head g's third part (its hi row zero)
-    *reinterpret_cast<uint2*>(qhi + (g + 8) * DM_PITCH + e * 2) = make_uint2(0u, 0u);
-    *reinterpret_cast<uint2*>(qlo + (g + 8) * DM_PITCH + e * 2) = lo2;
-  }
-}
-
-template <bool PREP>
-__device__ __forceinline__ void decode_mma_body(const float* __restrict__ q, const unsigned char* k_cache,
-                                                const unsigned char* v_cache, const int* __restrict__ pos, i64 max_ctx,
-                                                int ns, float scale, float* __restrict__ part_o,
-                                                float* __restrict__ part_ml, const DecodePrep& P) {
-  // The position through the L2 before the wait (the step's upload or the previous step's advance_position wrote
-  // it, two or more kernels back: common.cuh's contract), where anything goes before the wait.
-  constexpr bool EARLY_POS = DM_EARLY || PREP;
-  if constexpr (!EARLY_POS) LILY_PDL_PROLOGUE();
+extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
+    const float* __restrict__ q, const unsigned char* __restrict__ k_cache,
+    const unsigned char* __restrict__ v_cache, const int* __restrict__ pos, i64 max_ctx, int ns, float scale,
+    float* __restrict__ part_o, float* __restrict__ part_ml) {
+#if !DM_EARLY
+  LILY_PDL_PROLOGUE();
+#endif
   extern __shared__ __align__(16) unsigned char dm_smem[];
   __shared__ float sml[4][G][2];
   const int split = blockIdx.x, kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int p0 = EARLY_POS ? ld_cg_i32(pos) : pos[0];
-  const int len = p0 + 1;
+  // DM_EARLY: the position through the L2 before the wait (the step's upload or the previous step's
+  // advance_position wrote it, two or more kernels back: common.cuh's contract).
+  const int len = (DM_EARLY ? ld_cg_i32(pos) : pos[0]) + 1;
   const int a = active_splits(len, ns);
   if (split >= a) return;
   const int chunk = (len + a - 1) / a;
   const int j0 = split * chunk, j1 = min(len, j0 + chunk);
-  // PREP: the block whose chunk ends at the step's new row computes that row (-1 elsewhere).
-  const int new_row = PREP && j1 == len ? len - 1 : -1;
   const unsigned char* kb = k_cache + i64(kvh) * max_ctx * D * 2;
   const unsigned char* vb = v_cache + i64(kvh) * max_ctx * D * 2;
   unsigned char* dm_qhi = dm_smem;                 // [16][DM_PITCH]
   unsigned char* dm_qlo = dm_qhi + 16 * DM_PITCH;  // [16][DM_PITCH]
   unsigned char* wbuf = dm_qlo + 16 * DM_PITCH + warp * DM_WARP_BYTES;
-  // PREP: each warp's f32 row [D], then the new k and v rows in bf16 [2][D].
-  float* prow = reinterpret_cast<float*>(dm_qlo + 16 * DM_PITCH + 4 * DM_WARP_BYTES) + warp * D;
-  u16* new_kv = reinterpret_cast<u16*>(dm_qlo + 16 * DM_PITCH + 4 * DM_WARP_BYTES + 4 * D * 4);
 
   // This warp's tiles: starts j0 + 16·(warp + 4·i) below j1.
   const int ntiles = (j1 - j0 + DM_BN - 1) / DM_BN;
   const int my_tiles = ntiles > warp ? (ntiles - warp + 3) / 4 : 0;
-  // Tile rows js.. of K and V into the stage (rows past j1 zero-filled); the row == skip is left alone.
-  constexpr int ROW16 = D * 2 / 16;
-  auto load_tile = [&](int stage, int js, int skip) {
+  // Tile rows js.. of K and V into the stage (rows past j1 zero-filled); rows == skip are left alone, rows other
+  // than `only` too when only >= 0.
+  auto load_tile = [&](int stage, int js, int skip, int only) {
+    constexpr int ROW16 = D * 2 / 16;
     const u32 base = smem_addr(wbuf + stage * 2 * DM_BN * DM_PITCH);
     for (int ci = lane; ci < 2 * DM_BN * ROW16; ci += 32) {
       const int which = ci / (DM_BN * ROW16), cj = ci % (DM_BN * ROW16), r = cj / ROW16, c16 = cj % ROW16;
-      if (js + r == skip) continue;
+      if (js + r == skip || (only >= 0 && js + r != only)) continue;
       const bool ok = js + r < j1;
       const unsigned char* src = (which ? vb : kb) + (ok ? (i64(js + r) * ROW16 + c16) * 16 : 0);
       cp_async16(base + u32((which * DM_BN + r) * DM_PITCH + c16 * 16), src, ok ? 16 : 0);
     }
   };
+#if DM_EARLY
+  // The first tile's rows written by earlier steps go out before the wait, so they stream while the kernel before
+  // (the step's q/k prep and KV append) runs; the step's new row, len - 1, which that kernel writes, after it.
   const int js_first = j0 + DM_BN * warp;
-  if constexpr (DM_EARLY) {
-    // The first tile's rows written by earlier steps go out before the wait, so they stream while the kernel before
-    // runs; the step's new row, len - 1, after it (written by the q/k prep, or PREP: by this block, from shared).
-    if (my_tiles > 0) load_tile(0, js_first, PREP ? new_row : len - 1);
-    cp_async_commit();
-  }
-  float rc[NI], rs[NI];
-  if constexpr (PREP) rope_angles(p0, P.rotary_dim, P.theta, rc, rs, lane);  // before the wait, as attn_qk_prep
-  if constexpr (EARLY_POS) LILY_PDL_PROLOGUE();
-  if constexpr (DM_EARLY && !PREP) {
-    if (my_tiles > 0 && len - 1 >= js_first && len - 1 < js_first + DM_BN) {  // the new row's K and V chunks
-      const u32 base = smem_addr(wbuf) + u32((len - 1 - js_first) * DM_PITCH);
-      const bool ok = len == j1;  // else the row is tile padding: zeros, as load_tile writes there
-      for (int ci = lane; ci < 2 * ROW16; ci += 32) {
-        const int which = ci / ROW16, c16 = ci % ROW16;
-        cp_async16(base + u32(which * DM_BN * DM_PITCH + c16 * 16),
-                   (which ? vb : kb) + (ok ? (i64(len - 1) * ROW16 + c16) * 16 : 0), ok ? 16 : 0);
-      }
-    }
-    cp_async_commit();  // tile 0 is both groups: the loop's first wait leaves at most the group after them pending
-  }
-  if constexpr (!DM_EARLY) {
-    if (my_tiles > 0) load_tile(0, js_first, new_row);
-    cp_async_commit();
-  }
+  if (my_tiles > 0) load_tile(0, js_first, len - 1, -1);
+  cp_async_commit();
+  LILY_PDL_PROLOGUE();
+  if (my_tiles > 0 && len - 1 >= js_first && len - 1 < js_first + DM_BN) load_tile(0, js_first, -1, len - 1);
+  cp_async_commit();  // tile 0 is both groups: the loop's first wait leaves at most the group after them pending
+#else
+  if (my_tiles > 0) load_tile(0, j0 + DM_BN * warp, -1, -1);
+  cp_async_commit();
+#endif
 
   // Q (rows = heads, rows >= G zero) as bf16 parts in shared memory, read by ldmatrix as A fragments:
   // Q_hi rows 0..G-1 hold hi, Q_lo rows 0..G-1 hold lo. For G <= 8 the padding rows 8..8+G-1 of Q_lo hold
@@ -1056,63 +989,30 @@ __device__ __forceinline__ void decode_mma_body(const float* __restrict__ q, con
   // product is lo2·Kᵀ for head r, added to row r's score below: q is then carried to ~2^-24 (the two-part
   // form leaves up to 2^-16 |q| per element, an absolute score error ∝ |q|·|k|·scale that dominated the
   // 32K test's error), for no extra mma.
-  if constexpr (PREP) {
-    // Row tasks: the G query heads, then (the new row's block) k and v; warp w takes w, w + 4, ... Every task's
-    // loads go out before any task's math.
-    constexpr int TPW = (G + 2 + 3) / 4;
-    const int tasks = G + (new_row >= 0 ? 2 : 0);
-    float xs[TPW][D / 32];
+  // One round of independent float4 loads (q is 16-byte aligned: attention.cpp checks), then the splits:
+  // a loop of dependent scalar loads here cost ~16 L2 round trips per block before the first tile.
+  const int r0 = lane >> 2, r1 = r0 + 8, c2 = (lane & 3) * 2;
+  const float4* qh4 = reinterpret_cast<const float4*>(q + i64(kvh) * G * D);
+  constexpr int Q4 = G * D / 4, Q4_PER_THREAD = (Q4 + 127) / 128;
+  float4 qv[Q4_PER_THREAD];
 #pragma unroll
-    for (int u = 0; u < TPW; ++u) {
-      const int task = warp + 4 * u;
-      const float* src = task < G ? P.qg + i64(kvh * G + task) * 2 * D : (task == G ? P.k : P.v) + i64(kvh) * D;
+  for (int i = 0; i < Q4_PER_THREAD; ++i) {
+    const int idx = threadIdx.x + 128 * i;
+    qv[i] = idx < Q4 ? qh4[idx] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
 #pragma unroll
-      for (int i = 0; i < D / 32; ++i) xs[u][i] = task < tasks ? src[lane + 32 * i] : 0.f;
-    }
-    const bool in_cache = p0 < max_ctx;  // p0 >= 0 here (a block runs)
-    const i64 crow = (i64(kvh) * max_ctx + p0) * D;
-#pragma unroll
-    for (int u = 0; u < TPW; ++u) {
-      const int task = warp + 4 * u;
-      if (task >= tasks) break;
-      if (task == G + 1) {  // v: bf16 into the cache and the patch row
-#pragma unroll
-        for (int i = 0; i < D / 32; ++i) {
-          const u16 b = f32_to_bf16(xs[u][i]);
-          new_kv[D + lane + 32 * i] = b;
-          if (in_cache) P.v_cache[crow + lane + 32 * i] = b;
-        }
-        continue;
-      }
-      norm_rope_row(xs[u], task < G ? P.q_norm : P.k_norm, rc, rs, P.rotary_dim, P.eps, prow, lane);
-      if (task == G) {  // k: the prepared row in bf16, as attn_qk_prep_append writes it
-#pragma unroll
-        for (int i = 0; i < D / 32; ++i) {
-          const u16 b = f32_to_bf16(prow[lane + 32 * i]);
-          new_kv[lane + 32 * i] = b;
-          if (in_cache) P.k_cache[crow + lane + 32 * i] = b;
-        }
-      } else {
-        for (int e4 = lane; e4 < D / 4; e4 += 32)
-          stage_q4(dm_qhi, dm_qlo, task, 4 * e4, *reinterpret_cast<const float4*>(prow + 4 * e4));
-      }
-      __syncwarp();  // prow is the warp's next task's
-    }
-  } else {
-    // One round of independent float4 loads (q is 16-byte aligned: attention.cpp checks), then the splits:
-    // a loop of dependent scalar loads here cost ~16 L2 round trips per block before the first tile.
-    const float4* qh4 = reinterpret_cast<const float4*>(q + i64(kvh) * G * D);
-    constexpr int Q4 = G * D / 4, Q4_PER_THREAD = (Q4 + 127) / 128;
-    float4 qv[Q4_PER_THREAD];
-#pragma unroll
-    for (int i = 0; i < Q4_PER_THREAD; ++i) {
-      const int idx = threadIdx.x + 128 * i;
-      qv[i] = idx < Q4 ? qh4[idx] : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int i = 0; i < Q4_PER_THREAD; ++i) {
-      const int idx = threadIdx.x + 128 * i;
-      if (idx < Q4) stage_q4(dm_qhi, dm_qlo, idx / (D / 4), (idx % (D / 4)) * 4, qv[i]);
+  for (int i = 0; i < Q4_PER_THREAD; ++i) {
+    const int idx = threadIdx.x + 128 * i;
+    if (idx >= Q4) continue;
+    const int g = idx / (D / 4), e = (idx % (D / 4)) * 4;
+    uint2 hi, lo, lo2;
+    split3(qv[i].x, qv[i].y, hi.x, lo.x, lo2.x);
+    split3(qv[i].z, qv[i].w, hi.y, lo.y, lo2.y);
+    *reinterpret_cast<uint2*>(dm_qhi + g * DM_PITCH + e * 2) = hi;
+    *reinterpret_cast<uint2*>(dm_qlo + g * DM_PITCH + e * 2) = lo;
+    if (DM_Q3) {  // row g + 8 carries head g's third part (its hi row zero)
+      *reinterpret_cast<uint2*>(dm_qhi + (g + 8) * DM_PITCH + e * 2) = make_uint2(0u, 0u);
+      *reinterpret_cast<uint2*>(dm_qlo + (g + 8) * DM_PITCH + e * 2) = lo2;
     }
   }
   // Rows that carry no head (G < 8, or G < 16 without the third part): zero.
@@ -1124,7 +1024,6 @@ __device__ __forceinline__ void decode_mma_body(const float* __restrict__ q, con
     *reinterpret_cast<u32*>(dm_qlo + r * DM_PITCH + e * 2) = 0u;
   }
   __syncthreads();
-  const int r0 = lane >> 2, r1 = r0 + 8, c2 = (lane & 3) * 2;
   const int arow = ((lane >> 3) & 1) * 8 + (lane & 7), acol = (lane >> 4) * 8;
 
   float o[DM_NT][4];
@@ -1136,23 +1035,15 @@ __device__ __forceinline__ void decode_mma_body(const float* __restrict__ q, con
   for (int i = 0; i < my_tiles; ++i) {
     const int js = j0 + DM_BN * (warp + 4 * i);
     if (i + 1 < my_tiles) {
-      load_tile((i + 1) & 1, js + 4 * DM_BN, new_row);
+      load_tile((i + 1) & 1, js + 4 * DM_BN, -1, -1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncwarp();
-    unsigned char* ks = wbuf + (i & 1) * 2 * DM_BN * DM_PITCH;
+    const unsigned char* ks = wbuf + (i & 1) * 2 * DM_BN * DM_PITCH;
     const unsigned char* vs = ks + DM_BN * DM_PITCH;
-    if (PREP && new_row >= js && new_row < js + DM_BN) {  // the new row, from shared (its loads skipped it)
-      for (int c = lane; c < 2 * ROW16; c += 32) {
-        const int which = c / ROW16, c16 = c % ROW16;
-        *reinterpret_cast<uint4*>(ks + (which * DM_BN + new_row - js) * DM_PITCH + c16 * 16) =
-            reinterpret_cast<const uint4*>(new_kv + which * D)[c16];
-      }
-      __syncwarp();
-    }
     float sh[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}}, sl[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -1269,24 +1160,5 @@ __device__ __forceinline__ void decode_mma_body(const float* __restrict__ q, con
     for (int w = 0; w < 4; ++w) acc = fmaf(sfac[g][w], so[(w * G + g) * D + e], acc);
     part_o[(base * G + g) * D + e] = acc;
   }
-}
-
-extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
-    const float* __restrict__ q, const unsigned char* __restrict__ k_cache,
-    const unsigned char* __restrict__ v_cache, const int* __restrict__ pos, i64 max_ctx, int ns, float scale,
-    float* __restrict__ part_o, float* __restrict__ part_ml) {
-  decode_mma_body<false>(q, k_cache, v_cache, pos, max_ctx, ns, scale, part_o, part_ml, DecodePrep{});
-}
-
-// Ops::attn_qk_prep_attention's decode step (T = 1): the caches are read by cp.async and written at row pos[0] by the
-// new row's block, so neither pointer is __restrict__.
-extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_prep(
-    const float* __restrict__ qg, const float* __restrict__ k, const float* __restrict__ v,
-    const float* __restrict__ q_norm, const float* __restrict__ k_norm, const int* __restrict__ pos,
-    unsigned char* k_cache, unsigned char* v_cache, i64 max_ctx, int ns, float scale, float* __restrict__ part_o,
-    float* __restrict__ part_ml, int rotary_dim, double theta, float eps) {
-  const DecodePrep P{qg, k, v, q_norm, k_norm, reinterpret_cast<u16*>(k_cache), reinterpret_cast<u16*>(v_cache),
-                     rotary_dim, theta, eps};
-  decode_mma_body<true>(nullptr, k_cache, v_cache, pos, max_ctx, ns, scale, part_o, part_ml, P);
 }
 #endif
