@@ -956,13 +956,14 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
   // This warp's tiles: starts j0 + 16·(warp + 4·i) below j1.
   const int ntiles = (j1 - j0 + DM_BN - 1) / DM_BN;
   const int my_tiles = ntiles > warp ? (ntiles - warp + 3) / 4 : 0;
-  // Tile rows js.. of K and V into the stage (rows past j1 zero-filled); the row == skip is left alone.
-  constexpr int ROW16 = D * 2 / 16;
-  auto load_tile = [&](int stage, int js, int skip) {
+  // Tile rows js.. of K and V into the stage (rows past j1 zero-filled); rows == skip are left alone, rows other
+  // than `only` too when only >= 0.
+  auto load_tile = [&](int stage, int js, int skip, int only) {
+    constexpr int ROW16 = D * 2 / 16;
     const u32 base = smem_addr(wbuf + stage * 2 * DM_BN * DM_PITCH);
     for (int ci = lane; ci < 2 * DM_BN * ROW16; ci += 32) {
       const int which = ci / (DM_BN * ROW16), cj = ci % (DM_BN * ROW16), r = cj / ROW16, c16 = cj % ROW16;
-      if (js + r == skip) continue;
+      if (js + r == skip || (only >= 0 && js + r != only)) continue;
       const bool ok = js + r < j1;
       const unsigned char* src = (which ? vb : kb) + (ok ? (i64(js + r) * ROW16 + c16) * 16 : 0);
       cp_async16(base + u32((which * DM_BN + r) * DM_PITCH + c16 * 16), src, ok ? 16 : 0);
@@ -972,21 +973,13 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
   // The first tile's rows written by earlier steps go out before the wait, so they stream while the kernel before
   // (the step's q/k prep and KV append) runs; the step's new row, len - 1, which that kernel writes, after it.
   const int js_first = j0 + DM_BN * warp;
-  if (my_tiles > 0) load_tile(0, js_first, len - 1);
+  if (my_tiles > 0) load_tile(0, js_first, len - 1, -1);
   cp_async_commit();
   LILY_PDL_PROLOGUE();
-  if (my_tiles > 0 && len - 1 >= js_first && len - 1 < js_first + DM_BN) {  // the new row's K and V chunks
-    const u32 base = smem_addr(wbuf) + u32((len - 1 - js_first) * DM_PITCH);
-    const bool ok = len == j1;  // else the row is tile padding: zeros, as load_tile writes there
-    for (int ci = lane; ci < 2 * ROW16; ci += 32) {
-      const int which = ci / ROW16, c16 = ci % ROW16;
-      cp_async16(base + u32(which * DM_BN * DM_PITCH + c16 * 16),
-                 (which ? vb : kb) + (ok ? (i64(len - 1) * ROW16 + c16) * 16 : 0), ok ? 16 : 0);
-    }
-  }
+  if (my_tiles > 0 && len - 1 >= js_first && len - 1 < js_first + DM_BN) load_tile(0, js_first, -1, len - 1);
   cp_async_commit();  // tile 0 is both groups: the loop's first wait leaves at most the group after them pending
 #else
-  if (my_tiles > 0) load_tile(0, j0 + DM_BN * warp, -1);
+  if (my_tiles > 0) load_tile(0, j0 + DM_BN * warp, -1, -1);
   cp_async_commit();
 #endif
 
@@ -1042,7 +1035,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
   for (int i = 0; i < my_tiles; ++i) {
     const int js = j0 + DM_BN * (warp + 4 * i);
     if (i + 1 < my_tiles) {
-      load_tile((i + 1) & 1, js + 4 * DM_BN, -1);
+      load_tile((i + 1) & 1, js + 4 * DM_BN, -1, -1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
