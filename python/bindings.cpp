@@ -310,6 +310,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("gemm_x_rows").is_none()) o.gemm_x_rows = nb::cast<bool>(opt("gemm_x_rows"));
     if (!opt("moe_early_loads").is_none()) o.moe_early_loads = nb::cast<bool>(opt("moe_early_loads"));
     if (!opt("gemm_tile128").is_none()) o.gemm_tile128 = nb::cast<bool>(opt("gemm_tile128"));
+    if (!opt("gemm_w_double").is_none()) o.gemm_w_double = nb::cast<bool>(opt("gemm_w_double"));
     if (!opt("attn_prefill_split").is_none()) o.attn_prefill_split = nb::cast<bool>(opt("attn_prefill_split"));
     if (!opt("qk_prep_append").is_none()) o.qk_prep_append = nb::cast<bool>(opt("qk_prep_append"));
     if (!opt("attn_decode_early").is_none()) o.attn_decode_early = nb::cast<bool>(opt("attn_decode_early"));
@@ -333,6 +334,9 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
                                   std::to_string(o.moe_frag));
     if (!opt("moe_frag32_rows").is_none()) o.moe_frag32_rows = nb::cast<int>(opt("moe_frag32_rows"));
     if (!opt("moe_tile64_rows").is_none()) o.moe_tile64_rows = nb::cast<int>(opt("moe_tile64_rows"));
+    if (!opt("moe_frag64_rows").is_none())
+      o.moe_frag64_rows = bounded_int("moe_frag64_rows", opt("moe_frag64_rows"), 0, 1 << 20,
+                                      "an int from 0 (never) to 2^20 expected rows per expert");
     if (o.moe_frag32_rows < 1 || o.moe_tile64_rows < 0 || o.moe_frag32_rows > (1 << 20) || o.moe_tile64_rows > (1 << 20))
       throw std::invalid_argument("backend options moe_frag32_rows and moe_tile64_rows must be 1 to 2^20 expected rows "
                                   "per expert (moe_tile64_rows 0: by format), got " + std::to_string(o.moe_frag32_rows) +

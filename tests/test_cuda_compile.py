@@ -347,6 +347,31 @@ def test_prefill_x_options_reach_their_gemms(cache, opts, dense_want, experts_wa
             core.OpBench("cuda", {"dry_arch": 90, unknown: True})
 
 
+@pytest.mark.parametrize("arch", ARCHES)
+def test_gemm_w_double_compiles_and_reports(cache, arch):
+    """gemm_w_double (off by default): the x-rows prefill GEMM with two alternating W tiles compiles at every tile
+    height the real shapes take (128 rows at 4,096 x 8,192 outputs, 64 at 256 rows, 16 for a small grid) and the
+    variants and the optimizations list say so; without gemm_x_rows it is not active and says why."""
+    for opts, on in (({"gemm_w_double": True}, True), ({}, False),
+                     ({"gemm_w_double": True, "gemm_x_rows": False}, False)):
+        b = core.OpBench("cuda", {"dry_arch": arch, "cache_dir": cache, **opts})
+        heights = []
+        for T, N, K in ((4096, 8192, 2048), (256, 2048, 4096), (64, 256, 2048)):
+            before = set(b.report()["variants"])
+            b.run("matmul", "prefill", x=b.empty(T, K, poison=False), w=b.weight(_zeros_weight(N, K, "q4")),
+                  out=b.empty(T, N, poison=False))
+            (name, text), = (v.split(":", 1) for k, v in b.report()["variants"].items()
+                             if k.startswith("matmul.prefill") and k not in before)
+            assert name.endswith("_wdb") == on and ("(gemm_w_double)" in text) == on, (opts, name, text)
+            heights.append(int(name.split("_m")[-1].split("_")[0]) if "_m1" in name else 64)
+        if "gemm_x_rows" not in opts:
+            assert heights == [128, 64, 16], heights
+        said = [o for o in b.report()["optimizations"] if "gemm_w_double" in o and not o.startswith("matmul.")]
+        assert len(said) == 1 and said[0].startswith("not active") != on, said
+        if "gemm_x_rows" in opts:
+            assert "gemm_w_double needs x as f16 rows" in said[0], said
+
+
 def test_replay_timing_option(tmp_path, cache):
     """replay_timing: events around one decode replay in N (1 by default, 0 none), said in the report; anything but
     an int >= 0 is refused naming the option."""
@@ -667,12 +692,15 @@ def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
                                           ({"moe_frag32_rows": 1 << 20}, (16, 16, 16, 16)),
                                           ({"moe_tile64_rows": 1}, (64, 64, 64, 64)),
                                           ({"moe_tile64_rows": 32}, (16, 16, 64, 64)),
-                                          ({"moe_frag": 0}, (16, 16, 64, 64))])
+                                          ({"moe_frag": 0}, (16, 16, 64, 64)),
+                                          ({"moe_frag64_rows": 64}, (16, 16, 32, 64)),
+                                          ({"moe_frag64_rows": 1}, (64, 64, 64, 64))])
 def test_moe_tile_heights_compile_and_report(cache, opts, heights):
     """The MoE prefill tile height by the expected rows per expert T·k/E (2, 16, 32, 128 at T = 64, 512, 1K, 4K for the
     real shapes): 4-bit fragment tiles of 16 rows below moe_frag32_rows (default 20), of 32 rows from it (128 weight
     rows per block, a 15,360-byte ring stage), and, by default, never 64-row tiles (moe_tile64_rows = 0: 32 rows per
-    expert and up only for experts without fragment tiles, e.g. moe_frag = 0). Each compiles and the report says which
+    expert and up only for experts without fragment tiles, e.g. moe_frag = 0); 64-row fragment tiles from
+    moe_frag64_rows when set (128 weight rows per block, 2 blocks per SM). Each compiles and the report says which
     and why; values out of range are refused naming the options."""
     b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
     c, (H, E, K, I), (g, u, d) = _full_q4_experts(b)
@@ -682,12 +710,16 @@ def test_moe_tile_heights_compile_and_report(cache, opts, heights):
               weights=b.empty(T, K, poison=False), gate=g, up=u, down=d, ws=ws, out=b.empty(T, H, poison=False))
         text = b.report()["variants"]["moe.experts.prefill"]
         assert f", {bm}-row tiles (" in text, (T, text)
-        frag = opts.get("moe_frag", 3) != 0 and bm != 64
+        frag64 = "moe_frag64_rows" in opts and bm == 64
+        frag = opts.get("moe_frag", 3) != 0 and (bm != 64 or frag64)
         assert ("each warp's weight codes widened to B fragments in registers" in text) == frag, text
         if bm == 32:
             assert f"32-row tiles (T·k/E ≥ {opts.get('moe_frag32_rows', 20)}: a second m16 tile" in text, text
             assert "a cp.async ring of 3 K blocks (46080 bytes of shared memory, 3 blocks per SM)" in text, text
-        if bm == 64:
+        if frag64:  # 3 stages of 64 x rows (f32) + 128 weight rows of 48 bytes + their scale and bias words
+            assert f"64-row tiles (T·k/E ≥ {opts['moe_frag64_rows']}, moe_frag64_rows: four m16 tiles" in text, text
+            assert "a cp.async ring of 3 K blocks (70656 bytes of shared memory, 2 blocks per SM)" in text, text
+        elif bm == 64:
             t64 = opts.get("moe_tile64_rows", 0)
             assert (f"64-row tiles (T·k/E ≥ {t64}, moe_tile64_rows)" if t64 else "64-row tiles (T·k/E ≥ 32)") in text
             assert "cp.async ring of 3 K blocks" in text, text

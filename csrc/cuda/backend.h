@@ -139,6 +139,10 @@ struct CudaOptions {
   // tiles measured faster at every length). The same bits at any height. benchmarks/NOTES.md.
   int moe_frag32_rows = 20;
   int moe_tile64_rows = 0;
+  // From this expected rows per expert T·k/E the fragment tiles take 64 rows (four m16 tiles per warp on each widened
+  // B fragment, 128 weight rows per block; kernels/moe.cu FRAG_ROWS); 0: never. The same bits at any height. Off
+  // until an A/B has run on a GPU: benchmarks/NOTES.md.
+  int moe_frag64_rows = 0;
   // Decode MoE geometry: gate/up rows per warp of moe_gate_up_decode (1, 2 or 4; 0 = by shape: 4 / 16-byte vectors
   // per lane of a row, 2 for the real model) and output rows per moe_down_decode block (1..64). Fewer, fuller blocks
   // leave room on each SM for the down pass's blocks to sit resident (and load their weights) while gate/up runs.
@@ -207,6 +211,10 @@ struct CudaOptions {
   // With gemm_x_rows, GEMMs whose 128-row grid still fills every SM twice run 128-row tiles (warp tiles 32 x 64: each
   // converted W tile and fragment serves twice the rows). The same bits as the smaller tiles.
   bool gemm_tile128 = true;
+  // With gemm_x_rows, the prefill GEMM's W tile alternates between two shared arrays (kernels/matmul.cu GWDB): the
+  // next K block's weights are converted right after this block's MMAs, one barrier per K block instead of two. The
+  // same bits. Off until an A/B has run on a GPU: benchmarks/NOTES.md.
+  bool gemm_w_double = false;
   // Programmatic dependent launch (sm_90+): which launches get it. Decode (the default): the decode steps' (their
   // grids fit in one wave, so the next kernel's blocks take SM room its predecessor no longer needs; the decode
   // GEMVs, the MoE down pass, the conv and the recurrence load weights and carried state before they wait):

@@ -383,9 +383,12 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
                                          : kGemmBM;
   Defines d = v.defines;
   if (bm != kGemmBM) d.push_back({"GBM", bm});
+  const bool wdouble = v.xrow && options().gemm_w_double;  // two alternating W tiles (matmul.cu GWDB)
+  if (wdouble) d.push_back({"GWDB", 1});
   const int smem = gemm_smem(bm);
   const std::string grid = std::to_string(big_blocks) + " blocks";
-  note_variant(key, v.name + (bm != kGemmBM ? "_m" + std::to_string(bm) : "") + ": " + v.reason + "; " +
+  note_variant(key, v.name + (bm != kGemmBM ? "_m" + std::to_string(bm) : "") + (wdouble ? "_wdb" : "") + ": " +
+                        v.reason + "; " +
                         (bm == 128  ? "128-row tiles (the 128-row grid, " + std::to_string(blocks128) +
                                         " blocks, fills every SM twice; warp tiles 32 x 64, gemm_tile128)"
                          : bm == 16 ? "16-row tiles (the 64-row grid, " + grid +
@@ -395,7 +398,8 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
                                     : "64-row tiles (" + std::string(options().gemm_small_tiles
                                                                          ? grid + ", over half the SMs"
                                                                          : "gemm_small_tiles=False") +
-                                          ")"));
+                                          ")") +
+                        (wdouble ? "; two alternating W tiles, one barrier per K block (gemm_w_double)" : ""));
   CUdeviceptr xa = ptr(x), xinv = 0;
   int64_t lda = ldx;
   if (v.xrow) {  // x as f16 rows in this op's slot (backend.h), written once per op and x

@@ -48,8 +48,9 @@ constexpr int64_t kMaxExperts = 512;  // moe_route keeps 16 logits per lane; moe
 constexpr int64_t kMaxTopk = 16;
 constexpr int kMmaBlockN = 64;        // moe_gate_up_mma columns of gate (and of up) per block
 constexpr int kMmaBlockNDown = 128;   // moe_down_mma columns per block
-constexpr int kFragBlockN = 128;      // FRAG (codes widened in registers), 16-row tiles: gate (and up) columns per block
-constexpr int kFragBlockNDown = 256;  // FRAG, 16-row tiles: down columns per block (32-row tiles: half of each)
+// FRAG (codes widened in registers): weight rows per block at tile height bm (kernels/moe.cu FRAG_ROWS): gate/up
+// blocks take half of them from each matrix, down blocks all from one.
+int frag_rows(int bm) { return bm == 64 ? 128 : 256 / (bm / 16); }
 constexpr unsigned kMmaThreads = 256;  // MMA_NT in kernels/moe.cu: threads of a GEMM block
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
@@ -166,11 +167,11 @@ int64_t mma_static_smem(const WeightFormat& w, int bm, int x_terms, bool xf16) {
          2 * 128 * np * 4 + bm * 4 + (xf16 ? bm * np * 4 : 0);
 }
 
-// FRAG's ring (kernels/moe.cu moe_frag_block, bm = 16 or 32): one stage's bytes (bm x rows of 64 f32, 256 / (bm / 16)
+// FRAG's ring (kernels/moe.cu moe_frag_block, bm = 16, 32 or 64): one stage's bytes (bm x rows of 64 f32, frag_rows(bm)
 // weight rows of 48 bytes, a scale and a bias word per row and group part), and the kernel's static arrays (two A
 // tiles hi (+ lo), Σx, rows).
 int64_t frag_stage_bytes(const WeightFormat& w, int bm) {
-  const int64_t rows = 256 / (bm / 16);
+  const int64_t rows = frag_rows(bm);
   return int64_t(bm) * 64 * 4 + rows * 48 + 2 * rows * group_parts(w) * 4;
 }
 int64_t frag_static_smem(const WeightFormat& w, int x_terms, bool xf16, int bm) {
@@ -183,11 +184,12 @@ int64_t frag_static_smem(const WeightFormat& w, int x_terms, bool xf16, int bm) 
 // copies them as aligned 4-byte words).
 // frag32_from / tile64_from: the expected rows per expert T·k/E from which the fragment tiles take 32 rows and from
 // which the tiles take 64 (backend options moe_frag32_rows, moe_tile64_rows; tile64_from 0: 32 for experts without
-// fragment tiles, none for those with them).
+// fragment tiles, none for those with them). frag64_from: from it the fragment tiles take 64 rows (moe_frag64_rows;
+// 0: never).
 ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase phase, bool aligned,
                               CudaOptions::XForm xform, bool dp4a_option, int rows_g, int rows_d, int pipe = 0,
                               bool scales4 = false, int64_t smem_cap = 0, int frag = 0, int frag32_from = 20,
-                              int tile64_from = 0) {
+                              int tile64_from = 0, int frag64_from = 0) {
   const int64_t E = gate.experts, H = gate.cols, I = gate.rows;
   const int cpv = codes_per_vector(gate);
   ExpertsVariant v;
@@ -206,14 +208,16 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
     // Fragment tiles (FRAG: each warp's 4-bit codes widened to B fragments in registers, no bf16 weight tile) where
     // the format allows and a 3-stage ring fits; their height by the expected rows per expert r = T·k/E: 16 rows
     // below frag32_from, else 32 (an expert with 17-32 rows then has its weights read and widened once, not by two
-    // 16-row tiles). Without them: the shared bf16 weight tile, 16 rows below tile64_from (register prefetch; a ring
+    // 16-row tiles), 64 from frag64_from when it is set. Without them: the shared bf16 weight tile, 16 rows below tile64_from (register prefetch; a ring
     // measured slower there), 64 rows from it (a cp.async ring of `pipe` stages). benchmarks/NOTES.md.
     const char* no_frag = frag == 0                ? "moe_frag = 0"
                           : !gate.quantized()      ? "dense weights"
                           : gate.bits != 4         ? "8-bit codes"
                           : !aligned || !scales4   ? "unaligned weights or scales"
                                                    : nullptr;
-    const int fbm = T * k >= int64_t(frag32_from) * E ? 32 : 16;
+    const int fbm = frag64_from > 0 && T * k >= int64_t(frag64_from) * E ? 64
+                    : T * k >= int64_t(frag32_from) * E                 ? 32
+                                                                        : 16;
     const int64_t stage = no_frag ? 0 : frag_stage_bytes(gate, fbm),  // group_parts needs an affine format
                   fixed = no_frag ? 0 : frag_static_smem(gate, x_terms, xf16, fbm);
     int stages = no_frag ? 0 : frag;
@@ -230,7 +234,10 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
       pipe_text = std::string("a shared bf16 weight tile, register prefetch one K block ahead (") + no_frag + ")";
     } else {
       v.bm = fbm;
-      rows_text = fbm == 32 ? " (T·k/E ≥ " + std::to_string(frag32_from) +
+      rows_text = fbm == 64 ? " (T·k/E ≥ " + std::to_string(frag64_from) +
+                                  ", moe_frag64_rows: four m16 tiles per warp on the same widened codes, the idle ones "
+                                  "skipped)"
+                  : fbm == 32 ? " (T·k/E ≥ " + std::to_string(frag32_from) +
                                   ": a second m16 tile per warp on the same widened codes, skipped for ≤ 16 rows)"
                             : " (T·k/E < " + std::to_string(frag32_from) + ")";
       v.frag = stages;
@@ -239,7 +246,8 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
       // Three blocks per SM where their shared memory fits (the SM has the opt-in limit + 1 KB; each block costs 1 KB
       // more): 24 warps to hide the latencies of a latency-bound kernel (ncu: 0.5 instructions per scheduler per
       // cycle at 2 blocks), registers capped at 80 for it.
-      v.min_blocks = 3 * (stages * stage + fixed + 1024) <= smem_cap + 1024 ? 3 : 2;
+      // 64-row tiles hold 32 accumulators a lane: 2 blocks (128 registers).
+      v.min_blocks = fbm < 64 && 3 * (stages * stage + fixed + 1024) <= smem_cap + 1024 ? 3 : 2;
       pipe_text = "each warp's weight codes widened to B fragments in registers, no bf16 weight tile; a cp.async ring "
                   "of " + std::to_string(stages) + " K blocks (" + std::to_string(v.pipe_smem) +
                   " bytes of shared memory, " + std::to_string(v.min_blocks) + " blocks per SM" +
@@ -248,7 +256,7 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
                   ")";
     }
   }
-  if (phase == Phase::Prefill && v.bm == 64) {
+  if (phase == Phase::Prefill && v.bm == 64 && v.frag == 0) {  // the shared bf16 weight tile's 64 rows
     if (pipe == 0) pipe_text = "register prefetch one K block ahead (moe_pipe = 0)";
     else if (!gate.quantized()) pipe_text = "register prefetch one K block ahead (dense weights: no cp.async ring)";
     else if (!aligned || !scales4) pipe_text = "register prefetch one K block ahead (unaligned weights or scales)";
@@ -450,7 +458,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
   ExpertsVariant v = select_experts(gate, T, k, ph, aligned, options().moe_prefill_x(), options().gemv_dp4a,
                                           options().moe_rows_g, options().moe_rows_d, options().moe_pipe, scales4,
                                           info().max_smem_optin, options().moe_frag, options().moe_frag32_rows,
-                                          options().moe_tile64_rows);
+                                          options().moe_tile64_rows, options().moe_frag64_rows);
   if (ph == Phase::Decode) {
     decode_caps_and_order(v, gate, options().moe_decode_minb, options().moe_early_loads);
     note_variant("moe.experts.decode", v.text);
@@ -491,8 +499,7 @@ void CudaOps::moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor&
     launch(kg, Dim3{1, 1, 1}, Dim3{1024, 1, 1}, 0, a);
   }
   if (x_rows) launch(kernel("moe", "moe_x_rows", v.defines), Dim3{unsigned(T), 1, 1}, Dim3{256, 1, 1}, 0, a);
-  const int fmt = v.bm / 16;  // FRAG's m16 tiles per warp: a block covers 256 / fmt weight rows
-  const int bn1 = v.frag ? kFragBlockN / fmt : kMmaBlockN, bn2 = v.frag ? kFragBlockNDown / fmt : kMmaBlockNDown;
+  const int bn1 = v.frag ? frag_rows(v.bm) / 2 : kMmaBlockN, bn2 = v.frag ? frag_rows(v.bm) : kMmaBlockNDown;
   launch(k1, Dim3{unsigned(a.max_tiles), unsigned((I + bn1 - 1) / bn1), 1}, Dim3{kMmaThreads, 1, 1},
          uint32_t(v.pipe_smem), a);
   if (x_rows) launch(kernel("moe", "moe_act_rows", v.defines), Dim3{unsigned(T * k), 1, 1}, Dim3{128, 1, 1}, 0, a);

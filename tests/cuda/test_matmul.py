@@ -748,6 +748,28 @@ def test_gemm_x_rows_tile128(benches, spec, n, k):
     assert not any("_m128" in v for v in _variants(t64.report()).values())
 
 
+@pytest.mark.parametrize("spec,n,k", [("q4g64-bf16", 8192, 2048), ("q8g64-f16", 8320, 192), ("q4g32-f32", 8200, 1056),
+                                      ("q4g64-bf16", 300, 4096)])
+def test_gemm_w_double_same_bits(spec, n, k):
+    """gemm_w_double (two alternating W tiles, one barrier per K block): the single tile's bits at every tile height
+    (1,100 rows of >= 8,192 outputs: 128; 130 rows: 64; 7 rows: 16), over an even (32, 64) and an odd (3, 17 with a
+    partial last) number of K blocks, on rows past f16's range; the report names the form. A missing barrier or a
+    tile written while another warp still reads it changes bits."""
+    rng = np.random.default_rng(zlib.crc32(f"wdouble {spec} {n} {k}".encode()))
+    desc, _ = make_weight(rng, spec, n, k)
+    on, off = (core.OpBench("cuda", {"gemm_x_rows": True, "gemm_w_double": d}) for d in (True, False))
+    for t in (1100, 130, 7):
+        x = _wide_range_x(rng, t, k)
+        got = _run(on, desc, x, "prefill")
+        assert np.isfinite(got).all()
+        names = [v.split(":")[0] for key, v in _variants(on.report()).items() if key.startswith("matmul.prefill.")]
+        assert names and all(nm.endswith("_wdb") for nm in names), names
+        np.testing.assert_array_equal(got.view(np.uint32), _run(off, desc, x, "prefill").view(np.uint32),
+                                      err_msg=f"{spec} [{n}, {k}] T={t}")
+        np.testing.assert_array_equal(got.view(np.uint32), _run(on, desc, x, "prefill").view(np.uint32))
+    assert not any("_wdb" in v for v in _variants(off.report()).values())
+
+
 def test_gemm_x_rows_group_and_ops():
     """One pre-pass serves every product of a matmuls group (the slot holds this op's x): each part has the bits of
     its own matmul; a following op with another x of the same shape gets its own rows, not the group's."""

@@ -311,11 +311,12 @@ def test_experts_prefill_frag_same_bits(spec, E, k, H, I, form):
 @pytest.mark.parametrize("spec,E,k,H,I", [c for c in RING_CASES if c[0].startswith("q4")])
 def test_experts_prefill_frag32_same_bits(spec, E, k, H, I, form):
     """The fragment tiles of 32 rows (moe_frag32_rows: two m16 tiles per warp on the same widened codes, the second
-    skipped when a tile has at most 16 rows) multiply what the 16-row fragment tiles, the shared bf16 tile and the
-    64-row tiles do: the same bits, within the prefill tolerance of the CPU. Expert 1 is in every token, so it spans
-    several 32-row tiles with a short last one; the others hold 1-16 or 17-32 rows by T. The reports name the height."""
+    skipped when a tile has at most 16 rows) and of 64 rows (moe_frag64_rows: four, the idle ones skipped) multiply
+    what the 16-row fragment tiles, the shared bf16 tile and the 64-row shared tiles do: the same bits, within the
+    prefill tolerance of the CPU. Expert 1 is in every token, so it spans several 32 / 64-row tiles with a short last
+    one; the others hold 1-16, 17-32 or 33-64 rows by T. The reports name the height."""
     opts = {"frag16": {"moe_frag32_rows": 1024}, "frag32": {"moe_frag32_rows": 1}, "shared16": {"moe_frag": 0},
-            "tile64": {"moe_tile64_rows": 1}}
+            "tile64": {"moe_tile64_rows": 1}, "frag64": {"moe_frag64_rows": 1}}
     benches = [core.OpBench("cpu")] + [core.OpBench("cuda", {**o, "prefill_x": form, "moe_w_f16": False})
                                        for o in opts.values()]
     rng = np.random.default_rng(zlib.crc32(f"frag32 {spec} {E} {H} {I}".encode()))
@@ -335,10 +336,35 @@ def test_experts_prefill_frag32_same_bits(spec, E, k, H, I, form):
             text = str_variants_experts(benches[2].report())
             assert "32-row tiles (T·k/E ≥ 1: a second m16 tile" in text, text
             assert "64-row tiles (T·k/E ≥ 1, moe_tile64_rows)" in str_variants_experts(benches[4].report())
+            text = str_variants_experts(benches[5].report())
+            assert "64-row tiles (T·k/E ≥ 1, moe_frag64_rows: four m16 tiles" in text, text
+            assert "B fragments in registers" in text and "2 blocks per SM" in text, text
         else:
             assert "16-row tiles" in str_variants_experts(benches[2].report())
     with pytest.raises(ValueError, match="moe_frag32_rows"):
         core.OpBench("cuda", {"moe_frag32_rows": 0})
+    for bad in (-1, (1 << 20) + 1, 2.5):
+        with pytest.raises(ValueError, match="moe_frag64_rows"):
+            core.OpBench("cuda", {"moe_frag64_rows": bad})
+
+
+@pytest.mark.parametrize("spec,E,k,H,I", [c for c in RING_CASES if c[0].startswith("q4")])
+def test_experts_prefill_frag64_f16_forms_same_bits(spec, E, k, H, I):
+    """The default f16 forms (moe_w_f16, moe_x_rows: the weights dequantized in registers, x and act as pre-scaled f16
+    rows, each row's 2^-e in the epilogue) on 64-row fragment tiles: the bits of the 32-row tiles, at heights that
+    leave 1, 2, 3 and 4 of a tile's m16 tiles holding rows; the report names the height."""
+    pair = [core.OpBench("cuda", {"moe_frag32_rows": 1, **o}) for o in ({}, {"moe_frag64_rows": 1})]
+    rng = np.random.default_rng(zlib.crc32(f"frag64 {spec} {E} {H} {I}".encode()))
+    descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
+    handles = [tuple(b.weight(d) for d in descs) for b in pair]
+    for T in (9, 40, 61, 150):
+        x, ids, w = token_inputs(91 + T, E, k, H, T)  # expert 1 in every token: 64-row tiles holding 1-4 m16 tiles
+        outs = [run_experts((b, b), (h, h), "prefill", x, ids, w, E, k, H, I)[1] for b, h in zip(pair, handles)]
+        np.testing.assert_array_equal(outs[1].view(np.uint32), outs[0].view(np.uint32), err_msg=f"{spec} T={T}")
+        if T * k >= E:
+            assert "32-row tiles" in str_variants_experts(pair[0].report())
+            text = str_variants_experts(pair[1].report())
+            assert "64-row tiles (T·k/E ≥ 1, moe_frag64_rows" in text and "x and act as f16 rows" in text, text
 
 
 W_F16_TOL = 8 * 2.0 ** -12  # x, act and the three weights each rounded once to f16

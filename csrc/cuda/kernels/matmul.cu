@@ -28,6 +28,9 @@
 //          staged by cp.async into two alternating tiles; the MMAs accumulate straight into the outputs (no group
 //          accumulator, no fold) and the epilogue multiplies by the row's 2^-e. Not WF16's bits (another x scale)
 //   GBM    GEMM only: tile rows 64, 32 / 16 for small grids, 128 (XROW only) for large ones (matmul.cpp)
+//   GWDB   GEMM only, with XROW (the host's gemm_w_double): the W tile alternates between the two W arrays (the
+//          second is free: only WM 2 uses it), so block kb + 1's weights are converted right after block kb's MMAs
+//          and one barrier per K block remains, not two. The same MMAs in the same order: the same bits
 //   NORM   GEMV only: 0 plain; 1 / 2: the RMSNorm (after a residual add) in front, done by every block (below)
 // One module per (K, format, alignment) serves both phases: ~6 modules for the real model.
 //
@@ -121,6 +124,9 @@
 #endif
 #ifndef XROW
 #define XROW 0  // GEMM only, with WF16: x as pre-scaled f16 rows (matmul_x_rows), accumulated without a fold
+#endif
+#ifndef GWDB
+#define GWDB 0  // GEMM only, with XROW: two alternating W tiles, one barrier per K block (below)
 #endif
 
 #define NT 256
@@ -814,6 +820,7 @@ constexpr int KB = (K + BK - 1) / BK;
 #define GEMM_SMEM (SM_XR + BM * 4 * 4)
 static_assert(GEMM_SMEM == (BM == 128 ? 81920 : BM == 64 ? 61440 : BM == 32 ? 51200 : 46080), "matmul.cpp gemm_smem");
 static_assert(XROW == 0 || WF16 == 1, "XROW: f16 weight tiles (WF16) with x as pre-scaled f16 rows");
+static_assert(GWDB == 0 || (XROW == 1 && WM != 2), "GWDB: XROW's f16 tiles, the W lo array free for the second tile");
 static_assert(XF == 0 || (XS == 1 && WM == 0), "XF: one f16 x term, affine codes folded per group part");
 static_assert(WF16 == 0 || (XF == 1 && GFRAG == 0 && GROUP % EPC == 0),
               "WF16: f16 x, a converted W tile, one group per 16-byte chunk of codes");
@@ -944,9 +951,11 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
       }
     }
   };
-  // Converts the carried block into the shared tile (the previous block's MMAs are done: barrier before).
+  // Converts the carried block into the shared tile (the previous block's MMAs on that tile are done: barrier
+  // before). GWDB: block kb's W tile is the W lo array for odd kb.
   auto store_block = [&](int kb) {
     const i64 kbase = i64(kb) * BK;
+    u16* const wt = (GWDB && (kb & 1)) ? wl : wh;
     if (!XROW && xmine) {  // warp-uniform (BM · 4 threads are whole warps)
       constexpr int LP = GP >= 16 ? GP / 16 : 1;  // lanes sharing one group part (WM 0)
       u32 ph[8], pl[8];
@@ -995,7 +1004,7 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
         *reinterpret_cast<uint4*>(smem + SM_WH + nl * GF_PITCH + cc * 16) = make_uint4(w[0], w[1], w[2], w[3]);
         continue;
       }
-      u32* dh = reinterpret_cast<u32*>(wh + nl * LDS + cc * EPC);
+      u32* dh = reinterpret_cast<u32*>(wt + nl * LDS + cc * EPC);
       u32* dl = reinterpret_cast<u32*>(wl + nl * LDS + cc * EPC);
       if (WF16) {  // f16(s·q + b) per pair: the exact code pairs, then one f16x2 FMA with the chunk's group scale and bias
         const u32 s2 = f16x2_rn(swv[WF16 ? j : 0], swv[WF16 ? j : 0]), b2 = f16x2_rn(bwv[WF16 ? j : 0], bwv[WF16 ? j : 0]);
@@ -1090,16 +1099,24 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
 
   if (XROW) issue_x(0);
   load_block(0);
+  if (GWDB) {  // block 0's tiles before the loop; each iteration then ends with the next block's
+    store_block(0);
+    cp_async_wait<0>();
+    __syncthreads();
+  }
   for (int kb = 0; kb < KB; ++kb) {
     const i64 kbase = i64(kb) * BK;
-    store_block(kb);
-    if (XROW) cp_async_wait<0>();  // this thread's copies of x tile kb (the barrier makes them everyone's)
-    __syncthreads();
+    if (!GWDB) {
+      store_block(kb);
+      if (XROW) cp_async_wait<0>();  // this thread's copies of x tile kb (the barrier makes them everyone's)
+      __syncthreads();
+    }
     if (kb + 1 < KB) {  // in flight during this block's MMAs (XROW: into the other x tile, last read two blocks ago)
       if (XROW) issue_x(kb + 1);
       load_block(kb + 1);
     }
     const u16* xa = (XROW && (kb & 1)) ? xl : xh;  // this block's A tile
+    const u16* wb = (GWDB && (kb & 1)) ? wl : wh;  // and its W tile
 
     // ---- MMAs over the 4 k16 steps of the block
 #pragma unroll
@@ -1128,7 +1145,7 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
       for (int nj = 0; nj < (GFRAG ? 0 : G_NI / 2); ++nj) {
         const int row = wn * G_WTN + nj * 16 + (lane & 7) + (lane >> 4) * 8, col = ks * 16 + ((lane >> 3) & 1) * 8;
         u32 r[4];
-        ldsm_x4(smem_u32(wh + row * LDS + col), r);
+        ldsm_x4(smem_u32(wb + row * LDS + col), r);
         bh[2 * nj][0] = r[0], bh[2 * nj][1] = r[1], bh[2 * nj + 1][0] = r[2], bh[2 * nj + 1][1] = r[3];
         if (WM == 2) {
           ldsm_x4(smem_u32(wl + row * LDS + col), r);
@@ -1167,6 +1184,10 @@ extern "C" __global__ void __launch_bounds__(NT, BM == 16 ? 3 : 2)
               }
         }
       }
+    }
+    if (GWDB) {  // block kb + 1's W into the other tile (last read by block kb - 1's MMAs, before the last barrier)
+      if (kb + 1 < KB) store_block(kb + 1);
+      cp_async_wait<0>();  // x tile kb + 1
     }
     __syncthreads();
   }

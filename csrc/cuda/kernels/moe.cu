@@ -63,11 +63,11 @@
 //       Epilogue: act = silu(g)·u to the workspace (sorted rows). Tiles past the map's count exit at once.
 //     moe_down_mma: the same kernel shape on act (sorted rows, K = I) × down (N = H, 128 columns per
 //       block) -> y (sorted rows, fp32).
-//     FRAG = S (4-bit affine, 16 or 32-row tiles; the host's moe_frag): both GEMMs as moe_frag_block instead, grid
-//       (max_tiles, ⌈I/128·BM/16⌉) and (max_tiles, ⌈H/256·BM/16⌉): 256 (BM 16) or 128 (BM 32) weight rows per
-//       block, each warp widening its own rows' codes into B fragments in registers (no bf16 weight tile) for
-//       BM/16 m16 tiles, A by ldmatrix, raw K blocks by a cp.async ring of S stages; the same MMAs in the same
-//       order, so the same bits (see its section).
+//     FRAG = S (4-bit affine, 16, 32 or 64-row tiles; the host's moe_frag): both GEMMs as moe_frag_block instead,
+//       grid (max_tiles, ⌈I/(R/2)⌉) and (max_tiles, ⌈H/R⌉) for R = FRAG_ROWS weight rows per block (256 at BM 16,
+//       128 at BM 32 and 64), each warp widening its own rows' codes into B fragments in registers (no bf16 weight
+//       tile) for BM/16 m16 tiles, A by ldmatrix, raw K blocks by a cp.async ring of S stages; the same MMAs in the
+//       same order, so the same bits (see its section).
 //     moe_expert_sum: grid T, block 256: out[t] = Σ_s w[t,s]·y[pair_pos[t,s]] in (id, slot) order.
 //   -D DEC_MINB (decode: blocks per SM the registers must allow, 0 = the compiler's choice, but 3 for the
 //   gate/up pass's early loads: GU_EARLY),
@@ -1385,13 +1385,17 @@ __device__ __forceinline__ void moe_mma_block(const MoeArgs& a, int mat0) {
 // ring of S stages (S - 2 blocks in flight during a block's MMAs); the A tile is double buffered, so a K block costs
 // one barrier. Same MMA operands (the codes, x hi / lo), same order per output (k16 steps, hi then lo, the group
 // folds), same Σx tree: the bits of moe_mma_block at any BM.
-#if !(MMA_WM == 0 && BITS == 4 && ALIGNED && (BM == 16 || BM == 32))
-#error "FRAG needs 4-bit affine weights with 16-byte loads and 16 or 32-row tiles"
+#if !(MMA_WM == 0 && BITS == 4 && ALIGNED && (BM == 16 || BM == 32 || BM == 64))
+#error "FRAG needs 4-bit affine weights with 16-byte loads and 16, 32 or 64-row tiles"
 #endif
 #if FRAG < 3 || PIPE
 #error "FRAG: at least 3 ring stages, and not with PIPE"
 #endif
 #define FMT (BM / 16)  // m16 tiles per warp
+// Weight rows per block: 256 / FMT at 16 and 32 rows; 128 at 64 rows (the host's moe_frag64_rows: each widened B
+// fragment feeds 4 m16 tiles, so an expert with 33-64 rows has its codes read and widened once, not by two 32-row
+// tiles; a warp still owns whole n8 tiles of gate and of up).
+#define FRAG_ROWS (FMT == 4 ? 128 : 256 / FMT)
 // MWF16 (the host's moe_w_f16, with XF): each lane turns its widened code pairs into f16 weights, s·q + b by one f16x2
 // FMA with its column's group scale and bias, so a part's fold is acc += 2^-e·D: no scale per output, no b·Σx, no Σx.
 // The weights are rounded to f16 (≤ 2^-11 relative): not the codes path's bits.
@@ -1421,7 +1425,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
   constexpr bool XR = MXROW;  // x / act as pre-scaled f16 rows: the ring stage holds the A tile itself
   constexpr int BK = 64, PITCH = BK + 8;  // A tile: halves per row (144 bytes: ldmatrix rows conflict-free)
   constexpr int BROWS = NMAT * FBN, WC = FBN / 8, NTM = WC / 8, NTW = NMAT * NTM;
-  static_assert(BROWS * FMT == 256 && NTM >= 1, "moe.cpp frag_stage_bytes stages 256 / FMT weight rows");
+  static_assert(BROWS == FRAG_ROWS && NTM >= 1, "moe.cpp frag_stage_bytes stages FRAG_ROWS weight rows");
   constexpr int GP = (GROUP % BK == 0 || BK % GROUP == 0) ? (GROUP < BK ? GROUP : BK) : 16;
   constexpr int NP = BK / GP, LP = GP / 4, KT = (KDIM + BK - 1) / BK;
   constexpr int CPITCH = 48;  // bytes per weight row of a stage: its 32 bytes of codes, 16 of padding
@@ -1440,7 +1444,9 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
   const int tile = blockIdx.x;
   if (tile >= tiles[0]) return;  // uniform over the block
   const int e = tiles[1 + 3 * tile], r0 = tiles[2 + 3 * tile], rn = tiles[3 + 3 * tile];
-  const bool second = FMT == 2 && rn > 16;  // the second m16 tile holds rows (uniform over the block)
+  // m16 tile mt holds no rows (uniform over the block): its MMAs are skipped. Tile 0 always holds some.
+  const int mlive = (rn + 15) / 16;
+  auto m16_idle = [&](int mt) { return mt > 0 && (FMT == 4 ? mt >= mlive : rn <= 16); };
   const int n0 = blockIdx.y * FBN;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
   if (tid < BM) {
@@ -1577,7 +1583,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
       u32 ah[FMT][4], al[FMT][4];
 #pragma unroll
       for (int mt = 0; mt < FMT; ++mt) {
-        if (mt == 1 && !second) break;
+        if (m16_idle(mt)) break;
         ldsm_x4(ah[mt], (XR ? ring_a + u32((kt % FRAG) * STAGE) : ah0 + b * AH_BYTES) + mt * M16_BYTES + kk * 32);
         if (XS == 2) ldsm_x4(al[mt], al0 + b * AL_BYTES + mt * M16_BYTES + kk * 32);
       }
@@ -1606,7 +1612,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
         }
 #pragma unroll
         for (int mt = 0; mt < FMT; ++mt) {
-          if (mt == 1 && !second) break;
+          if (m16_idle(mt)) break;
           mma_m16n8k16<XF != 0>(XR ? acc[mt][j] : accg[mt][j], ah[mt], bq[0], bq[1]);
           if (XS == 2) mma_m16n8k16(accg[mt][j], al[mt], bq[0], bq[1]);
         }
@@ -1628,7 +1634,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
             const float bg = part_end && !MWF16 ? word_scalar<SDT>(bw[col * NP + p], gi) : 0.f;
 #pragma unroll
             for (int mt = 0; mt < FMT; ++mt) {
-              if (mt == 1 && !second) break;
+              if (m16_idle(mt)) break;
               const int row = mt * 16 + g + 8 * (q >> 1);
               if (group_end) {
                 const float f = MWF16 ? sxr[b][row * NP + p] : XF ? sg * sxr[b][row * NP + p] : sg;
@@ -1665,7 +1671,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
 extern "C" __global__ void __launch_bounds__(MMA_NT, MMA_MINB) moe_gate_up_mma(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
 #if FRAG
-  moe_frag_block<2, 128 / FMT, HID, INTER, true>(a, 0);
+  moe_frag_block<2, FRAG_ROWS / 2, HID, INTER, true>(a, 0);
 #else
   moe_mma_block<2, 64, HID, INTER, true>(a, 0);
 #endif
@@ -1674,7 +1680,7 @@ extern "C" __global__ void __launch_bounds__(MMA_NT, MMA_MINB) moe_gate_up_mma(c
 extern "C" __global__ void __launch_bounds__(MMA_NT, MMA_MINB) moe_down_mma(const MoeArgs a) {
   LILY_PDL_PROLOGUE();
 #if FRAG
-  moe_frag_block<1, 256 / FMT, INTER, HID, false>(a, 2);
+  moe_frag_block<1, FRAG_ROWS, INTER, HID, false>(a, 2);
 #else
   moe_mma_block<1, 128, INTER, HID, false>(a, 2);
 #endif
