@@ -1,7 +1,10 @@
-"""Decode tokens/s of several backend-option sets on one machine, interleaved round by round (an A/B).
+"""Decode (and prefill) tokens/s of several backend-option sets on one machine, interleaved round by round (an A/B).
 
     python benchmarks/ab_decode.py --options '{"replay_timing": 0}' '{}' [--cache DIR | --model PATH]
-        [--backend cuda] [--contexts 4K,128K] [--tokens 48] [--rounds 5] [--json F]
+        [--backend cuda] [--contexts 4K,128K] [--tokens 48] [--rounds 5] [--prefill 512,4K] [--json F]
+
+--prefill: prompt lengths whose prefill into an empty session is timed too, before the decode contexts, the same
+way (each round every engine in turn, medians); --contexts none skips decode.
 
 One engine per option set is loaded (all resident at once), one session per engine and context is prefilled once
 and snapshotted; each round restores every session and times greedy decoding of --tokens tokens after the first
@@ -33,20 +36,42 @@ def main() -> int:
     ap.add_argument("--contexts", default="4K")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prefill", default=None, help="prompt lengths to time prefill at (default: none)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="the engines' prefill chunk (default: theirs)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.tokens < 2 or a.rounds < 1:
         ap.error("--tokens must be >= 2 and --rounds >= 1")
     options = [json.loads(o) for o in a.options]
-    contexts = bench.parse_lengths(a.contexts, "--contexts")
+    contexts = [] if a.contexts == "none" else bench.parse_lengths(a.contexts, "--contexts")
+    prompts = bench.parse_lengths(a.prefill, "--prefill") if a.prefill else []
     path = a.model or bench.synthetic_checkpoint("full", a.cache)
     engines = [lily.Engine.from_pretrained(path, backend=a.backend, kv_cache_dtype=a.kv_cache_dtype, mtp="off",
-                                           backend_options=o) for o in options]
+                                           prefill_chunk=a.prefill_chunk, backend_options=o) for o in options]
     greedy = lily.SamplingParams(temperature=0.0)
     rng = np.random.default_rng(0)
     result = {"machine": bench.machine_info(), "device": engines[0].report().get("device"), "model": str(path),
-              "options": a.options, "tokens": a.tokens, "rounds": a.rounds, "contexts": {}}
+              "options": a.options, "tokens": a.tokens, "rounds": a.rounds, "contexts": {}, "prefill": {}}
+
+    def summary(title: str, rates: list[list[float]]) -> list[dict]:
+        base = statistics.median(rates[0])
+        print(f"\n{title} ({result['device']}):")
+        rows = []
+        for o, r in zip(a.options, rates):
+            med = statistics.median(r)
+            rows.append({"options": o, "tok_s": med, "runs": [round(x, 1) for x in r], "vs_first": med / base})
+            print(f"  {o:40s} {med:9.1f} tok/s  x{med / base:.3f}  runs {rows[-1]['runs']}")
+        return rows
+
     try:
+        for n in prompts:  # a warm-up prefill per engine (modules compiled, scratch grown), then the rounds
+            for e in engines:
+                bench.measure_prefill(e, n, repeats=1, rng=rng)
+            rates = [[] for _ in engines]
+            for _ in range(a.rounds):
+                for i, e in enumerate(engines):
+                    rates[i] += bench.measure_prefill(e, n, repeats=1, rng=rng)
+            result["prefill"][n] = summary(f"prefill of {bench._k(n)} tokens, {a.rounds} rounds", rates)
         for ctx in contexts:
             prompt = rng.integers(0, engines[0].config.vocab_size, ctx, dtype=np.int32)
             sessions = []
@@ -62,16 +87,9 @@ def main() -> int:
                     rates[i].append(bench.rate_after_first(s.generate(a.tokens, greedy, stop_token_ids=[])))
             for s, _ in sessions:
                 s.close()
-            base = statistics.median(rates[0])
-            print(f"\ndecode at {bench._k(ctx)} context, {a.tokens} tokens, {a.rounds} rounds "
-                  f"({result['device']}):")
-            rows = []
-            for o, r in zip(a.options, rates):
-                med = statistics.median(r)
-                rows.append({"options": o, "tok_s": med, "runs": [round(x, 1) for x in r], "vs_first": med / base})
-                print(f"  {o:40s} {med:9.1f} tok/s  x{med / base:.3f}  runs {rows[-1]['runs']}")
-            result["contexts"][ctx] = rows
-        for o, e in zip(a.options, engines if a.backend == "cuda" else []):
+            result["contexts"][ctx] = summary(f"decode at {bench._k(ctx)} context, {a.tokens} tokens, {a.rounds} rounds",
+                                              rates)
+        for o, e in zip(a.options, engines if a.backend == "cuda" and contexts else []):
             g = e.report()["cuda"]["graphs"]
             print(f"  {o:40s} report: GPU µs/step {g.get('gpu_us_per_decode_step')}, host µs/step "
                   f"{g.get('host_us_per_decode_step')}, capture ms/graph {g.get('capture_ms_per_graph')}")
