@@ -208,8 +208,9 @@ ExpertsVariant select_experts(const Weight& gate, int64_t T, int64_t k, Phase ph
     // Fragment tiles (FRAG: each warp's 4-bit codes widened to B fragments in registers, no bf16 weight tile) where
     // the format allows and a 3-stage ring fits; their height by the expected rows per expert r = T·k/E: 16 rows
     // below frag32_from, else 32 (an expert with 17-32 rows then has its weights read and widened once, not by two
-    // 16-row tiles), 64 from frag64_from when it is set. Without them: the shared bf16 weight tile, 16 rows below tile64_from (register prefetch; a ring
-    // measured slower there), 64 rows from it (a cp.async ring of `pipe` stages). benchmarks/NOTES.md.
+    // 16-row tiles), 64 from frag64_from when it is set. Without them: the shared bf16 weight tile, 16 rows below
+    // tile64_from (register prefetch; a ring measured slower there), 64 rows from it (a cp.async ring of `pipe`
+    // stages). benchmarks/NOTES.md.
     const char* no_frag = frag == 0                ? "moe_frag = 0"
                           : !gate.quantized()      ? "dense weights"
                           : gate.bits != 4         ? "8-bit codes"
