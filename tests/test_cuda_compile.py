@@ -349,10 +349,10 @@ def test_prefill_x_options_reach_their_gemms(cache, opts, dense_want, experts_wa
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_gemm_w_double_compiles_and_reports(cache, arch):
-    """gemm_w_double (off by default): the x-rows prefill GEMM with two alternating W tiles compiles at every tile
+    """gemm_w_double (on by default): the x-rows prefill GEMM with two alternating W tiles compiles at every tile
     height the real shapes take (128 rows at 4,096 x 8,192 outputs, 64 at 256 rows, 16 for a small grid) and the
     variants and the optimizations list say so; without gemm_x_rows it is not active and says why."""
-    for opts, on in (({"gemm_w_double": True}, True), ({}, False),
+    for opts, on in (({}, True), ({"gemm_w_double": False}, False),
                      ({"gemm_w_double": True, "gemm_x_rows": False}, False)):
         b = core.OpBench("cuda", {"dry_arch": arch, "cache_dir": cache, **opts})
         heights = []
@@ -688,19 +688,19 @@ def test_moe_decode_geometry_compiles_and_reports(cache, opts, text):
             core.OpBench("cuda", {"dry_arch": 90, **bad})
 
 
-@pytest.mark.parametrize("opts,heights", [({}, (16, 16, 32, 32)), ({"moe_frag32_rows": 1}, (32, 32, 32, 32)),
-                                          ({"moe_frag32_rows": 1 << 20}, (16, 16, 16, 16)),
+@pytest.mark.parametrize("opts,heights", [({}, (16, 16, 32, 64)), ({"moe_frag32_rows": 1}, (32, 32, 32, 64)),
+                                          ({"moe_frag32_rows": 1 << 20}, (16, 16, 16, 64)),
+                                          ({"moe_frag64_rows": 0}, (16, 16, 32, 32)),
                                           ({"moe_tile64_rows": 1}, (64, 64, 64, 64)),
                                           ({"moe_tile64_rows": 32}, (16, 16, 64, 64)),
                                           ({"moe_frag": 0}, (16, 16, 64, 64)),
-                                          ({"moe_frag64_rows": 64}, (16, 16, 32, 64)),
                                           ({"moe_frag64_rows": 1}, (64, 64, 64, 64))])
 def test_moe_tile_heights_compile_and_report(cache, opts, heights):
     """The MoE prefill tile height by the expected rows per expert T·k/E (2, 16, 32, 128 at T = 64, 512, 1K, 4K for the
     real shapes): 4-bit fragment tiles of 16 rows below moe_frag32_rows (default 20), of 32 rows from it (128 weight
-    rows per block, a 15,360-byte ring stage), and, by default, never 64-row tiles (moe_tile64_rows = 0: 32 rows per
-    expert and up only for experts without fragment tiles, e.g. moe_frag = 0); 64-row fragment tiles from
-    moe_frag64_rows when set (128 weight rows per block, 2 blocks per SM). Each compiles and the report says which
+    rows per block, a 15,360-byte ring stage) and of 64 rows from moe_frag64_rows (default 64; 128 weight rows per
+    block, 2 blocks per SM; 0: never), and, by default, no 64-row shared tiles (moe_tile64_rows = 0: 32 rows per
+    expert and up only for experts without fragment tiles, e.g. moe_frag = 0). Each compiles and the report says which
     and why; values out of range are refused naming the options."""
     b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache, **opts})
     c, (H, E, K, I), (g, u, d) = _full_q4_experts(b)
@@ -710,14 +710,15 @@ def test_moe_tile_heights_compile_and_report(cache, opts, heights):
               weights=b.empty(T, K, poison=False), gate=g, up=u, down=d, ws=ws, out=b.empty(T, H, poison=False))
         text = b.report()["variants"]["moe.experts.prefill"]
         assert f", {bm}-row tiles (" in text, (T, text)
-        frag64 = "moe_frag64_rows" in opts and bm == 64
-        frag = opts.get("moe_frag", 3) != 0 and (bm != 64 or frag64)
+        frag = opts.get("moe_frag", 3) != 0 and (bm != 64 or "moe_tile64_rows" not in opts)
+        frag64 = frag and bm == 64
         assert ("each warp's weight codes widened to B fragments in registers" in text) == frag, text
         if bm == 32:
             assert f"32-row tiles (T·k/E ≥ {opts.get('moe_frag32_rows', 20)}: a second m16 tile" in text, text
             assert "a cp.async ring of 3 K blocks (46080 bytes of shared memory, 3 blocks per SM)" in text, text
         if frag64:  # 3 stages of 64 x rows (f32) + 128 weight rows of 48 bytes + their scale and bias words
-            assert f"64-row tiles (T·k/E ≥ {opts['moe_frag64_rows']}, moe_frag64_rows: four m16 tiles" in text, text
+            f64 = opts.get("moe_frag64_rows", 64)
+            assert f"64-row tiles (T·k/E ≥ {f64}, moe_frag64_rows: four m16 tiles" in text, text
             assert "a cp.async ring of 3 K blocks (70656 bytes of shared memory, 2 blocks per SM)" in text, text
         elif bm == 64:
             t64 = opts.get("moe_tile64_rows", 0)

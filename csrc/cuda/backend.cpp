@@ -1063,14 +1063,13 @@ std::vector<std::string> CudaOps::optimizations() const {
   o.push_back(x_rows && opt_.gemm_w_double
                   ? "prefill GEMMs with two alternating W tiles, one barrier per K block (gemm_w_double)"
                   : std::string("not active: two alternating W tiles in the prefill GEMMs (") +
-                        (x_rows ? "gemm_w_double=False: off until measured on a GPU"
-                                : "gemm_w_double needs x as f16 rows, gemm_x_rows") +
+                        (x_rows ? "gemm_w_double=False" : "gemm_w_double needs x as f16 rows, gemm_x_rows") +
                         "): the next K block's weights are converted after a second barrier");
   o.push_back(opt_.moe_frag64_rows > 0
                   ? "MoE prefill fragment tiles of 64 rows from " + std::to_string(opt_.moe_frag64_rows) +
                         " expected rows per expert (moe_frag64_rows): four m16 tiles per warp on each widened B fragment"
-                  : std::string("not active: 64-row MoE prefill fragment tiles (moe_frag64_rows=0: off until measured "
-                                "on a GPU): at most 32 rows, an expert's codes widened once per 32 rows"));
+                  : std::string("not active: 64-row MoE prefill fragment tiles (moe_frag64_rows=0): at most 32 rows, an "
+                                "expert's codes widened once per 32 rows"));
   o.push_back(opt_.delta_chunk_mma
                   ? "chunked DeltaNet prefill on the tensor cores (delta_chunk_mma): every product of the chunk prep and "
                     "scan in 3xTF32 mma.sync (fp32's error level), the prep's solve as a blocked inverse"

@@ -140,9 +140,9 @@ struct CudaOptions {
   int moe_frag32_rows = 20;
   int moe_tile64_rows = 0;
   // From this expected rows per expert T·k/E the fragment tiles take 64 rows (four m16 tiles per warp on each widened
-  // B fragment, 128 weight rows per block; kernels/moe.cu FRAG_ROWS); 0: never. The same bits at any height. Off
-  // until an A/B has run on a GPU: benchmarks/NOTES.md.
-  int moe_frag64_rows = 0;
+  // B fragment, 128 weight rows per block; kernels/moe.cu FRAG_ROWS); 0: never. The same bits at any height.
+  // Measured +1.5% prefill at 4K on the H100 (from 32 rows: -3% at 1K): benchmarks/NOTES.md.
+  int moe_frag64_rows = 64;
   // Decode MoE geometry: gate/up rows per warp of moe_gate_up_decode (1, 2 or 4; 0 = by shape: 4 / 16-byte vectors
   // per lane of a row, 2 for the real model) and output rows per moe_down_decode block (1..64). Fewer, fuller blocks
   // leave room on each SM for the down pass's blocks to sit resident (and load their weights) while gate/up runs.
@@ -213,8 +213,8 @@ struct CudaOptions {
   bool gemm_tile128 = true;
   // With gemm_x_rows, the prefill GEMM's W tile alternates between two shared arrays (kernels/matmul.cu GWDB): the
   // next K block's weights are converted right after this block's MMAs, one barrier per K block instead of two. The
-  // same bits. Off until an A/B has run on a GPU: benchmarks/NOTES.md.
-  bool gemm_w_double = false;
+  // same bits. Measured +1.2% prefill at 4K on the H100: benchmarks/NOTES.md.
+  bool gemm_w_double = true;
   // Programmatic dependent launch (sm_90+): which launches get it. Decode (the default): the decode steps' (their
   // grids fit in one wave, so the next kernel's blocks take SM room its predecessor no longer needs; the decode
   // GEMVs, the MoE down pass, the conv and the recurrence load weights and carried state before they wait):

@@ -353,7 +353,7 @@ def test_experts_prefill_frag64_f16_forms_same_bits(spec, E, k, H, I):
     """The default f16 forms (moe_w_f16, moe_x_rows: the weights dequantized in registers, x and act as pre-scaled f16
     rows, each row's 2^-e in the epilogue) on 64-row fragment tiles: the bits of the 32-row tiles, at heights that
     leave 1, 2, 3 and 4 of a tile's m16 tiles holding rows; the report names the height."""
-    pair = [core.OpBench("cuda", {"moe_frag32_rows": 1, **o}) for o in ({}, {"moe_frag64_rows": 1})]
+    pair = [core.OpBench("cuda", {"moe_frag32_rows": 1, "moe_frag64_rows": r}) for r in (0, 1)]
     rng = np.random.default_rng(zlib.crc32(f"frag64 {spec} {E} {H} {I}".encode()))
     descs = (stacked(rng, spec, E, I, H), stacked(rng, spec, E, I, H), stacked(rng, spec, E, H, I))
     handles = [tuple(b.weight(d) for d in descs) for b in pair]
