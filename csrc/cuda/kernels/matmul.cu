@@ -846,8 +846,9 @@ __device__ __forceinline__ void split_bf16(float v, u16& h, u16& l) {
 
 // Register-prefetch pipeline: the global loads of K block kb + 1 (x, the W chunks, the group scales/biases) are
 // issued into registers before block kb's MMAs, so their latency hides behind the tensor-core work; after the
-// MMAs the registers are converted and stored into the (single) shared tile. W chunks are prefetched when a
-// thread carries at most GEMM_WPF of them (q2/q4/q8/bf16); f32 weights (8 chunks) load at store time.
+// MMAs the registers are converted and stored into the shared tile (GWDB: the other of two). W chunks are
+// prefetched when a thread carries at most GEMM_WPF of them (q2/q4/q8/bf16); f32 weights (8 chunks) load at store
+// time.
 constexpr int GEMM_WCH = (BN * CPR + NT - 1) / NT;  // W chunks per thread per K block
 #define GEMM_WPF 4
 constexpr bool GEMM_WPRE = GEMM_WCH <= GEMM_WPF;
