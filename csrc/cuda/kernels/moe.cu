@@ -1446,7 +1446,7 @@ __device__ __forceinline__ void moe_frag_block(const MoeArgs& a, int mat0) {
   const int e = tiles[1 + 3 * tile], r0 = tiles[2 + 3 * tile], rn = tiles[3 + 3 * tile];
   // m16 tile mt holds no rows (uniform over the block): its MMAs are skipped. Tile 0 always holds some.
   const int mlive = (rn + 15) / 16;
-  auto m16_idle = [&](int mt) { return mt > 0 && (FMT == 4 ? mt >= mlive : rn <= 16); };
+  auto m16_idle = [&](int mt) { return mt > 0 && mt >= mlive; };
   const int n0 = blockIdx.y * FBN;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
   if (tid < BM) {
