@@ -86,3 +86,23 @@ def test_trace_summary_counts_overlapping_kernels_once(capsys):
     assert top["kernel"] == "a" and top["launches"] == 1 and top["summed_us"] == 10.0 and top["mean_us"] == 10.0
     assert "idle inside the span 4.0 µs" in capsys.readouterr().out
     assert s["idle_gaps"] == [{"after": "b", "before": "a", "count": 0.5, "idle_us": 4.0, "mean_us": 8.0}]
+
+
+def test_decode_warmup_runs_come_before_the_timed_runs(ckpt_small, monkeypatch):
+    import numpy as np
+
+    import lily
+
+    engine = lily.Engine.from_pretrained(ckpt_small.path, backend="cpu")
+    calls = []
+    real = bench.rate_after_first
+    monkeypatch.setattr(bench, "rate_after_first", lambda tokens: calls.append(1) or real(tokens))
+    runs = bench.measure_decode(engine, 8, tokens=3, repeats=2, rng=np.random.default_rng(0), warmup=2)
+    assert len(runs) == 2 and all(r > 0 for r in runs)
+    assert len(calls) == 4  # two untimed, two timed
+    res = bench.run_sweep(engine, [], [8], repeats=1, decode_tokens=3, decode_warmup=1)
+    assert res["settings"]["decode_warmup"] == 1 and len(res["decode"][0]["runs"]) == 1
+    assert len(calls) == 6
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="warm-up"):
+            bench.measure_decode(engine, 8, tokens=3, repeats=1, rng=np.random.default_rng(0), warmup=bad)

@@ -7,7 +7,7 @@
 #
 # tests: tests/cuda, or the files in TEST_PATHS; TEST_K selects by a pytest -k expression (one argument, spaces
 # and all: PYTEST_ARGS is split on spaces).
-# bench: the full sweep (benchmarks/bench_cuda.py; BENCH_ARGS adds arguments, e.g. "--repeats 3 --decode-tokens 32",
+# bench: the full sweep (benchmarks/bench_cuda.py; BENCH_ARGS adds arguments, e.g. "--repeats 3 --decode-tokens 64",
 # the published sweeps' command, ~160 s on an H100).
 # trace: the decode critical path at TRACE_CONTEXT positions (default 4096): benchmarks/trace_cuda.py.
 # ab: decode tokens/s of each backend-options JSON in AB_OPTIONS (';'-separated; the first is the baseline) at

@@ -106,15 +106,22 @@ def rate_after_first(tokens: Iterator[int]) -> float:
     return n / (time.perf_counter() - t)
 
 
-def measure_decode(engine: "Engine", context: int, *, tokens: int, repeats: int, rng: np.random.Generator) -> list[float]:
+def measure_decode(engine: "Engine", context: int, *, tokens: int, repeats: int, rng: np.random.Generator,
+                   warmup: int = 0) -> list[float]:
     """Tokens/s of greedy decoding at ``context`` tokens of context (``tokens`` >= 2 generated per run;
     the ``tokens - 1`` forward steps after the first token are timed). The context is prefilled once
-    and restored from a snapshot before each run."""
+    and restored from a snapshot before each run. ``warmup`` untimed runs come first (on a GPU the first
+    run at a new context length captures its step graphs and may compile kernels for its split count)."""
     if tokens < 2:
         raise ValueError(f"--decode-tokens must be >= 2 (the first token costs no forward), got {tokens}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"decode warm-up runs must be an int >= 0, got {warmup!r}")
     session = engine.session(max_context=context + tokens)
     session.prefill(_tokens(engine, context, rng))
     snap = session.snapshot()
+    for _ in range(warmup):
+        session.restore(snap)
+        rate_after_first(session.generate(tokens, stop_token_ids=[], mtp="off"))
     rates = []
     for _ in range(repeats):
         session.restore(snap)
@@ -140,13 +147,16 @@ def report_summary(engine: "Engine") -> dict[str, Any]:
 
 
 def run_sweep(engine: "Engine", prefill_lengths: list[int], decode_contexts: list[int], *, repeats: int = 3,
-              decode_tokens: int = 32, seed: int = 0, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+              decode_tokens: int = 32, decode_warmup: int = 0, seed: int = 0,
+              log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure every length; returns {"prefill": [{tokens, tok_s, ms, runs}], "decode": [{context, tok_s,
-    ms_per_token, runs}], "settings": {...}} with medians over ``repeats``."""
+    ms_per_token, runs}], "settings": {...}} with medians over ``repeats`` (decode after ``decode_warmup``
+    untimed runs at each context)."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"--repeats must be an int >= 1, got {repeats!r}")
     rng = np.random.default_rng(seed)
-    out: dict[str, Any] = {"settings": {"repeats": repeats, "decode_tokens": decode_tokens, "seed": seed},
+    out: dict[str, Any] = {"settings": {"repeats": repeats, "decode_tokens": decode_tokens,
+                                        "decode_warmup": decode_warmup, "seed": seed},
                            "prefill": [], "decode": []}
     for n in prefill_lengths:
         runs = measure_prefill(engine, n, repeats=repeats, rng=rng)
@@ -155,7 +165,7 @@ def run_sweep(engine: "Engine", prefill_lengths: list[int], decode_contexts: lis
         if log:
             log(f"prefill {n:>7} tokens: {med:10.1f} tok/s")
     for c in decode_contexts:
-        runs = measure_decode(engine, c, tokens=decode_tokens, repeats=repeats, rng=rng)
+        runs = measure_decode(engine, c, tokens=decode_tokens, repeats=repeats, rng=rng, warmup=decode_warmup)
         med = statistics.median(runs)
         out["decode"].append({"context": c, "tok_s": med, "ms_per_token": 1e3 / med, "runs": runs})
         if log:
