@@ -273,6 +273,7 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
                            {"all", cuda::CudaOptions::Pdl::All}},
                           cuda::CudaOptions::Pdl::All, cuda::CudaOptions::Pdl::Off);
     if (!opt("encode_memo").is_none()) o.encode_memo = nb::cast<bool>(opt("encode_memo"));
+    if (!opt("prefill_memo").is_none()) o.prefill_memo = nb::cast<bool>(opt("prefill_memo"));
     if (!opt("gemv_async").is_none()) o.gemv_async = nb::cast<bool>(opt("gemv_async"));
     if (!opt("gemv_dp4a").is_none()) o.gemv_dp4a = nb::cast<bool>(opt("gemv_dp4a"));
     if (!opt("gemv_ahead").is_none())
@@ -421,6 +422,13 @@ nb::dict backend_report(Ops& ops) {
     memo["hits"] = g.memo_hits;
     memo["misses"] = g.memo_misses;
     gr["encode_memo"] = memo;
+    nb::dict pmemo;
+    pmemo["hits"] = g.prefill_memo_hits;
+    pmemo["misses"] = g.prefill_memo_misses;
+    gr["prefill_memo"] = pmemo;
+    gr["prefill_encode_us"] = g.last_prefill_encode_us;  // the last prefill step's, first launch to submit
+    gr["last_step_digest"] = g.last_step_digest;          // dry runs only (0 otherwise)
+    gr["steps_digest"] = g.steps_digest;                  // every step's so far, in order (dry runs only)
     gr["speculative_replays"] = g.speculative_replays;
     gr["launches_per_speculative_iteration"] = g.last_speculative_launches;  // the last one's (its k: mtp_stats)
     d["graphs"] = gr;

@@ -155,6 +155,61 @@ def test_a_decode_step_that_writes_a_restore_is_not_memoised(checkpoints, cache)
         assert after["hits"] + after["misses"] > before["hits"] + before["misses"]
 
 
+def _prefill_memo_run(path, cache, memo: bool):
+    """Digests of every step so far after each call of a varied prefill sequence, and the prefill memo's counts."""
+    greedy = lily.SamplingParams(temperature=0)
+    digests = []
+    with lily.Engine(lily.engine.load_checkpoint(path), backend="cuda", prefill_chunk=16,
+                     backend_options={"dry_arch": 90, "cache_dir": cache, "prefill_memo": memo}) as e:
+        mark = lambda: digests.append(e.report()["cuda"]["graphs"]["steps_digest"])  # noqa: E731
+        counts = lambda: dict(e.report()["cuda"]["graphs"]["prefill_memo"])  # noqa: E731
+        after = [counts()]  # (the first report's probe session allocates, which empties the memos: before any prefill)
+        s = e.session(max_context=256)
+        for n in (40, 40, 7, 16, 40):  # chunks of 16 and tails; repeats of one length
+            s.reset()
+            s.prefill(list(range(1, n + 1)))
+            mark()
+            after.append(counts())
+        s.prefill(list(range(5, 12)))  # the same length, later in the context
+        mark()
+        list(s.generate(3, greedy, stop_token_ids=[]))  # a pending token rides the next prefill's first chunk
+        mark()
+        snap = s.snapshot()
+        s.prefill(list(range(9)))
+        mark()
+        s.restore(snap)  # the next chunk reads the snapshot's state
+        s.prefill(list(range(9)))
+        mark()
+        snaps = s.prefill_snapshots(list(range(30)), at=[s.position + 5, s.position + 30])  # captures in a chunk
+        mark()
+        t = e.session(max_context=256)  # another session's state and scratch
+        t.prefill(list(range(40)))
+        t.restore(snaps[0])
+        t.prefill(list(range(40)))
+        mark()
+        after.append(counts())
+        said = [o for o in e.report()["optimizations"] if "prefill encode memo" in o]
+    return digests, after, said
+
+
+def test_prefill_memo_replays_the_same_launches(checkpoints, cache):
+    """The prefill encode memo (prefill_memo) changes no launch: after every call of a varied sequence (repeated and
+    new chunk lengths, continuation, a pending token, a restore read by the first chunk, state captures inside a
+    chunk, a second session) the digest of all steps' launches (kernel, geometry, stage, op number, argument bytes)
+    equals the one with the memo off; and the repeated chunks were replayed from it."""
+    on, on_counts, on_said = _prefill_memo_run(checkpoints["mlx4"], cache, True)
+    off, off_counts, off_said = _prefill_memo_run(checkpoints["mlx4"], cache, False)
+    assert on == off and len(set(on)) == len(on), (on, off)
+    assert off_counts[-1] == {"hits": 0, "misses": 0}, off_counts
+    before, first, second = on_counts[:3]  # the 40-token prompt (16 + 16 + 8) encoded, then again
+    ops = first["hits"] + first["misses"] - before["hits"] - before["misses"]
+    assert first["hits"] > before["hits"] and first["misses"] > before["misses"], on_counts  # chunk 2 replays chunk 1
+    assert second["misses"] == first["misses"] and second["hits"] == first["hits"] + ops, on_counts  # all replayed
+    assert on_counts[-1]["misses"] > second["misses"], on_counts  # new lengths, states and sessions: encoded
+    assert len(on_said) == 1 and not on_said[0].startswith("not active"), on_said
+    assert len(off_said) == 1 and off_said[0].startswith("not active"), off_said
+
+
 def test_disk_cache_serves_a_second_load(checkpoints, tmp_path):
     """The first load compiles every module and writes the cache; the next load compiles nothing."""
     counts = []

@@ -225,6 +225,7 @@ class Ops {
   const StepStats& stats() const { return tracker_.stats(); }
   Phase phase() const { return phase_; }
   bool repeats() const { return !once_ && (phase_ == Phase::Decode || repeats_); }
+  bool once() const { return once_; }
   // Marks the open step as a speculative (MTP) iteration, so a backend keeps its decode-step figures (launches
   // per step, GPU time) to plain decode steps when the iteration runs in the decode phase. Cleared by begin().
   void mark_speculative() { speculative_ = true; }

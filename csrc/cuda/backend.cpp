@@ -268,8 +268,8 @@ Tensor CudaOps::alloc_impl(const std::string& label, DType dtype, int64_t rows, 
 }
 
 void CudaOps::release(Tensor& t) {
+  if (!t.valid()) return;  // (an empty handle: nothing moves, the memos stay)
   forget_encodings();  // buffer ids and mappings may now stand for other addresses
-  if (!t.valid()) return;
   Buffer& b = buffers_.at(size_t(t.buf));
   if (b.ptr && !opt_.dry_arch && fault_.empty()) {
     drv().cuCtxSetCurrent(ctx_);
@@ -561,15 +561,23 @@ void CudaOps::record_launch(Launch& l) {
   launches_.push_back(l);
 }
 
-void CudaOps::on_stage_boundary() { ++stage_; }
+void CudaOps::on_stage_boundary() {
+  ++stage_;
+  stage_op0_ = op_ + 1;  // the op about to execute opens the stage
+}
 
 void CudaOps::execute(OpKind kind, const OpRun& run) {
   ++op_;  // launches recorded by this op's *_impl carry this number (they run in order, on one lane)
-  if (!opt_.encode_memo || !replayable()) return run();
+  // Decode steps and speculative iterations memoise into memo_ (encode_memo), prefill steps into prefill_memo_.
+  const bool decode_memo = opt_.encode_memo && replayable();
+  const bool prefill_memo = !decode_memo && opt_.prefill_memo && phase() == Phase::Prefill && !once();
+  if (!decode_memo && !prefill_memo) return run();
+  auto& memo = decode_memo ? memo_ : prefill_memo_;
   memo_key_.assign(1, char(kind));
+  memo_key_ += char(xrow_slot());  // the op's f16 x rows slot (matmul.cpp, XROW)
   run.append_key(memo_key_);
-  auto it = memo_.find(memo_key_);
-  if (it != memo_.end()) {
+  auto it = memo.find(memo_key_);
+  if (it != memo.end()) {
     for (const Launch& m : it->second.launches) {
       Launch l = m;
       l.args_at = args_base_ = args_.size();
@@ -579,14 +587,14 @@ void CudaOps::execute(OpKind kind, const OpRun& run) {
       if (launches_.empty()) encode_t0_ = std::chrono::steady_clock::now();
       launches_.push_back(l);
     }
-    ++graph_stats_.memo_hits;
+    ++(decode_memo ? graph_stats_.memo_hits : graph_stats_.prefill_memo_hits);
     return;
   }
   const size_t first = launches_.size();
   memo_skip_ = false;
   run();
-  ++graph_stats_.memo_misses;
-  if (memo_skip_) return;  // its launches depend on more than its arguments (the op's number)
+  ++(decode_memo ? graph_stats_.memo_misses : graph_stats_.prefill_memo_misses);
+  if (memo_skip_) return;  // its launches depend on more than its arguments
   MemoEntry e;
   for (size_t i = first; i < launches_.size(); ++i) {
     Launch l = launches_[i];
@@ -595,7 +603,12 @@ void CudaOps::execute(OpKind kind, const OpRun& run) {
     e.args.insert(e.args.end(), args_.begin() + long(at), args_.begin() + long(at + l.args_len));
     e.launches.push_back(l);
   }
-  if (memo_.size() < 65536) memo_.emplace(memo_key_, std::move(e));  // a bound against runaway growth
+  if (decode_memo) {
+    if (memo.size() < 65536) memo.emplace(memo_key_, std::move(e));  // a bound against runaway growth
+  } else {
+    if (memo.size() >= kPrefillMemoEntries) memo.clear();  // prompt lengths without end: start again
+    memo.emplace(memo_key_, std::move(e));
+  }
 }
 
 void CudaOps::issue(const Launch& l, CUstream s) {
@@ -625,10 +638,50 @@ static void append_key(std::vector<unsigned char>& key, const void* p, size_t n)
   key.insert(key.end(), c, c + n);
 }
 
+void CudaOps::end_step_encoding() {
+  launches_.clear();
+  args_.clear();
+  stage_ = 0;
+  op_ = 0;
+  stage_op0_ = 1;
+  xrows_op_ = -1;  // the next step's op numbers start again: no slot is known to hold its x rows
+}
+
+// A hash of each launch's kernel, geometry, stage, op number and argument bytes, 8 bytes at a time (FNV-1a's
+// step on words: a dry decode step's ~60 KB of arguments byte by byte would double its host time).
+uint64_t CudaOps::digest_launches(const std::vector<Launch>& launches, const std::vector<unsigned char>& args) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](const void* p, size_t n) {
+    const auto* c = static_cast<const unsigned char*>(p);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t w;
+      std::memcpy(&w, c + i, 8);
+      h = (h ^ w) * 1099511628211ull;
+    }
+    for (; i < n; ++i) h = (h ^ c[i]) * 1099511628211ull;
+    h ^= n;
+  };
+  for (const Launch& l : launches) {
+    mix(l.kernel->module.data(), l.kernel->module.size());
+    mix(l.kernel->name.data(), l.kernel->name.size());
+    mix(&l.grid, sizeof l.grid);
+    mix(&l.block, sizeof l.block);
+    mix(&l.smem, sizeof l.smem);
+    mix(&l.stage, sizeof l.stage);
+    mix(&l.op, sizeof l.op);
+    mix(args.data() + l.args_at, l.args_len);
+  }
+  return h;
+}
+
 uint64_t CudaOps::submit_impl() {
   const uint64_t fence = ++last_fence_;
   steps_launches_ = int64_t(launches_.size());
   if (speculative()) graph_stats_.last_speculative_launches = steps_launches_;
+  if (phase() == Phase::Prefill && !launches_.empty())
+    graph_stats_.last_prefill_encode_us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - encode_t0_).count();
   if (opt_.dry_arch) {
     if (decode_step() && repeats() && !launches_.empty()) {  // a decode step's host side, without a GPU
       graph_stats_.last_decode_launches = int64_t(launches_.size());
@@ -637,9 +690,9 @@ uint64_t CudaOps::submit_impl() {
       graph_stats_.replay_host_us_sum += graph_stats_.last_decode_host_us;
       ++graph_stats_.replay_host_n;
     }
-    launches_.clear();
-    args_.clear();
-    stage_ = 0;
+    graph_stats_.last_step_digest = digest_launches(launches_, args_);
+    graph_stats_.steps_digest = (graph_stats_.steps_digest ^ graph_stats_.last_step_digest) * 1099511628211ull;
+    end_step_encoding();
     done_fence_ = fence;
     return fence;
   }
@@ -743,15 +796,11 @@ uint64_t CudaOps::submit_impl() {
     pending_.push_back({fence, e});
     check(drv().cuEventRecord(e, stream_), "cuEventRecord");
   } catch (const CudaError& e) {
-    launches_.clear();
-    args_.clear();
-    stage_ = 0;
+    end_step_encoding();
     fault(e);
     throw;
   }
-  launches_.clear();
-  args_.clear();
-  stage_ = 0;
+  end_step_encoding();
   return fence;
 }
 
@@ -787,11 +836,7 @@ void CudaOps::issue_staged() {
   }
 }
 
-void CudaOps::abandon_impl() {
-  launches_.clear();
-  args_.clear();
-  stage_ = 0;
-}
+void CudaOps::abandon_impl() { end_step_encoding(); }
 
 void CudaOps::wait(uint64_t fence) {
   if (opt_.dry_arch || fence <= done_fence_) return;
@@ -992,6 +1037,11 @@ std::vector<std::string> CudaOps::optimizations() const {
   o.push_back(opt_.encode_memo ? "decode encode memo: an op with the same arguments as one already encoded reuses its "
                                  "launches (host encode skipped; hits and misses in graphs.encode_memo)"
                                : "not active: decode encode memo (encode_memo=False): every decode op runs its host code");
+  o.push_back(opt_.prefill_memo
+                  ? "prefill encode memo: a prefill op with the same arguments as one already encoded (a chunk of a "
+                    "length seen before in the same session state) reuses its launches (hits and misses in "
+                    "graphs.prefill_memo; the last chunk's host encode in graphs.prefill_encode_us)"
+                  : "not active: prefill encode memo (prefill_memo=False): every prefill op runs its host code");
   o.push_back(opt_.fused_norm ? "decode norms fused into the projections after them: the GEMV's every block normalises "
                                 "its row (and adds the residual) while staging it, one launch fewer per norm"
                               : "not active: fused decode norms (fused_norm=False): each norm is its own launch");

@@ -87,6 +87,11 @@ struct CudaOptions {
   // step reuses its recorded launches instead of running its host code again (forgotten at any allocation,
   // release or weight placement, which are what turn buffer ids and mappings into addresses).
   bool encode_memo = true;
+  // Prefill encode memo: the same for the ops of prefill steps. A chunk's ops recur with the same arguments whenever
+  // a chunk of the same length is encoded in the same session state (positions are read on the device, so the
+  // chunk's place in the context does not matter): every full chunk of a long prompt after the first, a prompt
+  // length seen before. Bounded: the memo is emptied when it holds kPrefillMemoEntries ops.
+  bool prefill_memo = true;
   // Decode GEMV with its weight loads staged through shared memory by cp.async, 4 batches deep
   // (matmul_gemv_async); false: the register double buffer (matmul_gemv).
   bool gemv_async = true;
@@ -327,6 +332,12 @@ class CudaOps final : public Ops {
     double replay_host_us_sum = 0, replay_gpu_us_sum = 0;
     int64_t replay_host_n = 0, replay_gpu_n = 0;
     int64_t memo_hits = 0, memo_misses = 0;  // decode ops replayed from the encode memo / encoded
+    int64_t prefill_memo_hits = 0, prefill_memo_misses = 0;  // the same for prefill ops (prefill_memo)
+    // Host time of the last prefill step from its first recorded launch to its submit (the GPU waits for it).
+    double last_prefill_encode_us = 0;
+    // A dry run's digest of the last submitted step's launches (kernel, geometry, stage, op, arguments) and one of
+    // every step's so far, in order: tests compare encodings by them. 0 outside dry runs.
+    uint64_t last_step_digest = 0, steps_digest = 0;
     int64_t speculative_replays = 0;         // speculative (MTP) iteration steps replayed as graphs
   };
   // Whether this step's launches may come from the encode memo and a graph (Ops::repeats).
@@ -448,12 +459,14 @@ class CudaOps final : public Ops {
   int norm_counter_slot(int32_t sum_buf);
   // The XROW prefill GEMMs' x as f16 rows (gemm_x_rows; kernels/matmul.cu matmul_x_rows): kXRowSlots slots of
   // [xrows_rows_][xrows_kp_] halves then [xrows_rows_] floats (each row's 2^-e), one per lane a hazard stage's ops may
-  // run on side by side (issue_staged puts op o of a stage on lane (o - first) % lanes, lanes <= kXRowSlots, so ops
-  // with different o % kXRowSlots never share a slot while they could overlap). Sized outside steps by reserve() /
-  // reserve_matmul(); a GEMM that does not fit is refused by name. xrows_op_ / xrows_src_: the op and x whose rows the
-  // slot holds, so the products of one matmuls group share one pre-pass. The slot follows the op's number, which an
-  // encode memo entry would freeze: such ops are not memoised (memo_skip_).
+  // run on side by side. An op's slot is its place in its stage mod kXRowSlots (xrow_slot): issue_staged puts op o of
+  // a stage on lane (o - first) % lanes with lanes <= kXRowSlots, so two ops on different lanes differ in it, ops of
+  // different stages are ordered, and an op keeps its slot whatever came before its stage (the encode memo's key
+  // carries it). Sized outside steps by reserve() / reserve_matmul(); a GEMM that does not fit is refused by name.
+  // xrows_op_ / xrows_src_: the op and x whose rows the slot holds, so the products of one matmuls group share one
+  // pre-pass.
   static constexpr int kXRowSlots = 4;
+  int xrow_slot() const { return int((op_ - stage_op0_) % kXRowSlots); }
   Tensor xrows_;
   int64_t xrows_rows_ = 0, xrows_kp_ = 0;
   int64_t xrows_op_ = -1;
@@ -504,7 +517,8 @@ class CudaOps final : public Ops {
   std::vector<unsigned char> args_;
   size_t args_base_ = 0;  // start of the launch being packed (arguments align relative to it)
   int64_t stage_ = 0;
-  int64_t op_ = 0;
+  int64_t op_ = 0;  // the op being encoded, numbered from 1 in each step
+  int64_t stage_op0_ = 1;  // the first op of the current hazard stage
   int64_t steps_launches_ = 0;  // launches of the last submitted step
   std::chrono::steady_clock::time_point encode_t0_;  // the current step's first launch
 
@@ -523,7 +537,14 @@ class CudaOps final : public Ops {
   std::unordered_map<std::string, MemoEntry> memo_;
   std::string memo_key_;  // scratch for the lookup (no allocation once grown)
   bool memo_skip_ = false;  // set by an op whose launches depend on more than its arguments: not memoised
-  void forget_encodings() { memo_.clear(); }
+  static constexpr size_t kPrefillMemoEntries = 16384;  // ~1 KB each: ~40 chunk lengths of the real model
+  std::unordered_map<std::string, MemoEntry> prefill_memo_;
+  void forget_encodings() {
+    memo_.clear();
+    prefill_memo_.clear();
+  }
+  void end_step_encoding();  // clears the step's launches, arguments, stage and op numbers
+  static uint64_t digest_launches(const std::vector<Launch>& launches, const std::vector<unsigned char>& args);
   // Timing events around graph replays, oldest first; read once the step's fence has been waited for.
   std::vector<std::pair<CUevent, CUevent>> replay_timing_, spare_timing_;
   void collect_replay_timing();

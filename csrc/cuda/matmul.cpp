@@ -408,10 +408,9 @@ void CudaOps::matmul_impl(const Tensor& x, const Weight& w, const Tensor& out) {
       throw std::logic_error("cuda matmul: the f16 x rows scratch holds " + std::to_string(xrows_rows_) + " rows of " +
                              std::to_string(xrows_kp_) + " inputs, weight " + describe(w) + " needs " +
                              std::to_string(T) + " of " + std::to_string(kp) + " (reserve / reserve_matmul size it)");
-    xa = ptr(xrows_) + CUdeviceptr(op_ % kXRowSlots) * xrow_slot_bytes();
+    xa = ptr(xrows_) + CUdeviceptr(xrow_slot()) * xrow_slot_bytes();
     xinv = xa + xrow_scales_at();
     lda = kp;
-    memo_skip_ = true;  // the slot is this op's number's
     const std::string src = std::to_string(ptr(x)) + ":" + std::to_string(T) + ":" + std::to_string(ldx) + ":" +
                             std::to_string(K);
     if (xrows_op_ != op_ || xrows_src_ != src) {
