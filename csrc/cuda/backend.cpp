@@ -3,6 +3,7 @@
 #include "cuda/backend.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -76,7 +77,7 @@ Availability availability_detail() {
 
 struct CudaOps::Module {
   CUmodule mod = nullptr;
-  std::map<std::string, std::unique_ptr<Kernel>> kernels;
+  std::map<std::string, std::unique_ptr<Kernel>, std::less<>> kernels;  // found by a const char* without a copy
 };
 
 // A captured decode step: the launch list it was captured from (compared byte for byte) and its graph.
@@ -456,8 +457,17 @@ std::vector<std::string> CudaOps::families() {
 }
 
 const Kernel& CudaOps::kernel(const std::string& family, const char* name, const Defines& defines) {
-  std::string key = family;
-  for (const auto& [k, v] : defines) key += " " + k + "=" + std::to_string(v);
+  // Every launch of a step being encoded looks its kernel up: the key is built in place (no temporaries).
+  std::string& key = kernel_key_;
+  key.assign(family);
+  for (const auto& [k, v] : defines) {
+    char num[24];
+    const auto end = std::to_chars(num, num + sizeof num, v).ptr;
+    key += ' ';
+    key += k;
+    key += '=';
+    key.append(num, end);
+  }
   auto it = modules_.find(key);
   if (it == modules_.end()) {
     auto m = std::make_unique<Module>();

@@ -552,6 +552,7 @@ class CudaOps final : public Ops {
 
   struct Module;
   std::map<std::string, std::unique_ptr<Module>> modules_;  // by family + defines
+  std::string kernel_key_;  // kernel()'s scratch for that key
   CompileStats compile_stats_;
   std::map<std::string, std::string> variants_;
   std::string fault_;  // set after a sticky error: the context is lost
