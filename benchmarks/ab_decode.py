@@ -1,10 +1,13 @@
 """Decode (and prefill) tokens/s of several backend-option sets on one machine, interleaved round by round (an A/B).
 
     python benchmarks/ab_decode.py --options '{"replay_timing": 0}' '{}' [--cache DIR | --model PATH]
-        [--backend cuda] [--contexts 4K,128K] [--tokens 48] [--rounds 5] [--prefill 512,4K] [--json F]
+        [--backend cuda] [--contexts 4K,128K] [--tokens 48] [--rounds 5] [--prefill 512,4K]
+        [--prefill-session new|reuse] [--json F]
 
 --prefill: prompt lengths whose prefill into an empty session is timed too, before the decode contexts, the same
-way (each round every engine in turn, medians); --contexts none skips decode.
+way (each round every engine in turn, medians); --contexts none skips decode. --prefill-session: "new" (default) a
+new session for every prefill, as a request without kept sessions gets; "reuse" one session per engine and length,
+reset before each prefill, as the sweep (lily.bench.run_sweep) and a server's kept sessions do.
 
 One engine per option set is loaded (all resident at once), one session per engine and context is prefilled once
 and snapshotted; each round restores every session and times greedy decoding of --tokens tokens after the first
@@ -38,6 +41,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prefill", default=None, help="prompt lengths to time prefill at (default: none)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="the engines' prefill chunk (default: theirs)")
+    ap.add_argument("--prefill-session", choices=("new", "reuse"), default="new",
+                    help="a new session per timed prefill, or one per engine and length, reset before each")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.tokens < 2 or a.rounds < 1:
@@ -65,13 +70,18 @@ def main() -> int:
 
     try:
         for n in prompts:  # a warm-up prefill per engine (modules compiled, scratch grown), then the rounds
-            for e in engines:
-                bench.measure_prefill(e, n, repeats=1, rng=rng)
+            kept = [e.session(max_context=n) if a.prefill_session == "reuse" else None for e in engines]
+            for e, s in zip(engines, kept):
+                bench.measure_prefill(e, n, repeats=1, rng=rng, session=s)
             rates = [[] for _ in engines]
             for _ in range(a.rounds):
                 for i, e in enumerate(engines):
-                    rates[i] += bench.measure_prefill(e, n, repeats=1, rng=rng)
-            result["prefill"][n] = summary(f"prefill of {bench._k(n)} tokens, {a.rounds} rounds", rates)
+                    rates[i] += bench.measure_prefill(e, n, repeats=1, rng=rng, session=kept[i])
+            for s in kept:
+                if s is not None:
+                    s.close()
+            result["prefill"][n] = summary(f"prefill of {bench._k(n)} tokens, {a.rounds} rounds, "
+                                           f"{a.prefill_session} sessions", rates)
         for ctx in contexts:
             prompt = rng.integers(0, engines[0].config.vocab_size, ctx, dtype=np.int32)
             sessions = []

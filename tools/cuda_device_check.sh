@@ -12,7 +12,8 @@
 # trace: the decode critical path at TRACE_CONTEXT positions (default 4096): benchmarks/trace_cuda.py.
 # ab: decode tokens/s of each backend-options JSON in AB_OPTIONS (';'-separated; the first is the baseline) at
 # AB_CONTEXTS (default 4K; none: no decode), AB_ROUNDS interleaved rounds (default 5), and prefill tokens/s at the
-# prompt lengths in AB_PREFILL (default none): benchmarks/ab_decode.py.
+# prompt lengths in AB_PREFILL (default none; AB_PREFILL_SESSION=reuse: one session per engine, reset before each
+# prefill): benchmarks/ab_decode.py.
 # quickbench: prefill at 512 and 4K, decode at 256 and 4K, for each backend-options JSON in QB_OPTIONS (';'-separated,
 # default {}), in turn, QB_ROUNDS times (default 1).
 # continue: a continued conversation's time to first token, the pending token folded into the prefill or fed by a
@@ -113,7 +114,8 @@ if has ab; then  # decode backend options A/B'd in one process, interleaved (ben
   wait
   IFS=';' read -ra ab_options <<< "${AB_OPTIONS:-"{}"}"
   python3 benchmarks/ab_decode.py --cache /tmp/lily-full-q4 --options "${ab_options[@]}" --contexts "${AB_CONTEXTS:-4K}" \
-    --rounds "${AB_ROUNDS:-5}" ${AB_PREFILL:+--prefill "$AB_PREFILL"} --json "$OUT/ab.json" 2>&1 | tee "$OUT/ab.log"
+    --rounds "${AB_ROUNDS:-5}" ${AB_PREFILL:+--prefill "$AB_PREFILL"} ${AB_PREFILL_SESSION:+--prefill-session "$AB_PREFILL_SESSION"} \
+    --json "$OUT/ab.json" 2>&1 | tee "$OUT/ab.log"
 fi
 if has ncu; then  # issue 11: why the decode kernels named run below the copy rate (graphs off, one kernel at a time)
   wait

@@ -26,6 +26,7 @@
 #include <string>
 #include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -89,8 +90,9 @@ struct CudaOptions {
   bool encode_memo = true;
   // Prefill encode memo: the same for the ops of prefill steps. A chunk's ops recur with the same arguments whenever
   // a chunk of the same length is encoded in the same session state (positions are read on the device, so the
-  // chunk's place in the context does not matter): every full chunk of a long prompt after the first, a prompt
-  // length seen before. Bounded: the memo is emptied when it holds kPrefillMemoEntries ops.
+  // chunk's place in the context does not matter): every full chunk of a long prompt from the third, a prompt length
+  // seen twice before. An op is recorded at its second sighting (its first costs a hash), so prompts in fresh
+  // sessions pay next to nothing for it. Bounded: the memo is emptied when it holds kPrefillMemoEntries ops.
   bool prefill_memo = true;
   // Decode GEMV with its weight loads staged through shared memory by cp.async, 4 batches deep
   // (matmul_gemv_async); false: the register double buffer (matmul_gemv).
@@ -539,9 +541,11 @@ class CudaOps final : public Ops {
   bool memo_skip_ = false;  // set by an op whose launches depend on more than its arguments: not memoised
   static constexpr size_t kPrefillMemoEntries = 16384;  // ~1 KB each: ~40 chunk lengths of the real model
   std::unordered_map<std::string, MemoEntry> prefill_memo_;
+  std::unordered_set<size_t> prefill_seen_;  // hashes of prefill op keys seen once (recorded at the second sighting)
   void forget_encodings() {
     memo_.clear();
     prefill_memo_.clear();
+    prefill_seen_.clear();
   }
   void end_step_encoding();  // clears the step's launches, arguments, stage and op numbers
   static uint64_t digest_launches(const std::vector<Launch>& launches, const std::vector<unsigned char>& args);

@@ -26,6 +26,7 @@ from .errors import LilyError
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .session import Session
 
 __all__ = ["parse_lengths", "sweep_lengths", "synthetic_checkpoint", "measure_prefill", "measure_decode",
            "run_sweep", "format_table", "plot", "machine_info", "add_arguments", "main"]
@@ -84,9 +85,11 @@ def _tokens(engine: "Engine", n: int, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(0, engine.config.vocab_size, size=n, dtype=np.int32)
 
 
-def measure_prefill(engine: "Engine", n: int, *, repeats: int, rng: np.random.Generator) -> list[float]:
-    """Tokens/s of ``repeats`` prefills of ``n`` random tokens into an empty session."""
-    session = engine.session(max_context=n)
+def measure_prefill(engine: "Engine", n: int, *, repeats: int, rng: np.random.Generator,
+                    session: "Session | None" = None) -> list[float]:
+    """Tokens/s of ``repeats`` prefills of ``n`` random tokens into an empty session: ``session`` reset before each
+    (default: a new one of max_context ``n``)."""
+    session = session or engine.session(max_context=n)
     rates = []
     for _ in range(repeats):
         ids = _tokens(engine, n, rng)
