@@ -106,3 +106,21 @@ def test_decode_warmup_runs_come_before_the_timed_runs(ckpt_small, monkeypatch):
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="warm-up"):
             bench.measure_decode(engine, 8, tokens=3, repeats=1, rng=np.random.default_rng(0), warmup=bad)
+        with pytest.raises(ValueError, match="warm-up"):
+            bench.measure_prefill(engine, 8, repeats=1, rng=np.random.default_rng(0), warmup=bad)
+
+
+def test_prefill_warmup_runs_in_the_timed_session(ckpt_small):
+    import numpy as np
+
+    import lily
+
+    engine = lily.Engine.from_pretrained(ckpt_small.path, backend="cpu")
+    session = engine.session(max_context=16)
+    prefills = []
+    real = session.prefill
+    session.prefill = lambda ids, *a, **k: prefills.append(len(ids)) or real(ids, *a, **k)
+    runs = bench.measure_prefill(engine, 8, repeats=2, rng=np.random.default_rng(0), session=session, warmup=3)
+    assert len(runs) == 2 and all(r > 0 for r in runs) and prefills == [8] * 5, (runs, prefills)
+    res = bench.run_sweep(engine, [8], [], repeats=2, prefill_warmup=1)
+    assert res["settings"]["prefill_warmup"] == 1 and len(res["prefill"][0]["runs"]) == 2

@@ -86,10 +86,16 @@ def _tokens(engine: "Engine", n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def measure_prefill(engine: "Engine", n: int, *, repeats: int, rng: np.random.Generator,
-                    session: "Session | None" = None) -> list[float]:
+                    session: "Session | None" = None, warmup: int = 0) -> list[float]:
     """Tokens/s of ``repeats`` prefills of ``n`` random tokens into an empty session: ``session`` reset before each
-    (default: a new one of max_context ``n``)."""
+    (default: a new one of max_context ``n``), after ``warmup`` untimed ones in it (as llama-bench repeats a prompt
+    length in one context after a warm-up run: a length seen before, whose host work a backend may replay)."""
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"prefill warm-up runs must be an int >= 0, got {warmup!r}")
     session = session or engine.session(max_context=n)
+    for _ in range(warmup):
+        session.reset()
+        session.prefill(_tokens(engine, n, rng))
     rates = []
     for _ in range(repeats):
         ids = _tokens(engine, n, rng)
@@ -150,19 +156,20 @@ def report_summary(engine: "Engine") -> dict[str, Any]:
 
 
 def run_sweep(engine: "Engine", prefill_lengths: list[int], decode_contexts: list[int], *, repeats: int = 3,
-              decode_tokens: int = 32, decode_warmup: int = 0, seed: int = 0,
+              decode_tokens: int = 32, decode_warmup: int = 0, prefill_warmup: int = 0, seed: int = 0,
               log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure every length; returns {"prefill": [{tokens, tok_s, ms, runs}], "decode": [{context, tok_s,
-    ms_per_token, runs}], "settings": {...}} with medians over ``repeats`` (decode after ``decode_warmup``
-    untimed runs at each context)."""
+    ms_per_token, runs}], "settings": {...}} with medians over ``repeats`` (each after ``prefill_warmup`` /
+    ``decode_warmup`` untimed runs in the same session)."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"--repeats must be an int >= 1, got {repeats!r}")
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {"settings": {"repeats": repeats, "decode_tokens": decode_tokens,
-                                        "decode_warmup": decode_warmup, "seed": seed},
+                                        "decode_warmup": decode_warmup, "prefill_warmup": prefill_warmup,
+                                        "seed": seed},
                            "prefill": [], "decode": []}
     for n in prefill_lengths:
-        runs = measure_prefill(engine, n, repeats=repeats, rng=rng)
+        runs = measure_prefill(engine, n, repeats=repeats, rng=rng, warmup=prefill_warmup)
         med = statistics.median(runs)
         out["prefill"].append({"tokens": n, "tok_s": med, "ms": 1e3 * n / med, "runs": runs})
         if log:
