@@ -602,7 +602,8 @@ void CudaOps::execute(OpKind kind, const OpRun& run) {
   }
   if (prefill_memo && prefill_seen_.insert(std::hash<std::string>{}(memo_key_)).second) {
     // A prefill op is recorded at its second sighting: a prompt in a fresh session (new buffers, keys never seen
-    // again) pays a hash per op instead of an entry's copies (+0.25 ms a chunk of the real model, dry, this machine).
+    // again) pays a hash per op instead of an entry's copies (those cost an H100 host ~0.8 ms a chunk of the real
+    // model: benchmarks/NOTES.md, "CUDA prefill: the encode memo for prefill steps").
     if (prefill_seen_.size() > 4 * kPrefillMemoEntries) prefill_seen_.clear();
     ++graph_stats_.prefill_memo_misses;
     return run();
@@ -1055,9 +1056,9 @@ std::vector<std::string> CudaOps::optimizations() const {
                                  "launches (host encode skipped; hits and misses in graphs.encode_memo)"
                                : "not active: decode encode memo (encode_memo=False): every decode op runs its host code");
   o.push_back(opt_.prefill_memo
-                  ? "prefill encode memo: a prefill op with the same arguments as one already encoded (a chunk of a "
-                    "length seen before in the same session state) reuses its launches (hits and misses in "
-                    "graphs.prefill_memo; the last chunk's host encode in graphs.prefill_encode_us)"
+                  ? "prefill encode memo: a prefill op with the same arguments as one encoded twice before (a chunk "
+                    "of a length already prefilled twice in the same session state) reuses its launches (hits and "
+                    "misses in graphs.prefill_memo; the last chunk's host encode in graphs.prefill_encode_us)"
                   : "not active: prefill encode memo (prefill_memo=False): every prefill op runs its host code");
   o.push_back(opt_.fused_norm ? "decode norms fused into the projections after them: the GEMV's every block normalises "
                                 "its row (and adds the residual) while staging it, one launch fewer per norm"
