@@ -586,8 +586,9 @@ void CudaOps::execute(OpKind kind, const OpRun& run) {
   memo_key_.assign(1, char(kind));
   memo_key_ += char(xrow_slot());  // the op's f16 x rows slot (matmul.cpp, XROW)
   run.append_key(memo_key_);
-  auto it = memo.find(memo_key_);
-  if (it != memo.end()) {
+  const size_t hash = std::hash<std::string>{}(memo_key_);
+  auto it = memo.find(hash);
+  if (it != memo.end() && it->second.key == memo_key_) {
     for (const Launch& m : it->second.launches) {
       Launch l = m;
       l.args_at = args_base_ = args_.size();
@@ -600,7 +601,7 @@ void CudaOps::execute(OpKind kind, const OpRun& run) {
     ++(decode_memo ? graph_stats_.memo_hits : graph_stats_.prefill_memo_hits);
     return;
   }
-  if (prefill_memo && prefill_seen_.insert(std::hash<std::string>{}(memo_key_)).second) {
+  if (prefill_memo && prefill_seen_.insert(hash).second) {
     // A prefill op is recorded at its second sighting: a prompt in a fresh session (new buffers, keys never seen
     // again) pays a hash per op instead of an entry's copies (those cost an H100 host ~0.8 ms a chunk of the real
     // model: benchmarks/NOTES.md, "CUDA prefill: the encode memo for prefill steps").
@@ -614,6 +615,7 @@ void CudaOps::execute(OpKind kind, const OpRun& run) {
   ++(decode_memo ? graph_stats_.memo_misses : graph_stats_.prefill_memo_misses);
   if (memo_skip_) return;  // its launches depend on more than its arguments
   MemoEntry e;
+  e.key = memo_key_;
   for (size_t i = first; i < launches_.size(); ++i) {
     Launch l = launches_[i];
     const size_t at = l.args_at;
@@ -621,12 +623,9 @@ void CudaOps::execute(OpKind kind, const OpRun& run) {
     e.args.insert(e.args.end(), args_.begin() + long(at), args_.begin() + long(at + l.args_len));
     e.launches.push_back(l);
   }
-  if (decode_memo) {
-    if (memo.size() < 65536) memo.emplace(memo_key_, std::move(e));  // a bound against runaway growth
-  } else {
-    if (memo.size() >= kPrefillMemoEntries) memo.clear();  // prompt lengths without end: start again
-    memo.emplace(memo_key_, std::move(e));
-  }
+  // Bounds against runaway growth: decode keeps what it has, prefill (prompt lengths without end) starts again.
+  if (!decode_memo && memo.size() >= kPrefillMemoEntries) memo.clear();
+  if (!decode_memo || memo.size() < 65536) memo.insert_or_assign(hash, std::move(e));  // (another key of this hash goes)
 }
 
 void CudaOps::issue(const Launch& l, CUstream s) {

@@ -530,17 +530,19 @@ class CudaOps final : public Ops {
   uint64_t done_fence_ = 0;
 
   std::vector<std::unique_ptr<Graph>> graphs_;  // most recently used first
-  // The encode memo (CudaOptions::encode_memo): op kind + argument bytes -> the launches it recorded, their
-  // arguments packed back to back.
+  // The encode memos (CudaOptions::encode_memo, prefill_memo): op kind + argument bytes -> the launches it recorded,
+  // their arguments packed back to back. Found by the key's hash, computed once per op (prefill_seen_ takes the same
+  // one); the entry keeps the key, and only an equal key is a hit.
   struct MemoEntry {
+    std::string key;
     std::vector<Launch> launches;  // args_at relative to `args`
     std::vector<unsigned char> args;
   };
-  std::unordered_map<std::string, MemoEntry> memo_;
+  std::unordered_map<size_t, MemoEntry> memo_;
   std::string memo_key_;  // scratch for the lookup (no allocation once grown)
   bool memo_skip_ = false;  // set by an op whose launches depend on more than its arguments: not memoised
   static constexpr size_t kPrefillMemoEntries = 16384;  // ~1 KB each: ~40 chunk lengths of the real model
-  std::unordered_map<std::string, MemoEntry> prefill_memo_;
+  std::unordered_map<size_t, MemoEntry> prefill_memo_;
   std::unordered_set<size_t> prefill_seen_;  // hashes of prefill op keys seen once (recorded at the second sighting)
   void forget_encodings() {
     memo_.clear();

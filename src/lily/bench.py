@@ -85,13 +85,17 @@ def _tokens(engine: "Engine", n: int, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(0, engine.config.vocab_size, size=n, dtype=np.int32)
 
 
+def _check_warmup(runs: object, what: str) -> None:
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 0:
+        raise ValueError(f"{what} warm-up runs must be an int >= 0, got {runs!r}")
+
+
 def measure_prefill(engine: "Engine", n: int, *, repeats: int, rng: np.random.Generator,
                     session: "Session | None" = None, warmup: int = 0) -> list[float]:
     """Tokens/s of ``repeats`` prefills of ``n`` random tokens into an empty session: ``session`` reset before each
     (default: a new one of max_context ``n``), after ``warmup`` untimed ones in it (as llama-bench repeats a prompt
     length in one context after a warm-up run: a length seen before, whose host work a backend may replay)."""
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"prefill warm-up runs must be an int >= 0, got {warmup!r}")
+    _check_warmup(warmup, "prefill")
     session = session or engine.session(max_context=n)
     for _ in range(warmup):
         session.reset()
@@ -123,8 +127,7 @@ def measure_decode(engine: "Engine", context: int, *, tokens: int, repeats: int,
     run at a new context length captures its step graphs and may compile kernels for its split count)."""
     if tokens < 2:
         raise ValueError(f"--decode-tokens must be >= 2 (the first token costs no forward), got {tokens}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"decode warm-up runs must be an int >= 0, got {warmup!r}")
+    _check_warmup(warmup, "decode")
     session = engine.session(max_context=context + tokens)
     session.prefill(_tokens(engine, context, rng))
     snap = session.snapshot()
