@@ -139,7 +139,7 @@ CudaOps::CudaOps(const CudaOptions& opt) : opt_(opt) {
     check(d.cuCtxSetCurrent(ctx_), "cuCtxSetCurrent");
     check(d.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     check(d.cuStreamCreate(&copy_stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    for (int i = 0; i < 3; ++i) {  // graph branches: up to 4 launches of one stage side by side
+    for (int i = 0; i + 1 < kBranchLanes; ++i) {  // graph branches (kBranchLanes)
       CUstream st = nullptr;
       CUevent ev = nullptr;
       check(d.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING), "cuStreamCreate");

@@ -459,15 +459,19 @@ class CudaOps final : public Ops {
   CUdeviceptr norm_counters_ = 0;
   std::unordered_map<int32_t, int> norm_counter_slot_;
   int norm_counter_slot(int32_t sum_buf);
+  // Graph branches: up to kBranchLanes launches of one hazard stage side by side (issue_staged), on the compute
+  // stream and kBranchLanes - 1 side streams.
+  static constexpr int kBranchLanes = 4;
   // The XROW prefill GEMMs' x as f16 rows (gemm_x_rows; kernels/matmul.cu matmul_x_rows): kXRowSlots slots of
   // [xrows_rows_][xrows_kp_] halves then [xrows_rows_] floats (each row's 2^-e), one per lane a hazard stage's ops may
   // run on side by side. An op's slot is its place in its stage mod kXRowSlots (xrow_slot): issue_staged puts op o of
-  // a stage on lane (o - first) % lanes with lanes <= kXRowSlots, so two ops on different lanes differ in it, ops of
+  // a stage on lane (o - first) % lanes, lanes = min(the stage's ops, kBranchLanes): with lanes < kBranchLanes every
+  // op of the stage has its own slot, else lanes == kXRowSlots; so two ops on different lanes differ in it, ops of
   // different stages are ordered, and an op keeps its slot whatever came before its stage (the encode memo's key
   // carries it). Sized outside steps by reserve() / reserve_matmul(); a GEMM that does not fit is refused by name.
   // xrows_op_ / xrows_src_: the op and x whose rows the slot holds, so the products of one matmuls group share one
   // pre-pass.
-  static constexpr int kXRowSlots = 4;
+  static constexpr int kXRowSlots = kBranchLanes;  // not fewer: ops on different lanes would share a slot
   int xrow_slot() const { return int((op_ - stage_op0_) % kXRowSlots); }
   Tensor xrows_;
   int64_t xrows_rows_ = 0, xrows_kp_ = 0;
