@@ -316,7 +316,8 @@ class Engine:
         (reuse the launches of a decode op whose arguments were seen before, skipping its host code; default
         True), ``prefill_memo`` (the same for prefill ops, each recorded at its second sighting: a chunk of a
         length already prefilled twice in the same session state replays its launches; an H100's host spent ~3 ms
-        encoding a chunk of the real model; default True), ``gemv_async`` (decode GEMV weights staged through shared memory by cp.async; default True),
+        encoding a chunk of the real model; default True), ``gemv_async`` (decode GEMV weights staged through shared
+        memory by cp.async; default True),
         ``gemv_ahead`` (warp batches of the dp4a decode GEMV whose weight loads go out before it waits for the
         kernel before it, 1 or 2; the same bits; default 2: +0.7% decode at 4K on the H100), ``gemv_dp4a`` (decode GEMVs of 4/8-bit weights with x as three int8 terms and integer dot products,
         ~1e-7 relative error, the lm_head included; default True; False: fp32 x, the lm_head on the tensor cores),
