@@ -315,10 +315,6 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("attn_prefill_split").is_none()) o.attn_prefill_split = nb::cast<bool>(opt("attn_prefill_split"));
     if (!opt("qk_prep_append").is_none()) o.qk_prep_append = nb::cast<bool>(opt("qk_prep_append"));
     if (!opt("attn_decode_early").is_none()) o.attn_decode_early = nb::cast<bool>(opt("attn_decode_early"));
-    if (!opt("attn_decode_stages").is_none()) o.attn_decode_stages = nb::cast<int>(opt("attn_decode_stages"));
-    if (o.attn_decode_stages != 2 && o.attn_decode_stages != 3)
-      throw std::invalid_argument("backend option attn_decode_stages must be 2 or 3, got " +
-                                  std::to_string(o.attn_decode_stages));
     if (!opt("moe_pipe").is_none()) o.moe_pipe = nb::cast<int>(opt("moe_pipe"));
     if (o.moe_pipe != 0 && (o.moe_pipe < 2 || o.moe_pipe > 4))
       throw std::invalid_argument("backend option moe_pipe must be 0 (off) or 2, 3 or 4 stages, got " +

@@ -886,29 +886,6 @@ def test_attn_prefill_keys_option_compiles_and_reports(cache, keys):
             core.OpBench("cuda", {"dry_arch": 90, "attn_prefill_keys": bad})
 
 
-@pytest.mark.parametrize("stages", [None, 2, 3])
-def test_attn_decode_stages_option_compiles_and_reports(cache, stages):
-    """attn_decode_stages: the tensor-core decode attention of the real shape (bf16 caches) compiles with 2 K/V stages
-    per warp (the default, 152 KB of shared memory a block) or 3 (215 KB), and the report says which; other values
-    are refused naming the option."""
-    c = lily.config.ModelConfig.from_dict(text_config(FULL_CONFIG) | {"model_type": "qwen3_5_moe"},
-                                          source="FULL_CONFIG").to_core()
-    b = core.OpBench("cuda", {"dry_arch": 90, "cache_dir": cache,
-                              **({} if stages is None else {"attn_decode_stages": stages})})
-    shape = dict(heads=c["heads"], kv_heads=c["kv_heads"], head_dim=c["head_dim"], rotary_dim=c["rotary_dim"],
-                 rope_theta=c["rope_theta"], eps=1e-6)
-    hd, qh, kvh, max_ctx = c["head_dim"], c["heads"], c["kv_heads"], 131072
-    kc, vc = b.empty(kvh * max_ctx, hd, "bf16", poison=False), b.empty(kvh * max_ctx, hd, "bf16", poison=False)
-    b.run("attention", "decode", q=b.empty(1, qh * hd, poison=False), gate=b.empty(1, qh * hd, poison=False),
-          k_cache=kc, v_cache=vc, pos=b.empty(1, 1, "i32", poison=False), max_ctx=max_ctx,
-          ws=b.workspace(c, 1, max_ctx), out=b.empty(1, qh * hd, poison=False), **shape)
-    text = b.report()["variants"]["attention.decode"]
-    assert "split-KV mma.sync bf16: " in text and f"{stages or 2} stages per warp" in text, text
-    for bad in (1, 4, 0):
-        with pytest.raises(ValueError, match="attn_decode_stages"):
-            core.OpBench("cuda", {"dry_arch": 90, "attn_decode_stages": bad})
-
-
 @pytest.mark.parametrize("opts", [{}, {"delta_chunk_rows": 0}, {"delta_chunk_rows": 513}, {"delta_chunk_mma": False},
                                   {"dry_arch": 80}])
 def test_delta_chunked_form_compiles_and_reports(cache, opts):

@@ -153,11 +153,7 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
     // write the same partials for the same reduce.
     const char* force = std::getenv("LILY_CUDA_ATTENTION_DECODE");
     const bool want_fp32 = force && std::string(force) == "fp32";
-    // Stages per warp (attn_decode_stages): 3 where the device's shared memory holds them (215 KB at D = 256: an
-    // H100's 227 KB does, an A100's 163 KB does not), else 2 (the report says which).
-    const auto dm_bytes = [&](int stages) { return int((2 * 16 + 4 * stages * 2 * 16) * (D * 2 + 16)); };
-    const int stages = options().attn_decode_stages == 3 && dm_bytes(3) <= info().max_smem_optin ? 3 : 2;
-    const int dm_smem = dm_bytes(stages);
+    const int dm_smem = int((2 * 16 + 4 * 2 * 2 * 16) * (D * 2 + 16));
     const bool mma = code == 2 && !want_fp32 && dm_smem <= info().max_smem_optin;
     const int64_t sms = int64_t(std::max(1, info().sms));
     const int64_t room = split_room(max_ctx);
@@ -174,7 +170,6 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
         throw std::invalid_argument("cuda attention: q must be 16-byte aligned for the tensor-core decode kernel");
       Defines mma_defs = defs;
       mma_defs.push_back({"DM_EARLY", options().attn_decode_early ? 1 : 0});
-      mma_defs.push_back({"DM_STAGES", stages});
       const Kernel& split = kernel("attention", "attn_decode_mma", mma_defs);
       if (dm_smem > 48 * 1024) set_dynamic_smem(split, dm_smem);
       launch(split, Dim3{unsigned(ns), unsigned(s.kv_heads), 1}, Dim3{128, 1, 1}, uint32_t(dm_smem), ptr(q),
@@ -196,13 +191,7 @@ void CudaOps::attention_impl(const Tensor& q, const Tensor& gate, const Tensor& 
                                ", >= 64 rows each, live length cut on device)";
     note_variant("attention.decode",
                  mma ? "split-KV mma.sync bf16: " + splits +
-                           ", 4 warps × 16-key tiles via cp.async, " + std::to_string(stages) + " stages per warp" +
-                           (options().attn_decode_stages == 3 && stages == 2
-                                ? " (attn_decode_stages=3 asks for 3: their " + std::to_string(dm_bytes(3)) +
-                                      " bytes of shared memory exceed the device's " +
-                                      std::to_string(info().max_smem_optin) + ")"
-                                : "") +
-                           ", G heads as mma rows, " +
+                           ", 4 warps × 16-key tiles via cp.async, G heads as mma rows, " +
                            (G <= 8 ? "q as three bf16 parts (the third in the padding rows)" : "q as bf16 hi + lo") +
                            ", p as bf16 hi + lo" +
                            (options().attn_decode_early

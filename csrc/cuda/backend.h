@@ -175,10 +175,6 @@ struct CudaOptions {
   // Decode attention on tensor cores: each warp's first K/V tile, less the step's new row, loaded before the
   // programmatic-launch wait (kernels/attention.cu DM_EARLY; the same bits). False: after it (A/B).
   bool attn_decode_early = true;
-  // Decode attention on tensor cores: K/V tile stages per warp, 2 or 3 (one or two tiles in flight while a warp
-  // computes one; kernels/attention.cu DM_STAGES; 3 needs 215 KB of shared memory a block at head dim 256, else 2
-  // runs and the report says so). The same bits. benchmarks/NOTES.md.
-  int attn_decode_stages = 2;
   // Prefill DeltaNet: calls of at least this many rows without a state capture take the chunked (WY / UT-transform)
   // form (kernels/gated_delta.cu gated_delta_chunk_prep / _scan: 64-token chunks, three small products per chunk
   // instead of 64 dependent token steps); shorter calls, captures (the prefix cache's checkpoint inside a chunk, MTP

@@ -373,8 +373,6 @@ class Engine:
         False: two launches; default True),
         ``attn_decode_early`` (decode attention on tensor cores: each warp's first K/V tile, less the step's new
         row, loaded before the wait for the kernel before it; the same bits; default True),
-        ``attn_decode_stages`` (decode attention on tensor cores: K/V tile stages per warp, 2 or 3, the same bits; 3
-        needs 215 KB of shared memory a block, else 2 runs and the report says so; default 2),
         ``delta_chunk_rows`` (prefill DeltaNet calls of at least this many rows without a state capture take the
         chunked (WY) form, 64-token chunks; shorter ones and 0 the sequential scan; default 64),
         ``delta_chunk_mma`` (the chunked form's products on the tensor cores in 3xTF32, fp32's error level, where the

@@ -914,10 +914,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
 // host emulation with round-to-nearest sums (the tensor cores' truncating accumulation not modelled; see
 // test_attention_decode_32k). Per 16
 // keys a warp issues 128 mma + 64 ldmatrix instead of ~3400 fp32 instructions, so the kernel streams the
-// cache at the memory's pace. Shared memory: Q (2 × 16 rows) + 4 warps × DM_STAGES stages × 32 rows, each of
-// D·2 + 16 bytes (152 KB at D = 256 with 2 stages, 215 KB with 3), the start reused for the block merge. One block
-// (4 warps) per SM. DM_STAGES (host option attn_decode_stages, 2 or 3): tiles a warp has in flight while it computes
-// one, 1 or 2; the same arithmetic in the same order either way (the same bits), only the loads run further ahead.
+// cache at the memory's pace. Shared memory: Q (2 × 16 rows) + 4 warps × 2 stages × 32 rows, each of
+// D·2 + 16 bytes (152 KB at D = 256), the start reused for the block merge. One block (4 warps) per SM.
 // DM_EARLY (host option attn_decode_early): each warp's first tile, less the step's new row, is loaded before the
 // programmatic-launch wait (the rows are older steps'), the new row and q after it: at a short context that is
 // every row of the chunk but one, so the kernel's critical path keeps q's staging and an L2 read instead of the
@@ -926,13 +924,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
 #ifndef DM_EARLY
 #define DM_EARLY 0
 #endif
-#ifndef DM_STAGES
-#define DM_STAGES 2
-#endif
-static_assert(DM_STAGES == 2 || DM_STAGES == 3, "DM_STAGES is 2 or 3");
 #define DM_BN 16
 constexpr int DM_PITCH = D * 2 + 16;
-constexpr int DM_WARP_BYTES = DM_STAGES * 2 * DM_BN * DM_PITCH;  // DM_STAGES stages of [K tile | V tile]
+constexpr int DM_WARP_BYTES = 2 * 2 * DM_BN * DM_PITCH;  // 2 stages of [K tile | V tile]
 constexpr int DM_NT = D / 8;
 constexpr bool DM_Q3 = G <= 8;  // the padding rows 8..15 carry q's third bf16 part
 
@@ -988,12 +982,6 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
   if (my_tiles > 0) load_tile(0, j0 + DM_BN * warp, -1, -1);
   cp_async_commit();
 #endif
-  // Tiles 1 .. DM_STAGES - 2 (one group each, empty past the warp's tiles), after the wait: they may hold the new row.
-#pragma unroll
-  for (int t = 1; t < DM_STAGES - 1; ++t) {
-    if (t < my_tiles) load_tile(t, j0 + DM_BN * (warp + 4 * t), -1, -1);
-    cp_async_commit();
-  }
 
   // Q (rows = heads, rows >= G zero) as bf16 parts in shared memory, read by ldmatrix as A fragments:
   // Q_hi rows 0..G-1 hold hi, Q_lo rows 0..G-1 hold lo. For G <= 8 the padding rows 8..8+G-1 of Q_lo hold
@@ -1046,14 +1034,15 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma(
   const int vrow = ((lane >> 3) & 1) * 8 + (lane & 7), vcol = (lane >> 4) * 8;
   for (int i = 0; i < my_tiles; ++i) {
     const int js = j0 + DM_BN * (warp + 4 * i);
-    // Tile i + DM_STAGES - 1 into the stage tile i - 1 left (one group per iteration, empty past the last tile), so
-    // the wait leaves the newest DM_STAGES - 1 groups in flight and tile i's (its own, or tile 0's two) complete.
-    if (i + DM_STAGES - 1 < my_tiles)
-      load_tile((i + DM_STAGES - 1) % DM_STAGES, js + 4 * DM_BN * (DM_STAGES - 1), -1, -1);
-    cp_async_commit();
-    cp_async_wait<DM_STAGES - 1>();
+    if (i + 1 < my_tiles) {
+      load_tile((i + 1) & 1, js + 4 * DM_BN, -1, -1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
     __syncwarp();
-    const unsigned char* ks = wbuf + (i % DM_STAGES) * 2 * DM_BN * DM_PITCH;
+    const unsigned char* ks = wbuf + (i & 1) * 2 * DM_BN * DM_PITCH;
     const unsigned char* vs = ks + DM_BN * DM_PITCH;
     float sh[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}}, sl[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
