@@ -1158,9 +1158,9 @@ std::vector<std::string> CudaOps::optimizations() const {
                   : "not active: early K/V loads in decode attention (attn_decode_early=False): every tile after the "
                     "wait");
   o.push_back("host reads of the sampled id on a separate copy stream: reading id k does not wait for step k + 1");
-  o.push_back(opt_.branches ? "graph branches: the launches of one hazard stage run side by side (up to 4 streams "
-                              "forked and joined per stage)"
-                            : "graph branches off (branches=False): launches run one after another");
+  o.push_back(opt_.branches ? "graph branches: the launches of one hazard stage run side by side (up to " +
+                                  std::to_string(kBranchLanes) + " streams forked and joined per stage)"
+                            : std::string("graph branches off (branches=False): launches run one after another"));
   o.push_back(opt_.smem_carveout >= 0
                   ? "one shared-memory carveout for every kernel: " + std::to_string(opt_.smem_carveout) +
                         "% of the SM's L1/shared capacity (smem_carveout)"

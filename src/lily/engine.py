@@ -310,7 +310,8 @@ class Engine:
         iteration cost 1.3-2.1 plain steps this way against 4-6 through the prefill path),
         ``branches`` (independent launches
         side by side, default True), ``replay_timing`` (GPU time of one replayed decode step in N from events
-        around it, for the report; default 1, 0 none), ``pdl`` (programmatic dependent launch on sm_90+: ``"off"`` / False, ``"decode"`` (decode steps only; their
+        around it, for the report; default 1, 0 none), ``pdl`` (programmatic dependent launch on sm_90+: ``"off"`` /
+        False, ``"decode"`` (decode steps only; their
         GEMVs and MoE down pass load weights before waiting for the kernel before them) or ``"all"`` / True
         (prefill too: measured slower); default ``"decode"``: +16% decode at 4K on the H200), ``encode_memo``
         (reuse the launches of a decode op whose arguments were seen before, skipping its host code; default
@@ -319,10 +320,12 @@ class Engine:
         encoding a chunk of the real model; default True), ``gemv_async`` (decode GEMV weights staged through shared
         memory by cp.async; default True),
         ``gemv_ahead`` (warp batches of the dp4a decode GEMV whose weight loads go out before it waits for the
-        kernel before it, 1 or 2; the same bits; default 2: +0.7% decode at 4K on the H100), ``gemv_dp4a`` (decode GEMVs of 4/8-bit weights with x as three int8 terms and integer dot products,
+        kernel before it, 1 or 2; the same bits; default 2: +0.7% decode at 4K on the H100), ``gemv_dp4a`` (decode GEMVs
+        of 4/8-bit weights with x as three int8 terms and integer dot products,
         ~1e-7 relative error, the lm_head included; default True; False: fp32 x, the lm_head on the tensor cores),
         ``smem_carveout`` (the preferred shared-memory carveout of every kernel, percent 0-100; default -1: the
-        driver's choice per kernel), ``fused_norm`` (decode: each layer's RMSNorms done inside the projection GEMV that follows them, one
+        driver's choice per kernel), ``fused_norm`` (decode: each layer's RMSNorms done inside the projection GEMV that
+        follows them, one
         launch instead of two; default True), ``fused_delta`` (decode: a DeltaNet layer's conv, recurrent update
         and gated norm in one launch: ``"narrow"`` / True a block per key head, ``"wide"`` 256 blocks with arrival
         counters, both measured slower on the H200; ``"norm"`` the conv's launch, then the recurrence and the norm in
@@ -347,7 +350,8 @@ class Engine:
         ``moe_w_f16``: the MoE GEMMs' x and act as f16 rows scaled once per row by pre-passes, no per-part fold;
         default True: +9.3% prefill at 4K on the H100), ``moe_group_blocks`` (the MoE prefill grouping of more
         than 1024 (token, expert) pairs split over a block per 1024-pair chunk, the same row order; default True:
-        +2.6% prefill at 4K on the H100), ``gemm_x_rows`` (with ``gemm_w_f16``: x as f16 rows scaled once per row by a pre-pass,
+        +2.6% prefill at 4K on the H100), ``gemm_x_rows`` (with ``gemm_w_f16``: x as f16 rows scaled once per row by a
+        pre-pass,
         the MMAs accumulating without a per-group fold; default True: +15% prefill at 4K on the H100),
         ``gemm_tile128`` (with ``gemm_x_rows``: 128-row tiles for GEMMs whose grid still fills every SM twice, the
         same bits; default True: +6% at 4K), ``gemm_w_double`` (with ``gemm_x_rows``: the GEMM's W tile alternates
