@@ -261,7 +261,6 @@ std::unique_ptr<Ops> make_backend(const std::string& name, const nb::dict& optio
     if (!opt("speculative_graphs").is_none()) o.speculative_graphs = nb::cast<bool>(opt("speculative_graphs"));
     if (!opt("mtp_verify_decode").is_none()) o.mtp_verify_decode = nb::cast<bool>(opt("mtp_verify_decode"));
     if (!opt("branches").is_none()) o.branches = nb::cast<bool>(opt("branches"));
-    if (!opt("graph_chain").is_none()) o.graph_chain = nb::cast<bool>(opt("graph_chain"));
     if (!opt("replay_timing").is_none())
       o.replay_timing = bounded_int("replay_timing", opt("replay_timing"), 0, 1000000,
                                     "an int >= 0 (time one decode replay in N; 0: none)");
@@ -432,8 +431,6 @@ nb::dict backend_report(Ops& ops) {
     gr["steps_digest"] = g.steps_digest;                  // every step's so far, in order (dry runs only)
     gr["speculative_replays"] = g.speculative_replays;
     gr["launches_per_speculative_iteration"] = g.last_speculative_launches;  // the last one's (its k: mtp_stats)
-    gr["chained_launches"] = g.chained_launches;  // graph_chain: graphs launched behind a gate
-    gr["chain_starts"] = g.chain_starts;          // ... of which opened by the host (after other work)
     d["graphs"] = gr;
     nb::dict v;
     for (const auto& [k, s] : c->variants()) v[k.c_str()] = s;

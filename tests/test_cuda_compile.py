@@ -443,45 +443,6 @@ def test_replay_timing_option(tmp_path, cache):
             core.OpBench("cuda", {"dry_arch": 90, "replay_timing": bad})
 
 
-def test_graph_chain_option(tmp_path, cache):
-    """graph_chain (default on): every graph gains a gate launch in front and a done launch behind; a graph right
-    after a chained graph continues the chain (the other stream, its gate opened by the graph before), a graph after
-    any other step starts one (its gate opened by the host); graph_chain=False or graphs=False chain nothing; the
-    report says which. A dry run counts what a device would launch."""
-    path = write_synthetic_checkpoint(tmp_path / "m", TINY_CONFIG, fmt="mlx", bits=4, seed=4)
-    got = {}
-    for name, opts in (("on", {}), ("off", {"graph_chain": False}), ("no_graphs", {"graphs": False})):
-        with lily.Engine(lily.engine.load_checkpoint(path), backend="cuda",
-                         backend_options={"dry_arch": 90, "cache_dir": cache, **opts}) as e:
-            graphs = lambda: dict(e.report()["cuda"]["graphs"])  # noqa: E731  (the first report probes a step)
-            g0 = graphs()
-            s = e.session(max_context=128)
-            s.prefill(list(range(20)))
-            g1 = graphs()
-            # the call's 9 decode steps (the first token is sampled from the prefill's logits) are graphs, one after
-            # another: one chain
-            list(s.generate(10, lily.SamplingParams(temperature=0), stop_token_ids=[]))
-            g2 = graphs()
-            s.prefill(list(range(5)))  # a prefill (no graph) ends the chain: the next graph starts another
-            s.step(3)
-            s.step(4)
-            g3 = graphs()
-            said = [o for o in e.report()["optimizations"] if "graph chain" in o]
-        got[name] = [(b["chained_launches"] - a["chained_launches"], b["chain_starts"] - a["chain_starts"])
-                     for a, b in ((g0, g1), (g1, g2), (g2, g3))], g3["launches_per_decode_step"], said
-    steps, launches, said = got["on"]
-    assert steps == [(0, 0), (9, 1), (2, 1)], steps
-    assert len(said) == 1 and said[0].startswith("graph chain") and "graph_chain" in said[0], said
-    for name in ("off", "no_graphs"):
-        steps_off, launches_off, said_off = got[name]
-        assert steps_off == [(0, 0)] * 3 and launches_off == launches - 2, (name, got[name])
-    assert len(got["off"][2]) == 1 and got["off"][2][0].startswith("not active: the graph chain"), got["off"]
-    assert got["no_graphs"][2] == [], got["no_graphs"]
-    cubins = [f.read_bytes() for f in Path(cache).rglob("*.cubin")]
-    for kernel in (b"chain_gate", b"chain_done"):
-        assert any(kernel in c for c in cubins), kernel
-
-
 def test_smem_carveout_option(tmp_path, cache):
     """smem_carveout: one preferred shared-memory carveout for every kernel (percent), said in the report, or -1 (the
     default: the driver's choice per kernel); anything but an int from -1 to 100 is refused naming the option."""

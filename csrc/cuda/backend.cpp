@@ -148,19 +148,12 @@ CudaOps::CudaOps(const CudaOptions& opt) : opt_(opt) {
       join_events_.push_back(ev);
     }
     check(d.cuEventCreate(&fork_event_, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-    check(d.cuStreamCreate(&chain_stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    check(d.cuEventCreate(&chain_join_event_, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     staging_bytes_ = size_t(4) << 20;
     check(d.cuMemAllocHost_v2(&staging_, staging_bytes_), "cuMemAllocHost (transfer staging)");
     check(d.cuMemAlloc_v2(&norm_counters_, kCounterBytes), "cuMemAlloc (arrival counters)");
     check(d.cuMemsetD8Async(norm_counters_, 0, kCounterBytes, copy_stream_), "cuMemsetD8Async");
-    check(d.cuMemAlloc_v2(&chain_flags_, 16), "cuMemAlloc (graph chain flags)");
-    check(d.cuMemsetD8Async(chain_flags_, 0, 16, copy_stream_), "cuMemsetD8Async");
     check(d.cuStreamSynchronize(copy_stream_), "cuStreamSynchronize");
   } catch (...) {
-    if (chain_flags_) d.cuMemFree_v2(chain_flags_);
-    if (chain_join_event_) d.cuEventDestroy_v2(chain_join_event_);
-    if (chain_stream_) d.cuStreamDestroy_v2(chain_stream_);
     if (norm_counters_) d.cuMemFree_v2(norm_counters_);
     if (staging_) d.cuMemFreeHost(staging_);
     for (CUstream st : side_streams_) d.cuStreamDestroy_v2(st);
@@ -178,7 +171,6 @@ CudaOps::~CudaOps() {
   const Driver& d = drv();
   d.cuCtxSetCurrent(ctx_);
   d.cuStreamSynchronize(stream_);  // nothing may still run on memory freed below (errors ignored: teardown)
-  d.cuStreamSynchronize(chain_stream_);
   d.cuStreamSynchronize(copy_stream_);
   for (auto& g : graphs_) {
     if (g->exec) d.cuGraphExecDestroy(g->exec);
@@ -199,9 +191,6 @@ CudaOps::~CudaOps() {
   if (fork_event_) d.cuEventDestroy_v2(fork_event_);
   if (staging_) d.cuMemFreeHost(staging_);
   if (norm_counters_) d.cuMemFree_v2(norm_counters_);
-  if (chain_flags_) d.cuMemFree_v2(chain_flags_);
-  if (chain_join_event_) d.cuEventDestroy_v2(chain_join_event_);
-  d.cuStreamDestroy_v2(chain_stream_);
   d.cuStreamDestroy_v2(stream_);
   d.cuStreamDestroy_v2(copy_stream_);
   CUdevice dev = 0;
@@ -288,7 +277,6 @@ void CudaOps::release(Tensor& t) {
     // Work still queued may use the buffer: the frees of a session come after its last wait, but a
     // release after an abandoned step must not race it.
     drv().cuStreamSynchronize(stream_);
-    drv().cuStreamSynchronize(chain_stream_);
     drv().cuMemFree_v2(b.ptr);
   }
   allocated_ -= b.bytes;
@@ -704,48 +692,8 @@ uint64_t CudaOps::digest_launches(const std::vector<Launch>& launches, const std
   return h;
 }
 
-// graph_chain: a gate launch in front of the step's launches (its own stage, before every other) and a done launch
-// after them. The gate of a graph on stream `lane` waits for flag `lane`; the done opens the other stream's.
-void CudaOps::add_chain_launches(int lane) {
-  auto make = [&](const Kernel& k, int64_t stage, int64_t op, auto... a) {
-    Launch l;
-    l.fn = k.fn;
-    l.kernel = &k;
-    l.block = Dim3{32, 1, 1};
-    const std::pair<unsigned, uint32_t> cfg{32, 0};
-    if (std::find(k.configs.begin(), k.configs.end(), cfg) == k.configs.end()) k.configs.push_back(cfg);
-    l.args_at = args_base_ = args_.size();
-    (pack(a), ...);
-    l.args_len = args_.size() - l.args_at;
-    l.stage = stage;
-    l.op = op;
-    return l;
-  };
-  constexpr uint64_t kGateTimeoutNs = 60ull * 1000 * 1000 * 1000;  // far past any step, sanitizers included
-  const Launch gate = make(kernel("backend", "chain_gate"), launches_.front().stage - 1, 0,
-                           CUdeviceptr(chain_flags_ + 4 * CUdeviceptr(lane)), kGateTimeoutNs);
-  const Launch done = make(kernel("backend", "chain_done"), launches_.back().stage + 1, launches_.back().op + 1,
-                           CUdeviceptr(chain_flags_ + 4 * CUdeviceptr(1 - lane)));
-  launches_.insert(launches_.begin(), gate);
-  launches_.push_back(done);
-}
-
-void CudaOps::join_chain_stream() {
-  if (!chain_unjoined_) return;
-  check(drv().cuEventRecord(chain_join_event_, chain_stream_), "cuEventRecord (chain join)");
-  check(drv().cuStreamWaitEvent(stream_, chain_join_event_, 0), "cuStreamWaitEvent (chain join)");
-  chain_unjoined_ = false;
-}
-
 uint64_t CudaOps::submit_impl() {
   const uint64_t fence = ++last_fence_;
-  // graph_chain: a graph right after a chained graph goes to the other stream behind a gate; any other graph starts a
-  // chain on stream_. chain_tail_ says so again only once this step's graph is launched.
-  const bool chained = replayable() && opt_.graphs && opt_.graph_chain && !launches_.empty();
-  const int lane = chained && chain_tail_ >= 0 ? 1 - chain_tail_ : 0;
-  const bool chain_start = chained && chain_tail_ < 0;
-  chain_tail_ = -1;
-  if (chained) add_chain_launches(lane);
   steps_launches_ = int64_t(launches_.size());
   if (speculative()) graph_stats_.last_speculative_launches = steps_launches_;
   if (phase() == Phase::Prefill && !launches_.empty())
@@ -761,11 +709,6 @@ uint64_t CudaOps::submit_impl() {
     }
     graph_stats_.last_step_digest = digest_launches(launches_, args_);
     graph_stats_.steps_digest = (graph_stats_.steps_digest ^ graph_stats_.last_step_digest) * 1099511628211ull;
-    if (chained) {  // the lanes alternate as on a device (digests see both flags), and the counts are a device's
-      chain_tail_ = lane;
-      ++graph_stats_.chained_launches;
-      graph_stats_.chain_starts += chain_start;
-    }
     end_step_encoding();
     done_fence_ = fence;
     return fence;
@@ -825,13 +768,6 @@ uint64_t CudaOps::submit_impl() {
       const bool decode_replay = hit != graphs_.size() && decode_step();
       const bool timed = decode_replay && drv().cuEventElapsedTime && opt_.replay_timing > 0 &&
                          graph_stats_.replay_host_n % opt_.replay_timing == 0;
-      const CUstream s = lane ? chain_stream_ : stream_;
-      if (!chained || chain_start) join_chain_stream();
-      if (chain_start) {  // stream_'s gate opens at once; the other waits for this graph's done
-        check(drv().cuMemsetD32Async(chain_flags_, 1, 1, stream_), "cuMemsetD32Async (chain flags)");
-        check(drv().cuMemsetD32Async(chain_flags_ + 4, 0, 1, stream_), "cuMemsetD32Async (chain flags)");
-        ++graph_stats_.chain_starts;
-      }
       std::pair<CUevent, CUevent> ev{nullptr, nullptr};
       if (timed) {
         if (!spare_timing_.empty()) {
@@ -841,22 +777,14 @@ uint64_t CudaOps::submit_impl() {
           check(drv().cuEventCreate(&ev.first, 0), "cuEventCreate");
           check(drv().cuEventCreate(&ev.second, 0), "cuEventCreate");
         }
-        // Behind a gate, the step's GPU time runs from the end of the graph before it (on the other stream): an
-        // event before the launch would count the gate's wait for that graph.
-        check(drv().cuEventRecord(ev.first, chained && !chain_start ? (lane ? stream_ : chain_stream_) : s),
-              "cuEventRecord");
+        check(drv().cuEventRecord(ev.first, stream_), "cuEventRecord");
       }
-      check(drv().cuGraphLaunch(graphs_.front()->exec, s), "cuGraphLaunch");
-      if (chained) {
-        chain_tail_ = lane;
-        chain_unjoined_ = chain_unjoined_ || lane == 1;
-        ++graph_stats_.chained_launches;
-      }
+      check(drv().cuGraphLaunch(graphs_.front()->exec, stream_), "cuGraphLaunch");
       if (decode_step())
         graph_stats_.last_decode_host_us =
             std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - encode_t0_).count();
       if (timed) {
-        check(drv().cuEventRecord(ev.second, s), "cuEventRecord");
+        check(drv().cuEventRecord(ev.second, stream_), "cuEventRecord");
         replay_timing_.push_back(ev);
       }
       if (decode_replay) {
@@ -870,7 +798,6 @@ uint64_t CudaOps::submit_impl() {
         ++graph_stats_.speculative_replays;
       }
     } else {
-      join_chain_stream();
       issue_staged();
       ++graph_stats_.direct_steps;
       // (not a one-off decode step that also writes a restore: the report's figure is the steady step's)
@@ -884,7 +811,7 @@ uint64_t CudaOps::submit_impl() {
       check(drv().cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     }
     pending_.push_back({fence, e});
-    check(drv().cuEventRecord(e, chain_tail_ == 1 ? chain_stream_ : stream_), "cuEventRecord");
+    check(drv().cuEventRecord(e, stream_), "cuEventRecord");
   } catch (const CudaError& e) {
     end_step_encoding();
     fault(e);
@@ -931,15 +858,12 @@ void CudaOps::abandon_impl() { end_step_encoding(); }
 void CudaOps::wait(uint64_t fence) {
   if (opt_.dry_arch || fence <= done_fence_) return;
   bind_context();
-  // Fences complete in order (a chained graph starts after the graph before it has finished), but with graph_chain
-  // on two streams: each event at or before `fence` is waited for (those already complete return at once).
+  // Fences complete in order (one stream): wait for the newest event at or before `fence`.
+  CUevent last = nullptr;
   size_t n = 0;
-  while (n < pending_.size() && pending_[n].first <= fence) ++n;
-  if (n == 0) return;
-  guarded([&] {
-    for (size_t i = 0; i < n; ++i)
-      check(drv().cuEventSynchronize(pending_[i].second), "a CUDA step (cuEventSynchronize)");
-  });
+  for (; n < pending_.size() && pending_[n].first <= fence; ++n) last = pending_[n].second;
+  if (!last) return;
+  guarded([&] { check(drv().cuEventSynchronize(last), "a CUDA step (cuEventSynchronize)"); });
   for (size_t i = 0; i < n; ++i) spare_events_.push_back(pending_[i].second);
   pending_.erase(pending_.begin(), pending_.begin() + long(n));
   done_fence_ = std::max(done_fence_, fence);
@@ -1113,14 +1037,7 @@ std::vector<std::string> CudaOps::optimizations() const {
   o.push_back(opt_.graphs ? "decode steps captured once as CUDA graphs and replayed (a graph per distinct launch "
                             "list: the two alternating slots and state sets give two)"
                           : "CUDA graphs off (graphs=False): every decode launch issued from the host");
-  if (opt_.graphs)
-    o.push_back(opt_.graph_chain
-                    ? "graph chain: consecutive graphs alternate between two streams, each opened on the device by a "
-                      "gate the graph before it sets at its end, so the next graph is launched and waiting when the "
-                      "one before ends (graphs.chained_launches, graphs.chain_starts; graph_chain)"
-                    : "not active: the graph chain (graph_chain=False): every graph on one stream, each starting "
-                      "after the one before has drained");
-  o.push_back(opt_.speculative_graphs
+ o.push_back(opt_.speculative_graphs
                   ? "speculative (MTP) iterations memoised and replayed as CUDA graphs like decode steps (one per k, "
                     "parity and state set; graphs.speculative_replays, graphs.launches_per_speculative_iteration)"
                   : "not active: speculative iterations as graphs (speculative_graphs=False): encoded and launched "

@@ -77,13 +77,6 @@ struct CudaOptions {
   // row as a decode step computes it) instead of the prefill path; drafts run as decode rows too.
   bool mtp_verify_decode = true;
   bool branches = true;              // independent launches of a stage on parallel streams / graph branches
-  // Consecutive graph launches (decode steps, speculative iterations) alternate between two compute streams, each
-  // graph opened by a gate launch that waits on the device for the graph before it (whose last launch sets a flag)
-  // instead of the stream's order: the next graph is already launched and resident when the one before ends, so the
-  // boundary between them costs a flag and a programmatic launch, not a graph launch after the stream drains
-  // (~40 µs a step measured: benchmarks/NOTES.md). Any other work joins both streams first. False: every graph on
-  // the one compute stream, in order (A/B).
-  bool graph_chain = true;
   // GPU time of replayed decode steps (the report's gpu_us_per_decode_step) from events recorded around one replay
   // in `replay_timing` (1: every replay; 0: none, the report then says it was not measured).
   int replay_timing = 1;
@@ -348,9 +341,6 @@ class CudaOps final : public Ops {
     // every step's so far, in order: tests compare encodings by them. 0 outside dry runs.
     uint64_t last_step_digest = 0, steps_digest = 0;
     int64_t speculative_replays = 0;         // speculative (MTP) iteration steps replayed as graphs
-    // graph_chain: graphs launched behind a gate on the device (the graph before them on the other stream), and
-    // chains started (a graph after any other work: its gate opened by the host's flag write).
-    int64_t chained_launches = 0, chain_starts = 0;
   };
   // Whether this step's launches may come from the encode memo and a graph (Ops::repeats).
   bool replayable() const { return repeats() && (decode_step() || opt_.speculative_graphs); }
@@ -519,17 +509,6 @@ class CudaOps final : public Ops {
   std::vector<CUstream> side_streams_;
   std::vector<CUevent> join_events_;
   CUevent fork_event_ = nullptr;
-  // graph_chain: the second compute stream; the two gate flags (flag i opens the next graph on stream i: 0 is
-  // stream_, 1 chain_stream_); the stream the last submitted step's graph went to (-1: the last step was no chained
-  // graph, so the next one starts a chain on stream_); whether chain_stream_ holds work stream_ has not joined, and
-  // the event that joins it. All under the engine lock, as the rest of a CudaOps.
-  CUstream chain_stream_ = nullptr;
-  CUdeviceptr chain_flags_ = 0;
-  int chain_tail_ = -1;
-  bool chain_unjoined_ = false;
-  CUevent chain_join_event_ = nullptr;
-  void join_chain_stream();  // stream_ waits for what chain_stream_ was given (when it holds unjoined work)
-  void add_chain_launches(int lane);  // a chained graph's gate (first) and done (last) launches
   bool pdl_active_ = false;  // opt_.pdl is not Off, the device is sm_90+ and the driver has cuLaunchKernelEx
   void* staging_ = nullptr;  // pinned host memory for small transfers
   size_t staging_bytes_ = 0;

@@ -309,9 +309,7 @@ class Engine:
         rows through the decode kernels instead of the prefill path; default True: on an H100 with lily-tiny an
         iteration cost 1.3-2.1 plain steps this way against 4-6 through the prefill path),
         ``branches`` (independent launches
-        side by side, default True), ``graph_chain`` (consecutive graphs on two alternating streams, each opened on
-        the device by a flag the graph before it sets at its end: the next step waits launched instead of starting
-        after a drained stream; default True), ``replay_timing`` (GPU time of one replayed decode step in N from events
+        side by side, default True), ``replay_timing`` (GPU time of one replayed decode step in N from events
         around it, for the report; default 1, 0 none), ``pdl`` (programmatic dependent launch on sm_90+: ``"off"`` /
         False, ``"decode"`` (decode steps only; their
         GEMVs and MoE down pass load weights before waiting for the kernel before them) or ``"all"`` / True

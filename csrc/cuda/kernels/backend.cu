@@ -13,13 +13,6 @@
 // add_rows:    out = a + b over [rows, cols] f32 views; grid (ceil(cols/256), rows).
 // embed_rows:  out[t, :] = dequantized row ids[t] of the table (dense f32/f16/bf16, or affine bits/group);
 //              grid (ceil(cols/256), T), 256 threads. Floor: T rows of the table read, T·cols·4 written.
-// chain_gate:  the first launch of a chained graph (CudaOptions::graph_chain): one thread waits until flag[0] != 0
-//              (written by the graph before it, on the other stream, or by the host where a chain starts), zeroes it,
-//              then lets the next launch be scheduled. A wait past timeout_ns traps (a sticky fault the host reports)
-//              rather than hanging. One block of 32 threads; one word read until set, then written.
-// chain_done:  the last launch of a chained graph: once the launch before it has finished (and with it every
-//              earlier one: each waits for its predecessor), flag[0] = 1 with release semantics, opening the next
-//              graph's gate. One block of 32 threads; one word written.
 #include "common.cuh"
 
 extern "C" __global__ void copy_rows(unsigned char* dst, i64 dst_stride, const unsigned char* src, i64 src_stride,
@@ -124,46 +117,5 @@ extern "C" __global__ void embed_rows(float* out, i64 os, const int* ids, i64 id
     }
     out[t * os + c] = v;
   }
-  }
-}
-
-// ---- graph_chain ----
-
-__device__ __forceinline__ unsigned ld_relaxed_u32(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ u64 globaltimer_ns() {
-  u64 t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// No LILY_PDL_WAIT: the gate opens its graph, and what it waits for runs on the other stream. It polls with relaxed
-// loads and sleeps between them (it sits on an SM for the whole graph before: an acquire per poll would keep that SM's
-// L1 invalidated), then one acquire fence orders what follows after the flag. It triggers only once open, so the next
-// launch (which may read, before its own wait, what the kernel two back wrote) is scheduled after the graph before
-// has finished: its blocks never sit beside that graph's.
-extern "C" __global__ void chain_gate(unsigned* flag, u64 timeout_ns) {
-  if (threadIdx.x == 0) {
-    const u64 t0 = globaltimer_ns();
-    while (ld_relaxed_u32(flag) == 0) {
-      if (globaltimer_ns() - t0 > timeout_ns) asm volatile("trap;");
-      asm volatile("nanosleep.u32 256;");
-    }
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    flag[0] = 0;  // consumed: the next set comes from the done of the graph this one precedes
-  }
-  __syncthreads();
-  LILY_PDL_TRIGGER();
-}
-
-extern "C" __global__ void chain_done(unsigned* flag) {
-  LILY_PDL_PROLOGUE();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(1u) : "memory");
   }
 }
